@@ -1,0 +1,134 @@
+"""``rpcbuf``: the command-line client.
+
+Exit codes: 0 success; 1 an rpcbuf error from a daemon (its code is printed);
+2 bad usage or a local problem (missing file, bad flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+from .auth import create_token, load_or_create_secret
+from .errors import RpcBufError
+from .units import format_size, parse_duration
+
+
+def _endpoints(args: argparse.Namespace) -> list[str]:
+    text = args.endpoints or args.endpoint or os.environ.get("RPCBUF_ENDPOINTS") or "127.0.0.1:7700"
+    return [e.strip() for e in text.replace(",", ";").split(";") if e.strip()]
+
+
+def _token(args: argparse.Namespace) -> str:
+    token = args.token or os.environ.get("RPCBUF_TOKEN")
+    if not token:
+        raise SystemExit("rpcbuf: no token: pass --token or set RPCBUF_TOKEN "
+                         "(make one with 'rpcbuf token create')")
+    return str(token)
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", help="daemon HOST:PORT (else $RPCBUF_ENDPOINTS, 127.0.0.1:7700)")
+    p.add_argument("--endpoints", help='several daemons: "h1:7700;h2:7700"')
+    p.add_argument("--token", help="auth token (else $RPCBUF_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per daemon [10]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rpcbuf", description="rpcbuf command-line client.",
+                                epilog="exit codes: 0 ok, 1 error from a daemon, 2 usage/local")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    tok = sub.add_parser("token", help="manage auth tokens").add_subparsers(dest="tcmd",
+                                                                           required=True)
+    tc = tok.add_parser("create", help="print a token for a tenant",
+                        epilog="example: rpcbuf token create --secret-file /etc/rpcbuf/secret "
+                               "--tenant alice --ttl 24h")
+    tc.add_argument("--secret-file", required=True, help="node secret (created 0600 if missing)")
+    tc.add_argument("--tenant", required=True)
+    tc.add_argument("--ttl", type=parse_duration, help="lifetime, e.g. 24h (default: no expiry)")
+
+    dv = sub.add_parser("devices", help="list every node's devices and free memory",
+                        epilog='example: rpcbuf devices --endpoints "10.0.0.5:7700;10.0.0.6:7700"')
+    _client_flags(dv)
+    ls = sub.add_parser("ls", help="list this tenant's buffers",
+                        epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700")
+    _client_flags(ls)
+    rl = sub.add_parser("release", help="release a buffer by id",
+                        epilog="example: rpcbuf release b-XXXX")
+    rl.add_argument("buffer_id")
+    _client_flags(rl)
+    return p
+
+
+async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
+    from .client import connect
+
+    async def one(addr: str) -> Any:
+        try:
+            async with connect(addr, _token(args), timeout=args.timeout) as ctx:
+                return await fn(ctx)
+        except RpcBufError as exc:
+            return exc
+
+    addrs = _endpoints(args)
+    results = await asyncio.gather(*(one(a) for a in addrs))
+    return dict(zip(addrs, results, strict=True))
+
+
+def _report(args: argparse.Namespace, results: dict[str, Any], rows: Any) -> int:
+    failed = {a: r for a, r in results.items() if isinstance(r, RpcBufError)}
+    if args.json:
+        print(json.dumps({a: (r.to_wire() if isinstance(r, RpcBufError) else r)
+                          for a, r in results.items()}, indent=2, default=str))
+    else:
+        for addr, res in results.items():
+            if isinstance(res, RpcBufError):
+                print(f"{addr}: error {res}", file=sys.stderr)
+            else:
+                for line in rows(addr, res):
+                    print(line)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "token":
+            secret = load_or_create_secret(args.secret_file)
+            print(create_token(secret, args.tenant, args.ttl))
+            return 0
+        if args.cmd == "devices":
+            results = asyncio.run(_per_node(args, lambda c: c.list_devices()))
+
+            def dev_rows(addr: str, devs: list[dict[str, Any]]) -> list[str]:
+                return [f"{addr:22} {d['key']:8} total {format_size(d['total']):>10}  "
+                        f"free {format_size(d['free']):>10}  "
+                        f"largest free {format_size(d['largest_free']):>10}" for d in devs]
+
+            return _report(args, results, dev_rows)
+        if args.cmd == "ls":
+            results = asyncio.run(_per_node(args, lambda c: c.list_buffers()))
+
+            def buf_rows(addr: str, bufs: list[dict[str, Any]]) -> list[str]:
+                return [f"{addr:22} {b['buffer_id']:30} {b['name'] or '-':20} "
+                        f"{format_size(b['size']):>10} {b['device_type']}:{b['device']}"
+                        for b in bufs]
+
+            return _report(args, results, buf_rows)
+        if args.cmd == "release":
+            results = asyncio.run(_per_node(args, lambda c: c.release_buffer(args.buffer_id)))
+            return _report(args, results, lambda a, r: [f"{a}: released {args.buffer_id}"])
+    except (OSError, ValueError) as exc:
+        print(f"rpcbuf: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

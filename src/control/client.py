@@ -1,0 +1,415 @@
+"""The async client: a control connection plus a UCX endpoint, bound together.
+
+Layers: byte stream -> ``ControlConnection`` (frames, request ids, pending
+futures) -> ``RpcContext`` (the public API).  The UCX ``DataEndpoint`` sits
+beside the control connection, not inside it.  Many tasks may share one
+context: every call gets its own request id, answers are matched by id, and a
+semaphore sized by the daemon's ``max_inflight`` gives back-pressure instead
+of unbounded queues.  When the daemon goes away every pending call fails with
+``CONNECTION_LOST``; none hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+
+from dataplane import ucx
+from dataplane.checksum import checksum
+
+from . import protocol as P
+from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
+
+DEFAULT_PORT = 7700
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        return addr, DEFAULT_PORT
+    try:
+        return host.strip("[]") or "127.0.0.1", int(port)
+    except ValueError:
+        raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
+
+
+def as_bytes(array: Any, *, writable: bool = False) -> np.ndarray:
+    """A flat uint8 view of ``array`` without copying.
+
+    Takes NumPy arrays and anything with the buffer protocol.  A non-contiguous
+    NumPy array is copied once for a store; a read target must be contiguous
+    and writable (raises ``BAD_REQUEST`` otherwise)."""
+    if isinstance(array, np.ndarray):
+        arr = array
+    else:
+        try:
+            arr = np.frombuffer(array, dtype=np.uint8) if not writable else np.asarray(
+                memoryview(array))
+        except TypeError:
+            raise BadRequest(
+                f"expected a NumPy array or a buffer, got {type(array).__name__}"
+            ) from None
+    if not arr.flags.c_contiguous:
+        if writable:
+            raise BadRequest("out must be a C-contiguous array")
+        arr = np.ascontiguousarray(arr)
+    if writable and not arr.flags.writeable:
+        raise BadRequest("out must be writable")
+    return arr.reshape(-1).view(np.uint8)
+
+
+class ControlConnection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 max_frame: int = P.DEFAULT_MAX_FRAME) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = P.FrameDecoder(max_frame)
+        self._max_frame = max_frame
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._lost: RpcBufError | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def lost(self) -> RpcBufError | None:
+        return self._lost
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, req_id: int, req: P.Request) -> asyncio.Future[dict[str, Any]]:
+        """Send one request; the future resolves with the answer message."""
+        if self._lost is not None:
+            raise ConnectionLost(self._lost.message)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        try:
+            self._writer.write(P.encode_frame(req.to_wire(req_id), self._max_frame))
+        except P.FrameError as exc:
+            raise BadRequest(str(exc)) from exc
+        self._pending[req_id] = fut
+        return fut
+
+    def forget(self, req_id: int) -> None:
+        self._pending.pop(req_id, None)
+
+    async def _read_loop(self) -> None:
+        why = "connection closed by the daemon"
+        try:
+            while True:
+                data = await self._reader.read(1 << 16)
+                if not data:
+                    break
+                for msg in self._decoder.feed(data):
+                    self._deliver(msg)
+        except P.FrameError as exc:
+            why = f"daemon sent a bad frame: {exc}"
+        except (ConnectionError, OSError) as exc:
+            why = f"connection lost: {exc}"
+        except asyncio.CancelledError:
+            why = "connection closed"
+        self._fail_all(ConnectionLost(why))
+
+    def _deliver(self, msg: dict[str, Any]) -> None:
+        req_id = msg.get("id")
+        if req_id is None:  # a connection-level error: the daemon is closing us
+            self._lost = error_from_wire(msg.get("error"))
+            return
+        fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def _fail_all(self, exc: RpcBufError) -> None:
+        if self._lost is None:
+            self._lost = exc
+        err = self._lost
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ConnectionLost(err.message, {"cause": err.code}))
+        self._pending.clear()
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+
+def _result(msg: dict[str, Any]) -> dict[str, Any]:
+    if msg.get("ok"):
+        result = msg.get("result")
+        return result if isinstance(result, dict) else {}
+    raise error_from_wire(msg.get("error"))
+
+
+class RpcContext:
+    """A session with one rpcbufd: see ``rpcbuf.connect``."""
+
+    def __init__(self, conn: ControlConnection, ep: ucx.DataEndpoint, hello: dict[str, Any],
+                 timeout: float | None) -> None:
+        self._conn = conn
+        self._ep = ep
+        self.hello = hello
+        self.session_id: str = hello["session_id"]
+        self.tenant: str = hello["tenant"]
+        self.node_id: str = hello["node_id"]
+        self.timeout = timeout
+        self._slots = asyncio.Semaphore(int(hello["limits"]["max_inflight"]))
+        self._closed = False
+
+    # -- plumbing -----------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, addr: str, token: str, timeout: float | None = 30.0) -> RpcContext:
+        host, port = parse_addr(addr)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except TimeoutError:
+            raise Timeout(f"connecting to {addr} timed out") from None
+        except OSError as exc:
+            raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
+        conn = ControlConnection(reader, writer)
+        try:
+            fut = conn.submit(conn.next_id(), P.Hello(token=token))
+            hello = _result(await asyncio.wait_for(fut, timeout))
+            ep = await ucx.connect(host, int(hello["ucx"]["port"]),
+                                   timeout=timeout if timeout else 30.0)
+            try:
+                await ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8), ucx.BIND_TAG)
+                ack = np.zeros(1, dtype=np.uint8)
+                await asyncio.wait_for(ep.recv(ack, ucx.BIND_TAG), timeout)
+                if ack[0] != 1:
+                    raise ConnectionLost("daemon refused to bind the data endpoint")
+            except BaseException:
+                ep.abort()
+                raise
+        except TimeoutError:
+            conn.close()
+            raise Timeout(f"handshake with {addr} timed out") from None
+        except ucx.TransferError as exc:
+            conn.close()
+            raise ConnectionLost(f"UCX connection to {addr} failed: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, ep, hello, timeout)
+
+    async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
+        timeout = self.timeout if timeout is None else timeout
+        async with self._slots:
+            req_id = self._conn.next_id()
+            fut = self._conn.submit(req_id, req)
+            try:
+                return _result(await asyncio.wait_for(fut, timeout))
+            except TimeoutError:
+                self._conn.forget(req_id)
+                raise Timeout(f"{req.op} got no answer within {timeout}s") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLost("context is closed")
+        if self._conn.lost is not None:
+            raise ConnectionLost(self._conn.lost.message)
+
+    async def __aenter__(self) -> RpcContext:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the session (idempotent). Session-scoped buffers are released."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._ep.close()
+        self._conn.close()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._ep.abort()
+        self._conn.close()
+
+    # -- control ops ----------------------------------------------------------------
+
+    async def request_buffer(self, size: int, device_type: str = "CPU", device: int = 0,
+                             timeout: float | None = None, ttl: float | None = None,
+                             name: str | None = None) -> str:
+        """Reserve ``size`` bytes; wait up to ``timeout`` s for memory.
+
+        Raises OUT_OF_MEMORY (details: requested, free, largest_free),
+        QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
+        self._check_open()
+        wait = None if not timeout else timeout + (self.timeout or 0)
+        meta = await self._call(P.RequestBuffer(size=size, device_type=device_type, device=device,
+                                                timeout=timeout, ttl=ttl, name=name),
+                                timeout=wait if timeout else None)
+        return str(meta["buffer_id"])
+
+    async def get_buffer_meta(self, buffer_id: str) -> dict[str, Any]:
+        """Raises NOT_FOUND."""
+        self._check_open()
+        return await self._call(P.GetBufferMeta(buffer_id=buffer_id))
+
+    async def release_buffer(self, buffer_id: str) -> None:
+        """Raises NOT_FOUND."""
+        self._check_open()
+        await self._call(P.Release(buffer_id=buffer_id))
+
+    async def renew_buffer(self, buffer_id: str, ttl: float | None = None) -> float | None:
+        """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
+        self._check_open()
+        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl)))["expires_at"]
+
+    async def list_devices(self) -> list[dict[str, Any]]:
+        self._check_open()
+        return list((await self._call(P.ListDevices()))["devices"])
+
+    async def list_buffers(self) -> list[dict[str, Any]]:
+        self._check_open()
+        return list((await self._call(P.ListBuffers()))["buffers"])
+
+    async def stats(self) -> dict[str, Any]:
+        self._check_open()
+        return await self._call(P.Stats())
+
+    async def ping(self) -> float:
+        """Round trip to the daemon, in seconds."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self._call(P.Ping())
+        return loop.time() - t0
+
+    # -- data ops -------------------------------------------------------------------
+
+    async def store_tensor(self, buffer_id: str, array: Any, offset: int = 0, sync: bool = True,
+                           verify: str | None = None) -> Any:
+        """Copy ``array``'s bytes into the buffer at ``offset`` over UCX.
+
+        ``verify="checksum"`` has the daemon hash what it received and compare.
+        ``sync=False`` returns a task at once (await it for the answer; keep
+        the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
+        VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
+        self._check_open()
+        if verify not in (None, "checksum"):
+            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
+        data = as_bytes(array)
+        coro = self._store(buffer_id, data, offset, verify)
+        if sync:
+            return await coro
+        return asyncio.get_running_loop().create_task(coro)
+
+    async def _store(self, buffer_id: str, data: np.ndarray, offset: int,
+                     verify: str | None) -> dict[str, Any]:
+        digest = checksum(data) if verify else None
+        req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(data.nbytes),
+                      checksum=digest, verify=verify)  # type: ignore[arg-type]
+        async with self._slots:
+            req_id = self._conn.next_id()
+            fut = self._conn.submit(req_id, req)
+            sent: BaseException | None = None
+            if data.nbytes:
+                # The payload goes out while the daemon checks the request.
+                try:
+                    await self._ep.send(data, req_id)
+                except ucx.TransferError as exc:
+                    sent = exc
+            try:
+                msg = await asyncio.wait_for(fut, self.timeout)
+            except TimeoutError:
+                self._conn.forget(req_id)
+                raise Timeout(f"store got no answer within {self.timeout}s") from None
+            result = _result(msg)
+            if sent is not None:
+                raise ConnectionLost(f"payload send failed: {sent}") from sent
+            return result
+
+    async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
+                          out: Any = None) -> np.ndarray:
+        """Read ``nbytes`` (default: ``out``'s size, else to the buffer's end)
+        straight into ``out`` (or a new uint8 array), which is returned.
+
+        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST, CONNECTION_LOST."""
+        self._check_open()
+        target = as_bytes(out, writable=True) if out is not None else None
+        if nbytes is None:
+            if target is not None:
+                nbytes = int(target.nbytes)
+            else:
+                meta = await self.get_buffer_meta(buffer_id)
+                nbytes = int(meta["size"]) - offset
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if target is None:
+            target = np.empty(nbytes, dtype=np.uint8)
+        elif target.nbytes < nbytes:
+            raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
+        dest = target[:nbytes]
+        async with self._slots:
+            req_id = self._conn.next_id()
+            fut = self._conn.submit(req_id, P.Read(buffer_id=buffer_id, offset=offset,
+                                                   nbytes=nbytes))
+            try:
+                msg = await asyncio.wait_for(fut, self.timeout)
+            except TimeoutError:
+                self._conn.forget(req_id)
+                raise Timeout(f"read got no answer within {self.timeout}s") from None
+            _result(msg)
+            if nbytes:
+                try:
+                    await self._ep.recv(dest, req_id)
+                except ucx.TransferError as exc:
+                    raise ConnectionLost(f"read transfer failed: {exc}") from exc
+        return out if out is not None else target
+
+    async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
+        """Read the range back over the data plane and compare it with ``array``.
+
+        Returns True when equal; raises VERIFY_FAILED (with the first differing
+        byte) when not."""
+        data = as_bytes(array)
+        back = await self.read_buffer(buffer_id, offset, int(data.nbytes))
+        if not np.array_equal(back, data):
+            first = int(np.flatnonzero(back != data)[0])
+            raise VerifyFailed("read-back differs from the array",
+                               {"offset": offset, "first_difference": first})
+        return True
+
+
+class Connector:
+    """What ``connect()`` returns: ``await`` it, or use it with ``async with``."""
+
+    def __init__(self, addr: str, token: str, timeout: float | None) -> None:
+        self._args = (addr, token, timeout)
+        self._ctx: RpcContext | None = None
+
+    def __await__(self) -> Generator[Any, None, RpcContext]:
+        return RpcContext.connect(*self._args).__await__()
+
+    async def __aenter__(self) -> RpcContext:
+        self._ctx = await RpcContext.connect(*self._args)
+        return self._ctx
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            await self._ctx.close()
+
+
+def connect(addr: str, token: str, timeout: float | None = 30.0) -> Connector:
+    """Open a session with the rpcbufd at ``addr`` ("host:port").
+
+    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST, TIMEOUT."""
+    return Connector(addr, token, timeout)
+
+
+def create_rpc_context(server_addr: str, auth_token: str,
+                       timeout: float | None = 30.0) -> Connector:
+    """The tutorial's name for ``connect``."""
+    return connect(server_addr, auth_token, timeout)

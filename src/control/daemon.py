@@ -1,0 +1,148 @@
+"""``rpcbufd``: parse flags, build the pools, serve until SIGTERM/SIGINT.
+
+SIGTERM stops accepting new sessions and requests, lets in-flight transfers
+finish (bounded by ``--drain-timeout``), closes every session and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from dataplane import ucx
+from dataplane.allocator import ALLOCATORS
+from dataplane.arena import HostArena
+
+from .auth import load_or_create_secret
+from .registry import Pool, Quota, Registry
+from .server import Daemon, Limits
+from .units import parse_duration, parse_size
+
+log = logging.getLogger("rpcbuf.daemon")
+
+
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host:
+        return text or "127.0.0.1", default_port
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad address {text!r} (want HOST:PORT)") from None
+
+
+def _device(text: str) -> tuple[str, int, int]:
+    """'cpu:1GiB' -> ('cpu', 0, size); 'cpu:1:1GiB' -> ('cpu', 1, size)."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 2:
+            return parts[0].lower(), 0, parse_size(parts[1])
+        if len(parts) == 3:
+            return parts[0].lower(), int(parts[1]), parse_size(parts[2])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--device {text!r}: {exc}") from None
+    raise argparse.ArgumentTypeError(f"--device {text!r}: want cpu:SIZE or cuda:N:SIZE")
+
+
+def _quota(text: str) -> tuple[str, Quota]:
+    """'alice:1GiB:100' -> per-tenant bytes per device and buffer count ('-' = none)."""
+    try:
+        tenant, size, count = text.split(":")
+        return tenant, Quota(None if size == "-" else parse_size(size),
+                             None if count == "-" else int(count))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--quota {text!r}: want TENANT:BYTES:BUFFERS, e.g. alice:8GiB:1000 ({exc})"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rpcbufd",
+        description="rpcbuf node daemon: owns this node's buffer pool and serves it to "
+                    "authenticated clients (control: msgpack over TCP; data: UCX).",
+        epilog="example: rpcbufd --listen 127.0.0.1:7700 --ucx-port 7701 --device cpu:1GiB "
+               "--secret-file /etc/rpcbuf/secret",
+    )
+    p.add_argument("--listen", default="127.0.0.1:7700", help="control address HOST:PORT "
+                   "(port 0 picks a free one) [%(default)s]")
+    p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
+                   "[%(default)s]")
+    p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
+                   help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB); "
+                        "default cpu:1GiB")
+    p.add_argument("--secret-file", required=True, help="node secret (created 0600 if missing)")
+    p.add_argument("--allocator", default="buddy", choices=sorted(ALLOCATORS))
+    p.add_argument("--quota", action="append", type=_quota, default=[], metavar="T:BYTES:N",
+                   help="per-tenant quota: bytes per device and buffer count, repeatable")
+    p.add_argument("--default-quota", type=_quota, metavar="*:BYTES:N",
+                   help="quota for tenants without their own --quota")
+    p.add_argument("--max-frame", type=parse_size, default=Limits.max_frame,
+                   help="largest control frame accepted [%(default)s]")
+    p.add_argument("--max-inflight", type=int, default=Limits.max_inflight,
+                   help="requests one client may have in flight [%(default)s]")
+    p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
+                   help="deadline of one data transfer, e.g. 300s [%(default)s]")
+    p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
+                   help="how long SIGTERM waits for in-flight transfers [%(default)s]")
+    p.add_argument("--node-id", default=socket.gethostname())
+    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
+    arenas = []
+    for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
+        if kind != "cpu":
+            raise SystemExit(f"rpcbufd: --device {kind}:{index}: only cpu devices are "
+                             "supported in this build")
+        arenas.append(HostArena(size, device=index))
+    return arenas
+
+
+async def serve(args: argparse.Namespace) -> int:
+    ucx.apply_defaults()
+    secret = load_or_create_secret(args.secret_file)
+    pools = [Pool.create(a, args.allocator) for a in make_arenas(args.device)]
+    default = args.default_quota[1] if args.default_quota else None
+    registry = Registry(pools, dict(args.quota), default)
+    limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
+                    transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout)
+    daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits)
+    host, port = _host_port(args.listen, 7700)
+    await daemon.start(host, port, args.ucx_port)
+    if args.ready_file:
+        with open(args.ready_file, "w") as f:
+            f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await daemon.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("ucx").setLevel(logging.WARNING)
+    import uvloop
+
+    try:
+        return uvloop.run(serve(args))
+    except (OSError, ValueError) as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

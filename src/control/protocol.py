@@ -1,0 +1,283 @@
+"""The control channel's wire protocol, with no I/O (sans-I/O, like h11).
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+``FrameDecoder.feed`` takes whatever bytes arrived and returns the complete
+messages; feeding the same bytes whole or one at a time gives the same
+messages.  A frame longer than the limit, or bytes that are not a msgpack map,
+raise ``FrameError``: the stream cannot be trusted after that, so the caller
+closes that one connection.
+
+Requests are ``{"op": str, "id": int, **fields}``.  Each op is a small frozen
+dataclass that validates its own fields (types, ranges, no unknown keys) in
+``parse_request``; a bad request whose id could be read gets a
+``BAD_REQUEST`` answer and the connection stays usable.  Answers are
+``{"id": int, "ok": true, "result": {...}}`` or
+``{"id": int, "ok": false, "error": {code, message, details}}``; they may come
+back in any order, so one connection carries many requests at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import types
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+
+import msgpack
+
+from .errors import BadRequest, RpcBufError
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 1 << 20
+MAX_INT = (1 << 63) - 1
+MAX_STR = 1024
+_HEADER = struct.Struct("!I")
+
+
+class FrameError(BadRequest):
+    """The byte stream is broken (oversized, truncated or not msgpack)."""
+
+
+def encode_frame(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameError(f"frame of {len(body)} bytes exceeds the limit of {max_frame}")
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Incremental frame parser: bytes in, messages out."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out: list[Any] = []
+        while len(self._buf) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buf)
+            if length > self.max_frame:
+                raise FrameError(
+                    f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                    {"max_frame": self.max_frame, "length": length},
+                )
+            end = _HEADER.size + length
+            if len(self._buf) < end:
+                break
+            body = bytes(self._buf[_HEADER.size : end])
+            del self._buf[:end]
+            try:
+                msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=length)
+            except Exception as exc:  # msgpack raises several unrelated types
+                raise FrameError(f"frame is not valid msgpack: {exc}") from exc
+            if not isinstance(msg, dict):
+                raise FrameError("frame is not a msgpack map")
+            out.append(msg)
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that do not yet form a whole frame."""
+        return len(self._buf)
+
+
+# -- requests -----------------------------------------------------------------
+
+
+def _check(op: str, name: str, value: Any, tp: Any) -> Any:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(op, name, value, inner[0])
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0:
+            raise BadRequest(f"{op}: {name} must be a finite number >= 0, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str) or len(value) > MAX_STR:
+            raise BadRequest(f"{op}: {name} must be a string of at most {MAX_STR} characters")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise BadRequest(f"{op}: {name} must be a boolean, got {value!r}")
+        return value
+    raise TypeError(f"unsupported field type {tp!r}")  # a bug in this module, not input
+
+
+@dataclass(frozen=True)
+class Request:
+    """Base of every request; subclasses set ``op`` and declare typed fields."""
+
+    op: ClassVar[str] = ""
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> Request:
+        hints = _hints(cls)
+        unknown = set(fields) - set(hints)
+        if unknown:
+            raise BadRequest(f"{cls.op}: unknown field(s) {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in fields:
+                kwargs[f.name] = _check(cls.op, f.name, fields[f.name], hints[f.name])
+            elif f.default is dataclasses.MISSING:
+                raise BadRequest(f"{cls.op}: missing field {f.name!r}")
+        return cls(**kwargs)
+
+    def to_wire(self, req_id: int) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": self.op, "id": req_id}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                msg[f.name] = value
+        return msg
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = {
+            k: v for k, v in get_type_hints(cls).items() if get_origin(v) is not ClassVar
+        }
+    return _HINTS[cls]
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    op: ClassVar[str] = "hello"
+    token: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class RequestBuffer(Request):
+    op: ClassVar[str] = "request_buffer"
+    size: int
+    device_type: str = "CPU"
+    device: int = 0
+    timeout: float | None = None
+    ttl: float | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GetBufferMeta(Request):
+    op: ClassVar[str] = "get_buffer_meta"
+    buffer_id: str
+
+
+@dataclass(frozen=True)
+class Store(Request):
+    op: ClassVar[str] = "store"
+    buffer_id: str
+    offset: int
+    nbytes: int
+    checksum: int | None = None
+    verify: Literal["checksum"] | None = None
+
+
+@dataclass(frozen=True)
+class Read(Request):
+    op: ClassVar[str] = "read"
+    buffer_id: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    op: ClassVar[str] = "release"
+    buffer_id: str
+
+
+@dataclass(frozen=True)
+class Renew(Request):
+    op: ClassVar[str] = "renew"
+    buffer_id: str
+    ttl: float | None = None
+
+
+@dataclass(frozen=True)
+class ListDevices(Request):
+    op: ClassVar[str] = "list_devices"
+
+
+@dataclass(frozen=True)
+class ListBuffers(Request):
+    op: ClassVar[str] = "list_buffers"
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    op: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+OPS: dict[str, type[Request]] = {
+    cls.op: cls
+    for cls in (
+        Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
+        ListDevices, ListBuffers, Stats, Ping,
+    )
+}
+
+
+class RequestError(Exception):
+    """A request that could not be parsed; ``req_id`` is None when unknown."""
+
+    def __init__(self, req_id: int | None, error: RpcBufError) -> None:
+        super().__init__(str(error))
+        self.req_id = req_id
+        self.error = error
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
+    """Validate one decoded frame as a request; raise ``RequestError``."""
+    req_id = msg.get("id")
+    if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id <= MAX_INT:
+        raise RequestError(None, BadRequest("request has no valid 'id'"))
+    op = msg.get("op")
+    cls = OPS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise RequestError(req_id, BadRequest(f"unknown op {op!r}", {"ops": sorted(OPS)}))
+    fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
+    try:
+        return req_id, cls.from_fields(fields)
+    except BadRequest as exc:
+        raise RequestError(req_id, exc) from None
+
+
+def ok_response(req_id: int, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "ok": True, "result": result or {}}
+
+
+def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "error": error.to_wire()}
+
+
+__all__ = [
+    "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "FrameError",
+    "Request", "RequestError", "encode_frame", "error_response", "ok_response",
+    "parse_request", *[c.__name__ for c in OPS.values()],
+]

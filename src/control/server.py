@@ -1,0 +1,526 @@
+"""The daemon's core: the control server, one ``Session`` per connection, and
+the UCX listener that binds data endpoints to sessions.
+
+Requests are parsed by the sans-I/O protocol, decided by the synchronous
+``Registry``, and only then turned into I/O.  Quick ops are answered inline;
+``store``, ``read`` and a ``request_buffer`` that has to wait run as tasks, so
+one connection carries many requests at once and answers leave in any order.
+
+A store costs one control round trip: the client sends the request and the
+payload together; the daemon checks the request, then posts the receive
+straight into the buffer's arena slice.  A refused store is drained with a
+1-byte receive (UCX truncates it; the sender's send completes without moving a
+rendezvous payload), so the sender never hangs and nothing is parked here.
+
+A transfer pins its buffer; release during a transfer frees the memory only
+when the transfer ends.  A session that goes away aborts its UCX endpoint
+first (UCX cancels what is posted), waits for its transfers, and only then
+releases its session-scoped buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dataplane.checksum import checksum
+from dataplane.ucx import BIND_TAG, NONCE_BYTES, DataEndpoint, DataListener, TransferError, Truncated
+
+from . import protocol as P
+from .auth import verify_token
+from .errors import (
+    AuthFailed, BadRequest, ConnectionLost, OutOfRange, RpcBufError, ShuttingDown,
+    VerifyFailed,
+)
+from .registry import Buffer, Registry, Waiter
+
+log = logging.getLogger("rpcbuf.daemon")
+READ_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_frame: int = P.DEFAULT_MAX_FRAME
+    max_inflight: int = 64
+    transfer_timeout: float = 300.0
+    drain_timeout: float = 30.0
+    hello_timeout: float = 10.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
+                "transfer_timeout": self.transfer_timeout}
+
+
+class Daemon:
+    def __init__(self, registry: Registry, secret: bytes, *, node_id: str,
+                 limits: Limits | None = None) -> None:
+        self.registry = registry
+        self.secret = secret
+        self.node_id = node_id
+        self.limits = limits or Limits()
+        self.sessions: dict[str, Session] = {}
+        self._by_nonce: dict[bytes, Session] = {}
+        self.started_at = time.time()
+        self.shutting_down = False
+        self._server: asyncio.AbstractServer | None = None
+        self._listener: DataListener | None = None
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self.ucx_port = 0
+        self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
+                                         "verify_failures": 0, "sessions_total": 0}
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def start(self, host: str, port: int, ucx_port: int) -> None:
+        self._listener = DataListener(self._on_endpoint, port=ucx_port)
+        self.ucx_port = self._listener.port
+        self._server = await asyncio.start_server(self._on_connection, host, port,
+                                                  limit=READ_CHUNK)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        log.info("listening control=%s:%d ucx=%d devices=%s", self.address[0],
+                 self.address[1], self.ucx_port, ",".join(self.registry.pools))
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight transfers finish (bounded), close all."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        log.info("shutting down: %d sessions", len(self.sessions))
+        if self._server is not None:
+            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
+        busy = [t for s in self.sessions.values() for t in s.transfers]
+        if busy:
+            log.info("waiting for %d in-flight transfers", len(busy))
+            await asyncio.wait(busy, timeout=self.limits.drain_timeout)
+        await asyncio.gather(*(s.close("daemon shutting down") for s in list(self.sessions.values())),
+                             return_exceptions=True)
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        log.info("stopped")
+
+    # -- leases -----------------------------------------------------------------
+
+    def schedule_expiry(self) -> None:
+        when = self.registry.next_expiry()
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        if when is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, when - time.time())
+        self._expiry_timer = loop.call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry_timer = None
+        for buf in self.registry.expire():
+            log.info("op=expire tenant=%s buffer=%s device=%s offset=%d bytes=%d",
+                     buf.tenant, buf.buffer_id, buf.pool.key, buf.offset, buf.alloc_size)
+        self.schedule_expiry()
+
+    # -- connections ------------------------------------------------------------
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        if self.shutting_down:
+            writer.write(P.encode_frame(P.error_response(None, ShuttingDown("daemon is stopping"))))
+            writer.close()
+            return
+        session = Session(self, reader, writer)
+        self.sessions[session.session_id] = session
+        self._by_nonce[session.nonce] = session
+        self.counters["sessions_total"] += 1
+        try:
+            await session.run()
+        finally:
+            self._by_nonce.pop(session.nonce, None)
+            await session.close("connection closed")
+            self.sessions.pop(session.session_id, None)
+
+    async def _on_endpoint(self, ep: DataEndpoint) -> None:
+        nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
+        except (TimeoutError, TransferError) as exc:
+            log.warning("data endpoint dropped before binding: %s", exc or "timeout")
+            ep.abort()
+            return
+        session = self._by_nonce.pop(nonce.tobytes(), None)
+        ok = session is not None and session.tenant is not None and session.ep is None
+        try:
+            await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)
+        except TransferError:
+            ok = False
+        if not ok or session is None:
+            log.warning("data endpoint with an unknown nonce refused")
+            ep.abort()
+            return
+        session.bind(ep)
+
+
+class Session:
+    """One control connection: its tenant, its data endpoint, its requests."""
+
+    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.registry = daemon.registry
+        self.reader = reader
+        self.writer = writer
+        self.session_id = "s-" + secrets.token_urlsafe(12)
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.tenant: str | None = None
+        self.ep: DataEndpoint | None = None
+        self.peer = writer.get_extra_info("peername")
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.transfers: set[asyncio.Task[None]] = set()
+        self._slot = asyncio.Event()
+        self._closed = False
+        self._decoder = P.FrameDecoder(daemon.limits.max_frame)
+
+    def bind(self, ep: DataEndpoint) -> None:
+        if self._closed:
+            ep.abort()
+            return
+        self.ep = ep
+        log.debug("session %s bound its data endpoint", self.session_id)
+
+    # -- I/O --------------------------------------------------------------------
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._closed or self.writer.is_closing():
+            return
+        try:
+            frame = P.encode_frame(message, self.daemon.limits.max_frame)
+        except P.FrameError as exc:
+            frame = P.encode_frame(P.error_response(message.get("id"), BadRequest(str(exc))))
+        self.writer.write(frame)
+
+    async def run(self) -> None:
+        limits = self.daemon.limits
+        try:
+            while not self._closed:
+                if self.tenant is None:
+                    data = await asyncio.wait_for(self.reader.read(READ_CHUNK),
+                                                  limits.hello_timeout)
+                else:
+                    data = await self.reader.read(READ_CHUNK)
+                if not data:
+                    return
+                for msg in self._decoder.feed(data):
+                    self._dispatch(msg)
+                    while len(self.tasks) >= limits.max_inflight:  # back-pressure
+                        self._slot.clear()
+                        await self._slot.wait()
+                await self.writer.drain()
+        except P.FrameError as exc:
+            log.warning("closing %s: %s", self.peer, exc)
+            self.send(P.error_response(None, exc))
+        except TimeoutError:
+            log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
+        except (ConnectionError, OSError):
+            pass
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        try:
+            req_id, req = P.parse_request(msg)
+        except P.RequestError as exc:
+            self.send(P.error_response(exc.req_id, exc.error))
+            return
+        if req_id in self.tasks:
+            self.send(P.error_response(req_id, BadRequest(f"request id {req_id} is in flight")))
+            return
+        try:
+            if isinstance(req, P.Hello):
+                self.send(P.ok_response(req_id, self._hello(req)))
+                return
+            if self.tenant is None:
+                raise AuthFailed("say hello with a token first")
+            if self.daemon.shutting_down:
+                raise ShuttingDown("daemon is stopping; no new requests")
+            handler = _SYNC_OPS.get(type(req))
+            if handler is not None:
+                self.send(P.ok_response(req_id, handler(self, req)))
+                return
+            if isinstance(req, P.RequestBuffer):
+                buf = self._try_request(req)
+                if buf is not None:
+                    self.send(P.ok_response(req_id, self._granted(buf)))
+                    return
+            self._spawn(req_id, req)
+        except RpcBufError as exc:
+            self.send(P.error_response(req_id, exc))
+
+    def _spawn(self, req_id: int, req: P.Request) -> None:
+        coro = {P.RequestBuffer: self._wait_for_memory, P.Store: self._store,
+                P.Read: self._read}[type(req)]
+        task = asyncio.get_running_loop().create_task(self._run_task(req_id, coro(req_id, req)))  # type: ignore[operator]
+        self.tasks[req_id] = task
+        if not isinstance(req, P.RequestBuffer):
+            self.transfers.add(task)
+
+    async def _run_task(self, req_id: int, coro: Any) -> None:
+        try:
+            result = await coro
+            if result is not None:  # None: the handler answered already
+                self.send(P.ok_response(req_id, result))
+        except RpcBufError as exc:
+            self.send(P.error_response(req_id, exc))
+        except asyncio.CancelledError:
+            self.send(P.error_response(req_id, ConnectionLost("request cancelled")))
+        except Exception as exc:  # a bug: answer, log, keep serving everyone else
+            log.exception("request %d failed", req_id)
+            self.send(P.error_response(req_id, RpcBufError(f"internal error: {exc}")))
+        finally:
+            task = self.tasks.pop(req_id, None)
+            if task is not None:
+                self.transfers.discard(task)
+            self._slot.set()
+
+    async def close(self, why: str) -> None:
+        """Abort the data endpoint, wait for transfers, release session buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        ep, self.ep = self.ep, None
+        if ep is not None:
+            ep.abort()  # UCX cancels posted requests: nothing writes into memory after this
+        for task in self.tasks.values():
+            if task not in self.transfers:
+                task.cancel()
+        pending = list(self.tasks.values())
+        if pending:
+            done, stuck = await asyncio.wait(pending, timeout=self.daemon.limits.drain_timeout)
+            if stuck:  # keep their buffers pinned rather than risk a use-after-free
+                log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
+        for buf in self.registry.session_closed(self.session_id):
+            self._log("release", buf, note="session closed")
+        self.daemon.schedule_expiry()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
+
+    # -- ops --------------------------------------------------------------------
+
+    def _log(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+             note: str = "") -> None:
+        log.info("op=%s tenant=%s session=%s buffer=%s device=%s offset=%d bytes=%d%s",
+                 op, buf.tenant, self.session_id, buf.buffer_id, buf.pool.key, offset,
+                 buf.alloc_size if nbytes is None else nbytes, f" ({note})" if note else "")
+
+    def _hello(self, req: P.Hello) -> dict[str, Any]:
+        if self.tenant is not None:
+            raise BadRequest("hello was already said on this connection")
+        if req.version != P.PROTOCOL_VERSION:
+            raise BadRequest(f"protocol version {req.version} is not supported",
+                             {"supported": [P.PROTOCOL_VERSION]})
+        self.tenant = verify_token(self.daemon.secret, req.token)
+        log.info("session %s tenant=%s from %s", self.session_id, self.tenant, self.peer)
+        return {
+            "session_id": self.session_id,
+            "tenant": self.tenant,
+            "node_id": self.daemon.node_id,
+            "version": P.PROTOCOL_VERSION,
+            "ucx": {"port": self.daemon.ucx_port},
+            "bind_nonce": self.nonce,
+            "devices": [p.describe() for p in self.registry.pools.values()],
+            "limits": self.daemon.limits.to_wire(),
+        }
+
+    def _try_request(self, req: P.RequestBuffer) -> Buffer | None:
+        assert self.tenant is not None
+        pool = self.registry.pool_for(req.device_type, req.device)
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        return self.registry.try_allocate(self.tenant, pool, req.size, name=req.name,
+                                          ttl=req.ttl, session_id=self.session_id)
+
+    def _granted(self, buf: Buffer) -> dict[str, Any]:
+        self._log("request_buffer", buf, note=f"size={buf.size}")
+        if buf.expires_at is not None:
+            self.daemon.schedule_expiry()
+        return buf.meta()
+
+    async def _wait_for_memory(self, req_id: int, req: P.RequestBuffer) -> dict[str, Any]:
+        assert self.tenant is not None
+        pool = self.registry.pool_for(req.device_type, req.device)
+        if not req.timeout:
+            raise self.registry.out_of_memory(pool, req.size)
+        fut: asyncio.Future[Buffer] = asyncio.get_running_loop().create_future()
+
+        def done(buf: Buffer | None, err: RpcBufError | None) -> None:
+            if fut.done():  # we gave up in the meantime: hand the memory back
+                if buf is not None:
+                    self.registry.release(buf)
+                return
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(buf)  # type: ignore[arg-type]
+
+        waiter = Waiter(self.tenant, pool, req.size,
+                        {"name": req.name, "ttl": req.ttl, "session_id": self.session_id}, done)
+        self.registry.enqueue(waiter)
+        try:
+            buf = await asyncio.wait_for(asyncio.shield(fut), req.timeout)
+        except TimeoutError:
+            self.registry.cancel(waiter)
+            if fut.done() and not fut.exception():
+                return self._granted(fut.result())  # granted at the last moment
+            raise self.registry.out_of_memory(pool, req.size) from None
+        except BaseException:
+            self.registry.cancel(waiter)
+            if fut.done() and not fut.cancelled() and not fut.exception():
+                self.registry.release(fut.result())
+            raise
+        return self._granted(buf)
+
+    def _get(self, buffer_id: str) -> Buffer:
+        assert self.tenant is not None
+        return self.registry.get(self.tenant, buffer_id)
+
+    def _meta(self, req: P.GetBufferMeta) -> dict[str, Any]:
+        return self._get(req.buffer_id).meta()
+
+    def _release(self, req: P.Release) -> dict[str, Any]:
+        buf = self._get(req.buffer_id)
+        self.registry.release(buf)
+        self._log("release", buf, note="deferred until transfers end" if buf.pins else "")
+        self.daemon.schedule_expiry()
+        return {"buffer_id": buf.buffer_id}
+
+    def _renew(self, req: P.Renew) -> dict[str, Any]:
+        buf = self._get(req.buffer_id)
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        self.registry.renew(buf, req.ttl)
+        self._log("renew", buf, note=f"expires_at={buf.expires_at}")
+        self.daemon.schedule_expiry()
+        return {"buffer_id": buf.buffer_id, "expires_at": buf.expires_at}
+
+    def _list_devices(self, req: P.ListDevices) -> dict[str, Any]:
+        return {"node_id": self.daemon.node_id,
+                "devices": [p.describe() for p in self.registry.pools.values()]}
+
+    def _list_buffers(self, req: P.ListBuffers) -> dict[str, Any]:
+        assert self.tenant is not None
+        return {"buffers": [b.meta() for b in self.registry.buffers_of(self.tenant)]}
+
+    def _stats(self, req: P.Stats) -> dict[str, Any]:
+        return {"node_id": self.daemon.node_id, "uptime": time.time() - self.daemon.started_at,
+                "sessions": len(self.daemon.sessions), **self.daemon.counters,
+                **self.registry.stats()}
+
+    def _ping(self, req: P.Ping) -> dict[str, Any]:
+        return {"time": time.time()}
+
+    def _check_range(self, buf: Buffer, offset: int, nbytes: int) -> None:
+        if offset > buf.size or nbytes > buf.size - offset:
+            raise OutOfRange(
+                f"[{offset}, {offset + nbytes}) is outside buffer of {buf.size} bytes",
+                {"offset": offset, "nbytes": nbytes, "size": buf.size},
+            )
+
+    def _endpoint(self) -> DataEndpoint:
+        if self.ep is None:
+            raise BadRequest("no data endpoint is bound to this session")
+        return self.ep
+
+    async def _transfer(self, coro: Any) -> None:
+        """Run one UCX transfer under the transfer deadline; on expiry the
+        endpoint is aborted (so UCX lets go of the memory) and the session ends."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.daemon.limits.transfer_timeout, self._transfer_expired)
+        try:
+            await coro
+        finally:
+            timer.cancel()
+
+    def _transfer_expired(self) -> None:
+        log.warning("session %s: transfer deadline passed; aborting", self.session_id)
+        if self.ep is not None:
+            self.ep.abort()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
+        ep = self._endpoint()
+        try:
+            buf = self._get(req.buffer_id)
+            self._check_range(buf, req.offset, req.nbytes)
+            if req.verify == "checksum" and req.checksum is None:
+                raise BadRequest("verify='checksum' needs the client's checksum")
+        except RpcBufError:
+            if req.nbytes:
+                await self._drain(ep, req_id)
+            raise
+        self.registry.pin(buf)
+        try:
+            if req.nbytes:
+                view = buf.pool.arena.view(buf.offset + req.offset, req.nbytes)
+                try:
+                    await self._transfer(ep.recv(view, req_id))
+                except Truncated as exc:
+                    raise BadRequest("payload is larger than nbytes") from exc
+                except TransferError as exc:
+                    raise ConnectionLost(f"store transfer failed: {exc}") from exc
+            result: dict[str, Any] = {"nbytes": req.nbytes}
+            if req.checksum is not None or req.verify:
+                got = buf.pool.arena.checksum(buf.offset + req.offset, req.nbytes)
+                result["checksum"] = got
+                if req.verify == "checksum" and got != req.checksum:
+                    self.daemon.counters["verify_failures"] += 1
+                    raise VerifyFailed("checksum of received bytes does not match",
+                                       {"expected": req.checksum, "got": got})
+            self.daemon.counters["bytes_stored"] += req.nbytes
+            self._log("store", buf, req.offset, req.nbytes)
+            return result
+        finally:
+            self.registry.unpin(buf)
+
+    async def _drain(self, ep: DataEndpoint, req_id: int) -> None:
+        """Swallow a refused store's payload without parking it here."""
+        scratch = np.zeros(1, dtype=np.uint8)
+        with contextlib.suppress(TransferError):
+            await self._transfer(ep.recv(scratch, req_id))
+
+    async def _read(self, req_id: int, req: P.Read) -> None:
+        ep = self._endpoint()
+        buf = self._get(req.buffer_id)
+        self._check_range(buf, req.offset, req.nbytes)
+        self.registry.pin(buf)
+        try:
+            # The answer goes first: the client posts its receive when it sees it.
+            self.send(P.ok_response(req_id, {"nbytes": req.nbytes}))
+            if req.nbytes:
+                view = buf.pool.arena.view(buf.offset + req.offset, req.nbytes)
+                try:
+                    await self._transfer(ep.send(view, req_id))
+                except TransferError as exc:
+                    log.warning("read transfer to session %s failed: %s", self.session_id, exc)
+                    return
+            self.daemon.counters["bytes_read"] += req.nbytes
+            self._log("read", buf, req.offset, req.nbytes)
+        finally:
+            self.registry.unpin(buf)
+
+
+_SYNC_OPS: dict[type, Any] = {
+    P.GetBufferMeta: Session._meta,
+    P.Release: Session._release,
+    P.Renew: Session._renew,
+    P.ListDevices: Session._list_devices,
+    P.ListBuffers: Session._list_buffers,
+    P.Stats: Session._stats,
+    P.Ping: Session._ping,
+}

@@ -1,0 +1,16 @@
+"""The checksum of stored bytes: xxh3-64 of the raw bytes, as an unsigned int.
+
+One definition for both ends: the client hashes the bytes it sends, the daemon
+hashes the arena slice it received into, and the two integers must match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a contiguous buffer (anything with the buffer protocol)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))

@@ -1,0 +1,21 @@
+"""rpcbuf: remote GPU/host buffers for distributed LLM inference.
+
+The public face only re-exports; the logic lives in ``control`` and ``dataplane``.
+"""
+
+from control.client import Connector, RpcContext, connect, create_rpc_context
+from control.errors import (
+    AuthFailed, BadRequest, ConnectionLost, Forbidden, NotFound, OutOfMemory, OutOfRange,
+    QuotaExceeded, RpcBufError, ShuttingDown, Timeout, TokenExpired, UnsupportedDevice,
+    VerifyFailed,
+)
+from dataplane.checksum import checksum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthFailed", "BadRequest", "ConnectionLost", "Connector", "Forbidden", "NotFound",
+    "OutOfMemory", "OutOfRange", "QuotaExceeded", "RpcBufError", "RpcContext",
+    "ShuttingDown", "Timeout", "TokenExpired", "UnsupportedDevice", "VerifyFailed",
+    "checksum", "connect", "create_rpc_context",
+]
