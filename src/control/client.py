@@ -106,6 +106,8 @@ class ControlConnection:
                     break
                 for msg in self._decoder.feed(data):
                     self._deliver(msg)
+                if self._decoder.error is not None:
+                    raise self._decoder.error
         except P.FrameError as exc:
             why = f"daemon sent a bad frame: {exc}"
         except (ConnectionError, OSError) as exc:

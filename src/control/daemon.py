@@ -36,6 +36,10 @@ def _host_port(text: str, default_port: int) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"bad address {text!r} (want HOST:PORT)") from None
 
 
+def _listen(text: str) -> tuple[str, int]:
+    return _host_port(text, 7700)
+
+
 def _device(text: str) -> tuple[str, int, int]:
     """'cpu:1GiB' -> ('cpu', 0, size); 'cpu:1:1GiB' -> ('cpu', 1, size)."""
     parts = text.split(":")
@@ -69,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: rpcbufd --listen 127.0.0.1:7700 --ucx-port 7701 --device cpu:1GiB "
                "--secret-file /etc/rpcbuf/secret",
     )
-    p.add_argument("--listen", default="127.0.0.1:7700", help="control address HOST:PORT "
-                   "(port 0 picks a free one) [%(default)s]")
+    p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
+                   help="control address HOST:PORT "
+                   "(port 0 picks a free one) [127.0.0.1:7700]")
     p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
                    "[%(default)s]")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
@@ -116,7 +121,7 @@ async def serve(args: argparse.Namespace) -> int:
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout)
     daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits)
-    host, port = _host_port(args.listen, 7700)
+    host, port = args.listen
     await daemon.start(host, port, args.ucx_port)
     if args.ready_file:
         with open(args.ready_file, "w") as f:

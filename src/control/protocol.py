@@ -23,7 +23,7 @@ import math
 import struct
 import types
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, NewType, Union, get_args, get_origin, get_type_hints
 
 import msgpack
 
@@ -33,6 +33,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME = 1 << 20
 MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
+U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
 _HEADER = struct.Struct("!I")
 
 
@@ -48,35 +49,54 @@ def encode_frame(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) ->
 
 
 class FrameDecoder:
-    """Incremental frame parser: bytes in, messages out."""
+    """Incremental frame parser: bytes in, messages out.
+
+    When the stream breaks, ``feed`` still returns the whole messages that came
+    before the break and keeps the error in ``error``; the caller handles
+    those messages, then raises ``error``.  Any later ``feed`` raises it."""
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
+        self.error: FrameError | None = None
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Any]:
+        if self.error is not None:
+            raise self.error
         self._buf += data
         out: list[Any] = []
-        while len(self._buf) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buf)
-            if length > self.max_frame:
-                raise FrameError(
-                    f"frame of {length} bytes exceeds the limit of {self.max_frame}",
-                    {"max_frame": self.max_frame, "length": length},
-                )
-            end = _HEADER.size + length
-            if len(self._buf) < end:
-                break
-            body = bytes(self._buf[_HEADER.size : end])
-            del self._buf[:end]
-            try:
-                msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=length)
-            except Exception as exc:  # msgpack raises several unrelated types
-                raise FrameError(f"frame is not valid msgpack: {exc}") from exc
-            if not isinstance(msg, dict):
-                raise FrameError("frame is not a msgpack map")
-            out.append(msg)
+        try:
+            while len(self._buf) >= _HEADER.size:
+                msg = self._next()
+                if msg is None:
+                    break
+                out.append(msg)
+        except FrameError as exc:
+            self.error = exc
+            self._buf.clear()
+            if not out:
+                raise
         return out
+
+    def _next(self) -> Any:
+        (length,) = _HEADER.unpack_from(self._buf)
+        if length > self.max_frame:
+            raise FrameError(
+                f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                {"max_frame": self.max_frame, "length": length},
+            )
+        end = _HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        body = bytes(self._buf[_HEADER.size : end])
+        del self._buf[:end]
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=length)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise FrameError(f"frame is not valid msgpack: {exc}") from exc
+        if not isinstance(msg, dict):
+            raise FrameError("frame is not a msgpack map")
+        return msg
 
     @property
     def pending(self) -> int:
@@ -98,6 +118,10 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         if value not in get_args(tp):
             raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if tp is U64:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {value!r}")
         return value
     if tp is int:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
@@ -189,7 +213,7 @@ class Store(Request):
     buffer_id: str
     offset: int
     nbytes: int
-    checksum: int | None = None
+    checksum: U64 | None = None
     verify: Literal["checksum"] | None = None
 
 

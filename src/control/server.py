@@ -31,13 +31,24 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.checksum import checksum
-from dataplane.ucx import BIND_TAG, NONCE_BYTES, DataEndpoint, DataListener, TransferError, Truncated
+from dataplane.ucx import (
+    BIND_TAG,
+    NONCE_BYTES,
+    DataEndpoint,
+    DataListener,
+    TransferError,
+    Truncated,
+)
 
 from . import protocol as P
 from .auth import verify_token
 from .errors import (
-    AuthFailed, BadRequest, ConnectionLost, OutOfRange, RpcBufError, ShuttingDown,
+    AuthFailed,
+    BadRequest,
+    ConnectionLost,
+    OutOfRange,
+    RpcBufError,
+    ShuttingDown,
     VerifyFailed,
 )
 from .registry import Buffer, Registry, Waiter
@@ -102,8 +113,8 @@ class Daemon:
         if busy:
             log.info("waiting for %d in-flight transfers", len(busy))
             await asyncio.wait(busy, timeout=self.limits.drain_timeout)
-        await asyncio.gather(*(s.close("daemon shutting down") for s in list(self.sessions.values())),
-                             return_exceptions=True)
+        closing = [s.close("daemon shutting down") for s in list(self.sessions.values())]
+        await asyncio.gather(*closing, return_exceptions=True)
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
         log.info("stopped")
@@ -222,6 +233,8 @@ class Session:
                     while len(self.tasks) >= limits.max_inflight:  # back-pressure
                         self._slot.clear()
                         await self._slot.wait()
+                if self._decoder.error is not None:
+                    raise self._decoder.error
                 await self.writer.drain()
         except P.FrameError as exc:
             log.warning("closing %s: %s", self.peer, exc)
@@ -300,7 +313,7 @@ class Session:
                 task.cancel()
         pending = list(self.tasks.values())
         if pending:
-            done, stuck = await asyncio.wait(pending, timeout=self.daemon.limits.drain_timeout)
+            _, stuck = await asyncio.wait(pending, timeout=self.daemon.limits.drain_timeout)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
         for buf in self.registry.session_closed(self.session_id):

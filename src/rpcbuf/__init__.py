@@ -5,8 +5,19 @@ The public face only re-exports; the logic lives in ``control`` and ``dataplane`
 
 from control.client import Connector, RpcContext, connect, create_rpc_context
 from control.errors import (
-    AuthFailed, BadRequest, ConnectionLost, Forbidden, NotFound, OutOfMemory, OutOfRange,
-    QuotaExceeded, RpcBufError, ShuttingDown, Timeout, TokenExpired, UnsupportedDevice,
+    AuthFailed,
+    BadRequest,
+    ConnectionLost,
+    Forbidden,
+    NotFound,
+    OutOfMemory,
+    OutOfRange,
+    QuotaExceeded,
+    RpcBufError,
+    ShuttingDown,
+    Timeout,
+    TokenExpired,
+    UnsupportedDevice,
     VerifyFailed,
 )
 from dataplane.checksum import checksum

@@ -1,0 +1,132 @@
+"""Reference peer for ``scripts/bench.py``: what rpcbuf is measured against.
+
+One process, under uvloop, serving two things on 127.0.0.1:
+
+* a raw ucxx listener (same UCX settings as rpcbufd, via
+  ``dataplane.ucx.apply_defaults``).  Per endpoint it loops on a 3 x int64
+  phase header ``[mode, nbytes, iters]`` (tag ``TAG_PHASE``), then runs
+  ``iters`` exchanges into/out of one preallocated, pre-touched numpy buffer:
+  ``MODE_STORE``: recv ``nbytes`` (``TAG_DATA``), send a 1-byte ack
+  (``TAG_REPLY``); ``MODE_READ``: recv an 8-byte request holding the size
+  (``TAG_DATA``), send that many bytes (``TAG_REPLY``); ``MODE_QUIT`` ends it.
+* a bare msgpack echo server: length-prefixed frames in, the same frames out,
+  parsed and re-encoded with ``control.protocol`` (as the daemon does), with
+  the daemon's read loop shape (read, decode, write each answer, drain).
+
+Once listening it writes ``UCX_PORT ECHO_PORT`` to ``--ready-file``.  It exits
+0 on SIGTERM/SIGINT, and on its own when its parent process goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+from control import protocol as P
+from dataplane import ucx
+
+MODE_QUIT, MODE_STORE, MODE_READ = 0, 1, 2
+TAG_PHASE, TAG_DATA, TAG_REPLY = 1, 2, 3
+READ_CHUNK = 1 << 16
+
+
+async def serve_endpoint(ep: Any, buf: np.ndarray) -> None:
+    header = np.zeros(3, dtype=np.int64)
+    request = np.zeros(1, dtype=np.int64)
+    ack = np.ones(1, dtype=np.uint8)
+    try:
+        while True:
+            await ep.recv(header, tag=TAG_PHASE)
+            mode, nbytes, iters = (int(x) for x in header)
+            if mode == MODE_STORE:
+                view = buf[:nbytes]
+                for _ in range(iters):
+                    await ep.recv(view, tag=TAG_DATA)
+                    await ep.send(ack, tag=TAG_REPLY)
+            elif mode == MODE_READ:
+                for _ in range(iters):
+                    await ep.recv(request, tag=TAG_DATA)
+                    await ep.send(buf[: int(request[0])], tag=TAG_REPLY)
+            else:
+                break
+    except Exception:  # the client went away: nothing to clean up beyond the endpoint
+        pass
+    with contextlib.suppress(Exception):
+        await ep.close()
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    decoder = P.FrameDecoder()
+    try:
+        while True:
+            data = await reader.read(READ_CHUNK)
+            if not data:
+                break
+            for msg in decoder.feed(data):
+                writer.write(P.encode_frame(msg))
+            await writer.drain()
+    except (ConnectionError, OSError, P.FrameError):
+        pass
+    finally:
+        writer.close()
+
+
+def write_ready(path: str, text: str) -> None:
+    """Write atomically, so the waiter never sees half a line."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+async def main(args: argparse.Namespace) -> None:
+    ucxx = ucx.ucxx()  # applies rpcbuf's UCX defaults before importing ucxx
+    buf = np.empty(args.max_bytes, dtype=np.uint8)
+    buf.fill(0xA5)  # touch every page now, not during the first timed transfer
+    endpoints: set[asyncio.Task[None]] = set()
+
+    async def on_endpoint(ep: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        endpoints.add(task)
+        try:
+            await serve_endpoint(ep, buf)
+        finally:
+            endpoints.discard(task)
+
+    listener = ucxx.create_listener(on_endpoint, port=0)
+    server = await asyncio.start_server(echo, "127.0.0.1", 0, limit=READ_CHUNK)
+    echo_port = server.sockets[0].getsockname()[1]
+    write_ready(args.ready_file, f"{listener.port} {echo_port}\n")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    server.close()
+    listener.close()
+    for task in list(endpoints):
+        task.cancel()
+
+
+def cli() -> None:
+    p = argparse.ArgumentParser(description="bench.py's reference peer (raw ucxx + echo)")
+    p.add_argument("--ready-file", required=True)
+    p.add_argument("--max-bytes", type=int, default=64 << 20)
+    args = p.parse_args()
+    import uvloop
+
+    uvloop.run(main(args))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,602 @@
+"""rpcbuf benchmark: data ops against raw ucxx, control ops against a bare echo.
+
+Run as ``.venv/bin/python scripts/bench.py [--json bench.json] [--quick]``.
+
+What runs where (all on 127.0.0.1, one run, so the ratios compare like with
+like; DESIGN.md "Performance goals" says the ratios are what count):
+
+* this process, the client, under uvloop: ``rpcbuf.connect`` to the daemon,
+  plus a raw ucxx endpoint and a bare echo connection to the reference peer;
+* a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``);
+* ``scripts/_bench_peer.py``, the reference peer: a raw ucxx listener that
+  receives into / sends from a preallocated numpy buffer, and a msgpack echo
+  server using the daemon's framing (``control.protocol``).
+
+All three processes get the same UCX settings: ``UCX_TLS=tcp``,
+``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.apply_defaults()`` (blocking
+progress, put_zcopy rendezvous, 2 MiB tcp segments), each only where the
+environment does not already set it.  So raw ucxx runs with the fastest
+settings found (DESIGN.md "Facts measured here"), as the goal demands.
+
+Measured, for 4 KiB, 1 MiB and 64 MiB uint8 arrays: rpcbuf ``store_tensor``
+(one control round trip, payload over UCX) against raw "send N bytes, recv a
+1-byte ack"; rpcbuf ``read_buffer(out=...)`` against raw "send an 8-byte
+request, recv N bytes".  Control ops: ``request_buffer(4096)`` +
+``release_buffer`` pairs one at a time against two sequential echos of the
+same two messages (same bytes on the wire, same framing, same uvloop TCP), and
+pipelined with ``asyncio.gather`` of many workers against the same for echos.
+
+Each measurement warms up first (the first store touches fresh arena pages),
+then runs rpcbuf and its reference in alternating rounds, so drift on a busy
+2-core machine hits both alike.  The garbage collector is off while timing.
+Latency is per operation (median and p99); throughput is bytes / median.
+
+Output: one aligned table on stdout and every number (including each sample,
+in microseconds) as JSON at ``--json``.  Goals (from the issue): 64 MiB store
+and read >= 0.9 x raw ucxx throughput; request+release p50 <= 2 x the bare
+echo p50 (a pair against a pair of echos, i.e. per op against one echo).
+Missing a goal does not change the exit status; errors do.
+"""
+
+from __future__ import annotations
+
+import os
+
+# UCX reads its environment when ucxx is imported: set ours before anything can.
+ENV_DEFAULTS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+for _key, _value in ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterator  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from dataplane import ucx  # noqa: E402
+
+ucx.apply_defaults()  # blocking progress, put_zcopy, 2 MiB segments: for us and our children
+
+import numpy as np  # noqa: E402
+import uvloop  # noqa: E402
+
+import rpcbuf  # noqa: E402
+from _bench_peer import MODE_QUIT, MODE_READ, MODE_STORE, TAG_DATA, TAG_PHASE, TAG_REPLY  # noqa: E402
+from control import auth  # noqa: E402
+from control import protocol as P  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+HERE = Path(__file__).resolve().parent
+Round = Callable[[int], Awaitable[list[float]]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure; ``--quick`` takes the small one."""
+
+    iters: dict[int, int]  # payload size -> timed iterations per op
+    warmup: dict[int, int]
+    rounds: int  # alternating rpcbuf/reference rounds per measurement
+    control_pairs: int
+    pipelined_pairs: int
+    concurrency: int
+
+
+FULL = Plan(iters={4 * KiB: 2000, 1 * MiB: 200, 64 * MiB: 20},
+            warmup={4 * KiB: 200, 1 * MiB: 20, 64 * MiB: 3},
+            rounds=4, control_pairs=2000, pipelined_pairs=10000, concurrency=64)
+QUICK = Plan(iters={4 * KiB: 300, 1 * MiB: 40, 64 * MiB: 4},
+             warmup={4 * KiB: 50, 1 * MiB: 5, 64 * MiB: 2},
+             rounds=2, control_pairs=300, pipelined_pairs=2000, concurrency=64)
+
+
+def size_name(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+# -- statistics ------------------------------------------------------------------
+
+
+def summarize(samples: list[float], nbytes: int | None = None) -> dict[str, Any]:
+    """Latency stats in microseconds (+ GB/s at the median when ``nbytes``)."""
+    arr = np.asarray(samples, dtype=np.float64)
+    p50 = float(np.median(arr))
+    out: dict[str, Any] = {
+        "n": len(samples),
+        "p50_us": p50 * 1e6,
+        "p99_us": float(np.percentile(arr, 99)) * 1e6,
+        "mean_us": float(arr.mean()) * 1e6,
+        "min_us": float(arr.min()) * 1e6,
+        "max_us": float(arr.max()) * 1e6,
+    }
+    if nbytes is not None:
+        out["nbytes"] = nbytes
+        out["gbps_p50"] = nbytes / p50 / 1e9
+        out["gbps_mean"] = nbytes / float(arr.mean()) / 1e9
+    out["samples_us"] = [round(s * 1e6, 3) for s in samples]
+    return out
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def timed(op: Callable[[], Awaitable[Any]], iters: int) -> list[float]:
+    samples = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        await op()
+        samples.append(clock() - t0)
+    return samples
+
+
+async def alternate(ours: Round, ref: Round, iters: int,
+                    rounds: int) -> tuple[list[float], list[float]]:
+    """Run ``iters`` of each in ``rounds`` chunks, swapping who goes first."""
+    a: list[float] = []
+    b: list[float] = []
+    rounds = max(1, min(rounds, iters))
+    for r in range(rounds):
+        n = iters // rounds + (1 if r < iters % rounds else 0)
+        with no_gc():
+            if r % 2 == 0:
+                a += await ours(n)
+                b += await ref(n)
+            else:
+                b += await ref(n)
+                a += await ours(n)
+    return a, b
+
+
+# -- the reference peer's clients ---------------------------------------------------------
+
+
+class RawPeer:
+    """Client side of the raw ucxx reference (protocol: see _bench_peer.py)."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self._header = np.zeros(3, dtype=np.int64)
+        self._request = np.zeros(1, dtype=np.int64)
+        self._ack = np.zeros(1, dtype=np.uint8)
+
+    @classmethod
+    async def connect(cls, port: int) -> RawPeer:
+        ep = await asyncio.wait_for(ucx.ucxx().create_endpoint("127.0.0.1", port), 30)
+        return cls(ep)
+
+    async def _phase(self, mode: int, nbytes: int, iters: int) -> None:
+        self._header[:] = (mode, nbytes, iters)
+        await self.ep.send(self._header, tag=TAG_PHASE)
+
+    async def store(self, data: np.ndarray, iters: int) -> list[float]:
+        await self._phase(MODE_STORE, data.nbytes, iters)
+        ep, ack = self.ep, self._ack
+
+        async def once() -> None:
+            await ep.send(data, tag=TAG_DATA)
+            await ep.recv(ack, tag=TAG_REPLY)
+
+        return await timed(once, iters)
+
+    async def read(self, out: np.ndarray, iters: int) -> list[float]:
+        await self._phase(MODE_READ, out.nbytes, iters)
+        ep, request = self.ep, self._request
+        request[0] = out.nbytes
+
+        async def once() -> None:
+            await ep.send(request, tag=TAG_DATA)
+            await ep.recv(out, tag=TAG_REPLY)
+
+        return await timed(once, iters)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._phase(MODE_QUIT, 0, 0), 5)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ep.close(), 5)
+
+
+class EchoClient:
+    """A bare msgpack request/reply client: frames out, a reader task matching ids."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._decoder = P.FrameDecoder()
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def connect(cls, port: int) -> EchoClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        return cls(reader, writer)
+
+    async def _read_loop(self) -> None:
+        try:
+            while data := await self._reader.read(1 << 16):
+                for msg in self._decoder.feed(data):
+                    fut = self._pending.pop(msg["id"], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        finally:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError("echo server went away"))
+
+    def call(self, req: P.Request) -> asyncio.Future[dict[str, Any]]:
+        req_id = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        self._writer.write(P.encode_frame(req.to_wire(req_id)))
+        return fut
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._writer.close()
+
+
+# -- processes -------------------------------------------------------------------
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return ""
+
+
+def wait_ready(path: Path, proc: subprocess.Popen[bytes], log: Path, what: str,
+               timeout: float = 60.0) -> str:
+    """Poll for a ready file; fail fast (with the log's tail) if the process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            text = path.read_text()
+            if text.endswith("\n"):
+                return text.strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f}s:\n{_tail(log)}")
+
+
+def stop(proc: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> int | None:
+    """SIGTERM, wait (bounded), then SIGKILL. Returns the exit status."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+def daemon_command() -> list[str]:
+    exe = Path(sys.executable).with_name("rpcbufd")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "control.daemon"]
+
+
+# -- measurements -------------------------------------------------------------------
+
+
+async def bench_data(ctx: rpcbuf.RpcContext, raw: RawPeer, plan: Plan) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    results: dict[str, Any] = {}
+    for nbytes, iters in plan.iters.items():
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        out = np.zeros(nbytes, dtype=np.uint8)  # zeros: touched below by the warm-up reads
+        out.fill(1)
+        bid = await ctx.request_buffer(nbytes)
+        try:
+            async def rp_store(n: int, bid: str = bid, data: np.ndarray = data) -> list[float]:
+                return await timed(lambda: ctx.store_tensor(bid, data), n)
+
+            async def rp_read(n: int, bid: str = bid, out: np.ndarray = out) -> list[float]:
+                return await timed(lambda: ctx.read_buffer(bid, out=out), n)
+
+            async def raw_store(n: int, data: np.ndarray = data) -> list[float]:
+                return await raw.store(data, n)
+
+            async def raw_read(n: int, out: np.ndarray = out) -> list[float]:
+                return await raw.read(out, n)
+
+            warm = plan.warmup[nbytes]
+            await rp_store(warm)
+            await rp_read(warm)
+            if not np.array_equal(out, data):
+                raise RuntimeError(f"rpcbuf read back different bytes ({size_name(nbytes)})")
+            await raw_store(warm)
+            await raw_read(warm)
+            name = size_name(nbytes)
+            s_ours, s_ref = await alternate(rp_store, raw_store, iters, plan.rounds)
+            r_ours, r_ref = await alternate(rp_read, raw_read, iters, plan.rounds)
+            results[name] = {
+                "store": {"rpcbuf": summarize(s_ours, nbytes),
+                          "raw_ucxx": summarize(s_ref, nbytes)},
+                "read": {"rpcbuf": summarize(r_ours, nbytes),
+                         "raw_ucxx": summarize(r_ref, nbytes)},
+            }
+        finally:
+            await ctx.release_buffer(bid)
+    return results
+
+
+async def bench_control(ctx: rpcbuf.RpcContext, echo: EchoClient, plan: Plan) -> dict[str, Any]:
+    # The echo sends exactly what rpcbuf sends: the same request objects, encoded the same way.
+    sample_id = await ctx.request_buffer(4096)
+    await ctx.release_buffer(sample_id)
+    echo_req = P.RequestBuffer(size=4096)
+    echo_rel = P.Release(buffer_id=sample_id)
+    clock = time.perf_counter
+
+    def sequential(kind: str) -> tuple[Round, dict[str, list[float]]]:
+        parts: dict[str, list[float]] = {"first": [], "second": []}
+
+        async def run(n: int) -> list[float]:
+            pairs = []
+            for _ in range(n):
+                t0 = clock()
+                if kind == "rpcbuf":
+                    bid = await ctx.request_buffer(4096)
+                    t1 = clock()
+                    await ctx.release_buffer(bid)
+                else:
+                    await echo.call(echo_req)
+                    t1 = clock()
+                    await echo.call(echo_rel)
+                t2 = clock()
+                parts["first"].append(t1 - t0)
+                parts["second"].append(t2 - t1)
+                pairs.append(t2 - t0)
+            return pairs
+
+        return run, parts
+
+    async def rp_pair() -> None:
+        await ctx.release_buffer(await ctx.request_buffer(4096))
+
+    async def echo_pair() -> None:
+        await echo.call(echo_req)
+        await echo.call(echo_rel)
+
+    def pipelined(pair: Callable[[], Awaitable[None]]) -> Round:
+        async def run(n: int) -> list[float]:
+            workers = min(plan.concurrency, n)
+
+            async def worker(k: int) -> None:
+                for _ in range(k):
+                    await pair()
+
+            t0 = clock()
+            await asyncio.gather(*(worker(n // workers + (i < n % workers))
+                                   for i in range(workers)))
+            return [clock() - t0]
+
+        return run
+
+    rp_run, rp_parts = sequential("rpcbuf")
+    echo_run, echo_parts = sequential("echo")
+    await rp_run(50)  # warm-up
+    await echo_run(50)
+    for parts in (rp_parts, echo_parts):
+        parts["first"].clear()
+        parts["second"].clear()
+    rp_pairs, echo_pairs = await alternate(rp_run, echo_run, plan.control_pairs, plan.rounds)
+
+    await pipelined(rp_pair)(plan.concurrency * 4)  # warm-up
+    await pipelined(echo_pair)(plan.concurrency * 4)
+    rp_pipe, echo_pipe = await alternate(pipelined(rp_pair), pipelined(echo_pair),
+                                         plan.pipelined_pairs, plan.rounds)
+    pipe_ops = 2 * plan.pipelined_pairs
+    return {
+        "sequential": {
+            "rpcbuf": {"pair": summarize(rp_pairs),
+                       "request_buffer": summarize(rp_parts["first"]),
+                       "release_buffer": summarize(rp_parts["second"])},
+            "echo": {"pair": summarize(echo_pairs),
+                     "first": summarize(echo_parts["first"]),
+                     "second": summarize(echo_parts["second"])},
+        },
+        "pipelined": {
+            "concurrency": plan.concurrency,
+            "pairs": plan.pipelined_pairs,
+            "rpcbuf": {"seconds": sum(rp_pipe), "ops_per_s": pipe_ops / sum(rp_pipe)},
+            "echo": {"seconds": sum(echo_pipe), "echos_per_s": pipe_ops / sum(echo_pipe)},
+        },
+    }
+
+
+async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int,
+                  plan: Plan) -> dict[str, Any]:
+    ctx: rpcbuf.RpcContext | None = None
+    raw: RawPeer | None = None
+    echo: EchoClient | None = None
+    try:
+        ctx = await rpcbuf.connect(addr, token=token)
+        raw = await RawPeer.connect(peer_ucx_port)
+        echo = await EchoClient.connect(echo_port)
+        progress("data ops: rpcbuf vs raw ucxx ...")
+        data = await bench_data(ctx, raw, plan)
+        progress("control ops: rpcbuf vs msgpack echo ...")
+        control = await bench_control(ctx, echo, plan)
+        return {"data": data, "control": control, "daemon_limits": ctx.hello["limits"]}
+    finally:
+        if echo is not None:
+            echo.close()
+        if raw is not None:
+            await raw.close()
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ctx.close(), 10)
+
+
+# -- report ----------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    what: str
+    value: str
+    reference: str
+    ref_value: str
+    ratio: float | None = None
+    goal: str = "-"
+    met: bool | None = None
+
+
+def _lat(s: dict[str, Any]) -> str:
+    return f"{s['p50_us']:,.0f} us (p99 {s['p99_us']:,.0f})"
+
+
+def build_rows(results: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    refs = {"store": "raw ucxx send+ack", "read": "raw ucxx req+recv"}
+    for name, ops in results["data"].items():
+        for op in ("store", "read"):
+            ours, ref = ops[op]["rpcbuf"], ops[op]["raw_ucxx"]
+            if ours["nbytes"] <= 64 * KiB:
+                rows.append(Row(f"{op} {name} latency p50", _lat(ours), refs[op], _lat(ref),
+                                ours["p50_us"] / ref["p50_us"]))
+            ratio = ours["gbps_p50"] / ref["gbps_p50"]
+            row = Row(f"{op} {name} throughput", f"{ours['gbps_p50']:.3f} GB/s", refs[op],
+                      f"{ref['gbps_p50']:.3f} GB/s", ratio)
+            if ours["nbytes"] == 64 * MiB:
+                row.goal, row.met = ">= 0.9x", ratio >= 0.9
+            rows.append(row)
+    seq = results["control"]["sequential"]
+    ours, ref = seq["rpcbuf"], seq["echo"]
+    ratio = ours["pair"]["p50_us"] / ref["pair"]["p50_us"]
+    rows.append(Row("request+release pair p50", _lat(ours["pair"]), "2 msgpack echos",
+                    _lat(ref["pair"]), ratio, "<= 2x", ratio <= 2.0))
+    for op, echo in (("request_buffer", "first"), ("release_buffer", "second")):
+        rows.append(Row(f"{op} p50", _lat(ours[op]), "1 msgpack echo", _lat(ref[echo]),
+                        ours[op]["p50_us"] / ref[echo]["p50_us"]))
+    pipe = results["control"]["pipelined"]
+    rows.append(Row(f"pipelined ops ({pipe['concurrency']} in flight)",
+                    f"{pipe['rpcbuf']['ops_per_s']:,.0f} ops/s", "pipelined echos",
+                    f"{pipe['echo']['echos_per_s']:,.0f} /s",
+                    pipe["rpcbuf"]["ops_per_s"] / pipe["echo"]["echos_per_s"]))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("what", "rpcbuf", "reference", "reference value", "ratio", "goal", "met?")
+    cells = [header] + [
+        (r.what, r.value, r.reference, r.ref_value,
+         "-" if r.ratio is None else f"{r.ratio:.2f}x", r.goal,
+         "-" if r.met is None else ("yes" if r.met else "NO"))
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    right = {1, 3, 4}  # numbers line up on the right
+
+    def line(c: tuple[str, ...]) -> str:
+        return "  ".join(v.rjust(w) if i in right else v.ljust(w)
+                         for i, (v, w) in enumerate(zip(c, widths, strict=True))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(c) for c in cells[1:])])
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- main ------------------------------------------------------------------------
+
+
+def measure(plan: Plan, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start the daemon and the peer, measure, stop both (always, bounded)."""
+    secret = auth.load_or_create_secret(tmp / "secret")
+    token = auth.create_token(secret, "bench")
+    daemon_log, peer_log = tmp / "daemon.log", tmp / "peer.log"
+    daemon: subprocess.Popen[bytes] | None = None
+    peer: subprocess.Popen[bytes] | None = None
+    procs: dict[str, Any] = {}
+    try:
+        with open(daemon_log, "wb") as log:
+            daemon = subprocess.Popen(
+                [*daemon_command(), "--listen", "127.0.0.1:0", "--ucx-port", "0",
+                 "--device", "cpu:1GiB", "--secret-file", str(tmp / "secret"),
+                 "--ready-file", str(tmp / "daemon.ready"), "--log-level", "WARNING"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        with open(peer_log, "wb") as log:
+            peer = subprocess.Popen(
+                [sys.executable, str(HERE / "_bench_peer.py"), "--ready-file",
+                 str(tmp / "peer.ready"), "--max-bytes", str(max(plan.iters))],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        addr, _daemon_ucx = wait_ready(tmp / "daemon.ready", daemon, daemon_log, "rpcbufd").split()
+        peer_ucx, echo_port = wait_ready(tmp / "peer.ready", peer, peer_log, "bench peer").split()
+        progress(f"rpcbufd at {addr}, reference peer ucx={peer_ucx} echo={echo_port}")
+        results = uvloop.run(run_all(addr, token, int(peer_ucx), int(echo_port), plan))
+    finally:
+        procs["daemon_exit"] = stop(daemon)
+        procs["peer_exit"] = stop(peer)
+        procs["daemon_log"] = _tail(daemon_log, 50)
+        procs["peer_log"] = _tail(peer_log, 50)
+        for name in ("daemon", "peer"):
+            if procs[f"{name}_exit"] not in (0, None) or procs[f"{name}_log"]:
+                progress(f"{name} exited {procs[f'{name}_exit']}; log tail:\n"
+                         f"{procs[f'{name}_log']}")
+    return results, procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default="bench.json", help="write every number here [%(default)s]")
+    p.add_argument("--quick", action="store_true", help="fewer iterations (about 30 s)")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="rpcbuf-bench-") as tmpdir:
+        results, procs = measure(plan, Path(tmpdir))
+    rows = build_rows(results)
+    print(format_table(rows))
+    report = {
+        "meta": {
+            "started_at": started,
+            "seconds": time.time() - started,
+            "quick": args.quick,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "ucxx": getattr(ucx.ucxx(), "__version__", None),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX")},
+            "plan": {**asdict(plan),
+                     "iters": {size_name(k): v for k, v in plan.iters.items()},
+                     "warmup": {size_name(k): v for k, v in plan.warmup.items()}},
+        },
+        **results,
+        **procs,
+        "rows": [asdict(r) for r in rows],
+        "goals_met": all(r.met for r in rows if r.met is not None),
+    }
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    progress(f"wrote {args.json} ({report['meta']['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Fixtures that start real rpcbufd processes on loopback (UCX over tcp).
+
+``daemon_factory`` starts a daemon with any flags and waits until it has
+written its ready file (both listeners up); every daemon is stopped with
+SIGTERM at the end and must exit 0.  ``ctx`` is a client of the shared daemon;
+after each test that used it, the pool's free bytes must be back at their
+starting value: nothing leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import rpcbuf
+from control.auth import create_token, load_or_create_secret
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen[bytes]
+    addr: str
+    ucx_port: int
+    secret_file: Path
+    log_file: Path
+    tmp: Path
+    tokens: dict[str, str] = field(default_factory=dict)
+
+    def token(self, tenant: str = "alice", ttl: float | None = None) -> str:
+        if ttl is not None:
+            return create_token(load_or_create_secret(self.secret_file), tenant, ttl)
+        if tenant not in self.tokens:
+            self.tokens[tenant] = create_token(load_or_create_secret(self.secret_file), tenant)
+        return self.tokens[tenant]
+
+    def connect(self, tenant: str = "alice") -> rpcbuf.Connector:
+        return rpcbuf.connect(self.addr, token=self.token(tenant), timeout=30)
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon did not stop within {timeout}s") from None
+        return self.proc.returncode
+
+
+def start_daemon(tmp: Path, *flags: str, wait: float = 30) -> DaemonProc:
+    tmp.mkdir(parents=True, exist_ok=True)
+    secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
+    load_or_create_secret(secret)
+    args = [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0", "--ucx-port", "0",
+            "--secret-file", str(secret), "--ready-file", str(ready), *flags]
+    if not any(f == "--device" for f in flags):
+        args += ["--device", "cpu:512MiB"]
+    with open(logf, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + wait
+    while not (ready.exists() and ready.read_text().endswith("\n")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"rpcbufd did not start:\n{logf.read_text()}")
+        time.sleep(0.05)
+    addr, ucx_port = ready.read_text().split()
+    return DaemonProc(proc, addr, int(ucx_port), secret, logf, tmp)
+
+
+@pytest.fixture(scope="session")
+def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    started: list[DaemonProc] = []
+
+    def factory(*flags: str) -> DaemonProc:
+        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags)
+        started.append(d)
+        return d
+
+    yield factory
+    for d in started:
+        if d.proc.poll() is None:
+            assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="session")
+def daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
+    return daemon_factory("--device", "cpu:768MiB", "--transfer-timeout", "60s")  # type: ignore[no-any-return]
+
+
+async def pool_free(d: DaemonProc) -> int:
+    async with d.connect("probe") as c:
+        return sum(int(dev["free"]) for dev in await c.list_devices())
+
+
+async def wait_free(d: DaemonProc, expected: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        free = await pool_free(d)
+        if free == expected or time.monotonic() > deadline:
+            return free
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def clean_pool(daemon: DaemonProc) -> AsyncIterator[DaemonProc]:
+    """The shared daemon; asserts after the test that no memory leaked."""
+    start = await pool_free(daemon)
+    yield daemon
+    assert await wait_free(daemon, start) == start, "pool memory leaked"
+
+
+@pytest.fixture
+async def ctx(clean_pool: DaemonProc) -> AsyncIterator[rpcbuf.RpcContext]:
+    async with clean_pool.connect("alice") as c:
+        yield c

@@ -1,0 +1,112 @@
+"""The daemon process: flags, logs, SIGTERM, and the CLI around it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from control.auth import load_or_create_secret, verify_token
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--device", "cpu:lots"], "bad size"),
+    (["--device", "tpu:0:1GiB"], "only cpu devices"),
+    (["--allocator", "magic"], "invalid choice"),
+    (["--quota", "alice"], "TENANT:BYTES:BUFFERS"),
+    (["--listen", "127.0.0.1:x"], "bad address"),
+])
+def test_bad_flags_fail_clearly(tmp_path: Path, flags: list[str], message: str) -> None:
+    res = run("control.daemon", "--secret-file", str(tmp_path / "s"), *flags)
+    assert res.returncode != 0
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_port_in_use_is_a_clear_error(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    res = run("control.daemon", "--secret-file", str(tmp_path / "s"), "--listen", daemon.addr,
+              "--ucx-port", "0", "--device", "cpu:1MiB")
+    assert res.returncode == 2 and "rpcbufd:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_token_cli(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    res = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "alice",
+              "--ttl", "24h")
+    assert res.returncode == 0, res.stderr
+    assert verify_token(load_or_create_secret(secret), res.stdout.strip()) == "alice"
+    bad = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "a b")
+    assert bad.returncode == 2 and "bad tenant" in bad.stderr
+
+
+async def test_cli_devices_ls_release(clean_pool) -> None:  # type: ignore[no-untyped-def]
+    async with clean_pool.connect("alice") as c:
+        buf = await c.request_buffer(4096, name="cli-test")
+        tok = clean_pool.token("alice")
+        res = await asyncio.to_thread(run, "control.cli", "devices", "--endpoints",
+                                      f"{clean_pool.addr};127.0.0.1:1", "--token", tok, "--json")
+        out = json.loads(res.stdout)
+        assert res.returncode == 1  # one node failed: reported per node
+        assert out[clean_pool.addr][0]["key"] == "cpu:0"
+        assert out["127.0.0.1:1"]["code"] == "CONNECTION_LOST"
+        res = await asyncio.to_thread(run, "control.cli", "ls", "--endpoint", clean_pool.addr,
+                                      "--token", tok)
+        assert res.returncode == 0 and buf in res.stdout and "cli-test" in res.stdout
+        res = await asyncio.to_thread(run, "control.cli", "release", buf, "--endpoint",
+                                      clean_pool.addr, "--token", tok)
+        assert res.returncode == 0, res.stderr
+        with pytest.raises(rpcbuf.NotFound):
+            await c.get_buffer_meta(buf)
+        res = await asyncio.to_thread(run, "control.cli", "ls", "--endpoint", clean_pool.addr,
+                                      "--token", "forged")
+        assert res.returncode == 1 and "AUTH_FAILED" in res.stderr
+
+
+async def test_logs_every_memory_op_and_never_a_token(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:16MiB")
+    async with d.connect("alice") as c:
+        buf = await c.request_buffer(4096)
+        await c.store_tensor(buf, np.ones(100, np.uint8), offset=8)
+        await c.read_buffer(buf, 8, 100)
+        await c.renew_buffer(buf, 60)
+        await c.release_buffer(buf)
+    with pytest.raises(rpcbuf.AuthFailed):
+        await rpcbuf.connect(d.addr, token=d.token("alice") + "x")
+    assert d.stop() == 0
+    log = d.log()
+    for op in ("request_buffer", "store", "read", "renew", "release"):
+        assert f"op={op} tenant=alice" in log and f"buffer={buf}" in log
+    assert "offset=8 bytes=100" in log
+    assert d.token("alice") not in log and d.token("alice").split(".")[2] not in log
+    assert load_or_create_secret(d.secret_file).decode() not in log
+
+
+async def test_sigterm_finishes_in_flight_transfers(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:512MiB")
+    async with d.connect("alice") as c:
+        buf = await c.request_buffer(256 << 20)
+        data = np.full(256 << 20, 3, np.uint8)
+        store = asyncio.create_task(c.store_tensor(buf, data, verify="checksum"))
+        await asyncio.sleep(0.05)
+        d.proc.send_signal(signal.SIGTERM)
+        result = await store  # finishes, is not cut off
+        assert result["nbytes"] == 256 << 20
+        with pytest.raises((rpcbuf.ShuttingDown, rpcbuf.ConnectionLost)):
+            for _ in range(100):
+                await c.ping()
+                await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(d.proc.wait, 30) == 0
+    with pytest.raises(rpcbuf.ConnectionLost):
+        await rpcbuf.connect(d.addr, token=d.token("alice"), timeout=5)

@@ -1,0 +1,127 @@
+"""The wire protocol, with no I/O: framing, limits and request validation."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from control import protocol as P
+from control.errors import BadRequest, NotFound, RpcBufError, error_from_wire
+
+messages = st.dictionaries(
+    st.text(max_size=8),
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20)
+        | st.binary(max_size=40),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                     max_size=4),
+        max_leaves=10,
+    ),
+    max_size=6,
+)
+
+
+@given(st.lists(messages, max_size=5), st.data())
+def test_same_messages_whole_or_split(msgs: list[dict[str, object]], data: st.DataObject) -> None:
+    stream = b"".join(P.encode_frame(m) for m in msgs)
+    whole = P.FrameDecoder().feed(stream)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    dec = P.FrameDecoder()
+    pieces: list[object] = []
+    prev = 0
+    for c in [*cuts, len(stream)]:
+        pieces += dec.feed(stream[prev:c])
+        prev = c
+    assert whole == pieces == msgs
+    assert dec.pending == 0
+
+
+def test_byte_at_a_time() -> None:
+    frame = P.encode_frame(P.Store("b-1", 7, 9, checksum=2**64 - 1, verify="checksum").to_wire(5))
+    dec = P.FrameDecoder()
+    out = [m for b in frame for m in dec.feed(bytes([b]))]
+    req_id, req = P.parse_request(out[0])
+    assert req_id == 5 and req == P.Store("b-1", 7, 9, checksum=2**64 - 1, verify="checksum")
+
+
+def test_oversized_frame_is_refused_from_its_header() -> None:
+    dec = P.FrameDecoder(max_frame=1024)
+    with pytest.raises(P.FrameError, match="exceeds"):
+        dec.feed(struct.pack("!I", 1025))  # refused before the body arrives
+    with pytest.raises(P.FrameError):
+        P.encode_frame({"x": b"a" * 2048}, max_frame=1024)
+
+
+@pytest.mark.parametrize("body", [b"\xc1", b"\x92\x01\x02", b"\xa3abc", b"\x81\xa1a"])
+def test_garbage_and_non_maps_are_frame_errors(body: bytes) -> None:
+    with pytest.raises(P.FrameError):
+        P.FrameDecoder().feed(struct.pack("!I", len(body)) + body)
+
+
+def test_messages_before_a_break_are_kept() -> None:
+    dec = P.FrameDecoder(max_frame=64)
+    good = P.encode_frame({"op": "ping", "id": 1})
+    assert dec.feed(good + struct.pack("!I", 65)) == [{"op": "ping", "id": 1}]
+    assert isinstance(dec.error, P.FrameError)
+    with pytest.raises(P.FrameError):
+        dec.feed(good)
+
+
+def test_truncated_frame_waits_for_more() -> None:
+    frame = P.encode_frame({"op": "ping", "id": 1})
+    dec = P.FrameDecoder()
+    assert dec.feed(frame[:-1]) == []
+    assert dec.pending == len(frame) - 1
+
+
+@pytest.mark.parametrize(
+    ("msg", "match"),
+    [
+        ({"op": "nope", "id": 1}, "unknown op"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": -1, "nbytes": 1}, "offset"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": True, "nbytes": 1}, "offset"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": 2**63, "nbytes": 1}, "offset"),
+        ({"op": "store", "id": 1, "buffer_id": 3, "offset": 0, "nbytes": 1}, "buffer_id"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": 0}, "missing"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": 0, "nbytes": 1, "x": 1}, "unknown"),
+        ({"op": "store", "id": 1, "buffer_id": "b", "offset": 0, "nbytes": 1, "verify": "md5"},
+         "verify"),
+        ({"op": "request_buffer", "id": 1, "size": 1, "timeout": float("nan")}, "timeout"),
+        ({"op": "request_buffer", "id": 1, "size": "1GiB"}, "size"),
+        ({"op": "request_buffer", "id": 1, "size": 1, "name": "x" * 5000}, "name"),
+    ],
+)
+def test_bad_requests_keep_their_id(msg: dict[str, object], match: str) -> None:
+    with pytest.raises(P.RequestError, match=match) as info:
+        P.parse_request(msg)
+    assert info.value.req_id == 1 and isinstance(info.value.error, BadRequest)
+
+
+@pytest.mark.parametrize("msg", [{"op": "ping"}, {"op": "ping", "id": "1"},
+                                 {"op": "ping", "id": -3}])
+def test_request_without_valid_id(msg: dict[str, object]) -> None:
+    with pytest.raises(P.RequestError) as info:
+        P.parse_request(msg)
+    assert info.value.req_id is None
+
+
+def test_every_op_round_trips() -> None:
+    samples = [P.Hello("t"), P.RequestBuffer(10, "GPU", 1, 2.5, 3.0, "n"), P.GetBufferMeta("b"),
+               P.Store("b", 0, 1), P.Read("b", 1, 2), P.Release("b"), P.Renew("b", 1.0),
+               P.ListDevices(), P.ListBuffers(), P.Stats(), P.Ping()]
+    assert {type(s) for s in samples} == set(P.OPS.values())
+    for i, s in enumerate(samples):
+        wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))
+        assert P.parse_request(wire) == (i, s)
+
+
+def test_errors_travel_by_code() -> None:
+    exc = error_from_wire(NotFound("gone", {"x": 1}).to_wire())
+    assert type(exc) is NotFound and exc.details == {"x": 1} and exc.code == "NOT_FOUND"
+    unknown = error_from_wire({"code": "FROM_THE_FUTURE", "message": "m"})
+    assert type(unknown) is RpcBufError and unknown.details["code"] == "FROM_THE_FUTURE"
+    assert type(error_from_wire("junk")) is RpcBufError
