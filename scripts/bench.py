@@ -93,12 +93,12 @@ class Plan:
     concurrency: int
 
 
-FULL = Plan(iters={4 * KiB: 2000, 1 * MiB: 200, 64 * MiB: 20},
+FULL = Plan(iters={4 * KiB: 3000, 1 * MiB: 300, 64 * MiB: 30},
             warmup={4 * KiB: 200, 1 * MiB: 20, 64 * MiB: 3},
-            rounds=4, control_pairs=2000, pipelined_pairs=10000, concurrency=64)
-QUICK = Plan(iters={4 * KiB: 300, 1 * MiB: 40, 64 * MiB: 4},
+            rounds=10, control_pairs=3000, pipelined_pairs=20000, concurrency=64)
+QUICK = Plan(iters={4 * KiB: 300, 1 * MiB: 40, 64 * MiB: 6},
              warmup={4 * KiB: 50, 1 * MiB: 5, 64 * MiB: 2},
-             rounds=2, control_pairs=300, pipelined_pairs=2000, concurrency=64)
+             rounds=4, control_pairs=300, pipelined_pairs=2000, concurrency=64)
 
 
 def size_name(nbytes: int) -> str:
@@ -563,6 +563,20 @@ def measure(plan: Plan, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return results, procs
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU time used on the whole machine, CPU time of this process and its
+    reaped children), to tell how much other processes competed with the run."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return machine, t.user + t.system + t.children_user + t.children_system
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench.json", help="write every number here [%(default)s]")
@@ -570,18 +584,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     started = time.time()
+    before = cpu_seconds()
     with tempfile.TemporaryDirectory(prefix="rpcbuf-bench-") as tmpdir:
         results, procs = measure(plan, Path(tmpdir))
+    after = cpu_seconds()
+    wall = time.time() - started
     rows = build_rows(results)
     print(format_table(rows))
+    others = None if before is None or after is None else (
+        (after[0] - before[0] - (after[1] - before[1])) / wall)
+    if others is not None and others > 0.25:
+        print(f"note: other processes used {others:.1f} CPUs on average during this run "
+              f"({os.cpu_count()} CPUs here): latencies include scheduling delays; trust the "
+              "ratios more than the absolute numbers, or rerun on a quiet machine")
     report = {
         "meta": {
             "started_at": started,
-            "seconds": time.time() - started,
+            "seconds": wall,
             "quick": args.quick,
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
+            "other_processes_cpus": others,
             "ucxx": getattr(ucx.ucxx(), "__version__", None),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX")},
             "plan": {**asdict(plan),

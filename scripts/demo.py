@@ -1,13 +1,13 @@
 """End-to-end demo: start a real rpcbufd, push a small transformer's weights through it.
 
-Starts the daemon in a temp dir, connects over TCP + UCX, stores every tensor of a
-4-layer toy transformer into one buffer (checksum-verified), reads each back, checks
-the pool is whole again after release, prints a table and stops the daemon cleanly.
-Run: ``.venv/bin/python scripts/demo.py`` (what ``make run`` does).
+Stores every tensor of a 4-layer toy transformer into one buffer (checksum-verified),
+reads each back, checks the pool is whole again after release, prints a table and stops
+the daemon cleanly.  Run: ``.venv/bin/python scripts/demo.py`` (what ``make run`` does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 for _key, _val in (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"),
                    ("UCX_WARN_UNUSED_ENV_VARS", "n")):
@@ -27,6 +28,7 @@ import rpcbuf  # noqa: E402
 from control.auth import create_token, load_or_create_secret  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, ALIGN = 32000, 512, 1376, 4, 256
+RUN_TIMEOUT = 120.0  # the data plane has no per-transfer client timeout
 Tensors = dict[str, list[tuple[str, np.ndarray]]]
 
 
@@ -48,11 +50,10 @@ def build_model(seed: int = 0) -> Tensors:
     return groups
 
 
-def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    """Start rpcbufd; return (process, control address, token)."""
+def start_daemon(tmp: Path, err: IO[bytes]) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start rpcbufd (stderr to ``err``); return (process, control address, token)."""
     secret_file, ready = tmp / "secret", tmp / "ready"
     token = create_token(load_or_create_secret(secret_file), "demo")
-    err = open(tmp / "daemon.err", "wb")  # noqa: SIM115 - outlives this function
     proc = subprocess.Popen(
         [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0", "--ucx-port", "0",
          "--device", "cpu:512MiB", "--secret-file", str(secret_file),
@@ -65,10 +66,11 @@ def start_daemon(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
         if proc.poll() is not None:
             break
         time.sleep(0.05)
-    stderr = (tmp / "daemon.err").read_text(errors="replace")
     state = f"exited with {proc.returncode}" if proc.poll() is not None else "timed out (20 s)"
     stop_daemon(proc)
-    raise RuntimeError(f"rpcbufd did not come up: {state}\n--- daemon stderr ---\n{stderr}")
+    err.seek(0)
+    raise RuntimeError(f"rpcbufd did not come up: {state}\n--- daemon stderr ---\n"
+                       f"{err.read().decode(errors='replace')}")
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> int:
@@ -83,21 +85,14 @@ def stop_daemon(proc: subprocess.Popen[bytes]) -> int:
     return int(proc.returncode)
 
 
-def pool_free(devices: list[dict[str, object]]) -> int:
-    return sum(int(d["free"]) for d in devices)  # type: ignore[call-overload]
-
-
 async def run(addr: str, token: str) -> None:
     groups = build_model()
-    offsets: dict[str, int] = {}
-    size = 0
-    for tensors in groups.values():
-        for name, arr in tensors:
-            offsets[name] = size
-            size += -(-arr.nbytes // ALIGN) * ALIGN
+    offsets, size = {}, 0
+    for name, arr in (t for tensors in groups.values() for t in tensors):
+        offsets[name], size = size, size + -(-arr.nbytes // ALIGN) * ALIGN
     rows: list[tuple[str, int, int, float, float, bool]] = []
-    async with rpcbuf.connect(addr, token=token) as ctx:
-        free0 = pool_free(await ctx.list_devices())
+    async with asyncio.timeout(RUN_TIMEOUT), rpcbuf.connect(addr, token=token) as ctx:
+        free0 = sum(int(d["free"]) for d in await ctx.list_devices())
         buf = await ctx.request_buffer(size, name="demo-model")
         t_all = time.perf_counter()
         for group, tensors in groups.items():
@@ -117,10 +112,10 @@ async def run(addr: str, token: str) -> None:
         elapsed = time.perf_counter() - t_all
         meta = await ctx.get_buffer_meta(buf)
         await ctx.release_buffer(buf)
-        free1 = pool_free(await ctx.list_devices())
+        free1 = sum(int(d["free"]) for d in await ctx.list_devices())
     print(f"buffer {buf}: {meta.get('size')} bytes on {meta.get('device_type')}")
     head = f"{'group':<10} {'tensors':>7} {'bytes':>12} {'store ms':>9} {'read ms':>9}  verified"
-    print(head + "\n" + "-" * len(head))
+    print(head, "-" * len(head), sep="\n")
     for g, n, b, s, r, ok in rows:
         print(f"{g:<10} {n:>7} {b:>12,} {s:>9.1f} {r:>9.1f}  {'ok' if ok else 'FAILED'}")
     total = sum(r[2] for r in rows)
@@ -136,20 +131,25 @@ async def run(addr: str, token: str) -> None:
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="rpcbuf-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rpcbuf-demo-") as tmp, \
+            open(Path(tmp) / "daemon.err", "w+b") as err:
         proc: subprocess.Popen[bytes] | None = None
+        failure = ""
         try:
-            proc, addr, token = start_daemon(Path(tmp))
+            proc, addr, token = start_daemon(Path(tmp), err)
             print(f"rpcbufd up at {addr} (pid {proc.pid})")
             uvloop.run(run(addr, token))
+        except TimeoutError:
+            failure = f"no result within {RUN_TIMEOUT:g} s (a transfer hung?)"
         except Exception as exc:
-            print(f"demo FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            failure = f"{type(exc).__name__}: {exc}"
         finally:
             if proc is not None and (rc := stop_daemon(proc)) != 0:
-                err = (Path(tmp) / "daemon.err").read_text(errors="replace")
-                print(f"demo FAILED: rpcbufd exited {rc}\n{err}", file=sys.stderr)
-                return 1  # noqa: B012
+                err.seek(0)
+                failure += f"\nrpcbufd exited {rc}\n{err.read().decode(errors='replace')}"
+    if failure:
+        print(f"demo FAILED: {failure.strip()}", file=sys.stderr)
+        return 1
     print("demo ok")
     return 0
 
