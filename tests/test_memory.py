@@ -149,3 +149,43 @@ async def test_release_during_transfer_is_deferred(ctx: rpcbuf.RpcContext, clean
     except rpcbuf.NotFound:
         pass
     assert await wait_free(clean_pool, start) == start
+
+
+async def test_daemon_killed_fails_every_pending_call(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:512MiB")
+    async with d.connect("alice") as c:
+        buf = await c.request_buffer(256 << 20)
+        hog = await c.request_buffer(256 << 20)
+        pending = [
+            asyncio.create_task(c.request_buffer(1 << 20, timeout=60)),  # waits for memory
+            asyncio.create_task(c.store_tensor(buf, np.ones(256 << 20, np.uint8))),
+            asyncio.create_task(c.read_buffer(hog, 0, 256 << 20)),
+        ]
+        await asyncio.sleep(0.05)
+        d.proc.send_signal(signal.SIGKILL)
+        done, not_done = await asyncio.wait(pending, timeout=20)
+        assert not not_done, "a call hung after the daemon died"
+        for t in done:
+            exc = t.exception()
+            # the store or read may have finished before the kill; nothing else is allowed
+            assert exc is None or isinstance(exc, rpcbuf.ConnectionLost), exc
+        assert isinstance(pending[0].exception(), rpcbuf.ConnectionLost)
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await c.ping()
+    d.proc.wait(10)
+
+
+async def test_transfer_deadline_aborts_a_stalled_store(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    from control import protocol as P
+
+    d = daemon_factory("--device", "cpu:16MiB", "--transfer-timeout", "1s")
+    start = await pool_free(d)
+    async with d.connect("alice") as c:
+        buf = await c.request_buffer(1 << 20)
+        # announce a store but never send its payload: the daemon's receive stalls
+        conn = c._conn
+        fut = conn.submit(conn.next_id(), P.Store(buffer_id=buf, offset=0, nbytes=1 << 20))
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await asyncio.wait_for(fut, 10)
+    assert await wait_free(d, start) == start
+    assert "transfer deadline passed" in d.log()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ def as_bytes(array: Any, *, writable: bool = False) -> np.ndarray:
 class ControlConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  max_frame: int = P.DEFAULT_MAX_FRAME) -> None:
+        self.on_lost: Callable[[], None] | None = None  # e.g. abort the UCX endpoint
         self._reader = reader
         self._writer = writer
         self._decoder = P.FrameDecoder(max_frame)
@@ -125,10 +126,16 @@ class ControlConnection:
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
+    def fail(self, exc: RpcBufError) -> None:
+        """Fail every pending call with ``exc`` and refuse new ones."""
+        self._fail_all(exc)
+
     def _fail_all(self, exc: RpcBufError) -> None:
         if self._lost is None:
             self._lost = exc
         err = self._lost
+        if self.on_lost is not None:
+            self.on_lost()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ConnectionLost(err.message, {"cause": err.code}))
@@ -163,7 +170,11 @@ class RpcContext:
         self.node_id: str = hello["node_id"]
         self.timeout = timeout
         self._slots = asyncio.Semaphore(int(hello["limits"]["max_inflight"]))
+        self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
         self._closed = False
+        # Without its control session the daemon drops the data endpoint too:
+        # abort ours at once so posted UCX requests fail instead of waiting.
+        conn.on_lost = ep.abort
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -212,6 +223,20 @@ class RpcContext:
             except TimeoutError:
                 self._conn.forget(req_id)
                 raise Timeout(f"{req.op} got no answer within {timeout}s") from None
+
+    async def _transfer(self, coro: Any) -> None:
+        """One UCX transfer under the daemon's transfer deadline.  Past it the
+        context is aborted (UCX lets go of the array) and the call fails with
+        CONNECTION_LOST; the daemon does the same on its side."""
+        timer = asyncio.get_running_loop().call_later(self.transfer_timeout, self._expired)
+        try:
+            await coro
+        finally:
+            timer.cancel()
+
+    def _expired(self) -> None:
+        self._conn.fail(ConnectionLost(f"a transfer took longer than {self.transfer_timeout}s"))
+        self.abort()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -320,7 +345,7 @@ class RpcContext:
             if data.nbytes:
                 # The payload goes out while the daemon checks the request.
                 try:
-                    await self._ep.send(data, req_id)
+                    await self._transfer(self._ep.send(data, req_id))
                 except ucx.TransferError as exc:
                     sent = exc
             try:
@@ -366,7 +391,7 @@ class RpcContext:
             _result(msg)
             if nbytes:
                 try:
-                    await self._ep.recv(dest, req_id)
+                    await self._transfer(self._ep.recv(dest, req_id))
                 except ucx.TransferError as exc:
                     raise ConnectionLost(f"read transfer failed: {exc}") from exc
         return out if out is not None else target
