@@ -29,13 +29,18 @@ pipelined with ``asyncio.gather`` of many workers against the same for echos.
 Each measurement warms up first (the first store touches fresh arena pages),
 then runs rpcbuf and its reference in alternating rounds, so drift on a busy
 2-core machine hits both alike.  The garbage collector is off while timing.
-Latency is per operation (median and p99); throughput is bytes / median.
+Latency is per operation (median and p99); throughput is bytes / median, so
+a throughput ratio is the inverse of the latency ratio.
 
 Output: one aligned table on stdout and every number (including each sample,
 in microseconds) as JSON at ``--json``.  Goals (from the issue): 64 MiB store
 and read >= 0.9 x raw ucxx throughput; request+release p50 <= 2 x the bare
 echo p50 (a pair against a pair of echos, i.e. per op against one echo).
-Missing a goal does not change the exit status; errors do.
+Missing a goal does not change the exit status; errors do (SIGINT/SIGTERM:
+128 + signal).  The daemon and the peer are stopped with SIGTERM (bounded,
+then SIGKILL) however the run ends, and get SIGTERM from the kernel should
+this process die first (PR_SET_PDEATHSIG).  The share of CPU that other
+processes took during the run is printed when it is large, and always stored.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ for _key, _value in ENV_DEFAULTS.items():
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
+import ctypes  # noqa: E402
 import gc  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
@@ -142,6 +148,7 @@ async def timed(op: Callable[[], Awaitable[Any]], iters: int) -> list[float]:
     samples = []
     clock = time.perf_counter
     for _ in range(iters):
+        check_interrupted()
         t0 = clock()
         await op()
         samples.append(clock() - t0)
@@ -255,7 +262,47 @@ class EchoClient:
         self._writer.close()
 
 
-# -- processes -------------------------------------------------------------------
+# -- processes and signals ------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: stop measuring, clean up, exit 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+_pending_signal: int | None = None
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    """Outside the event loop (start-up, shutdown): raise at once."""
+    raise Interrupted(signum)
+
+
+def _note_signal(signum: int) -> None:
+    """Inside the event loop: a flag checked between operations.  Cancelling
+    the main task is not enough, because on Python 3.11 ``asyncio.wait_for``
+    (which the rpcbuf client uses) swallows a cancellation that races with
+    the answer arriving."""
+    global _pending_signal
+    _pending_signal = signum
+
+
+def check_interrupted() -> None:
+    if _pending_signal is not None:
+        raise Interrupted(_pending_signal)
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In each child before exec: get SIGTERM if this process dies, even by SIGKILL."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(path: Path, n: int = 20) -> str:
@@ -306,8 +353,8 @@ async def bench_data(ctx: rpcbuf.RpcContext, raw: RawPeer, plan: Plan) -> dict[s
     results: dict[str, Any] = {}
     for nbytes, iters in plan.iters.items():
         data = rng.integers(0, 256, nbytes, dtype=np.uint8)
-        out = np.zeros(nbytes, dtype=np.uint8)  # zeros: touched below by the warm-up reads
-        out.fill(1)
+        out = np.empty(nbytes, dtype=np.uint8)
+        out.fill(0)  # touch every page before anything is timed
         bid = await ctx.request_buffer(nbytes)
         try:
             async def rp_store(n: int, bid: str = bid, data: np.ndarray = data) -> list[float]:
@@ -357,6 +404,7 @@ async def bench_control(ctx: rpcbuf.RpcContext, echo: EchoClient, plan: Plan) ->
         async def run(n: int) -> list[float]:
             pairs = []
             for _ in range(n):
+                check_interrupted()
                 t0 = clock()
                 if kind == "rpcbuf":
                     bid = await ctx.request_buffer(4096)
@@ -387,6 +435,7 @@ async def bench_control(ctx: rpcbuf.RpcContext, echo: EchoClient, plan: Plan) ->
 
             async def worker(k: int) -> None:
                 for _ in range(k):
+                    check_interrupted()
                     await pair()
 
             t0 = clock()
@@ -433,6 +482,9 @@ async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int,
     ctx: rpcbuf.RpcContext | None = None
     raw: RawPeer | None = None
     echo: EchoClient | None = None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _note_signal, sig)
     try:
         ctx = await rpcbuf.connect(addr, token=token)
         raw = await RawPeer.connect(peer_ucx_port)
@@ -466,8 +518,12 @@ class Row:
     met: bool | None = None
 
 
+def _us(us: float) -> str:
+    return f"{us / 1000:,.1f} ms" if us >= 10_000 else f"{us:,.0f} us"
+
+
 def _lat(s: dict[str, Any]) -> str:
-    return f"{s['p50_us']:,.0f} us (p99 {s['p99_us']:,.0f})"
+    return f"{_us(s['p50_us'])} (p99 {_us(s['p99_us'])})"
 
 
 def build_rows(results: dict[str, Any]) -> list[Row]:
@@ -476,9 +532,8 @@ def build_rows(results: dict[str, Any]) -> list[Row]:
     for name, ops in results["data"].items():
         for op in ("store", "read"):
             ours, ref = ops[op]["rpcbuf"], ops[op]["raw_ucxx"]
-            if ours["nbytes"] <= 64 * KiB:
-                rows.append(Row(f"{op} {name} latency p50", _lat(ours), refs[op], _lat(ref),
-                                ours["p50_us"] / ref["p50_us"]))
+            rows.append(Row(f"{op} {name} latency p50", _lat(ours), refs[op], _lat(ref),
+                            ours["p50_us"] / ref["p50_us"]))
             ratio = ours["gbps_p50"] / ref["gbps_p50"]
             row = Row(f"{op} {name} throughput", f"{ours['gbps_p50']:.3f} GB/s", refs[op],
                       f"{ref['gbps_p50']:.3f} GB/s", ratio)
@@ -535,29 +590,39 @@ def measure(plan: Plan, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     daemon: subprocess.Popen[bytes] | None = None
     peer: subprocess.Popen[bytes] | None = None
     procs: dict[str, Any] = {}
+    # Children get their own session (a terminal's Ctrl-C reaches only us, and we
+    # stop them in order) and die with us however we die (PR_SET_PDEATHSIG).
+    spawn: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stderr": subprocess.STDOUT,
+                             "start_new_session": True, "preexec_fn": _die_with_parent}
+    handlers = {sig: signal.signal(sig, _raise_interrupted)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with open(daemon_log, "wb") as log:
             daemon = subprocess.Popen(
                 [*daemon_command(), "--listen", "127.0.0.1:0", "--ucx-port", "0",
                  "--device", "cpu:1GiB", "--secret-file", str(tmp / "secret"),
                  "--ready-file", str(tmp / "daemon.ready"), "--log-level", "WARNING"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, **spawn)
         with open(peer_log, "wb") as log:
             peer = subprocess.Popen(
                 [sys.executable, str(HERE / "_bench_peer.py"), "--ready-file",
                  str(tmp / "peer.ready"), "--max-bytes", str(max(plan.iters))],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, **spawn)
         addr, _daemon_ucx = wait_ready(tmp / "daemon.ready", daemon, daemon_log, "rpcbufd").split()
         peer_ucx, echo_port = wait_ready(tmp / "peer.ready", peer, peer_log, "bench peer").split()
         progress(f"rpcbufd at {addr}, reference peer ucx={peer_ucx} echo={echo_port}")
         results = uvloop.run(run_all(addr, token, int(peer_ucx), int(echo_port), plan))
     finally:
+        for sig in handlers:  # cleanup is bounded; a second Ctrl-C must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
         procs["daemon_exit"] = stop(daemon)
         procs["peer_exit"] = stop(peer)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         procs["daemon_log"] = _tail(daemon_log, 50)
         procs["peer_log"] = _tail(peer_log, 50)
         for name in ("daemon", "peer"):
-            if procs[f"{name}_exit"] not in (0, None) or procs[f"{name}_log"]:
+            if procs[f"{name}_exit"] not in (0, None, -signal.SIGTERM) or procs[f"{name}_log"]:
                 progress(f"{name} exited {procs[f'{name}_exit']}; log tail:\n"
                          f"{procs[f'{name}_log']}")
     return results, procs
@@ -580,13 +645,18 @@ def cpu_seconds() -> tuple[float, float] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench.json", help="write every number here [%(default)s]")
-    p.add_argument("--quick", action="store_true", help="fewer iterations (about 30 s)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer iterations: a smoke run, well under 30 s")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     started = time.time()
     before = cpu_seconds()
-    with tempfile.TemporaryDirectory(prefix="rpcbuf-bench-") as tmpdir:
-        results, procs = measure(plan, Path(tmpdir))
+    try:
+        with tempfile.TemporaryDirectory(prefix="rpcbuf-bench-") as tmpdir:
+            results, procs = measure(plan, Path(tmpdir))
+    except Interrupted as exc:
+        progress(f"{exc}; daemon and peer stopped")
+        return 128 + exc.signum
     after = cpu_seconds()
     wall = time.time() - started
     rows = build_rows(results)

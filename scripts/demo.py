@@ -28,7 +28,7 @@ import rpcbuf  # noqa: E402
 from control.auth import create_token, load_or_create_secret  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, ALIGN = 32000, 512, 1376, 4, 256
-RUN_TIMEOUT = 120.0  # the data plane has no per-transfer client timeout
+RUN_TIMEOUT = 120.0  # a bound on the whole demo, whatever happens
 Tensors = dict[str, list[tuple[str, np.ndarray]]]
 
 

@@ -182,7 +182,8 @@ class RpcContext:
     async def connect(cls, addr: str, token: str, timeout: float | None = 30.0) -> RpcContext:
         host, port = parse_addr(addr)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port)
         except TimeoutError:
             raise Timeout(f"connecting to {addr} timed out") from None
         except OSError as exc:
@@ -190,13 +191,15 @@ class RpcContext:
         conn = ControlConnection(reader, writer)
         try:
             fut = conn.submit(conn.next_id(), P.Hello(token=token))
-            hello = _result(await asyncio.wait_for(fut, timeout))
+            async with asyncio.timeout(timeout):
+                hello = _result(await fut)
             ep = await ucx.connect(host, int(hello["ucx"]["port"]),
                                    timeout=timeout if timeout else 30.0)
             try:
                 await ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8), ucx.BIND_TAG)
                 ack = np.zeros(1, dtype=np.uint8)
-                await asyncio.wait_for(ep.recv(ack, ucx.BIND_TAG), timeout)
+                async with asyncio.timeout(timeout):
+                    await ep.recv(ack, ucx.BIND_TAG)
                 if ack[0] != 1:
                     raise ConnectionLost("daemon refused to bind the data endpoint")
             except BaseException:
@@ -219,7 +222,8 @@ class RpcContext:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
             try:
-                return _result(await asyncio.wait_for(fut, timeout))
+                async with asyncio.timeout(timeout):
+                    return _result(await fut)
             except TimeoutError:
                 self._conn.forget(req_id)
                 raise Timeout(f"{req.op} got no answer within {timeout}s") from None
@@ -349,7 +353,8 @@ class RpcContext:
                 except ucx.TransferError as exc:
                     sent = exc
             try:
-                msg = await asyncio.wait_for(fut, self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    msg = await fut
             except TimeoutError:
                 self._conn.forget(req_id)
                 raise Timeout(f"store got no answer within {self.timeout}s") from None
@@ -384,7 +389,8 @@ class RpcContext:
             fut = self._conn.submit(req_id, P.Read(buffer_id=buffer_id, offset=offset,
                                                    nbytes=nbytes))
             try:
-                msg = await asyncio.wait_for(fut, self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    msg = await fut
             except TimeoutError:
                 self._conn.forget(req_id)
                 raise Timeout(f"read got no answer within {self.timeout}s") from None

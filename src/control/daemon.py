@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -124,8 +125,10 @@ async def serve(args: argparse.Namespace) -> int:
     host, port = args.listen
     await daemon.start(host, port, args.ucx_port)
     if args.ready_file:
-        with open(args.ready_file, "w") as f:
+        tmp = f"{args.ready_file}.tmp"
+        with open(tmp, "w") as f:
             f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
+        os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

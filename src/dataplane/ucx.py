@@ -144,7 +144,8 @@ class DataListener:
 
 async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
     try:
-        ep = await asyncio.wait_for(ucxx().create_endpoint(host, port), timeout)
+        async with asyncio.timeout(timeout):
+            ep = await ucxx().create_endpoint(host, port)
     except TimeoutError as exc:
         raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
     except Exception as exc:
