@@ -44,15 +44,19 @@ async def serve_endpoint(ep: Any, buf: np.ndarray) -> None:
         while True:
             await ep.recv(header, tag=TAG_PHASE)
             mode, nbytes, iters = (int(x) for x in header)
+            # ucx.busy(): the same progress policy rpcbufd's transfers get
+            # (poll while a transfer is in flight, sleep on epoll otherwise)
             if mode == MODE_STORE:
                 view = buf[:nbytes]
                 for _ in range(iters):
-                    await ep.recv(view, tag=TAG_DATA)
-                    await ep.send(ack, tag=TAG_REPLY)
+                    with ucx.busy():
+                        await ep.recv(view, tag=TAG_DATA)
+                        await ep.send(ack, tag=TAG_REPLY)
             elif mode == MODE_READ:
                 for _ in range(iters):
-                    await ep.recv(request, tag=TAG_DATA)
-                    await ep.send(buf[: int(request[0])], tag=TAG_REPLY)
+                    with ucx.busy():
+                        await ep.recv(request, tag=TAG_DATA)
+                        await ep.send(buf[: int(request[0])], tag=TAG_REPLY)
             else:
                 break
     except Exception:  # the client went away: nothing to clean up beyond the endpoint
