@@ -24,8 +24,9 @@ lint: install
 test: install lint  ## the whole suite: lint, unit and integration tests
 	$(BIN)/python -m pytest -q
 
-bench: install  ## prints a table and writes bench.json
+bench: install  ## prints tables and writes bench.json, bench_alloc.json
 	$(BIN)/python scripts/bench.py --json bench.json
+	$(BIN)/python scripts/bench_alloc.py --json bench_alloc.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

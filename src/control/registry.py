@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataplane.allocator import BuddyAllocator, make_allocator
+from dataplane.allocator import Allocator, make_allocator
 from dataplane.arena import Arena
 
 from .errors import BadRequest, NotFound, OutOfMemory, QuotaExceeded, RpcBufError, UnsupportedDevice
+from .locks import RangeLocks
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Pool:
 
     key: str
     arena: Arena
-    allocator: BuddyAllocator
+    allocator: Allocator
 
     @classmethod
     def create(cls, arena: Arena, allocator: str) -> Pool:
@@ -69,6 +70,7 @@ class Buffer:
     created_at: float
     expires_at: float | None
     tensors: dict[str, Any] = field(default_factory=dict)
+    locks: RangeLocks = field(default_factory=RangeLocks)
     pins: int = 0
     released: bool = False
 
@@ -144,6 +146,12 @@ class Registry:
             raise NotFound(f"no buffer {buffer_id!r}")
         return buf
 
+    def by_name(self, tenant: str, name: str) -> Buffer:
+        bid = self._names.get((tenant, name))
+        if bid is None:
+            raise NotFound(f"no buffer named {name!r}")
+        return self._buffers[bid]
+
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
 
@@ -172,9 +180,10 @@ class Registry:
     def _validate(self, tenant: str, pool: Pool, size: int, name: str | None) -> None:
         if size <= 0:
             raise BadRequest("size must be positive")
-        if size > pool.allocator.total:
+        if size > pool.allocator.max_size:
             raise OutOfMemory(
-                f"{size} bytes can never fit on {pool.key} ({pool.allocator.total} bytes)",
+                f"{size} bytes can never fit on {pool.key} (largest possible buffer: "
+                f"{pool.allocator.max_size} bytes)",
                 self._oom_details(pool, size),
             )
         if name is not None and (tenant, name) in self._names:

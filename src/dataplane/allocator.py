@@ -4,23 +4,44 @@ An allocator never touches the arena's memory: it deals in offsets and keeps
 all of its bookkeeping outside (like spaskalev/buddy_alloc and
 sebbbi/OffsetAllocator).  A bad or double free raises ``AllocatorError``;
 ``stats()`` and ``check_invariants()`` let property tests check it after every
-step.
+step.  Every offset is a multiple of ``min_block`` (256 bytes by default, so
+GPU-friendly aligned), and ``block_size(size)`` is exactly what a request
+takes and what ``stats().used`` counts, so the daemon can charge quotas with
+it before allocating.
 
-The buddy allocator splits the arena into power-of-two blocks of at least
-``min_block`` bytes (256 by default, so every offset is GPU-friendly aligned).
-An arena whose size is not a power of two is laid out as its binary
-decomposition, largest block first, so every root block is aligned to its own
-size and the usual ``offset ^ size`` buddy rule never crosses a root.  Free
-lists are sets per order: allocate and free are O(log(arena / min_block)).
+Three allocators share the ``Allocator`` protocol (docs/allocators.md has the
+measurements behind the default):
+
+* ``buddy`` (default): power-of-two blocks that coalesce with their buddy on
+  free.  An arena whose size is not a power of two is laid out as its binary
+  decomposition, largest block first, so every root block is aligned to its
+  own size and the ``offset ^ size`` buddy rule never crosses a root.  Free
+  lists are sets per order: O(log(arena / min_block)).
+* ``linear``: a bump pointer.  Freeing the topmost block moves the pointer
+  back, over every already-freed block below it too; interior holes are not
+  reused until that happens.  O(1) amortised, no rounding beyond alignment.
+* ``slab``: a hybrid.  Requests up to ``max_class`` (64 KiB) are rounded to
+  a size class (multiples of 256 up to 1 KiB, then quarter steps between
+  powers of two: under 20% of a block wasted, against under 50% for a
+  power-of-two block) and served from slabs, fixed-size buddy blocks cut into equal
+  objects with an O(1) free-slot stack; an empty slab goes straight back to
+  the buddy allocator.  Larger requests are plain buddy blocks.  Slabs are
+  buddy blocks of one size, so a slab's base is the offset rounded down to
+  that size: free finds it in O(1).
+
+Everything is a single module because pyproject lists the packages one by one
+(``dataplane``, not its subpackages).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 class AllocatorError(Exception):
-    """A bad or double free, or a request the allocator can never satisfy."""
+    """A bad or double free, or a size that is not positive."""
 
 
 @dataclass(frozen=True)
@@ -47,19 +68,66 @@ class AllocatorStats:
         }
 
 
+@runtime_checkable
+class Allocator(Protocol):
+    """What the daemon's registry needs from an allocator."""
+
+    name: str  # a class attribute: the ``--allocator`` choice
+    total: int  # usable bytes: offsets lie in [0, total)
+    max_size: int  # the largest request that can ever succeed (in the empty arena)
+
+    def __init__(self, size: int) -> None: ...
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of ``block_size(size)`` bytes, or None when it cannot fit now.
+        Raises AllocatorError for ``size <= 0``."""
+        ...
+
+    def free(self, offset: int) -> int:
+        """Give back the block at ``offset``; return its bytes.
+        Raises AllocatorError on a bad or double free."""
+        ...
+
+    def block_size(self, size: int) -> int:
+        """The exact bytes ``allocate(size)`` takes (and ``used`` counts)."""
+        ...
+
+    def largest_free(self) -> int: ...
+
+    def stats(self) -> AllocatorStats: ...
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        ...
+
+
+def _check_block(min_block: int) -> int:
+    """The order (log2) of ``min_block``; raises ValueError if it is not a power of two."""
+    if min_block <= 0 or min_block & (min_block - 1):
+        raise ValueError("min_block must be a power of two")
+    return min_block.bit_length() - 1
+
+
+def _positive(size: int) -> None:
+    if size <= 0:
+        raise AllocatorError(f"size must be positive, got {size}")
+
+
+# -- buddy ----------------------------------------------------------------------
+
+
 class BuddyAllocator:
     """Power-of-two buddy allocator over ``[0, size)``; offsets only."""
 
     name = "buddy"
 
     def __init__(self, size: int, min_block: int = 256) -> None:
-        if min_block <= 0 or min_block & (min_block - 1):
-            raise ValueError("min_block must be a power of two")
-        self.min_order = min_block.bit_length() - 1
+        self.min_order = _check_block(min_block)
         self.total = (size >> self.min_order) << self.min_order
         if self.total <= 0:
             raise ValueError(f"arena of {size} bytes is smaller than one block ({min_block})")
         self.max_order = self.total.bit_length() - 1
+        self.max_size = 1 << self.max_order  # the largest root block
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._allocated: dict[int, int] = {}  # offset -> order
         self._used = 0
@@ -74,8 +142,7 @@ class BuddyAllocator:
         return 1 << self._order_for(size)
 
     def _order_for(self, size: int) -> int:
-        if size <= 0:
-            raise AllocatorError(f"size must be positive, got {size}")
+        _positive(size)
         return max(self.min_order, (size - 1).bit_length())
 
     def allocate(self, size: int) -> int | None:
@@ -112,6 +179,11 @@ class BuddyAllocator:
             order += 1
         self._free[order].add(offset)
         return size
+
+    def allocated_size(self, offset: int) -> int | None:
+        """Size of the allocated block at ``offset``, None if there is none."""
+        order = self._allocated.get(offset)
+        return None if order is None else 1 << order
 
     def largest_free(self) -> int:
         for order in range(self.max_order, self.min_order - 1, -1):
@@ -155,10 +227,285 @@ class BuddyAllocator:
         assert free_bytes + self._used == self.total, "used + free != total"
 
 
-ALLOCATORS = {"buddy": BuddyAllocator}
+# -- linear ---------------------------------------------------------------------
 
 
-def make_allocator(name: str, size: int) -> BuddyAllocator:
+class LinearAllocator:
+    """Bump pointer over ``[0, size)`` that moves back when the top is freed.
+
+    Blocks are laid out in address order on a stack; a freed block below the
+    top stays on the stack as a hole (marked by its absence from ``_live``)
+    until every block above it is freed too.  Only the tail above the pointer
+    is allocatable, so ``largest_free`` is the tail and the holes show up as
+    fragmentation.
+    """
+
+    name = "linear"
+
+    def __init__(self, size: int, min_block: int = 256) -> None:
+        order = _check_block(min_block)
+        self.align = min_block
+        self.total = (size >> order) << order
+        if self.total <= 0:
+            raise ValueError(f"arena of {size} bytes is smaller than one block ({min_block})")
+        self.max_size = self.total
+        self._stack: list[tuple[int, int]] = []  # (offset, size), ascending, contiguous from 0
+        self._live: dict[int, int] = {}  # offset -> size
+        self._top = 0
+        self._used = 0
+
+    def block_size(self, size: int) -> int:
+        _positive(size)
+        return -(-size // self.align) * self.align
+
+    def allocate(self, size: int) -> int | None:
+        n = self.block_size(size)
+        offset = self._top
+        if offset + n > self.total:
+            return None
+        self._stack.append((offset, n))
+        self._live[offset] = n
+        self._top = offset + n
+        self._used += n
+        return offset
+
+    def free(self, offset: int) -> int:
+        n = self._live.pop(offset, None)
+        if n is None:
+            raise AllocatorError(f"free of offset {offset} that is not allocated")
+        self._used -= n
+        if not self._live:  # everything free: start over from 0
+            self._stack.clear()
+            self._top = 0
+        elif offset + n == self._top:  # the top block: move back over holes below it
+            stack, live = self._stack, self._live
+            stack.pop()
+            while stack[-1][0] not in live:
+                stack.pop()
+            last_offset, last_size = stack[-1]
+            self._top = last_offset + last_size
+        return n
+
+    def largest_free(self) -> int:
+        return self.total - self._top
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(
+            total=self.total,
+            used=self._used,
+            free=self.total - self._used,
+            largest_free=self.largest_free(),
+            count=len(self._live),
+        )
+
+    def check_invariants(self) -> None:
+        pos = 0
+        for offset, n in self._stack:
+            assert offset == pos, f"gap or overlap at {pos} (next block at {offset})"
+            assert n > 0 and n % self.align == 0, f"block {offset} has bad size {n}"
+            pos = offset + n
+        assert pos == self._top, f"top {self._top} is not the end of the last block ({pos})"
+        assert self._top <= self.total, "top beyond the arena"
+        assert not self._stack or self._stack[-1][0] in self._live, "top block is a hole"
+        sizes = dict(self._stack)
+        assert all(sizes.get(o) == n for o, n in self._live.items()), "live block not on the stack"
+        assert self._used == sum(self._live.values()), "used != sum of live blocks"
+
+
+# -- slab -----------------------------------------------------------------------
+
+
+def size_classes(min_block: int, max_class: int) -> list[int]:
+    """min_block x 1..4, then four steps per doubling: 5/4, 6/4, 7/4, 8/4 of a power of two."""
+    classes = [min_block * i for i in (1, 2, 3, 4)]
+    base = 4 * min_block
+    while classes[-1] < max_class:
+        classes += [base * i // 4 for i in (5, 6, 7, 8)]
+        base *= 2
+    return [c for c in classes if c <= max_class]
+
+
+class _Slab:
+    """One buddy block cut into ``nslots`` objects of ``obj_size`` bytes."""
+
+    __slots__ = ("base", "cls", "count", "free_slots", "fresh", "live", "nslots", "obj_size", "pos")
+
+    def __init__(self, base: int, cls: int, obj_size: int, nslots: int) -> None:
+        self.base = base
+        self.cls = cls  # index into the size classes
+        self.obj_size = obj_size
+        self.nslots = nslots
+        self.count = 0  # live objects
+        self.fresh = 0  # slots >= fresh were never handed out (no O(n) set-up)
+        self.free_slots: list[int] = []  # freed slots below ``fresh``, reused LIFO
+        self.live = bytearray(nslots)  # 1 = allocated: catches double frees
+        self.pos = -1  # index in its class's partial list, -1 when full
+
+
+class SlabAllocator:
+    """Small requests from per-class slabs, large ones from the buddy allocator."""
+
+    name = "slab"
+
+    def __init__(self, size: int, min_block: int = 256, slab_size: int = 1 << 20,
+                 max_class: int = 64 << 10) -> None:
+        self.buddy = BuddyAllocator(size, min_block)
+        self.total = self.buddy.total
+        self.max_size = self.buddy.max_size
+        self.min_block = min_block
+        _check_block(slab_size)
+        # A slab must fit in the arena's largest root block and hold at least 16 objects.
+        self.slab_size = max(min_block, min(slab_size, 1 << self.buddy.max_order))
+        self.max_class = min(max_class, self.slab_size // 16)
+        self.classes = size_classes(min_block, self.max_class)
+        self.max_class = self.classes[-1] if self.classes else 0
+        # class index for each size rounded up to min_block: O(1) lookup
+        self._class_of = [bisect_left(self.classes, (i + 1) * min_block)
+                          for i in range(self.max_class // min_block)]
+        self._partial: list[list[_Slab]] = [[] for _ in self.classes]
+        self._slabs: dict[int, _Slab] = {}  # base -> slab
+        self._mask = ~(self.slab_size - 1)
+        self._large: dict[int, int] = {}  # offset -> block size
+        self._large_used = 0
+        self._small_used = 0
+        self._small_count = 0
+
+    def block_size(self, size: int) -> int:
+        _positive(size)
+        if size <= self.max_class:
+            return self.classes[self._class_of[(size - 1) // self.min_block]]
+        return self.buddy.block_size(size)
+
+    def allocate(self, size: int) -> int | None:
+        _positive(size)
+        if size > self.max_class:
+            offset = self.buddy.allocate(size)
+            if offset is not None:
+                n = self.buddy.block_size(size)
+                self._large[offset] = n
+                self._large_used += n
+            return offset
+        cls = self._class_of[(size - 1) // self.min_block]
+        partial = self._partial[cls]
+        if partial:
+            slab = partial[-1]
+        else:
+            base = self.buddy.allocate(self.slab_size)
+            if base is None:
+                return None
+            obj = self.classes[cls]
+            slab = _Slab(base, cls, obj, self.slab_size // obj)
+            self._slabs[base] = slab
+            slab.pos = len(partial)
+            partial.append(slab)
+        slot = slab.free_slots.pop() if slab.free_slots else self._take_fresh(slab)
+        slab.live[slot] = 1
+        slab.count += 1
+        if slab.count == slab.nslots:  # full: leave the partial list
+            self._unlink(slab)
+        self._small_used += slab.obj_size
+        self._small_count += 1
+        return slab.base + slot * slab.obj_size
+
+    @staticmethod
+    def _take_fresh(slab: _Slab) -> int:
+        slot = slab.fresh
+        slab.fresh += 1
+        return slot
+
+    def _unlink(self, slab: _Slab) -> None:
+        """Remove ``slab`` from its partial list in O(1) (swap with the last)."""
+        partial = self._partial[slab.cls]
+        last = partial.pop()
+        if last is not slab:
+            partial[slab.pos] = last
+            last.pos = slab.pos
+        slab.pos = -1
+
+    def free(self, offset: int) -> int:
+        slab = self._slabs.get(offset & self._mask)
+        if slab is None:
+            n = self._large.pop(offset, None)
+            if n is None:
+                raise AllocatorError(f"free of offset {offset} that is not allocated")
+            self.buddy.free(offset)
+            self._large_used -= n
+            return n
+        slot, rem = divmod(offset - slab.base, slab.obj_size)
+        if rem or slot >= slab.nslots or not slab.live[slot]:
+            raise AllocatorError(f"free of offset {offset} that is not allocated")
+        slab.live[slot] = 0
+        slab.count -= 1
+        self._small_used -= slab.obj_size
+        self._small_count -= 1
+        if slab.count == 0:  # empty: back to the buddy allocator
+            if slab.pos >= 0:
+                self._unlink(slab)
+            del self._slabs[slab.base]
+            self.buddy.free(slab.base)
+        else:
+            slab.free_slots.append(slot)
+            if slab.pos < 0:  # was full: partial again
+                partial = self._partial[slab.cls]
+                slab.pos = len(partial)
+                partial.append(slab)
+        return slab.obj_size
+
+    def largest_free(self) -> int:
+        return self.buddy.largest_free()
+
+    def stats(self) -> AllocatorStats:
+        used = self._small_used + self._large_used
+        return AllocatorStats(
+            total=self.total,
+            used=used,
+            free=self.total - used,
+            largest_free=self.buddy.largest_free(),
+            count=self._small_count + len(self._large),
+        )
+
+    def check_invariants(self) -> None:
+        self.buddy.check_invariants()
+        small_used = small_count = 0
+        for base, slab in self._slabs.items():
+            assert base == slab.base and base % self.slab_size == 0, f"slab {base} misaligned"
+            assert self.buddy.allocated_size(base) == self.slab_size, f"slab {base} not in buddy"
+            assert slab.obj_size == self.classes[slab.cls]
+            assert slab.nslots == self.slab_size // slab.obj_size
+            assert 0 < slab.count <= slab.nslots, f"slab {base} empty or overfull"
+            assert slab.count == slab.live.count(1), f"slab {base} count mismatch"
+            assert not any(slab.live[slab.fresh:]), f"slab {base} live slot beyond fresh"
+            free = set(slab.free_slots)
+            assert len(free) == len(slab.free_slots), f"slab {base} slot freed twice"
+            assert all(s < slab.fresh and not slab.live[s] for s in free), "bad free slot"
+            assert len(free) + slab.count == slab.fresh, f"slab {base} lost a slot"
+            partial = self._partial[slab.cls]
+            if slab.count < slab.nslots:
+                assert 0 <= slab.pos < len(partial) and partial[slab.pos] is slab
+            else:
+                assert slab.pos == -1, f"full slab {base} on the partial list"
+            small_used += slab.count * slab.obj_size
+            small_count += slab.count
+        assert sum(map(len, self._partial)) == sum(
+            s.count < s.nslots for s in self._slabs.values()), "stray slab on a partial list"
+        for offset, n in self._large.items():
+            assert n > self.max_class and self.buddy.allocated_size(offset) == n
+        assert small_used == self._small_used and small_count == self._small_count
+        assert self._large_used == sum(self._large.values())
+        bst = self.buddy.stats()
+        assert bst.used == len(self._slabs) * self.slab_size + self._large_used
+        assert bst.count == len(self._slabs) + len(self._large)
+
+
+ALLOCATORS: dict[str, type[Allocator]] = {
+    "buddy": BuddyAllocator,
+    "linear": LinearAllocator,
+    "slab": SlabAllocator,
+}
+
+
+def make_allocator(name: str, size: int) -> Allocator:
+    """The allocator called ``name`` over ``size`` bytes. Raises ValueError for an unknown name."""
     try:
         cls = ALLOCATORS[name]
     except KeyError:
