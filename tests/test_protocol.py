@@ -112,7 +112,11 @@ def test_request_without_valid_id(msg: dict[str, object]) -> None:
 def test_every_op_round_trips() -> None:
     samples = [P.Hello("t"), P.RequestBuffer(10, "GPU", 1, 2.5, 3.0, "n"), P.GetBufferMeta("b"),
                P.Store("b", 0, 1), P.Read("b", 1, 2), P.Release("b"), P.Renew("b", 1.0),
-               P.ListDevices(), P.ListBuffers(), P.Stats(), P.Ping()]
+               P.ListDevices(), P.ListBuffers(), P.Stats(), P.Ping(),
+               P.StoreBatch("b", P.pack_u64([0, 8]), P.pack_u64([8, 8]), P.pack_u64([1, 2]),
+                            "checksum", ["a", "b"], ["<f4", "<i8"], [[2], [1]]),
+               P.ReadBatch("b", P.pack_u64([0]), P.pack_u64([4])), P.OpenBuffer("n"),
+               P.ClearBuffer("b", 7, 1, 2), P.CopyBuffer("a", 1, "b", 2, 3)]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from dataplane.checksum import checksum
 
 from . import protocol as P
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
+from .tensors import TensorOps
 
 DEFAULT_PORT = 7700
 
@@ -157,11 +158,11 @@ def _result(msg: dict[str, Any]) -> dict[str, Any]:
     raise error_from_wire(msg.get("error"))
 
 
-class RpcContext:
+class RpcContext(TensorOps):
     """A session with one rpcbufd: see ``rpcbuf.connect``."""
 
     def __init__(self, conn: ControlConnection, ep: ucx.DataEndpoint, hello: dict[str, Any],
-                 timeout: float | None) -> None:
+                 timeout: float | None, max_inflight: int | None = None) -> None:
         self._conn = conn
         self._ep = ep
         self.hello = hello
@@ -169,7 +170,9 @@ class RpcContext:
         self.tenant: str = hello["tenant"]
         self.node_id: str = hello["node_id"]
         self.timeout = timeout
-        self._slots = asyncio.Semaphore(int(hello["limits"]["max_inflight"]))
+        limit = int(hello["limits"]["max_inflight"])
+        self.max_inflight = limit if max_inflight is None else max(1, min(max_inflight, limit))
+        self._slots = asyncio.Semaphore(self.max_inflight)
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
         self._closed = False
         # Without its control session the daemon drops the data endpoint too:
@@ -179,7 +182,8 @@ class RpcContext:
     # -- plumbing -----------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, addr: str, token: str, timeout: float | None = 30.0) -> RpcContext:
+    async def connect(cls, addr: str, token: str, timeout: float | None = 30.0,
+                      max_inflight: int | None = None) -> RpcContext:
         host, port = parse_addr(addr)
         try:
             async with asyncio.timeout(timeout):
@@ -214,7 +218,7 @@ class RpcContext:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, ep, hello, timeout)
+        return cls(conn, ep, hello, timeout, max_inflight)
 
     async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
@@ -228,15 +232,19 @@ class RpcContext:
                 self._conn.forget(req_id)
                 raise Timeout(f"{req.op} got no answer within {timeout}s") from None
 
-    async def _transfer(self, coro: Any) -> None:
-        """One UCX transfer under the daemon's transfer deadline.  Past it the
-        context is aborted (UCX lets go of the array) and the call fails with
-        CONNECTION_LOST; the daemon does the same on its side."""
+    async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
+        """UCX transfers under the daemon's transfer deadline, all awaited even
+        when one fails (UCX may touch the arrays until each ends).  Past the
+        deadline the context is aborted (UCX lets go of the arrays) and the call
+        fails with CONNECTION_LOST; the daemon does the same on its side."""
         timer = asyncio.get_running_loop().call_later(self.transfer_timeout, self._expired)
         try:
-            await coro
+            results = await asyncio.gather(*coros, return_exceptions=True)
         finally:
             timer.cancel()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     def _expired(self) -> None:
         self._conn.fail(ConnectionLost(f"a transfer took longer than {self.transfer_timeout}s"))
@@ -342,26 +350,7 @@ class RpcContext:
         digest = checksum(data) if verify else None
         req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(data.nbytes),
                       checksum=digest, verify=verify)  # type: ignore[arg-type]
-        async with self._slots:
-            req_id = self._conn.next_id()
-            fut = self._conn.submit(req_id, req)
-            sent: BaseException | None = None
-            if data.nbytes:
-                # The payload goes out while the daemon checks the request.
-                try:
-                    await self._transfer(self._ep.send(data, req_id))
-                except ucx.TransferError as exc:
-                    sent = exc
-            try:
-                async with asyncio.timeout(self.timeout):
-                    msg = await fut
-            except TimeoutError:
-                self._conn.forget(req_id)
-                raise Timeout(f"store got no answer within {self.timeout}s") from None
-            result = _result(msg)
-            if sent is not None:
-                raise ConnectionLost(f"payload send failed: {sent}") from sent
-            return result
+        return await self._send_request(req, [data] if data.nbytes else [])
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
                           out: Any = None) -> np.ndarray:
@@ -384,23 +373,129 @@ class RpcContext:
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
+        await self._receive_request(P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes),
+                                    [dest] if nbytes else [])
+        return out if out is not None else target
+
+    async def open_buffer(self, name: str) -> str:
+        """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
+        self._check_open()
+        return str((await self._call(P.OpenBuffer(name=name)))["buffer_id"])
+
+    async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
+                           nbytes: int | None = None) -> None:
+        """Set bytes to ``value`` on the daemon (no bytes cross the network).
+        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        self._check_open()
+        await self._call(P.ClearBuffer(buffer_id=buffer_id, value=value, offset=offset,
+                                       nbytes=nbytes))
+
+    async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
+                          nbytes: int) -> None:
+        """Copy between (or within) this tenant's buffers on the daemon's node,
+        without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE."""
+        self._check_open()
+        await self._call(P.CopyBuffer(src_id=src_id, src_offset=src_offset, dst_id=dst_id,
+                                      dst_offset=dst_offset, nbytes=nbytes))
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None = None,
+                          manifest: tuple[list[str], list[str], list[list[int]]] | None = None,
+                          ) -> dict[str, Any]:
+        """Store many ``(offset, array)`` items of one buffer in one control
+        round trip; touching small items travel as one UCX message each run
+        and land straight in their slices.  ``manifest`` = (names, dtypes,
+        shapes), index-aligned with ``items``, is recorded on the daemon.
+        Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
+        self._check_open()
+        if verify not in (None, "checksum"):
+            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
+        order = sorted(range(len(items)), key=lambda i: items[i][0])
+        datas = [as_bytes(items[i][1]) for i in order]
+        offsets = np.fromiter((items[i][0] for i in order), dtype=np.int64, count=len(order))
+        if len(offsets) and offsets.min() < 0:
+            raise BadRequest("offsets must be non-negative")
+        sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
+        offsets_u = offsets.astype(np.uint64)
+        sums = P.pack_u64([checksum(d) for d in datas]) if verify else None
+        names = dtypes = shapes = None
+        if manifest is not None:
+            names, dtypes, shapes = ([col[i] for i in order] for col in manifest)
+        req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
+                           sizes=P.pack_u64(sizes), checksums=sums,
+                           verify=verify, names=names, dtypes=dtypes, shapes=shapes)  # type: ignore[arg-type]
+        payloads = [datas[first] if stop - first == 1 else np.concatenate(datas[first:stop])
+                    for _, _, first, stop in P.plan_runs(offsets_u, sizes)]
+        return await self._send_request(req, payloads)
+
+    async def read_batch(self, buffer_id: str,
+                         ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """Read many ``(offset, nbytes)`` ranges of one buffer in one round
+        trip; returns uint8 arrays in the order asked (touching small ranges
+        arrive as one message and are views into it).
+        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        self._check_open()
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+        try:
+            offsets = np.array([ranges[i][0] for i in order], dtype=np.int64)
+            sizes = np.array([ranges[i][1] for i in order], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise BadRequest("ranges must be (offset, nbytes) pairs of ints") from None
+        if len(order) and (offsets.min() < 0 or sizes.min() < 0):
+            raise BadRequest("offsets and sizes must be non-negative")
+        offsets_u, sizes_u = offsets.astype(np.uint64), sizes.astype(np.uint64)
+        req = P.ReadBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
+                          sizes=P.pack_u64(sizes_u))
+        out: list[np.ndarray] = [np.empty(0, np.uint8)] * len(ranges)
+        blocks: list[np.ndarray] = []
+        for off, n, first, stop in P.plan_runs(offsets_u, sizes_u):
+            block = np.empty(n, dtype=np.uint8)
+            blocks.append(block)
+            for j in range(first, stop):
+                rel = int(offsets[j]) - off
+                out[order[j]] = block[rel:rel + int(sizes[j])]
+        await self._receive_request(req, blocks)
+        return out
+
+    async def _send_request(self, req: P.Request, payloads: list[np.ndarray]) -> dict[str, Any]:
+        """A store-like request: payload run ``i`` goes out on ``run_tag(id, i)``
+        at once, while the daemon checks the request (one round trip)."""
         async with self._slots:
             req_id = self._conn.next_id()
-            fut = self._conn.submit(req_id, P.Read(buffer_id=buffer_id, offset=offset,
-                                                   nbytes=nbytes))
+            fut = self._conn.submit(req_id, req)
+            sent: BaseException | None = None
             try:
-                async with asyncio.timeout(self.timeout):
-                    msg = await fut
-            except TimeoutError:
-                self._conn.forget(req_id)
-                raise Timeout(f"read got no answer within {self.timeout}s") from None
-            _result(msg)
-            if nbytes:
-                try:
-                    await self._transfer(self._ep.recv(dest, req_id))
-                except ucx.TransferError as exc:
-                    raise ConnectionLost(f"read transfer failed: {exc}") from exc
-        return out if out is not None else target
+                await self._transfer([self._ep.send(p, P.run_tag(req_id, i))
+                                      for i, p in enumerate(payloads) if p.nbytes])
+            except ucx.TransferError as exc:
+                sent = exc
+            result = _result(await self._answer(req_id, fut, req.op))
+            if sent is not None:
+                raise ConnectionLost(f"payload send failed: {sent}") from sent
+            return result
+
+    async def _receive_request(self, req: P.Request,
+                               targets: list[np.ndarray]) -> None:
+        """A read-like request: once the daemon says yes, run ``i`` is received
+        straight into ``targets[i]``; on an error answer nothing was sent."""
+        async with self._slots:
+            req_id = self._conn.next_id()
+            fut = self._conn.submit(req_id, req)
+            _result(await self._answer(req_id, fut, req.op))
+            try:
+                await self._transfer([self._ep.recv(t, P.run_tag(req_id, i))
+                                      for i, t in enumerate(targets) if t.nbytes])
+            except ucx.TransferError as exc:
+                raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc
+
+    async def _answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                      op: str) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await fut
+        except TimeoutError:
+            self._conn.forget(req_id)
+            raise Timeout(f"{op} got no answer within {self.timeout}s") from None
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         """Read the range back over the data plane and compare it with ``array``.
@@ -419,8 +514,9 @@ class RpcContext:
 class Connector:
     """What ``connect()`` returns: ``await`` it, or use it with ``async with``."""
 
-    def __init__(self, addr: str, token: str, timeout: float | None) -> None:
-        self._args = (addr, token, timeout)
+    def __init__(self, addr: str, token: str, timeout: float | None,
+                 max_inflight: int | None = None) -> None:
+        self._args = (addr, token, timeout, max_inflight)
         self._ctx: RpcContext | None = None
 
     def __await__(self) -> Generator[Any, None, RpcContext]:
@@ -435,11 +531,15 @@ class Connector:
             await self._ctx.close()
 
 
-def connect(addr: str, token: str, timeout: float | None = 30.0) -> Connector:
+def connect(addr: str, token: str, timeout: float | None = 30.0,
+            max_inflight: int | None = None) -> Connector:
     """Open a session with the rpcbufd at ``addr`` ("host:port").
 
+    ``timeout`` bounds each control call; ``max_inflight`` caps this client's
+    requests on the wire (at most the daemon's limit): more calls wait their
+    turn instead of queueing without bound.
     Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST, TIMEOUT."""
-    return Connector(addr, token, timeout)
+    return Connector(addr, token, timeout, max_inflight)
 
 
 def create_rpc_context(server_addr: str, auth_token: str,

@@ -26,14 +26,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NewType, Union, get_args, get_origin, get_type_hints
 
 import msgpack
+import numpy as np
 
 from .errors import BadRequest, RpcBufError
 
 PROTOCOL_VERSION = 1
-DEFAULT_MAX_FRAME = 1 << 20
+DEFAULT_MAX_FRAME = 16 << 20  # room for a 100,000-tensor manifest
+MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
+COALESCE_MAX = 256 << 10  # items up to this size travel together with their neighbours
+RUN_MAX = 64 << 20  # the largest message a run of coalesced items makes
 MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
+U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, sizes, checksums)
 _HEADER = struct.Struct("!I")
 
 
@@ -119,6 +124,19 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if value not in get_args(tp):
             raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
         return value
+    if tp is U64Array:
+        if not isinstance(value, bytes) or len(value) % 8 or len(value) > 8 * MAX_ITEMS:
+            raise BadRequest(f"{op}: {name} must be packed uint64s, at most {MAX_ITEMS}")
+        return value
+    if origin is list:
+        if not isinstance(value, list) or len(value) > MAX_ITEMS:
+            raise BadRequest(f"{op}: {name} must be a list of at most {MAX_ITEMS} items")
+        (inner_tp,) = get_args(tp)
+        if inner_tp is str:  # fast path: names and dtypes of big batches
+            if not all(isinstance(v, str) and len(v) <= MAX_STR for v in value):
+                raise BadRequest(f"{op}: {name} must hold strings of at most {MAX_STR} chars")
+            return value
+        return [_check(op, f"{name}[{i}]", v, inner_tp) for i, v in enumerate(value)]
     if tp is U64:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
             raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {value!r}")
@@ -218,6 +236,57 @@ class Store(Request):
 
 
 @dataclass(frozen=True)
+class StoreBatch(Request):
+    """Many ranges of one buffer in one round trip; see ``plan_runs``.
+
+    ``names``/``dtypes``/``shapes``, when given, are index-aligned with the
+    items and recorded as the buffer's tensor manifest."""
+
+    op: ClassVar[str] = "store_batch"
+    buffer_id: str
+    offsets: U64Array
+    sizes: U64Array
+    checksums: U64Array | None = None
+    verify: Literal["checksum"] | None = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class ReadBatch(Request):
+    op: ClassVar[str] = "read_batch"
+    buffer_id: str
+    offsets: U64Array
+    sizes: U64Array
+
+
+@dataclass(frozen=True)
+class OpenBuffer(Request):
+    op: ClassVar[str] = "open_buffer"
+    name: str
+
+
+@dataclass(frozen=True)
+class ClearBuffer(Request):
+    op: ClassVar[str] = "clear_buffer"
+    buffer_id: str
+    value: int = 0
+    offset: int = 0
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CopyBuffer(Request):
+    op: ClassVar[str] = "copy_buffer"
+    src_id: str
+    src_offset: int
+    dst_id: str
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Read(Request):
     op: ClassVar[str] = "read"
     buffer_id: str
@@ -262,9 +331,47 @@ OPS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
-        ListDevices, ListBuffers, Stats, Ping,
+        ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
+        ClearBuffer, CopyBuffer,
     )
 }
+
+
+def pack_u64(values: Any) -> U64Array:
+    return U64Array(np.asarray(values, dtype="<u8").tobytes())
+
+
+def unpack_u64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u8")
+
+
+def plan_runs(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Group a batch's items into runs: ``(offset, nbytes, first, stop)``.
+
+    Consecutive small items whose ranges touch travel as one UCX message that
+    lands straight in the arena span they cover; a large item travels alone
+    (zero-copy on the client).  Both ends call this on the same items, so they
+    agree on the messages without saying so on the wire.  Run ``i`` of request
+    ``req_id`` uses tag ``run_tag(req_id, i)``."""
+    runs: list[tuple[int, int, int, int]] = []
+    start = end = first = 0
+    small = False
+    for i, (off, size) in enumerate(zip(offsets.tolist(), sizes.tolist(), strict=True)):
+        fits = size <= COALESCE_MAX
+        if i and small and fits and off == end and end - start + size <= RUN_MAX:
+            end += size
+            continue
+        if i:
+            runs.append((start, end - start, first, i))
+        start, end, first, small = off, off + size, i, fits
+    if len(offsets):
+        runs.append((start, end - start, first, len(offsets)))
+    return runs
+
+
+def run_tag(req_id: int, index: int) -> Any:
+    """The UCX tag of run ``index``; run 0 uses the request id itself, as a plain store does."""
+    return req_id if index == 0 else (req_id, index)
 
 
 class RequestError(Exception):
@@ -303,5 +410,6 @@ def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "FrameError",
     "Request", "RequestError", "encode_frame", "error_response", "ok_response",
-    "parse_request", *[c.__name__ for c in OPS.values()],
+    "pack_u64", "parse_request", "plan_runs", "run_tag", "unpack_u64",
+    *[c.__name__ for c in OPS.values()],
 ]

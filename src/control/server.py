@@ -37,19 +37,17 @@ from dataplane.ucx import (
     DataEndpoint,
     DataListener,
     TransferError,
-    Truncated,
 )
 
 from . import protocol as P
 from .auth import verify_token
+from .dataops import DataOps
 from .errors import (
     AuthFailed,
     BadRequest,
     ConnectionLost,
-    OutOfRange,
     RpcBufError,
     ShuttingDown,
-    VerifyFailed,
 )
 from .registry import Buffer, Registry, Waiter
 
@@ -179,7 +177,7 @@ class Daemon:
         session.bind(ep)
 
 
-class Session:
+class Session(DataOps):
     """One control connection: its tenant, its data endpoint, its requests."""
 
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader,
@@ -198,6 +196,15 @@ class Session:
         self._slot = asyncio.Event()
         self._closed = False
         self._decoder = P.FrameDecoder(daemon.limits.max_frame)
+
+    def abort(self, why: str) -> None:
+        """End the session hard: abort the data endpoint (UCX cancels what is
+        posted on it) and drop the connection; ``close`` then cleans up."""
+        log.warning("session %s aborted: %s", self.session_id, why)
+        if self.ep is not None:
+            self.ep.abort()
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
     def bind(self, ep: DataEndpoint) -> None:
         if self._closed:
@@ -276,7 +283,9 @@ class Session:
 
     def _spawn(self, req_id: int, req: P.Request) -> None:
         coro = {P.RequestBuffer: self._wait_for_memory, P.Store: self._store,
-                P.Read: self._read}[type(req)]
+                P.Read: self._read, P.StoreBatch: self._store_batch,
+                P.ReadBatch: self._read_batch, P.ClearBuffer: self._clear,
+                P.CopyBuffer: self._copy}[type(req)]
         task = asyncio.get_running_loop().create_task(self._run_task(req_id, coro(req_id, req)))  # type: ignore[operator]
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
@@ -405,6 +414,10 @@ class Session:
     def _meta(self, req: P.GetBufferMeta) -> dict[str, Any]:
         return self._get(req.buffer_id).meta()
 
+    def _open(self, req: P.OpenBuffer) -> dict[str, Any]:
+        assert self.tenant is not None
+        return self.registry.by_name(self.tenant, req.name).meta()
+
     def _release(self, req: P.Release) -> dict[str, Any]:
         buf = self._get(req.buffer_id)
         self.registry.release(buf)
@@ -437,99 +450,10 @@ class Session:
     def _ping(self, req: P.Ping) -> dict[str, Any]:
         return {"time": time.time()}
 
-    def _check_range(self, buf: Buffer, offset: int, nbytes: int) -> None:
-        if offset > buf.size or nbytes > buf.size - offset:
-            raise OutOfRange(
-                f"[{offset}, {offset + nbytes}) is outside buffer of {buf.size} bytes",
-                {"offset": offset, "nbytes": nbytes, "size": buf.size},
-            )
-
-    def _endpoint(self) -> DataEndpoint:
-        if self.ep is None:
-            raise BadRequest("no data endpoint is bound to this session")
-        return self.ep
-
-    async def _transfer(self, coro: Any) -> None:
-        """Run one UCX transfer under the transfer deadline; on expiry the
-        endpoint is aborted (so UCX lets go of the memory) and the session ends."""
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(self.daemon.limits.transfer_timeout, self._transfer_expired)
-        try:
-            await coro
-        finally:
-            timer.cancel()
-
-    def _transfer_expired(self) -> None:
-        log.warning("session %s: transfer deadline passed; aborting", self.session_id)
-        if self.ep is not None:
-            self.ep.abort()
-        with contextlib.suppress(Exception):
-            self.writer.close()
-
-    async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
-        ep = self._endpoint()
-        try:
-            buf = self._get(req.buffer_id)
-            self._check_range(buf, req.offset, req.nbytes)
-            if req.verify == "checksum" and req.checksum is None:
-                raise BadRequest("verify='checksum' needs the client's checksum")
-        except RpcBufError:
-            if req.nbytes:
-                await self._drain(ep, req_id)
-            raise
-        self.registry.pin(buf)
-        try:
-            if req.nbytes:
-                view = buf.pool.arena.view(buf.offset + req.offset, req.nbytes)
-                try:
-                    await self._transfer(ep.recv(view, req_id))
-                except Truncated as exc:
-                    raise BadRequest("payload is larger than nbytes") from exc
-                except TransferError as exc:
-                    raise ConnectionLost(f"store transfer failed: {exc}") from exc
-            result: dict[str, Any] = {"nbytes": req.nbytes}
-            if req.checksum is not None or req.verify:
-                got = buf.pool.arena.checksum(buf.offset + req.offset, req.nbytes)
-                result["checksum"] = got
-                if req.verify == "checksum" and got != req.checksum:
-                    self.daemon.counters["verify_failures"] += 1
-                    raise VerifyFailed("checksum of received bytes does not match",
-                                       {"expected": req.checksum, "got": got})
-            self.daemon.counters["bytes_stored"] += req.nbytes
-            self._log("store", buf, req.offset, req.nbytes)
-            return result
-        finally:
-            self.registry.unpin(buf)
-
-    async def _drain(self, ep: DataEndpoint, req_id: int) -> None:
-        """Swallow a refused store's payload without parking it here."""
-        scratch = np.zeros(1, dtype=np.uint8)
-        with contextlib.suppress(TransferError):
-            await self._transfer(ep.recv(scratch, req_id))
-
-    async def _read(self, req_id: int, req: P.Read) -> None:
-        ep = self._endpoint()
-        buf = self._get(req.buffer_id)
-        self._check_range(buf, req.offset, req.nbytes)
-        self.registry.pin(buf)
-        try:
-            # The answer goes first: the client posts its receive when it sees it.
-            self.send(P.ok_response(req_id, {"nbytes": req.nbytes}))
-            if req.nbytes:
-                view = buf.pool.arena.view(buf.offset + req.offset, req.nbytes)
-                try:
-                    await self._transfer(ep.send(view, req_id))
-                except TransferError as exc:
-                    log.warning("read transfer to session %s failed: %s", self.session_id, exc)
-                    return
-            self.daemon.counters["bytes_read"] += req.nbytes
-            self._log("read", buf, req.offset, req.nbytes)
-        finally:
-            self.registry.unpin(buf)
-
 
 _SYNC_OPS: dict[type, Any] = {
     P.GetBufferMeta: Session._meta,
+    P.OpenBuffer: Session._open,
     P.Release: Session._release,
     P.Renew: Session._renew,
     P.ListDevices: Session._list_devices,

@@ -50,3 +50,8 @@ class HostArena:
 
     def describe(self) -> dict[str, Any]:
         return {"device_type": self.device_type, "device": self.device, "name": "host memory"}
+
+
+def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbytes: int) -> None:
+    """Copy bytes between (or within) arenas on this node; overlap-safe."""
+    np.copyto(dst.view(dst_offset, nbytes), src.view(src_offset, nbytes))

@@ -20,13 +20,32 @@ from control.errors import (
     UnsupportedDevice,
     VerifyFailed,
 )
+from control.pool import BufferPool
+from control.tensors import calculate_buffer_size
 from dataplane.checksum import checksum
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthFailed", "BadRequest", "ConnectionLost", "Connector", "Forbidden", "NotFound",
-    "OutOfMemory", "OutOfRange", "QuotaExceeded", "RpcBufError", "RpcContext",
-    "ShuttingDown", "Timeout", "TokenExpired", "UnsupportedDevice", "VerifyFailed",
-    "checksum", "connect", "create_rpc_context",
+    "AuthFailed",
+    "BadRequest",
+    "BufferPool",
+    "ConnectionLost",
+    "Connector",
+    "Forbidden",
+    "NotFound",
+    "OutOfMemory",
+    "OutOfRange",
+    "QuotaExceeded",
+    "RpcBufError",
+    "RpcContext",
+    "ShuttingDown",
+    "Timeout",
+    "TokenExpired",
+    "UnsupportedDevice",
+    "VerifyFailed",
+    "calculate_buffer_size",
+    "checksum",
+    "connect",
+    "create_rpc_context",
 ]

@@ -1,0 +1,371 @@
+"""The session's data operations: store, read, their batched forms, and the
+daemon-local clear and copy.
+
+Every operation follows the same steps, so one path serves them all:
+
+1. validate (buffer, ranges, manifest) — a refused store drains its payload
+   with 1-byte receives, one per run (see ``protocol.plan_runs``), so the
+   sender never hangs and nothing is parked here;
+2. pin the buffer (a release meanwhile frees the memory only afterwards);
+3. lock the byte range it touches in the buffer (stores exclusive, reads
+   shared: overlapping stores never interleave, a read never sees half a
+   store, disjoint transfers run in parallel);
+4. move the bytes: one UCX message per run, straight into or out of the
+   arena slice, under the transfer deadline;
+5. verify, record the manifest, log, unlock, unpin.
+
+A plain ``store``/``read`` is a batch of one run with tag = request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dataplane.arena import copy_between
+from dataplane.ucx import DataEndpoint, TransferError, Truncated
+
+from . import protocol as P
+from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
+
+if TYPE_CHECKING:
+    from .registry import Buffer, Registry
+    from .server import Daemon
+
+log = logging.getLogger("rpcbuf.daemon")
+Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
+
+_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    if name not in _DTYPES:
+        try:
+            dt = np.dtype(name)
+        except TypeError:
+            raise BadRequest(f"unknown dtype {name!r}") from None
+        if dt.hasobject:
+            raise BadRequest(f"dtype {name!r} holds Python objects")
+        _DTYPES[name] = dt
+    return _DTYPES[name]
+
+
+class DataOps:
+    """Mixin for ``Session``: the operations that move or touch buffer bytes."""
+
+    daemon: Daemon
+    registry: Registry
+    ep: DataEndpoint | None
+    session_id: str
+    send: Callable[[dict[str, Any]], None]
+    _get: Callable[[str], Buffer]
+    _log: Callable[..., None]
+    abort: Callable[[str], None]
+
+    # -- shared steps -------------------------------------------------------------
+
+    def _endpoint(self) -> DataEndpoint:
+        if self.ep is None:
+            raise BadRequest("no data endpoint is bound to this session")
+        return self.ep
+
+    @staticmethod
+    def _check_range(buf: Buffer, offset: int, nbytes: int) -> None:
+        if offset > buf.size or nbytes > buf.size - offset:
+            raise OutOfRange(
+                f"[{offset}, {offset + nbytes}) is outside buffer of {buf.size} bytes",
+                {"offset": offset, "nbytes": nbytes, "size": buf.size},
+            )
+
+    @staticmethod
+    def _check_items(buf: Buffer, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        if len(offsets) == 0:
+            return
+        if (offsets > P.MAX_INT).any() or (sizes > P.MAX_INT).any():
+            raise BadRequest("offsets and sizes must be below 2**63")
+        ends = offsets + sizes  # no overflow: both < 2**63
+        if (ends > buf.size).any():
+            i = int(np.argmax(ends > buf.size))
+            raise OutOfRange(
+                f"item {i} [{offsets[i]}, {ends[i]}) is outside buffer of {buf.size} bytes",
+                {"item": i, "offset": int(offsets[i]), "nbytes": int(sizes[i]), "size": buf.size},
+            )
+        if (offsets[1:] < ends[:-1]).any():
+            raise BadRequest("batch items must be sorted by offset and must not overlap")
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, buf: Buffer, ranges: list[tuple[int, int]],
+                       exclusive: bool) -> AsyncIterator[None]:
+        """Pin ``buf`` and lock ``ranges`` of it for the duration."""
+        self.registry.pin(buf)
+        try:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+
+            def ready() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            grant = buf.locks.acquire(ranges, exclusive, ready)
+            try:
+                if not grant.granted:
+                    await fut
+                yield
+            finally:
+                buf.locks.release(grant)
+        finally:
+            self.registry.unpin(buf)
+
+    async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
+        """Run UCX transfers under the transfer deadline and wait for *all* of
+        them, even when one fails: UCX may still touch memory until each ends.
+        Past the deadline the endpoint is aborted and the session ends."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.daemon.limits.transfer_timeout, self._transfer_expired)
+        try:
+            results = await asyncio.gather(*coros, return_exceptions=True)
+        finally:
+            timer.cancel()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _transfer_expired(self) -> None:
+        log.warning("session %s: transfer deadline passed; aborting", self.session_id)
+        self.abort("transfer deadline passed")
+
+    async def _drain(self, ep: DataEndpoint, req_id: int, nruns: int) -> None:
+        """Swallow a refused store's payload (UCX truncates it) without parking it."""
+        scratch = [np.zeros(1, dtype=np.uint8) for _ in range(nruns)]
+        with contextlib.suppress(TransferError):
+            await self._transfer([ep.recv(b, P.run_tag(req_id, i)) for i, b in enumerate(scratch)])
+
+    async def _receive(self, ep: DataEndpoint, req_id: int, buf: Buffer,
+                       runs: list[Run]) -> None:
+        arena = buf.pool.arena
+        try:
+            await self._transfer([ep.recv(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
+                                  for i, (off, n, _, _) in enumerate(runs) if n])
+        except Truncated as exc:
+            raise BadRequest("payload is larger than announced") from exc
+        except TransferError as exc:
+            raise ConnectionLost(f"store transfer failed: {exc}") from exc
+
+    async def _send_runs(self, ep: DataEndpoint, req_id: int, buf: Buffer,
+                         runs: list[Run]) -> bool:
+        arena = buf.pool.arena
+        try:
+            await self._transfer([ep.send(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
+                                  for i, (off, n, _, _) in enumerate(runs) if n])
+        except TransferError as exc:
+            log.warning("read transfer to session %s failed: %s", self.session_id, exc)
+            return False
+        return True
+
+    # -- store ----------------------------------------------------------------------
+
+    async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
+        ep = self._endpoint()
+        try:
+            buf = self._get(req.buffer_id)
+            self._check_range(buf, req.offset, req.nbytes)
+            if req.verify == "checksum" and req.checksum is None:
+                raise BadRequest("verify='checksum' needs the client's checksum")
+        except RpcBufError:
+            if req.nbytes:
+                await self._drain(ep, req_id, 1)
+            raise
+        span = (req.offset, req.offset + req.nbytes)
+        async with self._holding(buf, [span], exclusive=True):
+            await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
+            result: dict[str, Any] = {"nbytes": req.nbytes}
+            if req.checksum is not None or req.verify:
+                got = buf.pool.arena.checksum(buf.offset + req.offset, req.nbytes)
+                result["checksum"] = got
+                if req.verify == "checksum" and got != req.checksum:
+                    self.daemon.counters["verify_failures"] += 1
+                    raise VerifyFailed("checksum of received bytes does not match",
+                                       {"expected": req.checksum, "got": got})
+        self.daemon.counters["bytes_stored"] += req.nbytes
+        self._log("store", buf, req.offset, req.nbytes)
+        return result
+
+    async def _store_batch(self, req_id: int, req: P.StoreBatch) -> dict[str, Any]:
+        ep = self._endpoint()
+        offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
+        if len(offsets) != len(sizes):
+            # We cannot know which messages the client sent: end the session,
+            # which aborts the endpoint and with it any payload in flight.
+            self.abort("store_batch with offsets and sizes of different lengths")
+            raise BadRequest("offsets and sizes differ in length")
+        runs = P.plan_runs(offsets, sizes)
+        try:
+            buf = self._get(req.buffer_id)
+            self._check_items(buf, offsets, sizes)
+            sums = self._batch_checksums(req, len(offsets))
+            manifest = self._manifest(req, offsets, sizes, sums)
+        except RpcBufError:
+            await self._drain(ep, req_id, len(runs))
+            raise
+        nbytes = int(sizes.sum())
+        hull = (int(offsets[0]), int(offsets[-1] + sizes[-1])) if len(offsets) else (0, 0)
+        async with self._holding(buf, [hull], exclusive=True):
+            await self._receive(ep, req_id, buf, runs)
+            if sums is not None and req.verify == "checksum":
+                base, arena = buf.offset, buf.pool.arena
+                bad = [i for i, (o, n, c) in enumerate(zip(offsets.tolist(), sizes.tolist(),
+                                                           sums.tolist(), strict=True))
+                       if arena.checksum(base + o, n) != c]
+                if bad:
+                    self.daemon.counters["verify_failures"] += 1
+                    raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
+                                       "their checksums", {"items": bad[:20]})
+            if manifest:
+                if sums is None:  # the manifest's checksums: what actually arrived
+                    arena, base = buf.pool.arena, buf.offset
+                    for e in manifest.values():
+                        e["checksum"] = arena.checksum(base + e["offset"], e["nbytes"])
+                self._record(buf, manifest, hull)
+        self.daemon.counters["bytes_stored"] += nbytes
+        self._log("store_batch", buf, hull[0], nbytes, note=f"items={len(offsets)} "
+                  f"messages={sum(1 for r in runs if r[1])}")
+        return {"nbytes": nbytes, "items": len(offsets), "messages": len(runs)}
+
+    @staticmethod
+    def _batch_checksums(req: P.StoreBatch, n: int) -> np.ndarray | None:
+        if req.checksums is None:
+            if req.verify == "checksum":
+                raise BadRequest("verify='checksum' needs the client's checksums")
+            return None
+        sums = P.unpack_u64(req.checksums)
+        if len(sums) != n:
+            raise BadRequest(f"{len(sums)} checksums for {n} items")
+        return sums
+
+    @staticmethod
+    def _manifest(req: P.StoreBatch, offsets: np.ndarray, sizes: np.ndarray,
+                  sums: np.ndarray | None) -> dict[str, dict[str, Any]]:
+        cols = (req.names, req.dtypes, req.shapes)
+        if all(c is None for c in cols):
+            return {}
+        n = len(offsets)
+        if any(c is None or len(c) != n for c in cols):
+            raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
+        assert req.names is not None and req.dtypes is not None and req.shapes is not None
+        if len(set(req.names)) != n:
+            raise BadRequest("tensor names in one batch must be unique")
+        out: dict[str, dict[str, Any]] = {}
+        for i, (name, dt, shape) in enumerate(zip(req.names, req.dtypes, req.shapes,
+                                                  strict=True)):
+            dtype = _dtype(dt)
+            if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != int(sizes[i]):
+                raise BadRequest(f"tensor {name!r}: shape {shape} of {dt} is not "
+                                 f"{int(sizes[i])} bytes")
+            out[name] = {"dtype": dtype.str, "shape": shape, "offset": int(offsets[i]),
+                         "nbytes": int(sizes[i]),
+                         "checksum": None if sums is None else int(sums[i])}
+        return out
+
+    def _record(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
+                hull: tuple[int, int]) -> None:
+        """Merge into the buffer's manifest; entries whose bytes were just
+        overwritten by other tensors are dropped (they no longer hold)."""
+        written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
+        starts = [w[0] for w in written]
+        for name, e in list(buf.tensors.items()):
+            a, b = e["offset"], e["offset"] + e["nbytes"]
+            if name in manifest or a >= hull[1] or b <= hull[0]:
+                continue
+            j = bisect.bisect_left(starts, b)  # written[j-1]: the last range starting before b
+            if j and written[j - 1][1] > a:
+                del buf.tensors[name]
+        buf.tensors.update(manifest)
+        if len(buf.tensors) > P.MAX_ITEMS:
+            raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors")
+
+    # -- read -----------------------------------------------------------------------
+
+    async def _read(self, req_id: int, req: P.Read) -> None:
+        ep = self._endpoint()
+        buf = self._get(req.buffer_id)
+        self._check_range(buf, req.offset, req.nbytes)
+        span = (req.offset, req.offset + req.nbytes)
+        async with self._holding(buf, [span], exclusive=False):
+            # The answer goes first: the client posts its receive when it sees it.
+            self.send(P.ok_response(req_id, {"nbytes": req.nbytes}))
+            if not await self._send_runs(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)]):
+                return
+        self.daemon.counters["bytes_read"] += req.nbytes
+        self._log("read", buf, req.offset, req.nbytes)
+
+    async def _read_batch(self, req_id: int, req: P.ReadBatch) -> None:
+        ep = self._endpoint()
+        offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
+        if len(offsets) != len(sizes):
+            raise BadRequest("offsets and sizes differ in length")
+        buf = self._get(req.buffer_id)
+        self._check_items(buf, offsets, sizes)
+        runs = P.plan_runs(offsets, sizes)
+        nbytes = int(sizes.sum())
+        hull = (int(offsets[0]), int(offsets[-1] + sizes[-1])) if len(offsets) else (0, 0)
+        async with self._holding(buf, [hull], exclusive=False):
+            self.send(P.ok_response(req_id, {"nbytes": nbytes, "messages": len(runs)}))
+            if not await self._send_runs(ep, req_id, buf, runs):
+                return
+        self.daemon.counters["bytes_read"] += nbytes
+        self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
+
+    # -- on the daemon, no network ----------------------------------------------------
+
+    async def _clear(self, req_id: int, req: P.ClearBuffer) -> dict[str, Any]:
+        buf = self._get(req.buffer_id)
+        if req.value > 255:
+            raise BadRequest(f"value must be a byte (0..255), got {req.value}")
+        nbytes = buf.size - req.offset if req.nbytes is None else req.nbytes
+        self._check_range(buf, req.offset, max(nbytes, 0))
+        async with self._holding(buf, [(req.offset, req.offset + nbytes)], exclusive=True):
+            view = buf.pool.arena.view(buf.offset + req.offset, nbytes)
+            await _maybe_in_thread(nbytes, view.fill, req.value)
+        self._log("clear", buf, req.offset, nbytes, note=f"value={req.value}")
+        return {"nbytes": nbytes}
+
+    async def _copy(self, req_id: int, req: P.CopyBuffer) -> dict[str, Any]:
+        src, dst = self._get(req.src_id), self._get(req.dst_id)
+        self._check_range(src, req.src_offset, req.nbytes)
+        self._check_range(dst, req.dst_offset, req.nbytes)
+        s_rng = (req.src_offset, req.src_offset + req.nbytes)
+        d_rng = (req.dst_offset, req.dst_offset + req.nbytes)
+
+        def do_copy() -> None:
+            copy_between(src.pool.arena, src.offset + req.src_offset,
+                         dst.pool.arena, dst.offset + req.dst_offset, req.nbytes)
+
+        if src is dst:  # one grant, so a copy within a buffer cannot deadlock itself
+            async with self._holding(dst, [s_rng, d_rng], exclusive=True):
+                await _maybe_in_thread(req.nbytes, do_copy)
+        else:
+            # Lock in a global order (buffer id) so crossing copies cannot deadlock.
+            first, second = sorted([(src, s_rng, False), (dst, d_rng, True)],
+                                   key=lambda t: t[0].buffer_id)
+            async with self._holding(first[0], [first[1]], first[2]), \
+                    self._holding(second[0], [second[1]], second[2]):
+                await _maybe_in_thread(req.nbytes, do_copy)
+        self._log("copy", dst, req.dst_offset, req.nbytes,
+                  note=f"from {src.buffer_id}+{req.src_offset}")
+        return {"nbytes": req.nbytes}
+
+
+async def _maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Big memory sweeps run in a worker thread (NumPy drops the GIL) so the
+    event loop keeps serving everyone else."""
+    if nbytes >= 4 << 20:
+        await asyncio.to_thread(fn, *args)
+    else:
+        fn(*args)
+

@@ -1,0 +1,74 @@
+"""Byte-range locks inside one buffer: many readers or one writer per range.
+
+A store holds an exclusive lock on the range it writes, a read a shared lock
+on the range it reads; so two overlapping stores never interleave their bytes
+and a read never sees half of a store, while transfers on disjoint ranges run
+in parallel.  Waiters queue first come, first served: a request is granted
+only when it conflicts with no held lock and with no earlier waiter, so a
+stream of readers cannot starve a writer.
+
+Plain synchronous bookkeeping (decide here, await in the daemon): ``acquire``
+returns a ``Grant`` whose ``ready`` callback fires when it is granted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Grant:
+    ranges: list[tuple[int, int]]  # half-open [start, end)
+    exclusive: bool
+    ready: Callable[[], None] = field(default=lambda: None)
+    granted: bool = False
+
+    def conflicts(self, other: Grant) -> bool:
+        if not (self.exclusive or other.exclusive):
+            return False
+        return any(a < d and c < b for a, b in self.ranges for c, d in other.ranges)
+
+
+class RangeLocks:
+    def __init__(self) -> None:
+        self.held: list[Grant] = []
+        self.waiting: list[Grant] = []
+
+    def acquire(self, ranges: list[tuple[int, int]], exclusive: bool,
+                ready: Callable[[], None] = lambda: None) -> Grant:
+        g = Grant([(s, e) for s, e in ranges if e > s], exclusive, ready)
+        if not any(g.conflicts(h) for h in self.held) and \
+                not any(g.conflicts(w) for w in self.waiting):
+            g.granted = True
+            self.held.append(g)
+        else:
+            self.waiting.append(g)
+        return g
+
+    def release(self, g: Grant) -> None:
+        """Release a held grant, or withdraw a waiting one (cancellation)."""
+        if g.granted:
+            self.held.remove(g)
+        elif g in self.waiting:
+            self.waiting.remove(g)
+        else:
+            return
+        self._wake()
+
+    def _wake(self) -> None:
+        still: list[Grant] = []
+        for w in self.waiting:
+            blocked = any(w.conflicts(h) for h in self.held) or \
+                any(w.conflicts(e) for e in still)
+            if blocked:
+                still.append(w)
+            else:
+                w.granted = True
+                self.held.append(w)
+                w.ready()
+        self.waiting = still
+
+    @property
+    def idle(self) -> bool:
+        return not self.held and not self.waiting
