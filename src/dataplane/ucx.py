@@ -71,15 +71,18 @@ def _install_adaptive_progress() -> None:
     transfer took 16 ms instead of 0.3 ms (measured; same with am/get_zcopy
     schemes and signal async mode).  So this mode polls only while this
     process has transfers in flight (``busy()``, entered by every
-    ``DataEndpoint`` send/recv) and for 1 ms after the last activity, and
-    otherwise arms the worker and sleeps on its epoll fd: polling speed
-    during transfers, no CPU when idle.  A 1 s guard wakes it in case an
-    event is ever missed.
+    ``DataEndpoint`` send/recv) and for ``GRACE`` after the last activity,
+    and otherwise arms the worker and sleeps on its epoll fd: polling speed
+    while working, no CPU when idle.  A short grace (1 ms) measured worse
+    than 10 ms in back-to-back traffic (each lull re-armed the worker and
+    the next message waited on a UCX timer again), so the grace covers the
+    gaps of a busy client.  A 1 s guard wakes it in case an event is ever
+    missed.
     """
     from ucxx._lib_async import application_context, continuous_ucx_progress
 
     class AdaptiveProgress(continuous_ucx_progress.ProgressTask):
-        GRACE = 0.001  # seconds of polling after the last sign of activity
+        GRACE = 0.01  # seconds of polling after the last sign of activity
 
         def __init__(self, worker: Any, event_loop: asyncio.AbstractEventLoop) -> None:
             super().__init__(worker, event_loop)
@@ -88,7 +91,7 @@ def _install_adaptive_progress() -> None:
             self._until = 0.0
             self.poll_task: asyncio.Task[None] | None = None
             fd = worker.epoll_file_descriptor
-            event_loop.add_reader(fd, self._wake)
+            event_loop.add_reader(fd, self._on_fd)
             weakref.finalize(self, event_loop.remove_reader, fd)
             self.guard_task: asyncio.Task[None] | None = event_loop.create_task(self._guard())
             _PROGRESS[event_loop] = self
@@ -110,8 +113,14 @@ def _install_adaptive_progress() -> None:
             self.busy -= 1
             self._wake()
 
-        def _wake(self) -> None:
-            self._until = time.monotonic() + self.GRACE
+        def _on_fd(self) -> None:
+            # While polling, the fd (not armed) stays readable and this fires
+            # on every loop turn: it must not extend the grace, or we never sleep.
+            if self.poll_task is None or self.poll_task.done():
+                self._wake()
+
+        def _wake(self, grace: float | None = None) -> None:
+            self._until = time.monotonic() + (self.GRACE if grace is None else grace)
             if self.poll_task is None or self.poll_task.done():
                 self.poll_task = self.event_loop.create_task(self._poll())
 
@@ -122,7 +131,7 @@ def _install_adaptive_progress() -> None:
                     self._until = time.monotonic() + self.GRACE
                 elif not self.busy and time.monotonic() >= self._until:
                     if worker.arm():
-                        return  # armed: the epoll fd calls _wake on the next event
+                        return  # armed: the epoll fd calls _on_fd on the next event
                     continue  # events arrived meanwhile: progress them first
                 await asyncio.sleep(0)  # let completed requests' tasks run (and post more)
                 worker = self.worker
@@ -130,7 +139,8 @@ def _install_adaptive_progress() -> None:
         async def _guard(self) -> None:
             while self.worker is not None:
                 await asyncio.sleep(1.0)
-                self._wake()
+                if self.poll_task is None or self.poll_task.done():
+                    self._wake(grace=0.0)  # one progress-and-arm, no polling
 
     application_context.BlockingMode = AdaptiveProgress
 
