@@ -84,7 +84,8 @@ class DataOps:
             )
 
     @staticmethod
-    def _check_items(buf: Buffer, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def _check_items(buf: Buffer, offsets: np.ndarray, sizes: np.ndarray,
+                     disjoint: bool = True) -> None:
         if len(offsets) == 0:
             return
         if (offsets > P.MAX_INT).any() or (sizes > P.MAX_INT).any():
@@ -96,7 +97,7 @@ class DataOps:
                 f"item {i} [{offsets[i]}, {ends[i]}) is outside buffer of {buf.size} bytes",
                 {"item": i, "offset": int(offsets[i]), "nbytes": int(sizes[i]), "size": buf.size},
             )
-        if (offsets[1:] < ends[:-1]).any():
+        if disjoint and (offsets[1:] < ends[:-1]).any():
             raise BadRequest("batch items must be sorted by offset and must not overlap")
 
     @contextlib.asynccontextmanager
@@ -214,7 +215,7 @@ class DataOps:
             await self._drain(ep, req_id, len(runs))
             raise
         nbytes = int(sizes.sum())
-        hull = (int(offsets[0]), int(offsets[-1] + sizes[-1])) if len(offsets) else (0, 0)
+        hull = _hull(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=True):
             await self._receive(ep, req_id, buf, runs)
             if sums is not None and req.verify == "checksum":
@@ -310,10 +311,10 @@ class DataOps:
         if len(offsets) != len(sizes):
             raise BadRequest("offsets and sizes differ in length")
         buf = self._get(req.buffer_id)
-        self._check_items(buf, offsets, sizes)
+        self._check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
         runs = P.plan_runs(offsets, sizes)
         nbytes = int(sizes.sum())
-        hull = (int(offsets[0]), int(offsets[-1] + sizes[-1])) if len(offsets) else (0, 0)
+        hull = _hull(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=False):
             self.send(P.ok_response(req_id, {"nbytes": nbytes, "messages": len(runs)}))
             if not await self._send_runs(ep, req_id, buf, runs):
@@ -369,3 +370,10 @@ async def _maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> N
     else:
         fn(*args)
 
+
+
+def _hull(offsets: np.ndarray, sizes: np.ndarray) -> tuple[int, int]:
+    """The smallest range covering every item (what a batch locks)."""
+    if not len(offsets):
+        return (0, 0)
+    return int(offsets.min()), int((offsets + sizes).max())

@@ -26,7 +26,7 @@ class RpcBufError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _REGISTRY[cls.code] = cls
+        _REGISTRY.setdefault(cls.code, cls)  # a subclass sharing a code keeps the first
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"

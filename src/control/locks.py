@@ -48,9 +48,9 @@ class RangeLocks:
 
     def release(self, g: Grant) -> None:
         """Release a held grant, or withdraw a waiting one (cancellation)."""
-        if g.granted:
+        if g.granted and g in self.held:
             self.held.remove(g)
-        elif g in self.waiting:
+        elif not g.granted and g in self.waiting:
             self.waiting.remove(g)
         else:
             return

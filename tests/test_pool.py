@@ -1,0 +1,61 @@
+"""BufferPool: reuse held remote buffers (best fit) before asking the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from conftest import pool_free
+
+
+async def test_reuse_best_fit_and_close(ctx: rpcbuf.RpcContext, clean_pool) -> None:  # type: ignore[no-untyped-def]
+    start = await pool_free(clean_pool)
+    async with rpcbuf.BufferPool(ctx) as pool:
+        small = await pool.acquire(4096)
+        mid = await pool.acquire(64 << 10)
+        big = await pool.acquire(1 << 20)
+        assert pool.statistics().misses == 3
+        for b in (small, mid, big):
+            pool.release(b)
+        assert await pool.acquire(50_000) == mid  # smallest idle one that fits
+        assert await pool.acquire(3000) == small
+        assert await pool.acquire(600_000) == big
+        s = pool.statistics()
+        assert (s.hits, s.misses, s.idle, s.in_use) == (3, 3, 0, 3)
+        other = await pool.acquire(4096)  # nothing idle fits: the daemon is asked
+        assert other not in (small, mid, big)
+        pool.release(small)
+        huge_slack = await pool.acquire(100)  # 4096 > 2 x 100: not worth the waste
+        assert huge_slack != small
+        await ctx.store_tensor(big, np.ones(1000, np.uint8))  # the ids are real buffers
+        with pytest.raises(rpcbuf.BadRequest):
+            pool.release("b-not-from-this-pool")
+        pool.release(other)
+        with pytest.raises(rpcbuf.BadRequest):
+            pool.release(other)  # twice
+        with pytest.raises(rpcbuf.BadRequest):
+            await pool.acquire(0)
+        assert await pool.trim() == 2  # idle: small and other
+    assert await pool_free(clean_pool) == start  # close released everything
+
+
+async def test_pool_waits_like_request_buffer(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:4MiB")
+    async with d.connect("alice") as a, d.connect("alice") as b:
+        pa, pb = rpcbuf.BufferPool(a), rpcbuf.BufferPool(b)
+        held = await pa.acquire(4 << 20)
+        waiter = asyncio.create_task(pb.acquire(1 << 20, timeout=10))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        pa.release(held)  # back to pool a, not the daemon: b still waits
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await pa.close()  # now the daemon has memory again
+        got = await waiter
+        assert isinstance(got, str)
+        with pytest.raises(rpcbuf.OutOfMemory):
+            await pb.acquire(8 << 20, timeout=0.1)
+        await pb.close()
