@@ -189,3 +189,19 @@ async def test_transfer_deadline_aborts_a_stalled_store(daemon_factory) -> None:
             await asyncio.wait_for(fut, 10)
     assert await wait_free(d, start) == start
     assert "transfer deadline passed" in d.log()
+
+
+@pytest.mark.parametrize("allocator", ["linear", "slab"])
+async def test_other_allocators_serve_end_to_end(daemon_factory, allocator: str) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:8MiB", "--allocator", allocator)
+    start = await pool_free(d)
+    async with d.connect("alice") as c:
+        ids = [await c.request_buffer(s) for s in (100, 5000, 70_000, 1 << 20)]
+        metas = [await c.get_buffer_meta(b) for b in ids]
+        assert all(m["base_addr"] % 256 == 0 for m in metas)
+        assert (await c.list_devices())[0]["allocator"] == allocator
+        for b, m in zip(ids, metas, strict=True):
+            await c.store_tensor(b, np.full(m["size"], 5, np.uint8), verify="checksum")
+        for b in ids:
+            await c.release_buffer(b)
+    assert await wait_free(d, start) == start
