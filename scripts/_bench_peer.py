@@ -3,17 +3,18 @@
 One process, under uvloop, serving two things on 127.0.0.1:
 
 * a raw ucxx listener (same UCX settings as rpcbufd, via
-  ``dataplane.ucx.apply_defaults``).  Per endpoint it loops on a 3 x int64
-  phase header ``[mode, nbytes, iters]`` (tag ``TAG_PHASE``), then runs
+  ``dataplane.ucx.apply_defaults``) and a phase TCP server: for each phase
+  header ``[mode, nbytes, iters]`` read from TCP it runs
   ``iters`` exchanges into/out of one preallocated, pre-touched numpy buffer:
   ``MODE_STORE``: recv ``nbytes`` (``TAG_DATA``), send a 1-byte ack
   (``TAG_REPLY``); ``MODE_READ``: recv an 8-byte request holding the size
-  (``TAG_DATA``), send that many bytes (``TAG_REPLY``); ``MODE_QUIT`` ends it.
+  (``TAG_DATA``), send that many bytes (``TAG_REPLY``), then answers one byte
+  on TCP; ``MODE_QUIT`` ends it.
 * a bare msgpack echo server: length-prefixed frames in, the same frames out,
   parsed and re-encoded with ``control.protocol`` (as the daemon does), with
   the daemon's read loop shape (read, decode, write each answer, drain).
 
-Once listening it writes ``UCX_PORT ECHO_PORT`` to ``--ready-file``.  It exits
+Once listening it writes ``UCX_PORT ECHO_PORT PHASE_PORT`` to ``--ready-file``.  It exits
 0 on SIGTERM/SIGINT, and on its own when its parent process goes away.
 """
 
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import struct
 from typing import Any
 
 import numpy as np
@@ -36,14 +38,20 @@ TAG_PHASE, TAG_DATA, TAG_REPLY = 1, 2, 3
 READ_CHUNK = 1 << 16
 
 
-async def serve_endpoint(ep: Any, buf: np.ndarray) -> None:
-    header = np.zeros(3, dtype=np.int64)
+PHASE = struct.Struct("<qqq")  # mode, nbytes, iters: sent over the phase TCP connection
+
+
+async def run_phases(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     endpoint: asyncio.Future[Any], buf: np.ndarray) -> None:
+    """Phase headers arrive over TCP, not UCX: between phases no UCX receive is
+    posted here, because ucxx's request wait polls with sleep(0) and a posted
+    receive would keep a core busy while rpcbuf's own rounds run."""
     request = np.zeros(1, dtype=np.int64)
     ack = np.ones(1, dtype=np.uint8)
+    ep = await endpoint
     try:
         while True:
-            await ep.recv(header, tag=TAG_PHASE)
-            mode, nbytes, iters = (int(x) for x in header)
+            mode, nbytes, iters = PHASE.unpack(await reader.readexactly(PHASE.size))
             # ucx.busy(): the same progress policy rpcbufd's transfers get
             # (poll while a transfer is in flight, sleep on epoll otherwise)
             if mode == MODE_STORE:
@@ -59,10 +67,15 @@ async def serve_endpoint(ep: Any, buf: np.ndarray) -> None:
                         await ep.send(buf[: int(request[0])], tag=TAG_REPLY)
             else:
                 break
-    except Exception:  # the client went away: nothing to clean up beyond the endpoint
+            writer.write(b"\x01")  # phase done
+    except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        pass  # the client went away
+    except Exception:  # a UCX error: the client went away mid-phase
         pass
-    with contextlib.suppress(Exception):
-        await ep.close()
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await ep.close()
 
 
 async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -92,21 +105,21 @@ async def main(args: argparse.Namespace) -> None:
     ucxx = ucx.ucxx()  # applies rpcbuf's UCX defaults before importing ucxx
     buf = np.empty(args.max_bytes, dtype=np.uint8)
     buf.fill(0xA5)  # touch every page now, not during the first timed transfer
-    endpoints: set[asyncio.Task[None]] = set()
+    endpoint: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    closed = asyncio.Event()
 
     async def on_endpoint(ep: Any) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        endpoints.add(task)
-        try:
-            await serve_endpoint(ep, buf)
-        finally:
-            endpoints.discard(task)
+        if not endpoint.done():  # one raw client per run
+            endpoint.set_result(ep)
+        await closed.wait()  # keep the listener's handler (and the endpoint) alive
 
     listener = ucxx.create_listener(on_endpoint, port=0)
     server = await asyncio.start_server(echo, "127.0.0.1", 0, limit=READ_CHUNK)
     echo_port = server.sockets[0].getsockname()[1]
-    write_ready(args.ready_file, f"{listener.port} {echo_port}\n")
+    phase_server = await asyncio.start_server(
+        lambda r, w: run_phases(r, w, endpoint, buf), "127.0.0.1", 0)
+    phase_port = phase_server.sockets[0].getsockname()[1]
+    write_ready(args.ready_file, f"{listener.port} {echo_port} {phase_port}\n")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,10 +129,10 @@ async def main(args: argparse.Namespace) -> None:
     while not stop.is_set() and os.getppid() == parent:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
+    closed.set()
     server.close()
+    phase_server.close()
     listener.close()
-    for task in list(endpoints):
-        task.cancel()
 
 
 def cli() -> None:

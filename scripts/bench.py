@@ -101,7 +101,7 @@ import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from _bench_peer import MODE_QUIT, MODE_READ, MODE_STORE, TAG_DATA, TAG_PHASE, TAG_REPLY  # noqa: E402
+from _bench_peer import MODE_QUIT, MODE_READ, MODE_STORE, PHASE, TAG_DATA, TAG_REPLY  # noqa: E402
 from control import auth  # noqa: E402
 from control import protocol as P  # noqa: E402
 
@@ -218,20 +218,26 @@ async def alternate(ours: Round, ref: Round, iters: int, rounds: int,
 class RawPeer:
     """Client side of the raw ucxx reference (protocol: see _bench_peer.py)."""
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
         self.ep = ep
-        self._header = np.zeros(3, dtype=np.int64)
+        self._reader, self._writer = reader, writer
         self._request = np.zeros(1, dtype=np.int64)
         self._ack = np.zeros(1, dtype=np.uint8)
+        self._open_phase = False
 
     @classmethod
-    async def connect(cls, port: int) -> RawPeer:
+    async def connect(cls, port: int, phase_port: int) -> RawPeer:
         ep = await asyncio.wait_for(ucx.ucxx().create_endpoint("127.0.0.1", port), 30)
-        return cls(ep)
+        reader, writer = await asyncio.open_connection("127.0.0.1", phase_port)
+        return cls(ep, reader, writer)
 
     async def _phase(self, mode: int, nbytes: int, iters: int) -> None:
-        self._header[:] = (mode, nbytes, iters)
-        await self.ep.send(self._header, tag=TAG_PHASE)
+        if self._open_phase:  # the previous phase's "done" byte
+            await self._reader.readexactly(1)
+        self._writer.write(PHASE.pack(mode, nbytes, iters))
+        await self._writer.drain()
+        self._open_phase = mode != MODE_QUIT
 
     async def store(self, data: np.ndarray, iters: int) -> list[float]:
         await self._phase(MODE_STORE, data.nbytes, iters)
@@ -259,6 +265,7 @@ class RawPeer:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._phase(MODE_QUIT, 0, 0), 5)
+        self._writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ep.close(), 5)
 
@@ -610,7 +617,7 @@ async def bench_batching(ctx: rpcbuf.RpcContext, plan: Plan) -> dict[str, Any]:
     }
 
 
-async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int,
+async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int, phase_port: int,
                   plan: Plan) -> dict[str, Any]:
     ctx: rpcbuf.RpcContext | None = None
     raw: RawPeer | None = None
@@ -620,16 +627,14 @@ async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int,
         loop.add_signal_handler(sig, _note_signal, sig)
     try:
         ctx = await rpcbuf.connect(addr, token=token)
-        raw = await RawPeer.connect(peer_ucx_port)
+        raw = await RawPeer.connect(peer_ucx_port, phase_port)
         echo = await EchoClient.connect(echo_port)
         progress("data ops: rpcbuf vs raw ucxx ...")
         data = await bench_data(ctx, raw, plan)
         progress("control ops: rpcbuf vs msgpack echo ...")
         control = await bench_control(ctx, echo, plan)
-        # Done with the peer.  While the raw endpoint is open the peer keeps a
-        # receive posted, and ucxx's request wait polls for it with sleep(0):
-        # a core busy for nothing (on 2 cores, half the machine), which the
-        # batching rows (client and daemon only) must not share.
+        # Done with the peer (its phases come over TCP, so an idle peer has no
+        # UCX receive posted and uses no CPU; closing it is just tidy).
         await raw.close()
         raw = None
         echo.close()
@@ -783,9 +788,11 @@ def measure(plan: Plan, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                  str(tmp / "peer.ready"), "--max-bytes", str(max(plan.iters))],
                 stdout=log, **spawn)
         addr, _daemon_ucx = wait_ready(tmp / "daemon.ready", daemon, daemon_log, "rpcbufd").split()
-        peer_ucx, echo_port = wait_ready(tmp / "peer.ready", peer, peer_log, "bench peer").split()
+        peer_ucx, echo_port, phase_port = wait_ready(tmp / "peer.ready", peer, peer_log,
+                                                     "bench peer").split()
         progress(f"rpcbufd at {addr}, reference peer ucx={peer_ucx} echo={echo_port}")
-        results = uvloop.run(run_all(addr, token, int(peer_ucx), int(echo_port), plan))
+        results = uvloop.run(run_all(addr, token, int(peer_ucx), int(echo_port),
+                                     int(phase_port), plan))
     finally:
         for sig in handlers:  # cleanup is bounded; a second Ctrl-C must not cut it short
             signal.signal(sig, signal.SIG_IGN)
