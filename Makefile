@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean install-service
 
 install: $(STAMP)
 
@@ -24,9 +24,35 @@ lint: install
 test: install lint  ## the whole suite: lint, unit and integration tests
 	$(BIN)/python -m pytest -q
 
-bench: install  ## prints tables and writes bench.json, bench_alloc.json
+bench: install  ## prints tables and writes bench.json, bench_alloc.json, bench_dedup.json
 	$(BIN)/python scripts/bench.py --json bench.json
 	$(BIN)/python scripts/bench_alloc.py --json bench_alloc.json
+	$(BIN)/python scripts/bench_dedup.py --json bench_dedup.json
+
+# As root: rpcbufd as a systemd service. Creates the rpcbuf system user and
+# /var/lib/rpcbuf, /var/log/rpcbuf if missing, a venv in $(PREFIX), the unit in
+# $(UNITDIR), /etc/rpcbuf/rpcbufd.toml (an existing one is kept) and the node
+# secret /etc/rpcbuf/secret (0600, owned by rpcbuf; an existing one is kept).
+PREFIX  ?= /opt/rpcbuf
+UNITDIR ?= /etc/systemd/system
+
+install-service:
+	id -u rpcbuf >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
+		--home-dir /var/lib/rpcbuf --shell /usr/sbin/nologin rpcbuf
+	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)
+	$(PREFIX)/bin/python -m pip install --quiet --upgrade pip
+	$(PREFIX)/bin/python -m pip install --quiet .
+	install -d -m 0755 /etc/rpcbuf
+	test -e /etc/rpcbuf/rpcbufd.toml || install -m 0644 scripts/systemd/rpcbufd.toml /etc/rpcbuf/
+	test -e /etc/rpcbuf/secret || $(PREFIX)/bin/python -c \
+		"from control.auth import load_or_create_secret as s; s('/etc/rpcbuf/secret')"
+	chown rpcbuf:rpcbuf /etc/rpcbuf/secret && chmod 0600 /etc/rpcbuf/secret
+	install -d -o rpcbuf -g rpcbuf -m 0750 /var/lib/rpcbuf /var/log/rpcbuf
+	install -d $(UNITDIR)
+	sed 's|/opt/rpcbuf/|$(PREFIX)/|g' scripts/systemd/rpcbufd.service > $(UNITDIR)/rpcbufd.service
+	chmod 0644 $(UNITDIR)/rpcbufd.service
+	systemctl daemon-reload 2>/dev/null || echo "systemd is not running here: daemon-reload skipped"
+	@echo "installed; start it with: systemctl enable --now rpcbufd"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -66,7 +66,8 @@ class DaemonProc:
         return self.proc.returncode
 
 
-def start_daemon(tmp: Path, *flags: str, wait: float = 30) -> DaemonProc:
+def start_daemon(tmp: Path, *flags: str, wait: float = 30,
+                 env: dict[str, str] | None = None) -> DaemonProc:
     tmp.mkdir(parents=True, exist_ok=True)
     secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
     load_or_create_secret(secret)
@@ -75,7 +76,8 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30) -> DaemonProc:
     if not any(f == "--device" for f in flags):
         args += ["--device", "cpu:512MiB"]
     with open(logf, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=None if env is None else {**os.environ, **env})
     deadline = time.monotonic() + wait
     while not (ready.exists() and ready.read_text().endswith("\n")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -90,8 +92,8 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30) -> DaemonProc:
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     started: list[DaemonProc] = []
 
-    def factory(*flags: str) -> DaemonProc:
-        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags)
+    def factory(*flags: str, env: dict[str, str] | None = None) -> DaemonProc:
+        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags, env=env)
         started.append(d)
         return d
 

@@ -198,3 +198,21 @@ async def test_copy_across_tenants_is_not_found(clean_pool) -> None:  # type: ig
         with pytest.raises(rpcbuf.NotFound):
             await bob.clear_buffer(secret)
         await asyncio.gather(alice.release_buffer(secret), bob.release_buffer(mine))
+
+
+async def test_stale_manifest_cache_is_refused_and_replanned(clean_pool) -> None:  # type: ignore[no-untyped-def]
+    async with clean_pool.connect("alice") as a, clean_pool.connect("alice") as b:
+        bid = await a.request_buffer(1 << 16, name="shared/manifest")
+        await a.store_tensors(bid, {"a": np.full(1000, 1, np.uint8)})  # a caches the manifest
+        await b.store_tensors(bid, {"b": np.full(1000, 2, np.uint8)})  # appended after a
+        await a.store_tensors(bid, {"c": np.full(1000, 3, np.uint8)})  # a's copy is stale
+        man = (await b.get_buffer_meta(bid))["tensors"]
+        spans = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in man.values())
+        assert set(man) == {"a", "b", "c"}
+        assert all(x[1] <= y[0] for x, y in itertools.pairwise(spans)), "slots overlap"
+        got = await a.load_tensors(bid)
+        assert [int(got[k][0]) for k in "abc"] == [1, 2, 3]
+        meta = await a.get_buffer_meta(bid, tensors=False)
+        assert meta["tensors"] is None and meta["tensor_count"] == 3
+        assert meta["manifest_version"] == 3 and meta["tensors_end"] == spans[-1][1] + 24
+        await a.release_buffer(bid)

@@ -116,7 +116,9 @@ def test_every_op_round_trips() -> None:
                P.StoreBatch("b", P.pack_u64([0, 8]), P.pack_u64([8, 8]), P.pack_u64([1, 2]),
                             "checksum", ["a", "b"], ["<f4", "<i8"], [[2], [1]]),
                P.ReadBatch("b", P.pack_u64([0]), P.pack_u64([4])), P.OpenBuffer("n"),
-               P.ClearBuffer("b", 7, 1, 2), P.CopyBuffer("a", 1, "b", 2, 3)]
+               P.ClearBuffer("b", 7, 1, 2), P.CopyBuffer("a", 1, "b", 2, 3),
+               P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
+                            P.pack_u64([3]), ["a"], ["<f4"], [[2]])]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))

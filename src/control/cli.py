@@ -15,6 +15,7 @@ from typing import Any
 
 from .auth import create_token, load_or_create_secret
 from .errors import RpcBufError
+from .loader import register_load_commands, run_load_command
 from .units import format_size, parse_duration
 
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="example: rpcbuf release b-XXXX")
     rl.add_argument("buffer_id")
     _client_flags(rl)
+    register_load_commands(sub, _client_flags)
     return p
 
 
@@ -79,6 +81,49 @@ async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
     addrs = _endpoints(args)
     results = await asyncio.gather(*(one(a) for a in addrs))
     return dict(zip(addrs, results, strict=True))
+
+
+async def _devices(args: argparse.Namespace) -> int:
+    """Every node's devices as one table (slot numbers are placement's), or JSON
+    ``{endpoint: [device, ...] or error}``; exit 1 if any node failed."""
+    from .cluster import Cluster
+
+    async with Cluster.connect(_endpoints(args), _token(args), timeout=args.timeout,
+                               partial=True) as cluster:
+        got = await cluster.devices_by_node()
+    failed = any(isinstance(r, RpcBufError) for r in got.values())
+    if args.json:
+        print(json.dumps({a: (r.to_wire() if isinstance(r, RpcBufError) else r)
+                          for a, r in got.items()}, indent=2, default=str))
+        return 1 if failed else 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rpcbuf devices")
+    for col in ("slot", "endpoint", "node", "device", "allocator", "total", "free",
+                "largest free", "buffers"):
+        table.add_column(col, justify="right" if col in ("slot", "total", "free",
+                                                        "largest free", "buffers") else "left")
+    for addr, res in got.items():
+        if isinstance(res, RpcBufError):
+            table.add_row("-", addr, "", f"[red]{res.code}[/red]", res.message[:60], "", "", "",
+                          "")
+            continue
+        for d in res:
+            table.add_row(str(d["slot"] if not failed else "-"), addr, str(d["node_id"]),
+                          str(d["key"]), str(d.get("allocator", "")), format_size(d["total"]),
+                          format_size(d["free"]), format_size(d["largest_free"]),
+                          str(d.get("buffers", "")))
+    Console(width=max(100, _term_width())).print(table)
+    if failed:
+        print("rpcbuf: some nodes failed; slot numbers need every node", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _term_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
 
 
 def _report(args: argparse.Namespace, results: dict[str, Any], rows: Any) -> int:
@@ -104,14 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             print(create_token(secret, args.tenant, args.ttl))
             return 0
         if args.cmd == "devices":
-            results = asyncio.run(_per_node(args, lambda c: c.list_devices()))
-
-            def dev_rows(addr: str, devs: list[dict[str, Any]]) -> list[str]:
-                return [f"{addr:22} {d['key']:8} total {format_size(d['total']):>10}  "
-                        f"free {format_size(d['free']):>10}  "
-                        f"largest free {format_size(d['largest_free']):>10}" for d in devs]
-
-            return _report(args, results, dev_rows)
+            return asyncio.run(_devices(args))
+        if args.cmd in ("load", "unload"):
+            return run_load_command(args, _endpoints(args), _token(args))
         if args.cmd == "ls":
             results = asyncio.run(_per_node(args, lambda c: c.list_buffers()))
 

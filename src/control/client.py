@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from dataplane import ucx
 from dataplane.checksum import checksum
 
 from . import protocol as P
+from .dedup import DedupClientOps
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
 from .tensors import TensorOps
 
@@ -121,7 +123,9 @@ class ControlConnection:
     def _deliver(self, msg: dict[str, Any]) -> None:
         req_id = msg.get("id")
         if req_id is None:  # a connection-level error: the daemon is closing us
-            self._lost = error_from_wire(msg.get("error"))
+            self._fail_all(error_from_wire(msg.get("error")))
+            with contextlib.suppress(Exception):
+                self._writer.close()  # the daemon waits for us to go
             return
         fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
         if fut is not None and not fut.done():
@@ -158,7 +162,7 @@ def _result(msg: dict[str, Any]) -> dict[str, Any]:
     raise error_from_wire(msg.get("error"))
 
 
-class RpcContext(TensorOps):
+class RpcContext(TensorOps, DedupClientOps):
     """A session with one rpcbufd: see ``rpcbuf.connect``."""
 
     def __init__(self, conn: ControlConnection, ep: ucx.DataEndpoint, hello: dict[str, Any],
@@ -175,6 +179,7 @@ class RpcContext(TensorOps):
         self._slots = asyncio.Semaphore(self.max_inflight)
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
         self._closed = False
+        self._manifests: dict[str, Any] = {}  # buffer id -> cached manifest (tensors.py)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = ep.abort
@@ -183,11 +188,13 @@ class RpcContext(TensorOps):
 
     @classmethod
     async def connect(cls, addr: str, token: str, timeout: float | None = 30.0,
-                      max_inflight: int | None = None) -> RpcContext:
+                      max_inflight: int | None = None,
+                      tls: bool | ssl.SSLContext | None = None) -> RpcContext:
         host, port = parse_addr(addr)
+        tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(host, port, ssl=tls_ctx)
         except TimeoutError:
             raise Timeout(f"connecting to {addr} timed out") from None
         except OSError as exc:
@@ -215,6 +222,11 @@ class RpcContext(TensorOps):
         except ucx.TransferError as exc:
             conn.close()
             raise ConnectionLost(f"UCX connection to {addr} failed: {exc}") from exc
+        except ConnectionLost:
+            conn.close()
+            if conn.lost is not None and not isinstance(conn.lost, ConnectionLost):
+                raise conn.lost from None  # the daemon said why: QUOTA_EXCEEDED, SHUTTING_DOWN
+            raise
         except BaseException:
             conn.close()
             raise
@@ -291,10 +303,14 @@ class RpcContext(TensorOps):
                                 timeout=wait if timeout else None)
         return str(meta["buffer_id"])
 
-    async def get_buffer_meta(self, buffer_id: str) -> dict[str, Any]:
-        """Raises NOT_FOUND."""
+    async def get_buffer_meta(self, buffer_id: str, tensors: bool = True) -> dict[str, Any]:
+        """The buffer's metadata; ``tensors=False`` leaves out the manifest's
+        entries (a big manifest is a big answer). Raises NOT_FOUND."""
         self._check_open()
-        return await self._call(P.GetBufferMeta(buffer_id=buffer_id))
+        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors))
+        if tensors:
+            self._remember_manifest(buffer_id, meta)
+        return meta
 
     async def release_buffer(self, buffer_id: str) -> None:
         """Raises NOT_FOUND."""
@@ -401,11 +417,13 @@ class RpcContext(TensorOps):
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
                           manifest: tuple[list[str], list[str], list[list[int]]] | None = None,
-                          ) -> dict[str, Any]:
+                          manifest_version: int | None = None) -> dict[str, Any]:
         """Store many ``(offset, array)`` items of one buffer in one control
         round trip; touching small items travel as one UCX message each run
         and land straight in their slices.  ``manifest`` = (names, dtypes,
-        shapes), index-aligned with ``items``, is recorded on the daemon.
+        shapes), index-aligned with ``items``, is recorded on the daemon;
+        with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
+        ``manifest_changed``, before any byte lands) if the manifest changed.
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         self._check_open()
         if verify not in (None, "checksum"):
@@ -423,7 +441,8 @@ class RpcContext(TensorOps):
             names, dtypes, shapes = ([col[i] for i in order] for col in manifest)
         req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
                            sizes=P.pack_u64(sizes), checksums=sums,
-                           verify=verify, names=names, dtypes=dtypes, shapes=shapes)  # type: ignore[arg-type]
+                           verify=verify, names=names, dtypes=dtypes, shapes=shapes,  # type: ignore[arg-type]
+                           manifest_version=manifest_version)
         payloads = [datas[first] if stop - first == 1 else np.concatenate(datas[first:stop])
                     for _, _, first, stop in P.plan_runs(offsets_u, sizes)]
         return await self._send_request(req, payloads)
@@ -515,8 +534,9 @@ class Connector:
     """What ``connect()`` returns: ``await`` it, or use it with ``async with``."""
 
     def __init__(self, addr: str, token: str, timeout: float | None,
-                 max_inflight: int | None = None) -> None:
-        self._args = (addr, token, timeout, max_inflight)
+                 max_inflight: int | None = None,
+                 tls: bool | ssl.SSLContext | None = None) -> None:
+        self._args = (addr, token, timeout, max_inflight, tls)
         self._ctx: RpcContext | None = None
 
     def __await__(self) -> Generator[Any, None, RpcContext]:
@@ -532,14 +552,20 @@ class Connector:
 
 
 def connect(addr: str, token: str, timeout: float | None = 30.0,
-            max_inflight: int | None = None) -> Connector:
+            max_inflight: int | None = None, *,
+            tls: bool | ssl.SSLContext | None = None) -> Connector:
     """Open a session with the rpcbufd at ``addr`` ("host:port").
 
     ``timeout`` bounds each control call; ``max_inflight`` caps this client's
     requests on the wire (at most the daemon's limit): more calls wait their
-    turn instead of queueing without bound.
-    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST, TIMEOUT."""
-    return Connector(addr, token, timeout, max_inflight)
+    turn instead of queueing without bound.  ``tls=True`` speaks TLS on the
+    control channel, verified against the system's CAs and the host name in
+    ``addr``; pass an ``ssl.SSLContext`` for your own CA or client certificate.
+    The data plane (UCX) is not encrypted by this.
+    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
+    handshake), TIMEOUT, QUOTA_EXCEEDED (the daemon's --max-sessions),
+    SHUTTING_DOWN."""
+    return Connector(addr, token, timeout, max_inflight, tls)
 
 
 def create_rpc_context(server_addr: str, auth_token: str,

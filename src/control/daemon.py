@@ -1,7 +1,11 @@
-"""``rpcbufd``: parse flags, build the pools, serve until SIGTERM/SIGINT.
+"""``rpcbufd``: parse flags (over ``--config``), build the pools, serve until
+SIGTERM/SIGINT.
 
 SIGTERM stops accepting new sessions and requests, lets in-flight transfers
 finish (bounded by ``--drain-timeout``), closes every session and exits 0.
+SIGHUP re-reads quotas and the log level from the config file; clients stay
+connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
+both listeners are up and pings the watchdog from its event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from typing import Any
 
@@ -19,8 +24,11 @@ from dataplane import ucx
 from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
 
+from . import config, logs
 from .auth import load_or_create_secret
+from .diskcache import DiskCache
 from .registry import Pool, Quota, Registry
+from .sdnotify import Notifier
 from .server import Daemon, Limits
 from .units import parse_duration, parse_size
 
@@ -39,6 +47,20 @@ def _host_port(text: str, default_port: int) -> tuple[str, int]:
 
 def _listen(text: str) -> tuple[str, int]:
     return _host_port(text, 7700)
+
+
+def _metrics_addr(text: str) -> tuple[str, int]:
+    return _host_port(text, 9700)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
 
 
 def _device(text: str) -> tuple[str, int, int]:
@@ -82,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB); "
                         "default cpu:1GiB")
-    p.add_argument("--secret-file", required=True, help="node secret (created 0600 if missing)")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="settings file (flags given here override it); SIGHUP re-reads its "
+                        "quotas and log level")
+    p.add_argument("--secret-file", help="node secret (created 0600 if missing); required, "
+                   "here or in --config")
     p.add_argument("--allocator", default="buddy", choices=sorted(ALLOCATORS))
     p.add_argument("--quota", action="append", type=_quota, default=[], metavar="T:BYTES:N",
                    help="per-tenant quota: bytes per device and buffer count, repeatable")
@@ -90,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quota for tenants without their own --quota")
     p.add_argument("--max-frame", type=parse_size, default=Limits.max_frame,
                    help="largest control frame accepted [%(default)s]")
-    p.add_argument("--max-inflight", type=int, default=Limits.max_inflight,
+    p.add_argument("--max-inflight", type=_positive_int, default=Limits.max_inflight,
                    help="requests one client may have in flight [%(default)s]")
+    p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,
+                   help="control connections served at once; more are refused with "
+                        "QUOTA_EXCEEDED [%(default)s]")
     p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
                    help="deadline of one data transfer, e.g. 300s [%(default)s]")
     p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
@@ -100,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="the normal log on stderr: text lines or JSON objects [%(default)s]")
+    p.add_argument("--audit-log", metavar="PATH",
+                   help="write the audit trail (one JSON line per memory op) here instead of "
+                        "into the normal log")
+    p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--tls-cert", metavar="PEM", help="TLS for the control channel: "
+                   "certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="TLS private key (with --tls-cert)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="keep stored tensor contents here by hash, so a restarted daemon "
+                        "still deduplicates uploads (per tenant, checksummed, LRU)")
+    p.add_argument("--cache-size", type=parse_size, default=8 << 30, metavar="SIZE",
+                   help="bound of --cache-dir; least recently used contents go first [8GiB]")
     return p
 
 
@@ -113,36 +157,97 @@ def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
     return arenas
 
 
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
+                      f"cannot load: {exc}") from None
+    return ctx
+
+
+def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> None:
+    """SIGHUP: quotas and log level from the config file; sessions stay up."""
+    if not args.config:
+        log.warning("SIGHUP: started without --config, nothing to reload")
+        return
+    notifier.notify(RELOADING=1, STATUS=f"reloading {args.config}")
+    try:
+        restart = config.reload(args, build_parser())
+    except config.ConfigError as exc:
+        log.error("reload failed, keeping the running settings: %s", exc)
+    else:
+        daemon.registry.quotas = dict(args.quota)
+        daemon.registry.default_quota = args.default_quota[1] if args.default_quota else Quota()
+        logs.set_level(args.log_level)
+        log.warning("reloaded %s: quotas for %d tenants%s, log level %s", args.config,
+                    len(daemon.registry.quotas), " and a default" if args.default_quota else "",
+                    args.log_level)
+        if restart:
+            log.warning("changed in %s, applied only after a restart: %s", args.config,
+                        ", ".join(restart))
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+
+
 async def serve(args: argparse.Namespace) -> int:
+    notifier = Notifier()
+    notifier.notify(STATUS="starting")
+    tls = _tls(args)
     ucx.apply_defaults()
     secret = load_or_create_secret(args.secret_file)
     pools = [Pool.create(a, args.allocator) for a in make_arenas(args.device)]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
-                    transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout)
+                    transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
+                    max_sessions=args.max_sessions)
     daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits)
+    if args.cache_dir:
+        daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
+    if args.metrics:
+        try:
+            mhost, mport = await daemon.metrics.serve(*args.metrics)
+        except OSError as exc:
+            raise OSError(f"--metrics {args.metrics[0]}:{args.metrics[1]}: "
+                          f"{exc.strerror or exc}") from None
+        log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
-    await daemon.start(host, port, args.ucx_port)
+    await daemon.start(host, port, args.ucx_port, tls=tls)
     if args.ready_file:
         tmp = f"{args.ready_file}.tmp"
         with open(tmp, "w") as f:
             f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
         os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+    notifier.start_heartbeat(daemon.status_line)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     await stop.wait()
+    notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
     await daemon.shutdown()
+    await daemon.content.aclose(args.drain_timeout)  # finish disk-cache writes
+    notifier.close()
+    await ucx.stop_progress()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("ucx").setLevel(logging.WARNING)
+    try:
+        args = config.resolve(build_parser(), argv)
+    except config.ConfigError as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+    try:
+        logs.setup(args.log_level, args.log_format, args.audit_log)
+    except OSError as exc:
+        print(f"rpcbufd: --audit-log {args.audit_log}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     import uvloop
 
     try:

@@ -23,6 +23,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,9 @@ class DataOps:
 
     # -- shared steps -------------------------------------------------------------
 
+    async def _index_stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
+        """Hook for recorded manifest entries; ``DedupOps`` indexes them."""
+
     def _endpoint(self) -> DataEndpoint:
         if self.ep is None:
             raise BadRequest("no data endpoint is bound to this session")
@@ -102,8 +106,10 @@ class DataOps:
 
     @contextlib.asynccontextmanager
     async def _holding(self, buf: Buffer, ranges: list[tuple[int, int]],
-                       exclusive: bool) -> AsyncIterator[None]:
-        """Pin ``buf`` and lock ``ranges`` of it for the duration."""
+                       exclusive: bool, forget: bool = True) -> AsyncIterator[None]:
+        """Pin ``buf`` and lock ``ranges`` of it for the duration.  An exclusive
+        lock drops the dedup index's entries of ``ranges`` (``forget=False``:
+        the caller drops what it writes itself)."""
         self.registry.pin(buf)
         try:
             loop = asyncio.get_running_loop()
@@ -117,6 +123,8 @@ class DataOps:
             try:
                 if not grant.granted:
                     await fut
+                if exclusive and forget:  # these bytes are about to change: dedup must not use them
+                    self.daemon.content.forget(buf, ranges)
                 yield
             finally:
                 buf.locks.release(grant)
@@ -211,6 +219,10 @@ class DataOps:
             self._check_items(buf, offsets, sizes)
             sums = self._batch_checksums(req, len(offsets))
             manifest = self._manifest(req, offsets, sizes, sums)
+            if req.manifest_version is not None and req.manifest_version != buf.manifest_version:
+                raise BadRequest("the buffer's manifest changed since it was read",
+                                 {"reason": "manifest_changed",
+                                  "manifest_version": buf.manifest_version})
         except RpcBufError:
             await self._drain(ep, req_id, len(runs))
             raise
@@ -219,24 +231,28 @@ class DataOps:
         async with self._holding(buf, [hull], exclusive=True):
             await self._receive(ep, req_id, buf, runs)
             if sums is not None and req.verify == "checksum":
-                base, arena = buf.offset, buf.pool.arena
-                bad = [i for i, (o, n, c) in enumerate(zip(offsets.tolist(), sizes.tolist(),
-                                                           sums.tolist(), strict=True))
-                       if arena.checksum(base + o, n) != c]
+                got = buf.pool.arena.checksums((offsets + buf.offset).tolist(), sizes.tolist())
+                bad = [i for i, (g, c) in enumerate(zip(got, sums.tolist(), strict=True))
+                       if g != c]
                 if bad:
                     self.daemon.counters["verify_failures"] += 1
                     raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
                                        "their checksums", {"items": bad[:20]})
+            result: dict[str, Any] = {}
             if manifest:
                 if sums is None:  # the manifest's checksums: what actually arrived
-                    arena, base = buf.pool.arena, buf.offset
-                    for e in manifest.values():
-                        e["checksum"] = arena.checksum(base + e["offset"], e["nbytes"])
-                self._record(buf, manifest, hull)
+                    got = buf.pool.arena.checksums((offsets + buf.offset).tolist(),
+                                                   sizes.tolist())
+                    for e, digest in zip(manifest.values(), got, strict=True):
+                        e["checksum"] = digest
+                result["dropped"] = self._record(buf, manifest, hull)
+                await self._index_stored(buf, manifest)  # a dedup source from now on
+                result["manifest_version"] = buf.manifest_version
+                result["checksums"] = P.pack_u64([e["checksum"] for e in manifest.values()])
         self.daemon.counters["bytes_stored"] += nbytes
         self._log("store_batch", buf, hull[0], nbytes, note=f"items={len(offsets)} "
                   f"messages={sum(1 for r in runs if r[1])}")
-        return {"nbytes": nbytes, "items": len(offsets), "messages": len(runs)}
+        return {"nbytes": nbytes, "items": len(offsets), "messages": len(runs), **result}
 
     @staticmethod
     def _batch_checksums(req: P.StoreBatch, n: int) -> np.ndarray | None:
@@ -262,33 +278,40 @@ class DataOps:
         if len(set(req.names)) != n:
             raise BadRequest("tensor names in one batch must be unique")
         out: dict[str, dict[str, Any]] = {}
-        for i, (name, dt, shape) in enumerate(zip(req.names, req.dtypes, req.shapes,
-                                                  strict=True)):
+        sum_list = [None] * n if sums is None else sums.tolist()
+        for name, dt, shape, off, size, digest in zip(req.names, req.dtypes, req.shapes,
+                                                       offsets.tolist(), sizes.tolist(),
+                                                       sum_list, strict=True):
             dtype = _dtype(dt)
-            if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != int(sizes[i]):
-                raise BadRequest(f"tensor {name!r}: shape {shape} of {dt} is not "
-                                 f"{int(sizes[i])} bytes")
-            out[name] = {"dtype": dtype.str, "shape": shape, "offset": int(offsets[i]),
-                         "nbytes": int(sizes[i]),
-                         "checksum": None if sums is None else int(sums[i])}
+            if math.prod(shape) * dtype.itemsize != size:
+                raise BadRequest(f"tensor {name!r}: shape {shape} of {dt} is not {size} bytes")
+            out[name] = {"dtype": dtype.str, "shape": shape, "offset": off, "nbytes": size,
+                         "checksum": digest}
         return out
 
     def _record(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
-                hull: tuple[int, int]) -> None:
+                hull: tuple[int, int]) -> list[str]:
         """Merge into the buffer's manifest; entries whose bytes were just
-        overwritten by other tensors are dropped (they no longer hold)."""
+        overwritten by other tensors are dropped (they no longer hold).
+        Returns the dropped names."""
         written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
         starts = [w[0] for w in written]
-        for name, e in list(buf.tensors.items()):
+        dropped: list[str] = []
+        for name in buf.tensors.keys() - manifest.keys():  # renewed names stay
+            e = buf.tensors[name]
             a, b = e["offset"], e["offset"] + e["nbytes"]
-            if name in manifest or a >= hull[1] or b <= hull[0]:
+            if a >= hull[1] or b <= hull[0]:
                 continue
             j = bisect.bisect_left(starts, b)  # written[j-1]: the last range starting before b
             if j and written[j - 1][1] > a:
                 del buf.tensors[name]
+                dropped.append(name)
         buf.tensors.update(manifest)
+        buf.manifest_version += 1
+        buf.tensors_end = max(buf.tensors_end, -(-written[-1][1] // 256) * 256)
         if len(buf.tensors) > P.MAX_ITEMS:
             raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors")
+        return dropped
 
     # -- read -----------------------------------------------------------------------
 

@@ -132,6 +132,11 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, list) or len(value) > MAX_ITEMS:
             raise BadRequest(f"{op}: {name} must be a list of at most {MAX_ITEMS} items")
         (inner_tp,) = get_args(tp)
+        if inner_tp == list[int]:  # fast path: shapes of big batches
+            if not all(type(v) is list and all(type(d) is int and 0 <= d <= MAX_INT for d in v)
+                       for v in value):
+                raise BadRequest(f"{op}: {name} must hold lists of integers in [0, 2**63)")
+            return value
         if inner_tp is str:  # fast path: names and dtypes of big batches
             if not all(isinstance(v, str) and len(v) <= MAX_STR for v in value):
                 raise BadRequest(f"{op}: {name} must hold strings of at most {MAX_STR} chars")
@@ -223,6 +228,7 @@ class RequestBuffer(Request):
 class GetBufferMeta(Request):
     op: ClassVar[str] = "get_buffer_meta"
     buffer_id: str
+    tensors: bool = True  # False: leave the manifest's entries out (version, count, end only)
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,7 @@ class StoreBatch(Request):
     names: list[str] | None = None
     dtypes: list[str] | None = None
     shapes: list[list[int]] | None = None
+    manifest_version: int | None = None  # refuse if the manifest changed since
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,28 @@ class ReadBatch(Request):
     buffer_id: str
     offsets: U64Array
     sizes: U64Array
+
+
+@dataclass(frozen=True)
+class DedupStore(Request):
+    """Place tensors by content instead of by bytes (see ``control/dedupops.py``).
+
+    Items are index-aligned like a ``StoreBatch`` with a manifest, sorted by
+    offset and disjoint; ``hashes`` holds two uint64 per item (xxh3-128, low
+    word first), ``checksums`` each item's xxh3-64.  The daemon copies every
+    item whose content this tenant already holds (or its disk cache does),
+    verifies it, records it in the manifest and answers the indices it
+    ``placed`` (packed uint64s); the client sends the others."""
+
+    op: ClassVar[str] = "dedup_store"
+    buffer_id: str
+    offsets: U64Array
+    sizes: U64Array
+    hashes: U64Array
+    checksums: U64Array
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -332,7 +361,7 @@ OPS: dict[str, type[Request]] = {
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
-        ClearBuffer, CopyBuffer,
+        ClearBuffer, CopyBuffer, DedupStore,
     )
 }
 

@@ -70,11 +70,13 @@ class Buffer:
     created_at: float
     expires_at: float | None
     tensors: dict[str, Any] = field(default_factory=dict)
+    manifest_version: int = 0  # bumped by every manifest change
+    tensors_end: int = 0  # where new slots go: the end of the highest slot ever recorded
     locks: RangeLocks = field(default_factory=RangeLocks)
     pins: int = 0
     released: bool = False
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self, tensors: bool = True) -> dict[str, Any]:
         return {
             "buffer_id": self.buffer_id,
             "name": self.name,
@@ -88,7 +90,10 @@ class Buffer:
             "expires_at": self.expires_at,
             "ttl": self.ttl,
             "session_scoped": self.session_id is not None,
-            "tensors": self.tensors,
+            "tensors": self.tensors if tensors else None,
+            "tensor_count": len(self.tensors),
+            "tensors_end": self.tensors_end,
+            "manifest_version": self.manifest_version,
         }
 
 
@@ -331,3 +336,10 @@ class Registry:
             "expired_total": self.expired_total,
             "devices": [p.describe() for p in self.pools.values()],
         }
+
+    def tenant_usage(self) -> dict[str, Any]:
+        """What each tenant holds (what quotas count, so memory still pinned by a
+        transfer after release is included): buffers per tenant, bytes per
+        (tenant, device)."""
+        return {"buffers": {t: n for t, n in self._tenant_count.items() if n},
+                "bytes": {k: n for k, n in self._tenant_bytes.items() if n}}

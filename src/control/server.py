@@ -16,6 +16,10 @@ A transfer pins its buffer; release during a transfer frees the memory only
 when the transfer ends.  A session that goes away aborts its UCX endpoint
 first (UCX cancels what is posted), waits for its transfers, and only then
 releases its session-scoped buffers.
+
+Every request ends in ``Session._finish``, answered inline or by its task:
+that one place counts it and times it for the metrics (``metrics.py``) and
+writes its audit records with the result code (``logs.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import logging
 import os
 import secrets
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,16 +44,21 @@ from dataplane.ucx import (
     TransferError,
 )
 
+from . import logs
 from . import protocol as P
 from .auth import verify_token
+from .content import ContentIndex
 from .dataops import DataOps
+from .dedupops import DedupOps
 from .errors import (
     AuthFailed,
     BadRequest,
     ConnectionLost,
+    QuotaExceeded,
     RpcBufError,
     ShuttingDown,
 )
+from .metrics import Metrics
 from .registry import Buffer, Registry, Waiter
 
 log = logging.getLogger("rpcbuf.daemon")
@@ -62,6 +72,7 @@ class Limits:
     transfer_timeout: float = 300.0
     drain_timeout: float = 30.0
     hello_timeout: float = 10.0
+    max_sessions: int = 1024  # control connections, authenticated or not yet
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -85,14 +96,18 @@ class Daemon:
         self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
                                          "verify_failures": 0, "sessions_total": 0}
+        self.metrics = Metrics(self)
+        self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
 
     # -- lifecycle --------------------------------------------------------------
 
-    async def start(self, host: str, port: int, ucx_port: int) -> None:
+    async def start(self, host: str, port: int, ucx_port: int,
+                    tls: ssl.SSLContext | None = None) -> None:
         self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
-        self._server = await asyncio.start_server(self._on_connection, host, port,
-                                                  limit=READ_CHUNK)
+        self._server = await asyncio.start_server(
+            self._on_connection, host, port, limit=READ_CHUNK, ssl=tls,
+            ssl_handshake_timeout=self.limits.hello_timeout if tls else None)
         self.address = self._server.sockets[0].getsockname()[:2]
         log.info("listening control=%s:%d ucx=%d devices=%s", self.address[0],
                  self.address[1], self.ucx_port, ",".join(self.registry.pools))
@@ -115,7 +130,15 @@ class Daemon:
         await asyncio.gather(*closing, return_exceptions=True)
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
+        self.metrics.close()
         log.info("stopped")
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=."""
+        used = sum(p.allocator.stats().used for p in self.registry.pools.values())
+        total = sum(p.arena.size for p in self.registry.pools.values())
+        return (f"serving {len(self.sessions)} sessions, {used} of {total} bytes held; "
+                f"control {self.address[0]}:{self.address[1]}, ucx {self.ucx_port}")
 
     # -- leases -----------------------------------------------------------------
 
@@ -133,8 +156,10 @@ class Daemon:
     def _expire(self) -> None:
         self._expiry_timer = None
         for buf in self.registry.expire():
-            log.info("op=expire tenant=%s buffer=%s device=%s offset=%d bytes=%d",
-                     buf.tenant, buf.buffer_id, buf.pool.key, buf.offset, buf.alloc_size)
+            logs.write({"op": "expire", "tenant": buf.tenant, "session": None,
+                        "buffer": buf.buffer_id, "device": buf.pool.key, "offset": 0,
+                        "bytes": buf.alloc_size, "code": "OK", "duration_s": 0.0,
+                        "note": "lease ran out"})
         self.schedule_expiry()
 
     # -- connections ------------------------------------------------------------
@@ -142,8 +167,15 @@ class Daemon:
     async def _on_connection(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
         if self.shutting_down:
-            writer.write(P.encode_frame(P.error_response(None, ShuttingDown("daemon is stopping"))))
-            writer.close()
+            await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
+            return
+        if len(self.sessions) >= self.limits.max_sessions:
+            # QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up; a
+            # configured allowance is used up and frees as other sessions close.
+            limit = self.limits.max_sessions
+            await self._refuse(reader, writer, QuotaExceeded(
+                f"this node serves at most {limit} sessions at once; try again later",
+                {"limit": "max_sessions", "max_sessions": limit}), "max_sessions")
             return
         session = Session(self, reader, writer)
         self.sessions[session.session_id] = session
@@ -155,6 +187,26 @@ class Daemon:
             self._by_nonce.pop(session.nonce, None)
             await session.close("connection closed")
             self.sessions.pop(session.session_id, None)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      error: RpcBufError, reason: str) -> None:
+        """Answer a connection we will not serve with a connection-level error
+        frame, then close.  Half-close and wait (briefly) for the client to go:
+        closing with its hello unread would reset the connection and could
+        destroy the frame before the client reads it."""
+        log.warning("refusing connection from %s: %s", writer.get_extra_info("peername"), error)
+        self.metrics.refused(reason)
+        try:
+            writer.write(P.encode_frame(P.error_response(None, error)))
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(2.0):
+                while await reader.read(READ_CHUNK):
+                    pass
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
 
     async def _on_endpoint(self, ep: DataEndpoint) -> None:
         nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
@@ -177,7 +229,7 @@ class Daemon:
         session.bind(ep)
 
 
-class Session(DataOps):
+class Session(DedupOps, DataOps):
     """One control connection: its tenant, its data endpoint, its requests."""
 
     def __init__(self, daemon: Daemon, reader: asyncio.StreamReader,
@@ -252,17 +304,21 @@ class Session(DataOps):
             pass
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
+        started = time.perf_counter()
         try:
             req_id, req = P.parse_request(msg)
         except P.RequestError as exc:
             self.send(P.error_response(exc.req_id, exc.error))
+            self.daemon.metrics.observe("invalid", exc.error.code, started)
             return
+        op = logs.OpRecord(req.op, self.tenant, self.session_id, started, req)
         if req_id in self.tasks:
-            self.send(P.error_response(req_id, BadRequest(f"request id {req_id} is in flight")))
+            self._answer(req_id, op, BadRequest(f"request id {req_id} is in flight"))
             return
+        token = logs.CURRENT.set(op)  # what _log records attaches to this request
         try:
             if isinstance(req, P.Hello):
-                self.send(P.ok_response(req_id, self._hello(req)))
+                self._answer(req_id, op, self._hello(req))
                 return
             if self.tenant is None:
                 raise AuthFailed("say hello with a token first")
@@ -270,40 +326,66 @@ class Session(DataOps):
                 raise ShuttingDown("daemon is stopping; no new requests")
             handler = _SYNC_OPS.get(type(req))
             if handler is not None:
-                self.send(P.ok_response(req_id, handler(self, req)))
+                self._answer(req_id, op, handler(self, req))
                 return
             if isinstance(req, P.RequestBuffer):
                 buf = self._try_request(req)
                 if buf is not None:
-                    self.send(P.ok_response(req_id, self._granted(buf)))
+                    self._answer(req_id, op, self._granted(buf))
                     return
             self._spawn(req_id, req)
         except RpcBufError as exc:
-            self.send(P.error_response(req_id, exc))
+            self._answer(req_id, op, exc)
+        finally:
+            logs.CURRENT.reset(token)
+
+    def _answer(self, req_id: int, op: logs.OpRecord,
+                result: dict[str, Any] | RpcBufError) -> None:
+        if isinstance(result, RpcBufError):
+            self.send(P.error_response(req_id, result))
+            self._finish(op, result)
+        else:
+            self.send(P.ok_response(req_id, result))
+            self._finish(op, None)
+
+    def _finish(self, op: logs.OpRecord, error: RpcBufError | None) -> None:
+        """Every request ends here, answered inline or by its task: count it,
+        time it, and write its audit records with the result code."""
+        code = "OK" if error is None else error.code
+        self.daemon.metrics.observe(op.op, code, op.started)
+        logs.finish(op, code, None if error is None else error.message)
 
     def _spawn(self, req_id: int, req: P.Request) -> None:
         coro = {P.RequestBuffer: self._wait_for_memory, P.Store: self._store,
                 P.Read: self._read, P.StoreBatch: self._store_batch,
                 P.ReadBatch: self._read_batch, P.ClearBuffer: self._clear,
-                P.CopyBuffer: self._copy}[type(req)]
-        task = asyncio.get_running_loop().create_task(self._run_task(req_id, coro(req_id, req)))  # type: ignore[operator]
+                P.CopyBuffer: self._copy, P.DedupStore: self._dedup_store}[type(req)]
+        op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
+                                                 time.perf_counter(), req)
+        task = asyncio.get_running_loop().create_task(self._run_task(req_id, coro(req_id, req), op))  # type: ignore[operator]
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
-    async def _run_task(self, req_id: int, coro: Any) -> None:
+    async def _run_task(self, req_id: int, coro: Any, op: logs.OpRecord) -> None:
+        logs.CURRENT.set(op)  # this task's own context: its _log records land on op
+        error: RpcBufError | None = None
         try:
             result = await coro
             if result is not None:  # None: the handler answered already
                 self.send(P.ok_response(req_id, result))
         except RpcBufError as exc:
+            error = exc
             self.send(P.error_response(req_id, exc))
         except asyncio.CancelledError:
-            self.send(P.error_response(req_id, ConnectionLost("request cancelled")))
+            error = ConnectionLost("request cancelled")
+            self.send(P.error_response(req_id, error))
         except Exception as exc:  # a bug: answer, log, keep serving everyone else
             log.exception("request %d failed", req_id)
-            self.send(P.error_response(req_id, RpcBufError(f"internal error: {exc}")))
+            error = RpcBufError(f"internal error: {exc}")
+            self.send(P.error_response(req_id, error))
         finally:
+            self._finish(op, error)
             task = self.tasks.pop(req_id, None)
             if task is not None:
                 self.transfers.discard(task)
@@ -336,9 +418,15 @@ class Session(DataOps):
 
     def _log(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
              note: str = "") -> None:
-        log.info("op=%s tenant=%s session=%s buffer=%s device=%s offset=%d bytes=%d%s",
-                 op, buf.tenant, self.session_id, buf.buffer_id, buf.pool.key, offset,
-                 buf.alloc_size if nbytes is None else nbytes, f" ({note})" if note else "")
+        """Audit a memory op: written with its result code and duration when the
+        request is answered (see ``logs``), at once outside a request."""
+        entry: dict[str, Any] = {
+            "op": op, "tenant": buf.tenant, "session": self.session_id,
+            "buffer": buf.buffer_id, "device": buf.pool.key, "offset": offset,
+            "bytes": buf.alloc_size if nbytes is None else nbytes}
+        if note:
+            entry["note"] = note
+        logs.record(entry)
 
     def _hello(self, req: P.Hello) -> dict[str, Any]:
         if self.tenant is not None:
@@ -412,7 +500,7 @@ class Session(DataOps):
         return self.registry.get(self.tenant, buffer_id)
 
     def _meta(self, req: P.GetBufferMeta) -> dict[str, Any]:
-        return self._get(req.buffer_id).meta()
+        return self._get(req.buffer_id).meta(tensors=req.tensors)
 
     def _open(self, req: P.OpenBuffer) -> dict[str, Any]:
         assert self.tenant is not None

@@ -15,12 +15,14 @@ received; ``load_tensors(verify=True)`` recomputes it on what arrived.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dataplane.checksum import checksum
 
+from . import protocol as P
 from .errors import BadRequest, NotFound, VerifyFailed
 
 if TYPE_CHECKING:
@@ -56,11 +58,13 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
 
 
 def plan_layout(tensors: Mapping[str, Any], existing: Mapping[str, Mapping[str, Any]],
-                start: int | None = None) -> dict[str, int]:
+                start: int | None = None, end: int | None = None) -> dict[str, int]:
     """Offsets for ``tensors``: a name already in the manifest with the same
-    size keeps its slot; the others go after the highest slot in use (or at
-    ``start``), in the mapping's order, each aligned."""
-    end = max((_align(e["offset"] + e["nbytes"]) for e in existing.values()), default=0)
+    size keeps its slot; the others go after the highest slot in use (``end``,
+    else computed from ``existing``) or at ``start``, in the mapping's order,
+    each aligned."""
+    if end is None:
+        end = max((_align(e["offset"] + e["nbytes"]) for e in existing.values()), default=0)
     cursor = _align(end if start is None else start)
     out: dict[str, int] = {}
     for name, arr in tensors.items():
@@ -73,15 +77,37 @@ def plan_layout(tensors: Mapping[str, Any], existing: Mapping[str, Mapping[str, 
     return out
 
 
+@dataclass
+class _Manifest:
+    """A client's copy of one buffer's manifest, valid while ``version`` is."""
+
+    version: int
+    end: int
+    entries: dict[str, dict[str, Any]]
+
+    def update(self, version: int, written: dict[str, dict[str, Any]],
+               dropped: list[str]) -> None:
+        for name in dropped:
+            self.entries.pop(name, None)
+        self.entries.update(written)
+        self.version = version
+        self.end = max([self.end] + [_align(e["offset"] + e["nbytes"])
+                                     for e in written.values()])
+
+
 class TensorOps:
     """Mixin for ``RpcContext``: the named-tensor layer over the batch ops."""
 
+    _manifests: dict[str, _Manifest]
+
     if TYPE_CHECKING:  # provided by RpcContext
-        async def get_buffer_meta(self, buffer_id: str) -> dict[str, Any]: ...
+        async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
+                                  ) -> dict[str, Any]: ...
 
         async def store_batch(
             self, buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None = None,
             manifest: tuple[list[str], list[str], list[list[int]]] | None = None,
+            manifest_version: int | None = None,
         ) -> dict[str, Any]: ...
 
         async def read_batch(self, buffer_id: str,
@@ -106,16 +132,48 @@ class TensorOps:
             if a.dtype.hasobject:
                 raise BadRequest(f"tensor {name!r} holds Python objects")
             arrays[name] = a
-        existing = (await self.get_buffer_meta(buffer_id))["tensors"] if offset is None else {}
-        offsets = plan_layout(arrays, existing, offset)
         names = list(arrays)
-        await self.store_batch(
-            buffer_id, [(offsets[n], arrays[n]) for n in names], verify=verify,
-            manifest=(names, [arrays[n].dtype.str for n in names],
-                      [list(arrays[n].shape) for n in names]),
-        )
-        return {n: {"offset": offsets[n], "nbytes": int(arrays[n].nbytes),
-                    "dtype": arrays[n].dtype.str, "shape": list(arrays[n].shape)} for n in names}
+        dtypes = [arrays[n].dtype.str for n in names]
+        shapes = [list(arrays[n].shape) for n in names]
+        for attempt in (0, 1):
+            cached = self._manifests.get(buffer_id)
+            if cached is None:
+                await self.get_buffer_meta(buffer_id)  # fills the cache
+                cached = self._manifests[buffer_id]
+            offsets = plan_layout(arrays, cached.entries, offset, cached.end)
+            try:
+                result = await self.store_batch(
+                    buffer_id, [(offsets[n], arrays[n]) for n in names], verify=verify,
+                    manifest=(names, dtypes, shapes), manifest_version=cached.version)
+                break
+            except BadRequest as exc:
+                # Another client changed the manifest since we cached it: the
+                # daemon refused before any byte landed; re-read and re-plan once.
+                self._manifests.pop(buffer_id, None)
+                if attempt or exc.details.get("reason") != "manifest_changed":
+                    raise
+        assert cached is not None
+        written = {n: {"dtype": d, "shape": s, "offset": offsets[n],
+                       "nbytes": int(arrays[n].nbytes), "checksum": c}
+                   for n, d, s, c in zip(names, dtypes, shapes,
+                                         P.unpack_u64(result["checksums"]).tolist(), strict=True)}
+        cached.update(result["manifest_version"], written, result.get("dropped", []))
+        return written
+
+    def _remember_manifest(self, buffer_id: str, meta: dict[str, Any]) -> None:
+        if meta.get("tensors") is not None:
+            self._manifests[buffer_id] = _Manifest(
+                meta["manifest_version"], meta["tensors_end"], dict(meta["tensors"]))
+
+    async def _manifest_of(self, buffer_id: str) -> dict[str, dict[str, Any]]:
+        """The manifest, from the cache when its version is still current
+        (a small answer) and from the daemon otherwise."""
+        cached = self._manifests.get(buffer_id)
+        if cached is not None:
+            meta = await self.get_buffer_meta(buffer_id, tensors=False)
+            if meta["manifest_version"] == cached.version:
+                return cached.entries
+        return dict((await self.get_buffer_meta(buffer_id))["tensors"])
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
                            verify: bool = True) -> dict[str, np.ndarray]:
@@ -123,7 +181,7 @@ class TensorOps:
 
         With ``verify`` each tensor's xxh3 is compared with the manifest.
         Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED."""
-        manifest: dict[str, dict[str, Any]] = (await self.get_buffer_meta(buffer_id))["tensors"]
+        manifest = await self._manifest_of(buffer_id)
         wanted = list(manifest) if names is None else list(names)
         missing = [n for n in wanted if n not in manifest]
         if missing:

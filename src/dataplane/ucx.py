@@ -16,6 +16,7 @@ sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import weakref
@@ -29,6 +30,8 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_RNDV_FRAG_MEM_TYPE": "host",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
+
+_log = logging.getLogger("rpcbuf.ucx")
 
 BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
 NONCE_BYTES = 16
@@ -88,6 +91,7 @@ def _install_adaptive_progress() -> None:
             super().__init__(worker, event_loop)
             worker.init_blocking_progress_mode()
             self.busy = 0
+            self.stopped = False
             self._until = 0.0
             self.poll_task: asyncio.Task[None] | None = None
             fd = worker.epoll_file_descriptor
@@ -102,7 +106,15 @@ def _install_adaptive_progress() -> None:
             return tuple(t for t in (self.poll_task, self.guard_task) if t is not None)
 
         def _clear_tasks(self) -> None:
+            self.stopped = True
             self.poll_task = self.guard_task = None
+            _PROGRESS.pop(self.event_loop, None)
+
+        def stop(self) -> None:
+            """Cancel the progress tasks (the loop is about to end)."""
+            self.stopped = True
+            for task in self._tasks:
+                task.cancel()
             _PROGRESS.pop(self.event_loop, None)
 
         def begin(self) -> None:
@@ -121,28 +133,56 @@ def _install_adaptive_progress() -> None:
 
         def _wake(self, grace: float | None = None) -> None:
             self._until = time.monotonic() + (self.GRACE if grace is None else grace)
+            if self.stopped or self.event_loop.is_closed():
+                return
             if self.poll_task is None or self.poll_task.done():
                 self.poll_task = self.event_loop.create_task(self._poll())
 
         async def _poll(self) -> None:
+            try:
+                await self._poll_until_armed()
+            except asyncio.CancelledError:
+                # Only the loop's shutdown cancels us: start nothing new after it,
+                # or a task created while the loop winds down is left pending.
+                self.stopped = True
+                raise
+
+        async def _poll_until_armed(self) -> None:
             worker = self.worker
-            while worker is not None:
-                if worker.progress_once():
-                    self._until = time.monotonic() + self.GRACE
-                elif not self.busy and time.monotonic() >= self._until:
-                    if worker.arm():
-                        return  # armed: the epoll fd calls _on_fd on the next event
-                    continue  # events arrived meanwhile: progress them first
+            while worker is not None and not self.stopped:
+                try:
+                    if worker.progress_once():
+                        self._until = time.monotonic() + self.GRACE
+                    elif not self.busy and time.monotonic() >= self._until:
+                        if worker.arm():
+                            return  # armed: the epoll fd calls _on_fd on the next event
+                        continue  # events arrived meanwhile: progress them first
+                except Exception:  # an endpoint's error surfaced here: its requests see it
+                    _log.debug("UCX progress raised", exc_info=True)
                 await asyncio.sleep(0)  # let completed requests' tasks run (and post more)
                 worker = self.worker
 
         async def _guard(self) -> None:
-            while self.worker is not None:
-                await asyncio.sleep(1.0)
+            while self.worker is not None and not self.stopped:
+                try:
+                    await asyncio.sleep(1.0)
+                except asyncio.CancelledError:
+                    self.stopped = True
+                    raise
                 if self.poll_task is None or self.poll_task.done():
                     self._wake(grace=0.0)  # one progress-and-arm, no polling
 
     application_context.BlockingMode = AdaptiveProgress
+
+
+async def stop_progress() -> None:
+    """Stop driving UCX progress on the running loop (call last, before the
+    loop ends, so no progress task is left pending when it closes)."""
+    progress = _PROGRESS.get(asyncio.get_running_loop())
+    if progress is not None:
+        tasks = progress._tasks
+        progress.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class busy:

@@ -4,6 +4,7 @@ The public face only re-exports; the logic lives in ``control`` and ``dataplane`
 """
 
 from control.client import Connector, RpcContext, connect, create_rpc_context
+from control.cluster import Cluster, ClusterError
 from control.errors import (
     AuthFailed,
     BadRequest,
@@ -20,6 +21,8 @@ from control.errors import (
     UnsupportedDevice,
     VerifyFailed,
 )
+from control.loader import LoadResult, load_model, unload_model
+from control.placement import Placement
 from control.pool import BufferPool
 from control.tensors import calculate_buffer_size
 from dataplane.checksum import checksum
@@ -30,12 +33,16 @@ __all__ = [
     "AuthFailed",
     "BadRequest",
     "BufferPool",
+    "Cluster",
+    "ClusterError",
     "ConnectionLost",
     "Connector",
     "Forbidden",
+    "LoadResult",
     "NotFound",
     "OutOfMemory",
     "OutOfRange",
+    "Placement",
     "QuotaExceeded",
     "RpcBufError",
     "RpcContext",
@@ -48,4 +55,6 @@ __all__ = [
     "checksum",
     "connect",
     "create_rpc_context",
+    "load_model",
+    "unload_model",
 ]

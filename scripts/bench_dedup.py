@@ -1,0 +1,222 @@
+"""Dedup benchmark: how much a repeated model upload sends, and how long it takes.
+
+Run as ``.venv/bin/python scripts/bench_dedup.py [--json bench_dedup.json] [--quick]``.
+
+A llama-like safetensors model (``--size``, 256 MiB by default: embeddings,
+``--layers`` layers of attention and MLP weights, final norm and head, float16)
+is written to a temporary directory, and one rpcbufd is started on loopback
+(UCX over tcp) with ``--cache-dir``.  Each round, on a fresh daemon and an
+empty cache, times ``rpcbuf.load_model`` (checksum-verified, 64 MiB batches):
+
+1. *first*: the cold upload; every byte crosses the network;
+2. *again, same name*: the same model loaded again (the buffers exist: the
+   daemon finds every tensor in place and only verifies it);
+3. *again, new name*: loaded under another name while the first copy is
+   still there (the daemon copies each tensor locally and verifies the copy);
+4. *after restart*: the daemon is stopped (SIGTERM: the cache writes finish)
+   and started again on the same ``--cache-dir``; the model is loaded again
+   (each tensor read from the disk cache and verified).
+
+Reported per scenario (median over the rounds): bytes sent, their share of
+the first upload's, seconds, and their share of the first upload's time in
+the same round.  Goals (docs/cluster.md): a second upload sends <= 1 % of the
+bytes in <= 10 % of the time; after a restart with a warm disk cache,
+<= 25 % of the time.  Output: an aligned table on stdout, every number as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+for _key, _val in (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"),
+                   ("UCX_WARN_UNUSED_ENV_VARS", "n")):
+    os.environ.setdefault(_key, _val)
+
+import numpy as np  # noqa: E402
+
+import rpcbuf  # noqa: E402
+from control.auth import create_token, load_or_create_secret  # noqa: E402
+
+MiB = 1 << 20
+SCENARIOS = ("first", "again, same name", "again, new name", "after restart")
+GOALS = {"again, same name": (0.01, 0.10), "again, new name": (0.01, 0.10),
+         "after restart": (0.01, 0.25)}
+
+
+def write_model(path: Path, size: int, layers: int, seed: int = 0) -> int:
+    """A llama-like float16 safetensors file of about ``size`` bytes."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    hidden = 1024
+    vocab = max(1024, size // 8 // (hidden * 2))  # embeddings + head: a quarter
+    per_layer = (size - 2 * vocab * hidden * 2) // layers
+    ffn = max(256, (per_layer // 2 - 4 * hidden * hidden) // (3 * hidden))
+
+    def t(*shape: int) -> np.ndarray:
+        n = int(np.prod(shape))
+        return np.frombuffer(rng.bytes(2 * n), dtype=np.float16).reshape(shape)
+
+    tensors = {"model.embed_tokens.weight": t(vocab, hidden)}
+    for i in range(layers):
+        for name, shape in (("self_attn.q_proj", (hidden, hidden)),
+                            ("self_attn.k_proj", (hidden, hidden)),
+                            ("self_attn.v_proj", (hidden, hidden)),
+                            ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (ffn, hidden)), ("mlp.up_proj", (ffn, hidden)),
+                            ("mlp.down_proj", (hidden, ffn))):
+            tensors[f"model.layers.{i}.{name}.weight"] = t(*shape)
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = t(hidden)
+        tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = t(hidden)
+    tensors["model.norm.weight"] = t(hidden)
+    tensors["lm_head.weight"] = t(vocab, hidden)
+    save_file(tensors, str(path))
+    return sum(a.nbytes for a in tensors.values())
+
+
+class Node:
+    def __init__(self, tmp: Path, arena: int, cache: Path) -> None:
+        self.tmp, self.arena, self.cache = tmp, arena, cache
+        self.secret = tmp / "secret"
+        self.token = create_token(load_or_create_secret(self.secret), "bench")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.addr = ""
+
+    def start(self) -> None:
+        ready = self.tmp / "ready"
+        ready.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
+             "--ucx-port", "0", "--device", f"cpu:{self.arena}", "--secret-file",
+             str(self.secret), "--ready-file", str(ready), "--cache-dir", str(self.cache),
+             "--cache-size", f"{4 * self.arena}",
+             "--log-level", os.environ.get("BENCH_LOG", "WARNING")],
+            stderr=open(self.tmp / "daemon.log", "ab"))  # the child keeps it open
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.read_text().endswith("\n")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((self.tmp / "daemon.log").read_text())
+            time.sleep(0.05)
+        self.addr = ready.read_text().split()[0]
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return -1
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def upload(node: Node, model: Path, name: str) -> dict[str, Any]:
+    async with rpcbuf.Cluster.connect(node.addr, node.token, timeout=120) as cluster:
+        t = time.perf_counter()
+        res = await rpcbuf.load_model(cluster, model, name=name, progress=False)
+        seconds = time.perf_counter() - t
+    return {"seconds": seconds, "bytes_sent": res.bytes_sent, "bytes_total": res.bytes_total}
+
+
+async def one_round(tmp: Path, model: Path, arena: int) -> dict[str, dict[str, Any]]:
+    cache = tmp / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    node = Node(tmp, arena, cache)
+    node.start()
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        out["first"] = await upload(node, model, "m")
+        out["again, same name"] = await upload(node, model, "m")
+        out["again, new name"] = await upload(node, model, "m2")
+    finally:
+        node.stop()
+    node.start()
+    try:
+        out["after restart"] = await upload(node, model, "m")
+    finally:
+        node.stop()
+    return out
+
+
+def fmt_table(rows: dict[str, dict[str, Any]]) -> str:
+    head = ["scenario", "bytes sent", "of first", "seconds", "of first", "goal", "met"]
+    lines = [head]
+    for name in SCENARIOS:
+        r = rows[name]
+        goal = GOALS.get(name)
+        target = "-" if goal is None else f"<= {100 * goal[0]:.0f} % / <= {100 * goal[1]:.0f} %"
+        lines.append([name, f"{r['bytes_sent'] / MiB:,.2f} MiB",
+                      f"{100 * r['bytes_ratio']:.2f} %", f"{r['seconds']:.3f}",
+                      f"{100 * r['time_ratio']:.1f} %", target,
+                      "-" if r["met"] is None else ("yes" if r["met"] else "NO")])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--json", default="bench_dedup.json", help="write every number here")
+    p.add_argument("--size", type=int, default=256, help="model size in MiB [%(default)s]")
+    p.add_argument("--layers", type=int, default=16, help="[%(default)s]")
+    p.add_argument("--rounds", type=int, default=3, help="[%(default)s]")
+    p.add_argument("--quick", action="store_true", help="one round of a 64 MiB model")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.rounds = 64, 1
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_dedup-") as tmpdir:
+        tmp = Path(tmpdir)
+        model = tmp / "model.safetensors"
+        nbytes = write_model(model, args.size * MiB, args.layers)
+        arena = 1 << max(24, (4 * nbytes - 1).bit_length())  # two loaded copies, buddy blocks
+        rounds = []
+        for i in range(args.rounds):
+            t = time.perf_counter()
+            rounds.append(asyncio.run(one_round(tmp, model, arena)))
+            print(f"[bench_dedup] round {i + 1}/{args.rounds}: {time.perf_counter() - t:.1f} s",
+                  file=sys.stderr, flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for name in SCENARIOS:
+        t_ratios = [r[name]["seconds"] / r["first"]["seconds"] for r in rounds]
+        b_ratios = [r[name]["bytes_sent"] / r["first"]["bytes_sent"] for r in rounds]
+        goal = GOALS.get(name)
+        row = {"seconds": statistics.median(r[name]["seconds"] for r in rounds),
+               "bytes_sent": statistics.median(r[name]["bytes_sent"] for r in rounds),
+               "time_ratio": statistics.median(t_ratios),
+               "bytes_ratio": statistics.median(b_ratios),
+               "rounds": [r[name] for r in rounds]}
+        row["met"] = None if goal is None else (row["bytes_ratio"] <= goal[0]
+                                                and row["time_ratio"] <= goal[1])
+        rows[name] = row
+    print(f"model {nbytes / MiB:.0f} MiB ({args.layers} layers, float16, safetensors), one node "
+          f"on loopback (UCX tcp), medians of {args.rounds} round(s)")
+    print(fmt_table(rows))
+    report = {"meta": {"started_at": started, "seconds": time.time() - started,
+                       "model_bytes": nbytes, "layers": args.layers, "rounds": args.rounds,
+                       "python": sys.version.split()[0], "platform": platform.platform(),
+                       "cpus": os.cpu_count()},
+              "goals": {k: {"bytes": v[0], "time": v[1]} for k, v in GOALS.items()},
+              "scenarios": rows}
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"[bench_dedup] wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Small llama-like model files the tests write themselves (safetensors and GGUF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def llama_tensors(n_layers: int = 4, hidden: int = 64, ffn: int = 160, vocab: int = 512,
+                  seed: int = 0, hf_names: bool = True) -> dict[str, np.ndarray]:
+    """Random float16/float32 weights with Hugging Face llama names, in checkpoint order."""
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int, dt: type = np.float16) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+    p = "model." if hf_names else ""
+    out = {f"{p}embed_tokens.weight": t(vocab, hidden)}
+    for i in range(n_layers):
+        for name, shape in (("self_attn.q_proj.weight", (hidden, hidden)),
+                            ("self_attn.k_proj.weight", (hidden, hidden)),
+                            ("self_attn.v_proj.weight", (hidden, hidden)),
+                            ("self_attn.o_proj.weight", (hidden, hidden)),
+                            ("mlp.gate_proj.weight", (ffn, hidden)),
+                            ("mlp.up_proj.weight", (ffn, hidden)),
+                            ("mlp.down_proj.weight", (hidden, ffn))):
+            out[f"{p}layers.{i}.{name}"] = t(*shape)
+        out[f"{p}layers.{i}.input_layernorm.weight"] = t(hidden, dt=np.float32)
+        out[f"{p}layers.{i}.post_attention_layernorm.weight"] = t(hidden, dt=np.float32)
+    out[f"{p}norm.weight"] = t(hidden, dt=np.float32)
+    out["lm_head.weight"] = t(vocab, hidden)
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata={"format": "np"})
+    return path
+
+
+def gguf_tensors(n_layers: int = 4, hidden: int = 64, ffn: int = 160, vocab: int = 512,
+                 seed: int = 1) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int, dt: type = np.float16) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+    out = {"token_embd.weight": t(vocab, hidden), "rope_freqs.weight": t(8, dt=np.float32)}
+    for i in range(n_layers):
+        out[f"blk.{i}.attn_norm.weight"] = t(hidden, dt=np.float32)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            out[f"blk.{i}.{name}.weight"] = t(hidden, hidden)
+        out[f"blk.{i}.ffn_norm.weight"] = t(hidden, dt=np.float32)
+        out[f"blk.{i}.ffn_gate.weight"] = t(ffn, hidden)
+        out[f"blk.{i}.ffn_up.weight"] = t(ffn, hidden)
+        out[f"blk.{i}.ffn_down.weight"] = t(hidden, ffn)
+    out["output_norm.weight"] = t(hidden, dt=np.float32)
+    out["output.weight"] = t(vocab, hidden)
+    return out
+
+
+def write_gguf(path: Path, tensors: dict[str, np.ndarray], quantized: bool = True) -> Path:
+    """A GGUF file; with ``quantized`` one extra Q8_0 tensor (raw bytes) per file."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(sum(1 for n in tensors if n.endswith(".attn_q.weight")))
+    for name, arr in tensors.items():
+        w.add_tensor(name, arr)
+    if quantized:
+        q = np.random.default_rng(2).integers(0, 255, (4, 34), dtype=np.uint8)
+        w.add_tensor("blk.0.extra_q8.weight", q, raw_shape=(4, 34),
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> Path:
+    """A safetensors file written by hand, for dtypes NumPy lacks (BF16, F8_E4M3)."""
+    import json
+    import struct
+
+    header: dict[str, object] = {}
+    body = b""
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(body), len(body) + len(data)]}
+        body += data
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    return path
