@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench clean install-service
+.PHONY: install run test lint bench soak clean install-service
 
 install: $(STAMP)
 
@@ -23,6 +23,9 @@ lint: install
 
 test: install lint  ## the whole suite: lint, unit and integration tests
 	$(BIN)/python -m pytest -q
+
+soak: install  ## the hardening suite, longer: 3000 fuzz examples, 32 clients for 30 s, 40 kills
+	RPCBUF_SOAK=1 $(BIN)/python -m pytest -q -s --timeout 1200 tests/hardening
 
 bench: install  ## prints tables and writes bench.json, bench_alloc.json, bench_dedup.json
 	$(BIN)/python scripts/bench.py --json bench.json

@@ -5,8 +5,11 @@ Run as ``.venv/bin/python scripts/bench_dedup.py [--json bench_dedup.json] [--qu
 A llama-like safetensors model (``--size``, 256 MiB by default: embeddings,
 ``--layers`` layers of attention and MLP weights, final norm and head, float16)
 is written to a temporary directory, and one rpcbufd is started on loopback
-(UCX over tcp) with ``--cache-dir``.  Each round, on a fresh daemon and an
-empty cache, times ``rpcbuf.load_model`` (checksum-verified, 64 MiB batches):
+(UCX over tcp) with ``--cache-dir`` and ``--prefault`` (``--no-prefault``:
+without).  Each round, on a fresh daemon, an empty disk cache and an empty
+client hash cache (``RPCBUF_CACHE_DIR`` in the temporary directory;
+``--no-hash-cache``: the client hashes every upload), times
+``rpcbuf.load_model`` (checksum-verified, 64 MiB batches):
 
 1. *first*: the cold upload; every byte crosses the network;
 2. *again, same name*: the same model loaded again (the buffers exist: the
@@ -88,8 +91,8 @@ def write_model(path: Path, size: int, layers: int, seed: int = 0) -> int:
 
 
 class Node:
-    def __init__(self, tmp: Path, arena: int, cache: Path) -> None:
-        self.tmp, self.arena, self.cache = tmp, arena, cache
+    def __init__(self, tmp: Path, arena: int, cache: Path, flags: list[str]) -> None:
+        self.tmp, self.arena, self.cache, self.flags = tmp, arena, cache, flags
         self.secret = tmp / "secret"
         self.token = create_token(load_or_create_secret(self.secret), "bench")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -103,7 +106,7 @@ class Node:
              "--ucx-port", "0", "--device", f"cpu:{self.arena}", "--secret-file",
              str(self.secret), "--ready-file", str(ready), "--cache-dir", str(self.cache),
              "--cache-size", f"{4 * self.arena}",
-             "--log-level", os.environ.get("BENCH_LOG", "WARNING")],
+             "--log-level", os.environ.get("BENCH_LOG", "WARNING"), *self.flags],
             stderr=open(self.tmp / "daemon.log", "ab"))  # the child keeps it open
         deadline = time.monotonic() + 30
         while not (ready.exists() and ready.read_text().endswith("\n")):
@@ -123,29 +126,33 @@ class Node:
             return self.proc.wait()
 
 
-async def upload(node: Node, model: Path, name: str) -> dict[str, Any]:
+async def upload(node: Node, model: Path, name: str, hash_cache: bool) -> dict[str, Any]:
     async with rpcbuf.Cluster.connect(node.addr, node.token, timeout=120) as cluster:
         t = time.perf_counter()
-        res = await rpcbuf.load_model(cluster, model, name=name, progress=False)
+        res = await rpcbuf.load_model(cluster, model, name=name, progress=False,
+                                      hash_cache=hash_cache)
         seconds = time.perf_counter() - t
     return {"seconds": seconds, "bytes_sent": res.bytes_sent, "bytes_total": res.bytes_total}
 
 
-async def one_round(tmp: Path, model: Path, arena: int) -> dict[str, dict[str, Any]]:
+async def one_round(tmp: Path, model: Path, arena: int, flags: list[str],
+                    hash_cache: bool) -> dict[str, dict[str, Any]]:
     cache = tmp / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    node = Node(tmp, arena, cache)
+    shutil.rmtree(tmp / "hashes", ignore_errors=True)  # the client's hash cache: cold too
+    os.environ["RPCBUF_CACHE_DIR"] = str(tmp / "hashes")
+    node = Node(tmp, arena, cache, flags)
     node.start()
     out: dict[str, dict[str, Any]] = {}
     try:
-        out["first"] = await upload(node, model, "m")
-        out["again, same name"] = await upload(node, model, "m")
-        out["again, new name"] = await upload(node, model, "m2")
+        out["first"] = await upload(node, model, "m", hash_cache)
+        out["again, same name"] = await upload(node, model, "m", hash_cache)
+        out["again, new name"] = await upload(node, model, "m2", hash_cache)
     finally:
         node.stop()
     node.start()
     try:
-        out["after restart"] = await upload(node, model, "m")
+        out["after restart"] = await upload(node, model, "m", hash_cache)
     finally:
         node.stop()
     return out
@@ -176,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16, help="[%(default)s]")
     p.add_argument("--rounds", type=int, default=3, help="[%(default)s]")
     p.add_argument("--quick", action="store_true", help="one round of a 64 MiB model")
+    p.add_argument("--no-hash-cache", action="store_true",
+                   help="the client hashes every tensor on every upload")
+    p.add_argument("--no-prefault", action="store_true",
+                   help="start rpcbufd without --prefault")
     args = p.parse_args(argv)
+    flags = [] if args.no_prefault else ["--prefault"]
     if args.quick:
         args.size, args.rounds = 64, 1
     started = time.time()
@@ -188,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds = []
         for i in range(args.rounds):
             t = time.perf_counter()
-            rounds.append(asyncio.run(one_round(tmp, model, arena)))
+            rounds.append(asyncio.run(one_round(tmp, model, arena, flags,
+                                                not args.no_hash_cache)))
             print(f"[bench_dedup] round {i + 1}/{args.rounds}: {time.perf_counter() - t:.1f} s",
                   file=sys.stderr, flush=True)
     rows: dict[str, dict[str, Any]] = {}
@@ -205,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                                                 and row["time_ratio"] <= goal[1])
         rows[name] = row
     print(f"model {nbytes / MiB:.0f} MiB ({args.layers} layers, float16, safetensors), one node "
-          f"on loopback (UCX tcp), medians of {args.rounds} round(s)")
+          f"on loopback (UCX tcp), medians of {args.rounds} round(s); client hash cache "
+          f"{'off' if args.no_hash_cache else 'on'}, rpcbufd {' '.join(flags) or 'no --prefault'}")
     print(fmt_table(rows))
     report = {"meta": {"started_at": started, "seconds": time.time() - started,
                        "model_bytes": nbytes, "layers": args.layers, "rounds": args.rounds,
+                       "hash_cache": not args.no_hash_cache, "daemon_flags": flags,
                        "python": sys.version.split()[0], "platform": platform.platform(),
                        "cpus": os.cpu_count()},
               "goals": {k: {"bytes": v[0], "time": v[1]} for k, v in GOALS.items()},

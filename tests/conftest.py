@@ -134,3 +134,16 @@ async def clean_pool(daemon: DaemonProc) -> AsyncIterator[DaemonProc]:
 async def ctx(clean_pool: DaemonProc) -> AsyncIterator[rpcbuf.RpcContext]:
     async with clean_pool.connect("alice") as c:
         yield c
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hash_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``load_model``'s client-side hash cache goes to a temporary directory,
+    never the user's ``~/.cache/rpcbuf``."""
+    old = os.environ.get("RPCBUF_CACHE_DIR")
+    os.environ["RPCBUF_CACHE_DIR"] = str(tmp_path_factory.mktemp("hashcache"))
+    yield
+    if old is None:
+        os.environ.pop("RPCBUF_CACHE_DIR", None)
+    else:
+        os.environ["RPCBUF_CACHE_DIR"] = old

@@ -23,7 +23,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--device", "cpu:lots"], "bad size"),
-    (["--device", "tpu:0:1GiB"], "only cpu devices"),
+    (["--device", "tpu:0:1GiB"], "unknown device kind"),
     (["--allocator", "magic"], "invalid choice"),
     (["--quota", "alice"], "TENANT:BYTES:BUFFERS"),
     (["--listen", "127.0.0.1:x"], "bad address"),

@@ -149,3 +149,84 @@ def test_disk_cache_bounds_and_evicts_least_recently_used(tmp_path: Path) -> Non
     again = DiskCache(tmp_path, max_bytes=2 * per)  # a restart with a smaller bound
     assert again.used <= 2 * per and len(again.stats()) > 0
     assert content_hashes({"x": arrays[0]})["x"] == keys[0]
+
+
+async def test_client_hash_cache_skips_reading_and_follows_file_changes(
+        clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from control import loader
+    from models import llama_tensors, write_safetensors
+
+    monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
+    hashed: list[str] = []
+
+    def counting(arrays: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+        hashed.extend(arrays)
+        return content_hashes(arrays)
+
+    monkeypatch.setattr(loader, "content_hashes", counting)
+    model = llama_tensors(3)
+    path = write_safetensors(tmp_path / "m.safetensors", model)
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token("hc")) as cluster:
+
+        async def load(**kw: bool) -> rpcbuf.LoadResult:
+            hashed.clear()
+            return await rpcbuf.load_model(cluster, path, name="hc", progress=False, **kw)
+
+        first = await load()
+        assert sorted(hashed) == sorted(model) and first.bytes_sent == first.bytes_total
+        again = await load()  # unchanged file: nothing hashed, nothing sent
+        assert hashed == [] and again.bytes_sent == 0
+        await load(hash_cache=False)
+        assert sorted(hashed) == sorted(model)
+        # same size, new bytes: the file's identity changes, its old hashes go unused
+        changed = dict(model)
+        name = "model.layers.1.mlp.up_proj.weight"
+        changed[name] = model[name] + 1
+        st = path.stat()
+        write_safetensors(path, changed)
+        assert path.stat().st_size == st.st_size
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime
+        fresh = await load()
+        assert sorted(hashed) == sorted(model)
+        assert fresh.bytes_sent == changed[name].nbytes
+        # a corrupt cache file is ignored (and replaced)
+        cache_file = tmp_path / "hashes" / "hashes.json"
+        cache_file.write_text('{"version": 1, "files": {"x": {"tensors": ')
+        await load()
+        assert sorted(hashed) == sorted(model)
+        await load()
+        assert hashed == []
+        ctx = cluster[clean_pool.addr]
+        back = await ctx.load_tensors((await ctx.list_buffers())[0]["buffer_id"])
+        np.testing.assert_array_equal(back[name], changed[name])
+        await rpcbuf.unload_model(cluster, "hc")
+
+
+def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
+    from control import config
+    from control.daemon import build_parser
+    from dataplane.arena import HostArena
+
+    assert config.resolve(build_parser(), ["--secret-file", "s", "--prefault"]).prefault
+    (tmp_path / "c.toml").write_text("prefault = true\n")
+    assert config.resolve(build_parser(), ["--secret-file", "s", "--config",
+                                           str(tmp_path / "c.toml")]).prefault
+    arena = HostArena(8 << 20)
+    arena.view(0, 4)[:] = [1, 2, 3, 4]
+    assert arena.prefault() in (True, False)  # False: a kernel before 5.14
+    assert arena.view(0, 4).tolist() == [1, 2, 3, 4]  # changes no byte
+
+
+async def test_daemon_with_prefault_serves(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, "--device", "cpu:64MiB", "--prefault")
+    try:
+        async with d.connect("alice") as c:
+            model = tensors(4)
+            bid, got = await stored(c, model)
+            assert got["sent"] == len(model)
+            back = await c.load_tensors(bid)
+            np.testing.assert_array_equal(back["layers.1.w"], model["layers.1.w"])
+    finally:
+        assert d.stop() == 0, d.log()

@@ -1,7 +1,9 @@
 """``rpcbuf``: the command-line client.
 
 Exit codes: 0 success; 1 an rpcbuf error from a daemon (its code is printed);
-2 bad usage or a local problem (missing file, bad flag).
+2 bad usage or a local problem (missing file, bad flag, no token).  The
+operator commands (status, ls, release, put, get, bench) live in
+``cliops.py``, model upload (load, unload) in ``loader.py``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ import os
 import sys
 from typing import Any
 
+from . import cliops
 from .auth import create_token, load_or_create_secret
+from .cliops import register_operator_commands
 from .errors import RpcBufError
 from .loader import register_load_commands, run_load_command
 from .units import format_size, parse_duration
+
+
+class UsageError(ValueError):
+    """Bad usage found after parsing (no token): exit 2."""
 
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
@@ -27,7 +35,7 @@ def _endpoints(args: argparse.Namespace) -> list[str]:
 def _token(args: argparse.Namespace) -> str:
     token = args.token or os.environ.get("RPCBUF_TOKEN")
     if not token:
-        raise SystemExit("rpcbuf: no token: pass --token or set RPCBUF_TOKEN "
+        raise UsageError("no token: pass --token or set RPCBUF_TOKEN "
                          "(make one with 'rpcbuf token create')")
     return str(token)
 
@@ -57,13 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     dv = sub.add_parser("devices", help="list every node's devices and free memory",
                         epilog='example: rpcbuf devices --endpoints "10.0.0.5:7700;10.0.0.6:7700"')
     _client_flags(dv)
-    ls = sub.add_parser("ls", help="list this tenant's buffers",
-                        epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700")
-    _client_flags(ls)
-    rl = sub.add_parser("release", help="release a buffer by id",
-                        epilog="example: rpcbuf release b-XXXX")
-    rl.add_argument("buffer_id")
-    _client_flags(rl)
+    register_operator_commands(sub, _client_flags)
     register_load_commands(sub, _client_flags)
     return p
 
@@ -141,6 +143,66 @@ def _report(args: argparse.Namespace, results: dict[str, Any], rows: Any) -> int
     return 1 if failed else 0
 
 
+def _node_command(args: argparse.Namespace) -> int:
+    """status / ls / release on every endpoint: exit 1 if any node failed."""
+    fns = {"status": cliops.status, "ls": cliops.ls,
+           "release": lambda c: cliops.release(c, args.buffer)}
+    results = asyncio.run(_per_node(args, fns[args.cmd]))
+    if args.json or args.cmd == "release":
+        return _report(args, results, lambda a, r: [f"{a}: released {r['released']}"])
+    from rich.console import Console
+
+    console = Console(width=max(100, _term_width()))
+    if args.cmd == "status":
+        for table in cliops.status_tables(results):
+            console.print(table)
+    else:
+        console.print(cliops.ls_table(results))
+    for addr, res in results.items():
+        if isinstance(res, RpcBufError):
+            print(f"{addr}: error {res}", file=sys.stderr)
+    return 1 if any(isinstance(r, RpcBufError) for r in results.values()) else 0
+
+
+async def _one_node(args: argparse.Namespace) -> int:
+    """put / get / bench against the first endpoint."""
+    from .client import connect
+
+    arr = None
+    name = None
+    if args.cmd == "put":
+        arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
+        name = cliops.default_name(args.file, args.name, args.ttl)
+    try:
+        async with connect(_endpoints(args)[0], _token(args), timeout=args.timeout) as ctx:
+            if args.cmd == "put":
+                assert arr is not None
+                result: Any = await cliops.put(ctx, arr, name, args.ttl)
+                text = result["buffer_id"]
+            elif args.cmd == "get":
+                result = await cliops.get(ctx, args.buffer, args.out)
+                text = (f"wrote {result['out']}: {result['dtype']} {tuple(result['shape'])} "
+                        f"from {result['buffer_id']}")
+            else:
+                result = await cliops.bench(ctx, args.sizes, args.duration)
+                text = ""
+    except RpcBufError as exc:
+        if args.json:
+            print(json.dumps({"error": exc.to_wire()}, indent=2, default=str))
+        else:
+            print(f"rpcbuf: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    elif args.cmd == "bench":
+        from rich.console import Console
+
+        Console(width=max(100, _term_width())).print(cliops.bench_table(result))
+    else:
+        print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -152,18 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_devices(args))
         if args.cmd in ("load", "unload"):
             return run_load_command(args, _endpoints(args), _token(args))
-        if args.cmd == "ls":
-            results = asyncio.run(_per_node(args, lambda c: c.list_buffers()))
-
-            def buf_rows(addr: str, bufs: list[dict[str, Any]]) -> list[str]:
-                return [f"{addr:22} {b['buffer_id']:30} {b['name'] or '-':20} "
-                        f"{format_size(b['size']):>10} {b['device_type']}:{b['device']}"
-                        for b in bufs]
-
-            return _report(args, results, buf_rows)
-        if args.cmd == "release":
-            results = asyncio.run(_per_node(args, lambda c: c.release_buffer(args.buffer_id)))
-            return _report(args, results, lambda a, r: [f"{a}: released {args.buffer_id}"])
+        if args.cmd in ("status", "ls", "release"):
+            return _node_command(args)
+        if args.cmd in ("put", "get", "bench"):
+            return asyncio.run(_one_node(args))
     except (OSError, ValueError) as exc:
         print(f"rpcbuf: {exc}", file=sys.stderr)
         return 2

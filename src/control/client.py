@@ -22,10 +22,13 @@ import numpy as np
 
 from dataplane import ucx
 from dataplane.checksum import checksum
+from dataplane.devsum import devsum
 
 from . import protocol as P
+from .arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
 from .dedup import DedupClientOps
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
+from .gpuops import check_wire_dtype
 from .tensors import TensorOps
 
 DEFAULT_PORT = 7700
@@ -39,31 +42,6 @@ def parse_addr(addr: str) -> tuple[str, int]:
         return host.strip("[]") or "127.0.0.1", int(port)
     except ValueError:
         raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
-
-
-def as_bytes(array: Any, *, writable: bool = False) -> np.ndarray:
-    """A flat uint8 view of ``array`` without copying.
-
-    Takes NumPy arrays and anything with the buffer protocol.  A non-contiguous
-    NumPy array is copied once for a store; a read target must be contiguous
-    and writable (raises ``BAD_REQUEST`` otherwise)."""
-    if isinstance(array, np.ndarray):
-        arr = array
-    else:
-        try:
-            arr = np.frombuffer(array, dtype=np.uint8) if not writable else np.asarray(
-                memoryview(array))
-        except TypeError:
-            raise BadRequest(
-                f"expected a NumPy array or a buffer, got {type(array).__name__}"
-            ) from None
-    if not arr.flags.c_contiguous:
-        if writable:
-            raise BadRequest("out must be a C-contiguous array")
-        arr = np.ascontiguousarray(arr)
-    if writable and not arr.flags.writeable:
-        raise BadRequest("out must be writable")
-    return arr.reshape(-1).view(np.uint8)
 
 
 class ControlConnection:
@@ -180,6 +158,7 @@ class RpcContext(TensorOps, DedupClientOps):
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
         self._closed = False
         self._manifests: dict[str, Any] = {}  # buffer id -> cached manifest (tensors.py)
+        self._gpu_buffers: set[str] = set()  # ids seen to be GPU buffers: verified with devsum
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = ep.abort
@@ -301,13 +280,19 @@ class RpcContext(TensorOps, DedupClientOps):
         meta = await self._call(P.RequestBuffer(size=size, device_type=device_type, device=device,
                                                 timeout=timeout, ttl=ttl, name=name),
                                 timeout=wait if timeout else None)
+        self._note_device(meta)
         return str(meta["buffer_id"])
+
+    def _note_device(self, meta: dict[str, Any]) -> None:
+        if str(meta.get("device_type", "CPU")).upper() == "GPU":
+            self._gpu_buffers.add(str(meta["buffer_id"]))
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True) -> dict[str, Any]:
         """The buffer's metadata; ``tensors=False`` leaves out the manifest's
         entries (a big manifest is a big answer). Raises NOT_FOUND."""
         self._check_open()
         meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors))
+        self._note_device(meta)
         if tensors:
             self._remember_manifest(buffer_id, meta)
         return meta
@@ -316,6 +301,7 @@ class RpcContext(TensorOps, DedupClientOps):
         """Raises NOT_FOUND."""
         self._check_open()
         await self._call(P.Release(buffer_id=buffer_id))
+        self._gpu_buffers.discard(buffer_id)
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None) -> float | None:
         """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
@@ -345,27 +331,48 @@ class RpcContext(TensorOps, DedupClientOps):
     # -- data ops -------------------------------------------------------------------
 
     async def store_tensor(self, buffer_id: str, array: Any, offset: int = 0, sync: bool = True,
-                           verify: str | None = None) -> Any:
+                           verify: str | None = None, wire_dtype: str | None = None) -> Any:
         """Copy ``array``'s bytes into the buffer at ``offset`` over UCX.
 
-        ``verify="checksum"`` has the daemon hash what it received and compare.
+        ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
+        buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
+        made of a contiguous one (see ``control.arrays``).
+        ``verify="checksum"`` has the daemon hash what it received and compare
+        (xxh3; ``devsum`` when the array or the buffer is on a GPU, see
+        docs/gpu.md).  ``wire_dtype="float16"`` sends a float32 tensor as
+        float16 (half the bytes); the daemon widens it back into float32.
         ``sync=False`` returns a task at once (await it for the answer; keep
         the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
         VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
         self._check_open()
         if verify not in (None, "checksum"):
             raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
-        data = as_bytes(array)
-        coro = self._store(buffer_id, data, offset, verify)
+        check_wire_dtype(wire_dtype, dtype_name(array))
+        gpu_buffer = isinstance(buffer_id, str) and buffer_id in self._gpu_buffers
+        kind = "devsum" if gpu_buffer or is_cuda(array) else "xxh3"
+        if wire_dtype is None:
+            data, landed = as_bytes(array), None
+        else:
+            data, landed = to_wire_f16(array)
+        coro = self._store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
         if sync:
             return await coro
         return asyncio.get_running_loop().create_task(coro)
 
-    async def _store(self, buffer_id: str, data: np.ndarray, offset: int,
-                     verify: str | None) -> dict[str, Any]:
-        digest = checksum(data) if verify else None
-        req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(data.nbytes),
-                      checksum=digest, verify=verify)  # type: ignore[arg-type]
+    async def _store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
+                     kind: str = "xxh3", wire_dtype: str | None = None,
+                     landed: Any = None) -> dict[str, Any]:
+        """``landed``: the bytes the buffer will hold when they differ from
+        the payload (wire fp16); the checksum covers what lands."""
+        prepare(data)
+        final = data if landed is None else landed
+        digest = None
+        if verify:
+            digest = devsum(final) if kind == "devsum" else checksum(final)
+        req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(final.nbytes),
+                      checksum=digest, verify=verify,  # type: ignore[arg-type]
+                      checksum_kind=kind if verify and kind != "xxh3" else None,  # type: ignore[arg-type]
+                      wire_dtype=wire_dtype)  # type: ignore[arg-type]
         return await self._send_request(req, [data] if data.nbytes else [])
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
@@ -389,6 +396,7 @@ class RpcContext(TensorOps, DedupClientOps):
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
+        prepare(dest)  # GPU work still using ``out`` finishes before UCX overwrites it
         await self._receive_request(P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes),
                                     [dest] if nbytes else [])
         return out if out is not None else target
@@ -430,6 +438,8 @@ class RpcContext(TensorOps, DedupClientOps):
             raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
         order = sorted(range(len(items)), key=lambda i: items[i][0])
         datas = [as_bytes(items[i][1]) for i in order]
+        if not all(isinstance(d, np.ndarray) for d in datas):
+            raise BadRequest("store_batch takes host arrays; store GPU tensors with store_tensor")
         offsets = np.fromiter((items[i][0] for i in order), dtype=np.int64, count=len(order))
         if len(offsets) and offsets.min() < 0:
             raise BadRequest("offsets must be non-negative")
@@ -522,6 +532,8 @@ class RpcContext(TensorOps, DedupClientOps):
         Returns True when equal; raises VERIFY_FAILED (with the first differing
         byte) when not."""
         data = as_bytes(array)
+        if not isinstance(data, np.ndarray):  # device memory: compare on the host
+            data = data.get()
         back = await self.read_buffer(buffer_id, offset, int(data.nbytes))
         if not np.array_equal(back, data):
             first = int(np.flatnonzero(back != data)[0])

@@ -18,6 +18,8 @@ import signal
 import socket
 import ssl
 import sys
+import threading
+import time
 from typing import Any
 
 from dataplane import ucx
@@ -102,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
                    "[%(default)s]")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
-                   help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB); "
+                   help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
+                        "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
                         "default cpu:1GiB")
     p.add_argument("--config", metavar="FILE.toml",
                    help="settings file (flags given here override it); SIGHUP re-reads its "
@@ -144,16 +147,61 @@ def build_parser() -> argparse.ArgumentParser:
                         "still deduplicates uploads (per tenant, checksummed, LRU)")
     p.add_argument("--cache-size", type=parse_size, default=8 << 30, metavar="SIZE",
                    help="bound of --cache-dir; least recently used contents go first [8GiB]")
+    p.add_argument("--prefault", action="store_true",
+                   help="back every page of the host arenas with memory at start, in a "
+                        "background thread, so first writes into a buffer do not fault "
+                        "(the arenas' memory is then resident for good)")
     return p
 
 
+def prefault_arenas(arenas: list[Any]) -> threading.Thread:
+    """Populate each arena that can (``HostArena.prefault``) in one background
+    thread: it changes no byte, so the daemon serves meanwhile."""
+
+    def run() -> None:
+        for arena in arenas:
+            prefault = getattr(arena, "prefault", None)
+            if prefault is None:
+                continue
+            t = time.perf_counter()
+            try:
+                ok = prefault()
+            except OSError as exc:
+                log.warning("--prefault: %s:%d: %s", arena.device_type, arena.device, exc)
+                continue
+            if ok:
+                log.info("--prefault: %s:%d: %d bytes resident in %.2f s", arena.device_type,
+                         arena.device, arena.size, time.perf_counter() - t)
+            else:
+                log.warning("--prefault: this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+); "
+                            "pages stay faulted in on first use")
+
+    thread = threading.Thread(target=run, name="rpcbuf-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+GPU_KINDS = ("cuda", "gpu")
+
+
 def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
-    arenas = []
+    """One arena per ``--device``.  A device that cannot be served (no CuPy,
+    no such GPU, not enough memory) raises ``DeviceUnavailable`` (a
+    ValueError: ``main`` prints it and exits 2) naming the device."""
+    arenas: list[Any] = []
     for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
-        if kind != "cpu":
-            raise SystemExit(f"rpcbufd: --device {kind}:{index}: only cpu devices are "
-                             "supported in this build")
-        arenas.append(HostArena(size, device=index))
+        if kind == "cpu":
+            arenas.append(HostArena(size, device=index))
+        elif kind in GPU_KINDS:
+            from dataplane.cuda_arena import CudaArena, DeviceUnavailable
+
+            try:
+                arenas.append(CudaArena(size, device=index))
+            except DeviceUnavailable as exc:
+                raise DeviceUnavailable(f"--device: {exc}") from None
+        else:
+            raise ValueError(f"--device {kind}:{index}: unknown device kind {kind!r} "
+                             "(want cpu or cuda)")
     return arenas
 
 
@@ -196,9 +244,12 @@ async def serve(args: argparse.Namespace) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
     tls = _tls(args)
-    ucx.apply_defaults()
+    ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
     secret = load_or_create_secret(args.secret_file)
-    pools = [Pool.create(a, args.allocator) for a in make_arenas(args.device)]
+    arenas = make_arenas(args.device)
+    if args.prefault:
+        prefault_arenas(arenas)
+    pools = [Pool.create(a, args.allocator) for a in arenas]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,

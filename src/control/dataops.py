@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dataplane.arena import copy_between
+from dataplane.devops import fill, range_checksum, scratch, widen_f16
 from dataplane.ucx import DataEndpoint, TransferError, Truncated
 
 from . import protocol as P
 from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
+from .gpuops import check_wire_f16
 
 if TYPE_CHECKING:
     from .registry import Buffer, Registry
@@ -186,24 +188,48 @@ class DataOps:
             self._check_range(buf, req.offset, req.nbytes)
             if req.verify == "checksum" and req.checksum is None:
                 raise BadRequest("verify='checksum' needs the client's checksum")
+            if req.wire_dtype is not None:
+                check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
         except RpcBufError:
             if req.nbytes:
                 await self._drain(ep, req_id, 1)
             raise
         span = (req.offset, req.offset + req.nbytes)
         async with self._holding(buf, [span], exclusive=True):
-            await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
+            if req.wire_dtype is None:
+                await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
+            else:
+                await self._receive_f16(ep, req_id, buf, req.offset, req.nbytes)
             result: dict[str, Any] = {"nbytes": req.nbytes}
             if req.checksum is not None or req.verify:
-                got = buf.pool.arena.checksum(buf.offset + req.offset, req.nbytes)
+                kind = req.checksum_kind or "xxh3"
+                got = range_checksum(buf.pool.arena, buf.offset + req.offset, req.nbytes, kind)
                 result["checksum"] = got
+                result["checksum_kind"] = kind
                 if req.verify == "checksum" and got != req.checksum:
                     self.daemon.counters["verify_failures"] += 1
                     raise VerifyFailed("checksum of received bytes does not match",
-                                       {"expected": req.checksum, "got": got})
+                                       {"expected": req.checksum, "got": got, "kind": kind})
         self.daemon.counters["bytes_stored"] += req.nbytes
-        self._log("store", buf, req.offset, req.nbytes)
+        self._log("store", buf, req.offset, req.nbytes,
+                  note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
         return result
+
+    async def _receive_f16(self, ep: DataEndpoint, req_id: int, buf: Buffer, offset: int,
+                           nbytes: int) -> None:
+        """A wire-fp16 store: receive nbytes/2 bytes of float16 into scratch
+        memory of the arena's kind, then widen them into the float32 slice."""
+        if not nbytes:
+            return
+        arena = buf.pool.arena
+        wire = scratch(arena, nbytes // 2)
+        try:
+            await self._transfer([ep.recv(wire, P.run_tag(req_id, 0))])
+        except Truncated as exc:
+            raise BadRequest("payload is larger than announced") from exc
+        except TransferError as exc:
+            raise ConnectionLost(f"store transfer failed: {exc}") from exc
+        await _maybe_in_thread(nbytes, widen_f16, arena, buf.offset + offset, wire)
 
     async def _store_batch(self, req_id: int, req: P.StoreBatch) -> dict[str, Any]:
         ep = self._endpoint()
@@ -355,7 +381,7 @@ class DataOps:
         self._check_range(buf, req.offset, max(nbytes, 0))
         async with self._holding(buf, [(req.offset, req.offset + nbytes)], exclusive=True):
             view = buf.pool.arena.view(buf.offset + req.offset, nbytes)
-            await _maybe_in_thread(nbytes, view.fill, req.value)
+            await _maybe_in_thread(nbytes, fill, buf.pool.arena, view, req.value)
         self._log("clear", buf, req.offset, nbytes, note=f"value={req.value}")
         return {"nbytes": nbytes}
 

@@ -44,6 +44,7 @@ from . import placement as PL
 from .cluster import Cluster, ClusterError
 from .dedup import content_hashes
 from .errors import BadRequest, NotFound, RpcBufError, VerifyFailed
+from .hashcache import HashCache, file_key, tensor_key
 from .modelfile import ModelFile, TensorSpec, open_model
 from .tensors import ALIGN, calculate_buffer_size
 from .units import format_size, parse_size
@@ -129,10 +130,56 @@ def _batches(specs: Sequence[TensorSpec], limit: int) -> Iterator[list[TensorSpe
         yield batch
 
 
-def _read(model: ModelFile, batch: list[TensorSpec]
+class _KnownHashes:
+    """This model's tensors' hashes from the client-side ``HashCache``: the
+    file identities are taken once, before anything is read, and the cache is
+    saved only if they are unchanged after the upload."""
+
+    def __init__(self, model: ModelFile) -> None:
+        self.model = model
+        self.cache = HashCache()
+        self.fkeys = [file_key(f) for f in model.files]
+        self.hits = 0
+
+    def _key(self, spec: TensorSpec) -> tuple[str, str]:
+        file, offset = self.model.where(spec.name)
+        return self.fkeys[file], tensor_key(spec.name, offset, spec.nbytes)
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for s in batch:
+            got = self.cache.get(*self._key(s))
+            if got is not None:
+                out[s.name] = got
+        self.hits += len(out)
+        return out
+
+    def record(self, batch: list[TensorSpec], hashes: dict[str, tuple[int, int]]) -> None:
+        for s in batch:
+            if s.name in hashes:
+                self.cache.put(*self._key(s), hashes[s.name])
+
+    def save(self) -> None:
+        try:
+            same = [file_key(f) for f in self.model.files] == self.fkeys
+        except OSError:
+            same = False
+        if same:  # else a file changed while it was read: its hashes may mix old and new
+            for k in set(self.fkeys):
+                self.cache.touch(k)
+            self.cache.save()
+
+
+def _read(model: ModelFile, batch: list[TensorSpec], known: _KnownHashes | None = None
           ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """The batch's arrays (memory-map views: nothing is read yet) and their
+    hashes, computed only for the tensors the hash cache does not know."""
     arrays = model.read([s.name for s in batch])
-    return arrays, content_hashes(arrays)
+    cached = known.lookup(batch) if known is not None else {}
+    fresh = content_hashes({n: a for n, a in arrays.items() if n not in cached})
+    if known is not None and fresh:
+        known.record(batch, fresh)
+    return arrays, {**cached, **fresh}
 
 
 @dataclass
@@ -187,13 +234,17 @@ class _Progress:
 async def load_model(cluster: Cluster, path: str | Path, placement: str | None = None,
                      name: str | None = None, progress: bool = True, *,
                      batch_bytes: int = DEFAULT_BATCH, dedup: bool = True,
-                     on_progress: ProgressFn | None = None) -> LoadResult:
+                     on_progress: ProgressFn | None = None,
+                     hash_cache: bool = True) -> LoadResult:
     """Upload the model at ``path`` across ``cluster``; see the module docstring.
 
     ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
     split by free memory; ``name`` defaults to the file's stem; ``progress``
     shows rich progress bars on stderr when it is a terminal;
-    ``on_progress(endpoint, done, total)`` is called after every batch.
+    ``on_progress(endpoint, done, total)`` is called after every batch;
+    ``hash_cache`` (with ``dedup``) reuses the tensors' hashes remembered
+    from an earlier upload of the unchanged file (``hashcache``), so a
+    re-upload reads only what it sends.
     Raises BAD_REQUEST (bad spec, model does not fit, not a model file) before
     anything is requested; ``ClusterError`` naming each failed node otherwise
     (after releasing the buffers this call created)."""
@@ -205,6 +256,12 @@ async def load_model(cluster: Cluster, path: str | Path, placement: str | None =
     name = name or (Path(path).name if is_dir else Path(path).stem)
     if not name or len(name) > 200:
         raise BadRequest(f"bad model name {name!r}")
+    known: _KnownHashes | None = None
+    if dedup and hash_cache:
+        try:
+            known = await asyncio.to_thread(_KnownHashes, model)
+        except OSError:
+            known = None  # cannot stat the files: hash them
     try:
         slots = await cluster.slots()
         existing = await cluster.list_buffers()
@@ -223,9 +280,11 @@ async def load_model(cluster: Cluster, path: str | Path, placement: str | None =
         bar = _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors},
                         progress, on_progress)
         try:
-            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0)
+            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known)
         finally:
             bar.close()
+        if known is not None:
+            await asyncio.to_thread(known.save)
         await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
     finally:
         model.close()
@@ -306,7 +365,7 @@ async def _release_created(cluster: Cluster, jobs: list[_SlotJob]) -> dict[str, 
 
 async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                   stats: dict[str, NodeStats], bar: _Progress, batch_bytes: int,
-                  dedup: bool, t0: float) -> None:
+                  dedup: bool, t0: float, known: _KnownHashes | None = None) -> None:
     failed = asyncio.Event()  # the other slots stop at their next batch
 
     async def one(j: _SlotJob) -> None:
@@ -321,12 +380,13 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                 if failed.is_set():
                     return
                 if ahead is None:
-                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model, batch))
+                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model, batch,
+                                                                    known))
                 arrays, hashes = await ahead
                 ahead = None
                 if k + 1 < len(batches):
                     ahead = asyncio.ensure_future(asyncio.to_thread(_read, model,
-                                                                    batches[k + 1]))
+                                                                    batches[k + 1], known))
                 sums.update({n: h[1] for n, h in hashes.items()})
                 nbytes = sum(int(a.nbytes) for a in arrays.values())
                 if dedup:
@@ -425,6 +485,9 @@ def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentPa
                     help="bytes read and sent per round trip [64MiB]")
     ld.add_argument("--no-dedup", action="store_true",
                     help="send every tensor, even those the node already holds")
+    ld.add_argument("--no-hash-cache", action="store_true",
+                    help="hash every tensor, even of an unchanged file whose hashes are "
+                         "remembered in $RPCBUF_CACHE_DIR (~/.cache/rpcbuf)")
     client_flags(ld)
     ul = sub.add_parser("unload", help="release a loaded model on every node",
                         epilog='example: rpcbuf unload llama --endpoints "h1:7700;h2:7700"')
@@ -468,7 +531,8 @@ async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> in
             return 0
         result = await load_model(cluster, args.model, args.placement, args.name,
                                   progress=not args.json, batch_bytes=args.batch_size,
-                                  dedup=not args.no_dedup)
+                                  dedup=not args.no_dedup,
+                                  hash_cache=not args.no_hash_cache)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -64,6 +64,7 @@ class ModelFile:
         self._gguf = reader
         self._maps: dict[int, np.memmap] = {}
         self._raw_at: dict[str, tuple[int, int]] = {}
+        self._gguf_at: dict[str, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +76,15 @@ class ModelFile:
             data = {t.name: t.data for t in self._gguf.tensors}
             return {n: np.asarray(data[n]) for n in names}
         return {n: self._raw(self.by_name[n]) for n in names}
+
+    def where(self, name: str) -> tuple[int, int]:
+        """``(file index, byte offset in that file)`` of a tensor's bytes."""
+        spec = self.by_name[name]
+        if self._gguf is not None:
+            if not self._gguf_at:
+                self._gguf_at = {t.name: int(t.data_offset) for t in self._gguf.tensors}
+            return spec.file, self._gguf_at[name]
+        return spec.file, self._raw_at[name][0]
 
     def _raw(self, spec: TensorSpec) -> np.ndarray:
         if spec.file not in self._maps:

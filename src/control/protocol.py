@@ -239,6 +239,11 @@ class Store(Request):
     nbytes: int
     checksum: U64 | None = None
     verify: Literal["checksum"] | None = None
+    # Which checksum ``checksum`` is (absent: xxh3); see docs/gpu.md.
+    checksum_kind: Literal["xxh3", "devsum"] | None = None
+    # "float16": the payload is nbytes/2 bytes of float16 that the daemon
+    # widens into the float32 range [offset, offset + nbytes).
+    wire_dtype: Literal["float16"] | None = None
 
 
 @dataclass(frozen=True)

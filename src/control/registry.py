@@ -39,7 +39,8 @@ class Pool:
 
     @classmethod
     def create(cls, arena: Arena, allocator: str) -> Pool:
-        return cls(f"{arena.device_type.lower()}:{arena.device}", arena,
+        kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
+        return cls(f"{kind}:{arena.device}", arena,
                    make_allocator(allocator, arena.size))
 
     def describe(self) -> dict[str, Any]:

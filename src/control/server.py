@@ -63,6 +63,7 @@ from .registry import Buffer, Registry, Waiter
 
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
+ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 
 
 @dataclass(frozen=True)
@@ -404,7 +405,17 @@ class Session(DedupOps, DataOps):
                 task.cancel()
         pending = list(self.tasks.values())
         if pending:
-            _, stuck = await asyncio.wait(pending, timeout=self.daemon.limits.drain_timeout)
+            _, stuck = await asyncio.wait(pending, timeout=ABORT_GRACE)
+            if stuck and ep is not None:
+                # The endpoint is closed (abort waits for UCX to close it), so
+                # UCX no longer touches their memory, but ucxx sometimes never
+                # completes a receive it had already matched (seen once when a
+                # client was killed mid-store): cancel the waiting tasks.
+                log.warning("session %s: %d transfers missed the endpoint abort; "
+                            "cancelling them", self.session_id, len(stuck))
+                for task in stuck:
+                    task.cancel()
+                _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
         for buf in self.registry.session_closed(self.session_id):

@@ -9,6 +9,9 @@ line of defence, even though the daemon checks them before any transfer.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,7 +65,38 @@ class HostArena:
     def describe(self) -> dict[str, Any]:
         return {"device_type": self.device_type, "device": self.device, "name": "host memory"}
 
+    def prefault(self, chunk: int = 64 << 20) -> bool:
+        """Back every page with memory now, so a first write does not fault
+        (``madvise(MADV_POPULATE_WRITE)``, a chunk at a time).  It changes no
+        byte, so it may run in a thread while the arena is in use.  False when
+        the kernel lacks it (before Linux 5.14)."""
+        addr = self._mem.ctypes.data
+        page = mmap.PAGESIZE
+        start, stop = -(-addr // page) * page, (addr + self.size) // page * page
+        for at in range(start, stop, chunk):
+            if _madvise(at, min(chunk, stop - at), MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                if err in (22, 38) and at == start:  # EINVAL, ENOSYS: not this kernel
+                    return False
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        return True
+
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in 3.13
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    return int(_libc.madvise(addr, length, advice))
+
 
 def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbytes: int) -> None:
     """Copy bytes between (or within) arenas on this node; overlap-safe."""
+    if hasattr(src, "xp") or hasattr(dst, "xp"):  # a GPU arena on either side
+        from .cuda_arena import copy_device
+
+        copy_device(src, src_offset, dst, dst_offset, nbytes)
+        return
     np.copyto(dst.view(dst_offset, nbytes), src.view(src_offset, nbytes))

@@ -8,6 +8,15 @@ rendezvous and 2 MiB TCP segments (together 3-6x faster than ucxx's defaults
 over tcp in the brief's measurements), and host bounce buffers for
 rendezvous fragments (ucxx's own default, ``cuda``, needs a GPU).
 
+With CUDA memory in use (a daemon with a ``cuda:N`` arena; a client whose
+process already imported CuPy or a CUDA-enabled torch, or that sets
+``RPCBUF_UCX_CUDA=1``; ``RPCBUF_UCX_CUDA=0`` forces host settings) the
+defaults change in this one place, ``CUDA_DEFAULTS``: rendezvous fragments in
+device memory (``UCX_RNDV_FRAG_MEM_TYPE=cuda``), and a ``UCX_TLS`` that the
+user restricted (``tcp`` in CI, say) gains ``cuda_copy,cuda_ipc`` (without
+them UCX cannot move device memory at all).  An unset ``UCX_TLS`` means all
+transports, which includes both.  Every value the user set is kept.
+
 Both sides of a connection bind their UCX endpoint to an authenticated control
 session with a small handshake on the reserved tag ``BIND_TAG``: the client
 sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
@@ -31,6 +40,11 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
 
+CUDA_DEFAULTS: dict[str, str] = {
+    "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
+}
+CUDA_TLS = ("cuda_copy", "cuda_ipc")
+
 _log = logging.getLogger("rpcbuf.ucx")
 
 BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
@@ -39,9 +53,52 @@ NONCE_BYTES = 16
 _ucxx: Any = None
 
 
-def apply_defaults(env: dict[str, str] | None = None) -> dict[str, str]:
-    """Put rpcbuf's UCX defaults into ``env`` (os.environ by default) where unset."""
+def cuda_wanted(env: Any = None) -> bool:
+    """Whether this process moves CUDA memory: ``RPCBUF_UCX_CUDA`` if set,
+    else whether CuPy, or torch with a GPU, is already imported."""
+    env = os.environ if env is None else env
+    forced = env.get("RPCBUF_UCX_CUDA")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    import sys
+
+    if "cupy" in sys.modules:
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def with_cuda_tls(tls: str) -> str:
+    """``tls`` plus cuda_copy and cuda_ipc, unless it already names CUDA
+    transports, is ``all``, or is an exclusion list (``^...``)."""
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if not names or tls.startswith("^") or "all" in names or any(
+            t.startswith("cuda") for t in names):
+        return tls
+    return ",".join(names + [t for t in CUDA_TLS if t not in names])
+
+
+def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) -> dict[str, str]:
+    """Put rpcbuf's UCX defaults into ``env`` (os.environ by default) where
+    unset; ``cuda`` (default: ``cuda_wanted()``) picks the CUDA ones."""
     target: Any = os.environ if env is None else env
+    forced = target.get("RPCBUF_UCX_CUDA")
+    if forced is not None:
+        cuda = forced.strip().lower() in ("1", "true", "yes", "on")
+    elif cuda is None:
+        cuda = cuda_wanted(target)
+    if cuda:
+        for key, value in CUDA_DEFAULTS.items():
+            target.setdefault(key, value)
+        if "UCX_TLS" in target:
+            tls = with_cuda_tls(target["UCX_TLS"])
+            if tls != target["UCX_TLS"]:
+                _log.info("UCX_TLS=%s gains %s for CUDA memory", target["UCX_TLS"],
+                          ",".join(CUDA_TLS))
+                target["UCX_TLS"] = tls
     for key, value in UCX_DEFAULTS.items():
         target.setdefault(key, value)
     return dict(target)

@@ -1,0 +1,134 @@
+"""The ``rpcbuf`` CLI as an operator runs it: real subprocesses against a real
+daemon, including the errors (exit 1 with the daemon's code, exit 2 for a
+local problem or a bad flag, never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, DaemonProc
+
+
+@pytest.fixture(scope="module")
+def cli_daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
+    return daemon_factory("--device", "cpu:64MiB")  # type: ignore[no-any-return]
+
+
+def rpcbuf(d: DaemonProc | None, *args: str, tenant: str = "cli",
+           timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "160"}
+    env.pop("RPCBUF_TOKEN", None)
+    if d is not None:
+        env["RPCBUF_ENDPOINTS"] = d.addr
+        env["RPCBUF_TOKEN"] = d.token(tenant)
+    res = subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+                         text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert "Traceback" not in res.stderr, res.stderr
+    return res
+
+
+def as_json(res: subprocess.CompletedProcess[str]) -> Any:
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout)
+
+
+def free_bytes(d: DaemonProc) -> int:
+    (st,) = as_json(rpcbuf(d, "status", "--json")).values()
+    return sum(int(dev["free"]) for dev in st["devices"])
+
+
+def test_put_ls_get_release_round_trip(cli_daemon: DaemonProc, tmp_path: Path) -> None:
+    start = free_bytes(cli_daemon)
+    arr = np.arange(3 * 5 * 7, dtype=np.float32).reshape(3, 5, 7)
+    np.save(tmp_path / "w.npy", arr)
+    put = rpcbuf(cli_daemon, "put", str(tmp_path / "w.npy"), "--name", "w", "--ttl", "1h")
+    assert put.returncode == 0, put.stderr
+    buffer_id = put.stdout.strip()
+    assert buffer_id.startswith("b-")
+
+    (bufs,) = as_json(rpcbuf(cli_daemon, "ls", "--json")).values()
+    (row,) = [b for b in bufs if b["buffer_id"] == buffer_id]
+    assert row["name"] == "w" and row["tensors"] == 1 and 3500 < row["ttl_left"] <= 3600
+    table = rpcbuf(cli_daemon, "ls")
+    assert table.returncode == 0 and buffer_id in table.stdout and "tensors" in table.stdout
+
+    for ref, out in ((buffer_id, "by_id.npy"), ("w", "by_name.npy")):
+        got = rpcbuf(cli_daemon, "get", ref, "--out", str(tmp_path / out))
+        assert got.returncode == 0, got.stderr
+        back = np.load(tmp_path / out)
+        assert back.dtype == arr.dtype and back.shape == arr.shape
+        assert np.array_equal(back, arr)
+
+    rel = as_json(rpcbuf(cli_daemon, "release", "w", "--json"))
+    assert list(rel.values()) == [{"released": buffer_id}]
+    assert free_bytes(cli_daemon) == start
+
+
+def test_put_without_a_name_names_the_buffer_after_the_file(cli_daemon: DaemonProc,
+                                                            tmp_path: Path) -> None:
+    np.save(tmp_path / "plain.npy", np.ones(10, dtype=np.int16))
+    info = as_json(rpcbuf(cli_daemon, "put", str(tmp_path / "plain.npy"), "--json"))
+    assert info["name"] == "plain" and info["shape"] == [10]
+    # The CLI's session is gone; the buffer outlived it and is released by name.
+    assert rpcbuf(cli_daemon, "release", "plain").returncode == 0
+
+
+def test_status_shows_node_devices_and_sessions(cli_daemon: DaemonProc) -> None:
+    (st,) = as_json(rpcbuf(cli_daemon, "status", "--json")).values()
+    assert st["sessions"] >= 1 and st["uptime"] > 0 and st["devices"]
+    table = rpcbuf(cli_daemon, "status")
+    assert table.returncode == 0
+    assert "cpu:0" in table.stdout and "uptime" in table.stdout and "░" in table.stdout
+
+
+def test_bench_is_quick_and_reports_throughput(cli_daemon: DaemonProc) -> None:
+    start = free_bytes(cli_daemon)
+    rows = as_json(rpcbuf(cli_daemon, "bench", "--sizes", "4KiB,256KiB", "--duration", "1s",
+                          "--json"))
+    assert [r["size"] for r in rows] == [4096, 256 << 10]
+    for r in rows:
+        assert r["store_mb_s"] > 0 and r["read_mb_s"] > 0 and r["store_p50_ms"] > 0
+    assert free_bytes(cli_daemon) == start
+
+
+def test_daemon_errors_exit_1_with_their_code(cli_daemon: DaemonProc, tmp_path: Path) -> None:
+    res = rpcbuf(cli_daemon, "release", "no-such-buffer")
+    assert res.returncode == 1 and "NOT_FOUND" in res.stderr
+    res = rpcbuf(cli_daemon, "get", "b-nothing", "--out", str(tmp_path / "o.npy"), "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["error"]["code"] == "NOT_FOUND"
+    # Another tenant's buffer is NOT_FOUND too.
+    np.save(tmp_path / "mine.npy", np.zeros(4))
+    assert rpcbuf(cli_daemon, "put", str(tmp_path / "mine.npy"), "--name", "mine").returncode == 0
+    res = rpcbuf(cli_daemon, "release", "mine", tenant="mallory")
+    assert res.returncode == 1 and "NOT_FOUND" in res.stderr
+    assert rpcbuf(cli_daemon, "release", "mine").returncode == 0
+    # A daemon that is not there: CONNECTION_LOST, exit 1.
+    res = rpcbuf(None, "ls", "--endpoint", "127.0.0.1:1", "--token", "x")
+    assert res.returncode == 1 and "CONNECTION_LOST" in res.stderr
+
+
+def test_local_problems_and_bad_flags_exit_2(cli_daemon: DaemonProc, tmp_path: Path) -> None:
+    res = rpcbuf(cli_daemon, "put", str(tmp_path / "missing.npy"))
+    assert res.returncode == 2 and "missing.npy" in res.stderr
+    (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
+    assert rpcbuf(cli_daemon, "put", str(tmp_path / "junk.npy")).returncode == 2
+    for bad in (["put"], ["ls", "--bogus"], ["bench", "--sizes", "lots"],
+                ["put", "x.npy", "--ttl", "soon"], ["frobnicate"]):
+        res = rpcbuf(cli_daemon, *bad)
+        assert res.returncode == 2 and "usage:" in res.stderr, (bad, res.stderr)
+    res = rpcbuf(None, "status", "--endpoint", cli_daemon.addr)  # no token anywhere
+    assert res.returncode == 2 and "no token" in res.stderr
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    for cmd in ("status", "ls", "release", "put", "get", "bench", "devices", "load", "unload"):
+        res = rpcbuf(None, cmd, "--help")
+        assert res.returncode == 0 and "example:" in res.stdout and "--json" in res.stdout, cmd
