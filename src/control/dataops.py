@@ -320,10 +320,12 @@ class DataOps:
         """Merge into the buffer's manifest; entries whose bytes were just
         overwritten by other tensors are dropped (they no longer hold).
         Returns the dropped names."""
-        written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
-        starts = [w[0] for w in written]
         dropped: list[str] = []
-        for name in buf.tensors.keys() - manifest.keys():  # renewed names stay
+        others = buf.tensors.keys() - manifest.keys()  # renewed names stay
+        written = sorted((e["offset"], e["offset"] + e["nbytes"])
+                         for e in manifest.values()) if others else []
+        starts = [w[0] for w in written]
+        for name in others:
             e = buf.tensors[name]
             a, b = e["offset"], e["offset"] + e["nbytes"]
             if a >= hull[1] or b <= hull[0]:
@@ -334,7 +336,8 @@ class DataOps:
                 dropped.append(name)
         buf.tensors.update(manifest)
         buf.manifest_version += 1
-        buf.tensors_end = max(buf.tensors_end, -(-written[-1][1] // 256) * 256)
+        end = max((e["offset"] + e["nbytes"] for e in manifest.values()), default=0)
+        buf.tensors_end = max(buf.tensors_end, -(-end // 256) * 256)
         if len(buf.tensors) > P.MAX_ITEMS:
             raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors")
         return dropped

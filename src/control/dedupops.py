@@ -62,6 +62,7 @@ class DedupOps(DataOps):
     async def _dedup_store(self, req_id: int, req: P.DedupStore) -> dict[str, Any]:
         assert self.tenant is not None
         buf = self._get(req.buffer_id)
+        await self._index_deferred(self.tenant)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         sums, words = P.unpack_u64(req.checksums), P.unpack_u64(req.hashes)
         n = len(offsets)
@@ -162,7 +163,35 @@ class DedupOps(DataOps):
             for b in bufs:
                 self.registry.unpin(b)
 
+    async def _index_deferred(self, tenant: str) -> None:
+        """Hash and index what ``tenant`` stored since its last dedup query.
+        Only entries still current (the very manifest entry recorded, bytes
+        still matching its checksum, under a shared lock) are indexed."""
+        for buf, manifest in self._content.take_deferred(tenant):
+            entries = _current(buf, manifest)
+            if not entries or buf.released:
+                continue
+            spans = [(e["offset"], e["offset"] + e["nbytes"]) for e in entries.values()]
+            async with self._holding(buf, spans, exclusive=False, forget=False):
+                live = _current(buf, entries)
+                offs = [buf.offset + e["offset"] for e in live.values()]
+                sizes = [e["nbytes"] for e in live.values()]
+                now = buf.pool.arena.checksums(offs, sizes)
+                same = {n: e for (n, e), c in zip(live.items(), now, strict=True)
+                        if c == e["checksum"]}
+                await self._index_now(buf, same)
+
     async def _index_stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
+        """Called by ``store_batch`` with the range still locked: without a disk
+        cache the hashing waits for the tenant's next dedup query (``defer``);
+        with one, the content is indexed and written behind at once, so a
+        restarted daemon finds it."""
+        if self._content.cache is None:
+            self._content.defer(buf, manifest)
+            return
+        await self._index_now(buf, manifest)
+
+    async def _index_now(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
         """Index freshly recorded manifest entries by the xxh3-128 of their bytes
         (called by ``store_batch`` with the range still locked)."""
         items = [(e["offset"], e["nbytes"], e["checksum"]) for e in manifest.values()
@@ -181,6 +210,16 @@ class DedupOps(DataOps):
             loc = index.add(buf, o, n, d, c)
             if loc is not None:
                 index.keep_on_disk(self.registry, loc)
+
+
+def _current(buf: Buffer, manifest: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The entries that are still the buffer's very manifest entries (not
+    replaced or dropped since they were recorded)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in manifest.items():
+        if buf.tensors.get(name) is entry:
+            out[name] = entry
+    return out
 
 
 def _entries(req: P.DedupStore, offsets: np.ndarray, sizes: np.ndarray,
