@@ -228,14 +228,7 @@ class RpcContext(TensorOps, DedupClientOps):
         when one fails (UCX may touch the arrays until each ends).  Past the
         deadline the context is aborted (UCX lets go of the arrays) and the call
         fails with CONNECTION_LOST; the daemon does the same on its side."""
-        timer = asyncio.get_running_loop().call_later(self.transfer_timeout, self._expired)
-        try:
-            results = await asyncio.gather(*coros, return_exceptions=True)
-        finally:
-            timer.cancel()
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        await ucx.transfer_all(coros, self.transfer_timeout, self._expired)
 
     def _expired(self) -> None:
         self._conn.fail(ConnectionLost(f"a transfer took longer than {self.transfer_timeout}s"))

@@ -31,7 +31,7 @@ import numpy as np
 
 from dataplane.arena import copy_between
 from dataplane.devops import fill, range_checksum, scratch, widen_f16
-from dataplane.ucx import DataEndpoint, TransferError, Truncated
+from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
 
 from . import protocol as P
 from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
@@ -137,15 +137,7 @@ class DataOps:
         """Run UCX transfers under the transfer deadline and wait for *all* of
         them, even when one fails: UCX may still touch memory until each ends.
         Past the deadline the endpoint is aborted and the session ends."""
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(self.daemon.limits.transfer_timeout, self._transfer_expired)
-        try:
-            results = await asyncio.gather(*coros, return_exceptions=True)
-        finally:
-            timer.cancel()
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        await transfer_all(coros, self.daemon.limits.transfer_timeout, self._transfer_expired)
 
     def _transfer_expired(self) -> None:
         log.warning("session %s: transfer deadline passed; aborting", self.session_id)

@@ -25,8 +25,7 @@ from dataplane.checksum import checksum
 
 from . import protocol as P
 from .diskcache import digest128
-from .errors import BadRequest
-from .tensors import plan_layout
+from .tensors import named_arrays, plan_layout
 
 if TYPE_CHECKING:
     from .client import RpcContext
@@ -64,14 +63,7 @@ class DedupClientOps:
         OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         ctx = cast("RpcContext", self)
         ctx._check_open()
-        arrays: dict[str, np.ndarray] = {}
-        for name, arr in tensors.items():
-            if not isinstance(name, str):
-                raise BadRequest(f"tensor names must be strings, got {name!r}")
-            a = np.asarray(arr)
-            if a.dtype.hasobject:
-                raise BadRequest(f"tensor {name!r} holds Python objects")
-            arrays[name] = a
+        arrays = named_arrays(tensors)
         if offsets is None:
             existing = (await ctx.get_buffer_meta(buffer_id))["tensors"]
             offsets = plan_layout(arrays, existing)

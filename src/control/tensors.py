@@ -57,6 +57,20 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
     return _align(int(total * (1.0 + headroom)), align)
 
 
+def named_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``{name: array}`` as NumPy arrays; BAD_REQUEST for a non-string name or
+    an array of Python objects."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if not isinstance(name, str):
+            raise BadRequest(f"tensor names must be strings, got {name!r}")
+        a = np.asarray(arr)
+        if a.dtype.hasobject:
+            raise BadRequest(f"tensor {name!r} holds Python objects")
+        arrays[name] = a
+    return arrays
+
+
 def plan_layout(tensors: Mapping[str, Any], existing: Mapping[str, Mapping[str, Any]],
                 start: int | None = None, end: int | None = None) -> dict[str, int]:
     """Offsets for ``tensors``: a name already in the manifest with the same
@@ -124,14 +138,7 @@ class TensorOps:
         storing into one buffer at once should use distinct ``offset``s.
         Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
         ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST."""
-        arrays = {}
-        for name, arr in tensors.items():
-            if not isinstance(name, str):
-                raise BadRequest(f"tensor names must be strings, got {name!r}")
-            a = np.asarray(arr)
-            if a.dtype.hasobject:
-                raise BadRequest(f"tensor {name!r} holds Python objects")
-            arrays[name] = a
+        arrays = named_arrays(tensors)
         names = list(arrays)
         dtypes = [arrays[n].dtype.str for n in names]
         shapes = [list(arrays[n].shape) for n in names]

@@ -280,6 +280,21 @@ def _translate(exc: BaseException) -> TransferError:
     return TransferError(f"{type(exc).__name__}: {exc}")
 
 
+async def transfer_all(coros: Any, deadline: float, on_expired: Any) -> None:
+    """Await every transfer, even after one fails (UCX may touch its memory
+    until each ends), then raise the first failure.  Past ``deadline``
+    seconds ``on_expired()`` runs: it must abort the endpoint, which makes
+    every outstanding transfer end."""
+    timer = asyncio.get_running_loop().call_later(deadline, on_expired)
+    try:
+        results = await asyncio.gather(*coros, return_exceptions=True)
+    finally:
+        timer.cancel()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
 class DataEndpoint:
     """A UCX endpoint with tagged send/recv that raise ``TransferError``s only."""
 
