@@ -205,7 +205,7 @@ def status_tables(results: dict[str, Any]) -> list[Any]:
         for d in st["devices"]:
             devs.add_row(addr, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
                          format_size(d["total"]), bar(d["used"], d["total"]), str(d["buffers"]))
-    return [nodes, devs]
+    return [nodes, devs] if devs.row_count else [nodes]  # no empty table when all failed
 
 
 def ls_table(results: dict[str, Any]) -> Any:
