@@ -133,6 +133,33 @@ class DataOps:
         finally:
             self.registry.unpin(buf)
 
+    @contextlib.asynccontextmanager
+    async def _holding_all(self, dst: Buffer, dst_ranges: list[tuple[int, int]],
+                           sources: list[tuple[Buffer, tuple[int, int]]],
+                           forget: bool = True) -> AsyncIterator[None]:
+        """Lock ``dst_ranges`` of ``dst`` exclusively and each source range
+        shared: one grant per buffer (a source inside ``dst`` joins its
+        exclusive grant), taken in buffer-id order so that crossing copies
+        cannot deadlock.  Every buffer is pinned first, before any await, so
+        none is freed while we wait for another's lock."""
+        ranges: dict[str, tuple[Buffer, list[tuple[int, int]]]] = {
+            dst.buffer_id: (dst, list(dst_ranges))}
+        for b, rng in sources:
+            ranges.setdefault(b.buffer_id, (b, []))[1].append(rng)
+        bufs = [b for b, _ in ranges.values()]
+        for b in bufs:
+            self.registry.pin(b)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for bid in sorted(ranges):
+                    b, rngs = ranges[bid]
+                    await stack.enter_async_context(
+                        self._holding(b, rngs, exclusive=b is dst, forget=forget))
+                yield
+        finally:
+            for b in bufs:
+                self.registry.unpin(b)
+
     async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
         """Run UCX transfers under the transfer deadline and wait for *all* of
         them, even when one fails: UCX may still touch memory until each ends.
@@ -284,7 +311,7 @@ class DataOps:
         return sums
 
     @staticmethod
-    def _manifest(req: P.StoreBatch, offsets: np.ndarray, sizes: np.ndarray,
+    def _manifest(req: P.StoreBatch | P.DedupStore, offsets: np.ndarray, sizes: np.ndarray,
                   sums: np.ndarray | None) -> dict[str, dict[str, Any]]:
         cols = (req.names, req.dtypes, req.shapes)
         if all(c is None for c in cols):
@@ -391,16 +418,8 @@ class DataOps:
             copy_between(src.pool.arena, src.offset + req.src_offset,
                          dst.pool.arena, dst.offset + req.dst_offset, req.nbytes)
 
-        if src is dst:  # one grant, so a copy within a buffer cannot deadlock itself
-            async with self._holding(dst, [s_rng, d_rng], exclusive=True):
-                await _maybe_in_thread(req.nbytes, do_copy)
-        else:
-            # Lock in a global order (buffer id) so crossing copies cannot deadlock.
-            first, second = sorted([(src, s_rng, False), (dst, d_rng, True)],
-                                   key=lambda t: t[0].buffer_id)
-            async with self._holding(first[0], [first[1]], first[2]), \
-                    self._holding(second[0], [second[1]], second[2]):
-                await _maybe_in_thread(req.nbytes, do_copy)
+        async with self._holding_all(dst, [d_rng], [(src, s_rng)]):
+            await _maybe_in_thread(req.nbytes, do_copy)
         self._log("copy", dst, req.dst_offset, req.nbytes,
                   note=f"from {src.buffer_id}+{req.src_offset}")
         return {"nbytes": req.nbytes}

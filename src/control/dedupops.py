@@ -30,16 +30,12 @@ manifest entries it records, so what a tenant uploads becomes a dedup source
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from dataplane.arena import copy_between
 
 from . import protocol as P
-from .dataops import DataOps, _dtype
+from .dataops import DataOps
 from .diskcache import digest128
 from .errors import BadRequest
 
@@ -70,7 +66,7 @@ class DedupOps(DataOps):
             raise BadRequest(f"dedup_store: {n} offsets, {len(sizes)} sizes, {len(sums)} "
                              f"checksums and {len(words) // 2} hashes do not match")
         self._check_items(buf, offsets, sizes)
-        entries = _entries(req, offsets, sizes, sums)
+        entries = self._manifest(req, offsets, sizes, sums)
         digests = [int(lo) | int(hi) << 64 for lo, hi in zip(words[0::2].tolist(),
                                                               words[1::2].tolist(), strict=True)]
         index, cache = self._content, self._content.cache
@@ -86,7 +82,9 @@ class DedupOps(DataOps):
             return {"placed": P.pack_u64([]), "nbytes": 0, "copied": 0, "in_place": 0,
                     "from_cache": 0}
         hull = (int(offsets.min()), int((offsets + sizes).max()))
-        async with self._locked(buf, hull, [loc for _, loc in plan if loc is not None]):
+        sources = [(loc.buf, (loc.offset, loc.offset + loc.nbytes))
+                   for _, loc in plan if loc is not None]
+        async with self._holding_all(buf, [hull], sources, forget=False):
             arena, base = buf.pool.arena, buf.offset
             # Tensors already in place, still indexed (so unwritten since they were
             # hashed and verified), need no work; everything else gets written:
@@ -139,29 +137,6 @@ class DedupOps(DataOps):
                   note=f"items={n} placed={len(done)} copied={how['copied']} "
                   f"in_place={how['in_place']} from_cache={how['from_cache']}")
         return {"placed": P.pack_u64(done), "nbytes": nbytes, **how}
-
-    @contextlib.asynccontextmanager
-    async def _locked(self, dst: Buffer, hull: tuple[int, int],
-                      sources: list[Location]) -> AsyncIterator[None]:
-        """Pin every buffer now (before any await), then lock the destination
-        hull exclusively and each source range shared, in buffer-id order."""
-        ranges: dict[str, tuple[Buffer, list[tuple[int, int]]]] = {dst.buffer_id: (dst, [hull])}
-        for loc in sources:
-            ranges.setdefault(loc.buf.buffer_id, (loc.buf, []))[1].append(
-                (loc.offset, loc.offset + loc.nbytes))
-        bufs = [b for b, _ in ranges.values()]
-        for b in bufs:
-            self.registry.pin(b)
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                for bid in sorted(ranges):
-                    b, rngs = ranges[bid]
-                    await stack.enter_async_context(self._holding(b, rngs, b is dst,
-                                                                  forget=False))
-                yield
-        finally:
-            for b in bufs:
-                self.registry.unpin(b)
 
     async def _index_deferred(self, tenant: str) -> None:
         """Hash and index what ``tenant`` stored since its last dedup query.
@@ -219,23 +194,4 @@ def _current(buf: Buffer, manifest: dict[str, dict[str, Any]]) -> dict[str, dict
     for name, entry in manifest.items():
         if buf.tensors.get(name) is entry:
             out[name] = entry
-    return out
-
-
-def _entries(req: P.DedupStore, offsets: np.ndarray, sizes: np.ndarray,
-             sums: np.ndarray) -> dict[str, dict[str, Any]]:
-    """Manifest entries of the batch, validated like ``store_batch``'s."""
-    n = len(offsets)
-    if not (len(req.names) == len(req.dtypes) == len(req.shapes) == n):
-        raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
-    if len(set(req.names)) != n:
-        raise BadRequest("tensor names in one batch must be unique")
-    out: dict[str, dict[str, Any]] = {}
-    for i, (name, dt, shape) in enumerate(zip(req.names, req.dtypes, req.shapes, strict=True)):
-        dtype = _dtype(dt)
-        if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != int(sizes[i]):
-            raise BadRequest(f"tensor {name!r}: shape {shape} of {dt} is not {int(sizes[i])} "
-                             "bytes")
-        out[name] = {"dtype": dtype.str, "shape": shape, "offset": int(offsets[i]),
-                     "nbytes": int(sizes[i]), "checksum": int(sums[i])}
     return out
