@@ -65,7 +65,7 @@ class DedupClientOps:
         ctx._check_open()
         arrays = named_arrays(tensors)
         if offsets is None:
-            existing = (await ctx.get_buffer_meta(buffer_id))["tensors"]
+            existing = await ctx._manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)
         if hashes is None:
             total = sum(a.nbytes for a in arrays.values())

@@ -46,7 +46,7 @@ from .dedup import content_hashes
 from .errors import BadRequest, NotFound, RpcBufError, VerifyFailed
 from .hashcache import HashCache, file_key, tensor_key
 from .modelfile import ModelFile, TensorSpec, open_model
-from .tensors import ALIGN, calculate_buffer_size
+from .tensors import calculate_buffer_size, plan_layout
 from .units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -105,16 +105,6 @@ def buffer_name(name: str, slot: int) -> str:
 def _is_model_buffer(name: str, buf_name: str | None) -> bool:
     return buf_name is not None and re.fullmatch(re.escape(name) + r"/slot\d+", buf_name) \
         is not None
-
-
-def _layout(specs: Sequence[TensorSpec]) -> dict[str, int]:
-    """Aligned slots back to back, in plan order (what a re-load finds again)."""
-    out: dict[str, int] = {}
-    cursor = 0
-    for s in specs:
-        out[s.name] = cursor
-        cursor += -(-s.nbytes // ALIGN) * ALIGN
-    return out
 
 
 def _batches(specs: Sequence[TensorSpec], limit: int) -> Iterator[list[TensorSpec]]:
@@ -371,7 +361,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
     async def one(j: _SlotJob) -> None:
         ctx = cluster[j.plan.slot.endpoint]
         node = stats[j.plan.slot.endpoint]
-        offsets = _layout(j.specs)
+        offsets = plan_layout({sp.name: sp for sp in j.specs}, {}, start=0)  # back to back
         sums: dict[str, int] = {}
         batches = list(_batches(j.specs, batch_bytes))
         ahead: asyncio.Task[Any] | None = None
