@@ -124,9 +124,6 @@ class ControlConnection:
                 fut.set_exception(ConnectionLost(err.message, {"cause": err.code}))
         self._pending.clear()
 
-    async def drain(self) -> None:
-        await self._writer.drain()
-
     def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(Exception):

@@ -191,12 +191,6 @@ class BuddyAllocator:
                 return 1 << order
         return 0
 
-    def can_fit(self, size: int) -> bool:
-        try:
-            return self._order_for(size) <= self.max_order and self.largest_free() >= size
-        except AllocatorError:
-            return False
-
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
             total=self.total,

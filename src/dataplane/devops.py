@@ -9,21 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import numpy as np
 import xxhash
 
-from .checksum import checksum as xxh3
 from .cuda_arena import active, array_module, is_device_arena
 from .devsum import devsum
 
 ChecksumKind = Literal["xxh3", "devsum"]
 CHECKSUM_KINDS: tuple[str, ...] = ("xxh3", "devsum")
-
-
-def default_kind(arena: Any) -> ChecksumKind:
-    """The checksum a buffer on ``arena`` is verified with by default:
-    ``devsum`` on GPUs (computed there), ``xxh3`` on the host."""
-    return "devsum" if is_device_arena(arena) else "xxh3"
 
 
 def range_checksum(arena: Any, offset: int, nbytes: int, kind: str) -> int:
@@ -35,8 +27,7 @@ def range_checksum(arena: Any, offset: int, nbytes: int, kind: str) -> int:
         with active(arena):
             host = arena.xp.asnumpy(arena.view(offset, nbytes))
         return xxhash.xxh3_64_intdigest(host.data)
-    return int(arena.checksum(offset, nbytes)) if kind == "xxh3" else xxh3(
-        arena.view(offset, nbytes))
+    return int(arena.checksum(offset, nbytes))  # xxh3, the host arena's own
 
 
 def scratch(arena: Any, nbytes: int) -> Any:
@@ -56,11 +47,6 @@ def widen_f16(arena: Any, offset: int, src: Any) -> None:
         xp.copyto(dst, src.view(xp.float16))
         if is_device_arena(arena):
             arena.synchronize()
-
-
-def f16_round_trip(values: Any) -> Any:
-    """What a float32 array becomes after float16 on the wire (NumPy or CuPy)."""
-    return values.astype(np.float16).astype(np.float32)
 
 
 def fill(arena: Any, view: Any, value: int) -> None:
