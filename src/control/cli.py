@@ -71,18 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
-    from .client import connect
+    """``fn(ctx)`` on every node; ``{endpoint: result or error}`` (a node that
+    cannot be reached reports its own error, the others still answer)."""
+    from .cluster import Cluster
 
-    async def one(addr: str) -> Any:
-        try:
-            async with connect(addr, _token(args), timeout=args.timeout) as ctx:
-                return await fn(ctx)
-        except RpcBufError as exc:
-            return exc
-
-    addrs = _endpoints(args)
-    results = await asyncio.gather(*(one(a) for a in addrs))
-    return dict(zip(addrs, results, strict=True))
+    async with Cluster.connect(_endpoints(args), _token(args), timeout=args.timeout,
+                               partial=True) as cluster:
+        return await cluster.each(fn)
 
 
 async def _devices(args: argparse.Namespace) -> int:
