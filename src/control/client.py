@@ -30,16 +30,14 @@ from .dedup import DedupClientOps
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
 from .gpuops import check_wire_dtype
 from .tensors import TensorOps
+from .units import split_host_port
 
 DEFAULT_PORT = 7700
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        return addr, DEFAULT_PORT
     try:
-        return host.strip("[]") or "127.0.0.1", int(port)
+        return split_host_port(addr, DEFAULT_PORT)
     except ValueError:
         raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
 

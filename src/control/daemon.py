@@ -32,17 +32,14 @@ from .diskcache import DiskCache
 from .registry import Pool, Quota, Registry
 from .sdnotify import Notifier
 from .server import Daemon, Limits
-from .units import parse_duration, parse_size
+from .units import parse_duration, parse_size, split_host_port
 
 log = logging.getLogger("rpcbuf.daemon")
 
 
 def _host_port(text: str, default_port: int) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host:
-        return text or "127.0.0.1", default_port
     try:
-        return host.strip("[]"), int(port)
+        return split_host_port(text, default_port)
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad address {text!r} (want HOST:PORT)") from None
 

@@ -39,3 +39,12 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """'h:p' -> (h, p); 'h' -> (h, default_port); ':p' or '' -> 127.0.0.1.
+    Raises ValueError for a port that is not a number."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text or "127.0.0.1", default_port
+    return host.strip("[]") or "127.0.0.1", int(port)
