@@ -357,13 +357,11 @@ class Session(DedupOps, DataOps):
         logs.finish(op, code, None if error is None else error.message)
 
     def _spawn(self, req_id: int, req: P.Request) -> None:
-        coro = {P.RequestBuffer: self._wait_for_memory, P.Store: self._store,
-                P.Read: self._read, P.StoreBatch: self._store_batch,
-                P.ReadBatch: self._read_batch, P.ClearBuffer: self._clear,
-                P.CopyBuffer: self._copy, P.DedupStore: self._dedup_store}[type(req)]
+        handler = _ASYNC_OPS[type(req)]
         op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
                                                  time.perf_counter(), req)
-        task = asyncio.get_running_loop().create_task(self._run_task(req_id, coro(req_id, req), op))  # type: ignore[operator]
+        task = asyncio.get_running_loop().create_task(
+            self._run_task(req_id, handler(self, req_id, req), op))
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
@@ -559,4 +557,16 @@ _SYNC_OPS: dict[type, Any] = {
     P.ListBuffers: Session._list_buffers,
     P.Stats: Session._stats,
     P.Ping: Session._ping,
+}
+
+# Ops that may wait (memory, locks, transfers): each runs as a task.
+_ASYNC_OPS: dict[type, Any] = {
+    P.RequestBuffer: Session._wait_for_memory,
+    P.Store: Session._store,
+    P.Read: Session._read,
+    P.StoreBatch: Session._store_batch,
+    P.ReadBatch: Session._read_batch,
+    P.ClearBuffer: Session._clear,
+    P.CopyBuffer: Session._copy,
+    P.DedupStore: Session._dedup_store,
 }
