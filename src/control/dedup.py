@@ -25,7 +25,7 @@ from dataplane.checksum import checksum
 
 from . import protocol as P
 from .diskcache import digest128
-from .tensors import named_arrays, plan_layout
+from .tensors import manifest_columns, named_arrays, plan_layout
 
 if TYPE_CHECKING:
     from .client import RpcContext
@@ -80,8 +80,7 @@ class DedupClientOps:
         if missing:
             await ctx.store_batch(
                 buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
-                manifest=(missing, [arrays[n].dtype.str for n in missing],
-                          [list(arrays[n].shape) for n in missing]))
+                manifest=manifest_columns(arrays, missing))
         return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
                 "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
                 "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
@@ -95,13 +94,13 @@ class DedupClientOps:
         words = np.empty(2 * len(items), dtype="<u8")
         words[0::2] = [hashes[n][0] & 0xFFFF_FFFF_FFFF_FFFF for n in items]
         words[1::2] = [hashes[n][0] >> 64 for n in items]
+        names, dtypes, shapes = manifest_columns(arrays, items)
         req = P.DedupStore(
             buffer_id=buffer_id,
             offsets=P.pack_u64([offsets[n] for n in items]),
             sizes=P.pack_u64([arrays[n].nbytes for n in items]),
             hashes=P.U64Array(words.tobytes()),
             checksums=P.pack_u64([hashes[n][1] for n in items]),
-            names=list(items), dtypes=[arrays[n].dtype.str for n in items],
-            shapes=[list(arrays[n].shape) for n in items])
+            names=names, dtypes=dtypes, shapes=shapes)
         result = await cast("RpcContext", self)._call(req)
         return {items[int(i)] for i in P.unpack_u64(result["placed"])}

@@ -46,7 +46,7 @@ from .dedup import content_hashes
 from .errors import BadRequest, NotFound, RpcBufError, VerifyFailed
 from .hashcache import HashCache, file_key, tensor_key
 from .modelfile import ModelFile, TensorSpec, open_model
-from .tensors import calculate_buffer_size, plan_layout
+from .tensors import calculate_buffer_size, manifest_columns, plan_layout
 from .units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -386,11 +386,9 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                     node.bytes_sent += res["bytes_sent"]
                     node.bytes_placed += res["bytes_placed"]
                 else:
-                    names = list(arrays)
                     await ctx.store_batch(
-                        j.buffer_id, [(offsets[n], arrays[n]) for n in names], "checksum",
-                        (names, [arrays[n].dtype.str for n in names],
-                         [list(arrays[n].shape) for n in names]))
+                        j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
+                        manifest_columns(arrays, arrays))
                     node.bytes_sent += nbytes
                 del arrays
                 bar.advance(j.plan.slot.endpoint, nbytes)

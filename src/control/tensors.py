@@ -71,6 +71,16 @@ def named_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return arrays
 
 
+Columns = tuple[list[str], list[str], list[list[int]]]
+
+
+def manifest_columns(arrays: Mapping[str, Any], names: Iterable[str]) -> Columns:
+    """(names, dtypes, shapes) of ``names``: the manifest a batch records."""
+    names = list(names)
+    return (names, [arrays[n].dtype.str for n in names],
+            [list(arrays[n].shape) for n in names])
+
+
 def plan_layout(tensors: Mapping[str, Any], existing: Mapping[str, Mapping[str, Any]],
                 start: int | None = None, end: int | None = None) -> dict[str, int]:
     """Offsets for ``tensors``: a name already in the manifest with the same
@@ -139,9 +149,7 @@ class TensorOps:
         Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
         ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST."""
         arrays = named_arrays(tensors)
-        names = list(arrays)
-        dtypes = [arrays[n].dtype.str for n in names]
-        shapes = [list(arrays[n].shape) for n in names]
+        names, dtypes, shapes = manifest_columns(arrays, arrays)
         for attempt in (0, 1):
             cached = self._manifests.get(buffer_id)
             if cached is None:
