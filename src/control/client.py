@@ -207,16 +207,10 @@ class RpcContext(TensorOps, DedupClientOps):
         return cls(conn, ep, hello, timeout, max_inflight)
 
     async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
-        timeout = self.timeout if timeout is None else timeout
         async with self._slots:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
-            try:
-                async with asyncio.timeout(timeout):
-                    return _result(await fut)
-            except TimeoutError:
-                self._conn.forget(req_id)
-                raise Timeout(f"{req.op} got no answer within {timeout}s") from None
+            return _result(await self._answer(req_id, fut, req.op, timeout))
 
     async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
         """UCX transfers under the daemon's transfer deadline, all awaited even
@@ -505,14 +499,17 @@ class RpcContext(TensorOps, DedupClientOps):
             except ucx.TransferError as exc:
                 raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc
 
-    async def _answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
-                      op: str) -> dict[str, Any]:
+    async def _answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]], op: str,
+                      timeout: float | None = None) -> dict[str, Any]:
+        """The answer to request ``req_id``, within ``timeout`` (default: the
+        context's); on TIMEOUT the request is forgotten, the connection stays."""
+        timeout = self.timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
             self._conn.forget(req_id)
-            raise Timeout(f"{op} got no answer within {self.timeout}s") from None
+            raise Timeout(f"{op} got no answer within {timeout}s") from None
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         """Read the range back over the data plane and compare it with ``array``.
