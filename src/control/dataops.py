@@ -178,10 +178,16 @@ class DataOps:
 
     async def _receive(self, ep: DataEndpoint, req_id: int, buf: Buffer,
                        runs: list[Run]) -> None:
+        """Each run straight into its arena span."""
         arena = buf.pool.arena
+        await self._receive_into(ep, [(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
+                                      for i, (off, n, _, _) in enumerate(runs) if n])
+
+    async def _receive_into(self, ep: DataEndpoint, targets: list[tuple[Any, Any]]) -> None:
+        """Receive each ``(buffer, tag)``; a payload larger than its buffer is
+        BAD_REQUEST, a broken transfer CONNECTION_LOST."""
         try:
-            await self._transfer([ep.recv(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
-                                  for i, (off, n, _, _) in enumerate(runs) if n])
+            await self._transfer([ep.recv(target, tag) for target, tag in targets])
         except Truncated as exc:
             raise BadRequest("payload is larger than announced") from exc
         except TransferError as exc:
@@ -242,12 +248,7 @@ class DataOps:
             return
         arena = buf.pool.arena
         wire = scratch(arena, nbytes // 2)
-        try:
-            await self._transfer([ep.recv(wire, P.run_tag(req_id, 0))])
-        except Truncated as exc:
-            raise BadRequest("payload is larger than announced") from exc
-        except TransferError as exc:
-            raise ConnectionLost(f"store transfer failed: {exc}") from exc
+        await self._receive_into(ep, [(wire, P.run_tag(req_id, 0))])
         await _maybe_in_thread(nbytes, widen_f16, arena, buf.offset + offset, wire)
 
     async def _store_batch(self, req_id: int, req: P.StoreBatch) -> dict[str, Any]:
