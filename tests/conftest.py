@@ -48,8 +48,9 @@ class DaemonProc:
             self.tokens[tenant] = create_token(load_or_create_secret(self.secret_file), tenant)
         return self.tokens[tenant]
 
-    def connect(self, tenant: str = "alice") -> rpcbuf.Connector:
-        return rpcbuf.connect(self.addr, token=self.token(tenant), timeout=30)
+    def connect(self, tenant: str = "alice", **kw: object) -> rpcbuf.Connector:
+        return rpcbuf.connect(self.addr, token=self.token(tenant), timeout=30,
+                              **kw)  # type: ignore[arg-type]
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace")

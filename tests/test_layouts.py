@@ -133,7 +133,8 @@ async def test_batches(ctx: rpcbuf.RpcContext) -> None:
     items = [(i * 4096, np.full(4096, i % 251, np.uint8)) for i in range(200)]  # one run
     items += [(900_000, np.arange(1000, dtype=np.uint8)), (950_001, np.ones(7, np.uint8))]
     res = await ctx.store_batch(bid, list(reversed(items)), verify="checksum")  # any order
-    assert res["items"] == 202 and res["messages"] == 3
+    # UCX: three messages (the 200 touching items coalesce); same host: no messages at all
+    assert res["items"] == 202 and res["messages"] == (0 if ctx.same_host else 3)
     back = await ctx.read_batch(bid, [(o, a.nbytes) for o, a in items] + [(0, 0)])
     for (_, a), b in zip(items, back, strict=False):
         np.testing.assert_array_equal(a, b)

@@ -180,7 +180,7 @@ async def test_transfer_deadline_aborts_a_stalled_store(daemon_factory) -> None:
 
     d = daemon_factory("--device", "cpu:16MiB", "--transfer-timeout", "1s")
     start = await pool_free(d)
-    async with d.connect("alice") as c:
+    async with d.connect("alice", same_host=False) as c:  # the UCX path: a receive can stall
         buf = await c.request_buffer(1 << 20)
         # announce a store but never send its payload: the daemon's receive stalls
         conn = c._conn

@@ -1,4 +1,13 @@
-"""The async client: a control connection plus a UCX endpoint, bound together.
+"""The async client: a control connection plus a data path.
+
+The data path is a UCX endpoint bound to the session, or, for a client on the
+daemon's host, the *same-host path*: the client reconnects on the daemon's
+Unix socket (named in ``hello``), proves the daemon can read its memory, and
+from then on sends the addresses of its host arrays instead of their bytes;
+the daemon copies between them and the arena (``dataplane/cma.py``).  Arrays
+the daemon may touch stay referenced (``ControlConnection.hold``) until the
+daemon answers, even if the caller stopped waiting.  GPU arrays and GPU
+buffers always use UCX (bound on first use on a same-host session).
 
 Layers: byte stream -> ``ControlConnection`` (frames, request ids, pending
 futures) -> ``RpcContext`` (the public API).  The UCX ``DataEndpoint`` sits
@@ -13,14 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
+import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
 
-from dataplane import ucx
+from dataplane import cma, ucx
 from dataplane.checksum import checksum
 from dataplane.devsum import devsum
 
@@ -33,6 +46,19 @@ from .tensors import TensorOps
 from .units import split_host_port
 
 DEFAULT_PORT = 7700
+ORPHAN_GRACE = 60.0  # s: arrays of a lost same-host session stay referenced this long
+_ORPHANS: list[Any] = []  # see ControlConnection._fail_all
+log = logging.getLogger("rpcbuf.client")
+
+
+def same_host_default() -> bool | None:
+    """``RPCBUF_SAME_HOST``: 0 = never, 1 = required, unset/auto = when possible."""
+    value = os.environ.get("RPCBUF_SAME_HOST", "auto").strip().lower()
+    if value in ("0", "false", "no", "off", "never"):
+        return False
+    if value in ("1", "true", "yes", "on", "always"):
+        return True
+    return None
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -51,6 +77,7 @@ class ControlConnection:
         self._decoder = P.FrameDecoder(max_frame)
         self._max_frame = max_frame
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._held: dict[int, Any] = {}  # request id -> arrays the daemon may copy into/from
         self._ids = itertools.count(1)
         self._lost: RpcBufError | None = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
@@ -76,6 +103,11 @@ class ControlConnection:
 
     def forget(self, req_id: int) -> None:
         self._pending.pop(req_id, None)
+
+    def hold(self, req_id: int, arrays: Any) -> None:
+        """Keep ``arrays`` alive until request ``req_id`` is answered: the
+        daemon copies into or out of them until then (same-host path)."""
+        self._held[req_id] = arrays
 
     async def _read_loop(self) -> None:
         why = "connection closed by the daemon"
@@ -104,6 +136,8 @@ class ControlConnection:
                 self._writer.close()  # the daemon waits for us to go
             return
         fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if self._held and isinstance(req_id, int):
+            self._held.pop(req_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
@@ -121,6 +155,14 @@ class ControlConnection:
             if not fut.done():
                 fut.set_exception(ConnectionLost(err.message, {"cause": err.code}))
         self._pending.clear()
+        if self._held:
+            # The daemon stops copying within moments of losing the session, but
+            # we cannot hear when: keep the arrays alive a while before freeing.
+            held = list(self._held.values())
+            self._held.clear()
+            _ORPHANS.append(held)
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().call_later(ORPHAN_GRACE, _ORPHANS.remove, held)
 
     def close(self) -> None:
         self._task.cancel()
@@ -138,11 +180,16 @@ def _result(msg: dict[str, Any]) -> dict[str, Any]:
 class RpcContext(TensorOps, DedupClientOps):
     """A session with one rpcbufd: see ``rpcbuf.connect``."""
 
-    def __init__(self, conn: ControlConnection, ep: ucx.DataEndpoint, hello: dict[str, Any],
-                 timeout: float | None, max_inflight: int | None = None) -> None:
+    def __init__(self, conn: ControlConnection, ep: ucx.DataEndpoint | None,
+                 hello: dict[str, Any], timeout: float | None, max_inflight: int | None = None,
+                 ucx_host: str = "127.0.0.1") -> None:
         self._conn = conn
-        self._ep = ep
+        self._ep = ep  # None until first needed on a same-host session
+        self._ucx_host = ucx_host
+        self._ep_lock = asyncio.Lock()
         self.hello = hello
+        #: True when this context's host arrays move by the same-host path
+        self.same_host: bool = bool(hello.get("same_host"))
         self.session_id: str = hello["session_id"]
         self.tenant: str = hello["tenant"]
         self.node_id: str = hello["node_id"]
@@ -156,55 +203,61 @@ class RpcContext(TensorOps, DedupClientOps):
         self._gpu_buffers: set[str] = set()  # ids seen to be GPU buffers: verified with devsum
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
-        conn.on_lost = ep.abort
+        conn.on_lost = self._abort_ep
+
+    def _abort_ep(self) -> None:
+        if self._ep is not None:
+            self._ep.abort()
 
     # -- plumbing -----------------------------------------------------------------
 
     @classmethod
     async def connect(cls, addr: str, token: str, timeout: float | None = 30.0,
                       max_inflight: int | None = None,
-                      tls: bool | ssl.SSLContext | None = None) -> RpcContext:
-        host, port = parse_addr(addr)
-        tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(host, port, ssl=tls_ctx)
-        except TimeoutError:
-            raise Timeout(f"connecting to {addr} timed out") from None
-        except OSError as exc:
-            raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
-        conn = ControlConnection(reader, writer)
-        try:
-            fut = conn.submit(conn.next_id(), P.Hello(token=token))
-            async with asyncio.timeout(timeout):
-                hello = _result(await fut)
-            ep = await ucx.connect(host, int(hello["ucx"]["port"]),
-                                   timeout=timeout if timeout else 30.0)
-            try:
-                await ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8), ucx.BIND_TAG)
-                ack = np.zeros(1, dtype=np.uint8)
-                async with asyncio.timeout(timeout):
-                    await ep.recv(ack, ucx.BIND_TAG)
-                if ack[0] != 1:
-                    raise ConnectionLost("daemon refused to bind the data endpoint")
+                      tls: bool | ssl.SSLContext | None = None,
+                      same_host: bool | None = None) -> RpcContext:
+        if same_host is None:
+            same_host = same_host_default()
+        if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
+            host, path = "127.0.0.1", addr[len("unix:"):]
+            conn, hello = await _open(addr, timeout, token, unix=path,
+                                      probe=same_host is not False)
+        else:
+            host, port = parse_addr(addr)
+            tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
+            conn, hello = await _open(addr, timeout, token, tcp=(host, port, tls_ctx))
+            local = hello.get("local")
+            # Under TLS the same-host path only when asked for: it leaves TLS out.
+            if local and same_host is not False and (tls_ctx is None or same_host):
+                switched = await _same_host(addr, timeout, token, local, same_host,
+                                            replaces=hello.get("bind_nonce"))
+                if switched is not None:
+                    conn.close()  # the TCP session held nothing yet
+                    conn, hello = switched
+        if same_host and not hello.get("same_host"):
+            conn.close()
+            why = hello.get("same_host_why") or "the daemon offers no same-host socket"
+            raise BadRequest(f"same_host=True, but the same-host path is not available: {why}")
+        ctx = cls(conn, None, hello, timeout, max_inflight, ucx_host=host)
+        if not ctx.same_host:
+            try:  # bind now: a broken data path shows at connect, not at the first store
+                await ctx._data_ep()
             except BaseException:
-                ep.abort()
+                conn.close()
                 raise
-        except TimeoutError:
-            conn.close()
-            raise Timeout(f"handshake with {addr} timed out") from None
-        except ucx.TransferError as exc:
-            conn.close()
-            raise ConnectionLost(f"UCX connection to {addr} failed: {exc}") from exc
-        except ConnectionLost:
-            conn.close()
-            if conn.lost is not None and not isinstance(conn.lost, ConnectionLost):
-                raise conn.lost from None  # the daemon said why: QUOTA_EXCEEDED, SHUTTING_DOWN
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        return cls(conn, ep, hello, timeout, max_inflight)
+        return ctx
+
+    async def _data_ep(self) -> ucx.DataEndpoint:
+        """The UCX endpoint, bound on first use."""
+        if self._ep is not None:
+            return self._ep
+        async with self._ep_lock:
+            if self._ep is None:
+                self._check_open()
+                self._ep = await _bind_ucx(self._ucx_host, self.hello, self.timeout)
+                if self._conn.lost is not None:  # lost while we bound: do not keep it
+                    self._ep.abort()
+            return self._ep
 
     async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
         async with self._slots:
@@ -240,12 +293,13 @@ class RpcContext(TensorOps, DedupClientOps):
         if self._closed:
             return
         self._closed = True
-        await self._ep.close()
+        if self._ep is not None:
+            await self._ep.close()
         self._conn.close()
 
     def abort(self) -> None:
         self._closed = True
-        self._ep.abort()
+        self._abort_ep()
         self._conn.close()
 
     # -- control ops ----------------------------------------------------------------
@@ -355,6 +409,13 @@ class RpcContext(TensorOps, DedupClientOps):
                       checksum=digest, verify=verify,  # type: ignore[arg-type]
                       checksum_kind=kind if verify and kind != "xxh3" else None,  # type: ignore[arg-type]
                       wire_dtype=wire_dtype)  # type: ignore[arg-type]
+        if self._local(buffer_id, [data]):
+            try:
+                return await self._local_request(
+                    dataclasses.replace(req, addr=int(data.ctypes.data)), [data])
+            except BadRequest as exc:
+                if not self._fall_back(buffer_id, exc):
+                    raise
         return await self._send_request(req, [data] if data.nbytes else [])
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
@@ -379,14 +440,24 @@ class RpcContext(TensorOps, DedupClientOps):
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
         prepare(dest)  # GPU work still using ``out`` finishes before UCX overwrites it
-        await self._receive_request(P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes),
-                                    [dest] if nbytes else [])
+        req = P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes)
+        if self._local(buffer_id, [dest]):
+            try:
+                await self._local_request(dataclasses.replace(req, addr=int(dest.ctypes.data)),
+                                          [dest])
+                return out if out is not None else target
+            except BadRequest as exc:
+                if not self._fall_back(buffer_id, exc):
+                    raise
+        await self._receive_request(req, [dest] if nbytes else [])
         return out if out is not None else target
 
     async def open_buffer(self, name: str) -> str:
         """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
         self._check_open()
-        return str((await self._call(P.OpenBuffer(name=name)))["buffer_id"])
+        meta = await self._call(P.OpenBuffer(name=name))
+        self._note_device(meta)
+        return str(meta["buffer_id"])
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
                            nbytes: int | None = None) -> None:
@@ -435,6 +506,13 @@ class RpcContext(TensorOps, DedupClientOps):
                            sizes=P.pack_u64(sizes), checksums=sums,
                            verify=verify, names=names, dtypes=dtypes, shapes=shapes,  # type: ignore[arg-type]
                            manifest_version=manifest_version)
+        if self._local(buffer_id, datas):
+            try:
+                return await self._local_request(
+                    dataclasses.replace(req, addrs=P.pack_u64(_addresses(datas))), datas)
+            except BadRequest as exc:
+                if not self._fall_back(buffer_id, exc):
+                    raise
         payloads = [datas[first] if stop - first == 1 else np.concatenate(datas[first:stop])
                     for _, _, first, stop in P.plan_runs(offsets_u, sizes)]
         return await self._send_request(req, payloads)
@@ -459,25 +537,68 @@ class RpcContext(TensorOps, DedupClientOps):
                           sizes=P.pack_u64(sizes_u))
         out: list[np.ndarray] = [np.empty(0, np.uint8)] * len(ranges)
         blocks: list[np.ndarray] = []
-        for off, n, first, stop in P.plan_runs(offsets_u, sizes_u):
+        runs = P.plan_runs(offsets_u, sizes_u)
+        for off, n, first, stop in runs:
             block = np.empty(n, dtype=np.uint8)
             blocks.append(block)
             for j in range(first, stop):
                 rel = int(offsets[j]) - off
                 out[order[j]] = block[rel:rel + int(sizes[j])]
+        if self._local(buffer_id, blocks):
+            # Each item lands where its view in ``out`` points (runs keep the order).
+            addrs = np.concatenate([
+                offsets[first:stop].astype(np.uint64) - np.uint64(off)
+                + np.uint64(block.ctypes.data)
+                for (off, _n, first, stop), block in zip(runs, blocks, strict=True)]
+            ) if runs else np.zeros(0, np.uint64)
+            try:
+                await self._local_request(dataclasses.replace(req, addrs=P.pack_u64(addrs)),
+                                          blocks)
+                return out
+            except BadRequest as exc:
+                if not self._fall_back(buffer_id, exc):
+                    raise
         await self._receive_request(req, blocks)
         return out
+
+    # -- the same-host path -----------------------------------------------------------
+
+    def _local(self, buffer_id: str, arrays: Sequence[Any]) -> bool:
+        """Whether these arrays of this buffer can take the same-host path."""
+        return (self.same_host and isinstance(buffer_id, str)
+                and buffer_id not in self._gpu_buffers
+                and all(isinstance(a, np.ndarray) for a in arrays))
+
+    def _fall_back(self, buffer_id: str, exc: BadRequest) -> bool:
+        """A GPU buffer we did not know about: note it, and use UCX."""
+        if exc.details.get("reason") == "device_memory":
+            self._gpu_buffers.add(buffer_id)
+            return True
+        return False
+
+    async def _local_request(self, req: P.Request, arrays: Sequence[Any]) -> dict[str, Any]:
+        """A request whose addresses the daemon copies from or into: the
+        arrays stay referenced until it answers (even if we stop waiting)."""
+        async with self._slots:
+            req_id = self._conn.next_id()
+            fut = self._conn.submit(req_id, req)
+            self._conn.hold(req_id, arrays)
+            return _result(await self._answer(req_id, fut, req.op))
+
+    # -- the UCX path ------------------------------------------------------------------
 
     async def _send_request(self, req: P.Request, payloads: list[np.ndarray]) -> dict[str, Any]:
         """A store-like request: payload run ``i`` goes out on ``run_tag(id, i)``
         at once, while the daemon checks the request (one round trip)."""
+        ep = await self._data_ep() if payloads else None
         async with self._slots:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
             sent: BaseException | None = None
             try:
-                await self._transfer([self._ep.send(p, P.run_tag(req_id, i))
-                                      for i, p in enumerate(payloads) if p.nbytes])
+                if ep is not None:
+                    await self._transfer([ep.send(p, P.run_tag(req_id, i))
+                                          for i, p in enumerate(payloads) if p.nbytes])
             except ucx.TransferError as exc:
                 sent = exc
             result = _result(await self._answer(req_id, fut, req.op))
@@ -489,13 +610,15 @@ class RpcContext(TensorOps, DedupClientOps):
                                targets: list[np.ndarray]) -> None:
         """A read-like request: once the daemon says yes, run ``i`` is received
         straight into ``targets[i]``; on an error answer nothing was sent."""
+        ep = await self._data_ep() if targets else None
         async with self._slots:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
             _result(await self._answer(req_id, fut, req.op))
             try:
-                await self._transfer([self._ep.recv(t, P.run_tag(req_id, i))
-                                      for i, t in enumerate(targets) if t.nbytes])
+                if ep is not None:
+                    await self._transfer([ep.recv(t, P.run_tag(req_id, i))
+                                          for i, t in enumerate(targets) if t.nbytes])
             except ucx.TransferError as exc:
                 raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc
 
@@ -532,8 +655,9 @@ class Connector:
 
     def __init__(self, addr: str, token: str, timeout: float | None,
                  max_inflight: int | None = None,
-                 tls: bool | ssl.SSLContext | None = None) -> None:
-        self._args = (addr, token, timeout, max_inflight, tls)
+                 tls: bool | ssl.SSLContext | None = None,
+                 same_host: bool | None = None) -> None:
+        self._args = (addr, token, timeout, max_inflight, tls, same_host)
         self._ctx: RpcContext | None = None
 
     def __await__(self) -> Generator[Any, None, RpcContext]:
@@ -550,19 +674,138 @@ class Connector:
 
 def connect(addr: str, token: str, timeout: float | None = 30.0,
             max_inflight: int | None = None, *,
-            tls: bool | ssl.SSLContext | None = None) -> Connector:
-    """Open a session with the rpcbufd at ``addr`` ("host:port").
+            tls: bool | ssl.SSLContext | None = None,
+            same_host: bool | None = None) -> Connector:
+    """Open a session with the rpcbufd at ``addr`` ("host:port", or
+    "unix:PATH" / "unix:@NAME" for the daemon's Unix socket).
+
+    On the daemon's own host the session takes the same-host path (the daemon
+    copies host arrays straight from and into this process; see
+    docs/performance.md): ``same_host=None`` (default; env
+    ``RPCBUF_SAME_HOST``) takes it when it can, ``False`` never (UCX over the
+    network stack), ``True`` requires it (BAD_REQUEST saying why if not).
+    ``ctx.same_host`` tells which path the context got.
 
     ``timeout`` bounds each control call; ``max_inflight`` caps this client's
     requests on the wire (at most the daemon's limit): more calls wait their
     turn instead of queueing without bound.  ``tls=True`` speaks TLS on the
     control channel, verified against the system's CAs and the host name in
     ``addr``; pass an ``ssl.SSLContext`` for your own CA or client certificate.
-    The data plane (UCX) is not encrypted by this.
+    The data plane (UCX) is not encrypted by this; with TLS the same-host
+    path is used only when ``same_host=True`` (it leaves TLS out).
     Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
     handshake), TIMEOUT, QUOTA_EXCEEDED (the daemon's --max-sessions),
     SHUTTING_DOWN."""
-    return Connector(addr, token, timeout, max_inflight, tls)
+    return Connector(addr, token, timeout, max_inflight, tls, same_host)
+
+
+# -- opening a session --------------------------------------------------------------
+
+
+async def _open(addr: str, timeout: float | None, token: str, *,
+                tcp: tuple[str, int, ssl.SSLContext | None] | None = None,
+                unix: str | None = None, probe: bool = False, replaces: bytes | None = None
+                ) -> tuple[ControlConnection, dict[str, Any]]:
+    """Connect (TCP or Unix socket) and say hello; with ``probe`` the hello
+    asks for the same-host path."""
+    try:
+        async with asyncio.timeout(timeout):
+            if unix is not None:
+                reader, writer = await _open_unix(unix)
+            else:
+                assert tcp is not None
+                reader, writer = await asyncio.open_connection(tcp[0], tcp[1], ssl=tcp[2])
+    except TimeoutError:
+        raise Timeout(f"connecting to {addr} timed out") from None
+    except OSError as exc:
+        raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
+    conn = ControlConnection(reader, writer)
+    secret = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+    hello = P.Hello(token=token, probe=secret.tobytes() if probe else None,
+                    probe_addr=int(secret.ctypes.data) if probe else None, replaces=replaces)
+    try:
+        fut = conn.submit(conn.next_id(), hello)
+        async with asyncio.timeout(timeout):
+            return conn, _result(await fut)
+    except TimeoutError:
+        conn.close()
+        raise Timeout(f"handshake with {addr} timed out") from None
+    except ConnectionLost:
+        conn.close()
+        if conn.lost is not None and not isinstance(conn.lost, ConnectionLost):
+            raise conn.lost from None  # the daemon said why: QUOTA_EXCEEDED, SHUTTING_DOWN
+        raise
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        del secret  # read by the daemon during hello; not needed after
+
+
+async def _open_unix(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a Unix socket: a path, or "@NAME" for an abstract one.  We
+    connect the socket ourselves: uvloop refuses abstract names (EINVAL)."""
+    path = "\0" + name[1:] if name.startswith("@") else name
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_unix_connection(sock=sock)
+
+
+async def _same_host(addr: str, timeout: float | None, token: str, local: dict[str, Any],
+                     required: bool | None, replaces: bytes | None
+                     ) -> tuple[ControlConnection, dict[str, Any]] | None:
+    """Reconnect on the daemon's Unix socket if it is on this host.  None: stay."""
+    if local.get("boot_id") != cma.boot_id():
+        return None  # another host (or kernel)
+    sock = str(local.get("socket"))
+    pid = local.get("pid")
+    if isinstance(pid, int):
+        cma.allow_tracer(pid)  # Yama ptrace_scope 1: let the daemon copy to and from us
+    try:
+        return await _open(f"unix:{sock}", timeout, token, unix=sock, probe=True,
+                           replaces=replaces)
+    except ConnectionLost as exc:
+        # Another network namespace (abstract sockets are per namespace) or a
+        # socket we may not open: the network path still works.
+        if required:
+            raise
+        log.debug("same-host socket %s of %s unreachable: %s", sock, addr, exc)
+        return None
+
+
+async def _bind_ucx(host: str, hello: dict[str, Any], timeout: float | None) -> ucx.DataEndpoint:
+    """A UCX endpoint to the daemon, bound to this session by its nonce."""
+    try:
+        ep = await ucx.connect(host, int(hello["ucx"]["port"]),
+                               timeout=timeout if timeout else 30.0)
+    except ucx.TransferError as exc:
+        raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
+    try:
+        await ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8), ucx.BIND_TAG)
+        ack = np.zeros(1, dtype=np.uint8)
+        async with asyncio.timeout(timeout):
+            await ep.recv(ack, ucx.BIND_TAG)
+        if ack[0] != 1:
+            raise ConnectionLost("daemon refused to bind the data endpoint")
+    except TimeoutError:
+        ep.abort()
+        raise Timeout(f"binding the UCX endpoint at {host} timed out") from None
+    except ucx.TransferError as exc:
+        ep.abort()
+        raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
+    except BaseException:
+        ep.abort()
+        raise
+    return ep
+
+
+def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    return np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
 
 
 def create_rpc_context(server_addr: str, auth_token: str,

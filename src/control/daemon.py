@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(port 0 picks a free one) [127.0.0.1:7700]")
     p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
                    "[%(default)s]")
+    p.add_argument("--local-socket", default="auto", metavar="auto|none|@NAME|PATH",
+                   help="the same-host path: a Unix control socket through which clients "
+                        "on this host reconnect and have the daemon copy their arrays "
+                        "directly (process_vm_readv/writev); auto = an abstract socket "
+                        "named after the daemon's pid, none = off [%(default)s]")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
                         "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
@@ -263,7 +268,8 @@ async def serve(args: argparse.Namespace) -> int:
                           f"{exc.strerror or exc}") from None
         log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
-    await daemon.start(host, port, args.ucx_port, tls=tls)
+    local = None if args.local_socket == "none" else args.local_socket
+    await daemon.start(host, port, args.ucx_port, tls=tls, local_socket=local)
     if args.ready_file:
         tmp = f"{args.ready_file}.tmp"
         with open(tmp, "w") as f:

@@ -10,8 +10,11 @@ Every operation follows the same steps, so one path serves them all:
 3. lock the byte range it touches in the buffer (stores exclusive, reads
    shared: overlapping stores never interleave, a read never sees half a
    store, disjoint transfers run in parallel);
-4. move the bytes: one UCX message per run, straight into or out of the
-   arena slice, under the transfer deadline;
+4. move the bytes under the transfer deadline: over UCX, one message per
+   run, straight into or out of the arena slice; or, on a same-host session
+   whose request carries the client's addresses (``addr``/``addrs``), copied
+   by the daemon itself between the client's memory and the arena slice
+   (``dataplane/cma.py``: process_vm_readv/writev, no socket);
 5. verify, record the manifest, log, unlock, unpin.
 
 A plain ``store``/``read`` is a batch of one run with tag = request id.
@@ -22,14 +25,17 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import logging
 import math
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dataplane.arena import copy_between
+from dataplane.cma import CmaError, Peer
 from dataplane.devops import fill, range_checksum, scratch, widen_f16
 from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
 
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
     from .server import Daemon
 
 log = logging.getLogger("rpcbuf.daemon")
+CMA_INLINE = 1 << 20  # same-host copies below this run on the event loop (about 0.2 ms)
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
 
 _DTYPES: dict[str, np.dtype[Any]] = {}
@@ -65,6 +72,8 @@ class DataOps:
     daemon: Daemon
     registry: Registry
     ep: DataEndpoint | None
+    cma: Peer | None  # same-host sessions: the client process we copy from and to
+    cma_stop: threading.Event  # set when the session closes: copies stop within a chunk
     session_id: str
     send: Callable[[dict[str, Any]], None]
     _get: Callable[[str], Buffer]
@@ -80,6 +89,45 @@ class DataOps:
         if self.ep is None:
             raise BadRequest("no data endpoint is bound to this session")
         return self.ep
+
+    def _path(self, addressed: bool) -> DataEndpoint | None:
+        """The request's data path: the UCX endpoint, or None for the
+        same-host path (the request carries the client's addresses)."""
+        if not addressed:
+            return self._endpoint()
+        if self.cma is None:
+            raise BadRequest("addresses are for same-host sessions only",
+                             {"reason": "not_same_host"})
+        return None
+
+    @staticmethod
+    def _host_base(buf: Buffer) -> int:
+        """The address of ``buf``'s first byte, for same-host copies."""
+        base = getattr(buf.pool.arena, "address", None)
+        if base is None:
+            raise BadRequest(f"same-host copies serve host buffers; {buf.buffer_id} is on "
+                             f"{buf.pool.key}: use the UCX path", {"reason": "device_memory"})
+        return int(base) + buf.offset
+
+    async def _cma(self, write: bool, local: np.ndarray | list[int],
+                   remote: np.ndarray | list[int], sizes: np.ndarray | list[int],
+                   total: int) -> None:
+        """A same-host copy (``write``: arena -> client).  Small ones run
+        inline; big ones in a worker thread under the transfer deadline."""
+        peer = self.cma
+        assert peer is not None
+        fn = peer.write if write else peer.read
+        try:
+            if total < CMA_INLINE:
+                fn(local, remote, sizes)
+            else:
+                stop = self.cma_stop.is_set
+                await self._transfer([asyncio.to_thread(fn, local, remote, sizes, stop)])
+        except CmaError as exc:
+            if exc.errno == errno.EFAULT:
+                raise BadRequest("an address range is not mapped (or not writable) in the "
+                                 "client's memory", {"reason": "bad_address"}) from exc
+            raise ConnectionLost(f"same-host copy failed: {exc.strerror}") from exc
 
     @staticmethod
     def _check_range(buf: Buffer, offset: int, nbytes: int) -> None:
@@ -207,7 +255,7 @@ class DataOps:
     # -- store ----------------------------------------------------------------------
 
     async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
-        ep = self._endpoint()
+        ep = self._path(req.addr is not None)
         try:
             buf = self._get(req.buffer_id)
             self._check_range(buf, req.offset, req.nbytes)
@@ -215,16 +263,21 @@ class DataOps:
                 raise BadRequest("verify='checksum' needs the client's checksum")
             if req.wire_dtype is not None:
                 check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
+            base = self._host_base(buf) if ep is None else 0
         except RpcBufError:
-            if req.nbytes:
+            if req.nbytes and ep is not None:
                 await self._drain(ep, req_id, 1)
             raise
         span = (req.offset, req.offset + req.nbytes)
         async with self._holding(buf, [span], exclusive=True):
-            if req.wire_dtype is None:
-                await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
+            if req.wire_dtype is not None:
+                await self._receive_f16(ep, req_id, buf, req.offset, req.nbytes, req.addr)
+            elif ep is None:
+                assert req.addr is not None
+                await self._cma(False, [base + req.offset], [req.addr], [req.nbytes],
+                                req.nbytes)
             else:
-                await self._receive_f16(ep, req_id, buf, req.offset, req.nbytes)
+                await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
             result: dict[str, Any] = {"nbytes": req.nbytes}
             if req.checksum is not None or req.verify:
                 kind = req.checksum_kind or "xxh3"
@@ -240,27 +293,35 @@ class DataOps:
                   note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
         return result
 
-    async def _receive_f16(self, ep: DataEndpoint, req_id: int, buf: Buffer, offset: int,
-                           nbytes: int) -> None:
+    async def _receive_f16(self, ep: DataEndpoint | None, req_id: int, buf: Buffer,
+                           offset: int, nbytes: int, addr: int | None) -> None:
         """A wire-fp16 store: receive nbytes/2 bytes of float16 into scratch
-        memory of the arena's kind, then widen them into the float32 slice."""
+        memory of the arena's kind (``ep`` None: copy them from ``addr`` in
+        the client), then widen them into the float32 slice."""
         if not nbytes:
             return
         arena = buf.pool.arena
         wire = scratch(arena, nbytes // 2)
-        await self._receive_into(ep, [(wire, P.run_tag(req_id, 0))])
+        if ep is None:
+            assert addr is not None and isinstance(wire, np.ndarray)  # host arenas only
+            await self._cma(False, [wire.ctypes.data], [addr], [nbytes // 2], nbytes // 2)
+        else:
+            await self._receive_into(ep, [(wire, P.run_tag(req_id, 0))])
         await _maybe_in_thread(nbytes, widen_f16, arena, buf.offset + offset, wire)
 
     async def _store_batch(self, req_id: int, req: P.StoreBatch) -> dict[str, Any]:
-        ep = self._endpoint()
+        ep = self._path(req.addrs is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
+            if ep is None:
+                raise BadRequest("offsets and sizes differ in length")
             # We cannot know which messages the client sent: end the session,
             # which aborts the endpoint and with it any payload in flight.
             self.abort("store_batch with offsets and sizes of different lengths")
             raise BadRequest("offsets and sizes differ in length")
-        runs = P.plan_runs(offsets, sizes)
+        runs = P.plan_runs(offsets, sizes) if ep is not None else []
         try:
+            addrs = self._addrs(req.addrs, len(offsets))
             buf = self._get(req.buffer_id)
             self._check_items(buf, offsets, sizes)
             sums = self._batch_checksums(req, len(offsets))
@@ -269,13 +330,19 @@ class DataOps:
                 raise BadRequest("the buffer's manifest changed since it was read",
                                  {"reason": "manifest_changed",
                                   "manifest_version": buf.manifest_version})
+            base = self._host_base(buf) if ep is None else 0
         except RpcBufError:
-            await self._drain(ep, req_id, len(runs))
+            if ep is not None:
+                await self._drain(ep, req_id, len(runs))
             raise
         nbytes = int(sizes.sum())
         hull = _hull(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=True):
-            await self._receive(ep, req_id, buf, runs)
+            if ep is None:
+                assert addrs is not None
+                await self._cma(False, offsets + np.uint64(base), addrs, sizes, nbytes)
+            else:
+                await self._receive(ep, req_id, buf, runs)
             if sums is not None and req.verify == "checksum":
                 got = buf.pool.arena.checksums((offsets + buf.offset).tolist(), sizes.tolist())
                 bad = [i for i, (g, c) in enumerate(zip(got, sums.tolist(), strict=True))
@@ -299,6 +366,15 @@ class DataOps:
         self._log("store_batch", buf, hull[0], nbytes, note=f"items={len(offsets)} "
                   f"messages={sum(1 for r in runs if r[1])}")
         return {"nbytes": nbytes, "items": len(offsets), "messages": len(runs), **result}
+
+    @staticmethod
+    def _addrs(packed: bytes | None, n: int) -> np.ndarray | None:
+        if packed is None:
+            return None
+        addrs = P.unpack_u64(packed)
+        if len(addrs) != n:
+            raise BadRequest(f"{len(addrs)} addresses for {n} items")
+        return addrs
 
     @staticmethod
     def _batch_checksums(req: P.StoreBatch, n: int) -> np.ndarray | None:
@@ -364,35 +440,55 @@ class DataOps:
 
     # -- read -----------------------------------------------------------------------
 
-    async def _read(self, req_id: int, req: P.Read) -> None:
-        ep = self._endpoint()
+    async def _read(self, req_id: int, req: P.Read) -> dict[str, Any] | None:
+        ep = self._path(req.addr is not None)
         buf = self._get(req.buffer_id)
         self._check_range(buf, req.offset, req.nbytes)
         span = (req.offset, req.offset + req.nbytes)
+        if ep is None:  # same host: copy into the client, then answer
+            assert req.addr is not None
+            base = self._host_base(buf)
+            async with self._holding(buf, [span], exclusive=False):
+                await self._cma(True, [base + req.offset], [req.addr], [req.nbytes],
+                                req.nbytes)
+            self.daemon.counters["bytes_read"] += req.nbytes
+            self._log("read", buf, req.offset, req.nbytes)
+            return {"nbytes": req.nbytes}
         async with self._holding(buf, [span], exclusive=False):
             # The answer goes first: the client posts its receive when it sees it.
             self.send(P.ok_response(req_id, {"nbytes": req.nbytes}))
             if not await self._send_runs(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)]):
-                return
+                return None
         self.daemon.counters["bytes_read"] += req.nbytes
         self._log("read", buf, req.offset, req.nbytes)
+        return None
 
-    async def _read_batch(self, req_id: int, req: P.ReadBatch) -> None:
-        ep = self._endpoint()
+    async def _read_batch(self, req_id: int, req: P.ReadBatch) -> dict[str, Any] | None:
+        ep = self._path(req.addrs is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             raise BadRequest("offsets and sizes differ in length")
+        addrs = self._addrs(req.addrs, len(offsets))
         buf = self._get(req.buffer_id)
         self._check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
-        runs = P.plan_runs(offsets, sizes)
         nbytes = int(sizes.sum())
         hull = _hull(offsets, sizes)
+        if ep is None:  # same host: copy into the client, then answer
+            assert addrs is not None
+            base = self._host_base(buf)
+            async with self._holding(buf, [hull], exclusive=False):
+                await self._cma(True, offsets + np.uint64(base), addrs, sizes, nbytes)
+            self.daemon.counters["bytes_read"] += nbytes
+            self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
+            return {"nbytes": nbytes, "messages": 0}
+        runs = P.plan_runs(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=False):
             self.send(P.ok_response(req_id, {"nbytes": nbytes, "messages": len(runs)}))
             if not await self._send_runs(ep, req_id, buf, runs):
-                return
+                return None
         self.daemon.counters["bytes_read"] += nbytes
         self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
+        return None
 
     # -- on the daemon, no network ----------------------------------------------------
 

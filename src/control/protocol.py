@@ -159,6 +159,10 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str) or len(value) > MAX_STR:
             raise BadRequest(f"{op}: {name} must be a string of at most {MAX_STR} characters")
         return value
+    if tp is bytes:
+        if not isinstance(value, bytes) or len(value) > MAX_STR:
+            raise BadRequest(f"{op}: {name} must be bytes, at most {MAX_STR}")
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise BadRequest(f"{op}: {name} must be a boolean, got {value!r}")
@@ -211,6 +215,13 @@ class Hello(Request):
     op: ClassVar[str] = "hello"
     token: str
     version: int = PROTOCOL_VERSION
+    # Same-host path (on a Unix control socket only): the daemon reads
+    # len(probe) bytes at probe_addr in the client's memory and compares.
+    probe: bytes | None = None
+    probe_addr: int | None = None
+    # The bind nonce of this client's TCP session that this Unix socket
+    # session replaces (it takes over that session's --max-sessions slot).
+    replaces: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -244,6 +255,9 @@ class Store(Request):
     # "float16": the payload is nbytes/2 bytes of float16 that the daemon
     # widens into the float32 range [offset, offset + nbytes).
     wire_dtype: Literal["float16"] | None = None
+    # Same-host sessions: the payload's address in the client's memory (the
+    # daemon copies it; nothing comes over UCX).  See dataplane/cma.py.
+    addr: int | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +277,7 @@ class StoreBatch(Request):
     dtypes: list[str] | None = None
     shapes: list[list[int]] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
+    addrs: U64Array | None = None  # same-host sessions: each item's address in the client
 
 
 @dataclass(frozen=True)
@@ -271,6 +286,7 @@ class ReadBatch(Request):
     buffer_id: str
     offsets: U64Array
     sizes: U64Array
+    addrs: U64Array | None = None  # same-host sessions: where each item lands in the client
 
 
 @dataclass(frozen=True)
@@ -326,6 +342,7 @@ class Read(Request):
     buffer_id: str
     offset: int
     nbytes: int
+    addr: int | None = None  # same-host sessions: where the bytes land in the client
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,15 @@ when the transfer ends.  A session that goes away aborts its UCX endpoint
 first (UCX cancels what is posted), waits for its transfers, and only then
 releases its session-scoped buffers.
 
+Same host: besides TCP the daemon listens on a Unix socket (abstract by
+default, so only its own network namespace sees it; ``--local-socket``) and
+tells TCP clients its name and this kernel's boot id in ``hello``.  A client
+on this host reconnects there; the kernel names its pid (``SO_PEERCRED``), and
+its hello carries a probe (bytes and their address in its memory) that the
+daemon reads back with ``process_vm_readv``.  When that works the session is
+*same-host*: data requests carry the client's addresses and the daemon copies
+between them and the arena itself (``dataplane/cma.py``), no UCX involved.
+
 Every request ends in ``Session._finish``, answered inline or by its task:
 that one place counts it and times it for the metrics (``metrics.py``) and
 writes its audit records with the result code (``logs.py``).
@@ -29,13 +38,18 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import ssl
+import stat
+import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from dataplane import cma
 from dataplane.ucx import (
     BIND_TAG,
     NONCE_BYTES,
@@ -93,6 +107,8 @@ class Daemon:
         self.shutting_down = False
         self._server: asyncio.AbstractServer | None = None
         self._listener: DataListener | None = None
+        self._local_server: asyncio.AbstractServer | None = None
+        self.local_socket: str | None = None  # "@name" (abstract) or a path
         self._expiry_timer: asyncio.TimerHandle | None = None
         self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
@@ -103,15 +119,44 @@ class Daemon:
     # -- lifecycle --------------------------------------------------------------
 
     async def start(self, host: str, port: int, ucx_port: int,
-                    tls: ssl.SSLContext | None = None) -> None:
+                    tls: ssl.SSLContext | None = None, local_socket: str | None = "auto") -> None:
+        """``local_socket``: "auto" (an abstract Unix socket named after our
+        pid), None (no same-host path), "@name" (abstract) or a path."""
         self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
         self._server = await asyncio.start_server(
             self._on_connection, host, port, limit=READ_CHUNK, ssl=tls,
             ssl_handshake_timeout=self.limits.hello_timeout if tls else None)
         self.address = self._server.sockets[0].getsockname()[:2]
+        if local_socket is not None:
+            await self._start_local(local_socket)
         log.info("listening control=%s:%d ucx=%d devices=%s", self.address[0],
                  self.address[1], self.ucx_port, ",".join(self.registry.pools))
+
+    async def _start_local(self, name: str) -> None:
+        if name == "auto":
+            name = f"@rpcbufd-{os.getpid()}-{secrets.token_hex(4)}"
+        path = "\0" + name[1:] if name.startswith("@") else name
+        if not name.startswith("@"):
+            _unlink_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:  # bound here: uvloop refuses abstract names (EINVAL)
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        self._local_server = await asyncio.start_unix_server(
+            self._on_connection, sock=sock, limit=READ_CHUNK)
+        if not name.startswith("@"):
+            os.chmod(path, 0o666)  # tokens authenticate, as on TCP
+        self.local_socket = name
+        self.boot_id = cma.boot_id()
+
+    def local_info(self) -> dict[str, Any] | None:
+        """What a TCP client needs to find the same-host path."""
+        if self.local_socket is None:
+            return None
+        return {"socket": self.local_socket, "boot_id": self.boot_id, "pid": os.getpid()}
 
     async def shutdown(self) -> None:
         """Stop accepting, let in-flight transfers finish (bounded), close all."""
@@ -121,6 +166,11 @@ class Daemon:
         log.info("shutting down: %d sessions", len(self.sessions))
         if self._server is not None:
             self._server.close()
+        if self._local_server is not None:
+            self._local_server.close()
+            if self.local_socket and not self.local_socket.startswith("@"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.local_socket)
         if self._listener is not None:
             self._listener.close()
         busy = [t for s in self.sessions.values() for t in s.transfers]
@@ -170,7 +220,10 @@ class Daemon:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
-        if len(self.sessions) >= self.limits.max_sessions:
+        unix = writer.get_extra_info("socket").family == socket.AF_UNIX
+        # A Unix socket session usually replaces the same client's TCP session:
+        # its slot is checked at hello (Session._hello), when we know which.
+        if not unix and len(self.sessions) >= self.limits.max_sessions:
             # QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up; a
             # configured allowance is used up and frees as other sessions close.
             limit = self.limits.max_sessions
@@ -188,6 +241,14 @@ class Daemon:
             self._by_nonce.pop(session.nonce, None)
             await session.close("connection closed")
             self.sessions.pop(session.session_id, None)
+
+    def sessions_full(self) -> QuotaExceeded | None:
+        limit = self.limits.max_sessions
+        if len(self.sessions) <= limit:
+            return None
+        return QuotaExceeded(
+            f"this node serves at most {limit} sessions at once; try again later",
+            {"limit": "max_sessions", "max_sessions": limit})
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       error: RpcBufError, reason: str) -> None:
@@ -243,7 +304,10 @@ class Session(DedupOps, DataOps):
         self.nonce = os.urandom(NONCE_BYTES)
         self.tenant: str | None = None
         self.ep: DataEndpoint | None = None
+        self.cma: cma.Peer | None = None
+        self.cma_stop = threading.Event()
         self.peer = writer.get_extra_info("peername")
+        self.peer_pid = _peer_pid(writer)  # Unix socket sessions: the kernel says who
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
@@ -395,6 +459,7 @@ class Session(DedupOps, DataOps):
         if self._closed:
             return
         self._closed = True
+        self.cma_stop.set()  # same-host copies stop within a chunk
         ep, self.ep = self.ep, None
         if ep is not None:
             ep.abort()  # UCX cancels posted requests: nothing writes into memory after this
@@ -416,6 +481,8 @@ class Session(DedupOps, DataOps):
                 _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
+        if self.cma is not None:
+            self.cma.close()  # no copy starts after this: Peer.alive() is False
         for buf in self.registry.session_closed(self.session_id):
             self._log("release", buf, note="session closed")
         self.daemon.schedule_expiry()
@@ -443,9 +510,14 @@ class Session(DedupOps, DataOps):
         if req.version != P.PROTOCOL_VERSION:
             raise BadRequest(f"protocol version {req.version} is not supported",
                              {"supported": [P.PROTOCOL_VERSION]})
-        self.tenant = verify_token(self.daemon.secret, req.token)
-        log.info("session %s tenant=%s from %s", self.session_id, self.tenant, self.peer)
-        return {
+        tenant = verify_token(self.daemon.secret, req.token)
+        if self.peer_pid is not None:
+            self._take_slot(tenant, req.replaces)
+        self.tenant = tenant
+        same_host, why = self._same_host(req)
+        log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
+                 self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
+        answer = {
             "session_id": self.session_id,
             "tenant": self.tenant,
             "node_id": self.daemon.node_id,
@@ -454,7 +526,47 @@ class Session(DedupOps, DataOps):
             "bind_nonce": self.nonce,
             "devices": [p.describe() for p in self.registry.pools.values()],
             "limits": self.daemon.limits.to_wire(),
+            "same_host": same_host,
         }
+        if why:
+            answer["same_host_why"] = why
+        local = self.daemon.local_info()
+        if local is not None and self.peer_pid is None:
+            answer["local"] = local
+        return answer
+
+    def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
+        """A Unix socket session: take over the slot of the TCP session it
+        replaces (which ends now), else check --max-sessions."""
+        old = self.daemon._by_nonce.get(replaces) if replaces else None
+        if old is not None and old is not self and old.tenant == tenant:
+            self.daemon._by_nonce.pop(old.nonce, None)
+            old.abort("replaced by its same-host session")
+            return
+        full = self.daemon.sessions_full()
+        if full is not None:
+            self.daemon.metrics.refused("max_sessions")
+            raise full
+
+    def _same_host(self, req: P.Hello) -> tuple[bool, str]:
+        """Turn on the same-host path if this is a Unix socket session whose
+        client proved we can read its memory."""
+        if req.probe is None or req.probe_addr is None:
+            return False, ""
+        if self.peer_pid is None:
+            return False, "the same-host path needs the daemon's Unix socket"
+        try:
+            peer = cma.Peer(self.peer_pid)
+        except OSError as exc:
+            return False, f"cannot watch the client process: {exc.strerror}"
+        why = peer.probe(req.probe_addr, req.probe)
+        if why is not None:
+            peer.close()
+            log.info("session %s: same-host path off: %s", self.session_id, why)
+            return False, why
+        self.cma = peer
+        log.debug("session %s bound the same-host path (pid %d)", self.session_id, self.peer_pid)
+        return True, ""
 
     def _try_request(self, req: P.RequestBuffer) -> Buffer | None:
         assert self.tenant is not None
@@ -546,6 +658,23 @@ class Session(DedupOps, DataOps):
 
     def _ping(self, req: P.Ping) -> dict[str, Any]:
         return {"time": time.time()}
+
+
+def _unlink_stale(path: str) -> None:
+    """Remove a socket file an earlier run left behind (nothing else)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    """The connecting process's pid on a Unix socket (``SO_PEERCRED``)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", cred)
+    return pid or None
 
 
 _SYNC_OPS: dict[type, Any] = {

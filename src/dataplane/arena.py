@@ -46,6 +46,7 @@ class HostArena:
         self.device = device
         self._mem = np.empty(size, dtype=np.uint8)
         self._bytes = self._mem.data  # a memoryview: slicing it is cheaper than numpy views
+        self.address = int(self._mem.ctypes.data)  # same-host copies (dataplane/cma.py)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:

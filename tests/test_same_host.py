@@ -1,0 +1,251 @@
+"""The same-host path: a client on the daemon's host has the daemon copy its
+arrays directly (process_vm_readv/writev, ``dataplane/cma.py``) after
+reconnecting on the daemon's Unix socket.  Real daemons, real copies.
+
+The rest of the suite runs on this path too (it is the default for a loopback
+client); ``make test`` runs the data-path files again with
+``RPCBUF_SAME_HOST=0`` for the UCX path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from conftest import DaemonProc, pool_free, wait_free
+from control import protocol as P
+from dataplane import cma
+
+# -- dataplane/cma.py on its own -------------------------------------------------------
+
+
+def test_cma_copies_in_this_process_and_splits_calls() -> None:
+    peer = cma.Peer(os.getpid())
+    try:
+        src = np.random.default_rng(1).integers(0, 256, 20 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        peer.read([dst.ctypes.data], [src.ctypes.data], [src.nbytes])  # cut into 8 MiB calls
+        assert np.array_equal(src, dst)
+        n = 3000  # more pieces than IOV_MAX: several calls
+        offs = np.arange(n, dtype=np.uint64) * 4096
+        dst[:] = 0
+        peer.write(dst.ctypes.data + offs, src.ctypes.data + offs, np.full(n, 4096))
+        assert np.array_equal(src[: n * 4096], dst[: n * 4096])
+        calls = cma._calls(offs, offs, np.full(n, 4096))
+        assert all(hi - lo <= cma.IOV_MAX for lo, hi, *_ in calls)
+        assert sum(c[4] for c in calls) == n * 4096
+        assert peer.probe(src.ctypes.data, src[:16].tobytes()) is None
+        assert peer.probe(src.ctypes.data, b"x" * 16) is not None
+        with pytest.raises(cma.CmaError) as info:
+            peer.read([dst.ctypes.data], [8], [100])  # unmapped
+        assert info.value.errno == errno.EFAULT
+        with pytest.raises(cma.CmaError) as info:
+            peer.read([dst.ctypes.data], [src.ctypes.data], [src.nbytes], cancelled=lambda: True)
+        assert info.value.errno == errno.ECANCELED
+    finally:
+        peer.close()
+
+
+def test_cma_refuses_a_process_that_has_exited() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    peer = cma.Peer(child.pid)
+    child.wait()
+    try:
+        assert not peer.alive()
+        buf = np.zeros(16, np.uint8)
+        with pytest.raises(cma.CmaError) as info:
+            peer.read([buf.ctypes.data], [buf.ctypes.data], [16])
+        assert info.value.errno == errno.ESRCH  # never a copy into whoever gets the pid next
+    finally:
+        peer.close()
+
+
+# -- through a real daemon ---------------------------------------------------------------
+
+
+async def test_loopback_client_gets_the_same_host_path(daemon: DaemonProc) -> None:
+    start = await pool_free(daemon)
+    async with daemon.connect() as fast, daemon.connect(same_host=False) as net:
+        assert fast.same_host and not net.same_host
+        assert fast._ep is None  # no UCX endpoint until a GPU array needs one
+        data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
+        bid = await fast.request_buffer(data.nbytes)
+        await fast.store_tensor(bid, data, verify="checksum")
+        # The other path reads what this one stored (same buffer, same tenant).
+        assert np.array_equal(await net.read_buffer(bid), data)
+        await net.store_tensor(bid, data[::-1].copy(), offset=0)
+        assert np.array_equal(await fast.read_buffer(bid), data[::-1])
+        small = np.arange(100, dtype=np.uint8)
+        await fast.store_tensor(bid, small, offset=17)
+        assert np.array_equal(await fast.read_buffer(bid, 17, 100), small)
+        await fast.release_buffer(bid)
+    assert await wait_free(daemon, start) == start
+
+
+async def test_env_and_required(daemon: DaemonProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPCBUF_SAME_HOST", "0")
+    async with daemon.connect() as c:
+        assert not c.same_host
+    monkeypatch.setenv("RPCBUF_SAME_HOST", "1")
+    async with daemon.connect() as c:
+        assert c.same_host
+
+
+async def test_unix_address_connects_directly(daemon: DaemonProc) -> None:
+    async with daemon.connect(same_host=False) as net:
+        sock = net.hello["local"]["socket"]
+    assert sock.startswith("@")  # abstract: only this network namespace sees it
+    async with rpcbuf.connect(f"unix:{sock}", token=daemon.token()) as c:
+        assert c.same_host
+        bid = await c.request_buffer(4096)
+        await c.store_tensor(bid, np.full(4096, 7, np.uint8))
+        assert (await c.read_buffer(bid) == 7).all()
+    with pytest.raises(rpcbuf.ConnectionLost):
+        await rpcbuf.connect("unix:@no-such-rpcbufd", token=daemon.token(), timeout=5)
+
+
+async def test_daemon_without_local_socket(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:4MiB", "--local-socket", "none")
+    async with d.connect() as c:
+        assert not c.same_host and "local" not in c.hello
+        bid = await c.request_buffer(1000)
+        await c.store_tensor(bid, np.ones(1000, np.uint8))
+        assert (await c.read_buffer(bid) == 1).all()
+    with pytest.raises(rpcbuf.BadRequest, match="same-host path is not available"):
+        await d.connect(same_host=True)
+
+
+async def test_socket_file_path(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "rpcbufd.sock"
+    path.write_text("")  # a plain file is not a stale socket: the daemon must not delete it
+    with pytest.raises(RuntimeError):
+        daemon_factory("--device", "cpu:4MiB", "--local-socket", str(path))
+    path.unlink()
+    d = daemon_factory("--device", "cpu:4MiB", "--local-socket", str(path))
+    assert path.is_socket()
+    async with rpcbuf.connect(f"unix:{path}", token=d.token()) as c:
+        assert c.same_host
+        bid = await c.request_buffer(64)
+        await c.store_tensor(bid, np.arange(64, dtype=np.uint8))
+        assert np.array_equal(await c.read_buffer(bid), np.arange(64, dtype=np.uint8))
+    assert d.stop() == 0
+    assert not path.exists()  # removed at shutdown
+
+
+async def _raw(c: rpcbuf.RpcContext, req: P.Request) -> dict:
+    req_id = c._conn.next_id()
+    msg = await asyncio.wait_for(c._conn.submit(req_id, req), 10)
+    return msg
+
+
+async def test_bad_addresses_are_bad_requests(daemon: DaemonProc) -> None:
+    start = await pool_free(daemon)
+    async with daemon.connect() as c, daemon.connect(same_host=False) as net:
+        bid = await c.request_buffer(1 << 20)
+        await c.clear_buffer(bid, 9)
+        # unmapped source: nothing lands, the session goes on
+        msg = await _raw(c, P.Store(buffer_id=bid, offset=0, nbytes=4096, addr=4096))
+        assert msg["error"]["code"] == "BAD_REQUEST"
+        assert msg["error"]["details"]["reason"] == "bad_address"
+        # a read into read-only memory
+        ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+        addr = np.frombuffer(ro, dtype=np.uint8).ctypes.data
+        msg = await _raw(c, P.Read(buffer_id=bid, offset=0, nbytes=4096, addr=addr))
+        assert msg["error"]["details"]["reason"] == "bad_address"
+        # partly mapped: a range running past the end of an array's mapping
+        msg = await _raw(c, P.Read(buffer_id=bid, offset=0, nbytes=8192, addr=addr))
+        assert msg["error"]["code"] == "BAD_REQUEST"
+        ro.close()
+        # addresses and items that do not line up
+        one = np.ones(8, np.uint8)
+        req = P.StoreBatch(buffer_id=bid, offsets=P.pack_u64([0, 64]), sizes=P.pack_u64([8, 8]),
+                           addrs=P.pack_u64([one.ctypes.data]))
+        msg = await _raw(c, req)
+        assert msg["error"]["code"] == "BAD_REQUEST" and "addresses" in msg["error"]["message"]
+        # addresses on a session that is not same-host
+        msg = await _raw(net, P.Store(buffer_id=bid, offset=0, nbytes=8, addr=one.ctypes.data))
+        assert msg["error"]["details"]["reason"] == "not_same_host"
+        # out of range is checked before any copy
+        msg = await _raw(c, P.Store(buffer_id=bid, offset=(1 << 20) - 4, nbytes=8,
+                                    addr=one.ctypes.data))
+        assert msg["error"]["code"] == "OUT_OF_RANGE"
+        assert (await c.read_buffer(bid) == 9).all()  # nothing landed anywhere
+        assert await c.ping() and await net.ping()
+        await c.release_buffer(bid)
+    assert await wait_free(daemon, start) == start
+
+
+async def test_arrays_stay_referenced_until_the_daemon_answers(daemon: DaemonProc) -> None:
+    async with daemon.connect() as c:
+        bid = await c.request_buffer(64 << 20)
+        data = np.ones(64 << 20, np.uint8)
+        task = asyncio.ensure_future(c.store_tensor(bid, data))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert c._conn._held  # the request is out: its array is held
+        await task
+        assert not c._conn._held
+        # a caller that gives up (timeout) does not free what the daemon copies into
+        out = np.empty(64 << 20, np.uint8)
+        req_id = c._conn.next_id()
+        fut = c._conn.submit(req_id, P.Read(buffer_id=bid, offset=0, nbytes=out.nbytes,
+                                            addr=out.ctypes.data))
+        c._conn.hold(req_id, [out])
+        c._conn.forget(req_id)  # as _answer does on TIMEOUT
+        for _ in range(200):
+            if not c._conn._held:
+                break
+            await asyncio.sleep(0.01)
+        assert not c._conn._held and not fut.done()  # released when the answer came
+        assert (out == 1).all()
+        await c.release_buffer(bid)
+
+
+async def test_client_killed_mid_copy_frees_its_memory(daemon: DaemonProc) -> None:
+    """A same-host client SIGKILLed while the daemon copies its 256 MiB: the
+    copy fails (the process is gone), the session closes, memory comes back."""
+    start = await pool_free(daemon)
+    script = (
+        "import asyncio, sys, numpy as np, rpcbuf\n"
+        "async def main():\n"
+        "    c = await rpcbuf.connect(sys.argv[1], token=sys.argv[2])\n"
+        "    assert c.same_host\n"
+        "    bid = await c.request_buffer(256 << 20)\n"
+        "    data = np.ones(256 << 20, np.uint8)\n"
+        "    print('storing', flush=True)\n"
+        "    while True:\n"
+        "        await c.store_tensor(bid, data)\n"
+        "asyncio.run(main())\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, daemon.addr, daemon.token(),
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": "src"})
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"storing"
+    await asyncio.sleep(0.3)  # a few stores in
+    proc.kill()
+    await proc.wait()
+    assert await wait_free(daemon, start, timeout=20) == start
+    async with daemon.connect() as c:  # the daemon serves on
+        assert await c.ping()
+
+
+def test_store_request_fields_round_trip() -> None:
+    req = P.Store(buffer_id="b", offset=0, nbytes=8, addr=1 << 47)
+    got = P.parse_request(req.to_wire(5))
+    assert got == (5, req)
+    with pytest.raises(P.RequestError):
+        P.parse_request({**req.to_wire(5), "addr": -1})
+    batch = dataclasses.replace(P.StoreBatch(buffer_id="b", offsets=P.pack_u64([0]),
+                                             sizes=P.pack_u64([8])), addrs=b"\x00" * 7)
+    with pytest.raises(P.RequestError):
+        P.parse_request(batch.to_wire(6))
