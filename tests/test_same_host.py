@@ -249,3 +249,27 @@ def test_store_request_fields_round_trip() -> None:
                                              sizes=P.pack_u64([8])), addrs=b"\x00" * 7)
     with pytest.raises(P.RequestError):
         P.parse_request(batch.to_wire(6))
+
+
+async def test_small_copy_waits_for_a_busy_range(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A small same-host store is done on the spot only when its range is
+    free: here a UCX store holds the range (announced, payload never sent)
+    and the same-host store waits until that one ends (deadline: aborted)."""
+    d = daemon_factory("--device", "cpu:4MiB", "--transfer-timeout", "1s")
+    async with d.connect(same_host=False) as net, d.connect() as fast:
+        assert fast.same_host
+        bid = await fast.request_buffer(1 << 20, name="shared")
+        await fast.clear_buffer(bid)
+        req_id = net._conn.next_id()
+        stalled = net._conn.submit(req_id, P.Store(buffer_id=bid, offset=0, nbytes=1 << 20))
+        await asyncio.sleep(0.2)  # the daemon holds [0, 1 MiB) for it now
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await fast.store_tensor(bid, np.full(4096, 3, np.uint8), offset=4096)
+        waited = loop.time() - t0
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await asyncio.wait_for(stalled, 10)  # the stalled session was aborted
+        assert waited > 0.5  # it waited for the lock instead of writing under it
+        back = await fast.read_buffer(bid, 4096, 4096)
+        assert (back == 3).all()
+        await fast.release_buffer(bid)

@@ -114,20 +114,26 @@ class DataOps:
                    total: int) -> None:
         """A same-host copy (``write``: arena -> client).  Small ones run
         inline; big ones in a worker thread under the transfer deadline."""
+        if total < CMA_INLINE:
+            self._cma_now(write, local, remote, sizes)
+            return
         peer = self.cma
         assert peer is not None
         fn = peer.write if write else peer.read
         try:
-            if total < CMA_INLINE:
-                fn(local, remote, sizes)
-            else:
-                stop = self.cma_stop.is_set
-                await self._transfer([asyncio.to_thread(fn, local, remote, sizes, stop)])
+            stop = self.cma_stop.is_set
+            await self._transfer([asyncio.to_thread(fn, local, remote, sizes, stop)])
         except CmaError as exc:
-            if exc.errno == errno.EFAULT:
-                raise BadRequest("an address range is not mapped (or not writable) in the "
-                                 "client's memory", {"reason": "bad_address"}) from exc
-            raise ConnectionLost(f"same-host copy failed: {exc.strerror}") from exc
+            raise _cma_error(exc) from exc
+
+    def _cma_now(self, write: bool, local: np.ndarray | list[int],
+                 remote: np.ndarray | list[int], sizes: np.ndarray | list[int]) -> None:
+        peer = self.cma
+        assert peer is not None
+        try:
+            (peer.write if write else peer.read)(local, remote, sizes)
+        except CmaError as exc:
+            raise _cma_error(exc) from exc
 
     @staticmethod
     def _check_range(buf: Buffer, offset: int, nbytes: int) -> None:
@@ -254,16 +260,38 @@ class DataOps:
 
     # -- store ----------------------------------------------------------------------
 
+    def _store_check(self, req: P.Store, same_host: bool) -> tuple[Buffer, int]:
+        """Validate a store; returns its buffer and (same host) the address
+        its bytes land at."""
+        buf = self._get(req.buffer_id)
+        self._check_range(buf, req.offset, req.nbytes)
+        if req.verify == "checksum" and req.checksum is None:
+            raise BadRequest("verify='checksum' needs the client's checksum")
+        if req.wire_dtype is not None:
+            check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
+        return buf, (self._host_base(buf) + req.offset if same_host else 0)
+
+    def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
+        """After the bytes landed (range still locked): verify, count, log."""
+        result: dict[str, Any] = {"nbytes": req.nbytes}
+        if req.checksum is not None or req.verify:
+            kind = req.checksum_kind or "xxh3"
+            got = range_checksum(buf.pool.arena, buf.offset + req.offset, req.nbytes, kind)
+            result["checksum"] = got
+            result["checksum_kind"] = kind
+            if req.verify == "checksum" and got != req.checksum:
+                self.daemon.counters["verify_failures"] += 1
+                raise VerifyFailed("checksum of received bytes does not match",
+                                   {"expected": req.checksum, "got": got, "kind": kind})
+        self.daemon.counters["bytes_stored"] += req.nbytes
+        self._log("store", buf, req.offset, req.nbytes,
+                  note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
+        return result
+
     async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
         ep = self._path(req.addr is not None)
         try:
-            buf = self._get(req.buffer_id)
-            self._check_range(buf, req.offset, req.nbytes)
-            if req.verify == "checksum" and req.checksum is None:
-                raise BadRequest("verify='checksum' needs the client's checksum")
-            if req.wire_dtype is not None:
-                check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
-            base = self._host_base(buf) if ep is None else 0
+            buf, dst = self._store_check(req, ep is None)
         except RpcBufError:
             if req.nbytes and ep is not None:
                 await self._drain(ep, req_id, 1)
@@ -274,24 +302,44 @@ class DataOps:
                 await self._receive_f16(ep, req_id, buf, req.offset, req.nbytes, req.addr)
             elif ep is None:
                 assert req.addr is not None
-                await self._cma(False, [base + req.offset], [req.addr], [req.nbytes],
-                                req.nbytes)
+                await self._cma(False, [dst], [req.addr], [req.nbytes], req.nbytes)
             else:
                 await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
-            result: dict[str, Any] = {"nbytes": req.nbytes}
-            if req.checksum is not None or req.verify:
-                kind = req.checksum_kind or "xxh3"
-                got = range_checksum(buf.pool.arena, buf.offset + req.offset, req.nbytes, kind)
-                result["checksum"] = got
-                result["checksum_kind"] = kind
-                if req.verify == "checksum" and got != req.checksum:
-                    self.daemon.counters["verify_failures"] += 1
-                    raise VerifyFailed("checksum of received bytes does not match",
-                                       {"expected": req.checksum, "got": got, "kind": kind})
-        self.daemon.counters["bytes_stored"] += req.nbytes
-        self._log("store", buf, req.offset, req.nbytes,
-                  note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
-        return result
+            return self._stored(req, buf)
+
+    def _copy_now(self, req: P.Store | P.Read) -> dict[str, Any] | None:
+        """A small same-host store or read whose range is free, done on the
+        spot: no task, no await (a task and its wake-ups were most of a 4 KiB
+        store's cost).  Nothing else runs meanwhile, so the buffer cannot go;
+        the range lock still keeps it off bytes a waiting transfer owns.
+        None: the range is busy (or the store is wire fp16): run it as a task."""
+        assert req.addr is not None
+        store = isinstance(req, P.Store)
+        if store:
+            assert isinstance(req, P.Store)
+            if req.wire_dtype is not None:
+                return None
+            buf, at = self._store_check(req, True)
+        else:
+            buf = self._get(req.buffer_id)
+            self._check_range(buf, req.offset, req.nbytes)
+            at = self._host_base(buf) + req.offset
+        span = [(req.offset, req.offset + req.nbytes)]
+        grant = buf.locks.acquire(span, store, _nothing)
+        try:
+            if not grant.granted:
+                return None
+            if store:
+                self.daemon.content.forget(buf, span)
+            self._cma_now(not store, [at], [req.addr], [req.nbytes])
+            if store:
+                assert isinstance(req, P.Store)
+                return self._stored(req, buf)
+        finally:
+            buf.locks.release(grant)
+        self.daemon.counters["bytes_read"] += req.nbytes
+        self._log("read", buf, req.offset, req.nbytes)
+        return {"nbytes": req.nbytes}
 
     async def _receive_f16(self, ep: DataEndpoint | None, req_id: int, buf: Buffer,
                            offset: int, nbytes: int, addr: int | None) -> None:
@@ -520,6 +568,17 @@ class DataOps:
         self._log("copy", dst, req.dst_offset, req.nbytes,
                   note=f"from {src.buffer_id}+{req.src_offset}")
         return {"nbytes": req.nbytes}
+
+
+def _cma_error(exc: CmaError) -> RpcBufError:
+    if exc.errno == errno.EFAULT:
+        return BadRequest("an address range is not mapped (or not writable) in the "
+                          "client's memory", {"reason": "bad_address"})
+    return ConnectionLost(f"same-host copy failed: {exc.strerror}")
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> None:

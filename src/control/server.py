@@ -62,7 +62,7 @@ from . import logs
 from . import protocol as P
 from .auth import verify_token
 from .content import ContentIndex
-from .dataops import DataOps
+from .dataops import CMA_INLINE, DataOps
 from .dedupops import DedupOps
 from .errors import (
     AuthFailed,
@@ -397,6 +397,12 @@ class Session(DedupOps, DataOps):
                 buf = self._try_request(req)
                 if buf is not None:
                     self._answer(req_id, op, self._granted(buf))
+                    return
+            if (isinstance(req, (P.Store, P.Read)) and req.addr is not None
+                    and self.cma is not None and req.nbytes < CMA_INLINE):
+                done = self._copy_now(req)  # a small same-host copy: on the spot
+                if done is not None:
+                    self._answer(req_id, op, done)
                     return
             self._spawn(req_id, req)
         except RpcBufError as exc:
