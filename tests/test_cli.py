@@ -84,9 +84,11 @@ def test_put_without_a_name_names_the_buffer_after_the_file(cli_daemon: DaemonPr
 def test_status_shows_node_devices_and_sessions(cli_daemon: DaemonProc) -> None:
     (st,) = as_json(rpcbuf(cli_daemon, "status", "--json")).values()
     assert st["sessions"] >= 1 and st["uptime"] > 0 and st["devices"]
+    assert st["path"] == "same-host" and st["same_host_sessions"] >= 1  # the CLI runs here
     table = rpcbuf(cli_daemon, "status")
     assert table.returncode == 0
     assert "cpu:0" in table.stdout and "uptime" in table.stdout and "░" in table.stdout
+    assert "same-host" in table.stdout
 
 
 def test_bench_is_quick_and_reports_throughput(cli_daemon: DaemonProc) -> None:

@@ -85,7 +85,10 @@ async def resolve(ctx: RpcContext, ref: str) -> str:
 
 
 async def status(ctx: RpcContext) -> dict[str, Any]:
-    return await ctx.stats()
+    path = {"path": "same-host" if ctx.same_host else "ucx"}
+    if ctx.hello.get("same_host_why"):
+        path["same_host_why"] = ctx.hello["same_host_why"]
+    return {**await ctx.stats(), **path}
 
 
 async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
@@ -190,18 +193,18 @@ def status_tables(results: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     nodes = Table(title="rpcbuf status")
-    for col in ("endpoint", "node", "uptime", "sessions", "buffers", "stored", "read"):
+    for col in ("endpoint", "node", "uptime", "sessions", "buffers", "stored", "read", "path"):
         nodes.add_column(col)
     devs = Table(title="devices")
     for col in ("endpoint", "device", "used", "free", "total", "usage", "buffers"):
         devs.add_column(col)
     for addr, st in results.items():
         if isinstance(st, Exception):
-            nodes.add_row(addr, f"[red]{st}[/red]", "", "", "", "", "")
+            nodes.add_row(addr, f"[red]{st}[/red]", "", "", "", "", "", "")
             continue
         nodes.add_row(addr, str(st["node_id"]), _dur(st["uptime"]), str(st["sessions"]),
                       str(st["buffers"]), format_size(st.get("bytes_stored", 0)),
-                      format_size(st.get("bytes_read", 0)))
+                      format_size(st.get("bytes_read", 0)), str(st.get("path", "")))
         for d in st["devices"]:
             devs.add_row(addr, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
                          format_size(d["total"]), bar(d["used"], d["total"]), str(d["buffers"]))

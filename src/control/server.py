@@ -659,7 +659,9 @@ class Session(DedupOps, DataOps):
 
     def _stats(self, req: P.Stats) -> dict[str, Any]:
         return {"node_id": self.daemon.node_id, "uptime": time.time() - self.daemon.started_at,
-                "sessions": len(self.daemon.sessions), **self.daemon.counters,
+                "sessions": len(self.daemon.sessions),
+                "same_host_sessions": sum(1 for s in self.daemon.sessions.values() if s.cma),
+                **self.daemon.counters,
                 **self.registry.stats()}
 
     def _ping(self, req: P.Ping) -> dict[str, Any]:
