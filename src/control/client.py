@@ -170,6 +170,11 @@ class ControlConnection:
             self._writer.close()
 
 
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 def _result(msg: dict[str, Any]) -> dict[str, Any]:
     if msg.get("ok"):
         result = msg.get("result")
@@ -627,12 +632,18 @@ class RpcContext(TensorOps, DedupClientOps):
         """The answer to request ``req_id``, within ``timeout`` (default: the
         context's); on TIMEOUT the request is forgotten, the connection stays."""
         timeout = self.timeout if timeout is None else timeout
+        if timeout is None:
+            return await fut
+        # A timer on the future itself: asyncio.timeout (a Timeout object that
+        # cancels and uncancels the task) cost ~4 us a call here, this ~0.7 us.
+        timer = asyncio.get_running_loop().call_later(timeout, _expire, fut)
         try:
-            async with asyncio.timeout(timeout):
-                return await fut
+            return await fut
         except TimeoutError:
             self._conn.forget(req_id)
             raise Timeout(f"{op} got no answer within {timeout}s") from None
+        finally:
+            timer.cancel()
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         """Read the range back over the data plane and compare it with ``array``.

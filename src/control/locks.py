@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Grant:
     ranges: list[tuple[int, int]]  # half-open [start, end)
     exclusive: bool
@@ -31,6 +31,8 @@ class Grant:
 
 
 class RangeLocks:
+    __slots__ = ("held", "waiting")
+
     def __init__(self) -> None:
         self.held: list[Grant] = []
         self.waiting: list[Grant] = []
@@ -38,7 +40,10 @@ class RangeLocks:
     def acquire(self, ranges: list[tuple[int, int]], exclusive: bool,
                 ready: Callable[[], None] = lambda: None) -> Grant:
         g = Grant([(s, e) for s, e in ranges if e > s], exclusive, ready)
-        if not any(g.conflicts(h) for h in self.held) and \
+        if not self.held and not self.waiting:  # the common case: nobody else here
+            g.granted = True
+            self.held.append(g)
+        elif not any(g.conflicts(h) for h in self.held) and \
                 not any(g.conflicts(w) for w in self.waiting):
             g.granted = True
             self.held.append(g)
@@ -54,7 +59,8 @@ class RangeLocks:
             self.waiting.remove(g)
         else:
             return
-        self._wake()
+        if self.waiting:
+            self._wake()
 
     def _wake(self) -> None:
         still: list[Grant] = []

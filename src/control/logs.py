@@ -13,27 +13,44 @@ Records go to ``--audit-log PATH`` as JSON lines (reopened if logrotate moves
 the file), or else into the normal log: ``op=... tenant=... code=...`` in
 text, one object per line in JSON.  The audit trail is written whatever
 ``--log-level`` says.  Tokens and secrets are never part of a record.
+
+Records are on the hot path of every memory op, so they bypass the logging
+module (a ``LogRecord``, a formatter and a flushed write per record cost more
+than the op itself): ``setup`` installs an ``_AuditSink`` that formats each
+record into a line at once (its ``time`` is when it was written, as before)
+and writes the lines of one event-loop turn together, in one write, at the
+end of that turn (``call_soon``).  Nothing waits in memory longer than that:
+outside a running loop a record is written at once, a line of the normal log
+first writes the audit lines before it (so the stream keeps its order), and
+the sink is flushed when ``setup`` replaces it and at exit (``atexit``, which
+runs after the loop has ended on a clean shutdown).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
-import logging.handlers
+import os
 import sys
+import threading
 import time
+from asyncio import AbstractEventLoop, get_running_loop
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import IO, Any
 
 AUDIT = logging.getLogger("rpcbuf.audit")
 # Ops that only look: everything else allocates, frees or touches bytes and is audited.
 NOT_MEMORY_OPS = frozenset({"hello", "get_buffer_meta", "open_buffer", "list_devices",
                             "list_buffers", "stats", "ping", "invalid"})
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"  # the normal log, text
 
 
-@dataclass
+@dataclass(slots=True)
 class OpRecord:
     """One request in progress: what it touched, until it is answered."""
 
@@ -62,14 +79,17 @@ def record(entry: dict[str, Any]) -> None:
 def finish(rec: OpRecord, code: str, error: str | None = None) -> None:
     """The request was answered: write its records with the result."""
     rec.done = True
-    if rec.op in NOT_MEMORY_OPS and not rec.entries:
-        return
-    result: dict[str, Any] = {"code": code,
-                              "duration_s": round(time.perf_counter() - rec.started, 6)}
-    if error:
-        result["error"] = error
-    for entry in rec.entries or [_from_request(rec)]:
-        write({**entry, **result})
+    entries = rec.entries
+    if not entries:
+        if rec.op in NOT_MEMORY_OPS:
+            return
+        entries = [_from_request(rec)]
+    duration = round(time.perf_counter() - rec.started, 6)
+    for entry in entries:
+        out = {**entry, "code": code, "duration_s": duration}
+        if error:
+            out["error"] = error
+        write(out)
 
 
 def _from_request(rec: OpRecord) -> dict[str, Any]:
@@ -87,7 +107,24 @@ def _from_request(rec: OpRecord) -> dict[str, Any]:
 
 
 def write(entry: dict[str, Any]) -> None:
-    AUDIT.info("%s", _Text(entry), extra={"audit": entry})
+    """Write one finished record (with ``code`` and ``duration_s``)."""
+    sink = _SINK
+    if sink is not None:
+        sink.add(entry)
+    else:  # setup() was never called (a library user): the logging module decides
+        AUDIT.info("%s", _Text(entry), extra={"audit": entry})
+
+
+def _text(e: dict[str, Any]) -> str:
+    text = (f"op={e['op']} tenant={e['tenant']} session={e['session']} "
+            f"buffer={e['buffer']} device={e['device']} offset={e['offset']} "
+            f"bytes={e['bytes']} code={e['code']} "
+            f"duration_ms={e['duration_s'] * 1000:.3f}")
+    if e.get("note"):
+        text += f" ({e['note']})"
+    if e.get("error"):
+        text += f": {e['error']}"
+    return text
 
 
 class _Text:
@@ -99,20 +136,186 @@ class _Text:
         self.entry = entry
 
     def __str__(self) -> str:
-        e = self.entry
-        text = (f"op={e['op']} tenant={e['tenant']} session={e['session']} "
-                f"buffer={e['buffer']} device={e['device']} offset={e['offset']} "
-                f"bytes={e['bytes']} code={e['code']} "
-                f"duration_ms={e['duration_s'] * 1000:.3f}")
-        if e.get("note"):
-            text += f" ({e['note']})"
-        if e.get("error"):
-            text += f": {e['error']}"
-        return text
+        return _text(self.entry)
 
 
 def _iso(created: float) -> str:
     return datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+
+
+def _json_encoder() -> Callable[[Any], str]:
+    """``json.dumps(obj, default=str)``, without building an encoder per call."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator (not CPython)
+        return json.JSONEncoder(default=str).encode
+    enc = make(None, str, json.encoder.encode_basestring_ascii, None, ": ", ", ",
+               False, False, True)
+    return lambda obj: "".join(enc(obj, 0))
+
+
+_dumps = _json_encoder()
+
+
+class _Clock:
+    """The timestamps of audit lines, formatted once per second."""
+
+    __slots__ = ("_asc", "_asc_sec", "_iso", "_iso_sec")
+
+    def __init__(self) -> None:
+        self._iso_sec = self._asc_sec = -1
+        self._iso = self._asc = ""
+
+    def iso(self, now: float) -> str:
+        """As ``_iso``: UTC, milliseconds (microseconds rounded as datetime does)."""
+        sec, us = divmod(round(now * 1e6), 1_000_000)
+        if sec != self._iso_sec:
+            self._iso_sec = sec
+            self._iso = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        return f"{self._iso}.{us // 1000:03d}+00:00"
+
+    def asctime(self, now: float) -> str:
+        """As ``logging.Formatter``'s ``%(asctime)s``: local time, ``,msecs``."""
+        sec = int(now)
+        if sec != self._asc_sec:
+            self._asc_sec = sec
+            self._asc = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sec))
+        return f"{self._asc},{int((now - sec) * 1000):03d}"
+
+
+class _AuditSink:
+    """Formats audit records into lines and writes them once per loop turn.
+
+    ``kind``: ``"file"`` (``--audit-log``: JSON with the audit fields only,
+    the file reopened when it was moved or removed, as ``WatchedFileHandler``
+    does), ``"json"`` or ``"text"`` (into the normal log's stream, formatted
+    as its handler would format them)."""
+
+    def __init__(self, kind: str, stream: IO[str] | None = None, path: str | None = None,
+                 lock: Any = None) -> None:
+        self.kind = kind
+        self.path = path
+        self.stream = stream
+        self._dev_ino = (-1, -1)
+        self._own = False
+        if path is not None:
+            self._open()
+        self._lines: list[str] = []  # appended to in place; only flush() takes from it
+        self._due: AbstractEventLoop | None = None  # the loop a flush is scheduled on
+        # One flush at a time; on a shared stream, the lock of the handler that
+        # writes the normal log there (an RLock: its emit flushes us first).
+        self._lock = lock if lock is not None else threading.RLock()
+        self._clock = _Clock()
+        self._line = {"file": self._file_line, "json": self._json_line,
+                      "text": self._text_line}[kind]
+
+    # -- lines ---------------------------------------------------------------------
+
+    def _file_line(self, entry: dict[str, Any], now: float) -> str:
+        return _dumps({"time": self._clock.iso(now), **entry})
+
+    def _json_line(self, entry: dict[str, Any], now: float) -> str:
+        return _dumps({"time": self._clock.iso(now), "level": "INFO",
+                       "logger": AUDIT.name, **entry})
+
+    def _text_line(self, entry: dict[str, Any], now: float) -> str:
+        return f"{self._clock.asctime(now)} INFO {AUDIT.name} {_text(entry)}"
+
+    def add(self, entry: dict[str, Any]) -> None:
+        try:
+            line = self._line(entry, time.time())
+        except Exception as exc:  # a bug in a record must not break the op
+            sys.stderr.write(f"rpcbufd: cannot format an audit record: {exc!r}\n")
+            return
+        self._lines.append(line)
+        try:
+            loop = get_running_loop()
+        except RuntimeError:  # no loop (a session closed after it stopped): write now
+            self.flush()
+            return
+        if loop is self._due:
+            return  # a flush is due at the end of this loop turn already
+        try:
+            loop.call_soon(self._flush_due)
+        except RuntimeError:  # the loop is closing
+            self.flush()
+            return
+        self._due = loop
+
+    # -- writing -------------------------------------------------------------------
+
+    def _flush_due(self) -> None:
+        self._due = None
+        self.flush()
+
+    def flush(self) -> None:
+        lines = self._lines
+        if not lines:
+            return
+        with self._lock:
+            n = len(lines)
+            if not n:
+                return
+            text = "\n".join(lines[:n]) + "\n"
+            del lines[:n]  # only what was joined: a line added meanwhile stays
+            try:
+                if self.path is not None:
+                    self._reopen_if_moved()
+                stream = self.stream
+                if stream is not None:
+                    stream.write(text)
+                    stream.flush()
+            except (OSError, ValueError) as exc:  # as logging's handleError: say so, go on
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(f"rpcbufd: cannot write the audit trail: {exc}\n")
+
+    def _open(self) -> None:
+        assert self.path is not None
+        self.stream = open(self.path, "a", encoding="utf-8")
+        self._own = True
+        st = os.fstat(self.stream.fileno())
+        self._dev_ino = (st.st_dev, st.st_ino)
+
+    def _reopen_if_moved(self) -> None:
+        assert self.path is not None
+        try:
+            st = os.stat(self.path)
+            same = (st.st_dev, st.st_ino) == self._dev_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            if self.stream is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.stream.close()
+                self.stream = None
+            self._open()
+
+    def close(self) -> None:
+        self.flush()
+        if self._own and self.stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.close()
+            self.stream = None
+
+
+_SINK: _AuditSink | None = None
+
+
+def flush() -> None:
+    """Write the audit lines still waiting for the end of the loop turn."""
+    if _SINK is not None:
+        _SINK.flush()
+
+
+atexit.register(flush)
+
+
+class _StreamHandler(logging.StreamHandler):
+    """The normal log's handler: audit lines waiting for the end of the loop
+    turn go first, so the stream keeps the order things happened in."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        flush()
+        super().emit(record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -141,9 +344,11 @@ class JsonFormatter(logging.Formatter):
 def setup(level: str, fmt: str = "text", audit_log: str | None = None) -> None:
     """Configure the root logger (stderr) and the audit trail.
     Raises OSError when the audit file cannot be opened."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s %(message)s"))
+    global _SINK
+    handler = _StreamHandler(sys.stderr)
+    sink = _AuditSink("file", path=audit_log) if audit_log else \
+        _AuditSink("json" if fmt == "json" else "text", stream=sys.stderr, lock=handler.lock)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -154,13 +359,10 @@ def setup(level: str, fmt: str = "text", audit_log: str | None = None) -> None:
     for h in list(AUDIT.handlers):
         AUDIT.removeHandler(h)
         h.close()
-    if audit_log:
-        file = logging.handlers.WatchedFileHandler(audit_log, encoding="utf-8")
-        file.setFormatter(JsonFormatter(meta=False))
-        AUDIT.addHandler(file)
-        AUDIT.propagate = False
-    else:
-        AUDIT.propagate = True
+    AUDIT.propagate = not audit_log
+    old, _SINK = _SINK, sink
+    if old is not None:
+        old.close()
 
 
 def set_level(level: str) -> None:

@@ -7,7 +7,12 @@ Two kinds of numbers:
 
 - counted as requests are answered: ``rpcbuf_ops_total{op,code}`` and
   ``rpcbuf_op_duration_seconds{op}``, recorded in one place, where the
-  session answers every request (``Session._finish``);
+  session answers every request (``Session._finish``).  That is on the hot
+  path of every op, so ``observe`` only bumps plain numbers (a dict entry, a
+  histogram bucket found by ``bisect``) and a collector turns them into the
+  same counter and histogram families (``_created`` samples included) when
+  scraped, instead of going through ``prometheus_client``'s locked values and
+  its per-bucket loop;
 - read from the daemon's state when scraped (a custom collector): bytes
   stored and read, verification failures, lease expiries, sessions,
   transfers in flight, and per device the pool's size, used bytes and
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,12 +36,14 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Histogram,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import metrics as _client_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from .server import Daemon
@@ -48,31 +56,30 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 class Metrics:
     def __init__(self, daemon: Daemon) -> None:
         self.registry = CollectorRegistry()
-        self._ops = Counter("rpcbuf_ops", "Requests answered, by op and result code",
-                            ["op", "code"], registry=self.registry)
-        self._latency = Histogram("rpcbuf_op_duration_seconds",
-                                  "Time from a request's arrival to its end (transfers "
-                                  "included), by op", ["op"], buckets=LATENCY_BUCKETS,
-                                  registry=self.registry)
+        self._ops = _OpsCollector()
+        self.registry.register(self._ops)
         self._refused = Counter("rpcbuf_connections_refused",
                                 "Connections turned away, by reason", ["reason"],
                                 registry=self.registry)
         self.registry.register(_StateCollector(daemon))
         ProcessCollector(registry=self.registry)
-        self._children: dict[tuple[str, str], Any] = {}
-        self._timers: dict[str, Any] = {}
         self._server: asyncio.AbstractServer | None = None
 
     def observe(self, op: str, code: str, started: float) -> None:
         """One answered request; ``started`` is its ``time.perf_counter()``."""
-        child = self._children.get((op, code))
-        if child is None:
-            child = self._children[(op, code)] = self._ops.labels(op, code)
-        child.inc()
-        timer = self._timers.get(op)
-        if timer is None:
-            timer = self._timers[op] = self._latency.labels(op)
-        timer.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        ops = self._ops
+        key = (op, code)
+        counts = ops.counts
+        if key in counts:
+            counts[key] += 1
+        else:
+            ops.new_count(key)
+        hist = ops.hists.get(op)
+        if hist is None:
+            hist = ops.new_hist(op)
+        hist[bisect_left(_BOUNDS, elapsed)] += 1  # the first bucket with elapsed <= le
+        hist[-1] += elapsed
 
     def refused(self, reason: str) -> None:
         self._refused.labels(reason).inc()
@@ -117,6 +124,56 @@ class Metrics:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+
+_BOUNDS = (*LATENCY_BUCKETS, float("inf"))
+
+
+class _OpsCollector(Collector):
+    """``rpcbuf_ops_total{op,code}`` and ``rpcbuf_op_duration_seconds{op}``,
+    kept as plain numbers by ``Metrics.observe`` (on the event loop, where
+    scrapes run too: no locks) and exposed exactly as a ``Counter`` and a
+    ``Histogram`` with those labels would expose them."""
+
+    OPS = ("rpcbuf_ops", "Requests answered, by op and result code")
+    LATENCY = ("rpcbuf_op_duration_seconds",
+               "Time from a request's arrival to its end (transfers included), by op")
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        # per op: one count per bucket (not cumulative), then the sum of the observations
+        self.hists: dict[str, list[Any]] = {}
+        self._created: dict[Any, float] = {}
+
+    def new_count(self, key: tuple[str, str]) -> None:
+        self._created[key] = time.time()
+        self.counts[key] = 1
+
+    def new_hist(self, op: str) -> list[Any]:
+        self._created[op] = time.time()
+        hist: list[Any] = [0] * len(_BOUNDS) + [0.0]
+        self.hists[op] = hist
+        return hist
+
+    def collect(self) -> Iterator[Any]:
+        # as prometheus_client's own metrics: PROMETHEUS_DISABLE_CREATED_SERIES,
+        # disable_created_metrics()
+        created = getattr(_client_metrics, "_use_created", True)
+        ops = CounterMetricFamily(*self.OPS, labels=["op", "code"])
+        for key, n in list(self.counts.items()):
+            ops.add_metric(list(key), n, created=self._created[key] if created else None)
+        yield ops
+        latency = HistogramMetricFamily(*self.LATENCY, labels=["op"])
+        for op, hist in list(self.hists.items()):
+            buckets, total = [], 0
+            for bound, n in zip(_BOUNDS, hist, strict=False):
+                total += n
+                buckets.append((floatToGoString(bound), total))
+            latency.add_metric([op], buckets, hist[-1])
+            if created:
+                latency.samples.append(Sample(f"{latency.name}_created", {"op": op},
+                                              self._created[op]))
+        yield latency
 
 
 class _StateCollector(Collector):

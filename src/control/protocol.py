@@ -113,6 +113,15 @@ class FrameDecoder:
 
 
 def _check(op: str, name: str, value: Any, tp: Any) -> Any:
+    # The common scalar types first: identity tests, before typing's introspection.
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str) or len(value) > MAX_STR:
+            raise BadRequest(f"{op}: {name} must be a string of at most {MAX_STR} characters")
+        return value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -146,19 +155,11 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
             raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {value!r}")
         return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
-            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
-        return value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok or not math.isfinite(value) or value < 0:
             raise BadRequest(f"{op}: {name} must be a finite number >= 0, got {value!r}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str) or len(value) > MAX_STR:
-            raise BadRequest(f"{op}: {name} must be a string of at most {MAX_STR} characters")
-        return value
     if tp is bytes:
         if not isinstance(value, bytes) or len(value) > MAX_STR:
             raise BadRequest(f"{op}: {name} must be bytes, at most {MAX_STR}")
@@ -178,28 +179,50 @@ class Request:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> Request:
-        hints = _hints(cls)
-        unknown = set(fields) - set(hints)
-        if unknown:
-            raise BadRequest(f"{cls.op}: unknown field(s) {sorted(unknown)}")
+        names, specs, _ = _specs(cls)
+        if not names.issuperset(fields):
+            raise BadRequest(f"{cls.op}: unknown field(s) {sorted(set(fields) - names)}")
+        op = cls.op
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in fields:
-                kwargs[f.name] = _check(cls.op, f.name, fields[f.name], hints[f.name])
-            elif f.default is dataclasses.MISSING:
-                raise BadRequest(f"{cls.op}: missing field {f.name!r}")
+        for name, tp, optional, required in specs:
+            if name in fields:
+                value = fields[name]
+                kwargs[name] = None if value is None and optional else _check(op, name, value, tp)
+            elif required:
+                raise BadRequest(f"{op}: missing field {name!r}")
         return cls(**kwargs)
 
     def to_wire(self, req_id: int) -> dict[str, Any]:
         msg: dict[str, Any] = {"op": self.op, "id": req_id}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name in _specs(type(self))[2]:  # in field order, as dataclasses.fields
+            value = getattr(self, name)
             if value is not None:
-                msg[f.name] = value
+                msg[name] = value
         return msg
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+# Per request class: its field names (a set), per field (name, type to check,
+# whether None is allowed, whether it is required; a union checks its first
+# non-None type, as _check does), and the names in field order.
+_Specs = tuple[frozenset[str], tuple[tuple[str, Any, bool, bool], ...], tuple[str, ...]]
+_SPECS: dict[type, _Specs] = {}
+
+
+def _specs(cls: type) -> _Specs:
+    specs = _SPECS.get(cls)
+    if specs is None:
+        hints = _hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            tp, optional = hints[f.name], False
+            if get_origin(tp) in (Union, types.UnionType):
+                args = get_args(tp)
+                optional = type(None) in args
+                tp = next(a for a in args if a is not type(None))
+            out.append((f.name, tp, optional, f.default is dataclasses.MISSING))
+        specs = _SPECS[cls] = (frozenset(hints), tuple(out), tuple(o[0] for o in out))
+    return specs
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -313,6 +313,7 @@ class Session(DedupOps, DataOps):
         self._slot = asyncio.Event()
         self._closed = False
         self._decoder = P.FrameDecoder(daemon.limits.max_frame)
+        self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
 
     def abort(self, why: str) -> None:
         """End the session hard: abort the data endpoint (UCX cancels what is
@@ -339,7 +340,18 @@ class Session(DedupOps, DataOps):
             frame = P.encode_frame(message, self.daemon.limits.max_frame)
         except P.FrameError as exc:
             frame = P.encode_frame(P.error_response(message.get("id"), BadRequest(str(exc))))
-        self.writer.write(frame)
+        out = self._out
+        if out is None:  # the first answer of a loop turn leaves at once (latency) ...
+            self.writer.write(frame)
+            self._out = []
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:  # ... the others (a pipelined burst) together, in one write, at its end
+            out.append(frame)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        if out and not self.writer.is_closing():
+            self.writer.write(b"".join(out))
 
     async def run(self) -> None:
         limits = self.daemon.limits
@@ -492,6 +504,7 @@ class Session(DedupOps, DataOps):
         for buf in self.registry.session_closed(self.session_id):
             self._log("release", buf, note="session closed")
         self.daemon.schedule_expiry()
+        self._flush()  # answers of this loop turn (a connection-level error frame) go first
         with contextlib.suppress(Exception):
             self.writer.close()
         log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
