@@ -65,3 +65,7 @@ install-service:
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+.PHONY: bench-ucx
+bench-ucx: install  ## UCX knobs (progress modes, rendezvous, tcp sizes, shared memory): prints a table, writes bench_ucx.json
+	$(BIN)/python scripts/bench_ucx.py --json bench_ucx.json
