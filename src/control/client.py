@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import operator
 import os
 import socket
 import ssl
@@ -38,11 +39,11 @@ from dataplane.checksum import checksum
 from dataplane.devsum import devsum
 
 from . import protocol as P
-from .arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
+from .arrays import as_bytes, data_addresses, dtype_name, is_cuda, populate, prepare, to_wire_f16
 from .dedup import DedupClientOps
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
 from .gpuops import check_wire_dtype
-from .tensors import TensorOps
+from .tensors import XXH3, Items, Packed, TensorOps, bulk_views, plan_spans
 from .units import split_host_port
 
 DEFAULT_PORT = 7700
@@ -388,7 +389,8 @@ class RpcContext(TensorOps, DedupClientOps):
         self._check_open()
         if verify not in (None, "checksum"):
             raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
-        check_wire_dtype(wire_dtype, dtype_name(array))
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype, dtype_name(array))
         gpu_buffer = isinstance(buffer_id, str) and buffer_id in self._gpu_buffers
         kind = "devsum" if gpu_buffer or is_cuda(array) else "xxh3"
         if wire_dtype is None:
@@ -410,17 +412,19 @@ class RpcContext(TensorOps, DedupClientOps):
         digest = None
         if verify:
             digest = devsum(final) if kind == "devsum" else checksum(final)
+        local = self._local(buffer_id, [data])
         req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(final.nbytes),
                       checksum=digest, verify=verify,  # type: ignore[arg-type]
                       checksum_kind=kind if verify and kind != "xxh3" else None,  # type: ignore[arg-type]
-                      wire_dtype=wire_dtype)  # type: ignore[arg-type]
-        if self._local(buffer_id, [data]):
+                      wire_dtype=wire_dtype,  # type: ignore[arg-type]
+                      addr=int(data.ctypes.data) if local else None)
+        if local:
             try:
-                return await self._local_request(
-                    dataclasses.replace(req, addr=int(data.ctypes.data)), [data])
+                return await self._local_request(req, [data])
             except BadRequest as exc:
                 if not self._fall_back(buffer_id, exc):
                     raise
+                req = dataclasses.replace(req, addr=None)
         return await self._send_request(req, [data] if data.nbytes else [])
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
@@ -445,15 +449,17 @@ class RpcContext(TensorOps, DedupClientOps):
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
         prepare(dest)  # GPU work still using ``out`` finishes before UCX overwrites it
-        req = P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes)
-        if self._local(buffer_id, [dest]):
+        local = self._local(buffer_id, [dest])
+        req = P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                     addr=int(dest.ctypes.data) if local else None)
+        if local:
             try:
-                await self._local_request(dataclasses.replace(req, addr=int(dest.ctypes.data)),
-                                          [dest])
+                await self._local_request(req, [dest])
                 return out if out is not None else target
             except BadRequest as exc:
                 if not self._fall_back(buffer_id, exc):
                     raise
+                req = dataclasses.replace(req, addr=None)
         await self._receive_request(req, [dest] if nbytes else [])
         return out if out is not None else target
 
@@ -482,7 +488,8 @@ class RpcContext(TensorOps, DedupClientOps):
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
-                          manifest: tuple[list[str], list[str], list[list[int]]] | None = None,
+                          manifest: tuple[list[str], list[str], list[list[int]]] | Packed
+                          | None = None,
                           manifest_version: int | None = None) -> dict[str, Any]:
         """Store many ``(offset, array)`` items of one buffer in one control
         round trip; touching small items travel as one UCX message each run
@@ -490,81 +497,105 @@ class RpcContext(TensorOps, DedupClientOps):
         shapes), index-aligned with ``items``, is recorded on the daemon;
         with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
         ``manifest_changed``, before any byte lands) if the manifest changed.
+        The answer's ``checksums`` (with a manifest) are index-aligned with
+        ``items`` too.
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         self._check_open()
         if verify not in (None, "checksum"):
             raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
-        order = sorted(range(len(items)), key=lambda i: items[i][0])
-        datas = [as_bytes(items[i][1]) for i in order]
-        if not all(isinstance(d, np.ndarray) for d in datas):
-            raise BadRequest("store_batch takes host arrays; store GPU tensors with store_tensor")
-        offsets = np.fromiter((items[i][0] for i in order), dtype=np.int64, count=len(order))
-        if len(offsets) and offsets.min() < 0:
+        n = len(items)
+        known: np.ndarray | None = None  # the items' sizes, when given as columns
+        if isinstance(items, Items):
+            offsets, arrays, known = items.offsets.astype(np.int64), items.arrays, items.sizes
+        else:
+            try:
+                offsets = np.fromiter(map(_FIRST, items), dtype=np.int64, count=n)
+                arrays = list(map(_SECOND, items))
+            except (TypeError, ValueError, OverflowError, IndexError):
+                raise BadRequest("items must be (offset, array) pairs with integer "
+                                 "offsets") from None
+        if n and offsets.min() < 0:
             raise BadRequest("offsets must be non-negative")
-        sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
+        packed = _packed(manifest, n)
+        order = None
+        if n > 1 and (offsets[1:] < offsets[:-1]).any():
+            order = np.argsort(offsets, kind="stable")
+            offsets = offsets[order]
+            arrays = [arrays[i] for i in order.tolist()]
+            packed = packed.take(order) if packed is not None else None
+            known = known[order] if known is not None else None
+        datas = _host_data(arrays)
+        if known is None or datas is not arrays:
+            sizes = np.fromiter(map(_NBYTES, datas), dtype=np.uint64, count=n)
+        else:
+            sizes = known.astype(np.uint64)
         offsets_u = offsets.astype(np.uint64)
-        sums = P.pack_u64([checksum(d) for d in datas]) if verify else None
-        names = dtypes = shapes = None
-        if manifest is not None:
-            names, dtypes, shapes = ([col[i] for i in order] for col in manifest)
+        sums = P.pack_u64(np.fromiter(map(XXH3, datas), dtype=np.uint64,
+                                      count=n)) if verify else None
         req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
                            sizes=P.pack_u64(sizes), checksums=sums,
-                           verify=verify, names=names, dtypes=dtypes, shapes=shapes,  # type: ignore[arg-type]
-                           manifest_version=manifest_version)
+                           verify=verify,  # type: ignore[arg-type]
+                           manifest_version=manifest_version,
+                           **(packed.fields() if packed is not None else {}))
         if self._local(buffer_id, datas):
             try:
-                return await self._local_request(
-                    dataclasses.replace(req, addrs=P.pack_u64(_addresses(datas))), datas)
+                return _in_caller_order(await self._local_request(
+                    dataclasses.replace(req, addrs=P.pack_u64(data_addresses(datas))), datas),
+                    order)
             except BadRequest as exc:
                 if not self._fall_back(buffer_id, exc):
                     raise
-        payloads = [datas[first] if stop - first == 1 else np.concatenate(datas[first:stop])
+        payloads = [_payload(datas[first:stop])
                     for _, _, first, stop in P.plan_runs(offsets_u, sizes)]
-        return await self._send_request(req, payloads)
+        return _in_caller_order(await self._send_request(req, payloads), order)
 
     async def read_batch(self, buffer_id: str,
                          ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """Read many ``(offset, nbytes)`` ranges of one buffer in one round
-        trip; returns uint8 arrays in the order asked (touching small ranges
-        arrive as one message and are views into it).
-        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        trip; returns uint8 arrays in the order asked.  Ranges close together
+        are read as one span (``tensors.plan_spans``) and come back as views
+        into it.  Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
         self._check_open()
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+        n = len(ranges)
         try:
-            offsets = np.array([ranges[i][0] for i in order], dtype=np.int64)
-            sizes = np.array([ranges[i][1] for i in order], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
+            offsets = np.fromiter(map(_FIRST, ranges), dtype=np.int64, count=n)
+            sizes = np.fromiter(map(_SECOND, ranges), dtype=np.int64, count=n)
+        except (TypeError, ValueError, OverflowError, IndexError):
             raise BadRequest("ranges must be (offset, nbytes) pairs of ints") from None
-        if len(order) and (offsets.min() < 0 or sizes.min() < 0):
+        if n and (offsets.min() < 0 or sizes.min() < 0):
             raise BadRequest("offsets and sizes must be non-negative")
-        offsets_u, sizes_u = offsets.astype(np.uint64), sizes.astype(np.uint64)
-        req = P.ReadBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
-                          sizes=P.pack_u64(sizes_u))
-        out: list[np.ndarray] = [np.empty(0, np.uint8)] * len(ranges)
-        blocks: list[np.ndarray] = []
-        runs = P.plan_runs(offsets_u, sizes_u)
-        for off, n, first, stop in runs:
-            block = np.empty(n, dtype=np.uint8)
-            blocks.append(block)
-            for j in range(first, stop):
-                rel = int(offsets[j]) - off
-                out[order[j]] = block[rel:rel + int(sizes[j])]
+        order = None
+        if n > 1 and (offsets[1:] < offsets[:-1]).any():
+            order = np.argsort(offsets, kind="stable")
+            offsets, sizes = offsets[order], sizes[order]
+        starts, lengths, span_of = plan_spans(offsets, sizes)
+        starts_u, lengths_u = starts.astype(np.uint64), lengths.astype(np.uint64)
+        req = P.ReadBatch(buffer_id=buffer_id, offsets=P.pack_u64(starts_u),
+                          sizes=P.pack_u64(lengths_u))
+        # One block per run of spans (spans never touch, so in practice one
+        # per span); each span lands at its place in its block.
+        runs = P.plan_runs(starts_u, lengths_u)
+        blocks = [np.empty(nb, dtype=np.uint8) for _, nb, _, _ in runs]
+        block_of = np.repeat(np.arange(len(runs), dtype=np.intp),
+                             [stop - first for _, _, first, stop in runs])
+        in_block = starts - np.array([off for off, _, _, _ in runs], dtype=np.int64)[block_of] \
+            if runs else starts
         if self._local(buffer_id, blocks):
-            # Each item lands where its view in ``out`` points (runs keep the order).
-            addrs = np.concatenate([
-                offsets[first:stop].astype(np.uint64) - np.uint64(off)
-                + np.uint64(block.ctypes.data)
-                for (off, _n, first, stop), block in zip(runs, blocks, strict=True)]
-            ) if runs else np.zeros(0, np.uint64)
+            addrs = _addresses(blocks)[block_of] + in_block.astype(np.uint64) \
+                if runs else np.zeros(0, np.uint64)
+            for block in blocks:
+                if block.nbytes >= _POPULATE_MIN:
+                    populate(block)
             try:
                 await self._local_request(dataclasses.replace(req, addrs=P.pack_u64(addrs)),
                                           blocks)
-                return out
+                return _byte_views(blocks, block_of, in_block, span_of, offsets, starts,
+                                   sizes, order)
             except BadRequest as exc:
                 if not self._fall_back(buffer_id, exc):
                     raise
         await self._receive_request(req, blocks)
-        return out
+        return _byte_views(blocks, block_of, in_block, span_of, offsets, starts, sizes, order)
 
     # -- the same-host path -----------------------------------------------------------
 
@@ -823,3 +854,73 @@ def create_rpc_context(server_addr: str, auth_token: str,
                        timeout: float | None = 30.0) -> Connector:
     """The tutorial's name for ``connect``."""
     return connect(server_addr, auth_token, timeout)
+
+
+# -- batches: helpers of store_batch and read_batch -----------------------------------
+
+_POPULATE_MIN = 1 << 20  # same-host reads: blocks this big are faulted in here first
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_NBYTES = operator.attrgetter("nbytes")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+
+
+def _packed(manifest: tuple[list[str], list[str], list[list[int]]] | Packed | None,
+            n: int) -> Packed | None:
+    if manifest is None:
+        return None
+    packed = manifest if isinstance(manifest, Packed) else Packed.of_columns(*manifest)
+    if len(packed) != n:
+        raise BadRequest(f"the manifest lists {len(packed)} tensors for {n} items")
+    return packed
+
+
+def _host_data(arrays: list[Any]) -> list[np.ndarray]:
+    """The arrays themselves when all are C-contiguous NumPy arrays (the
+    common case: no per-array work), else flat uint8 views (``as_bytes``)."""
+    if all(map(isinstance, arrays, itertools.repeat(np.ndarray))) \
+            and all(map(_C_CONTIGUOUS, arrays)):
+        return arrays
+    datas = [as_bytes(a) for a in arrays]
+    if not all(isinstance(d, np.ndarray) for d in datas):
+        raise BadRequest("store_batch takes host arrays; store GPU tensors with store_tensor")
+    return datas
+
+
+def _payload(datas: list[np.ndarray]) -> np.ndarray:
+    """One UCX message: the bytes of a run of touching items, back to back."""
+    if len(datas) == 1:
+        return as_bytes(datas[0])
+    if len({d.dtype for d in datas}) == 1:  # one dtype: NumPy flattens and joins in C
+        return np.concatenate(datas, axis=None).view(np.uint8)
+    return np.concatenate([as_bytes(d) for d in datas])
+
+
+def _in_caller_order(result: dict[str, Any], order: np.ndarray | None) -> dict[str, Any]:
+    """The daemon answers per item in offset order: put ``checksums`` back
+    in the order the caller gave the items."""
+    if order is not None and result.get("checksums"):
+        sums = P.unpack_u64(result["checksums"])
+        back = np.empty_like(sums)
+        back[order] = sums
+        result["checksums"] = P.pack_u64(back)
+    return result
+
+
+def _byte_views(blocks: list[np.ndarray], block_of: np.ndarray, in_block: np.ndarray,
+                span_of: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
+                sizes: np.ndarray, order: np.ndarray | None) -> list[np.ndarray]:
+    """read_batch's answer: each (offset-sorted) item as a uint8 view into
+    its block, in the order the caller asked."""
+    if not len(sizes):
+        return []
+    rel = offsets - starts[span_of] + in_block[span_of]
+    uniq, kinds = np.unique(sizes, return_inverse=True)
+    views = bulk_views(blocks, block_of[span_of], rel, kinds.reshape(-1),
+                       [np.dtype(np.uint8)] * len(uniq), [(int(u),) for u in uniq.tolist()])
+    if order is None:
+        return views
+    out: list[np.ndarray] = [views[0]] * len(views)
+    for j, i in enumerate(order.tolist()):
+        out[i] = views[j]
+    return out

@@ -23,11 +23,9 @@ A plain ``store``/``read`` is a batch of one run with tag = request id.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import errno
 import logging
-import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +37,7 @@ from dataplane.cma import CmaError, Peer
 from dataplane.devops import fill, range_checksum, scratch, widen_f16
 from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
 
+from . import manifest as M
 from . import protocol as P
 from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
 from .gpuops import check_wire_f16
@@ -50,20 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rpcbuf.daemon")
 CMA_INLINE = 1 << 20  # same-host copies below this run on the event loop (about 0.2 ms)
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
-
-_DTYPES: dict[str, np.dtype[Any]] = {}
-
-
-def _dtype(name: str) -> np.dtype[Any]:
-    if name not in _DTYPES:
-        try:
-            dt = np.dtype(name)
-        except TypeError:
-            raise BadRequest(f"unknown dtype {name!r}") from None
-        if dt.hasobject:
-            raise BadRequest(f"dtype {name!r} holds Python objects")
-        _DTYPES[name] = dt
-    return _DTYPES[name]
 
 
 class DataOps:
@@ -373,7 +358,7 @@ class DataOps:
             buf = self._get(req.buffer_id)
             self._check_items(buf, offsets, sizes)
             sums = self._batch_checksums(req, len(offsets))
-            manifest = self._manifest(req, offsets, sizes, sums)
+            cols = M.check(req, sizes)
             if req.manifest_version is not None and req.manifest_version != buf.manifest_version:
                 raise BadRequest("the buffer's manifest changed since it was read",
                                  {"reason": "manifest_changed",
@@ -386,30 +371,48 @@ class DataOps:
         nbytes = int(sizes.sum())
         hull = _hull(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=True):
-            if ep is None:
+            verify = sums is not None and req.verify == "checksum"
+            # What landed, hashed by us: compared with the client's checksums,
+            # and what the manifest records (never a checksum we did not see match).
+            hashing = verify or cols is not None
+            got: list[int] | None = None
+            manifest: dict[str, dict[str, Any]] | None = None
+            at = offsets + np.uint64(buf.offset)  # in the arena
+            if ep is None and hashing and nbytes >= CMA_INLINE:
+                # A big same-host batch: each part is hashed (and its entries
+                # made) as soon as it has landed, while the rest still copies.
+                assert addrs is not None and self.cma is not None
+                landing = M.Landing(buf.pool.arena, at, sizes, cols, offsets)
+                try:
+                    await self._transfer([asyncio.to_thread(
+                        self.cma.read, offsets + np.uint64(base), addrs, sizes,
+                        self.cma_stop.is_set, landing)])
+                except CmaError as exc:
+                    raise _cma_error(exc) from exc
+                got, manifest = landing.sums, landing.entries()
+            elif ep is None:
                 assert addrs is not None
                 await self._cma(False, offsets + np.uint64(base), addrs, sizes, nbytes)
             else:
                 await self._receive(ep, req_id, buf, runs)
-            if sums is not None and req.verify == "checksum":
-                got = buf.pool.arena.checksums((offsets + buf.offset).tolist(), sizes.tolist())
-                bad = [i for i, (g, c) in enumerate(zip(got, sums.tolist(), strict=True))
-                       if g != c]
-                if bad:
+            if hashing and got is None:
+                got = await M.landed_checksums(buf.pool.arena, at, sizes, nbytes)
+            if verify:
+                assert sums is not None and got is not None
+                bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
+                if len(bad):
                     self.daemon.counters["verify_failures"] += 1
                     raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
-                                       "their checksums", {"items": bad[:20]})
+                                       "their checksums", {"items": bad[:20].tolist()})
             result: dict[str, Any] = {}
-            if manifest:
-                if sums is None:  # the manifest's checksums: what actually arrived
-                    got = buf.pool.arena.checksums((offsets + buf.offset).tolist(),
-                                                   sizes.tolist())
-                    for e, digest in zip(manifest.values(), got, strict=True):
-                        e["checksum"] = digest
-                result["dropped"] = self._record(buf, manifest, hull)
+            if cols is not None and cols.names:
+                assert got is not None
+                if manifest is None:
+                    manifest = cols.entries(offsets, sizes, got)
+                result["dropped"] = self._record(buf, manifest, hull, end=hull[1])
                 await self._index_stored(buf, manifest)  # a dedup source from now on
                 result["manifest_version"] = buf.manifest_version
-                result["checksums"] = P.pack_u64([e["checksum"] for e in manifest.values()])
+                result["checksums"] = P.pack_u64(got)
         self.daemon.counters["bytes_stored"] += nbytes
         self._log("store_batch", buf, hull[0], nbytes, note=f"items={len(offsets)} "
                   f"messages={sum(1 for r in runs if r[1])}")
@@ -438,53 +441,19 @@ class DataOps:
     @staticmethod
     def _manifest(req: P.StoreBatch | P.DedupStore, offsets: np.ndarray, sizes: np.ndarray,
                   sums: np.ndarray | None) -> dict[str, dict[str, Any]]:
-        cols = (req.names, req.dtypes, req.shapes)
-        if all(c is None for c in cols):
+        """The batch's manifest entries, checked (see ``manifest.check``),
+        with ``sums`` as their checksums (None: not known yet)."""
+        cols = M.check(req, sizes)
+        if cols is None:
             return {}
-        n = len(offsets)
-        if any(c is None or len(c) != n for c in cols):
-            raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
-        assert req.names is not None and req.dtypes is not None and req.shapes is not None
-        if len(set(req.names)) != n:
-            raise BadRequest("tensor names in one batch must be unique")
-        out: dict[str, dict[str, Any]] = {}
-        sum_list = [None] * n if sums is None else sums.tolist()
-        for name, dt, shape, off, size, digest in zip(req.names, req.dtypes, req.shapes,
-                                                       offsets.tolist(), sizes.tolist(),
-                                                       sum_list, strict=True):
-            dtype = _dtype(dt)
-            if math.prod(shape) * dtype.itemsize != size:
-                raise BadRequest(f"tensor {name!r}: shape {shape} of {dt} is not {size} bytes")
-            out[name] = {"dtype": dtype.str, "shape": shape, "offset": off, "nbytes": size,
-                         "checksum": digest}
-        return out
+        return cols.entries(offsets, sizes, [None] * len(offsets) if sums is None
+                            else sums.tolist())
 
     def _record(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
-                hull: tuple[int, int]) -> list[str]:
-        """Merge into the buffer's manifest; entries whose bytes were just
-        overwritten by other tensors are dropped (they no longer hold).
-        Returns the dropped names."""
-        dropped: list[str] = []
-        others = buf.tensors.keys() - manifest.keys()  # renewed names stay
-        written = sorted((e["offset"], e["offset"] + e["nbytes"])
-                         for e in manifest.values()) if others else []
-        starts = [w[0] for w in written]
-        for name in others:
-            e = buf.tensors[name]
-            a, b = e["offset"], e["offset"] + e["nbytes"]
-            if a >= hull[1] or b <= hull[0]:
-                continue
-            j = bisect.bisect_left(starts, b)  # written[j-1]: the last range starting before b
-            if j and written[j - 1][1] > a:
-                del buf.tensors[name]
-                dropped.append(name)
-        buf.tensors.update(manifest)
-        buf.manifest_version += 1
-        end = max((e["offset"] + e["nbytes"] for e in manifest.values()), default=0)
-        buf.tensors_end = max(buf.tensors_end, -(-end // 256) * 256)
-        if len(buf.tensors) > P.MAX_ITEMS:
-            raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors")
-        return dropped
+                hull: tuple[int, int], end: int | None = None) -> list[str]:
+        """Merge into the buffer's manifest (see ``manifest.record``); returns
+        the names dropped because other tensors overwrote their bytes."""
+        return M.record(buf, manifest, hull, end)
 
     # -- read -----------------------------------------------------------------------
 
@@ -596,3 +565,4 @@ def _hull(offsets: np.ndarray, sizes: np.ndarray) -> tuple[int, int]:
     if not len(offsets):
         return (0, 0)
     return int(offsets.min()), int((offsets + sizes).max())
+

@@ -301,6 +301,12 @@ class StoreBatch(Request):
     shapes: list[list[int]] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
     addrs: U64Array | None = None  # same-host sessions: each item's address in the client
+    # The manifest packed, instead of dtypes/shapes (with names as above):
+    # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
+    # (no kinds with a one-kind table: every item is of that kind).
+    kinds: U64Array | None = None
+    kind_dtypes: list[str] | None = None
+    kind_shapes: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,371 @@
+"""Big tensor batches: the packed manifest on the wire and its checks, the
+client's columns (ManifestTable, layouts, spans and views), same-host copies
+that report what has landed, and array addresses gathered at once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+import rpcbuf
+from control import manifest as M
+from control import protocol as P
+from control.arrays import data_addresses
+from control.tensors import (
+    ManifestTable,
+    Packed,
+    bulk_views,
+    plan_layout,
+    plan_offsets,
+    plan_spans,
+)
+from dataplane import cma
+
+
+def _batch(**kw: object) -> P.StoreBatch:
+    fields: dict[str, object] = dict(
+        buffer_id="b", offsets=P.pack_u64([0, 64, 128]), sizes=P.pack_u64([16, 16, 8]),
+        names=["a", "b", "c"], kinds=P.pack_u64([0, 0, 1]), kind_dtypes=["<f4", "int16"],
+        kind_shapes=[[2, 2], [4]])
+    fields.update(kw)
+    return P.StoreBatch(**fields)  # type: ignore[arg-type]
+
+
+# -- the wire fields ----------------------------------------------------------------------
+
+
+def test_packed_manifest_fields_round_trip_and_bad_types() -> None:
+    req = _batch()
+    assert P.parse_request(req.to_wire(3)) == (3, req)
+    one_kind = _batch(kinds=None, kind_dtypes=["<f4"], kind_shapes=[[4]])
+    assert P.parse_request(one_kind.to_wire(4)) == (4, one_kind)
+    for bad in ({"kinds": [0, 0, 1]}, {"kinds": b"\x00" * 7}, {"kinds": "abc"},
+                {"kind_dtypes": "<f4"}, {"kind_dtypes": [4, 5]}, {"kind_dtypes": ["x" * 2000]},
+                {"kind_shapes": [4, 4]}, {"kind_shapes": [[-1], [4]]}, {"kind_shapes": [["4"]]},
+                {"kind_shapes": [[2.0, 2]]}, {"kind_shapes": [[True]]}):
+        with pytest.raises(P.RequestError) as info:
+            P.parse_request({**req.to_wire(3), **bad})
+        assert info.value.req_id == 3 and info.value.error.code == "BAD_REQUEST"
+
+
+def _sizes(req: P.StoreBatch) -> np.ndarray:
+    return P.unpack_u64(req.sizes)
+
+
+def test_manifest_check_accepts_both_forms() -> None:
+    cols = M.check(_batch(), _sizes(_batch()))
+    assert cols is not None and cols.dtypes == ["<f4", "<i2"]
+    offsets = P.unpack_u64(_batch().offsets)
+    entries = cols.entries(offsets, _sizes(_batch()), [1, 2, 3])
+    assert entries["a"] == {"dtype": "<f4", "shape": (2, 2), "offset": 0, "nbytes": 16,
+                            "checksum": 1}
+    assert entries["c"]["dtype"] == "<i2" and list(entries["c"]["shape"]) == [4]
+    assert list(cols.entries(offsets, _sizes(_batch()), [9], 1, 2)) == ["b"]
+    one = _batch(kinds=None, kind_dtypes=["<f4"], kind_shapes=[[4]],
+                 sizes=P.pack_u64([16, 16, 16]))
+    assert M.check(one, _sizes(one)) is not None
+    listed = _batch(kinds=None, kind_dtypes=None, kind_shapes=None, dtypes=["<f4", "<f4", "<i2"],
+                    shapes=[[2, 2], [4], [4]])
+    cols = M.check(listed, _sizes(listed))
+    assert cols is not None and len(cols.dtypes) == 3  # (dtype, shape) pairs: three kinds
+    assert cols.entries(offsets, _sizes(listed), [None] * 3)["b"]["shape"] == [4]
+    nothing = _batch(names=None, kinds=None, kind_dtypes=None, kind_shapes=None)
+    assert M.check(nothing, _sizes(nothing)) is None
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"names": ["a", "b"]}, "names and kinds must each list all 3"),
+    ({"kinds": P.pack_u64([0, 0])}, "names and kinds must each list all 3"),
+    ({"kinds": P.pack_u64([0, 0, 2])}, "'c': kind 2 is not in the table of 2 kinds"),
+    ({"kind_shapes": [[2, 2]]}, "2 kind_dtypes for 1 kind_shapes"),
+    ({"kinds": None}, "of 2 kinds needs kinds"),
+    ({"names": None}, "needs names"),
+    ({"kind_dtypes": None}, "needs names, kind_dtypes and kind_shapes"),
+    ({"dtypes": ["<f4"] * 3}, "either dtypes and shapes or kinds"),
+    ({"kind_dtypes": ["<f4", "nonsense"]}, "unknown dtype 'nonsense'"),
+    ({"kind_dtypes": ["<f4", "O"]}, "holds Python objects"),
+    ({"kind_dtypes": ["<f4", "i4,O"]}, "holds Python objects"),
+    ({"kind_shapes": [[2, 2], [3]]}, "tensor 'c': shape [3] of int16 is not 8 bytes"),
+    ({"kind_shapes": [[2, 2], [1 << 62, 1 << 62]]}, "is not 8 bytes"),
+    ({"names": ["a", "b", "a"]}, "must be unique"),
+    # the list form keeps its checks
+    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
+      "shapes": [[4], [4]]}, "names, dtypes and shapes must each list all 3"),
+    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
+      "shapes": [[4], [4], [4]]}, "tensor 'c': shape [4] of <f4 is not 8 bytes"),
+    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4", "<f4", "O"],
+      "shapes": [[4], [4], [1]]}, "holds Python objects"),
+])
+def test_manifest_check_refuses_bad_manifests(change: dict[str, object], words: str) -> None:
+    req = _batch(**change)
+    with pytest.raises(rpcbuf.BadRequest) as info:
+        M.check(req, _sizes(req))
+    assert words in info.value.message
+
+
+# -- through a daemon -------------------------------------------------------------------------
+
+
+async def test_bad_packed_manifests_are_refused_before_any_byte_lands(
+        ctx: rpcbuf.RpcContext) -> None:
+    bid = await ctx.request_buffer(1 << 16)
+    await ctx.clear_buffer(bid, 7)
+    items = [(0, np.ones(4, np.float32)), (64, np.ones(8, np.int16))]
+    bad = [
+        Packed(["a", "b"], np.array([0, 5]), ["<f4", "<i2"], [(4,), (8,)]),  # kind 5
+        Packed(["a", "b"], np.array([0, 1]), ["<f4", "<i2"], [(4,), (9,)]),  # 18 != 16
+        Packed(["a", "a"], np.array([0, 1]), ["<f4", "<i2"], [(4,), (8,)]),  # twice
+        Packed(["a", "b"], np.array([0, 1]), ["<f4", "|O"], [(4,), (8,)]),  # objects
+    ]
+    for packed in bad:
+        with pytest.raises(rpcbuf.BadRequest):
+            await ctx.store_batch(bid, items, manifest=packed)
+    with pytest.raises(rpcbuf.BadRequest):  # a manifest that does not match the items
+        await ctx.store_batch(bid, items, manifest=(["a"], ["<f4"], [[4]]))
+    meta = await ctx.get_buffer_meta(bid)
+    assert meta["tensors"] == {} and meta["manifest_version"] == 0
+    assert (await ctx.read_buffer(bid) == 7).all()  # nothing landed
+    ok = Packed(["a", "b"], np.array([0, 1]), ["<f4", "<i2"], [(4,), (8,)])
+    res = await ctx.store_batch(bid, items, manifest=ok)
+    assert P.unpack_u64(res["checksums"]).tolist() == [xxhash.xxh3_64_intdigest(a)
+                                                       for _, a in items]
+    man = (await ctx.get_buffer_meta(bid))["tensors"]
+    assert man["b"] == {"dtype": "<i2", "shape": [8], "offset": 64, "nbytes": 16,
+                        "checksum": xxhash.xxh3_64_intdigest(items[1][1])}
+    await ctx.release_buffer(bid)
+
+
+async def test_store_batch_answers_checksums_in_the_callers_order(
+        ctx: rpcbuf.RpcContext) -> None:
+    bid = await ctx.request_buffer(1 << 16)
+    arrays = [np.full(16, i, np.uint8) for i in range(5)]
+    items = [(4096 - 1024 * i, a) for i, a in enumerate(arrays)]  # descending offsets
+    names = [f"t{i}" for i in range(5)]
+    res = await ctx.store_batch(bid, items, verify="checksum",
+                                manifest=(names, ["|u1"] * 5, [[16]] * 5))
+    assert P.unpack_u64(res["checksums"]).tolist() == [xxhash.xxh3_64_intdigest(a)
+                                                       for a in arrays]
+    man = (await ctx.get_buffer_meta(bid))["tensors"]
+    assert [man[n]["offset"] for n in names] == [o for o, _ in items]
+    assert await ctx.load_tensors(bid)  # every checksum matches its own tensor
+    await ctx.release_buffer(bid)
+
+
+async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
+        ctx: rpcbuf.RpcContext) -> None:
+    bid = await ctx.request_buffer(1 << 16)
+    await ctx.store_tensors(bid, {"old": np.arange(64, dtype=np.int32)})
+    # "new" comes first but gets a slot after "old", which keeps its own
+    written = await ctx.store_tensors(bid, {"new": np.ones(8, np.float64),
+                                            "old": np.arange(64, dtype=np.int32) * 2})
+    assert written["old"]["offset"] == 0 and written["new"]["offset"] == 256
+    got = await ctx.load_tensors(bid)  # verified against the cached manifest
+    assert (got["old"] == np.arange(64) * 2).all() and (got["new"] == 1).all()
+    assert dict(written) == {n: (await ctx.get_buffer_meta(bid))["tensors"][n] for n in written}
+    assert dict(await ctx.store_tensors(bid, {})) == {}  # nothing to store: nothing changes
+    assert set(await ctx.load_tensors(bid)) == {"old", "new"}
+    assert await ctx.load_tensors(bid, names=[]) == {}
+    await ctx.release_buffer(bid)
+
+
+async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcContext) -> None:
+    rng = np.random.default_rng(5)
+    kinds = [((4, 8), np.float32), ((16,), np.float16), ((), np.int64), ((3, 0), np.float32),
+             ((7,), np.uint8), ((2, 3, 5), np.int16)]
+    tensors = {}
+    for i in range(3000):
+        shape, dt = kinds[i % 7 % len(kinds)]
+        tensors[f"layers.{i}.w"] = (rng.standard_normal(shape) * 100).astype(dt)
+    tensors["big"] = rng.standard_normal(300_000).astype(np.float32)  # its own span
+    bid = await ctx.request_buffer(rpcbuf.calculate_buffer_size(tensors) + (8 << 20))
+    written = await ctx.store_tensors(bid, tensors)
+    assert len(written) == len(tensors)
+    for attempt in range(2):  # from the cache, then as another client would
+        if attempt:
+            ctx._manifests.clear()
+        back = await ctx.load_tensors(bid)
+        assert list(back) == list(tensors)
+        for name, a in tensors.items():
+            b = back[name]
+            assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b), name
+        some = ["layers.2999.w", "big", "layers.5.w", "layers.5.w"]
+        part = await ctx.load_tensors(bid, names=some)
+        assert list(part) == ["layers.2999.w", "big", "layers.5.w"]
+        assert np.array_equal(part["big"], tensors["big"])
+    # overwrite in place: same slots, new bytes, new checksums
+    again = {n: a + 1 if a.dtype != np.uint8 else a ^ 1 for n, a in tensors.items()}
+    rewritten = await ctx.store_tensors(bid, again)
+    assert [e["offset"] for e in rewritten.values()] == [e["offset"] for e in written.values()]
+    back = await ctx.load_tensors(bid)
+    assert all(np.array_equal(back[n], a) for n, a in again.items())
+    await ctx.release_buffer(bid)
+
+
+async def test_read_batch_spans_overlaps_duplicates_and_empty_ranges(
+        ctx: rpcbuf.RpcContext) -> None:
+    bid = await ctx.request_buffer(1 << 20)
+    data = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    await ctx.store_tensor(bid, data)
+    ranges = [(900_000, 100), (0, 4096), (10, 20), (4096, 4096), (0, 0), (500_000, 70_000),
+              (10, 20), ((1 << 20) - 1, 1), (1 << 20, 0), (4000, 200), (300_001, 3)]
+    back = await ctx.read_batch(bid, ranges)
+    assert len(back) == len(ranges)
+    for (off, n), b in zip(ranges, back, strict=True):
+        assert b.dtype == np.uint8 and b.shape == (n,)
+        assert np.array_equal(b, data[off:off + n]), (off, n)
+    with pytest.raises(rpcbuf.OutOfRange):
+        await ctx.read_batch(bid, [(0, 4), ((1 << 20) + 1, 0)])
+    await ctx.release_buffer(bid)
+
+
+# -- client columns ------------------------------------------------------------------------
+
+
+def test_manifest_table_is_a_mapping_of_entries() -> None:
+    entries = {"a": {"dtype": "<f4", "shape": [2, 2], "offset": 0, "nbytes": 16, "checksum": 5},
+               "b": {"dtype": "<f4", "shape": [4], "offset": 256, "nbytes": 16,
+                     "checksum": None},
+               "c": {"dtype": "<f4", "shape": [2, 2], "offset": 512, "nbytes": 16,
+                     "checksum": 7}}
+    t = ManifestTable.of_entries(entries)
+    assert dict(t) == entries and len(t) == 3 and "b" in t and "z" not in t
+    assert t.get("z") is None and t.end == 768
+    assert t.rows(["c", "z", "a"]).tolist() == [2, -1, 0]
+    packed = Packed(["b", "d"], np.array([0, 0]), ["<i8"], [(2,)])
+    written = ManifestTable.of_batch(packed, np.array([256, 1024]), np.array([16, 16]),
+                                     np.array([1, 2], np.uint64))
+    merged = t.merged(written, ["c"])
+    assert list(merged) == ["a", "b", "d"]
+    assert merged["b"] == {"dtype": "<i8", "shape": [2], "offset": 256, "nbytes": 16,
+                           "checksum": 1}
+    assert merged["a"] == entries["a"] and merged.end == 1280
+    assert dict(t) == entries  # never changed in place
+
+
+def test_plan_offsets_matches_plan_layout() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(0, 30))
+        sizes = rng.integers(0, 2000, n)
+        names = [f"t{int(i)}" for i in rng.choice(60, n, replace=False)]
+        existing = {f"t{i}": {"offset": int(rng.integers(0, 100)) * 256,
+                              "nbytes": int(rng.integers(0, 2000)) if i % 3 else int(sizes[0])
+                              if n else 1}
+                    for i in range(0, 60, 2)}
+        arrays = {nm: np.zeros(int(s), np.uint8) for nm, s in zip(names, sizes, strict=True)}
+        start = None if rng.random() < 0.7 else int(rng.integers(0, 5000))
+        want = plan_layout(arrays, existing, start)
+        got = plan_offsets(names, sizes, existing, start)
+        assert dict(zip(names, got.tolist(), strict=True)) == want
+        table = ManifestTable.of_entries({k: {**v, "dtype": "|u1", "shape": [v["nbytes"]]}
+                                          for k, v in existing.items()})
+        assert plan_offsets(names, sizes, table, start).tolist() == got.tolist()
+
+
+def test_spans_and_bulk_views() -> None:
+    rng = np.random.default_rng(4)
+    mem = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    for _ in range(30):
+        n = int(rng.integers(1, 40))
+        offs = np.sort(rng.integers(0, 60_000, n)).astype(np.int64)
+        sizes = rng.choice([0, 4, 8, 12, 4096], n).astype(np.int64)
+        if rng.random() < 0.5:  # an evenly strided run of one kind
+            offs = np.arange(n, dtype=np.int64) * 16
+            sizes = np.full(n, 8, np.int64)
+        starts, lengths, span_of = plan_spans(offs, sizes, gap=int(rng.choice([0, 64, 4096])))
+        assert (starts[span_of] <= offs).all()
+        assert (offs + sizes <= starts[span_of] + lengths[span_of]).all()
+        blocks = [mem[s:s + ln].copy() for s, ln in zip(starts, lengths, strict=True)]
+        kinds = (sizes // 4).astype(np.intp)
+        dtypes = [np.dtype("<f4")] * 1025
+        shapes = [(k,) for k in range(1025)]
+        views = bulk_views(blocks, span_of, offs - starts[span_of], kinds, dtypes, shapes)
+        for o, s, v in zip(offs.tolist(), sizes.tolist(), views, strict=True):
+            assert v.dtype == np.float32 and v.shape == (s // 4,) and v.flags.c_contiguous
+            assert v.tobytes() == mem[o:o + s].tobytes()
+
+
+def test_addresses_gathered_at_once_match_ctypes(tmp_path: Path) -> None:
+    arrays = [np.ones(i % 7 + 1, np.float32) for i in range(500)]
+    arrays += [np.arange(100)[3:], np.zeros((4, 4))[1], np.empty(0), np.ones((2, 2)).T]
+    arrays += [np.memmap(tmp_path / "m", mode="w+", shape=(64,))[8:], np.ones(3)] * 3
+    want = [a.ctypes.data for a in arrays]
+    assert data_addresses(arrays).tolist() == want
+    assert data_addresses(arrays[:5]).tolist() == want[:5]
+
+
+# -- same-host copies that report what landed ---------------------------------------------
+
+
+def test_cma_joins_adjacent_pieces() -> None:
+    offs = np.arange(3000, dtype=np.uint64) * 4096
+    calls = cma._calls(offs, offs + np.uint64(1 << 40), np.full(3000, 4096))
+    assert len(calls) == 2 and calls[0][1] - calls[0][0] == 1  # 12 MB in one piece, cut in two
+    scattered = cma._calls(offs, offs * np.uint64(2), np.full(3000, 4096))
+    assert sum(c[1] - c[0] for c in scattered) == 3000
+    assert all(c[1] - c[0] <= cma.IOV_MAX for c in scattered)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_cma_reports_each_item_once_after_it_landed(monkeypatch: pytest.MonkeyPatch,
+                                                     parallel: bool) -> None:
+    monkeypatch.setattr(cma, "CHUNK", 1 << 16)
+    monkeypatch.setattr(cma, "PARALLEL_MIN", 1 << 12 if parallel else 1 << 60)
+    rng = np.random.default_rng(6)
+    peer = cma.Peer(os.getpid())
+    try:
+        for _ in range(20):
+            n = int(rng.integers(1, 400))
+            sizes = rng.choice([0, 1, 100, 4096, 70_000, 200_000], n).astype(np.uint64)
+            src = rng.integers(0, 256, int(sizes.sum()) + n * 64, dtype=np.uint8)
+            dst = np.zeros(len(src) * 2, np.uint8)
+            gaps = rng.choice([0, 0, 16], n).astype(np.uint64)  # some adjacent, some not
+            src_off = np.cumsum(sizes + gaps) - sizes - gaps
+            dst_off = src_off + np.where(rng.random(n) < 0.5, 0, 8).astype(np.uint64).cumsum()
+            seen: list[tuple[int, int]] = []
+
+            def landed(lo: int, hi: int, so: np.ndarray = src_off, do: np.ndarray = dst_off,
+                       sz: np.ndarray = sizes, s: np.ndarray = src, d: np.ndarray = dst,
+                       log: list[tuple[int, int]] = seen) -> None:
+                for i in range(lo, hi):
+                    a, b, z = int(so[i]), int(do[i]), int(sz[i])
+                    assert np.array_equal(d[b:b + z], s[a:a + z]), "reported before it landed"
+                log.append((lo, hi))
+
+            copy = peer.read if rng.random() < 0.7 else peer.write
+            copy(np.uint64(dst.ctypes.data) + dst_off, np.uint64(src.ctypes.data) + src_off,
+                 sizes, landed=landed)
+            done = sorted(i for lo, hi in seen for i in range(lo, hi))
+            assert done == list(range(n))
+    finally:
+        peer.close()
+
+
+def test_packed_of_arrays_kinds() -> None:
+    arrays = [np.zeros(3, np.float32), np.zeros(5, np.float32), np.zeros(3, np.float32),
+              np.zeros(3, ">f4"), np.zeros(2, np.dtype([("a", "<i2")])),
+              np.zeros(2, np.dtype([("a", "<i2")]))]
+    for some in (arrays, arrays[:3], [*arrays, np.zeros((2, 3), np.int8), np.zeros((), "<u8")]):
+        packed = Packed.of_arrays([f"t{i}" for i in range(len(some))], some)
+        for i, a in enumerate(some):
+            k = int(packed.kinds[i])
+            assert packed.dtypes[k] == a.dtype.str and packed.shapes[k] == a.shape
+            assert int(packed.kind_nbytes[k]) == a.nbytes  # type: ignore[index]
+        assert np.array_equal(packed.item_nbytes(), [a.nbytes for a in some])
+    one = Packed.of_arrays(["a", "b"], [np.zeros((2, 2)), np.ones((2, 2))])
+    assert one.fields()["kinds"] is None and one.shapes == [(2, 2)]
+
+
+def test_populate_backs_pages_without_changing_bytes() -> None:
+    from control.arrays import populate
+
+    a = np.arange(3 << 20, dtype=np.uint8)[5:]  # not page-aligned at either end
+    before = a.copy()
+    populate(a)
+    populate(a[:10])  # less than a page: nothing to do
+    # MADV_POPULATE_WRITE keeps every byte; the fallback zeroes page starts only
+    assert np.array_equal(a, before) or (a[a != before] == 0).all()
