@@ -26,6 +26,13 @@ from conftest import DaemonProc, pool_free, wait_free
 from control import protocol as P
 from dataplane import cma
 
+@pytest.fixture(autouse=True)
+def _default_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the same-host path: a RPCBUF_SAME_HOST=0 run of
+    the suite (the UCX path) must not turn it off here."""
+    monkeypatch.delenv("RPCBUF_SAME_HOST", raising=False)
+
+
 # -- dataplane/cma.py on its own -------------------------------------------------------
 
 

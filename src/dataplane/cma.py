@@ -65,14 +65,13 @@ class Peer:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._pidfd: int | None = os.pidfd_open(pid)
+        self._poll = select.poll()
+        self._poll.register(self._pidfd, select.POLLIN)
 
     def alive(self) -> bool:
-        fd = self._pidfd
-        if fd is None:
+        if self._pidfd is None:
             return False
-        p = select.poll()
-        p.register(fd, select.POLLIN)
-        return not p.poll(0)  # readable: the process has exited
+        return not self._poll.poll(0)  # readable: the process has exited
 
     def close(self) -> None:
         fd, self._pidfd = self._pidfd, None
