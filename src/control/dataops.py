@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from .server import Daemon
 
 log = logging.getLogger("rpcbuf.daemon")
-CMA_INLINE = 1 << 20  # same-host copies below this run on the event loop (about 0.2 ms)
+CMA_INLINE = 4 << 20  # same-host copies below this run on the event loop (at most ~0.7 ms)
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
 
 
