@@ -26,6 +26,7 @@ from conftest import DaemonProc, pool_free, wait_free
 from control import protocol as P
 from dataplane import cma
 
+
 @pytest.fixture(autouse=True)
 def _default_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the same-host path: a RPCBUF_SAME_HOST=0 run of
