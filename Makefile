@@ -24,7 +24,8 @@ lint: install
 # Loopback clients take the same-host path by default; these files run again
 # on the UCX path (what clients on other hosts use).
 UCX_PATH_TESTS := tests/test_transfers.py tests/test_failures.py tests/test_layouts.py \
-	tests/test_memory.py tests/test_concurrency.py tests/test_locks.py tests/hardening/test_faults.py
+	tests/test_memory.py tests/test_concurrency.py tests/test_locks.py tests/test_big_batches.py \
+	tests/test_dedup.py tests/hardening/test_faults.py
 
 test: install lint  ## the whole suite: lint, unit and integration tests, then the UCX path again
 	$(BIN)/python -m pytest -q
