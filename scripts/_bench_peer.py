@@ -1,6 +1,6 @@
 """Reference peer for ``scripts/bench.py``: what rpcbuf is measured against.
 
-One process, under uvloop, serving two things on 127.0.0.1:
+One process, under uvloop, serving three things on 127.0.0.1:
 
 * a raw ucxx listener (same UCX settings as rpcbufd, via
   ``dataplane.ucx.apply_defaults``) and a phase TCP server: for each phase
@@ -13,9 +13,20 @@ One process, under uvloop, serving two things on 127.0.0.1:
 * a bare msgpack echo server: length-prefixed frames in, the same frames out,
   parsed and re-encoded with ``control.protocol`` (as the daemon does), with
   the daemon's read loop shape (read, decode, write each answer, drain).
+* a raw blocking TCP socket server, in its own thread (not asyncio; the
+  socket calls release the GIL, and the event loop is idle meanwhile), with
+  ``TCP_NODELAY`` and the kernel's default (autotuned) socket buffers.  Per
+  connection, phases like the ucxx ones but in-band: a ``PHASE`` header
+  ``[mode, nbytes, iters]``, then ``iters`` exchanges with one preallocated,
+  pre-touched buffer of its own, each received with ``recv_into`` a
+  memoryview and sent with ``sendall``: ``MODE_STORE``: recv ``nbytes``,
+  send a 1-byte ack; ``MODE_READ``: recv an 8-byte request holding the size,
+  send that many bytes; ``MODE_ECHO``: recv ``nbytes``, send them back;
+  ``MODE_QUIT`` (or EOF) ends the connection.
 
-Once listening it writes ``UCX_PORT ECHO_PORT PHASE_PORT`` to ``--ready-file``.  It exits
-0 on SIGTERM/SIGINT, and on its own when its parent process goes away.
+Once listening it writes ``UCX_PORT ECHO_PORT PHASE_PORT SOCKET_PORT`` to
+``--ready-file``.  It exits 0 on SIGTERM/SIGINT, and on its own when its
+parent process goes away.
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,12 +46,66 @@ import numpy as np
 from control import protocol as P
 from dataplane import ucx
 
-MODE_QUIT, MODE_STORE, MODE_READ = 0, 1, 2
+MODE_QUIT, MODE_STORE, MODE_READ, MODE_ECHO = 0, 1, 2, 3
 TAG_PHASE, TAG_DATA, TAG_REPLY = 1, 2, 3
 READ_CHUNK = 1 << 16
 
 
 PHASE = struct.Struct("<qqq")  # mode, nbytes, iters: sent over the phase TCP connection
+READ_REQUEST = struct.Struct("<q")  # the raw socket's read request: the size wanted
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from a blocking socket; EOF raises ConnectionError."""
+    got, n = 0, len(view)
+    while got < n:  # each pass receives at least one byte or raises
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the socket")
+        got += k
+
+
+def serve_socket(conn: socket.socket, buf: np.ndarray) -> None:
+    """One raw socket client: phases until MODE_QUIT or EOF (blocking calls)."""
+    header = bytearray(PHASE.size)
+    request = bytearray(READ_REQUEST.size)
+    whole = buf.data.cast("B")
+    ack = b"\x01"
+    try:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                recv_exact(conn, memoryview(header))
+                mode, nbytes, iters = PHASE.unpack(header)
+                if mode == MODE_STORE:
+                    view = whole[:nbytes]
+                    for _ in range(iters):
+                        recv_exact(conn, view)
+                        conn.sendall(ack)
+                elif mode == MODE_READ:
+                    for _ in range(iters):
+                        recv_exact(conn, memoryview(request))
+                        conn.sendall(whole[: READ_REQUEST.unpack(request)[0]])
+                elif mode == MODE_ECHO:
+                    view = whole[:nbytes]
+                    for _ in range(iters):
+                        recv_exact(conn, view)
+                        conn.sendall(view)
+                else:
+                    break
+    except (ConnectionError, OSError):
+        pass  # the client went away
+
+
+def socket_server(listener: socket.socket, buf: np.ndarray) -> None:
+    """Accept loop (a daemon thread: it ends with the process)."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # closed
+        threading.Thread(target=serve_socket, args=(conn, buf), daemon=True,
+                         name="raw-socket").start()
 
 
 async def run_phases(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -119,7 +186,14 @@ async def main(args: argparse.Namespace) -> None:
     phase_server = await asyncio.start_server(
         lambda r, w: run_phases(r, w, endpoint, buf), "127.0.0.1", 0)
     phase_port = phase_server.sockets[0].getsockname()[1]
-    write_ready(args.ready_file, f"{listener.port} {echo_port} {phase_port}\n")
+    sock_buf = np.empty(args.max_bytes, dtype=np.uint8)
+    sock_buf.fill(0x5A)  # the raw socket's own buffer, pre-touched too
+    sock_listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=socket_server, args=(sock_listener, sock_buf), daemon=True,
+                     name="raw-socket-accept").start()
+    sock_port = sock_listener.getsockname()[1]
+    write_ready(args.ready_file,
+                f"{listener.port} {echo_port} {phase_port} {sock_port}\n")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,10 +207,14 @@ async def main(args: argparse.Namespace) -> None:
     server.close()
     phase_server.close()
     listener.close()
+    with contextlib.suppress(OSError):
+        sock_listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+    sock_listener.close()
 
 
 def cli() -> None:
-    p = argparse.ArgumentParser(description="bench.py's reference peer (raw ucxx + echo)")
+    p = argparse.ArgumentParser(
+        description="bench.py's reference peer (raw ucxx, echo, raw socket)")
     p.add_argument("--ready-file", required=True)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     args = p.parse_args()

@@ -1,16 +1,28 @@
-"""rpcbuf benchmark: data ops against raw ucxx, control ops against a bare echo.
+"""rpcbuf benchmark: data ops against raw ucxx, a raw socket and memcpy,
+control ops against a bare echo, and the daemon's idle CPU.
 
 Run as ``.venv/bin/python scripts/bench.py [--json bench.json] [--quick]``.
 
 What runs where (all on 127.0.0.1, one run, so the ratios compare like with
 like; DESIGN.md "Performance goals" says the ratios are what count):
 
-* this process, the client, under uvloop: ``rpcbuf.connect`` to the daemon,
-  plus a raw ucxx endpoint and a bare echo connection to the reference peer;
-* a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``);
+* this process, the client, under uvloop: two rpcbuf contexts on the daemon,
+  ``rpcbuf.connect(addr, token=..., same_host=False)`` (the UCX path over
+  loopback TCP, "tcp" in the table) and ``rpcbuf.connect(addr, token=...)``,
+  the default, which on the daemon's own host is the same-host path (the
+  daemon copies straight from and into this process's memory;
+  "same-host" in the table; a loopback client gets it by default).  Which
+  path each got is printed, and a note under the table says so when the
+  default one did not get the same-host path (its rows then measure UCX).
+  Plus a raw ucxx endpoint, a bare echo connection and a plain blocking
+  socket to the reference peer;
+* a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
+  its same-host socket left at ``auto``);
 * ``scripts/_bench_peer.py``, the reference peer: a raw ucxx listener that
-  receives into / sends from a preallocated numpy buffer, and a msgpack echo
-  server using the daemon's framing (``control.protocol``).
+  receives into / sends from a preallocated numpy buffer, a msgpack echo
+  server using the daemon's framing (``control.protocol``), and a raw
+  blocking TCP socket server in its own thread (not asyncio) with its own
+  preallocated buffer.
 
 All three processes get the same UCX settings: ``UCX_TLS=tcp``,
 ``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.apply_defaults()`` (blocking
@@ -18,47 +30,88 @@ progress, put_zcopy rendezvous, 2 MiB tcp segments), each only where the
 environment does not already set it.  So raw ucxx runs with the fastest
 settings found (DESIGN.md "Facts measured here"), as the goal demands.
 
-Measured, for 4 KiB, 1 MiB and 64 MiB uint8 arrays: rpcbuf ``store_tensor``
-(one control round trip, payload over UCX) against raw "send N bytes, recv a
-1-byte ack"; rpcbuf ``read_buffer(out=...)`` against raw "send an 8-byte
-request, recv N bytes".  Control ops: ``request_buffer(4096)`` +
-``release_buffer`` pairs one at a time against two sequential echos of the
-same two messages (same bytes on the wire, same framing, same uvloop TCP), and
-pipelined with ``asyncio.gather`` of many workers against the same for echos.
+The raw socket reference: a plain blocking ``socket.socket`` on both sides
+(on this side called from the event loop's thread, which it stalls: nothing
+else runs while measuring), ``TCP_NODELAY``, ``sendall`` and ``recv_into`` a
+memoryview of a preallocated, pre-touched array.  ``SO_SNDBUF``/``SO_RCVBUF``
+are left at the kernel's defaults, so Linux autotunes them (setting them
+turns autotuning off); kernel-level 30 s ``SO_SNDTIMEO``/``SO_RCVTIMEO``
+bound every call on this side without making the socket non-blocking.
+The memcpy reference: ``np.copyto(dst, src)`` of the same bytes in this
+process, both arrays pre-touched (one core).
 
-Batching, last, with the peer's connections closed (its posted ucxx receive
-is polled with ``sleep(0)`` and would keep a core busy; client and daemon
-only): 10,000 separate 4 KiB uint8 arrays against one 40 MiB uint8 array, as
-the issue words the goal (the tensors are copies of its first 40,960,000
-bytes; it has 41,943,040).  Each call is timed whole (median), in rounds of
-one call alternating with the reference, after warm-up:
+Measured, for 4 KiB, 1 MiB and 64 MiB uint8 arrays, in one alternation per
+direction (so every side sees the same drift): rpcbuf ``store_tensor`` (one
+control round trip, payload over UCX or copied by the daemon) on both paths,
+raw ucxx "send N bytes, recv a 1-byte ack", the raw socket doing the same,
+and ``np.copyto``; rpcbuf ``read_buffer(out=...)`` on both paths, raw ucxx
+and the raw socket "send an 8-byte request, recv N bytes", and
+``np.copyto``.  At 4 KiB the store alternation also holds the raw socket's
+40-byte round trip (send 40 bytes, the peer echoes them).
+Control ops, on the default (same-host) context and then on the tcp one:
+``request_buffer(4096)`` + ``release_buffer`` pairs one at a time against
+two sequential echos of the same two messages (same bytes on the wire, same
+framing, uvloop TCP to the echo server whichever path the context took),
+and pipelined with ``asyncio.gather`` of many workers against the same for
+echos.
+
+Batching, on each context (same-host, then tcp), after the peer's ucxx and
+echo connections are closed (the raw socket stays: its peer thread sleeps in
+``recv`` between phases): 10,000 separate 4 KiB uint8 arrays against one
+40 MiB uint8 array, as the issue words the goal (the tensors are copies of
+its first 40,960,000 bytes; it has 41,943,040), and against the raw socket
+streaming those same 40,960,000 bytes as one store (read: one request, the
+bytes back).  Each call is timed whole (median), in rounds of one call
+alternating with the references, after warm-up:
 
 * ``store_tensors(bid, {"t0": a0, ...})`` into a buffer sized by
   ``calculate_buffer_size`` (a ``get_buffer_meta`` round trip for the
   manifest, then one ``store_batch`` round trip whose touching tensors
-  coalesce into one UCX message; each call overwrites the same names in
-  place) against one 40 MiB ``store_tensor``;
+  coalesce; each call overwrites the same names in place) against one
+  40 MiB ``store_tensor`` and the raw socket stream;
 * ``store_batch(bid, [(offset, array), ...])``, no manifest, against the same;
 * the naive loop, one ``store_tensor`` per array (with ``--quick`` only the
-  first 2,000 are timed and the time is scaled to 10,000), against the same;
+  first 2,000 are timed and the time is scaled to 10,000), against one
+  40 MiB ``store_tensor``;
 * ``load_tensors(bid)`` (one batch read, checksums verified, the default)
-  against one 40 MiB ``read_buffer(out=...)``.
+  against one 40 MiB ``read_buffer(out=...)`` and the raw socket's read.
 
 Each batched write is checked once to read back as the arrays it stored.
-For these rows the ratio is time / reference time: lower is better.
+
+Daemon idle CPU: utime + stime of the rpcbufd process (all threads, from
+``/proc/<pid>/stat``) over ``idle_seconds`` (3 s; 1.5 s with ``--quick``)
+while this process only sleeps: once right after start, before any client,
+and once after all measurements with both contexts still connected (this
+client's own CPU over that window is shown too).
 
 Each measurement warms up first (the first store touches fresh arena pages),
-then runs rpcbuf and its reference in alternating rounds, so drift on a busy
-2-core machine hits both alike.  The garbage collector is off while timing.
-Latency is per operation (median and p99); throughput is bytes / median, so
-a throughput ratio is the inverse of the latency ratio.
+then runs rpcbuf and its references in rounds that rotate who goes first, so
+drift on a busy 2-core machine hits all alike.  The garbage collector is off
+while timing.  Latency is per operation (median and p99); throughput is
+bytes / median.  Ratios are always rpcbuf / reference: for a latency or
+time row lower is better (goal "<="), for a throughput row higher is better
+(goal ">=").
+
+Goals (DESIGN.md "Performance goals"; a goal shows in the row it applies to):
+
+* 64 MiB store and read over tcp: >= 0.9 x raw ucxx throughput (foundation)
+  and >= 1.5 x the raw blocking socket's;
+* 64 MiB store and read, same-host: >= 0.6 x ``np.copyto`` throughput;
+* one 4 KiB store: p50 <= 2 x the raw socket's 40-byte round trip p50, on
+  both paths (the same-host one is the default on this host);
+* request+release: pair p50 <= 2 x the bare echo p50 (a pair against a pair
+  of echos, i.e. per op against one echo); pipelined on one connection
+  >= 20,000 ops/s (absolute; the ratio shown is against pipelined echos);
+* 10,000 x 4 KiB ``store_tensors``: <= 3 x the time of one 40 MiB store
+  (foundation) and >= 0.5 x the raw socket stream's throughput (store_batch
+  and load_tensors show both ratios without a goal);
+* daemon idle: ~0 % CPU, met below 2 % of one core.
 
 Output: one aligned table on stdout and every number (including each sample,
-in microseconds) as JSON at ``--json`` (the batching rows under "batching").
-Goals (from the issues): 64 MiB store and read >= 0.9 x raw ucxx throughput;
-request+release p50 <= 2 x the bare echo p50 (a pair against a pair of echos,
-i.e. per op against one echo); storing 10,000 x 4 KiB tensors with
-``store_tensors`` takes <= 3 x the time of storing one 40 MiB tensor.
+in microseconds) as JSON at ``--json``: "paths" (which path each context
+got), "data" (per size and direction, keyed rpcbuf_tcp, rpcbuf_same_host,
+raw_ucxx, raw_socket, memcpy, raw_socket_rtt_40B), "control" and "batching"
+(each per path), "idle", "rows".
 Missing a goal does not change the exit status; errors do (SIGINT/SIGTERM:
 128 + signal).  The daemon and the peer are stopped with SIGTERM (bounded,
 then SIGKILL) however the run ends, and get SIGTERM from the kernel should
@@ -84,11 +137,13 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Awaitable, Callable, Iterator  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -101,7 +156,17 @@ import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from _bench_peer import MODE_QUIT, MODE_READ, MODE_STORE, PHASE, TAG_DATA, TAG_REPLY  # noqa: E402
+from _bench_peer import (  # noqa: E402
+    MODE_ECHO,
+    MODE_QUIT,
+    MODE_READ,
+    MODE_STORE,
+    PHASE,
+    READ_REQUEST,
+    TAG_DATA,
+    TAG_REPLY,
+    recv_exact,
+)
 from control import auth  # noqa: E402
 from control import protocol as P  # noqa: E402
 
@@ -124,19 +189,26 @@ class Plan:
     batch_warmup: int
     naive_tensors: int  # tensors the timed naive loop stores (scaled to BATCH_TENSORS)
     naive_reps: int
+    idle_seconds: float  # how long the daemon's idle CPU is measured
 
 
 FULL = Plan(iters={4 * KiB: 3000, 1 * MiB: 300, 64 * MiB: 30},
             warmup={4 * KiB: 200, 1 * MiB: 20, 64 * MiB: 3},
             rounds=10, control_pairs=3000, pipelined_pairs=20000, concurrency=64,
-            batch_reps=7, batch_warmup=2, naive_tensors=10_000, naive_reps=3)
+            batch_reps=7, batch_warmup=2, naive_tensors=10_000, naive_reps=3,
+            idle_seconds=3.0)
 QUICK = Plan(iters={4 * KiB: 300, 1 * MiB: 40, 64 * MiB: 6},
              warmup={4 * KiB: 50, 1 * MiB: 5, 64 * MiB: 2},
              rounds=4, control_pairs=300, pipelined_pairs=2000, concurrency=64,
-             batch_reps=3, batch_warmup=1, naive_tensors=2_000, naive_reps=1)
+             batch_reps=3, batch_warmup=1, naive_tensors=2_000, naive_reps=1,
+             idle_seconds=1.5)
 BATCH_TENSORS = 10_000  # the issue's batch: 10,000 tensors of 4 KiB
 BATCH_TENSOR_BYTES = 4 * KiB
 ONE_TENSOR_BYTES = 40 * MiB  # the issue's reference: "one 40 MiB tensor"
+RTT_BYTES = 40  # the raw socket round trip the 4 KiB store is held against
+BIG = 64 * MiB  # the size the throughput goals name
+IDLE_GOAL_PERCENT = 2.0  # "daemon idle: ~0 % CPU": met below this share of one core
+PIPELINED_GOAL = 20_000  # request+release ops/s, pipelined on one connection
 
 
 def size_name(nbytes: int) -> str:
@@ -187,29 +259,57 @@ async def timed(op: Callable[[], Awaitable[Any]], iters: int) -> list[float]:
     return samples
 
 
-async def alternate(ours: Round, ref: Round, iters: int, rounds: int,
-                    warm: bool = False) -> tuple[list[float], list[float]]:
-    """Run ``iters`` of each in ``rounds`` chunks, swapping who goes first.
+async def alternate_many(sides: Sequence[Round], iters: int, rounds: int,
+                         warm: bool = False) -> list[list[float]]:
+    """Run ``iters`` of each side in ``rounds`` chunks, rotating who goes first.
 
-    With ``warm`` each chunk starts with one untimed operation: both sides measure steady
-    traffic.  (The raw peer has its receive posted, and so keeps polling,
+    With ``warm`` each chunk starts with one untimed operation: every side measures
+    steady traffic.  (The raw peer has its receive posted, and so keeps polling,
     through a whole chunk; rpcbufd sleeps on epoll after 10 ms without
     traffic, and the first transfer after such a lull pays a UCX wake-up:
     that cost is real but belongs to another row than steady throughput.)"""
-    a: list[float] = []
-    b: list[float] = []
+    out: list[list[float]] = [[] for _ in sides]
     rounds = max(1, min(rounds, iters))
     w = 1 if warm else 0
+    k = len(sides)
     for r in range(rounds):
         n = iters // rounds + (1 if r < iters % rounds else 0)
         with no_gc():
-            if r % 2 == 0:
-                a += (await ours(n + w))[w:]
-                b += (await ref(n + w))[w:]
-            else:
-                b += (await ref(n + w))[w:]
-                a += (await ours(n + w))[w:]
+            for j in range(k):
+                i = (r + j) % k
+                out[i] += (await sides[i](n + w))[w:]
+    return out
+
+
+async def alternate(ours: Round, ref: Round, iters: int, rounds: int,
+                    warm: bool = False) -> tuple[list[float], list[float]]:
+    a, b = await alternate_many((ours, ref), iters, rounds, warm)
     return a, b
+
+
+def timed_sync(op: Callable[[], object], iters: int) -> list[float]:
+    """``timed`` for blocking operations (the raw socket, memcpy)."""
+    samples = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        t0 = clock()
+        op()
+        samples.append(clock() - t0)
+    check_interrupted()
+    return samples
+
+
+def blocking(fn: Callable[[int], list[float]]) -> Round:
+    """A blocking round as a ``Round``: it runs on the event loop's thread,
+    stalling the loop, which is fine here: nothing else runs while measuring."""
+    async def run(n: int) -> list[float]:
+        return fn(n)
+    return run
+
+
+def memcpy_round(dst: np.ndarray, src: np.ndarray) -> Round:
+    """The memcpy reference: ``np.copyto(dst, src)`` in this process."""
+    return blocking(lambda n: timed_sync(lambda: np.copyto(dst, src), n))
 
 
 # -- the reference peer's clients ---------------------------------------------------------
@@ -268,6 +368,75 @@ class RawPeer:
         self._writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ep.close(), 5)
+
+
+class SockPeer:
+    """Client side of the raw blocking TCP socket reference (see _bench_peer.py).
+
+    A plain blocking ``socket.socket`` with ``TCP_NODELAY`` and the kernel's
+    default (autotuned) buffers; sends with ``sendall`` and receives with
+    ``recv_into`` a memoryview of a preallocated array.  Kernel-level 30 s
+    send/receive timeouts (``SO_SNDTIMEO``/``SO_RCVTIMEO``) bound every call
+    while keeping the calls plain blocking ones (a Python ``settimeout``
+    would make the socket non-blocking and poll before each call)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._ack = bytearray(1)
+        self._request = bytearray(READ_REQUEST.size)
+
+    @classmethod
+    def connect(cls, port: int) -> SockPeer:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.settimeout(None)  # blocking from here on
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bound = struct.pack("ll", 30, 0)  # struct timeval: 30 s
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
+        return cls(sock)
+
+    def _phase(self, mode: int, nbytes: int, iters: int) -> None:
+        self.sock.sendall(PHASE.pack(mode, nbytes, iters))
+
+    def store(self, data: np.ndarray, iters: int) -> list[float]:
+        """Send ``data``, receive a 1-byte ack; time each."""
+        self._phase(MODE_STORE, data.nbytes, iters)
+        sock, view, ack = self.sock, data.data.cast("B"), memoryview(self._ack)
+
+        def once() -> None:
+            sock.sendall(view)
+            recv_exact(sock, ack)
+
+        return timed_sync(once, iters)
+
+    def read(self, out: np.ndarray, iters: int) -> list[float]:
+        """Send an 8-byte request, receive ``out.nbytes`` into ``out``; time each."""
+        self._phase(MODE_READ, out.nbytes, iters)
+        sock, view = self.sock, out.data.cast("B")
+        request = READ_REQUEST.pack(out.nbytes)
+
+        def once() -> None:
+            sock.sendall(request)
+            recv_exact(sock, view)
+
+        return timed_sync(once, iters)
+
+    def round_trip(self, nbytes: int, iters: int) -> list[float]:
+        """Send ``nbytes``, receive them echoed; time each."""
+        self._phase(MODE_ECHO, nbytes, iters)
+        sock, msg = self.sock, b"\x5a" * nbytes
+        back = memoryview(bytearray(nbytes))
+
+        def once() -> None:
+            sock.sendall(msg)
+            recv_exact(sock, back)
+
+        return timed_sync(once, iters)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._phase(MODE_QUIT, 0, 0)
+        self.sock.close()
 
 
 class EchoClient:
@@ -396,45 +565,81 @@ def daemon_command() -> list[str]:
 # -- measurements -------------------------------------------------------------------
 
 
-async def bench_data(ctx: rpcbuf.RpcContext, raw: RawPeer, plan: Plan) -> dict[str, Any]:
+def data_sides(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawPeer, sock: SockPeer,
+               bids: dict[str, str], data: np.ndarray, out: np.ndarray,
+               copy_dst: np.ndarray) -> tuple[dict[str, Round], dict[str, Round]]:
+    """Every store side and every read side of one size, by JSON key."""
+    stores: dict[str, Round] = {}
+    reads: dict[str, Round] = {}
+    for key, ctx in (("rpcbuf_tcp", tcp), ("rpcbuf_same_host", local)):
+        async def rp_store(n: int, ctx: rpcbuf.RpcContext = ctx,
+                           bid: str = bids[key]) -> list[float]:
+            return await timed(lambda: ctx.store_tensor(bid, data), n)
+
+        async def rp_read(n: int, ctx: rpcbuf.RpcContext = ctx,
+                          bid: str = bids[key]) -> list[float]:
+            return await timed(lambda: ctx.read_buffer(bid, out=out), n)
+
+        stores[key], reads[key] = rp_store, rp_read
+
+    async def raw_store(n: int) -> list[float]:
+        return await raw.store(data, n)
+
+    async def raw_read(n: int) -> list[float]:
+        return await raw.read(out, n)
+
+    stores["raw_ucxx"], reads["raw_ucxx"] = raw_store, raw_read
+    stores["raw_socket"] = blocking(lambda n: sock.store(data, n))
+    reads["raw_socket"] = blocking(lambda n: sock.read(out, n))
+    stores["memcpy"] = reads["memcpy"] = memcpy_round(copy_dst, data)
+    return stores, reads
+
+
+async def bench_data(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawPeer,
+                     sock: SockPeer, plan: Plan) -> dict[str, Any]:
+    """Store and read of each size: rpcbuf on both paths against raw ucxx, the
+    raw socket and memcpy, all in one alternation; at the smallest size the
+    store alternation also holds the raw socket's 40-byte round trip."""
     rng = np.random.default_rng(0)
     results: dict[str, Any] = {}
+    smallest = min(plan.iters)
     for nbytes, iters in plan.iters.items():
         data = rng.integers(0, 256, nbytes, dtype=np.uint8)
         out = np.empty(nbytes, dtype=np.uint8)
         out.fill(0)  # touch every page before anything is timed
-        bid = await ctx.request_buffer(nbytes)
+        copy_dst = np.empty(nbytes, dtype=np.uint8)
+        copy_dst.fill(0)
+        bids = {"rpcbuf_tcp": await tcp.request_buffer(nbytes),
+                "rpcbuf_same_host": await local.request_buffer(nbytes)}
         try:
-            async def rp_store(n: int, bid: str = bid, data: np.ndarray = data) -> list[float]:
-                return await timed(lambda: ctx.store_tensor(bid, data), n)
-
-            async def rp_read(n: int, bid: str = bid, out: np.ndarray = out) -> list[float]:
-                return await timed(lambda: ctx.read_buffer(bid, out=out), n)
-
-            async def raw_store(n: int, data: np.ndarray = data) -> list[float]:
-                return await raw.store(data, n)
-
-            async def raw_read(n: int, out: np.ndarray = out) -> list[float]:
-                return await raw.read(out, n)
+            stores, reads = data_sides(tcp, local, raw, sock, bids, data, out, copy_dst)
+            if nbytes == smallest:
+                stores["raw_socket_rtt_40B"] = blocking(lambda n: sock.round_trip(RTT_BYTES, n))
 
             warm = plan.warmup[nbytes]
-            await rp_store(warm)
-            await rp_read(warm)
-            if not np.array_equal(out, data):
-                raise RuntimeError(f"rpcbuf read back different bytes ({size_name(nbytes)})")
-            await raw_store(warm)
-            await raw_read(warm)
             name = size_name(nbytes)
-            s_ours, s_ref = await alternate(rp_store, raw_store, iters, plan.rounds, warm=True)
-            r_ours, r_ref = await alternate(rp_read, raw_read, iters, plan.rounds, warm=True)
+            for key in ("rpcbuf_tcp", "rpcbuf_same_host"):
+                out.fill(0)
+                await stores[key](warm)
+                await reads[key](warm)
+                if not np.array_equal(out, data):
+                    raise RuntimeError(f"rpcbuf ({key}) read back different bytes ({name})")
+            for key in ("raw_ucxx", "raw_socket", "memcpy"):
+                await stores[key](warm)
+                await reads[key](warm)
+            if "raw_socket_rtt_40B" in stores:
+                await stores["raw_socket_rtt_40B"](warm)
+            s = await alternate_many(list(stores.values()), iters, plan.rounds, warm=True)
+            r = await alternate_many(list(reads.values()), iters, plan.rounds, warm=True)
             results[name] = {
-                "store": {"rpcbuf": summarize(s_ours, nbytes),
-                          "raw_ucxx": summarize(s_ref, nbytes)},
-                "read": {"rpcbuf": summarize(r_ours, nbytes),
-                         "raw_ucxx": summarize(r_ref, nbytes)},
+                "store": {key: summarize(samples, RTT_BYTES if key.endswith("_40B") else nbytes)
+                          for key, samples in zip(stores, s, strict=True)},
+                "read": {key: summarize(samples, nbytes)
+                         for key, samples in zip(reads, r, strict=True)},
             }
         finally:
-            await ctx.release_buffer(bid)
+            await tcp.release_buffer(bids["rpcbuf_tcp"])
+            await local.release_buffer(bids["rpcbuf_same_host"])
     return results
 
 
@@ -525,18 +730,38 @@ async def bench_control(ctx: rpcbuf.RpcContext, echo: EchoClient, plan: Plan) ->
     }
 
 
-async def bench_batching(ctx: rpcbuf.RpcContext, plan: Plan) -> dict[str, Any]:
+@dataclass
+class Batch:
+    """The batching inputs, built once and used on both paths."""
+
+    big: np.ndarray  # one 40 MiB array
+    arrays: list[np.ndarray]  # 10,000 separate 4 KiB copies of its first 40,960,000 bytes
+    tensors: dict[str, np.ndarray]
+    items: list[tuple[int, np.ndarray]]
+    out: np.ndarray  # 40 MiB, pre-touched
+
+    @classmethod
+    def make(cls) -> Batch:
+        count, size = BATCH_TENSORS, BATCH_TENSOR_BYTES
+        big = np.random.default_rng(1).integers(0, 256, ONE_TENSOR_BYTES, dtype=np.uint8)
+        arrays = [row.copy() for row in big[:count * size].reshape(count, size)]
+        out = np.empty(ONE_TENSOR_BYTES, dtype=np.uint8)
+        out.fill(0)  # touch every page before anything is timed
+        return cls(big, arrays, {f"t{i}": a for i, a in enumerate(arrays)},
+                   [(i * size, a) for i, a in enumerate(arrays)], out)
+
+
+async def bench_batching(ctx: rpcbuf.RpcContext, batch: Batch, sock: SockPeer,
+                         plan: Plan) -> dict[str, Any]:
     """10,000 x 4 KiB tensors: batched (store_tensors, store_batch), naive
     (one store_tensor each) and load_tensors, each against one store / read
-    of a single 40 MiB array (whose first 10,000 x 4 KiB are the tensors)."""
+    of a single 40 MiB array (whose first 10,000 x 4 KiB are the tensors) and
+    against the raw socket streaming the same 40,960,000 bytes as one store
+    (one read for load_tensors)."""
     count, size = BATCH_TENSORS, BATCH_TENSOR_BYTES
     total = count * size  # 40,960,000 bytes: the issue's "40 MiB" is 41,943,040
-    big = np.random.default_rng(1).integers(0, 256, ONE_TENSOR_BYTES, dtype=np.uint8)
-    arrays = [row.copy() for row in big[:total].reshape(count, size)]  # separate allocations
-    tensors = {f"t{i}": a for i, a in enumerate(arrays)}
-    items = [(i * size, a) for i, a in enumerate(arrays)]
-    out = np.empty(ONE_TENSOR_BYTES, dtype=np.uint8)
-    out.fill(0)  # touch every page before anything is timed
+    big, arrays, tensors, items = batch.big, batch.arrays, batch.tensors, batch.items
+    out = batch.out
     buffer_size = rpcbuf.calculate_buffer_size(tensors)
     naive_n = min(plan.naive_tensors, count)
     scale = count / naive_n
@@ -566,11 +791,14 @@ async def bench_batching(ctx: rpcbuf.RpcContext, plan: Plan) -> dict[str, Any]:
         store_tensors = repeat(lambda: ctx.store_tensors(tensors_bid, tensors))
         store_batch = repeat(lambda: ctx.store_batch(plain_bid, items))
         load_tensors = repeat(lambda: ctx.load_tensors(tensors_bid))
+        stream = big[:total]
+        sock_store = blocking(lambda n: sock.store(stream, n))
+        sock_read = blocking(lambda n: sock.read(out[:total], n))
 
         # Warm every op up (fresh arena pages, the first manifest) and check the
         # bytes once: each batched write must read back as the arrays it stored.
         warm = plan.batch_warmup
-        for op in (one_store, one_read, store_tensors, load_tensors):
+        for op in (one_store, one_read, store_tensors, load_tensors, sock_store, sock_read):
             await op(warm)
         await ctx.clear_buffer(plain_bid)
         answer = await ctx.store_batch(plain_bid, items)
@@ -588,16 +816,23 @@ async def bench_batching(ctx: rpcbuf.RpcContext, plan: Plan) -> dict[str, Any]:
         del loaded
 
         reps = plan.batch_reps
-        st, st_ref = await alternate(store_tensors, one_store, reps, reps)
-        sb, sb_ref = await alternate(store_batch, one_store, reps, reps)
+        st, st_ref, st_sock = await alternate_many((store_tensors, one_store, sock_store),
+                                                   reps, reps)
+        sb, sb_ref, sb_sock = await alternate_many((store_batch, one_store, sock_store),
+                                                   reps, reps)
         nv, nv_ref = await alternate(naive_loop, one_store, plan.naive_reps, plan.naive_reps)
-        lt, lt_ref = await alternate(load_tensors, one_read, reps, reps)
+        lt, lt_ref, lt_sock = await alternate_many((load_tensors, one_read, sock_read),
+                                                   reps, reps)
     finally:
         await ctx.release_buffer(tensors_bid)
         await ctx.release_buffer(plain_bid)
 
-    def pair(ours: list[float], ref: list[float], ref_name: str) -> dict[str, Any]:
-        return {"rpcbuf": summarize(ours, total), ref_name: summarize(ref, ONE_TENSOR_BYTES)}
+    def pair(ours: list[float], ref: list[float], ref_name: str,
+             sock_samples: list[float] | None = None) -> dict[str, Any]:
+        out = {"rpcbuf": summarize(ours, total), ref_name: summarize(ref, ONE_TENSOR_BYTES)}
+        if sock_samples is not None:
+            out["raw_socket_stream"] = summarize(sock_samples, total)
+        return out
 
     return {
         "tensors": count,
@@ -607,51 +842,114 @@ async def bench_batching(ctx: rpcbuf.RpcContext, plan: Plan) -> dict[str, Any]:
         "buffer_size": buffer_size,
         "manifest_entries": manifest_entries,
         "store_batch_answer": answer,  # nbytes, items, UCX messages
-        "store_tensors": pair(st, st_ref, "one_store"),
-        "store_batch": pair(sb, sb_ref, "one_store"),
+        "store_tensors": pair(st, st_ref, "one_store", st_sock),
+        "store_batch": pair(sb, sb_ref, "one_store", sb_sock),
         "naive_loop": {**pair(nv, nv_ref, "one_store"), "timed_tensors": naive_n,
                        "scaled_by": scale,
                        "per_store_us": float(np.median(nv)) / count * 1e6},
-        "load_tensors": {**pair(lt, lt_ref, "one_read"), "verify": True},
+        "load_tensors": {**pair(lt, lt_ref, "one_read", lt_sock), "verify": True},
         "seconds": clock() - started,  # the whole section, warm-ups and checks included
     }
 
 
-async def run_all(addr: str, token: str, peer_ucx_port: int, echo_port: int, phase_port: int,
-                  plan: Plan) -> dict[str, Any]:
-    ctx: rpcbuf.RpcContext | None = None
+# -- idle CPU ------------------------------------------------------------------------
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    fields = text[text.rindex(")") + 2:].split()  # fields from 3 (state) on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def idle_cpu(pid: int, seconds: float) -> dict[str, Any]:
+    """Share of one core the daemon (and this client) used over ``seconds`` of
+    nothing to do: this process only sleeps on its event loop meanwhile."""
+    clock = time.perf_counter
+    d0, t0 = process_cpu_seconds(pid), clock()
+    c0 = os.times()
+    await asyncio.sleep(seconds)
+    d1, t1 = process_cpu_seconds(pid), clock()
+    c1 = os.times()
+    wall = t1 - t0
+    client = (c1.user + c1.system) - (c0.user + c0.system)
+    return {"seconds": wall, "daemon_cpu_seconds": d1 - d0,
+            "daemon_percent": 100.0 * (d1 - d0) / wall,
+            "client_cpu_seconds": client, "client_percent": 100.0 * client / wall,
+            "clock_ticks_per_s": os.sysconf("SC_CLK_TCK")}
+
+
+def path_name(ctx: rpcbuf.RpcContext) -> str:
+    return "same-host" if ctx.same_host else "UCX (tcp)"
+
+
+async def run_all(addr: str, token: str, daemon_pid: int, peer_ucx_port: int, echo_port: int,
+                  phase_port: int, sock_port: int, plan: Plan) -> dict[str, Any]:
+    tcp: rpcbuf.RpcContext | None = None
+    local: rpcbuf.RpcContext | None = None
     raw: RawPeer | None = None
     echo: EchoClient | None = None
+    sock: SockPeer | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _note_signal, sig)
     try:
-        ctx = await rpcbuf.connect(addr, token=token)
+        progress(f"daemon idle CPU before any client ({plan.idle_seconds:g} s) ...")
+        idle_before = await idle_cpu(daemon_pid, plan.idle_seconds)
+        tcp = await rpcbuf.connect(addr, token=token, same_host=False)  # UCX over loopback
+        local = await rpcbuf.connect(addr, token=token)  # the default: same-host here
+        paths: dict[str, Any] = {"tcp": tcp.same_host, "default": local.same_host}
+        progress(f"contexts: same_host=False got the {path_name(tcp)} path, "
+                 f"the default got the {path_name(local)} path")
+        if paths["tcp"]:
+            progress("WARNING: the context opened with same_host=False reports same_host")
+        if not local.same_host:
+            why = local.hello.get("same_host_why") or (
+                "the daemon offered no same-host socket" if "local" not in local.hello
+                else "the client stayed on TCP")
+            paths["default_why"] = why
+            progress(f"WARNING: the default context is not on the same-host path: {why}")
         raw = await RawPeer.connect(peer_ucx_port, phase_port)
         echo = await EchoClient.connect(echo_port)
-        progress("data ops: rpcbuf vs raw ucxx ...")
-        data = await bench_data(ctx, raw, plan)
-        progress("control ops: rpcbuf vs msgpack echo ...")
-        control = await bench_control(ctx, echo, plan)
-        # Done with the peer (its phases come over TCP, so an idle peer has no
-        # UCX receive posted and uses no CPU; closing it is just tidy).
+        sock = SockPeer.connect(sock_port)
+        progress("data ops: rpcbuf (tcp, same-host) vs raw ucxx, raw socket, memcpy ...")
+        data = await bench_data(tcp, local, raw, sock, plan)
+        progress("control ops: rpcbuf (default path, then tcp) vs msgpack echo ...")
+        control = {"same_host": await bench_control(local, echo, plan),
+                   "tcp": await bench_control(tcp, echo, plan)}
+        # Done with the peer's ucxx and echo (its phases come over TCP, so an
+        # idle peer has no UCX receive posted and uses no CPU; closing them is
+        # just tidy).  The raw socket stays: it is the batching reference.
         await raw.close()
         raw = None
         echo.close()
         echo = None
         progress(f"batching: {BATCH_TENSORS:,} x {size_name(BATCH_TENSOR_BYTES)} "
-                 f"vs one {size_name(ONE_TENSOR_BYTES)} tensor ...")
-        batching = await bench_batching(ctx, plan)
-        return {"data": data, "control": control, "batching": batching,
-                "daemon_limits": ctx.hello["limits"]}
+                 f"vs one {size_name(ONE_TENSOR_BYTES)} tensor and the raw socket ...")
+        batch = Batch.make()
+        batching = {"same_host": await bench_batching(local, batch, sock, plan),
+                    "tcp": await bench_batching(tcp, batch, sock, plan)}
+        del batch
+        sock.close()
+        sock = None
+        progress(f"daemon idle CPU, both contexts connected ({plan.idle_seconds:g} s) ...")
+        gc.collect()
+        idle_after = await idle_cpu(daemon_pid, plan.idle_seconds)
+        return {"paths": paths, "data": data, "control": control, "batching": batching,
+                "idle": {"before_clients": idle_before, "connected": idle_after},
+                "daemon_limits": local.hello["limits"]}
     finally:
+        if sock is not None:
+            sock.close()
         if echo is not None:
             echo.close()
         if raw is not None:
             await raw.close()
-        if ctx is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ctx.close(), 10)
+        for ctx in (tcp, local):
+            if ctx is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ctx.close(), 10)
 
 
 # -- report ----------------------------------------------------------------------
@@ -676,34 +974,97 @@ def _lat(s: dict[str, Any]) -> str:
     return f"{_us(s['p50_us'])} (p99 {_us(s['p99_us'])})"
 
 
-def build_rows(results: dict[str, Any]) -> list[Row]:
+PATH_KEYS = (("rpcbuf_tcp", "tcp"), ("rpcbuf_same_host", "same-host"))
+REF_NAMES = {"raw_ucxx": {"store": "raw ucxx send+ack", "read": "raw ucxx req+recv"},
+             "raw_socket": {"store": "raw socket send+ack", "read": "raw socket req+recv"}}
+
+
+def lat_row(what: str, ours: dict[str, Any], ref_name: str, ref: dict[str, Any],
+            goal: float | None = None) -> Row:
+    """A latency (time) row: ratio = ours / reference, lower is better."""
+    ratio = ours["p50_us"] / ref["p50_us"]
+    row = Row(what, _lat(ours), ref_name, _lat(ref), ratio)
+    if goal is not None:
+        row.goal, row.met = f"<= {goal:g}x", ratio <= goal
+    return row
+
+
+def thr_row(what: str, ours: dict[str, Any], ref_name: str, ref: dict[str, Any],
+            goal: float | None = None) -> Row:
+    """A throughput row: ratio = ours / reference (GB/s at the medians), higher is better."""
+    ratio = ours["gbps_p50"] / ref["gbps_p50"]
+    row = Row(what, f"{ours['gbps_p50']:.3f} GB/s", ref_name, f"{ref['gbps_p50']:.3f} GB/s",
+              ratio)
+    if goal is not None:
+        row.goal, row.met = f">= {goal:g}x", ratio >= goal
+    return row
+
+
+def data_rows(data: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
-    refs = {"store": "raw ucxx send+ack", "read": "raw ucxx req+recv"}
-    for name, ops in results["data"].items():
+    for name, ops in data.items():
+        nbytes = ops["store"]["rpcbuf_tcp"]["nbytes"]
+        big = nbytes == BIG
         for op in ("store", "read"):
-            ours, ref = ops[op]["rpcbuf"], ops[op]["raw_ucxx"]
-            rows.append(Row(f"{op} {name} latency p50", _lat(ours), refs[op], _lat(ref),
-                            ours["p50_us"] / ref["p50_us"]))
-            ratio = ours["gbps_p50"] / ref["gbps_p50"]
-            row = Row(f"{op} {name} throughput", f"{ours['gbps_p50']:.3f} GB/s", refs[op],
-                      f"{ref['gbps_p50']:.3f} GB/s", ratio)
-            if ours["nbytes"] == 64 * MiB:
-                row.goal, row.met = ">= 0.9x", ratio >= 0.9
-            rows.append(row)
-    seq = results["control"]["sequential"]
-    ours, ref = seq["rpcbuf"], seq["echo"]
-    ratio = ours["pair"]["p50_us"] / ref["pair"]["p50_us"]
-    rows.append(Row("request+release pair p50", _lat(ours["pair"]), "2 msgpack echos",
-                    _lat(ref["pair"]), ratio, "<= 2x", ratio <= 2.0))
-    for op, echo in (("request_buffer", "first"), ("release_buffer", "second")):
-        rows.append(Row(f"{op} p50", _lat(ours[op]), "1 msgpack echo", _lat(ref[echo]),
-                        ours[op]["p50_us"] / ref[echo]["p50_us"]))
-    pipe = results["control"]["pipelined"]
-    rows.append(Row(f"pipelined ops ({pipe['concurrency']} in flight)",
-                    f"{pipe['rpcbuf']['ops_per_s']:,.0f} ops/s", "pipelined echos",
-                    f"{pipe['echo']['echos_per_s']:,.0f} /s",
-                    pipe["rpcbuf"]["ops_per_s"] / pipe["echo"]["echos_per_s"]))
-    rows += batching_rows(results["batching"])
+            d = ops[op]
+            ucxx_name, sock_name = REF_NAMES["raw_ucxx"][op], REF_NAMES["raw_socket"][op]
+            tcp, local = d["rpcbuf_tcp"], d["rpcbuf_same_host"]
+            rows.append(lat_row(f"{op} {name} p50, tcp", tcp, ucxx_name, d["raw_ucxx"]))
+            rows.append(thr_row(f"{op} {name} throughput, tcp", tcp, ucxx_name, d["raw_ucxx"],
+                                0.9 if big else None))
+            if big:
+                rows.append(thr_row(f"{op} {name} throughput, tcp", tcp, sock_name,
+                                    d["raw_socket"], 1.5))
+            rows.append(lat_row(f"{op} {name} p50, same-host", local, ucxx_name, d["raw_ucxx"]))
+            if nbytes >= MiB:
+                rows.append(thr_row(f"{op} {name} throughput, same-host", local, "np.copyto",
+                                    d["memcpy"], 0.6 if big else None))
+            rtt = d.get("raw_socket_rtt_40B")
+            if rtt is not None:
+                for key, label in PATH_KEYS:
+                    rows.append(lat_row(f"{op} {name} p50, {label}", d[key],
+                                        f"raw socket {RTT_BYTES} B round trip", rtt, 2.0))
+    return rows
+
+
+def control_rows(control: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for key, label in (("same_host", "same-host"), ("tcp", "tcp")):
+        seq = control[key]["sequential"]
+        ours, ref = seq["rpcbuf"], seq["echo"]
+        rows.append(lat_row(f"request+release pair p50, {label}", ours["pair"],
+                            "2 msgpack echos", ref["pair"], 2.0))
+        for op, echo in (("request_buffer", "first"), ("release_buffer", "second")):
+            rows.append(lat_row(f"{op} p50, {label}", ours[op], "1 msgpack echo", ref[echo]))
+        pipe = control[key]["pipelined"]
+        ops = pipe["rpcbuf"]["ops_per_s"]
+        rows.append(Row(f"pipelined request+release ({pipe['concurrency']} in flight), {label}",
+                        f"{ops:,.0f} ops/s", "pipelined echos",
+                        f"{pipe['echo']['echos_per_s']:,.0f} /s",
+                        ops / pipe["echo"]["echos_per_s"],
+                        f">= {PIPELINED_GOAL:,} ops/s", ops >= PIPELINED_GOAL))
+    return rows
+
+
+def idle_rows(idle: dict[str, Any]) -> list[Row]:
+    goal = f"~0 % (< {IDLE_GOAL_PERCENT:g} %)"
+    before, after = idle["before_clients"], idle["connected"]
+    return [
+        Row("daemon idle CPU, before any client", f"{before['daemon_percent']:.1f} % of a core",
+            "-", "-", None, goal, before["daemon_percent"] < IDLE_GOAL_PERCENT),
+        Row("daemon idle CPU, 2 contexts connected", f"{after['daemon_percent']:.1f} % of a core",
+            "-", "-", None, goal, after["daemon_percent"] < IDLE_GOAL_PERCENT),
+        Row("client idle CPU, 2 contexts connected", f"{after['client_percent']:.1f} % of a core",
+            "-", "-"),
+    ]
+
+
+def build_rows(results: dict[str, Any]) -> list[Row]:
+    rows = data_rows(results["data"])
+    rows += control_rows(results["control"])
+    for key, label in (("same_host", "same-host"), ("tcp", "tcp")):
+        rows += batching_rows(results["batching"][key], label)
+    rows += idle_rows(results["idle"])
     return rows
 
 
@@ -711,27 +1072,35 @@ def _took(s: dict[str, Any]) -> str:
     return f"{_us(s['p50_us'])} ({s['gbps_p50']:.2f} GB/s)"
 
 
-def batching_rows(b: dict[str, Any]) -> list[Row]:
-    """Time of the batched op / time of one op on a single array: lower is better."""
+def batching_rows(b: dict[str, Any], label: str) -> list[Row]:
+    """Against one op on a single 40 MiB array: time / its time, lower is
+    better; against the raw socket stream: throughput / its throughput (the
+    same 40,960,000 bytes), higher is better."""
     n, size = b["tensors"], size_name(b["tensor_bytes"])
     one = f"one {size_name(b['one_tensor_bytes'])}"
     naive = b["naive_loop"]
     naive_name = f"naive loop {n:,} x store_tensor"
     if naive["timed_tensors"] != n:
         naive_name += f" ({naive['timed_tensors']:,} timed, x{naive['scaled_by']:g})"
+    stream = f"raw socket {b['total_bytes'] / 1e6:.2f} MB stream"
     rows = []
-    for what, key, ref_key, ref, goal in (
-            (f"{n:,} x {size} store_tensors", "store_tensors", "one_store", f"{one} store", 3.0),
-            (f"{n:,} x {size} store_batch", "store_batch", "one_store", f"{one} store", None),
-            (naive_name, "naive_loop", "one_store", f"{one} store", None),
+    for what, key, ref_key, ref, time_goal, sock_ref, sock_goal in (
+            (f"{n:,} x {size} store_tensors", "store_tensors", "one_store", f"{one} store",
+             3.0, f"{stream} (store)", 0.5),
+            (f"{n:,} x {size} store_batch", "store_batch", "one_store", f"{one} store",
+             None, f"{stream} (store)", None),
+            (naive_name, "naive_loop", "one_store", f"{one} store", None, None, None),
             (f"{n:,} x {size} load_tensors", "load_tensors", "one_read", f"{one} read_buffer",
-             None)):
+             None, f"{stream} (read)", None)):
         ours, theirs = b[key]["rpcbuf"], b[key][ref_key]
         ratio = ours["p50_us"] / theirs["p50_us"]
-        row = Row(what, _took(ours), ref, _took(theirs), ratio)
-        if goal is not None:
-            row.goal, row.met = f"<= {goal:g}x", ratio <= goal
+        row = Row(f"{what}, {label}", _took(ours), ref, _took(theirs), ratio)
+        if time_goal is not None:
+            row.goal, row.met = f"<= {time_goal:g}x", ratio <= time_goal
         rows.append(row)
+        if sock_ref is not None:
+            rows.append(thr_row(f"{what}, {label}", ours, sock_ref,
+                                b[key]["raw_socket_stream"], sock_goal))
     return rows
 
 
@@ -788,11 +1157,12 @@ def measure(plan: Plan, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                  str(tmp / "peer.ready"), "--max-bytes", str(max(plan.iters))],
                 stdout=log, **spawn)
         addr, _daemon_ucx = wait_ready(tmp / "daemon.ready", daemon, daemon_log, "rpcbufd").split()
-        peer_ucx, echo_port, phase_port = wait_ready(tmp / "peer.ready", peer, peer_log,
-                                                     "bench peer").split()
-        progress(f"rpcbufd at {addr}, reference peer ucx={peer_ucx} echo={echo_port}")
-        results = uvloop.run(run_all(addr, token, int(peer_ucx), int(echo_port),
-                                     int(phase_port), plan))
+        peer_ucx, echo_port, phase_port, sock_port = wait_ready(
+            tmp / "peer.ready", peer, peer_log, "bench peer").split()
+        progress(f"rpcbufd at {addr} (pid {daemon.pid}), reference peer ucx={peer_ucx} "
+                 f"echo={echo_port} socket={sock_port}")
+        results = uvloop.run(run_all(addr, token, daemon.pid, int(peer_ucx), int(echo_port),
+                                     int(phase_port), int(sock_port), plan))
     finally:
         for sig in handlers:  # cleanup is bounded; a second Ctrl-C must not cut it short
             signal.signal(sig, signal.SIG_IGN)
@@ -827,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench.json", help="write every number here [%(default)s]")
     p.add_argument("--quick", action="store_true",
-                   help="fewer iterations: a smoke run, well under 30 s")
+                   help="fewer iterations: a smoke run, about half a minute")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
     started = time.time()
@@ -842,6 +1212,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - started
     rows = build_rows(results)
     print(format_table(rows))
+    if not results["paths"]["default"]:
+        print("note: the default context did not get the same-host path: its rows "
+              "(\"same-host\") measure the UCX (tcp) path")
     others = None if before is None or after is None else (
         (after[0] - before[0] - (after[1] - before[1])) / wall)
     if others is not None and others > 0.25:
