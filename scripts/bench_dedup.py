@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 
 import rpcbuf  # noqa: E402
 from control.auth import create_token, load_or_create_secret  # noqa: E402
+from control.client import same_host_default  # noqa: E402
 
 MiB = 1 << 20
 SCENARIOS = ("first", "again, same name", "again, new name", "after restart")
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         row["met"] = None if goal is None else (row["bytes_ratio"] <= goal[0]
                                                 and row["time_ratio"] <= goal[1])
         rows[name] = row
+    path = "UCX tcp: RPCBUF_SAME_HOST=0" if same_host_default() is False else "same-host path"
     print(f"model {nbytes / MiB:.0f} MiB ({args.layers} layers, float16, safetensors), one node "
-          f"on loopback (UCX tcp), medians of {args.rounds} round(s); client hash cache "
+          f"on loopback ({path}), medians of {args.rounds} round(s); client hash cache "
           f"{'off' if args.no_hash_cache else 'on'}, rpcbufd {' '.join(flags) or 'no --prefault'}")
     print(fmt_table(rows))
     report = {"meta": {"started_at": started, "seconds": time.time() - started,
