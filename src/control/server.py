@@ -560,7 +560,10 @@ class Session(DedupOps, DataOps):
         old = self.daemon._by_nonce.get(replaces) if replaces else None
         if old is not None and old is not self and old.tenant == tenant:
             self.daemon._by_nonce.pop(old.nonce, None)
-            old.abort("replaced by its same-host session")
+            self.daemon.sessions.pop(old.session_id, None)  # it no longer counts
+            log.debug("session %s replaces %s", self.session_id, old.session_id)
+            with contextlib.suppress(Exception):
+                old.writer.close()  # its run loop ends, close() cleans up
             return
         full = self.daemon.sessions_full()
         if full is not None:
