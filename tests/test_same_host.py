@@ -281,3 +281,12 @@ async def test_small_copy_waits_for_a_busy_range(daemon_factory) -> None:  # typ
         back = await fast.read_buffer(bid, 4096, 4096)
         assert (back == 3).all()
         await fast.release_buffer(bid)
+
+
+async def test_replaced_tcp_session_does_not_count(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:1MiB", "--max-sessions", "1")
+    async with d.connect() as c:  # TCP hello, then the Unix session takes over its slot
+        assert c.same_host
+        st = await c.stats()
+        assert st["sessions"] == 1 and st["same_host_sessions"] == 1
+    assert "aborted" not in d.log()  # a hand-over, not a failure
