@@ -10,12 +10,15 @@ client); ``make test`` runs the data-path files again with
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import errno
+import gc
 import mmap
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -193,30 +196,91 @@ async def test_bad_addresses_are_bad_requests(daemon: DaemonProc) -> None:
     assert await wait_free(daemon, start) == start
 
 
-async def test_arrays_stay_referenced_until_the_daemon_answers(daemon: DaemonProc) -> None:
-    async with daemon.connect() as c:
-        bid = await c.request_buffer(64 << 20)
-        data = np.ones(64 << 20, np.uint8)
-        task = asyncio.ensure_future(c.store_tensor(bid, data))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert c._conn._held  # the request is out: its array is held
-        await task
-        assert not c._conn._held
-        # a caller that gives up (timeout) does not free what the daemon copies into
-        out = np.empty(64 << 20, np.uint8)
-        req_id = c._conn.next_id()
-        fut = c._conn.submit(req_id, P.Read(buffer_id=bid, offset=0, nbytes=out.nbytes,
-                                            addr=out.ctypes.data))
-        c._conn.hold(req_id, [out])
-        c._conn.forget(req_id)  # as _answer does on TIMEOUT
-        for _ in range(200):
-            if not c._conn._held:
+async def test_arrays_stay_referenced_until_the_daemon_answers(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A caller that gives up (TIMEOUT) must not free the array the daemon
+    will still copy into: the context keeps it until the answer arrives."""
+    d = daemon_factory("--device", "cpu:4MiB", "--transfer-timeout", "1s")
+    async with d.connect(same_host=False) as net, rpcbuf.connect(
+            d.addr, token=d.token(), timeout=0.3) as fast:
+        assert fast.same_host
+        bid = await fast.request_buffer(1 << 20, name="held")
+        await fast.clear_buffer(bid, 5)
+        # a UCX store that never sends its payload holds the range for ~1 s
+        stalled = net._conn.submit(net._conn.next_id(),
+                                   P.Store(buffer_id=bid, offset=0, nbytes=1 << 20))
+        await asyncio.sleep(0.2)
+        out = np.zeros(4096, np.uint8)
+        ref = weakref.ref(out)
+        with pytest.raises(rpcbuf.Timeout):
+            await fast.read_buffer(bid, 0, out=out)  # queued behind the stalled store
+        del out
+        gc.collect()
+        assert ref() is not None and fast._conn._held  # the daemon may still write into it
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await asyncio.wait_for(stalled, 10)
+        for _ in range(300):  # the read runs once the lock frees, then answers
+            if not fast._conn._held:
                 break
             await asyncio.sleep(0.01)
-        assert not c._conn._held and not fut.done()  # released when the answer came
-        assert (out == 1).all()
+        assert not fast._conn._held
+        gc.collect()
+        assert ref() is None  # and only then is it let go
+        await fast.release_buffer(bid)
+
+
+async def test_pipelined_copies_keep_their_order(daemon: DaemonProc) -> None:
+    """A small same-host store that arrives right behind a big one on the same
+    range (both frames in one write, so one read) must not overtake it: the
+    big one runs as a task, the small one could be done on the spot."""
+    async with daemon.connect() as c:
+        assert c.same_host
+        bid = await c.request_buffer(8 << 20)
+        big, small = np.full(6 << 20, 1, np.uint8), np.full(4096, 2, np.uint8)
+        conn = c._conn
+        for _ in range(5):
+            futs, frames = [], b""
+            for a in (big, small):
+                req_id = conn.next_id()
+                req = P.Store(buffer_id=bid, offset=0, nbytes=a.nbytes, addr=a.ctypes.data)
+                frames += P.encode_frame(req.to_wire(req_id))
+                fut = asyncio.get_running_loop().create_future()
+                conn._pending[req_id] = fut
+                futs.append(fut)
+            conn._transport.write(frames)
+            for fut in futs:
+                assert (await asyncio.wait_for(fut, 10))["ok"]
+            assert (await c.read_buffer(bid, 0, 4096) == 2).all()  # the later one wins
         await c.release_buffer(bid)
+
+
+def test_short_probe_is_refused() -> None:
+    peer = cma.Peer(os.getpid())
+    try:
+        assert peer.probe(0, b"") is not None
+        secret = np.frombuffer(os.urandom(cma.PROBE_BYTES), np.uint8).copy()
+        assert peer.probe(secret.ctypes.data, secret.tobytes()) is None
+    finally:
+        peer.close()
+
+
+async def test_partly_mapped_range_is_a_bad_request(daemon: DaemonProc) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    region = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+    base = np.frombuffer(region, dtype=np.uint8)
+    addr = base.ctypes.data
+    assert libc.mprotect(addr + mmap.PAGESIZE, mmap.PAGESIZE, 0) == 0  # PROT_NONE
+    async with daemon.connect() as c:
+        bid = await c.request_buffer(2 * mmap.PAGESIZE)
+        for req in (P.Store(buffer_id=bid, offset=0, nbytes=2 * mmap.PAGESIZE, addr=addr),
+                    P.Read(buffer_id=bid, offset=0, nbytes=2 * mmap.PAGESIZE, addr=addr)):
+            msg = await _raw(c, req)
+            assert msg["error"]["details"]["reason"] == "bad_address"
+        assert await c.ping()  # the session goes on
+        await c.release_buffer(bid)
+    libc.mprotect(addr + mmap.PAGESIZE, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE)
+    del base
+    region.close()
 
 
 async def test_client_killed_mid_copy_frees_its_memory(daemon: DaemonProc) -> None:

@@ -814,9 +814,9 @@ async def _same_host(addr: str, timeout: float | None, token: str, local: dict[s
     try:
         return await _open(f"unix:{sock}", timeout, token, unix=sock, probe=True,
                            replaces=replaces)
-    except ConnectionLost as exc:
-        # Another network namespace (abstract sockets are per namespace) or a
-        # socket we may not open: the network path still works.
+    except RpcBufError as exc:
+        # Another network namespace (abstract sockets are per namespace), a
+        # socket we may not open, a refused hello: the network path still works.
         if required:
             raise
         log.debug("same-host socket %s of %s unreachable: %s", sock, addr, exc)

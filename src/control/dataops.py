@@ -96,29 +96,51 @@ class DataOps:
 
     async def _cma(self, write: bool, local: np.ndarray | list[int],
                    remote: np.ndarray | list[int], sizes: np.ndarray | list[int],
-                   total: int) -> None:
+                   total: int, landed: Any = None) -> None:
         """A same-host copy (``write``: arena -> client).  Small ones run
-        inline; big ones in a worker thread under the transfer deadline."""
-        if total < CMA_INLINE:
+        inline; big ones in a worker thread under the transfer deadline
+        (``landed``: see ``cma.Peer.read``).  A task cancelled meanwhile
+        still waits for its thread: until the thread returns it may write
+        into the arena range this task holds, so the range must stay
+        locked and pinned (a thread that never returns keeps it so)."""
+        if total < CMA_INLINE and landed is None:
             self._cma_now(write, local, remote, sizes)
             return
         peer = self.cma
         assert peer is not None
         fn = peer.write if write else peer.read
+        thread = asyncio.ensure_future(asyncio.to_thread(
+            fn, local, remote, sizes, self.cma_stop.is_set, landed))
         try:
-            stop = self.cma_stop.is_set
-            await self._transfer([asyncio.to_thread(fn, local, remote, sizes, stop)])
+            await self._transfer([asyncio.shield(thread)])
         except CmaError as exc:
-            raise _cma_error(exc) from exc
+            raise self._cma_error(exc) from exc
+        finally:
+            if not thread.done():
+                await asyncio.wait([thread])
 
     def _cma_now(self, write: bool, local: np.ndarray | list[int],
                  remote: np.ndarray | list[int], sizes: np.ndarray | list[int]) -> None:
         peer = self.cma
         assert peer is not None
+        if self.cma_stop.is_set():
+            raise ConnectionLost("the session is closing")
         try:
             (peer.write if write else peer.read)(local, remote, sizes)
         except CmaError as exc:
-            raise _cma_error(exc) from exc
+            raise self._cma_error(exc) from exc
+
+    def _cma_error(self, exc: CmaError) -> RpcBufError:
+        """EFAULT: the client named memory it does not have (BAD_REQUEST, the
+        session goes on; part of the range may have been copied).  Anything
+        else (the process exited, changed owner, or we were stopped): the
+        session ends."""
+        if exc.errno == errno.EFAULT:
+            return BadRequest("an address range is not mapped (or not writable) in the "
+                              "client's memory; part of the range may have been copied",
+                              {"reason": "bad_address"})
+        self.abort(f"same-host copy failed: {exc.strerror}")
+        return ConnectionLost(f"same-host copy failed: {exc.strerror}")
 
     @staticmethod
     def _check_range(buf: Buffer, offset: int, nbytes: int) -> None:
@@ -383,12 +405,7 @@ class DataOps:
                 # made) as soon as it has landed, while the rest still copies.
                 assert addrs is not None and self.cma is not None
                 landing = M.Landing(buf.pool.arena, at, sizes, cols, offsets)
-                try:
-                    await self._transfer([asyncio.to_thread(
-                        self.cma.read, offsets + np.uint64(base), addrs, sizes,
-                        self.cma_stop.is_set, landing)])
-                except CmaError as exc:
-                    raise _cma_error(exc) from exc
+                await self._cma(False, offsets + np.uint64(base), addrs, sizes, nbytes, landing)
                 got, manifest = landing.sums, landing.entries()
             elif ep is None:
                 assert addrs is not None
@@ -537,13 +554,6 @@ class DataOps:
         self._log("copy", dst, req.dst_offset, req.nbytes,
                   note=f"from {src.buffer_id}+{req.src_offset}")
         return {"nbytes": req.nbytes}
-
-
-def _cma_error(exc: CmaError) -> RpcBufError:
-    if exc.errno == errno.EFAULT:
-        return BadRequest("an address range is not mapped (or not writable) in the "
-                          "client's memory", {"reason": "bad_address"})
-    return ConnectionLost(f"same-host copy failed: {exc.strerror}")
 
 
 def _nothing() -> None:

@@ -223,7 +223,9 @@ class Daemon:
         unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         # A Unix socket session usually replaces the same client's TCP session:
         # its slot is checked at hello (Session._hello), when we know which.
-        if not unix and len(self.sessions) >= self.limits.max_sessions:
+        # (Twice the limit bounds Unix connections that never say hello.)
+        limit = self.limits.max_sessions * (2 if unix else 1)
+        if len(self.sessions) >= limit:
             # QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up; a
             # configured allowance is used up and frees as other sessions close.
             limit = self.limits.max_sessions
@@ -307,7 +309,8 @@ class Session(DedupOps, DataOps):
         self.cma: cma.Peer | None = None
         self.cma_stop = threading.Event()
         self.peer = writer.get_extra_info("peername")
-        self.peer_pid = _peer_pid(writer)  # Unix socket sessions: the kernel says who
+        # Unix socket sessions: the kernel says who connected (pid, uid)
+        self.peer_pid, self.peer_uid = _peer_cred(writer)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
@@ -410,8 +413,11 @@ class Session(DedupOps, DataOps):
                 if buf is not None:
                     self._answer(req_id, op, self._granted(buf))
                     return
+            # (only with no data op of this session in flight: an earlier one
+            # may not have taken its range lock yet, and must not be overtaken)
             if (isinstance(req, (P.Store, P.Read)) and req.addr is not None
-                    and self.cma is not None and req.nbytes < CMA_INLINE):
+                    and self.cma is not None and req.nbytes < CMA_INLINE
+                    and not self.transfers):
                 done = self._copy_now(req)  # a small same-host copy: on the spot
                 if done is not None:
                     self._answer(req_id, op, done)
@@ -578,7 +584,7 @@ class Session(DedupOps, DataOps):
         if self.peer_pid is None:
             return False, "the same-host path needs the daemon's Unix socket"
         try:
-            peer = cma.Peer(self.peer_pid)
+            peer = cma.Peer(self.peer_pid, self.peer_uid)
         except OSError as exc:
             return False, f"cannot watch the client process: {exc.strerror}"
         why = peer.probe(req.probe_addr, req.probe)
@@ -691,14 +697,14 @@ def _unlink_stale(path: str) -> None:
             os.unlink(path)
 
 
-def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
-    """The connecting process's pid on a Unix socket (``SO_PEERCRED``)."""
+def _peer_cred(writer: asyncio.StreamWriter) -> tuple[int | None, int | None]:
+    """The connecting process's pid and uid on a Unix socket (``SO_PEERCRED``)."""
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
-        return None
+        return None, None
     cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, _uid, _gid = struct.unpack("3i", cred)
-    return pid or None
+    pid, uid, _gid = struct.unpack("3i", cred)
+    return (pid, uid) if pid else (None, None)
 
 
 _SYNC_OPS: dict[type, Any] = {

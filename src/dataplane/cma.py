@@ -53,6 +53,7 @@ for _fn in (_readv, _writev):
     _fn.restype = ctypes.c_ssize_t
     _fn.argtypes = _SIG
 PR_SET_PTRACER = 0x59616D61
+PROBE_BYTES = 16  # what a client proves we can read at hello
 
 
 class CmaError(OSError):
@@ -62,16 +63,27 @@ class CmaError(OSError):
 class Peer:
     """One client process the daemon may copy from and to."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, uid: int | None = None) -> None:
+        """``uid``: the user the kernel said connected (``SO_PEERCRED``)."""
         self.pid = pid
+        self.uid = os.stat(f"/proc/{pid}").st_uid if uid is None else uid
         self._pidfd: int | None = os.pidfd_open(pid)
-        self._poll = select.poll()
-        self._poll.register(self._pidfd, select.POLLIN)
 
     def alive(self) -> bool:
-        if self._pidfd is None:
+        """The process still exists and is still the one we were given: owned
+        by the same user and dumpable (``/proc/PID`` turns root-owned when a
+        process runs a setuid program, and a daemon holding CAP_SYS_PTRACE
+        must not copy into that on anyone's behalf)."""
+        fd = self._pidfd
+        if fd is None:
             return False
-        return not self._poll.poll(0)  # readable: the process has exited
+        exited = select.poll()  # one per call: two copy threads may ask at once
+        exited.register(fd, select.POLLIN)
+        try:
+            owner = os.stat(f"/proc/{self.pid}").st_uid
+        except OSError:
+            return False
+        return owner == self.uid and not exited.poll(0)  # readable: it has exited
 
     def close(self) -> None:
         fd, self._pidfd = self._pidfd, None
@@ -81,6 +93,8 @@ class Peer:
     def probe(self, addr: int, expected: bytes) -> str | None:
         """Read ``len(expected)`` bytes at ``addr``: None when they match,
         else why the same-host path cannot be used."""
+        if len(expected) < PROBE_BYTES:
+            return f"the probe must be at least {PROBE_BYTES} random bytes"
         got = np.zeros(len(expected), dtype=np.uint8)
         try:
             self.read([got.ctypes.data], [addr], [len(expected)])
@@ -162,6 +176,8 @@ class Peer:
                     return
                 if cancelled is not None and cancelled():
                     raise CmaError(errno.ECANCELED, "copy cancelled")
+                if not self.alive():  # before every call: a long copy outlives its checks
+                    raise CmaError(errno.ESRCH, "the client process has exited or changed")
                 _check(fn(self.pid, liov.ctypes.data, hi - lo, riov.ctypes.data, hi - lo, 0),
                        nbytes)
                 if landed is not None and b > a:
