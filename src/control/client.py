@@ -375,7 +375,8 @@ class RpcContext(TensorOps, DedupClientOps):
 
     async def store_tensor(self, buffer_id: str, array: Any, offset: int = 0, sync: bool = True,
                            verify: str | None = None, wire_dtype: str | None = None) -> Any:
-        """Copy ``array``'s bytes into the buffer at ``offset`` over UCX.
+        """Copy ``array``'s bytes into the buffer at ``offset`` (the daemon
+        copies them itself on the same-host path, else they travel over UCX).
 
         ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
         buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
@@ -449,7 +450,7 @@ class RpcContext(TensorOps, DedupClientOps):
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
-        prepare(dest)  # GPU work still using ``out`` finishes before UCX overwrites it
+        prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
         local = self._local(buffer_id, [dest])
         req = P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
                      addr=int(dest.ctypes.data) if local else None)
@@ -493,8 +494,9 @@ class RpcContext(TensorOps, DedupClientOps):
                           | None = None,
                           manifest_version: int | None = None) -> dict[str, Any]:
         """Store many ``(offset, array)`` items of one buffer in one control
-        round trip; touching small items travel as one UCX message each run
-        and land straight in their slices.  ``manifest`` = (names, dtypes,
+        round trip; the daemon copies them straight from the arrays (same
+        host), or touching small items travel as one UCX message each run;
+        either way they land straight in their slices.  ``manifest`` = (names, dtypes,
         shapes), index-aligned with ``items``, is recorded on the daemon;
         with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
         ``manifest_changed``, before any byte lands) if the manifest changed.
@@ -582,7 +584,7 @@ class RpcContext(TensorOps, DedupClientOps):
         in_block = starts - np.array([off for off, _, _, _ in runs], dtype=np.int64)[block_of] \
             if runs else starts
         if self._local(buffer_id, blocks):
-            addrs = _addresses(blocks)[block_of] + in_block.astype(np.uint64) \
+            addrs = data_addresses(blocks)[block_of] + in_block.astype(np.uint64) \
                 if runs else np.zeros(0, np.uint64)
             for block in blocks:
                 if block.nbytes >= _POPULATE_MIN:
@@ -847,10 +849,6 @@ async def _bind_ucx(host: str, hello: dict[str, Any], timeout: float | None) -> 
         ep.abort()
         raise
     return ep
-
-
-def _addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    return np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=len(arrays))
 
 
 def create_rpc_context(server_addr: str, auth_token: str,

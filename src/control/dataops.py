@@ -41,13 +41,14 @@ from . import manifest as M
 from . import protocol as P
 from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
 from .gpuops import check_wire_f16
+from .units import THREAD_BYTES
 
 if TYPE_CHECKING:
     from .registry import Buffer, Registry
     from .server import Daemon
 
 log = logging.getLogger("rpcbuf.daemon")
-CMA_INLINE = 4 << 20  # same-host copies below this run on the event loop (at most ~0.7 ms)
+CMA_INLINE = THREAD_BYTES  # same-host copies below this run on the event loop (<= ~0.7 ms)
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
 
 
@@ -222,9 +223,10 @@ class DataOps:
                 self.registry.unpin(b)
 
     async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
-        """Run UCX transfers under the transfer deadline and wait for *all* of
-        them, even when one fails: UCX may still touch memory until each ends.
-        Past the deadline the endpoint is aborted and the session ends."""
+        """Run transfers (UCX requests, same-host copy threads) under the
+        transfer deadline and wait for *all* of them, even when one fails:
+        each may still touch memory until it ends.  Past the deadline the
+        session is aborted (its endpoint with it)."""
         await transfer_all(coros, self.daemon.limits.transfer_timeout, self._transfer_expired)
 
     def _transfer_expired(self) -> None:
@@ -563,7 +565,7 @@ def _nothing() -> None:
 async def _maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> None:
     """Big memory sweeps run in a worker thread (NumPy drops the GIL) so the
     event loop keeps serving everyone else."""
-    if nbytes >= 4 << 20:
+    if nbytes >= THREAD_BYTES:
         await asyncio.to_thread(fn, *args)
     else:
         fn(*args)

@@ -26,11 +26,11 @@ from dataplane.checksum import checksum
 from . import protocol as P
 from .diskcache import digest128
 from .tensors import manifest_columns, named_arrays, plan_layout
+from .units import THREAD_BYTES
 
 if TYPE_CHECKING:
     from .client import RpcContext
 
-THREAD_BYTES = 4 << 20
 CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed array
 
 

@@ -38,12 +38,12 @@ from . import protocol as P
 from .dataops import DataOps
 from .diskcache import digest128
 from .errors import BadRequest
+from .units import THREAD_BYTES
 
 if TYPE_CHECKING:
     from .content import ContentIndex, Location
     from .registry import Buffer
 
-THREAD_BYTES = 4 << 20  # bigger sweeps run in a worker thread (NumPy and xxhash drop the GIL)
 
 
 class DedupOps(DataOps):

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import protocol as P
 from .errors import BadRequest
+from .units import THREAD_BYTES
 
 if TYPE_CHECKING:
     from dataplane.arena import Arena
@@ -182,7 +183,6 @@ def record(buf: Buffer, manifest: dict[str, dict[str, Any]], hull: tuple[int, in
     return dropped
 
 
-THREAD_BYTES = 4 << 20
 
 
 async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,

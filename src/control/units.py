@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import re
 
+# Memory sweeps (copies, hashes, fills) of this many bytes or more run in a
+# worker thread (NumPy, xxhash and the copy syscalls drop the GIL), so the
+# event loop keeps serving; smaller ones cost less than the hand-off.
+THREAD_BYTES = 4 << 20
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1 << 10, "kb": 10**3, "kib": 1 << 10,
