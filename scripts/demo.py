@@ -110,10 +110,12 @@ async def run(addr: str, token: str) -> None:
             nbytes = sum(a.nbytes for _, a in tensors)
             rows.append((group, len(tensors), nbytes, (t1 - t0) * 1e3, (t2 - t1) * 1e3, ok))
         elapsed = time.perf_counter() - t_all
+        same_host = ctx.same_host
         meta = await ctx.get_buffer_meta(buf)
         await ctx.release_buffer(buf)
         free1 = sum(int(d["free"]) for d in await ctx.list_devices())
-    print(f"buffer {buf}: {meta.get('size')} bytes on {meta.get('device_type')}")
+    path = "same-host (the daemon copies straight from this process)" if same_host else "UCX"
+    print(f"buffer {buf}: {meta.get('size')} bytes on {meta.get('device_type')}; data path: {path}")
     head = f"{'group':<10} {'tensors':>7} {'bytes':>12} {'store ms':>9} {'read ms':>9}  verified"
     print(head, "-" * len(head), sep="\n")
     for g, n, b, s, r, ok in rows:
