@@ -98,10 +98,7 @@ def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Columns | None
                 or not len(names) == len(dtypes) == len(shapes) == n:
             raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
         _unique(names)
-        keys = list(zip(dtypes, map(tuple, shapes), strict=True))
-        table = dict.fromkeys(keys)
-        index = {k: i for i, k in enumerate(table)}
-        kinds = np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=n)
+        table, kinds = P.intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
         cols = Columns(names, kinds, [], [s for _, s in table], item_shapes=shapes)
         raw_dtypes = [d for d, _ in table]
     else:

@@ -133,10 +133,7 @@ class Packed:
             kinds = np.zeros(n, dtype=np.intp)
             kind_dtypes, kind_shapes = dtypes[:1], shapes[:1]
         else:
-            keys = list(zip(ids, shapes, strict=True))
-            table = dict.fromkeys(keys)
-            index = {k: i for i, k in enumerate(table)}
-            kinds = np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=n)
+            table, kinds = P.intern_kinds(list(zip(ids, shapes, strict=True)))
             by_id = dict(zip(ids, dtypes, strict=True))
             kind_dtypes = [by_id[i] for i, _ in table]
             kind_shapes = [s for _, s in table]
@@ -155,14 +152,11 @@ class Packed:
             raise BadRequest(f"names, dtypes and shapes must be equally long, got "
                              f"{len(names)}, {len(dtypes)} and {len(shapes)}")
         try:
-            keys = list(zip(dtypes, map(tuple, shapes), strict=True))
-            table = dict.fromkeys(keys)
+            table, kinds = P.intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
             kind_dtypes = [d if isinstance(d, str) else np.dtype(d).str for d, _ in table]
             kind_shapes = [tuple(map(operator.index, s)) for _, s in table]
         except TypeError as exc:
             raise BadRequest(f"bad manifest columns: {exc}") from None
-        index = {k: i for i, k in enumerate(table)}
-        kinds = np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
         return cls(list(names), kinds, kind_dtypes, kind_shapes)
 
     def item_nbytes(self) -> np.ndarray:
@@ -248,16 +242,13 @@ class ManifestTable(Mapping[str, dict[str, Any]]):
         names, es, n = list(entries), list(entries.values()), len(entries)
         sums = [e.get("checksum") for e in es]
         has = np.fromiter((c is not None for c in sums), dtype=bool, count=n)
-        keys = [(e["dtype"], tuple(e["shape"])) for e in es]
-        table = dict.fromkeys(keys)
-        index = {k: i for i, k in enumerate(table)}
+        table, kinds = P.intern_kinds([(e["dtype"], tuple(e["shape"])) for e in es])
         return cls(
             names,
             np.fromiter(map(operator.itemgetter("offset"), es), dtype=np.int64, count=n),
             np.fromiter(map(operator.itemgetter("nbytes"), es), dtype=np.int64, count=n),
             np.fromiter((c or 0 for c in sums), dtype=np.uint64, count=n), has,
-            np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=n),
-            [d for d, _ in table], [s for _, s in table])
+            kinds, [d for d, _ in table], [s for _, s in table])
 
     # -- the mapping ----------------------------------------------------------------
 
