@@ -354,3 +354,17 @@ async def test_replaced_tcp_session_does_not_count(daemon_factory) -> None:  # t
         st = await c.stats()
         assert st["sessions"] == 1 and st["same_host_sessions"] == 1
     assert "aborted" not in d.log()  # a hand-over, not a failure
+
+
+async def test_a_context_is_not_used_across_fork(daemon: DaemonProc,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After fork a same-host context would make the daemon copy the parent's
+    bytes at the child's addresses: refused instead."""
+    async with daemon.connect() as c:
+        bid = await c.request_buffer(64)
+        real = os.getpid()
+        monkeypatch.setattr(os, "getpid", lambda: real + 1)  # as seen in a forked child
+        with pytest.raises(rpcbuf.ConnectionLost, match="another process"):
+            await c.store_tensor(bid, np.ones(64, np.uint8))
+        monkeypatch.undo()
+        await c.release_buffer(bid)

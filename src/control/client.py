@@ -206,6 +206,7 @@ class RpcContext(TensorOps, DedupClientOps):
         self._slots = asyncio.Semaphore(self.max_inflight)
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
         self._closed = False
+        self._pid = os.getpid()  # a context belongs to the process that opened it
         self._manifests: dict[str, Any] = {}  # buffer id -> cached manifest (tensors.py)
         self._gpu_buffers: set[str] = set()  # ids seen to be GPU buffers: verified with devsum
         # Without its control session the daemon drops the data endpoint too:
@@ -286,6 +287,11 @@ class RpcContext(TensorOps, DedupClientOps):
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectionLost("context is closed")
+        if os.getpid() != self._pid:
+            # After fork the daemon would copy from the parent's memory (same
+            # addresses, other bytes), and UCX endpoints do not survive it.
+            raise ConnectionLost("this context was opened by another process (before a "
+                                 "fork): connect again in this one")
         if self._conn.lost is not None:
             raise ConnectionLost(self._conn.lost.message)
 
