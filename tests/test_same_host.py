@@ -368,3 +368,30 @@ async def test_a_context_is_not_used_across_fork(daemon: DaemonProc,
             await c.store_tensor(bid, np.ones(64, np.uint8))
         monkeypatch.undo()
         await c.release_buffer(bid)
+
+
+async def test_no_copy_into_a_client_that_went_away(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A same-host read queued behind a range lock must not copy once its
+    client has closed the connection (the client lets go of its arrays).
+    With one request in flight allowed, the session's reader is parked and
+    does not see the close before the read gets its lock."""
+    d = daemon_factory("--device", "cpu:4MiB", "--transfer-timeout", "1s", "--max-inflight", "1")
+    async with d.connect(same_host=False) as net:
+        fast = await d.connect()
+        assert fast.same_host
+        bid = await fast.request_buffer(1 << 20, name="gone")
+        await fast.clear_buffer(bid, 5)
+        stalled = net._conn.submit(net._conn.next_id(),
+                                   P.Store(buffer_id=bid, offset=0, nbytes=1 << 20))
+        await asyncio.sleep(0.2)  # the stalled store holds the range for ~1 s
+        out = np.zeros(4096, np.uint8)  # kept alive here, to see whether it gets written
+        fast._conn.submit(fast._conn.next_id(), P.Read(buffer_id=bid, offset=0, nbytes=4096,
+                                                        addr=out.ctypes.data))
+        await asyncio.sleep(0.1)
+        fast.abort()  # the client goes away while its read waits for the lock
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await asyncio.wait_for(stalled, 10)
+        await asyncio.sleep(0.5)
+        assert not out.any()  # never written
+    async with d.connect() as c:  # (the stalled session was aborted at its deadline)
+        await c.release_buffer(await c.open_buffer("gone"))

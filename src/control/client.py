@@ -47,7 +47,7 @@ from .tensors import XXH3, Items, Packed, TensorOps, bulk_views, plan_spans
 from .units import split_host_port
 
 DEFAULT_PORT = 7700
-ORPHAN_GRACE = 60.0  # s: arrays of a lost same-host session stay referenced this long
+ORPHAN_GRACE = 60.0  # s, at least: arrays of a lost same-host session stay referenced
 _ORPHANS: list[Any] = []  # see ControlConnection._fail_all
 log = logging.getLogger("rpcbuf.client")
 
@@ -81,6 +81,7 @@ class ControlConnection(asyncio.Protocol):
         self._max_frame = max_frame
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._held: dict[int, Any] = {}  # request id -> arrays the daemon may copy into/from
+        self.orphan_grace = ORPHAN_GRACE  # RpcContext: at least the daemon's transfer deadline
         self._ids = itertools.count(1)
         self._lost: RpcBufError | None = None
 
@@ -164,7 +165,7 @@ class ControlConnection(asyncio.Protocol):
             self._held.clear()
             _ORPHANS.append(held)
             with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().call_later(ORPHAN_GRACE, _ORPHANS.remove, held)
+                asyncio.get_running_loop().call_later(self.orphan_grace, _ORPHANS.remove, held)
 
     def close(self) -> None:
         self._fail_all(ConnectionLost("connection closed"))
@@ -205,6 +206,8 @@ class RpcContext(TensorOps, DedupClientOps):
         self.max_inflight = limit if max_inflight is None else max(1, min(max_inflight, limit))
         self._slots = asyncio.Semaphore(self.max_inflight)
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
+        # A copy the daemon had started when we went away ends by its deadline.
+        conn.orphan_grace = max(ORPHAN_GRACE, self.transfer_timeout)
         self._closed = False
         self._pid = os.getpid()  # a context belongs to the process that opened it
         self._manifests: dict[str, Any] = {}  # buffer id -> cached manifest (tensors.py)

@@ -60,6 +60,7 @@ class DataOps:
     ep: DataEndpoint | None
     cma: Peer | None  # same-host sessions: the client process we copy from and to
     cma_stop: threading.Event  # set when the session closes: copies stop within a chunk
+    peer_gone: Callable[[], bool]
     session_id: str
     send: Callable[[dict[str, Any]], None]
     _get: Callable[[str], Buffer]
@@ -107,6 +108,7 @@ class DataOps:
         if total < CMA_INLINE and landed is None:
             self._cma_now(write, local, remote, sizes)
             return
+        self._cma_allowed()
         peer = self.cma
         assert peer is not None
         fn = peer.write if write else peer.read
@@ -124,12 +126,18 @@ class DataOps:
                  remote: np.ndarray | list[int], sizes: np.ndarray | list[int]) -> None:
         peer = self.cma
         assert peer is not None
-        if self.cma_stop.is_set():
-            raise ConnectionLost("the session is closing")
+        self._cma_allowed()
         try:
             (peer.write if write else peer.read)(local, remote, sizes)
         except CmaError as exc:
             raise self._cma_error(exc) from exc
+
+    def _cma_allowed(self) -> None:
+        """No copy starts once the session is closing or its client has
+        closed the connection (a request may have waited for its range lock
+        for long; the client keeps its arrays only for a while after that)."""
+        if self.cma_stop.is_set() or self.peer_gone():
+            raise ConnectionLost("the session is closing")
 
     def _cma_error(self, exc: CmaError) -> RpcBufError:
         """EFAULT: the client named memory it does not have (BAD_REQUEST, the

@@ -311,6 +311,7 @@ class Session(DedupOps, DataOps):
         self.peer = writer.get_extra_info("peername")
         # Unix socket sessions: the kernel says who connected (pid, uid)
         self.peer_pid, self.peer_uid = _peer_cred(writer)
+        self._fd: int | None = None  # the Unix socket's fd: see peer_gone
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
@@ -507,6 +508,7 @@ class Session(DedupOps, DataOps):
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
         if self.cma is not None:
             self.cma.close()  # no copy starts after this: Peer.alive() is False
+        self._fd = None
         for buf in self.registry.session_closed(self.session_id):
             self._log("release", buf, note="session closed")
         self.daemon.schedule_expiry()
@@ -560,6 +562,14 @@ class Session(DedupOps, DataOps):
             answer["local"] = local
         return answer
 
+    def peer_gone(self) -> bool:
+        """Whether the client closed its connection, even if nothing reads it
+        now (a session at --max-inflight is not reading): same-host copies
+        must not start then, the client no longer keeps its arrays."""
+        if self._fd is None:
+            return False
+        return cma.peer_closed(self._fd)
+
     def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
         """A Unix socket session: take over the slot of the TCP session it
         replaces (which ends now), else check --max-sessions."""
@@ -592,6 +602,7 @@ class Session(DedupOps, DataOps):
             peer.close()
             log.info("session %s: same-host path off: %s", self.session_id, why)
             return False, why
+        self._fd = self.writer.get_extra_info("socket").fileno()
         self.cma = peer
         log.debug("session %s bound the same-host path (pid %d)", self.session_id, self.peer_pid)
         return True, ""

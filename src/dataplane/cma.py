@@ -288,6 +288,24 @@ def _calls(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray
     return out
 
 
+_recv = _libc.recv
+_recv.restype = ctypes.c_ssize_t
+_recv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_PEEK = ctypes.create_string_buffer(1)
+_MSG_PEEK, _MSG_DONTWAIT = 0x2, 0x40
+
+
+def peer_closed(fd: int) -> bool:
+    """Whether the other end of connected socket ``fd`` has closed it, without
+    reading anything (``recv`` with MSG_PEEK|MSG_DONTWAIT: 0 bytes is EOF).
+    A plain syscall on the fd: a Python socket made from it (or a dup) would
+    share, and could change, the event loop's non-blocking flag."""
+    n = _recv(fd, _PEEK, 1, _MSG_PEEK | _MSG_DONTWAIT)
+    if n >= 0:
+        return n == 0
+    return ctypes.get_errno() not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+
+
 def allow_tracer(pid: int) -> None:
     """Under Yama ``ptrace_scope`` 1, let process ``pid`` (the daemon) copy
     to and from this process (``PR_SET_PTRACER``); a no-op elsewhere."""
