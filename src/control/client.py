@@ -43,7 +43,16 @@ from .arrays import as_bytes, data_addresses, dtype_name, is_cuda, populate, pre
 from .dedup import DedupClientOps
 from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
 from .gpuops import check_wire_dtype
-from .tensors import XXH3, Items, Packed, TensorOps, bulk_views, plan_spans
+from .tensors import (
+    XXH3,
+    Items,
+    Packed,
+    TensorOps,
+    bulk_views,
+    in_caller_order,
+    offset_order,
+    plan_spans,
+)
 from .units import split_host_port
 
 DEFAULT_PORT = 7700
@@ -529,9 +538,8 @@ class RpcContext(TensorOps, DedupClientOps):
         if n and offsets.min() < 0:
             raise BadRequest("offsets must be non-negative")
         packed = _packed(manifest, n)
-        order = None
-        if n > 1 and (offsets[1:] < offsets[:-1]).any():
-            order = np.argsort(offsets, kind="stable")
+        order = offset_order(offsets)
+        if order is not None:
             offsets = offsets[order]
             arrays = [arrays[i] for i in order.tolist()]
             packed = packed.take(order) if packed is not None else None
@@ -576,9 +584,8 @@ class RpcContext(TensorOps, DedupClientOps):
             raise BadRequest("ranges must be (offset, nbytes) pairs of ints") from None
         if n and (offsets.min() < 0 or sizes.min() < 0):
             raise BadRequest("offsets and sizes must be non-negative")
-        order = None
-        if n > 1 and (offsets[1:] < offsets[:-1]).any():
-            order = np.argsort(offsets, kind="stable")
+        order = offset_order(offsets)
+        if order is not None:
             offsets, sizes = offsets[order], sizes[order]
         starts, lengths, span_of = plan_spans(offsets, sizes)
         starts_u, lengths_u = starts.astype(np.uint64), lengths.astype(np.uint64)
@@ -928,9 +935,4 @@ def _byte_views(blocks: list[np.ndarray], block_of: np.ndarray, in_block: np.nda
     uniq, kinds = np.unique(sizes, return_inverse=True)
     views = bulk_views(blocks, block_of[span_of], rel, kinds.reshape(-1),
                        [np.dtype(np.uint8)] * len(uniq), [(int(u),) for u in uniq.tolist()])
-    if order is None:
-        return views
-    out: list[np.ndarray] = [views[0]] * len(views)
-    for j, i in enumerate(order.tolist()):
-        out[i] = views[j]
-    return out
+    return in_caller_order(views, order)

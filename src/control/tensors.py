@@ -396,6 +396,24 @@ def plan_spans(offsets: np.ndarray, sizes: np.ndarray, gap: int = SPAN_GAP
     return starts, reach[last] - starts, np.cumsum(brk, dtype=np.intp) - 1
 
 
+def offset_order(offsets: np.ndarray) -> np.ndarray | None:
+    """The stable order that sorts ``offsets``; None when they already are
+    (the common case: then nothing needs reordering, either way)."""
+    if len(offsets) > 1 and (offsets[1:] < offsets[:-1]).any():
+        return np.argsort(offsets, kind="stable")
+    return None
+
+
+def in_caller_order(items: list[Any], order: np.ndarray | None) -> list[Any]:
+    """``items`` made in ``offset_order`` put back in the order asked."""
+    if order is None:
+        return items
+    out: list[Any] = [None] * len(items)
+    for j, i in enumerate(order.tolist()):
+        out[i] = items[j]
+    return out
+
+
 def bulk_views(blocks: Sequence[np.ndarray], which: np.ndarray, rel: np.ndarray,
                kinds: np.ndarray, dtypes: Sequence[np.dtype[Any]],
                shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
@@ -558,21 +576,15 @@ class TensorOps:
         """The tensors at ``rows`` of ``table``, typed, in that order: read as
         a few spans (``plan_spans``), cut a kind at a time (``bulk_views``)."""
         offsets = table.offsets[rows]
-        order = None
-        if len(rows) > 1 and (offsets[1:] < offsets[:-1]).any():
-            order = np.argsort(offsets, kind="stable")
+        order = offset_order(offsets)
+        if order is not None:
             rows, offsets = rows[order], offsets[order]
         starts, lengths, span_of = plan_spans(offsets, table.nbytes[rows])
         blocks = await self.read_batch(buffer_id, list(zip(starts.tolist(), lengths.tolist(),
                                                            strict=True)))
         arrays = bulk_views(blocks, span_of, offsets - starts[span_of], table.kinds[rows],
                             _LazyDtypes(table.dtypes), table.shapes)
-        if order is None:
-            return arrays
-        out: list[np.ndarray] = [arrays[0]] * len(arrays)
-        for j, i in enumerate(order.tolist()):
-            out[i] = arrays[j]
-        return out
+        return in_caller_order(arrays, order)
 
 
 class _LazyDtypes(Sequence[np.dtype[Any]]):
