@@ -143,7 +143,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Awaitable, Callable, Iterator, Sequence  # noqa: E402
+from collections.abc import Awaitable, Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -167,6 +167,7 @@ from _bench_peer import (  # noqa: E402
     TAG_REPLY,
     recv_exact,
 )
+from _benchkit import cpu_ticks, no_gc  # noqa: E402
 from control import auth  # noqa: E402
 from control import protocol as P  # noqa: E402
 
@@ -236,16 +237,6 @@ def summarize(samples: list[float], nbytes: int | None = None) -> dict[str, Any]
         out["gbps_mean"] = nbytes / float(arr.mean()) / 1e9
     out["samples_us"] = [round(s * 1e6, 3) for s in samples]
     return out
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 async def timed(op: Callable[[], Awaitable[Any]], iters: int) -> list[float]:
@@ -856,11 +847,11 @@ async def bench_batching(ctx: rpcbuf.RpcContext, batch: Batch, sock: SockPeer,
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    fields = text[text.rindex(")") + 2:].split()  # fields from 3 (state) on
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of process ``pid`` (all its threads)."""
+    ticks = cpu_ticks(pid)
+    if ticks is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def idle_cpu(pid: int, seconds: float) -> dict[str, Any]:

@@ -175,7 +175,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import gc
 import json
 import os
 import platform
@@ -187,12 +186,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from _benchkit import cpu_ticks, no_gc
 
 KiB, MiB = 1 << 10, 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -283,32 +284,12 @@ PLANS = {p.name: p for p in (FULL, QUICK)}
 # -- shared helpers -----------------------------------------------------------------
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """utime + stime of every thread of ``pid``, in clock ticks."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
-
-
 def write_json(path: str | Path, obj: Any) -> None:
     """Atomically, so a reader never sees half a file."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def load_ucxx(cfg: Config) -> tuple[Any, Callable[[], Any]]:
@@ -555,35 +536,26 @@ class Client:
             await side(1)
 
     def store(self, nbytes: int) -> Side:
-        view, ack, link, ctl, clock = self.data[:nbytes], self.ack, self.link, self.ctl, self.clock
+        """Send ``nbytes``, receive a 1-byte ack."""
+        return self._exchange(M_STORE, nbytes, self.data[:nbytes], self.ack)
+
+    def read(self, nbytes: int) -> Side:
+        """Send an 8-byte request holding the size, receive ``nbytes``."""
+        return self._exchange(M_READ, nbytes, self.request, self.out[:nbytes])
+
+    def _exchange(self, mode: int, nbytes: int, send: np.ndarray, recv: np.ndarray) -> Side:
+        link, ctl, clock = self.link, self.ctl, self.clock
 
         async def run(count: int) -> list[float]:
-            await ctl.phase(M_STORE, nbytes, count + 1)
+            await ctl.phase(mode, nbytes, count + 1)
+            if mode == M_READ:  # the request buffer is shared by every read side
+                send[0] = nbytes
             got = []
             for i in range(count + 1):  # the first one is untimed
                 t0 = clock()
                 with self.busy():
-                    await link.send(view, TAG_DATA)
-                    await link.recv(ack, TAG_REPLY)
-                if i:
-                    got.append(clock() - t0)
-            await ctl.done()
-            return got
-        return run
-
-    def read(self, nbytes: int) -> Side:
-        view, request, link, ctl, clock = (self.out[:nbytes], self.request, self.link,
-                                           self.ctl, self.clock)
-
-        async def run(count: int) -> list[float]:
-            await ctl.phase(M_READ, nbytes, count + 1)
-            request[0] = nbytes
-            got = []
-            for i in range(count + 1):
-                t0 = clock()
-                with self.busy():
-                    await link.send(request, TAG_DATA)
-                    await link.recv(view, TAG_REPLY)
+                    await link.send(send, TAG_DATA)
+                    await link.recv(recv, TAG_REPLY)
                 if i:
                     got.append(clock() - t0)
             await ctl.done()
