@@ -30,7 +30,7 @@ import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -711,26 +711,42 @@ class RpcContext(TensorOps, DedupClientOps):
         return True
 
 
-class Connector:
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Closable)
+
+
+class Opening(Generic[_C]):
+    """Something being opened: ``await`` it, or use it with ``async with``
+    (closed on the way out)."""
+
+    def __init__(self, open_: Callable[[], Awaitable[_C]]) -> None:
+        self._open = open_
+        self._opened: _C | None = None
+
+    def __await__(self) -> Generator[Any, None, _C]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> _C:
+        self._opened = await self._open()
+        return self._opened
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._opened is not None:
+            await self._opened.close()
+
+
+class Connector(Opening[RpcContext]):
     """What ``connect()`` returns: ``await`` it, or use it with ``async with``."""
 
     def __init__(self, addr: str, token: str, timeout: float | None,
                  max_inflight: int | None = None,
                  tls: bool | ssl.SSLContext | None = None,
                  same_host: bool | None = None) -> None:
-        self._args = (addr, token, timeout, max_inflight, tls, same_host)
-        self._ctx: RpcContext | None = None
-
-    def __await__(self) -> Generator[Any, None, RpcContext]:
-        return RpcContext.connect(*self._args).__await__()
-
-    async def __aenter__(self) -> RpcContext:
-        self._ctx = await RpcContext.connect(*self._args)
-        return self._ctx
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            await self._ctx.close()
+        super().__init__(lambda: RpcContext.connect(addr, token, timeout, max_inflight, tls,
+                                                    same_host))
 
 
 def connect(addr: str, token: str, timeout: float | None = 30.0,

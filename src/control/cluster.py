@@ -18,10 +18,10 @@ nodes and ``cluster.errors`` says why the others are missing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .client import RpcContext
+from .client import Opening, RpcContext
 from .errors import BadRequest, RpcBufError
 from .placement import Slot
 
@@ -220,21 +220,9 @@ class Cluster:
         await self.close()
 
 
-class ClusterConnector:
+class ClusterConnector(Opening["Cluster"]):
     """What ``Cluster.connect`` returns: ``await`` it, or use it with ``async with``."""
 
     def __init__(self, endpoints: list[str], token: str | Mapping[str, str],
                  timeout: float | None, partial: bool, max_inflight: int | None) -> None:
-        self._args = (endpoints, token, timeout, partial, max_inflight)
-        self._cluster: Cluster | None = None
-
-    def __await__(self) -> Generator[Any, None, Cluster]:
-        return Cluster._open(*self._args).__await__()
-
-    async def __aenter__(self) -> Cluster:
-        self._cluster = await Cluster._open(*self._args)
-        return self._cluster
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._cluster is not None:
-            await self._cluster.close()
+        super().__init__(lambda: Cluster._open(endpoints, token, timeout, partial, max_inflight))
