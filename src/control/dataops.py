@@ -331,16 +331,11 @@ class DataOps:
         the range lock still keeps it off bytes a waiting transfer owns.
         None: the range is busy (or the store is wire fp16): run it as a task."""
         assert req.addr is not None
+        if isinstance(req, P.Store) and req.wire_dtype is not None:
+            return None
         store = isinstance(req, P.Store)
-        if store:
-            assert isinstance(req, P.Store)
-            if req.wire_dtype is not None:
-                return None
-            buf, at = self._store_check(req, True)
-        else:
-            buf = self._get(req.buffer_id)
-            self._check_range(buf, req.offset, req.nbytes)
-            at = self._host_base(buf) + req.offset
+        buf, at = self._store_check(req, True) if isinstance(req, P.Store) \
+            else self._read_check(req, True)
         span = [(req.offset, req.offset + req.nbytes)]
         grant = buf.locks.acquire(span, store, _nothing)
         try:
@@ -349,14 +344,9 @@ class DataOps:
             if store:
                 self.daemon.content.forget(buf, span)
             self._cma_now(not store, [at], [req.addr], [req.nbytes])
-            if store:
-                assert isinstance(req, P.Store)
-                return self._stored(req, buf)
+            return self._stored(req, buf) if isinstance(req, P.Store) else self._was_read(req, buf)
         finally:
             buf.locks.release(grant)
-        self.daemon.counters["bytes_read"] += req.nbytes
-        self._log("read", buf, req.offset, req.nbytes)
-        return {"nbytes": req.nbytes}
 
     async def _receive_f16(self, ep: DataEndpoint | None, req_id: int, buf: Buffer,
                            offset: int, nbytes: int, addr: int | None) -> None:
@@ -484,27 +474,33 @@ class DataOps:
 
     # -- read -----------------------------------------------------------------------
 
-    async def _read(self, req_id: int, req: P.Read) -> dict[str, Any] | None:
-        ep = self._path(req.addr is not None)
+    def _read_check(self, req: P.Read, same_host: bool) -> tuple[Buffer, int]:
+        """Validate a read; returns its buffer and (same host) the address
+        its bytes come from."""
         buf = self._get(req.buffer_id)
         self._check_range(buf, req.offset, req.nbytes)
+        return buf, (self._host_base(buf) + req.offset if same_host else 0)
+
+    def _was_read(self, req: P.Read, buf: Buffer) -> dict[str, Any]:
+        self.daemon.counters["bytes_read"] += req.nbytes
+        self._log("read", buf, req.offset, req.nbytes)
+        return {"nbytes": req.nbytes}
+
+    async def _read(self, req_id: int, req: P.Read) -> dict[str, Any] | None:
+        ep = self._path(req.addr is not None)
+        buf, src = self._read_check(req, ep is None)
         span = (req.offset, req.offset + req.nbytes)
         if ep is None:  # same host: copy into the client, then answer
             assert req.addr is not None
-            base = self._host_base(buf)
             async with self._holding(buf, [span], exclusive=False):
-                await self._cma(True, [base + req.offset], [req.addr], [req.nbytes],
-                                req.nbytes)
-            self.daemon.counters["bytes_read"] += req.nbytes
-            self._log("read", buf, req.offset, req.nbytes)
-            return {"nbytes": req.nbytes}
+                await self._cma(True, [src], [req.addr], [req.nbytes], req.nbytes)
+            return self._was_read(req, buf)
         async with self._holding(buf, [span], exclusive=False):
             # The answer goes first: the client posts its receive when it sees it.
             self.send(P.ok_response(req_id, {"nbytes": req.nbytes}))
             if not await self._send_runs(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)]):
                 return None
-        self.daemon.counters["bytes_read"] += req.nbytes
-        self._log("read", buf, req.offset, req.nbytes)
+        self._was_read(req, buf)
         return None
 
     async def _read_batch(self, req_id: int, req: P.ReadBatch) -> dict[str, Any] | None:
