@@ -16,7 +16,6 @@ only after every kernel that wrote the tensor has finished.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dataplane import cma
+from dataplane.arena import populate_pages, whole_pages
 
 from .errors import BadRequest
 
@@ -237,12 +237,6 @@ def _gather_addresses(arrays: list[np.ndarray]) -> np.ndarray | None:
     return out
 
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14+)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
 def populate(arr: np.ndarray) -> None:
     """Back a fresh host array's pages with memory now, before the daemon
     copies into it: faulting them in here, in this process, costs about
@@ -250,11 +244,10 @@ def populate(arr: np.ndarray) -> None:
     (``process_vm_writev``), and it keeps the shared daemon's time free.
     Its bytes are left as they are (``MADV_POPULATE_WRITE``; before Linux
     5.14, a write of each page's first byte, which changes it)."""
-    page = mmap.PAGESIZE
     addr = int(arr.ctypes.data)
-    start, stop = -(-addr // page) * page, (addr + arr.nbytes) // page * page
+    start, stop = whole_pages(addr, arr.nbytes)
     if stop <= start:
         return
-    if _libc.madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
+    if populate_pages(start, stop - start) != 0:
         flat = arr.reshape(-1).view(np.uint8)
-        flat[start - addr:stop - addr:page] = 0
+        flat[start - addr:stop - addr:mmap.PAGESIZE] = 0

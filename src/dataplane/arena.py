@@ -82,11 +82,9 @@ class HostArena:
         (``madvise(MADV_POPULATE_WRITE)``, a chunk at a time).  It changes no
         byte, so it may run in a thread while the arena is in use.  False when
         the kernel lacks it (before Linux 5.14)."""
-        addr = self._mem.ctypes.data
-        page = mmap.PAGESIZE
-        start, stop = -(-addr // page) * page, (addr + self.size) // page * page
+        start, stop = whole_pages(self._mem.ctypes.data, self.size)
         for at in range(start, stop, chunk):
-            if _madvise(at, min(chunk, stop - at), MADV_POPULATE_WRITE) != 0:
+            if populate_pages(at, min(chunk, stop - at)) != 0:
                 err = ctypes.get_errno()
                 if err in (22, 38) and at == start:  # EINVAL, ENOSYS: not this kernel
                     return False
@@ -100,8 +98,16 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
-def _madvise(addr: int, length: int, advice: int) -> int:
-    return int(_libc.madvise(addr, length, advice))
+def whole_pages(addr: int, nbytes: int) -> tuple[int, int]:
+    """The pages lying wholly inside ``[addr, addr + nbytes)``, as a range."""
+    page = mmap.PAGESIZE
+    return -(-addr // page) * page, (addr + nbytes) // page * page
+
+
+def populate_pages(addr: int, length: int) -> int:
+    """``madvise(MADV_POPULATE_WRITE)``: back the pages with memory, bytes
+    unchanged.  0, or the call's failure (-1; ``ctypes.get_errno()`` says why)."""
+    return int(_libc.madvise(addr, length, MADV_POPULATE_WRITE))
 
 
 def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbytes: int) -> None:
