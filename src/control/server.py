@@ -226,12 +226,7 @@ class Daemon:
         # (Twice the limit bounds Unix connections that never say hello.)
         limit = self.limits.max_sessions * (2 if unix else 1)
         if len(self.sessions) >= limit:
-            # QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up; a
-            # configured allowance is used up and frees as other sessions close.
-            limit = self.limits.max_sessions
-            await self._refuse(reader, writer, QuotaExceeded(
-                f"this node serves at most {limit} sessions at once; try again later",
-                {"limit": "max_sessions", "max_sessions": limit}), "max_sessions")
+            await self._refuse(reader, writer, self.too_many_sessions(), "max_sessions")
             return
         session = Session(self, reader, writer)
         self.sessions[session.session_id] = session
@@ -244,10 +239,10 @@ class Daemon:
             await session.close("connection closed")
             self.sessions.pop(session.session_id, None)
 
-    def sessions_full(self) -> QuotaExceeded | None:
+    def too_many_sessions(self) -> QuotaExceeded:
+        """QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up;
+        a configured allowance is used up and frees as other sessions close."""
         limit = self.limits.max_sessions
-        if len(self.sessions) <= limit:
-            return None
         return QuotaExceeded(
             f"this node serves at most {limit} sessions at once; try again later",
             {"limit": "max_sessions", "max_sessions": limit})
@@ -581,10 +576,9 @@ class Session(DedupOps, DataOps):
             with contextlib.suppress(Exception):
                 old.writer.close()  # its run loop ends, close() cleans up
             return
-        full = self.daemon.sessions_full()
-        if full is not None:
+        if len(self.daemon.sessions) > self.daemon.limits.max_sessions:  # this one counts
             self.daemon.metrics.refused("max_sessions")
-            raise full
+            raise self.daemon.too_many_sessions()
 
     def _same_host(self, req: P.Hello) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
