@@ -18,6 +18,15 @@ Every operation follows the same steps, so one path serves them all:
 5. verify, record the manifest, log, unlock, unpin.
 
 A plain ``store``/``read`` is a batch of one run with tag = request id.
+
+Pins by construction: an async handler never looks a buffer up itself; it
+gets a ``Held`` from the session, whose ``get`` pins the buffer in the same
+step as the lookup, and the session unpins everything the request held when
+it is answered.  So no handler can hold a buffer across an ``await`` without
+a pin (a released buffer keeps its memory until then), and a buffer whose
+memory went back already cannot be pinned (``Registry.pin``).  Only
+synchronous code (``_copy_now``, the quick ops) uses the plain lookup
+``_get``; ``tests/test_pins.py`` checks that no ``async def`` does.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
 
 from . import manifest as M
 from . import protocol as P
-from .errors import BadRequest, ConnectionLost, OutOfRange, RpcBufError, VerifyFailed
+from .errors import BadRequest, ConnectionLost, NotFound, OutOfRange, RpcBufError, VerifyFailed
 from .gpuops import check_wire_f16
 from .units import THREAD_BYTES
 
@@ -50,6 +59,39 @@ if TYPE_CHECKING:
 log = logging.getLogger("rpcbuf.daemon")
 CMA_INLINE = THREAD_BYTES  # same-host copies below this run on the event loop (<= ~0.7 ms)
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
+
+
+class Held:
+    """The buffers one async request uses: each pinned as it is looked up,
+    all unpinned when the request ends (``release``, called by the session)."""
+
+    __slots__ = ("_bufs", "_registry", "_tenant")
+
+    def __init__(self, registry: Registry, tenant: str) -> None:
+        self._registry = registry
+        self._tenant = tenant
+        self._bufs: list[Buffer] = []
+
+    def get(self, buffer_id: str) -> Buffer:
+        """The tenant's buffer, pinned until the request ends; NOT_FOUND."""
+        buf = self._registry.get(self._tenant, buffer_id)
+        self._registry.pin(buf)
+        self._bufs.append(buf)
+        return buf
+
+    def keep(self, buf: Buffer) -> bool:
+        """Pin a buffer found another way (the dedup index); False when it
+        was released already (then it must not be used)."""
+        if buf.released:
+            return False
+        self._registry.pin(buf)
+        self._bufs.append(buf)
+        return True
+
+    def release(self) -> None:
+        bufs, self._bufs = self._bufs, []
+        for buf in reversed(bufs):
+            self._registry.unpin(buf)
 
 
 class DataOps:
@@ -181,7 +223,11 @@ class DataOps:
                        exclusive: bool, forget: bool = True) -> AsyncIterator[None]:
         """Pin ``buf`` and lock ``ranges`` of it for the duration.  An exclusive
         lock drops the dedup index's entries of ``ranges`` (``forget=False``:
-        the caller drops what it writes itself)."""
+        the caller drops what it writes itself).  A buffer released since it
+        was looked up (or while we wait for the lock) is NOT_FOUND: its memory
+        is only pinned, and the work would be lost."""
+        if buf.released:
+            raise NotFound(f"no buffer {buf.buffer_id!r}")
         self.registry.pin(buf)
         try:
             loop = asyncio.get_running_loop()
@@ -195,6 +241,8 @@ class DataOps:
             try:
                 if not grant.granted:
                     await fut
+                    if buf.released:  # released while we waited: its memory is only pinned
+                        raise NotFound(f"no buffer {buf.buffer_id!r}")
                 if exclusive and forget:  # these bytes are about to change: dedup must not use them
                     self.daemon.content.forget(buf, ranges)
                 yield
@@ -277,10 +325,11 @@ class DataOps:
 
     # -- store ----------------------------------------------------------------------
 
-    def _store_check(self, req: P.Store, same_host: bool) -> tuple[Buffer, int]:
-        """Validate a store; returns its buffer and (same host) the address
-        its bytes land at."""
-        buf = self._get(req.buffer_id)
+    def _store_check(self, req: P.Store, same_host: bool,
+                     get: Callable[[str], Buffer]) -> tuple[Buffer, int]:
+        """Validate a store; returns its buffer (looked up by ``get``) and
+        (same host) the address its bytes land at."""
+        buf = get(req.buffer_id)
         self._check_range(buf, req.offset, req.nbytes)
         if req.verify == "checksum" and req.checksum is None:
             raise BadRequest("verify='checksum' needs the client's checksum")
@@ -305,10 +354,10 @@ class DataOps:
                   note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
         return result
 
-    async def _store(self, req_id: int, req: P.Store) -> dict[str, Any]:
+    async def _store(self, req_id: int, req: P.Store, held: Held) -> dict[str, Any]:
         ep = self._path(req.addr is not None)
         try:
-            buf, dst = self._store_check(req, ep is None)
+            buf, dst = self._store_check(req, ep is None, held.get)
         except RpcBufError:
             if req.nbytes and ep is not None:
                 await self._drain(ep, req_id, 1)
@@ -334,8 +383,8 @@ class DataOps:
         if isinstance(req, P.Store) and req.wire_dtype is not None:
             return None
         store = isinstance(req, P.Store)
-        buf, at = self._store_check(req, True) if isinstance(req, P.Store) \
-            else self._read_check(req, True)
+        buf, at = self._store_check(req, True, self._get) if isinstance(req, P.Store) \
+            else self._read_check(req, True, self._get)
         span = [(req.offset, req.offset + req.nbytes)]
         grant = buf.locks.acquire(span, store, _nothing)
         try:
@@ -364,7 +413,7 @@ class DataOps:
             await self._receive_into(ep, [(wire, P.run_tag(req_id, 0))])
         await _maybe_in_thread(nbytes, widen_f16, arena, buf.offset + offset, wire)
 
-    async def _store_batch(self, req_id: int, req: P.StoreBatch) -> dict[str, Any]:
+    async def _store_batch(self, req_id: int, req: P.StoreBatch, held: Held) -> dict[str, Any]:
         ep = self._path(req.addrs is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
@@ -377,10 +426,12 @@ class DataOps:
         runs = P.plan_runs(offsets, sizes) if ep is not None else []
         try:
             addrs = self._addrs(req.addrs, len(offsets))
-            buf = self._get(req.buffer_id)
+            buf = held.get(req.buffer_id)
             self._check_items(buf, offsets, sizes)
             sums = self._batch_checksums(req, len(offsets))
             cols = M.check(req, sizes)
+            if cols is not None:  # refused now if the merged manifest would not fit
+                M.plan_record(self.registry, buf, cols.names, offsets, sizes)
             if req.manifest_version is not None and req.manifest_version != buf.manifest_version:
                 raise BadRequest("the buffer's manifest changed since it was read",
                                  {"reason": "manifest_changed",
@@ -470,14 +521,15 @@ class DataOps:
                 hull: tuple[int, int], end: int | None = None) -> list[str]:
         """Merge into the buffer's manifest (see ``manifest.record``); returns
         the names dropped because other tensors overwrote their bytes."""
-        return M.record(buf, manifest, hull, end)
+        return M.record(self.registry, buf, manifest, hull, end)
 
     # -- read -----------------------------------------------------------------------
 
-    def _read_check(self, req: P.Read, same_host: bool) -> tuple[Buffer, int]:
-        """Validate a read; returns its buffer and (same host) the address
-        its bytes come from."""
-        buf = self._get(req.buffer_id)
+    def _read_check(self, req: P.Read, same_host: bool,
+                    get: Callable[[str], Buffer]) -> tuple[Buffer, int]:
+        """Validate a read; returns its buffer (looked up by ``get``) and
+        (same host) the address its bytes come from."""
+        buf = get(req.buffer_id)
         self._check_range(buf, req.offset, req.nbytes)
         return buf, (self._host_base(buf) + req.offset if same_host else 0)
 
@@ -486,9 +538,9 @@ class DataOps:
         self._log("read", buf, req.offset, req.nbytes)
         return {"nbytes": req.nbytes}
 
-    async def _read(self, req_id: int, req: P.Read) -> dict[str, Any] | None:
+    async def _read(self, req_id: int, req: P.Read, held: Held) -> dict[str, Any] | None:
         ep = self._path(req.addr is not None)
-        buf, src = self._read_check(req, ep is None)
+        buf, src = self._read_check(req, ep is None, held.get)
         span = (req.offset, req.offset + req.nbytes)
         if ep is None:  # same host: copy into the client, then answer
             assert req.addr is not None
@@ -503,13 +555,13 @@ class DataOps:
         self._was_read(req, buf)
         return None
 
-    async def _read_batch(self, req_id: int, req: P.ReadBatch) -> dict[str, Any] | None:
+    async def _read_batch(self, req_id: int, req: P.ReadBatch, held: Held) -> dict[str, Any] | None:
         ep = self._path(req.addrs is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             raise BadRequest("offsets and sizes differ in length")
         addrs = self._addrs(req.addrs, len(offsets))
-        buf = self._get(req.buffer_id)
+        buf = held.get(req.buffer_id)
         self._check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
         nbytes = int(sizes.sum())
         hull = _hull(offsets, sizes)
@@ -532,8 +584,8 @@ class DataOps:
 
     # -- on the daemon, no network ----------------------------------------------------
 
-    async def _clear(self, req_id: int, req: P.ClearBuffer) -> dict[str, Any]:
-        buf = self._get(req.buffer_id)
+    async def _clear(self, req_id: int, req: P.ClearBuffer, held: Held) -> dict[str, Any]:
+        buf = held.get(req.buffer_id)
         if req.value > 255:
             raise BadRequest(f"value must be a byte (0..255), got {req.value}")
         nbytes = buf.size - req.offset if req.nbytes is None else req.nbytes
@@ -544,8 +596,8 @@ class DataOps:
         self._log("clear", buf, req.offset, nbytes, note=f"value={req.value}")
         return {"nbytes": nbytes}
 
-    async def _copy(self, req_id: int, req: P.CopyBuffer) -> dict[str, Any]:
-        src, dst = self._get(req.src_id), self._get(req.dst_id)
+    async def _copy(self, req_id: int, req: P.CopyBuffer, held: Held) -> dict[str, Any]:
+        src, dst = held.get(req.src_id), held.get(req.dst_id)
         self._check_range(src, req.src_offset, req.nbytes)
         self._check_range(dst, req.dst_offset, req.nbytes)
         s_rng = (req.src_offset, req.src_offset + req.nbytes)

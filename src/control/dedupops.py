@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from dataplane.arena import copy_between
 
 from . import protocol as P
-from .dataops import DataOps
+from .dataops import DataOps, Held
 from .diskcache import digest128
 from .errors import BadRequest
 from .units import THREAD_BYTES
@@ -55,10 +55,10 @@ class DedupOps(DataOps):
     def _content(self) -> ContentIndex:
         return self.daemon.content
 
-    async def _dedup_store(self, req_id: int, req: P.DedupStore) -> dict[str, Any]:
+    async def _dedup_store(self, req_id: int, req: P.DedupStore, held: Held) -> dict[str, Any]:
         assert self.tenant is not None
-        buf = self._get(req.buffer_id)
-        await self._index_deferred(self.tenant)
+        buf = held.get(req.buffer_id)  # pinned before the first await
+        await self._index_deferred(self.tenant, held)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         sums, words = P.unpack_u64(req.checksums), P.unpack_u64(req.hashes)
         n = len(offsets)
@@ -138,11 +138,13 @@ class DedupOps(DataOps):
                   f"in_place={how['in_place']} from_cache={how['from_cache']}")
         return {"placed": P.pack_u64(done), "nbytes": nbytes, **how}
 
-    async def _index_deferred(self, tenant: str) -> None:
+    async def _index_deferred(self, tenant: str, held: Held) -> None:
         """Hash and index what ``tenant`` stored since its last dedup query.
         Only entries still current (the very manifest entry recorded, bytes
-        still matching its checksum, under a shared lock) are indexed."""
-        for buf, manifest in self._content.take_deferred(tenant):
+        still matching its checksum, under a shared lock) are indexed.  Every
+        buffer taken is pinned (``held``) before the first await."""
+        taken = [(b, m) for b, m in self._content.take_deferred(tenant) if held.keep(b)]
+        for buf, manifest in taken:
             entries = _current(buf, manifest)
             if not entries or buf.released:
                 continue

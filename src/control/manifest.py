@@ -32,7 +32,7 @@ from .units import THREAD_BYTES
 if TYPE_CHECKING:
     from dataplane.arena import Arena
 
-    from .registry import Buffer
+    from .registry import Buffer, Registry
 
 _DTYPES: dict[str, tuple[str, int]] = {}  # wire name -> (canonical dtype.str, itemsize)
 _NO_SIZE = (1 << 64) - 1  # a kind whose byte count is past 2**63: matches no item
@@ -150,16 +150,15 @@ def _unique(names: list[str]) -> None:
         raise BadRequest("tensor names in one batch must be unique")
 
 
-def record(buf: Buffer, manifest: dict[str, dict[str, Any]], hull: tuple[int, int],
-           end: int | None = None) -> list[str]:
-    """Merge ``manifest`` into the buffer's; entries whose bytes were just
-    overwritten by other tensors are dropped (they no longer hold).  ``end``:
-    the end of the highest entry written, when the caller knows it.
-    Returns the dropped names."""
+def _merge_plan(buf: Buffer, names: Iterable[str], written: list[tuple[int, int]],
+                hull: tuple[int, int]) -> tuple[list[str], int]:
+    """What merging tensors ``names`` written over ``written`` (sorted
+    ranges inside ``hull``) does to the buffer's manifest: the names of other
+    entries whose bytes they overwrite (dropped), and the entry count after."""
+    new = set(names)
     dropped: list[str] = []
-    others = buf.tensors.keys() - manifest.keys() if buf.tensors else set()  # renewed names stay
+    others = buf.tensors.keys() - new if buf.tensors else set()  # renewed names stay
     if others:
-        written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
         starts = [w[0] for w in written]
         for name in others:
             e = buf.tensors[name]
@@ -168,18 +167,50 @@ def record(buf: Buffer, manifest: dict[str, dict[str, Any]], hull: tuple[int, in
                 continue
             j = bisect.bisect_left(starts, b)  # written[j-1]: the last range starting before b
             if j and written[j - 1][1] > a:
-                del buf.tensors[name]
                 dropped.append(name)
+    count = len(buf.tensors) - len(dropped) + len(new - buf.tensors.keys())
+    return dropped, count
+
+
+def _check_count(count: int) -> None:
+    if count > P.MAX_ITEMS:
+        raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors; this "
+                         f"batch would make it {count}", {"limit": P.MAX_ITEMS})
+
+
+def plan_record(registry: Registry, buf: Buffer, names: list[str], offsets: np.ndarray,
+                sizes: np.ndarray) -> None:
+    """Refuse, before anything changes, a batch whose tensors would make the
+    buffer's manifest too big (BAD_REQUEST) or pass the tenant's quota with
+    their entries (QUOTA_EXCEEDED)."""
+    if not names:
+        return
+    order = np.argsort(offsets, kind="stable")
+    written = list(zip(offsets[order].tolist(), (offsets + sizes)[order].tolist(), strict=True))
+    hull = (written[0][0], max(e for _, e in written))
+    _, count = _merge_plan(buf, names, written, hull)
+    _check_count(count)
+    registry.charge_entries(buf, count, dry_run=True)
+
+
+def record(registry: Registry, buf: Buffer, manifest: dict[str, dict[str, Any]],
+           hull: tuple[int, int], end: int | None = None) -> list[str]:
+    """Merge ``manifest`` into the buffer's; entries whose bytes were just
+    overwritten by other tensors are dropped (they no longer hold).  ``end``:
+    the end of the highest entry written, when the caller knows it.
+    Checked (size, quota) before anything changes.  Returns the dropped names."""
+    written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
+    dropped, count = _merge_plan(buf, manifest.keys(), written, hull)
+    _check_count(count)
+    registry.charge_entries(buf, count)
+    for name in dropped:
+        del buf.tensors[name]
     buf.tensors.update(manifest)
     buf.manifest_version += 1
     if end is None:
         end = max((e["offset"] + e["nbytes"] for e in manifest.values()), default=0)
     buf.tensors_end = max(buf.tensors_end, -(-end // 256) * 256)
-    if len(buf.tensors) > P.MAX_ITEMS:
-        raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors")
     return dropped
-
-
 
 
 async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,

@@ -62,7 +62,7 @@ from . import logs
 from . import protocol as P
 from .auth import verify_token
 from .content import ContentIndex
-from .dataops import CMA_INLINE, DataOps
+from .dataops import CMA_INLINE, DataOps, Held
 from .dedupops import DedupOps
 from .errors import (
     AuthFailed,
@@ -444,13 +444,15 @@ class Session(DedupOps, DataOps):
         handler = _ASYNC_OPS[type(req)]
         op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
                                                  time.perf_counter(), req)
+        assert self.tenant is not None
+        held = Held(self.registry, self.tenant)  # what the handler looks up stays pinned
         task = asyncio.get_running_loop().create_task(
-            self._run_task(req_id, handler(self, req_id, req), op))
+            self._run_task(req_id, handler(self, req_id, req, held), op, held))
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
-    async def _run_task(self, req_id: int, coro: Any, op: logs.OpRecord) -> None:
+    async def _run_task(self, req_id: int, coro: Any, op: logs.OpRecord, held: Held) -> None:
         logs.CURRENT.set(op)  # this task's own context: its _log records land on op
         error: RpcBufError | None = None
         try:
@@ -468,6 +470,7 @@ class Session(DedupOps, DataOps):
             error = RpcBufError(f"internal error: {exc}")
             self.send(P.error_response(req_id, error))
         finally:
+            held.release()
             self._finish(op, error)
             task = self.tasks.pop(req_id, None)
             if task is not None:
@@ -615,7 +618,8 @@ class Session(DedupOps, DataOps):
             self.daemon.schedule_expiry()
         return buf.meta()
 
-    async def _wait_for_memory(self, req_id: int, req: P.RequestBuffer) -> dict[str, Any]:
+    async def _wait_for_memory(self, req_id: int, req: P.RequestBuffer,
+                               held: Held) -> dict[str, Any]:
         assert self.tenant is not None
         pool = self.registry.pool_for(req.device_type, req.device)
         if not req.timeout:

@@ -1,0 +1,57 @@
+"""Cross-tenant isolation under races: a buffer released while a request
+that looked it up still waits must never let that request touch the memory
+another tenant is given next (see ``dataops.Held`` and ``Registry._free``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from control import protocol as P
+from control.dedup import content_hashes
+
+from conftest import pool_free, wait_free
+
+
+async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """dedup_store looks its target up, then waits for another buffer's range
+    lock (the deferred index).  Releasing the target meanwhile and letting
+    bob allocate must not let the dedup copy write into bob's buffer, nor
+    free bob's block a second time (then carol would share it)."""
+    d = daemon_factory("--device", "cpu:8MiB", "--transfer-timeout", "2s")
+    start = await pool_free(d)
+    mib = 1 << 20
+    weights = {"w": np.full(mib, 0xA1, np.uint8)}
+    async with d.connect("alice") as a, d.connect("alice", same_host=False) as stall, \
+            d.connect("bob") as b, d.connect("carol") as c:
+        src = await a.request_buffer(mib)
+        await a.store_tensors(src, weights)  # indexed lazily, at the next dedup query
+        # A UCX store that never sends its payload holds src's range for ~2 s
+        # (then the deadline aborts that session).
+        stalled = stall._conn.submit(stall._conn.next_id(),
+                                     P.Store(buffer_id=src, offset=0, nbytes=mib))
+        await asyncio.sleep(0.3)
+        dst = await a.request_buffer(mib)
+        dedup = asyncio.ensure_future(a._dedup_chunk(dst, ["w"], weights, {"w": 0},
+                                                     content_hashes(weights)))
+        await asyncio.sleep(0.3)  # dedup now waits for src's lock, holding dst
+        await a.release_buffer(dst)
+        theirs = await b.request_buffer(mib)  # very likely dst's block
+        await b.clear_buffer(theirs, 0x0B)
+        with pytest.raises(rpcbuf.ConnectionLost):
+            await asyncio.wait_for(stalled, 15)
+        (placed,) = await asyncio.gather(asyncio.wait_for(dedup, 15), return_exceptions=True)
+        got = await b.read_buffer(theirs, 0, mib)
+        assert (got == 0x0B).all(), "alice's dedup wrote into bob's buffer"
+        # bob's block was freed once (never by alice's request): carol gets other memory
+        hers = await c.request_buffer(mib)
+        await c.clear_buffer(hers, 0x0C)
+        got = await b.read_buffer(theirs, 0, mib)
+        assert (got == 0x0B).all(), "bob and carol share a block"
+        assert isinstance(placed, rpcbuf.NotFound), placed  # its buffer is gone: nothing placed
+        for ctx, bid in ((b, theirs), (c, hers), (a, src)):
+            await ctx.release_buffer(bid)
+    assert await wait_free(d, start) == start
