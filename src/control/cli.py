@@ -98,19 +98,17 @@ async def _devices(args: argparse.Namespace) -> int:
 
     table = Table(title="rpcbuf devices")
     for col in ("slot", "endpoint", "node", "device", "allocator", "total", "free",
-                "largest free", "buffers"):
+                "largest free"):
         table.add_column(col, justify="right" if col in ("slot", "total", "free",
-                                                        "largest free", "buffers") else "left")
+                                                        "largest free") else "left")
     for addr, res in got.items():
         if isinstance(res, RpcBufError):
-            table.add_row("-", addr, "", f"[red]{res.code}[/red]", res.message[:60], "", "", "",
-                          "")
+            table.add_row("-", addr, "", f"[red]{res.code}[/red]", res.message[:60], "", "", "")
             continue
         for d in res:
             table.add_row(str(d["slot"] if not failed else "-"), addr, str(d["node_id"]),
                           str(d["key"]), str(d.get("allocator", "")), format_size(d["total"]),
-                          format_size(d["free"]), format_size(d["largest_free"]),
-                          str(d.get("buffers", "")))
+                          format_size(d["free"]), format_size(d["largest_free"]))
     Console(width=max(100, _term_width())).print(table)
     if failed:
         print("rpcbuf: some nodes failed; slot numbers need every node", file=sys.stderr)

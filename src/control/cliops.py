@@ -196,7 +196,7 @@ def status_tables(results: dict[str, Any]) -> list[Any]:
     for col in ("endpoint", "node", "uptime", "sessions", "buffers", "stored", "read", "path"):
         nodes.add_column(col)
     devs = Table(title="devices")
-    for col in ("endpoint", "device", "used", "free", "total", "usage", "buffers"):
+    for col in ("endpoint", "device", "used", "free", "total", "usage"):
         devs.add_column(col)
     for addr, st in results.items():
         if isinstance(st, Exception):
@@ -207,7 +207,7 @@ def status_tables(results: dict[str, Any]) -> list[Any]:
                       format_size(st.get("bytes_read", 0)), str(st.get("path", "")))
         for d in st["devices"]:
             devs.add_row(addr, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
-                         format_size(d["total"]), bar(d["used"], d["total"]), str(d["buffers"]))
+                         format_size(d["total"]), bar(d["used"], d["total"]))
     return [nodes, devs] if devs.row_count else [nodes]  # no empty table when all failed
 
 

@@ -107,6 +107,7 @@ class DataOps:
     send: Callable[[dict[str, Any]], None]
     _get: Callable[[str], Buffer]
     _log: Callable[..., None]
+    _count: Callable[[str, int], None]
     abort: Callable[[str], None]
 
     # -- shared steps -------------------------------------------------------------
@@ -217,6 +218,13 @@ class DataOps:
             )
         if disjoint and (offsets[1:] < ends[:-1]).any():
             raise BadRequest("batch items must be sorted by offset and must not overlap")
+        # Bounded work: a batch moves at most its buffer's size (overlapping
+        # reads count each time).  No overflow: each end is <= buf.size < 2**63
+        # and there are at most MAX_ITEMS items.
+        total = int(sizes.sum())
+        if total > buf.size:
+            raise BadRequest(f"a batch may move at most its buffer's {buf.size} bytes; these "
+                             f"items add up to {total}", {"nbytes": total, "size": buf.size})
 
     @contextlib.asynccontextmanager
     async def _holding(self, buf: Buffer, ranges: list[tuple[int, int]],
@@ -346,10 +354,10 @@ class DataOps:
             result["checksum"] = got
             result["checksum_kind"] = kind
             if req.verify == "checksum" and got != req.checksum:
-                self.daemon.counters["verify_failures"] += 1
+                self._count("verify_failures", 1)
                 raise VerifyFailed("checksum of received bytes does not match",
                                    {"expected": req.checksum, "got": got, "kind": kind})
-        self.daemon.counters["bytes_stored"] += req.nbytes
+        self._count("bytes_stored", req.nbytes)
         self._log("store", buf, req.offset, req.nbytes,
                   note=f"wire={req.wire_dtype}" if req.wire_dtype else "")
         return result
@@ -469,7 +477,7 @@ class DataOps:
                 assert sums is not None and got is not None
                 bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
                 if len(bad):
-                    self.daemon.counters["verify_failures"] += 1
+                    self._count("verify_failures", 1)
                     raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
                                        "their checksums", {"items": bad[:20].tolist()})
             result: dict[str, Any] = {}
@@ -481,7 +489,7 @@ class DataOps:
                 await self._index_stored(buf, manifest)  # a dedup source from now on
                 result["manifest_version"] = buf.manifest_version
                 result["checksums"] = P.pack_u64(got)
-        self.daemon.counters["bytes_stored"] += nbytes
+        self._count("bytes_stored", nbytes)
         self._log("store_batch", buf, hull[0], nbytes, note=f"items={len(offsets)} "
                   f"messages={sum(1 for r in runs if r[1])}")
         return {"nbytes": nbytes, "items": len(offsets), "messages": len(runs), **result}
@@ -534,7 +542,7 @@ class DataOps:
         return buf, (self._host_base(buf) + req.offset if same_host else 0)
 
     def _was_read(self, req: P.Read, buf: Buffer) -> dict[str, Any]:
-        self.daemon.counters["bytes_read"] += req.nbytes
+        self._count("bytes_read", req.nbytes)
         self._log("read", buf, req.offset, req.nbytes)
         return {"nbytes": req.nbytes}
 
@@ -570,7 +578,7 @@ class DataOps:
             base = self._host_base(buf)
             async with self._holding(buf, [hull], exclusive=False):
                 await self._cma(True, offsets + np.uint64(base), addrs, sizes, nbytes)
-            self.daemon.counters["bytes_read"] += nbytes
+            self._count("bytes_read", nbytes)
             self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
             return {"nbytes": nbytes, "messages": 0}
         runs = P.plan_runs(offsets, sizes)
@@ -578,7 +586,7 @@ class DataOps:
             self.send(P.ok_response(req_id, {"nbytes": nbytes, "messages": len(runs)}))
             if not await self._send_runs(ep, req_id, buf, runs):
                 return None
-        self.daemon.counters["bytes_read"] += nbytes
+        self._count("bytes_read", nbytes)
         self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
         return None
 

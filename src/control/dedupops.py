@@ -131,8 +131,7 @@ class DedupOps(DataOps):
                     if loc_new is not None:
                         index.keep_on_disk(self.registry, loc_new)
         nbytes = int(sum(int(sizes[i]) for i in done))
-        self.daemon.counters["bytes_deduped"] = self.daemon.counters.get("bytes_deduped", 0) \
-            + nbytes
+        self._count("bytes_deduped", nbytes)
         self._log("dedup_store", buf, hull[0], nbytes,
                   note=f"items={n} placed={len(done)} copied={how['copied']} "
                   f"in_place={how['in_place']} from_cache={how['from_cache']}")

@@ -13,6 +13,11 @@ Records go to ``--audit-log PATH`` as JSON lines (reopened if logrotate moves
 the file), or else into the normal log: ``op=... tenant=... code=...`` in
 text, one object per line in JSON.  The audit trail is written whatever
 ``--log-level`` says.  Tokens and secrets are never part of a record.
+Whatever a client controls is escaped in both formats: JSON escapes by
+itself; in text every value that is not printable (a newline in an error
+message, say) is written as its escaped repr, and so is any normal log
+message, so no client can write a line that looks like a record of its own
+(``protocol`` also refuses ids and names that are not printable).
 
 Records are on the hot path of every memory op, so they bypass the logging
 module (a ``LogRecord``, a formatter and a flushed write per record cost more
@@ -61,6 +66,7 @@ class OpRecord:
     request: Any = None
     entries: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
+    quiet: bool = False  # see quiet()
 
 
 CURRENT: ContextVar[OpRecord | None] = ContextVar("rpcbuf_current_op", default=None)
@@ -76,9 +82,19 @@ def record(entry: dict[str, Any]) -> None:
         rec.entries.append(entry)
 
 
+def quiet() -> None:
+    """The request being served writes no audit record when it succeeds
+    (a renew coalesced into a later record)."""
+    rec = CURRENT.get()
+    if rec is not None:
+        rec.quiet = True
+
+
 def finish(rec: OpRecord, code: str, error: str | None = None) -> None:
     """The request was answered: write its records with the result."""
     rec.done = True
+    if rec.quiet and code == "OK":
+        return
     entries = rec.entries
     if not entries:
         if rec.op in NOT_MEMORY_OPS:
@@ -115,16 +131,35 @@ def write(entry: dict[str, Any]) -> None:
         AUDIT.info("%s", _Text(entry), extra={"audit": entry})
 
 
+def escape(value: Any) -> str:
+    """``value`` as text on one line: printable text as it is, anything
+    else escaped (``\\n``, ``\\x1b``, ...), so it cannot start a line of its own."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return text.encode("unicode_escape").decode("ascii")
+
+
 def _text(e: dict[str, Any]) -> str:
-    text = (f"op={e['op']} tenant={e['tenant']} session={e['session']} "
-            f"buffer={e['buffer']} device={e['device']} offset={e['offset']} "
+    text = (f"op={escape(e['op'])} tenant={escape(e['tenant'])} "
+            f"session={escape(e['session'])} buffer={escape(e['buffer'])} "
+            f"device={escape(e['device'])} offset={e['offset']} "
             f"bytes={e['bytes']} code={e['code']} "
             f"duration_ms={e['duration_s'] * 1000:.3f}")
     if e.get("note"):
-        text += f" ({e['note']})"
+        text += f" ({escape(e['note'])})"
     if e.get("error"):
-        text += f": {e['error']}"
+        text += f": {escape(e['error'])}"
     return text
+
+
+class TextFormatter(logging.Formatter):
+    """The normal log in text: the message escaped (it may quote what a
+    client sent); a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
 
 
 class _Text:
@@ -348,7 +383,7 @@ def setup(level: str, fmt: str = "text", audit_log: str | None = None) -> None:
     handler = _StreamHandler(sys.stderr)
     sink = _AuditSink("file", path=audit_log) if audit_log else \
         _AuditSink("json" if fmt == "json" else "text", stream=sys.stderr, lock=handler.lock)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -10,7 +10,13 @@ closes that one connection.
 Requests are ``{"op": str, "id": int, **fields}``.  Each op is a small frozen
 dataclass that validates its own fields (types, ranges, no unknown keys) in
 ``parse_request``; a bad request whose id could be read gets a
-``BAD_REQUEST`` answer and the connection stays usable.  Answers are
+``BAD_REQUEST`` answer and the connection stays usable.  Every bound a
+request's work depends on is checked here, before any work starts: strings
+are printable and short (nothing a client sends can forge a log line), buffer
+ids have the daemon's id alphabet, shapes have at most ``MAX_NDIM``
+dimensions whose product stays below 2**63 (so no size computation ever sees
+a huge integer), lists and packed arrays at most ``MAX_ITEMS`` entries.
+Answers are
 ``{"id": int, "ok": true, "result": {...}}`` or
 ``{"id": int, "ok": false, "error": {code, message, details}}``; they may come
 back in any order, so one connection carries many requests at once.
@@ -23,7 +29,17 @@ import math
 import struct
 import types
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NewType, Union, get_args, get_origin, get_type_hints
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    NewType,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgpack
 import numpy as np
@@ -37,8 +53,14 @@ COALESCE_MAX = 256 << 10  # items up to this size travel together with their nei
 RUN_MAX = 64 << 20  # the largest message a run of coalesced items makes
 MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
+MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model needs 32)
+MAX_ID = 64  # characters of a buffer id (the daemon makes 26)
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
 U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, sizes, checksums)
+# Checked forms of plain types (to type checkers they are the plain type):
+BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
+Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
 _HEADER = struct.Struct("!I")
 
 
@@ -119,8 +141,15 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
             raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
         return value
     if tp is str:
-        if not isinstance(value, str) or len(value) > MAX_STR:
-            raise BadRequest(f"{op}: {name} must be a string of at most {MAX_STR} characters")
+        if not isinstance(value, str) or len(value) > MAX_STR or not value.isprintable():
+            raise BadRequest(f"{op}: {name} must be a printable string of at most {MAX_STR} "
+                             "characters")
+        return value
+    if tp == BufferId:
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ID \
+                or not _ID_CHARS.issuperset(value):
+            raise BadRequest(f"{op}: {name} is not a buffer id ([A-Za-z0-9_-], at most "
+                             f"{MAX_ID} characters)")
         return value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -141,14 +170,16 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, list) or len(value) > MAX_ITEMS:
             raise BadRequest(f"{op}: {name} must be a list of at most {MAX_ITEMS} items")
         (inner_tp,) = get_args(tp)
-        if inner_tp == list[int]:  # fast path: shapes of big batches
-            if not all(type(v) is list and all(type(d) is int and 0 <= d <= MAX_INT for d in v)
-                       for v in value):
-                raise BadRequest(f"{op}: {name} must hold lists of integers in [0, 2**63)")
+        if inner_tp == Shape:  # shapes of big batches
+            if not all(map(_shape_ok, value)):
+                raise BadRequest(f"{op}: {name} must hold shapes: at most {MAX_NDIM} integers "
+                                 "in [0, 2**63) whose product is below 2**63")
             return value
         if inner_tp is str:  # fast path: names and dtypes of big batches
-            if not all(isinstance(v, str) and len(v) <= MAX_STR for v in value):
-                raise BadRequest(f"{op}: {name} must hold strings of at most {MAX_STR} chars")
+            if not all(isinstance(v, str) and len(v) <= MAX_STR and v.isprintable()
+                       for v in value):
+                raise BadRequest(f"{op}: {name} must hold printable strings of at most "
+                                 f"{MAX_STR} characters")
             return value
         return [_check(op, f"{name}[{i}]", v, inner_tp) for i, v in enumerate(value)]
     if tp is U64:
@@ -169,6 +200,19 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
             raise BadRequest(f"{op}: {name} must be a boolean, got {value!r}")
         return value
     raise TypeError(f"unsupported field type {tp!r}")  # a bug in this module, not input
+
+
+def _shape_ok(v: Any) -> bool:
+    """A shape: a list of at most MAX_NDIM ints in [0, 2**63) whose product
+    is below 2**63 (no tensor of 2**63 bytes or more can match an item)."""
+    if type(v) is not list or len(v) > MAX_NDIM:
+        return False
+    n = 1
+    for d in v:
+        if type(d) is not int or not 0 <= d <= MAX_INT:
+            return False
+        n = min(n * d, MAX_INT + 1)  # capped: the numbers stay small whatever comes
+    return n <= MAX_INT
 
 
 @dataclass(frozen=True)
@@ -228,7 +272,8 @@ def _specs(cls: type) -> _Specs:
 def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = {
-            k: v for k, v in get_type_hints(cls).items() if get_origin(v) is not ClassVar
+            k: v for k, v in get_type_hints(cls, include_extras=True).items()
+            if get_origin(v) is not ClassVar
         }
     return _HINTS[cls]
 
@@ -261,14 +306,14 @@ class RequestBuffer(Request):
 @dataclass(frozen=True)
 class GetBufferMeta(Request):
     op: ClassVar[str] = "get_buffer_meta"
-    buffer_id: str
+    buffer_id: BufferId
     tensors: bool = True  # False: leave the manifest's entries out (version, count, end only)
 
 
 @dataclass(frozen=True)
 class Store(Request):
     op: ClassVar[str] = "store"
-    buffer_id: str
+    buffer_id: BufferId
     offset: int
     nbytes: int
     checksum: U64 | None = None
@@ -291,14 +336,14 @@ class StoreBatch(Request):
     items and recorded as the buffer's tensor manifest."""
 
     op: ClassVar[str] = "store_batch"
-    buffer_id: str
+    buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
     checksums: U64Array | None = None
     verify: Literal["checksum"] | None = None
     names: list[str] | None = None
     dtypes: list[str] | None = None
-    shapes: list[list[int]] | None = None
+    shapes: list[Shape] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
     addrs: U64Array | None = None  # same-host sessions: each item's address in the client
     # The manifest packed, instead of dtypes/shapes (with names as above):
@@ -306,13 +351,13 @@ class StoreBatch(Request):
     # (no kinds with a one-kind table: every item is of that kind).
     kinds: U64Array | None = None
     kind_dtypes: list[str] | None = None
-    kind_shapes: list[list[int]] | None = None
+    kind_shapes: list[Shape] | None = None
 
 
 @dataclass(frozen=True)
 class ReadBatch(Request):
     op: ClassVar[str] = "read_batch"
-    buffer_id: str
+    buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
     addrs: U64Array | None = None  # same-host sessions: where each item lands in the client
@@ -330,14 +375,14 @@ class DedupStore(Request):
     ``placed`` (packed uint64s); the client sends the others."""
 
     op: ClassVar[str] = "dedup_store"
-    buffer_id: str
+    buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
     hashes: U64Array
     checksums: U64Array
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[Shape]
 
 
 @dataclass(frozen=True)
@@ -349,7 +394,7 @@ class OpenBuffer(Request):
 @dataclass(frozen=True)
 class ClearBuffer(Request):
     op: ClassVar[str] = "clear_buffer"
-    buffer_id: str
+    buffer_id: BufferId
     value: int = 0
     offset: int = 0
     nbytes: int | None = None
@@ -358,9 +403,9 @@ class ClearBuffer(Request):
 @dataclass(frozen=True)
 class CopyBuffer(Request):
     op: ClassVar[str] = "copy_buffer"
-    src_id: str
+    src_id: BufferId
     src_offset: int
-    dst_id: str
+    dst_id: BufferId
     dst_offset: int
     nbytes: int
 
@@ -368,7 +413,7 @@ class CopyBuffer(Request):
 @dataclass(frozen=True)
 class Read(Request):
     op: ClassVar[str] = "read"
-    buffer_id: str
+    buffer_id: BufferId
     offset: int
     nbytes: int
     addr: int | None = None  # same-host sessions: where the bytes land in the client
@@ -377,13 +422,13 @@ class Read(Request):
 @dataclass(frozen=True)
 class Release(Request):
     op: ClassVar[str] = "release"
-    buffer_id: str
+    buffer_id: BufferId
 
 
 @dataclass(frozen=True)
 class Renew(Request):
     op: ClassVar[str] = "renew"
-    buffer_id: str
+    buffer_id: BufferId
     ttl: float | None = None
 
 

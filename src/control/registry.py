@@ -109,7 +109,8 @@ class Buffer:
             "alloc_size": self.alloc_size,
             "device_type": self.pool.arena.device_type,
             "device": self.pool.arena.device,
-            "base_addr": self.offset,
+            # Not the arena offset: that would map other tenants' memory.
+            "base_addr": 0,
             "tenant": self.tenant,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
@@ -225,6 +226,7 @@ class Registry:
         self._ids = _Ids()
         self._pool_keys: dict[tuple[str, int], Pool] = {}  # (device_type, device) -> pool
         self.expired_total = 0
+        self._expired_by: dict[str, int] = {}
 
     # -- lookup ---------------------------------------------------------------
 
@@ -545,6 +547,7 @@ class Registry:
             buf = self._buffers[bid]
             self.release(buf)
             self.expired_total += 1
+            self._expired_by[buf.tenant] = self._expired_by.get(buf.tenant, 0) + 1
             out.append(buf)
         return out
 
@@ -553,6 +556,9 @@ class Registry:
         for b in doomed:
             self.release(b)
         return doomed
+
+    def expired_of(self, tenant: str) -> int:
+        return self._expired_by.get(tenant, 0)
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Node-wide figures (``tenant`` None: the operator's view, for metrics

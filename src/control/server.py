@@ -78,6 +78,7 @@ from .registry import Buffer, Registry, Waiter
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
+RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ class Daemon:
         self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
                                          "verify_failures": 0, "sessions_total": 0}
+        # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
+        self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
 
@@ -529,6 +532,16 @@ class Session(DedupOps, DataOps):
             entry["note"] = note
         logs.record(entry)
 
+    def _count(self, key: str, n: int) -> None:
+        """Count ``n`` into the node's counter ``key`` and this tenant's."""
+        counters = self.daemon.counters
+        counters[key] = counters.get(key, 0) + n
+        assert self.tenant is not None
+        mine = self.daemon.tenant_counters.get(self.tenant)
+        if mine is None:
+            mine = self.daemon.tenant_counters[self.tenant] = {}
+        mine[key] = mine.get(key, 0) + n
+
     def _hello(self, req: P.Hello) -> dict[str, Any]:
         if self.tenant is not None:
             raise BadRequest("hello was already said on this connection")
@@ -676,7 +689,18 @@ class Session(DedupOps, DataOps):
         if req.ttl is not None and req.ttl <= 0:
             raise BadRequest("ttl must be positive")
         self.registry.renew(buf, req.ttl)
-        self._log("renew", buf, note=f"expires_at={buf.expires_at}")
+        # Renews are coalesced in the audit trail: one record per buffer per
+        # RENEW_AUDIT_EVERY seconds, saying how many it stands for (a renew
+        # storm must not grow the log; the last lease is always in the meta).
+        now = time.monotonic()
+        if now - buf.renew_logged_at >= RENEW_AUDIT_EVERY:
+            also = f" (+{buf.renews_unlogged} renews since the last record)" \
+                if buf.renews_unlogged else ""
+            self._log("renew", buf, note=f"expires_at={buf.expires_at}{also}")
+            buf.renew_logged_at, buf.renews_unlogged = now, 0
+        else:
+            buf.renews_unlogged += 1
+            logs.quiet()
         self.daemon.schedule_expiry()
         return {"buffer_id": buf.buffer_id, "expires_at": buf.expires_at}
 
@@ -689,11 +713,18 @@ class Session(DedupOps, DataOps):
         return {"buffers": [b.meta() for b in self.registry.buffers_of(self.tenant)]}
 
     def _stats(self, req: P.Stats) -> dict[str, Any]:
+        """What a tenant may see: its own sessions, buffers, bytes, waiters
+        and counters, and each device's size and free bytes; nothing about
+        other tenants (the node-wide figures are the operator's, in
+        ``--metrics``)."""
+        assert self.tenant is not None
+        mine = [s for s in self.daemon.sessions.values() if s.tenant == self.tenant]
+        counters = {"bytes_stored": 0, "bytes_read": 0, "verify_failures": 0,
+                    **self.daemon.tenant_counters.get(self.tenant, {})}
         return {"node_id": self.daemon.node_id, "uptime": time.time() - self.daemon.started_at,
-                "sessions": len(self.daemon.sessions),
-                "same_host_sessions": sum(1 for s in self.daemon.sessions.values() if s.cma),
-                **self.daemon.counters,
-                **self.registry.stats()}
+                "sessions": len(mine), "same_host_sessions": sum(1 for s in mine if s.cma),
+                **counters, "expired_total": self.registry.expired_of(self.tenant),
+                **self.registry.stats(self.tenant)}
 
     def _ping(self, req: P.Ping) -> dict[str, Any]:
         return {"time": time.time()}
