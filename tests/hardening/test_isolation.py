@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 import rpcbuf
+from conftest import pool_free, wait_free
 from control import protocol as P
 from control.dedup import content_hashes
-
-from conftest import pool_free, wait_free
 
 
 async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]
