@@ -564,13 +564,13 @@ class DataOps:
         return None
 
     async def _read_batch(self, req_id: int, req: P.ReadBatch, held: Held) -> dict[str, Any] | None:
-        ep = self._path(req.addrs is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             raise BadRequest("offsets and sizes differ in length")
         addrs = self._addrs(req.addrs, len(offsets))
         buf = held.get(req.buffer_id)
         self._check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
+        ep = self._path(req.addrs is not None)
         nbytes = int(sizes.sum())
         hull = _hull(offsets, sizes)
         if ep is None:  # same host: copy into the client, then answer
