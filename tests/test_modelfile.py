@@ -167,6 +167,7 @@ ST_LIES: dict[str, tuple[bytes, str]] = {
     "overflowing shape": (st_file('{"t": {"dtype": "F64", "shape": [4294967296, 4294967296, '
                                   '1048576], "data_offsets": [0, 0]}}'), "bytes"),
     "bad metadata": (st_file('{"__metadata__": {"a": [1]}}'), "__metadata__"),
+    "escaped quotes": (st_file(b'{"' + b'\\"' * 200_000), "balance"),  # no quadratic scan
     "huge number": (st_file('{"t": {"dtype": "U8", "shape": [' + "9" * 5000 + '], '
                             '"data_offsets": [0, 1]}}', b"\0"), "JSON"),
 }

@@ -202,7 +202,11 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> None:
 
 # A JSON string (escapes included), then everything but brackets: what is
 # left of a header is its bracket structure, at C speed even for 100 MiB.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# The pattern matches from every quote without backtracking (an unterminated
+# string, even one ending in a lone backslash, runs to the end of the text):
+# a pattern that can fail is retried from each escaped quote inside the
+# string, quadratic in ``"\"\"\"...`` (20,000 of them took 7 s).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*(?:"|\Z)', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 
