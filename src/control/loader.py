@@ -221,14 +221,16 @@ class _Progress:
             self._bar = None
 
 
-async def load_model(cluster: Cluster, path: str | Path, placement: str | None = None,
+async def load_model(cluster: Cluster, path: str | Path | ModelFile,
+                     placement: str | None = None,
                      name: str | None = None, progress: bool = True, *,
                      batch_bytes: int = DEFAULT_BATCH, dedup: bool = True,
                      on_progress: ProgressFn | None = None,
                      hash_cache: bool = True) -> LoadResult:
     """Upload the model at ``path`` across ``cluster``; see the module docstring.
 
-    ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
+    ``path`` may be a model ``open_model`` opened already (it is closed
+    here); ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
     split by free memory; ``name`` defaults to the file's stem; ``progress``
     shows rich progress bars on stderr when it is a terminal;
     ``on_progress(endpoint, done, total)`` is called after every batch;
@@ -241,7 +243,8 @@ async def load_model(cluster: Cluster, path: str | Path, placement: str | None =
     t0 = time.perf_counter()
     if batch_bytes <= 0:
         raise BadRequest("batch_bytes must be positive")
-    model = await asyncio.to_thread(open_model, path)
+    model = path if isinstance(path, ModelFile) else await asyncio.to_thread(open_model, path)
+    path = model.path
     is_dir = model.files[0] != Path(path)  # a directory of shards
     name = name or (Path(path).name if is_dir else Path(path).stem)
     if not name or len(name) > 200:
@@ -508,6 +511,18 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 
 
 async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
+    # A bad model file is refused before any connection: no node needs to be
+    # up to learn that (and none is bothered).
+    model = await asyncio.to_thread(open_model, args.model) if args.cmd == "load" else None
+    try:
+        return await _run_connected(args, endpoints, token, model)
+    finally:
+        if model is not None:
+            model.close()
+
+
+async def _run_connected(args: argparse.Namespace, endpoints: list[str], token: str,
+                         model: ModelFile | None) -> int:
     async with Cluster.connect(endpoints, token, timeout=args.timeout) as cluster:
         if args.cmd == "unload":
             got = await unload_model(cluster, args.name)
@@ -517,7 +532,8 @@ async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> in
                 for addr, names in got.items():
                     print(f"{addr}: released {', '.join(names) or 'nothing'}")
             return 0
-        result = await load_model(cluster, args.model, args.placement, args.name,
+        assert model is not None
+        result = await load_model(cluster, model, args.placement, args.name,
                                   progress=not args.json, batch_bytes=args.batch_size,
                                   dedup=not args.no_dedup,
                                   hash_cache=not args.no_hash_cache)

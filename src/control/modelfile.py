@@ -24,8 +24,6 @@ for each slot in a worker thread).
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +31,14 @@ from typing import Any
 import numpy as np
 
 from .errors import BadRequest
+from .modelcheck import check_gguf, safetensors_header
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "|i1", "U8": "|u1", "U16": "<u2", "U32": "<u4",
               "U64": "<u8", "BOOL": "|b1"}
 _ST_RAW = {"BF16": "<u2", "F8_E4M3": "|u1", "F8_E5M2": "|u1", "F8_E4M3FN": "|u1",
            "F8_E5M2FNUZ": "|u1", "F8_E4M3FNUZ": "|u1"}
+_ST_ITEMSIZE = {k: np.dtype(v).itemsize for k, v in {**_ST_DTYPES, **_ST_RAW}.items()}
 
 
 @dataclass(frozen=True)
@@ -116,24 +116,13 @@ def open_model(path: str | Path) -> ModelFile:
     return _open_safetensors(p, [p])  # its header check says when it is neither
 
 
-def _header(path: Path) -> tuple[int, dict[str, Any]]:
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 << 20:
-                raise ValueError(f"header of {n} bytes")
-            return 8 + n, json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"{path} is not a safetensors file: {exc}") from None
-
-
 def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
     from safetensors import safe_open
 
     specs: list[TensorSpec] = []
     raw_at: dict[str, tuple[int, int]] = {}
     for idx, file in enumerate(files):
-        base, header = _header(file)
+        base, header = safetensors_header(file, _ST_ITEMSIZE)  # checked against the file
         try:
             with safe_open(str(file), framework="np") as f:
                 keys = list(f.keys())
@@ -149,10 +138,7 @@ def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
             dtype = _ST_DTYPES.get(src) or _ST_RAW.get(src)
             if dtype is None:  # unknown to us: its bytes, as they are
                 dtype, shape = "|u1", (stop - start,)
-            nbytes = stop - start
-            if int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize != nbytes:
-                raise BadRequest(f"{file}: tensor {k!r} has {nbytes} bytes, not "
-                                 f"{shape} x {src}")
+            nbytes = stop - start  # the shape's bytes: safetensors_header checked
             raw_at[k] = (base + start, base + stop)
             specs.append(TensorSpec(k, dtype, shape, nbytes, src, idx))
     names = [s.name for s in specs]
@@ -166,6 +152,7 @@ def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
 def _open_gguf(path: Path) -> ModelFile:
     import gguf
 
+    check_gguf(path)  # every count and length against the file, before the reader loops
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # gguf raises ValueError and friends on a bad file
