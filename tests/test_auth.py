@@ -124,6 +124,14 @@ def test_jwts_minted_elsewhere() -> None:
         verify(RING, _mint({"sub": "alice", "exp": exp, "never_expires": True} | {"exp": "x"}))
     with pytest.raises(TokenExpired):
         verify(RING, _mint({"sub": "alice", "exp": int(time.time()) - 1}))
+    for claim in ["exp", "nbf", "iat"]:  # hostile JSON numbers: a clear refusal, no crash
+        for odd in ["Infinity", "NaN", "1e400", str(10**400), "-1e300"]:
+            body = f'{{"sub": "alice", "exp": {exp}, "{claim}": {odd}}}'  # the last exp wins
+            try:
+                verify(RING, _raw_jwt({"alg": "HS256"}, body))
+            except AuthFailed:
+                continue
+            assert claim != "exp", odd  # an odd nbf in the past or iat (unchecked) is harmless
     with pytest.raises(AuthFailed):  # another audience's token is not ours
         verify(RING, _mint({"sub": "alice", "exp": exp, "aud": "elsewhere"}))
 
@@ -157,9 +165,12 @@ def test_only_hs256_with_a_known_key() -> None:
         verify(RING, "x" * 5000)
 
 
-def _raw_jwt(header: dict[str, object], claims: dict[str, object], key: bytes = SECRET) -> str:
-    """A correctly HS256-signed JWT with any header (PyJWT would refuse some)."""
-    signed = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+def _raw_jwt(header: dict[str, object], claims: dict[str, object] | str,
+             key: bytes = SECRET) -> str:
+    """A correctly HS256-signed JWT with any header and claims, even as raw
+    JSON text (PyJWT would refuse to make some)."""
+    body = claims if isinstance(claims, str) else json.dumps(claims)
+    signed = f"{_b64url(json.dumps(header).encode())}.{_b64url(body.encode())}"
     return f"{signed}.{_b64url(hmac.new(key, signed.encode(), hashlib.sha256).digest())}"
 
 

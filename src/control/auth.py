@@ -57,6 +57,7 @@ DEFAULT_KID = "default"
 ALGORITHMS = ["HS256"]  # the only one decode accepts: no "none", no key confusion
 NEVER = "never_expires"
 MAX_TOKEN = 4096  # characters; ours are ~200
+MAX_EXP = 2**40  # seconds since 1970 (year 36812): beyond, or NaN, is not a date
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
 KID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
@@ -208,7 +209,7 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
         return _verify_legacy(ring, token, now)
     try:
         kid = jwt.get_unverified_header(token).get("kid", DEFAULT_KID)
-    except (jwt.PyJWTError, ValueError, TypeError):
+    except Exception:  # whatever hostile JSON makes PyJWT raise, it is a bad token
         raise AuthFailed("malformed token") from None
     secret = ring.keys.get(kid) if isinstance(kid, str) else None
     if secret is None:
@@ -223,8 +224,10 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
         })
     except jwt.InvalidSignatureError:
         raise AuthFailed("token signature does not match this node's key") from None
-    except (jwt.PyJWTError, ValueError, TypeError) as exc:
+    except jwt.PyJWTError as exc:  # a genuine token with a bad claim (nbf, aud, ...)
         raise AuthFailed(f"bad token: {exc}") from None
+    except Exception:  # e.g. OverflowError from an nbf of Infinity, RecursionError
+        raise AuthFailed("malformed token") from None
     tenant = claims.get("sub")
     if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise AuthFailed("token names no valid tenant (sub)")
@@ -234,8 +237,8 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
             raise AuthFailed("token has no expiry (exp); one that never expires says so "
                              f"with \"{NEVER}\": true ('rpcbuf token create --ttl never')")
         return Grant(tenant, None, kid, secret)
-    if isinstance(exp, bool) or not isinstance(exp, (int, float)):
-        raise AuthFailed("token expiry (exp) is not a number")
+    if isinstance(exp, bool) or not isinstance(exp, (int, float)) or not abs(exp) < MAX_EXP:
+        raise AuthFailed("token expiry (exp) is not a number of seconds since 1970")
     if (time.time() if now is None else now) >= exp:
         raise TokenExpired("token expired", {"expired_at": exp})
     return Grant(tenant, float(exp), kid, secret)
