@@ -28,6 +28,7 @@ async def test_a_session_ends_with_its_token(clean_pool: DaemonProc,
     ends = time.time() + 3
     token = d.token("alice", ttl=3)  # expires within 3 s
     async with rpcbuf.connect(d.addr, token=token, timeout=30, same_host=same_host) as c:
+        assert 0 < c.hello["token_expires_at"] - time.time() <= 3
         buf = await c.request_buffer(4096)  # session-scoped: goes when the session does
         assert await c.ping() > 0
         await asyncio.sleep(ends - time.time() + 0.5)

@@ -616,6 +616,7 @@ class Session(DedupOps, DataOps):
         answer = {
             "session_id": self.session_id,
             "tenant": self.tenant,
+            "token_expires_at": grant.expires_at,  # the session ends then (None: never)
             "node_id": self.daemon.node_id,
             "version": P.PROTOCOL_VERSION,
             "ucx": {"port": self.daemon.ucx_port},
