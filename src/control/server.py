@@ -360,7 +360,7 @@ class Session(DedupOps, DataOps):
         the client does."""
         if self._closed or self._ended is not None:
             return
-        log.warning("session %s tenant=%s ended: %s", self.session_id, self.tenant, why)
+        log.info("session %s tenant=%s ended: %s", self.session_id, self.tenant, why)
         self.send(P.error_response(None, why))
         self._flush()
         self._ended = why
