@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import json
 import stat
 import time
 from pathlib import Path
 
+import jwt
+import msgpack
 import pytest
 
-from control.auth import create_token, load_or_create_secret, verify_token
+from control.auth import (
+    Keyring,
+    create_token,
+    load_keys,
+    load_or_create_secret,
+    parse_keys,
+    verify,
+    verify_token,
+)
 from control.errors import AuthFailed, TokenExpired
 
 SECRET = b"s" * 64
@@ -22,9 +36,14 @@ def test_round_trip_and_expiry() -> None:
     assert verify_token(SECRET, create_token(SECRET, "bob")) == "bob"  # no ttl: no expiry
 
 
+def _flip(t: str, i: int) -> str:  # one base64 character of the signature, not a padding bit
+    return t[:i] + ("A" if t[i] != "A" else "B") + t[i + 1:]
+
+
 @pytest.mark.parametrize("mangle", [
-    lambda t: t[:-2] + ("AA" if not t.endswith("AA") else "BB"),
-    lambda t: t.replace("rpcbuf1", "rpcbuf2"),
+    lambda t: _flip(t, -10),
+    lambda t: "rpcbuf1." + t,
+    lambda t: t.replace(".", "..", 1),
     lambda t: "garbage",
     lambda t: "",
     lambda t: "a.b.c",
@@ -58,3 +77,142 @@ def test_secret_file_created_private(tmp_path: Path) -> None:
         load_or_create_secret(short)
     with pytest.raises(FileNotFoundError):
         load_or_create_secret(tmp_path / "missing", create=False)
+
+
+# -- JWTs, keys, and the old format --------------------------------------------
+
+KEY2 = b"k" * 64
+RING = Keyring({"default": SECRET, "k2": KEY2})
+
+
+def test_tokens_are_standard_jwts() -> None:
+    tok = create_token(RING, "alice", ttl=60)  # the newest key signs
+    assert jwt.get_unverified_header(tok) == {"alg": "HS256", "typ": "JWT", "kid": "k2"}
+    claims = jwt.decode(tok, KEY2, algorithms=["HS256"])  # any JWT library reads it
+    assert claims["sub"] == "alice" and claims["exp"] - time.time() <= 60
+    grant = verify(RING, tok)
+    assert (grant.tenant, grant.kid, grant.expires_at) == ("alice", "k2", claims["exp"])
+    assert "k2" in repr(grant) and repr(KEY2)[2:10] not in repr(grant) + repr(RING)
+    named = create_token(RING, "alice", kid="default")
+    assert jwt.get_unverified_header(named)["kid"] == "default"
+    assert verify(RING, named).expires_at is None  # ttl=None: never, and says so
+    assert jwt.decode(named, SECRET, algorithms=["HS256"])["never_expires"] is True
+    with pytest.raises(ValueError, match="no key 'k3'"):
+        create_token(RING, "alice", kid="k3")
+
+
+def _mint(claims: dict[str, object], key: bytes = SECRET, alg: str = "HS256",
+          kid: str | None = "default") -> str:
+    return jwt.encode(claims, key, algorithm=alg, headers=None if kid is None else {"kid": kid})
+
+
+def test_jwts_minted_elsewhere() -> None:
+    """Operators mint with their own tools: what such tokens must say."""
+    exp = int(time.time()) + 60
+    assert verify(RING, _mint({"sub": "alice", "exp": exp})).tenant == "alice"
+    assert verify(RING, _mint({"sub": "alice", "exp": exp}, kid=None)).kid == "default"
+    with pytest.raises(AuthFailed, match="no expiry"):  # no exp and no never_expires
+        verify(RING, _mint({"sub": "alice"}))
+    with pytest.raises(AuthFailed, match="no expiry"):
+        verify(RING, _mint({"sub": "alice", "never_expires": 1}))
+    with pytest.raises(AuthFailed, match="sub"):
+        verify(RING, _mint({"exp": exp}))
+    for bad in ["../etc", "", 7, "a b"]:
+        with pytest.raises(AuthFailed):
+            verify(RING, _mint({"sub": bad, "exp": exp}))
+    with pytest.raises(AuthFailed, match="not a number"):
+        verify(RING, _mint({"sub": "alice", "exp": exp, "never_expires": True} | {"exp": "x"}))
+    with pytest.raises(TokenExpired):
+        verify(RING, _mint({"sub": "alice", "exp": int(time.time()) - 1}))
+    for claim in ["exp", "nbf", "iat"]:  # hostile JSON numbers: a clear refusal, no crash
+        for odd in ["Infinity", "NaN", "1e400", str(10**400), "-1e300"]:
+            body = f'{{"sub": "alice", "exp": {exp}, "{claim}": {odd}}}'  # the last exp wins
+            try:
+                verify(RING, _raw_jwt({"alg": "HS256"}, body))
+            except AuthFailed:
+                continue
+            assert claim != "exp", odd  # an odd nbf in the past or iat (unchecked) is harmless
+    with pytest.raises(AuthFailed):  # another audience's token is not ours
+        verify(RING, _mint({"sub": "alice", "exp": exp, "aud": "elsewhere"}))
+
+
+def test_only_hs256_with_a_known_key() -> None:
+    exp = int(time.time()) + 60
+    claims = {"sub": "alice", "exp": exp}
+    with pytest.raises(AuthFailed, match=r"'k9'.*unknown or revoked"):
+        verify(RING, _mint(claims, kid="k9"))
+    with pytest.raises(AuthFailed, match="bad key id"):
+        verify(RING, _mint(claims, kid="x" * 300))
+    with pytest.raises(AuthFailed):
+        verify(RING, _raw_jwt({"alg": "HS256", "kid": 5}, claims))
+    for alg in ["HS384", "HS512"]:  # the right key, another algorithm: refused
+        with pytest.raises(AuthFailed):
+            verify(RING, _mint(claims, alg=alg))
+    # alg "none": no signature at all
+    header = _b64url(json.dumps({"alg": "none", "typ": "JWT", "kid": "default"}).encode())
+    with pytest.raises(AuthFailed):
+        verify(RING, f"{header}.{_b64url(json.dumps(claims).encode())}.")
+    # key confusion: RS256/ES256 "verified" with our secret as the public key
+    good = _mint(claims).split(".")
+    for alg in ["RS256", "ES256", "none"]:
+        header = _b64url(json.dumps({"alg": alg, "typ": "JWT", "kid": "default"}).encode())
+        with pytest.raises(AuthFailed):
+            verify(RING, ".".join([header, good[1], good[2]]))
+    # a forged token that is also expired says AUTH_FAILED, not TOKEN_EXPIRED
+    with pytest.raises(AuthFailed):
+        verify(RING, _mint({"sub": "alice", "exp": 1}, key=b"z" * 64))
+    with pytest.raises(AuthFailed, match="malformed"):
+        verify(RING, "x" * 5000)
+
+
+def _raw_jwt(header: dict[str, object], claims: dict[str, object] | str,
+             key: bytes = SECRET) -> str:
+    """A correctly HS256-signed JWT with any header and claims, even as raw
+    JSON text (PyJWT would refuse to make some)."""
+    body = claims if isinstance(claims, str) else json.dumps(claims)
+    signed = f"{_b64url(json.dumps(header).encode())}.{_b64url(body.encode())}"
+    return f"{signed}.{_b64url(hmac.new(key, signed.encode(), hashlib.sha256).digest())}"
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _legacy_token(secret: bytes, tenant: str, expires: int) -> str:
+    """An ``rpcbuf1.`` token as the previous release made it."""
+    payload = msgpack.packb([tenant, expires, b"12345678"])
+    mac = hmac.new(secret, payload, hashlib.sha256).digest()
+    return f"rpcbuf1.{_b64url(payload)}.{_b64url(mac)}"
+
+
+def test_old_format_tokens_still_accepted_with_the_default_key() -> None:
+    grant = verify(RING, _legacy_token(SECRET, "alice", 0))
+    assert (grant.tenant, grant.kid, grant.expires_at, grant.legacy) == (
+        "alice", "default", None, True)
+    assert verify_token(SECRET, _legacy_token(SECRET, "bob", int(time.time()) + 60)) == "bob"
+    with pytest.raises(TokenExpired):
+        verify(RING, _legacy_token(SECRET, "alice", int(time.time()) - 1))
+    with pytest.raises(AuthFailed):  # signed with the other key: old tokens know only default
+        verify(RING, _legacy_token(KEY2, "alice", 0))
+    with pytest.raises(AuthFailed, match="revoked"):  # default removed: old tokens die
+        verify(Keyring({"k2": KEY2}), _legacy_token(SECRET, "alice", 0))
+
+
+def test_secret_files_with_several_keys(tmp_path: Path) -> None:
+    old = "a" * 64
+    assert parse_keys(f"{old}\n".encode()).keys == {"default": old.encode()}  # old format
+    ring = parse_keys(f"# keys\n\n{old}\n  2026-07 {'b' * 64}  \n".encode())
+    assert ring.kids == ["default", "2026-07"] and ring.newest == "2026-07"
+    assert parse_keys(b"\xff\xfe" + b"\x00" * 40).kids == ["default"]  # raw bytes: one key
+    for bad, says in [("", "no key"), ("# only\n", "no key"), ("k short\n", "fewer"),
+                      (f"k {old}\nk {old}\n", "twice"), (f"k {old} x\n", "KEY_ID SECRET"),
+                      (f"-k {old}\n", "bad key id"), (f"{old}\n{old}\n", "twice")]:
+        with pytest.raises(ValueError, match=says):
+            parse_keys(bad.encode(), "f")
+    path = tmp_path / "s"
+    path.write_text(f"{old}\nk2 {'b' * 64}\n")
+    assert load_keys(path).kids == ["default", "k2"]
+    with pytest.raises(ValueError, match="load_keys"):  # the one-secret API cannot pick
+        load_or_create_secret(path)
+    made = load_keys(tmp_path / "new", kid="2026-01")
+    assert made.kids == ["2026-01"] and stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o600

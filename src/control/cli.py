@@ -16,15 +16,30 @@ import sys
 from typing import Any
 
 from . import cliops
-from .auth import create_token, load_or_create_secret
+from .auth import DEFAULT_KID, create_token, load_keys
 from .cliops import register_operator_commands
 from .errors import RpcBufError
 from .loader import register_load_commands, run_load_command
 from .units import format_size, parse_duration
 
+DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
+
 
 class UsageError(ValueError):
     """Bad usage found after parsing (no token): exit 2."""
+
+
+def _token_ttl(text: str) -> float | None:
+    """``--ttl``: a positive duration, or "never" (None: no expiry)."""
+    if text.strip().lower() == "never":
+        return None
+    try:
+        ttl = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or never") from None
+    if ttl <= 0:
+        raise argparse.ArgumentTypeError(f"--ttl {text!r} must be positive (or never)")
+    return ttl
 
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
@@ -55,12 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     tok = sub.add_parser("token", help="manage auth tokens").add_subparsers(dest="tcmd",
                                                                            required=True)
-    tc = tok.add_parser("create", help="print a token for a tenant",
+    tc = tok.add_parser("create", help="print a token (a JWT, HS256) for a tenant",
                         epilog="example: rpcbuf token create --secret-file /etc/rpcbuf/secret "
-                               "--tenant alice --ttl 24h")
-    tc.add_argument("--secret-file", required=True, help="node secret (created 0600 if missing)")
+                               "--tenant alice --ttl 7d")
+    tc.add_argument("--secret-file", required=True,
+                    help="the node's keys, one 'KEY_ID SECRET' a line (created 0600 with one "
+                         "key if missing)")
     tc.add_argument("--tenant", required=True)
-    tc.add_argument("--ttl", type=parse_duration, help="lifetime, e.g. 24h (default: no expiry)")
+    tc.add_argument("--ttl", type=_token_ttl, default=DEFAULT_TOKEN_TTL,
+                    help="lifetime, e.g. 1h or 30d, or 'never' for a token that never "
+                         "expires [24h]")
+    tc.add_argument("--kid", help="sign with this key of the secret file (the one created, if "
+                    "the file is missing) [the file's last key]")
 
     dv = sub.add_parser("devices", help="list every node's devices and free memory",
                         epilog='example: rpcbuf devices --endpoints "10.0.0.5:7700;10.0.0.6:7700"')
@@ -200,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "token":
-            secret = load_or_create_secret(args.secret_file)
-            print(create_token(secret, args.tenant, args.ttl))
+            keys = load_keys(args.secret_file, kid=args.kid or DEFAULT_KID)
+            print(create_token(keys, args.tenant, args.ttl, kid=args.kid))
             return 0
         if args.cmd == "devices":
             return asyncio.run(_devices(args))

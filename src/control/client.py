@@ -41,7 +41,16 @@ from dataplane.devsum import devsum
 from . import protocol as P
 from .arrays import as_bytes, data_addresses, dtype_name, is_cuda, populate, prepare, to_wire_f16
 from .dedup import DedupClientOps
-from .errors import BadRequest, ConnectionLost, RpcBufError, Timeout, VerifyFailed, error_from_wire
+from .errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionLost,
+    RpcBufError,
+    Timeout,
+    TokenExpired,
+    VerifyFailed,
+    error_from_wire,
+)
 from .gpuops import check_wire_dtype
 from .tensors import (
     XXH3,
@@ -101,10 +110,20 @@ class ControlConnection(asyncio.Protocol):
     def next_id(self) -> int:
         return next(self._ids)
 
+    def lost_error(self) -> RpcBufError:
+        """What a call on the lost connection fails with: CONNECTION_LOST, or
+        the daemon's own reason when it ended the session over its token
+        (TOKEN_EXPIRED, AUTH_FAILED: a revoked key), whose cure is a new token,
+        not a retry."""
+        err = self._lost if self._lost is not None else ConnectionLost("connection closed")
+        if isinstance(err, (TokenExpired, AuthFailed)):
+            return type(err)(err.message, err.details)
+        return ConnectionLost(err.message, {"cause": err.code})
+
     def submit(self, req_id: int, req: P.Request) -> asyncio.Future[dict[str, Any]]:
         """Send one request; the future resolves with the answer message."""
         if self._lost is not None:
-            raise ConnectionLost(self._lost.message)
+            raise self.lost_error()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         assert self._transport is not None
         try:
@@ -160,12 +179,11 @@ class ControlConnection(asyncio.Protocol):
     def _fail_all(self, exc: RpcBufError) -> None:
         if self._lost is None:
             self._lost = exc
-        err = self._lost
         if self.on_lost is not None:
             self.on_lost()
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(ConnectionLost(err.message, {"cause": err.code}))
+                fut.set_exception(self.lost_error())
         self._pending.clear()
         if self._held:
             # The daemon stops copying within moments of losing the session, but
@@ -305,7 +323,7 @@ class RpcContext(TensorOps, DedupClientOps):
             raise ConnectionLost("this context was opened by another process (before a "
                                  "fork): connect again in this one")
         if self._conn.lost is not None:
-            raise ConnectionLost(self._conn.lost.message)
+            raise self._conn.lost_error()
 
     async def __aenter__(self) -> RpcContext:
         return self

@@ -3,8 +3,9 @@ SIGTERM/SIGINT.
 
 SIGTERM stops accepting new sessions and requests, lets in-flight transfers
 finish (bounded by ``--drain-timeout``), closes every session and exits 0.
-SIGHUP re-reads quotas and the log level from the config file; clients stay
-connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
+SIGHUP re-reads the node's keys from the secret file (sessions whose key was
+removed end; see ``auth``) and quotas and the log level from the config file;
+other clients stay connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
 both listeners are up and pings the watchdog from its event loop.
 """
 
@@ -28,7 +29,7 @@ from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
 
 from . import config, logs
-from .auth import load_or_create_secret
+from .auth import load_keys
 from .diskcache import DiskCache
 from .registry import Pool, Quota, Registry
 from .sdnotify import Notifier
@@ -114,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE.toml",
                    help="settings file (flags given here override it); SIGHUP re-reads its "
                         "quotas and log level")
-    p.add_argument("--secret-file", help="node secret (created 0600 if missing); required, "
-                   "here or in --config")
+    p.add_argument("--secret-file", help="the node's keys that tokens are signed with, one "
+                   "'KEY_ID SECRET' a line (a bare secret is key 'default'; created 0600 with "
+                   "one key if missing); SIGHUP re-reads it; required, here or in --config")
     p.add_argument("--allocator", default="buddy", choices=sorted(ALLOCATORS))
     p.add_argument("--quota", action="append", type=_quota, default=[], metavar="T:BYTES:N",
                    help="per-tenant quota: bytes per device and buffer count, repeatable")
@@ -221,10 +223,26 @@ def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     return ctx
 
 
+def _reload_keys(args: argparse.Namespace, daemon: Daemon) -> None:
+    """SIGHUP: the node's keys from the secret file, so rotating a key needs
+    no restart; a file that cannot be read keeps the running keys."""
+    try:
+        keys = load_keys(args.secret_file, create=False)
+    except (OSError, ValueError) as exc:
+        log.error("SIGHUP: keeping the running keys: %s", exc)
+        return
+    ended = daemon.set_keys(keys)
+    log.warning("SIGHUP: re-read %s: keys %s (new tokens: %s)%s", args.secret_file,
+                ", ".join(keys.kids), keys.newest,
+                f"; ended {ended} sessions of removed keys" if ended else "")
+
+
 def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> None:
-    """SIGHUP: quotas and log level from the config file; sessions stay up."""
+    """SIGHUP: the keys, and quotas and log level from the config file;
+    sessions stay up (but those of a removed key)."""
+    _reload_keys(args, daemon)
     if not args.config:
-        log.warning("SIGHUP: started without --config, nothing to reload")
+        log.warning("SIGHUP: started without --config, nothing to reload but the secret file")
         return
     notifier.notify(RELOADING=1, STATUS=f"reloading {args.config}")
     try:
@@ -249,7 +267,7 @@ async def serve(args: argparse.Namespace) -> int:
     notifier.notify(STATUS="starting")
     tls = _tls(args)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
-    secret = load_or_create_secret(args.secret_file)
+    keys = load_keys(args.secret_file)
     arenas = make_arenas(args.device)
     if args.prefault:
         prefault_arenas(arenas)
@@ -259,7 +277,7 @@ async def serve(args: argparse.Namespace) -> int:
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
                     max_sessions=args.max_sessions)
-    daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits)
+    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits)
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:

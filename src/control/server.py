@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
@@ -60,7 +61,7 @@ from dataplane.ucx import (
 
 from . import logs
 from . import protocol as P
-from .auth import verify_token
+from .auth import Grant, Keyring, verify
 from .content import ContentIndex
 from .dataops import CMA_INLINE, DataOps, Held
 from .dedupops import DedupOps
@@ -71,6 +72,7 @@ from .errors import (
     QuotaExceeded,
     RpcBufError,
     ShuttingDown,
+    TokenExpired,
 )
 from .metrics import Metrics
 from .registry import Buffer, Registry, Waiter
@@ -79,6 +81,7 @@ log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
+END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,10 @@ class Limits:
 
 
 class Daemon:
-    def __init__(self, registry: Registry, secret: bytes, *, node_id: str,
+    def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
                  limits: Limits | None = None) -> None:
         self.registry = registry
-        self.secret = secret
+        self.keys = keys
         self.node_id = node_id
         self.limits = limits or Limits()
         self.sessions: dict[str, Session] = {}
@@ -193,6 +196,23 @@ class Daemon:
         total = sum(p.arena.size for p in self.registry.pools.values())
         return (f"serving {len(self.sessions)} sessions, {used} of {total} bytes held; "
                 f"control {self.address[0]}:{self.address[1]}, ucx {self.ucx_port}")
+
+    # -- keys -------------------------------------------------------------------
+
+    def set_keys(self, keys: Keyring) -> int:
+        """SIGHUP re-read the secret file: new hellos are checked against
+        ``keys``, and a session whose token's key is gone (or now holds another
+        secret) ends at once with AUTH_FAILED: revoking a key revokes its
+        sessions too.  Returns how many ended."""
+        self.keys = keys
+        ended = 0
+        for session in list(self.sessions.values()):
+            grant = session.grant
+            if grant is not None and keys.keys.get(grant.kid) != grant.key:
+                session.end(AuthFailed(f"the key {grant.kid!r} that signed this session's "
+                                       "token was revoked"))
+                ended += 1
+        return ended
 
     # -- leases -----------------------------------------------------------------
 
@@ -303,6 +323,12 @@ class Session(DedupOps, DataOps):
         self.session_id = "s-" + secrets.token_urlsafe(12)
         self.nonce = os.urandom(NONCE_BYTES)
         self.tenant: str | None = None
+        self.grant: Grant | None = None  # the hello's token: whose, until when, which key
+        # When the token expires, in time.perf_counter()'s terms (what _dispatch
+        # compares against: one float compare per request); -inf once ended.
+        self._token_deadline = math.inf
+        self._token_timer: asyncio.TimerHandle | None = None
+        self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
         self.ep: DataEndpoint | None = None
         self.cma: cma.Peer | None = None
         self.cma_stop = threading.Event()
@@ -326,6 +352,44 @@ class Session(DedupOps, DataOps):
         with contextlib.suppress(Exception):
             self.writer.close()
 
+    def end(self, why: RpcBufError) -> None:
+        """End the session from our side (its token expired, its key was
+        revoked), telling the client why in a connection-level error frame.
+        The frame goes out and our half of the connection closes; the client
+        then closes its half, which ends ``run`` and ``close`` cleans up.
+        (Closing outright with the client's requests unread would reset the
+        connection, which can destroy the frame.)  Meanwhile every request is
+        refused, unanswered; after END_GRACE the session is aborted whatever
+        the client does."""
+        if self._closed or self._ended is not None:
+            return
+        log.info("session %s tenant=%s ended: %s", self.session_id, self.tenant, why)
+        self.send(P.error_response(None, why))
+        self._flush()
+        self._ended = why
+        self._token_deadline = -math.inf  # _dispatch refuses every request from now on
+        with contextlib.suppress(Exception):
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+        asyncio.get_running_loop().call_later(END_GRACE, self._hang_up)
+
+    def _hang_up(self) -> None:
+        if not self._closed:
+            self.abort(f"the client stayed {END_GRACE:.0f}s after the session ended")
+
+    def _token_ran_out(self) -> None:
+        self._token_timer = None
+        self.end(self._why_over())
+
+    def _why_over(self) -> RpcBufError:
+        """The error for a request after the session's token expired (or
+        after ``end``): a fresh one each time, an exception is raised once."""
+        if self._ended is not None:
+            return type(self._ended)(self._ended.message, self._ended.details)
+        expired = None if self.grant is None else self.grant.expires_at
+        return TokenExpired("this session's token expired; connect again with a new token",
+                            {"expired_at": expired})
+
     def bind(self, ep: DataEndpoint) -> None:
         if self._closed:
             ep.abort()
@@ -336,7 +400,7 @@ class Session(DedupOps, DataOps):
     # -- I/O --------------------------------------------------------------------
 
     def send(self, message: dict[str, Any]) -> None:
-        if self._closed or self.writer.is_closing():
+        if self._closed or self._ended is not None or self.writer.is_closing():
             return
         try:
             frame = P.encode_frame(message, self.daemon.limits.max_frame)
@@ -401,6 +465,8 @@ class Session(DedupOps, DataOps):
                 return
             if self.tenant is None:
                 raise AuthFailed("say hello with a token first")
+            if started >= self._token_deadline:  # a session does not outlive its token
+                raise self._why_over()
             if self.daemon.shutting_down:
                 raise ShuttingDown("daemon is stopping; no new requests")
             handler = _SYNC_OPS.get(type(req))
@@ -485,6 +551,8 @@ class Session(DedupOps, DataOps):
         if self._closed:
             return
         self._closed = True
+        if self._token_timer is not None:
+            self._token_timer.cancel()
         self.cma_stop.set()  # same-host copies stop within a chunk
         ep, self.ep = self.ep, None
         if ep is not None:
@@ -548,16 +616,23 @@ class Session(DedupOps, DataOps):
         if req.version != P.PROTOCOL_VERSION:
             raise BadRequest(f"protocol version {req.version} is not supported",
                              {"supported": [P.PROTOCOL_VERSION]})
-        tenant = verify_token(self.daemon.secret, req.token)
+        grant = verify(self.daemon.keys, req.token)
+        tenant = grant.tenant
         if self.peer_pid is not None:
             self._take_slot(tenant, req.replaces)
-        self.tenant = tenant
+        self.tenant, self.grant = tenant, grant
+        if grant.expires_at is not None:
+            left = grant.expires_at - time.time()
+            self._token_deadline = time.perf_counter() + left
+            self._token_timer = asyncio.get_running_loop().call_later(
+                max(0.0, left), self._token_ran_out)
         same_host, why = self._same_host(req)
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
         answer = {
             "session_id": self.session_id,
             "tenant": self.tenant,
+            "token_expires_at": grant.expires_at,  # the session ends then (None: never)
             "node_id": self.daemon.node_id,
             "version": P.PROTOCOL_VERSION,
             "ucx": {"port": self.daemon.ucx_port},

@@ -1,0 +1,137 @@
+"""Tokens against a real daemon: a session ends with its token, keys rotate
+on SIGHUP (a removed key takes its sessions with it), and what
+``rpcbuf token create`` mints."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jwt
+import pytest
+
+import control.auth as auth
+import rpcbuf
+from conftest import ROOT, DaemonProc, pool_free, wait_free
+
+
+@pytest.mark.parametrize("same_host", [None, False], ids=["default-path", "ucx-path"])
+async def test_a_session_ends_with_its_token(clean_pool: DaemonProc,
+                                             same_host: bool | None) -> None:
+    d = clean_pool
+    free = await pool_free(d)
+    ends = time.time() + 3
+    token = d.token("alice", ttl=3)  # expires within 3 s
+    async with rpcbuf.connect(d.addr, token=token, timeout=30, same_host=same_host) as c:
+        assert 0 < c.hello["token_expires_at"] - time.time() <= 3
+        buf = await c.request_buffer(4096)  # session-scoped: goes when the session does
+        assert await c.ping() > 0
+        await asyncio.sleep(ends - time.time() + 0.5)
+        with pytest.raises(rpcbuf.TokenExpired):
+            await c.ping()
+        with pytest.raises(rpcbuf.TokenExpired):
+            await c.get_buffer_meta(buf)
+    assert await wait_free(d, free) == free  # the daemon closed the session: buffer released
+
+
+async def test_requests_after_expiry_are_refused_each(clean_pool: DaemonProc) -> None:
+    """A burst sent at the deadline: every request is either served before
+    it or refused with TOKEN_EXPIRED, none served after."""
+    d = clean_pool
+    ends = time.time() + 2
+    async with rpcbuf.connect(d.addr, token=d.token("alice", ttl=2), timeout=30) as c:
+        await asyncio.sleep(max(0.0, ends - time.time() - 0.05))
+        got = await asyncio.gather(*(c.ping() for _ in range(50)), return_exceptions=True)
+        assert all(isinstance(r, (float, rpcbuf.TokenExpired)) for r in got), got
+        await asyncio.sleep(max(0.0, ends - time.time() + 0.2))
+        with pytest.raises(rpcbuf.TokenExpired):
+            await c.list_devices()
+
+
+def _sighup(d: DaemonProc, seen: int, timeout: float = 10.0) -> int:
+    """SIGHUP the daemon and wait until its log says it re-read the keys."""
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while (n := d.log().count("SIGHUP: re-read")) <= seen:
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.05)
+    return n
+
+
+async def test_sighup_rotates_keys(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB")
+    old_keys = auth.load_keys(d.secret_file)  # the one key the daemon made: "default"
+    assert old_keys.kids == ["default"]
+    async with rpcbuf.connect(d.addr, token=auth.create_token(old_keys, "alice", 3600),
+                              timeout=30) as on_old:
+        k2 = secrets.token_hex(32)
+        d.secret_file.write_text(d.secret_file.read_text() + f"k2 {k2}\n")
+        both = auth.load_keys(d.secret_file)
+        new_token = auth.create_token(both, "alice", 3600)  # the newest key signs
+        assert jwt.get_unverified_header(new_token)["kid"] == "k2"
+        with pytest.raises(rpcbuf.AuthFailed, match="unknown or revoked"):  # not read yet
+            await rpcbuf.connect(d.addr, token=new_token, timeout=30)
+        seen = _sighup(d, 0)
+        async with rpcbuf.connect(d.addr, token=new_token, timeout=30) as on_new:
+            assert await on_old.ping() > 0 and await on_new.ping() > 0  # both keys good
+            d.secret_file.write_text(f"k2 {k2}\n")  # revoke "default"
+            seen = _sighup(d, seen)
+            with pytest.raises(rpcbuf.AuthFailed, match="revoked"):  # its session ended
+                await on_old.ping()
+            with pytest.raises(rpcbuf.AuthFailed, match="unknown or revoked"):
+                await rpcbuf.connect(d.addr, token=auth.create_token(old_keys, "alice", 3600),
+                                     timeout=30)
+            assert await on_new.ping() > 0  # the other key's session is untouched
+            d.secret_file.write_text("not a key file\n")  # broken: the running keys stay
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while "SIGHUP: keeping the running keys" not in d.log():
+                assert time.monotonic() < deadline, d.log()
+                await asyncio.sleep(0.05)
+            assert await on_new.ping() > 0
+            assert sum(int(dev["free"]) for dev in await on_new.list_devices()) == 4 << 20
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "control.cli", *argv], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+
+
+def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "alice")
+    assert res.returncode == 0, res.stderr
+    keys = auth.load_keys(secret)
+    claims = jwt.decode(res.stdout.strip(), keys.keys["default"], algorithms=["HS256"])
+    assert claims["sub"] == "alice"
+    assert abs(claims["exp"] - (time.time() + 24 * 3600)) < 60  # 24h unless said otherwise
+    assert auth.verify(keys, res.stdout.strip()).expires_at == claims["exp"]
+
+    res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "bob",
+               "--ttl", "never")
+    assert res.returncode == 0, res.stderr
+    grant = auth.verify(keys, res.stdout.strip())
+    assert grant.tenant == "bob" and grant.expires_at is None
+
+    secret.write_text(secret.read_text() + f"2027-01 {secrets.token_hex(32)}\n")
+    newest = _cli("token", "create", "--secret-file", str(secret), "--tenant", "carol")
+    named = _cli("token", "create", "--secret-file", str(secret), "--tenant", "carol",
+                 "--kid", "default", "--ttl", "1h")
+    assert jwt.get_unverified_header(newest.stdout.strip())["kid"] == "2027-01"
+    assert jwt.get_unverified_header(named.stdout.strip())["kid"] == "default"
+    for bad, says in [(["--kid", "nope"], "no key 'nope'"), (["--ttl", "0"], "positive"),
+                      (["--ttl", "soon"], "never")]:
+        res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "carol", *bad)
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr
+
+    fresh = tmp_path / "fresh"  # a new file made for a named key
+    res = _cli("token", "create", "--secret-file", str(fresh), "--tenant", "dave",
+               "--kid", "2026-12")
+    assert res.returncode == 0, res.stderr
+    assert auth.load_keys(fresh).kids == ["2026-12"]
+    assert jwt.get_unverified_header(res.stdout.strip())["kid"] == "2026-12"
