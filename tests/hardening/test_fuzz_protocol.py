@@ -45,6 +45,29 @@ plausible = st.builds(  # right op, right field names, values often of the right
         st.binary(max_size=64).filter(lambda b: len(b) % 8 == 0)), max_size=6))
 
 
+# Generators for what bounds a request's work: shapes, ids, batch item lists.
+dims = st.one_of(st.integers(0, 8), st.sampled_from([0, 1, (1 << 31), (1 << 62), (1 << 63) - 1]),
+                 st.integers(-(1 << 63), (1 << 64) - 1))
+shapes = st.one_of(st.lists(dims, max_size=6), st.lists(dims, min_size=30, max_size=3000),
+                   st.lists(st.just(1 << 62), min_size=1000, max_size=20_000), values)
+ids = st.one_of(st.text(max_size=80), st.sampled_from(["b-\nop=release tenant=x", "\x1b[2J",
+                                                       "b-" + "A" * 24, "", "x" * 65]),
+                st.text(alphabet="ABCab019-_", min_size=1, max_size=64))
+item_lists = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40)),
+                      max_size=200).map(lambda items: (P.pack_u64([o for o, _ in items]),
+                                                       P.pack_u64([n for _, n in items])))
+bounded = st.builds(
+    lambda op, bid, items, shape, n: {
+        "op": op, "id": 11, "buffer_id": bid, "offsets": items[0], "sizes": items[1],
+        **({"names": [f"t{i}" for i in range(n)], "dtypes": ["f4"] * n, "shapes": [shape] * n,
+            "hashes": P.pack_u64([1, 2] * n), "checksums": P.pack_u64([3] * n)}
+           if op == "dedup_store" else {}),
+        **({"names": [f"t{i}" for i in range(n)], "kind_dtypes": ["u1"],
+            "kind_shapes": [shape]} if op == "store_batch" else {})},
+    st.sampled_from(["dedup_store", "store_batch", "read_batch"]), ids, item_lists, shapes,
+    st.integers(0, 3))
+
+
 def deep(n: int) -> bytes:
     body = b"\x91" * n + b"\xc0"  # n nested one-element arrays around nil
     return struct.pack("!I", len(body)) + body
@@ -54,8 +77,8 @@ def deep(n: int) -> bytes:
 def attacks(draw: st.DrawFn) -> tuple[bool, bytes]:
     """(say hello first?, bytes to send)."""
     kind = draw(st.sampled_from(["garbage", "frames", "mutated", "truncated", "header",
-                                 "deep", "plausible"]))
-    authed = draw(st.booleans()) if kind != "plausible" else True
+                                 "deep", "plausible", "bounds"]))
+    authed = draw(st.booleans()) if kind not in ("plausible", "bounds") else True
     if kind == "garbage":
         return authed, draw(st.binary(max_size=300))
     if kind == "frames":
@@ -64,6 +87,9 @@ def attacks(draw: st.DrawFn) -> tuple[bool, bytes]:
     if kind == "plausible":
         return True, b"".join(frame(m) for m in draw(st.lists(plausible, min_size=1,
                                                               max_size=4)))
+    if kind == "bounds":
+        return True, b"".join(frame(m) for m in draw(st.lists(bounded, min_size=1,
+                                                              max_size=3)))
     good = frame(draw(st.one_of(requests, plausible)))
     if kind == "mutated":
         data = bytearray(good)
@@ -87,7 +113,7 @@ def fuzz_daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
 
 def test_fuzzed_frames_never_kill_or_leak(fuzz_daemon: DaemonProc) -> None:
     d = fuzz_daemon
-    probe = hello(d.addr, d.token("probe"))
+    probe = hello(d.addr, d.token("fuzz"))  # stats count the fuzz tenant's own sessions
     start = free_and_sessions(probe)
     fuzz_probe = hello(d.addr, d.token("fuzz"))
     started = time.monotonic()
