@@ -964,7 +964,7 @@ def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
         with contextlib.suppress(OSError):
             ok_uids.add(os.stat(name).st_uid)
     who = f"the process behind unix:{name} (pid {pid}, uid {uid})"
-    if pid and not os.path.exists(f"/proc/{pid}"):
+    if pid and not _alive(pid):
         raise Forbidden(f"{who} does not exist; the token was not sent")
     if daemon_pid is not None and pid and pid != daemon_pid:
         raise Forbidden(f"{who} is not the daemon (pid {daemon_pid}); the token was not sent")
@@ -972,6 +972,18 @@ def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
         raise Forbidden(f"{who} is not trusted (root, this user, or the socket file's "
                         f"owner); the token was not sent", {"uid": uid})
     return pid
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0: checks, sends nothing; works
+    where /proc hides other users' processes, hidepid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 async def _same_host(addr: str, timeout: float | None, token: str, local: dict[str, Any],
