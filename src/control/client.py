@@ -15,7 +15,15 @@ beside the control connection, not inside it.  Many tasks may share one
 context: every call gets its own request id, answers are matched by id, and a
 semaphore sized by the daemon's ``max_inflight`` gives back-pressure instead
 of unbounded queues.  When the daemon goes away every pending call fails with
-``CONNECTION_LOST``; none hangs.
+``CONNECTION_LOST``; none hangs: transfers in flight stop being waited for
+at once (``ucx.transfer_all``'s ``abandon``), whatever state UCX has them in.
+
+The daemon is not trusted blindly either (it may be malicious, or an
+impostor on its Unix socket): its ``hello`` is checked field by field
+(``hello.py``) before the semaphore, deadlines or sockets are sized from it,
+every wait of a call (an in-flight slot included) is inside the call's
+timeout, and the peer of a Unix socket is checked (``check_unix_peer``)
+before the token is sent on it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import operator
 import os
 import socket
 import ssl
+import struct
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,6 +54,7 @@ from .errors import (
     AuthFailed,
     BadRequest,
     ConnectionLost,
+    Forbidden,
     RpcBufError,
     Timeout,
     TokenExpired,
@@ -52,6 +62,7 @@ from .errors import (
     error_from_wire,
 )
 from .gpuops import check_wire_dtype
+from .hello import check_hello
 from .tensors import (
     XXH3,
     Items,
@@ -102,10 +113,27 @@ class ControlConnection(asyncio.Protocol):
         self.orphan_grace = ORPHAN_GRACE  # RpcContext: at least the daemon's transfer deadline
         self._ids = itertools.count(1)
         self._lost: RpcBufError | None = None
+        self._lost_fut: asyncio.Future[None] | None = None
 
     @property
     def lost(self) -> RpcBufError | None:
         return self._lost
+
+    def lost_future(self) -> asyncio.Future[None]:
+        """Done once the connection is lost: what every wait on the data
+        plane races against (``ucx.transfer_all``'s ``abandon``)."""
+        if self._lost_fut is None:
+            self._lost_fut = asyncio.get_running_loop().create_future()
+            if self._lost is not None:
+                self._lost_fut.set_result(None)
+        return self._lost_fut
+
+    def orphan(self, arrays: Any) -> None:
+        """Keep ``arrays`` referenced for ``orphan_grace``: the daemon (same
+        host) or UCX may still touch them after we stopped waiting."""
+        _ORPHANS.append(arrays)
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_later(self.orphan_grace, _ORPHANS.remove, arrays)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -181,6 +209,9 @@ class ControlConnection(asyncio.Protocol):
             self._lost = exc
         if self.on_lost is not None:
             self.on_lost()
+        if self._lost_fut is not None and not self._lost_fut.done():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._lost_fut.set_result(None)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(self.lost_error())
@@ -190,9 +221,7 @@ class ControlConnection(asyncio.Protocol):
             # we cannot hear when: keep the arrays alive a while before freeing.
             held = list(self._held.values())
             self._held.clear()
-            _ORPHANS.append(held)
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().call_later(self.orphan_grace, _ORPHANS.remove, held)
+            self.orphan(held)
 
     def close(self) -> None:
         self._fail_all(ConnectionLost("connection closed"))
@@ -229,7 +258,7 @@ class RpcContext(TensorOps, DedupClientOps):
         self.tenant: str = hello["tenant"]
         self.node_id: str = hello["node_id"]
         self.timeout = timeout
-        limit = int(hello["limits"]["max_inflight"])
+        limit = int(hello["limits"]["max_inflight"])  # checked: 1 .. hello.MAX_INFLIGHT
         self.max_inflight = limit if max_inflight is None else max(1, min(max_inflight, limit))
         self._slots = asyncio.Semaphore(self.max_inflight)
         self.transfer_timeout = float(hello["limits"]["transfer_timeout"]) + 5.0
@@ -254,6 +283,18 @@ class RpcContext(TensorOps, DedupClientOps):
                       max_inflight: int | None = None,
                       tls: bool | ssl.SSLContext | None = None,
                       same_host: bool | None = None) -> RpcContext:
+        """``rpcbuf.connect``: every step (TCP, hello, the same-host switch,
+        the UCX bind) within one ``timeout``, not one each."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await cls._connect(addr, token, timeout, max_inflight, tls, same_host)
+        except TimeoutError:
+            raise Timeout(f"connecting to {addr} took longer than {timeout}s") from None
+
+    @classmethod
+    async def _connect(cls, addr: str, token: str, timeout: float | None,
+                       max_inflight: int | None, tls: bool | ssl.SSLContext | None,
+                       same_host: bool | None) -> RpcContext:
         if same_host is None:
             same_host = same_host_default()
         if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
@@ -267,12 +308,16 @@ class RpcContext(TensorOps, DedupClientOps):
             local = hello.get("local")
             # Under TLS the same-host path only when asked for: it leaves TLS out.
             if local and same_host is not False and (tls_ctx is None or same_host):
-                switched = await _same_host(addr, timeout, token, local, same_host,
-                                            replaces=hello.get("bind_nonce"))
+                try:
+                    switched = await _same_host(addr, timeout, token, local, same_host,
+                                                replaces=hello.get("bind_nonce"))
+                except BaseException:  # refused, or connect's deadline
+                    conn.close()
+                    raise
                 if switched is not None:
                     conn.close()  # the TCP session held nothing yet
                     conn, hello = switched
-        if same_host and not hello.get("same_host"):
+        if same_host and not hello["same_host"]:
             conn.close()
             why = hello.get("same_host_why") or "the daemon offers no same-host socket"
             raise BadRequest(f"same_host=True, but the same-host path is not available: {why}")
@@ -292,23 +337,55 @@ class RpcContext(TensorOps, DedupClientOps):
         async with self._ep_lock:
             if self._ep is None:
                 self._check_open()
-                self._ep = await _bind_ucx(self._ucx_host, self.hello, self.timeout)
+                self._ep = await _bind_ucx(self._ucx_host, self.hello, self.timeout,
+                                           self._conn.lost_future())
                 if self._conn.lost is not None:  # lost while we bound: do not keep it
                     self._ep.abort()
             return self._ep
 
     async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
-        async with self._slots:
+        left = await self._take_slot(req.op, timeout)
+        try:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
-            return _result(await self._answer(req_id, fut, req.op, timeout))
+            return _result(await self._answer(req_id, fut, req.op, left))
+        finally:
+            self._slots.release()
 
-    async def _transfer(self, coros: Sequence[Awaitable[None]]) -> None:
+    async def _take_slot(self, op: str, timeout: float | None) -> float | None:
+        """Take an in-flight slot within ``timeout`` (default: the context's)
+        and return what is left of it for the answer: the wait for a slot is
+        part of the call's timeout, so a daemon that never answers cannot
+        make later calls wait for ever.  Raises TIMEOUT."""
+        timeout = self.timeout if timeout is None else timeout
+        if not self._slots.locked() or timeout is None:
+            await self._slots.acquire()  # a free slot: no suspension, no timer
+            return timeout
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise Timeout(f"{op} got no in-flight slot within {timeout}s (all "
+                          f"{self.max_inflight} are waiting for answers)") from None
+        return max(0.0, timeout - (loop.time() - start))
+
+    async def _transfer(self, coros: Sequence[Awaitable[None]], arrays: Sequence[Any]) -> None:
         """UCX transfers under the daemon's transfer deadline, all awaited even
         when one fails (UCX may touch the arrays until each ends).  Past the
         deadline the context is aborted (UCX lets go of the arrays) and the call
-        fails with CONNECTION_LOST; the daemon does the same on its side."""
-        await ucx.transfer_all(coros, self.transfer_timeout, self._expired)
+        fails with CONNECTION_LOST; the daemon does the same on its side.
+        When the control connection is lost (EOF, reset, deadline) the wait
+        ends at once, whatever state the transfers are in: the endpoint is
+        aborted by then (``on_lost``) and ``arrays`` stay referenced for the
+        orphan grace, in case UCX still holds them."""
+        try:
+            await ucx.transfer_all(coros, self.transfer_timeout, self._expired,
+                                   self._conn.lost_future())
+        except ucx.Abandoned:
+            self._conn.orphan(list(arrays))
+            raise
 
     def _expired(self) -> None:
         self._conn.fail(ConnectionLost(f"a transfer took longer than {self.transfer_timeout}s"))
@@ -366,45 +443,50 @@ class RpcContext(TensorOps, DedupClientOps):
         if str(meta.get("device_type", "CPU")).upper() == "GPU":
             self._gpu_buffers.add(str(meta["buffer_id"]))
 
-    async def get_buffer_meta(self, buffer_id: str, tensors: bool = True) -> dict[str, Any]:
+    async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
+                              timeout: float | None = None) -> dict[str, Any]:
         """The buffer's metadata; ``tensors=False`` leaves out the manifest's
         entries (a big manifest is a big answer). Raises NOT_FOUND."""
         self._check_open()
-        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors))
+        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
         self._note_device(meta)
         if tensors:
             self._remember_manifest(buffer_id, meta)
         return meta
 
-    async def release_buffer(self, buffer_id: str) -> None:
+    async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
         self._check_open()
-        await self._call(P.Release(buffer_id=buffer_id))
+        await self._call(P.Release(buffer_id=buffer_id), timeout)
         self._gpu_buffers.discard(buffer_id)
 
-    async def renew_buffer(self, buffer_id: str, ttl: float | None = None) -> float | None:
+    async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
+                           timeout: float | None = None) -> float | None:
         """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
         self._check_open()
-        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl)))["expires_at"]
+        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
 
-    async def list_devices(self) -> list[dict[str, Any]]:
+    # ``timeout`` of a control op: seconds for the whole call, the wait for an
+    # in-flight slot included (default: the context's); past it, TIMEOUT.
+
+    async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
         self._check_open()
-        return list((await self._call(P.ListDevices()))["devices"])
+        return list((await self._call(P.ListDevices(), timeout))["devices"])
 
-    async def list_buffers(self) -> list[dict[str, Any]]:
+    async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
         self._check_open()
-        return list((await self._call(P.ListBuffers()))["buffers"])
+        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         self._check_open()
-        return await self._call(P.Stats())
+        return await self._call(P.Stats(), timeout)
 
-    async def ping(self) -> float:
-        """Round trip to the daemon, in seconds."""
+    async def ping(self, timeout: float | None = None) -> float:
+        """Round trip to the daemon, in seconds. Raises TIMEOUT, CONNECTION_LOST."""
         self._check_open()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await self._call(P.Ping())
+        await self._call(P.Ping(), timeout)
         return loop.time() - t0
 
     # -- data ops -------------------------------------------------------------------
@@ -501,10 +583,10 @@ class RpcContext(TensorOps, DedupClientOps):
         await self._receive_request(req, [dest] if nbytes else [])
         return out if out is not None else target
 
-    async def open_buffer(self, name: str) -> str:
+    async def open_buffer(self, name: str, timeout: float | None = None) -> str:
         """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
         self._check_open()
-        meta = await self._call(P.OpenBuffer(name=name))
+        meta = await self._call(P.OpenBuffer(name=name), timeout)
         self._note_device(meta)
         return str(meta["buffer_id"])
 
@@ -652,11 +734,14 @@ class RpcContext(TensorOps, DedupClientOps):
     async def _local_request(self, req: P.Request, arrays: Sequence[Any]) -> dict[str, Any]:
         """A request whose addresses the daemon copies from or into: the
         arrays stay referenced until it answers (even if we stop waiting)."""
-        async with self._slots:
+        left = await self._take_slot(req.op, None)
+        try:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
             self._conn.hold(req_id, arrays)
-            return _result(await self._answer(req_id, fut, req.op))
+            return _result(await self._answer(req_id, fut, req.op, left))
+        finally:
+            self._slots.release()
 
     # -- the UCX path ------------------------------------------------------------------
 
@@ -664,36 +749,42 @@ class RpcContext(TensorOps, DedupClientOps):
         """A store-like request: payload run ``i`` goes out on ``run_tag(id, i)``
         at once, while the daemon checks the request (one round trip)."""
         ep = await self._data_ep() if payloads else None
-        async with self._slots:
+        left = await self._take_slot(req.op, None)
+        try:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
             sent: BaseException | None = None
             try:
                 if ep is not None:
                     await self._transfer([ep.send(p, P.run_tag(req_id, i))
-                                          for i, p in enumerate(payloads) if p.nbytes])
+                                          for i, p in enumerate(payloads) if p.nbytes], payloads)
             except ucx.TransferError as exc:
                 sent = exc
-            result = _result(await self._answer(req_id, fut, req.op))
+            result = _result(await self._answer(req_id, fut, req.op, left))
             if sent is not None:
                 raise ConnectionLost(f"payload send failed: {sent}") from sent
             return result
+        finally:
+            self._slots.release()
 
     async def _receive_request(self, req: P.Request,
                                targets: list[np.ndarray]) -> None:
         """A read-like request: once the daemon says yes, run ``i`` is received
         straight into ``targets[i]``; on an error answer nothing was sent."""
         ep = await self._data_ep() if targets else None
-        async with self._slots:
+        left = await self._take_slot(req.op, None)
+        try:
             req_id = self._conn.next_id()
             fut = self._conn.submit(req_id, req)
-            _result(await self._answer(req_id, fut, req.op))
+            _result(await self._answer(req_id, fut, req.op, left))
             try:
                 if ep is not None:
                     await self._transfer([ep.recv(t, P.run_tag(req_id, i))
-                                          for i, t in enumerate(targets) if t.nbytes])
+                                          for i, t in enumerate(targets) if t.nbytes], targets)
             except ucx.TransferError as exc:
                 raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc
+        finally:
+            self._slots.release()
 
     async def _answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]], op: str,
                       timeout: float | None = None) -> dict[str, Any]:
@@ -799,16 +890,28 @@ def connect(addr: str, token: str, timeout: float | None = 30.0,
 
 async def _open(addr: str, timeout: float | None, token: str, *,
                 tcp: tuple[str, int, ssl.SSLContext | None] | None = None,
-                unix: str | None = None, probe: bool = False, replaces: bytes | None = None
-                ) -> tuple[ControlConnection, dict[str, Any]]:
+                unix: str | None = None, probe: bool = False, replaces: bytes | None = None,
+                daemon_pid: int | None = None) -> tuple[ControlConnection, dict[str, Any]]:
     """Connect (TCP or Unix socket) and say hello; with ``probe`` the hello
-    asks for the same-host path."""
+    asks for the same-host path.  On a Unix socket the peer is checked
+    (``check_unix_peer``; ``daemon_pid``: the pid the daemon's TCP hello
+    named) before the token goes out.  The answer is checked
+    (``hello.check_hello``) before anything trusts it."""
     try:
         async with asyncio.timeout(timeout):
             loop = asyncio.get_running_loop()
             if unix is not None:
-                _, conn = await loop.create_unix_connection(ControlConnection,
-                                                            sock=await _unix_socket(unix))
+                sock = await _unix_socket(unix)
+                try:
+                    peer_pid = check_unix_peer(sock, unix, daemon_pid)
+                except BaseException:
+                    sock.close()
+                    raise
+                if probe and peer_pid:
+                    # Yama ptrace_scope 1: let the daemon copy to and from us; the
+                    # pid the kernel names, never one a daemon claims.
+                    cma.allow_tracer(peer_pid)
+                _, conn = await loop.create_unix_connection(ControlConnection, sock=sock)
             else:
                 assert tcp is not None
                 _, conn = await loop.create_connection(ControlConnection, tcp[0], tcp[1],
@@ -823,7 +926,8 @@ async def _open(addr: str, timeout: float | None, token: str, *,
     try:
         fut = conn.submit(conn.next_id(), hello)
         async with asyncio.timeout(timeout):
-            return conn, _result(await fut)
+            answer = _result(await fut)
+        return conn, check_hello(answer, unix=unix is not None)
     except TimeoutError:
         conn.close()
         raise Timeout(f"handshake with {addr} timed out") from None
@@ -853,19 +957,56 @@ async def _unix_socket(name: str) -> socket.socket:
     return sock
 
 
+def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
+                    trusted: frozenset[int] | None = None) -> int:
+    """Check who listens on Unix socket ``name`` (connected ``sock``) before
+    our token goes to it; returns the peer's pid (0: outside our pid
+    namespace).  ``SO_PEERCRED`` is what the kernel says, not what the peer
+    claims.  Trusted: a peer running as root, as us, or (a path socket) as
+    the owner of the socket file; ``trusted`` replaces the first two (tests).
+    The peer must be a live process, and the one the daemon's TCP hello
+    named (``daemon_pid``) when we came from there: an abstract name has no
+    owner, anyone may bind one the daemon is not holding, so there the pid
+    is what proves it.  Raises FORBIDDEN."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))
+    ok_uids = {0, os.getuid()} if trusted is None else set(trusted)
+    if not name.startswith("@"):
+        with contextlib.suppress(OSError):
+            ok_uids.add(os.stat(name).st_uid)
+    who = f"the process behind unix:{name} (pid {pid}, uid {uid})"
+    if pid and not _alive(pid):
+        raise Forbidden(f"{who} does not exist; the token was not sent")
+    if daemon_pid is not None and pid and pid != daemon_pid:
+        raise Forbidden(f"{who} is not the daemon (pid {daemon_pid}); the token was not sent")
+    if uid not in ok_uids and (daemon_pid is None or not pid):
+        raise Forbidden(f"{who} is not trusted (root, this user, or the socket file's "
+                        f"owner); the token was not sent", {"uid": uid})
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0: checks, sends nothing; works
+    where /proc hides other users' processes, hidepid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
+
+
 async def _same_host(addr: str, timeout: float | None, token: str, local: dict[str, Any],
                      required: bool | None, replaces: bytes | None
                      ) -> tuple[ControlConnection, dict[str, Any]] | None:
     """Reconnect on the daemon's Unix socket if it is on this host.  None: stay."""
     if local.get("boot_id") != cma.boot_id():
         return None  # another host (or kernel)
-    sock = str(local.get("socket"))
-    pid = local.get("pid")
-    if isinstance(pid, int):
-        cma.allow_tracer(pid)  # Yama ptrace_scope 1: let the daemon copy to and from us
+    sock = str(local["socket"])
     try:
         return await _open(f"unix:{sock}", timeout, token, unix=sock, probe=True,
-                           replaces=replaces)
+                           replaces=replaces, daemon_pid=int(local["pid"]))
     except RpcBufError as exc:
         # Another network namespace (abstract sockets are per namespace), a
         # socket we may not open, a refused hello: the network path still works.
@@ -875,25 +1016,38 @@ async def _same_host(addr: str, timeout: float | None, token: str, local: dict[s
         return None
 
 
-async def _bind_ucx(host: str, hello: dict[str, Any], timeout: float | None) -> ucx.DataEndpoint:
-    """A UCX endpoint to the daemon, bound to this session by its nonce."""
+async def _bind_ucx(host: str, hello: dict[str, Any], timeout: float | None,
+                    lost: asyncio.Future[None] | None = None) -> ucx.DataEndpoint:
+    """A UCX endpoint to the daemon, bound to this session by its nonce:
+    within ``timeout``, and at once CONNECTION_LOST when ``lost`` (the
+    control connection) ends first."""
+    limit = timeout if timeout else 30.0
     try:
-        ep = await ucx.connect(host, int(hello["ucx"]["port"]),
-                               timeout=timeout if timeout else 30.0)
+        ep = await ucx.connect(host, int(hello["ucx"]["port"]), timeout=limit)
     except ucx.TransferError as exc:
         raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        ep.abort()
+
+    ack = np.zeros(1, dtype=np.uint8)
     try:
-        await ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8), ucx.BIND_TAG)
-        ack = np.zeros(1, dtype=np.uint8)
-        async with asyncio.timeout(timeout):
-            await ep.recv(ack, ucx.BIND_TAG)
+        await ucx.transfer_all([ep.send(np.frombuffer(hello["bind_nonce"], dtype=np.uint8),
+                                        ucx.BIND_TAG), ep.recv(ack, ucx.BIND_TAG)],
+                               limit, expire, lost)
         if ack[0] != 1:
             raise ConnectionLost("daemon refused to bind the data endpoint")
-    except TimeoutError:
+    except ucx.Abandoned:
         ep.abort()
-        raise Timeout(f"binding the UCX endpoint at {host} timed out") from None
+        raise ConnectionLost(f"the control connection to {host} was lost while binding "
+                             "the UCX endpoint") from None
     except ucx.TransferError as exc:
         ep.abort()
+        if expired:
+            raise Timeout(f"binding the UCX endpoint at {host} timed out") from None
         raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
     except BaseException:
         ep.abort()

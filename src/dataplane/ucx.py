@@ -280,16 +280,47 @@ def _translate(exc: BaseException) -> TransferError:
     return TransferError(f"{type(exc).__name__}: {exc}")
 
 
-async def transfer_all(coros: Any, deadline: float, on_expired: Any) -> None:
+class Abandoned(PeerGone):
+    """We stopped waiting for the transfers: the session they belong to is gone."""
+
+
+async def transfer_all(coros: Any, deadline: float, on_expired: Any,
+                       abandon: asyncio.Future[Any] | None = None) -> None:
     """Await every transfer, even after one fails (UCX may touch its memory
     until each ends), then raise the first failure.  Past ``deadline``
     seconds ``on_expired()`` runs: it must abort the endpoint, which makes
-    every outstanding transfer end."""
+    every outstanding transfer end.
+
+    ``abandon`` (the session's "control connection lost" future) ends the
+    wait at once when it completes, whatever state the transfers are in:
+    they are cancelled and ``Abandoned`` is raised.  Aborting the endpoint
+    is not enough on its own: a receive that ucxx re-posted on the worker
+    after an endpoint error (its fallback for a message already queued) is
+    owned by no endpoint, and one matched to a peer that died never ends.
+    The caller keeps the transfers' memory referenced a while (UCX may still
+    hold it) and must have aborted the endpoint (nothing arrives after)."""
     timer = asyncio.get_running_loop().call_later(deadline, on_expired)
+    gathered = asyncio.gather(*coros, return_exceptions=True)
+
+    def _stop(_: Any) -> None:
+        gathered.cancel()
+
+    if abandon is not None:
+        if abandon.done():
+            gathered.cancel()
+        else:
+            abandon.add_done_callback(_stop)
     try:
-        results = await asyncio.gather(*coros, return_exceptions=True)
+        results = await gathered
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if abandon is None or not abandon.done() or (task is not None and task.cancelling()):
+            raise  # our caller was cancelled, not the session lost
+        raise Abandoned("the session's control connection was lost") from None
     finally:
         timer.cancel()
+        if abandon is not None:
+            abandon.remove_done_callback(_stop)
     for r in results:
         if isinstance(r, BaseException):
             raise r

@@ -1,0 +1,270 @@
+"""A malicious or broken daemon must not hang a client: what it says in hello
+is checked before it is trusted (a bad field is BAD_REQUEST naming it), and
+every wait of a call (an in-flight slot, the answer, connection setup, the
+data endpoint's bind) is bounded by the call's timeout or ends at once when
+the control connection is lost.  The daemon is ``fakedaemon.FakeDaemon``:
+the real framing, hostile answers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from fakedaemon import Conn, FakeDaemon, hello_answer
+
+import rpcbuf
+from control.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
+
+LIMITS = {"max_frame": 16 << 20, "max_inflight": 4, "transfer_timeout": 30.0}
+
+
+async def opened(answer: dict[str, Any] | None, silent_ops: tuple[str, ...] = (),
+                 unix: bool = False) -> AsyncIterator[str]:
+    """A fake daemon's address: TCP, or ``unix:PATH`` (its peer is this
+    process, which the client's peer check trusts)."""
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        if req["op"] == "hello":
+            if answer is not None:
+                conn.answer(req, answer)
+        elif req["op"] not in silent_ops:
+            conn.answer(req, {})
+
+    fd = FakeDaemon(handler)
+    if not unix:
+        try:
+            yield await fd.start()
+        finally:
+            await fd.close()
+        return
+    path = os.path.join(tempfile.mkdtemp(prefix="fake-rpcbufd-"), "sock")
+    server = await asyncio.start_unix_server(fd._serve, path)
+    try:
+        yield f"unix:{path}"
+    finally:
+        await fd.close()
+        server.close()
+        await server.wait_closed()
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+
+
+@pytest.fixture
+async def never_answers() -> AsyncIterator[str]:
+    async for addr in opened(None):
+        yield addr
+
+
+async def connect_to(answer: dict[str, Any], **kw: Any) -> rpcbuf.RpcContext:
+    gen = opened(answer, kw.pop("silent_ops", ()), unix=True)
+    addr = await gen.__anext__()
+    try:
+        return await rpcbuf.connect(addr, token="t", same_host=True, **kw)
+    finally:
+        await gen.aclose()
+
+
+def local(**over: Any) -> dict[str, Any]:
+    """A hello answer on the same-host path (no UCX endpoint to bind), as
+    the daemon gives on its Unix socket."""
+    return hello_answer(**{"same_host": True, **over})
+
+
+async def test_hello_never_answered_times_out(never_answers: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        await rpcbuf.connect(never_answers, token="t", timeout=1, same_host=False)
+    assert time.monotonic() - t0 < 3
+
+
+@pytest.mark.parametrize("field,limits", [
+    ("max_inflight", {**LIMITS, "max_inflight": 0}),
+    ("max_inflight", {**LIMITS, "max_inflight": -3}),
+    ("max_inflight", {**LIMITS, "max_inflight": 1 << 40}),
+    ("max_inflight", {**LIMITS, "max_inflight": "64"}),
+    ("max_inflight", {**LIMITS, "max_inflight": True}),
+    ("max_frame", {**LIMITS, "max_frame": 1 << 50}),
+    ("max_frame", {**LIMITS, "max_frame": 10}),
+    ("transfer_timeout", {**LIMITS, "transfer_timeout": float("inf")}),
+    ("transfer_timeout", {**LIMITS, "transfer_timeout": float("nan")}),
+    ("transfer_timeout", {**LIMITS, "transfer_timeout": -1.0}),
+    ("transfer_timeout", {**LIMITS, "transfer_timeout": 1e30}),
+    ("transfer_timeout", {k: v for k, v in LIMITS.items() if k != "transfer_timeout"}),
+    ("limits", [1, 2]),
+])
+async def test_bad_limits_are_refused(field: str, limits: Any) -> None:
+    with pytest.raises(BadRequest) as info:
+        await connect_to(local(limits=limits), timeout=2)
+    assert info.value.details.get("field", "").endswith(field), info.value
+
+
+@pytest.mark.parametrize("over", [
+    {"session_id": 7}, {"session_id": "s" * 100_000}, {"session_id": ...},
+    {"tenant": None}, {"node_id": b"raw"}, {"tenant": ""},
+    {"bind_nonce": b"short"}, {"bind_nonce": "x" * 16},
+    {"ucx": {"port": 0}}, {"ucx": {"port": 70000}}, {"ucx": {"port": "7701"}}, {"ucx": 5},
+    {"version": 99}, {"same_host": "yes"}, {"same_host": 1}, {"same_host_why": ["no"]},
+    {"devices": "cpu"}, {"devices": [{}] * 100_000},
+    {"local": {"socket": "@x", "boot_id": "b", "pid": -1}},
+    {"local": {"socket": "a\0b", "boot_id": "b", "pid": 1}},
+    {"local": {"socket": "/" + "x" * 200, "boot_id": "b", "pid": 1}},
+    {"local": "unix:@x"},
+])
+async def test_bad_hello_fields_are_refused(over: dict[str, Any]) -> None:
+    field = next(iter(over))
+    with pytest.raises(BadRequest) as info:
+        await connect_to(local(**over), timeout=2)
+    assert info.value.details.get("field", "").startswith(field), info.value
+
+
+async def test_slot_wait_counts_against_the_timeout() -> None:
+    """max_inflight 1 and a daemon that never answers ping: the second call
+    waits for a slot, and that wait is part of its own timeout."""
+    async for addr in opened(local(limits={**LIMITS, "max_inflight": 1}), ("ping",), True):
+        ctx = await rpcbuf.connect(addr, token="t", timeout=5)
+        try:
+            first = asyncio.ensure_future(ctx.ping(timeout=30))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            with pytest.raises(Timeout):
+                await ctx.ping(timeout=0.5)
+            assert time.monotonic() - t0 < 2
+            with pytest.raises(Timeout, match="slot"):
+                await ctx.stats(timeout=0.3)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            assert await ctx.stats(timeout=2) == {}  # the slot came back
+        finally:
+            await ctx.close()
+
+
+async def test_ping_timeout_when_daemon_is_silent() -> None:
+    async for addr in opened(local(), ("ping",), True):
+        ctx = await rpcbuf.connect(addr, token="t", timeout=5)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Timeout):
+                await ctx.ping(timeout=0.5)
+            assert time.monotonic() - t0 < 2
+            assert await ctx.stats(timeout=2) == {}  # the connection stays usable
+        finally:
+            await ctx.close()
+
+
+async def test_connect_is_bounded_as_a_whole() -> None:
+    """A daemon that answers hello but whose UCX port leads nowhere useful
+    (a listener that takes the nonce and never acknowledges it): connect
+    raises within its timeout, not the sum of its steps' timeouts."""
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        conn.answer(req, hello_answer(ucx={"port": fd.ucx_port}))
+
+    fd = FakeDaemon(handler, ucx_listener=True, bind=False)
+    addr = await fd.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            await rpcbuf.connect(addr, token="t", timeout=1.5, same_host=False)
+        assert time.monotonic() - t0 < 3
+    finally:
+        await fd.close()
+
+
+async def test_lost_control_connection_ends_the_bind_at_once() -> None:
+    """The daemon goes away (EOF) while the data endpoint waits for its bind
+    acknowledgement: connect fails with CONNECTION_LOST then, not at its timeout."""
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        conn.answer(req, hello_answer(ucx={"port": fd.ucx_port}))
+        asyncio.get_running_loop().call_later(0.3, conn.close)
+
+    fd = FakeDaemon(handler, ucx_listener=True, bind=False)
+    addr = await fd.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLost):
+            await rpcbuf.connect(addr, token="t", timeout=20, same_host=False)
+        assert time.monotonic() - t0 < 5
+    finally:
+        await fd.close()
+
+
+# -- the Unix socket's peer is checked before the token goes out ------------------
+
+
+async def unix_daemon(path: str, seen: list[dict[str, Any]]) -> asyncio.Server:
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        seen.append(req)
+        conn.answer(req, local())
+
+    fd = FakeDaemon(handler)
+    return await asyncio.start_unix_server(fd._serve, path)
+
+
+async def test_path_socket_owned_by_a_stranger_gets_no_token(tmp_path: Any) -> None:
+    """The process listening on the socket is not one we trust: not root,
+    not us, not the socket file's owner.  Tests run as root, and root is
+    trusted, so the test plays the other side through the check's
+    ``trusted`` argument (the uids trusted besides the file's owner)."""
+    from control.client import check_unix_peer
+
+    path = str(tmp_path / "rpcbufd.sock")
+    seen: list[dict[str, Any]] = []
+    server = await unix_daemon(path, seen)
+    try:
+        os.chown(path, 4242, 4242)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        try:
+            with pytest.raises(Forbidden) as info:
+                check_unix_peer(sock, path, None, trusted=frozenset({1234}))
+            assert "uid 0" in str(info.value)
+            check_unix_peer(sock, path, None, trusted=frozenset({0}))  # root: fine
+            with pytest.raises(Forbidden, match="pid"):  # not the pid the daemon named
+                check_unix_peer(sock, path, os.getpid() + 1, trusted=frozenset({0}))
+        finally:
+            sock.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not seen
+
+
+async def test_connect_checks_the_peer_before_the_token(tmp_path: Any) -> None:
+    """The daemon's TCP hello names a Unix socket and a pid; the process on
+    that socket is another one (a squatter): the client stays on TCP and the
+    squatter never sees the token."""
+    path = str(tmp_path / "squat.sock")
+    seen: list[dict[str, Any]] = []
+    squatter = await unix_daemon(path, seen)
+    from dataplane import cma
+
+    other_pid = 1 if os.getpid() != 1 else 2
+    tcp_answer = hello_answer(local={"socket": path, "boot_id": cma.boot_id(),
+                                     "pid": other_pid}, same_host=True)
+    gen = opened(tcp_answer)
+    addr = await gen.__anext__()
+    try:
+        with pytest.raises(RpcBufError):  # same_host=True: why it was refused
+            await rpcbuf.connect(addr, token="secret-token", timeout=3, same_host=True)
+    finally:
+        await gen.aclose()
+        squatter.close()
+        await squatter.wait_closed()
+    assert not seen, "the token went to a process that is not the daemon"
+
+
+async def test_tcp_hello_cannot_claim_the_same_host_path() -> None:
+    """Only the daemon's Unix socket can offer the same-host path (the kernel
+    names the client to it there); a TCP hello claiming it is refused."""
+    gen = opened(hello_answer(same_host=True))
+    addr = await gen.__anext__()
+    try:
+        with pytest.raises(BadRequest) as info:
+            await rpcbuf.connect(addr, token="t", timeout=2, same_host=False)
+        assert info.value.details.get("field") == "same_host"
+    finally:
+        await gen.aclose()
