@@ -43,7 +43,8 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("tls", "key"): "tls_key",
 }
 ALIASES = {"devices": "device"}  # top-level key -> dest, where the plural reads better
-NOT_IN_FILE = {"help", "config", "quota", "default_quota"}  # quotas: the [quotas] table
+# quotas: the [quotas] table; the unsafe test-only flag: never from a file
+NOT_IN_FILE = {"help", "config", "quota", "default_quota", "unsafe_privileged_same_host"}
 RELOADABLE = ("quota", "default_quota", "log_level")
 
 

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "on this host reconnect and have the daemon copy their arrays "
                         "directly (process_vm_readv/writev); auto = an abstract socket "
                         "named after the daemon's pid, none = off [%(default)s]")
+    p.add_argument("--unsafe-privileged-same-host", action="store_true",
+                   help="UNSAFE, for test suites that run as root: serve the same-host path "
+                        "even when the daemon is root or holds CAP_SYS_PTRACE, although a "
+                        "client can then make it write into other processes (a setuid "
+                        "program it execs); never in production (not settable in --config)")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
                         "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
@@ -259,7 +264,8 @@ async def serve(args: argparse.Namespace) -> int:
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
                     max_sessions=args.max_sessions)
-    daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits)
+    daemon = Daemon(registry, secret, node_id=args.node_id, limits=limits,
+                    unsafe_same_host=args.unsafe_privileged_same_host)
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:

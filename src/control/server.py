@@ -41,7 +41,6 @@ import secrets
 import socket
 import ssl
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -96,7 +95,9 @@ class Limits:
 
 class Daemon:
     def __init__(self, registry: Registry, secret: bytes, *, node_id: str,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, unsafe_same_host: bool = False) -> None:
+        """``unsafe_same_host``: serve the same-host path even as root or with
+        CAP_SYS_PTRACE (``--unsafe-privileged-same-host``, for tests only)."""
         self.registry = registry
         self.secret = secret
         self.node_id = node_id
@@ -115,6 +116,13 @@ class Daemon:
                                          "verify_failures": 0, "sessions_total": 0}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        # Why the same-host path is refused to everyone (None: it is offered).
+        self.same_host_off = cma.privileged_why()
+        if self.same_host_off and unsafe_same_host:
+            log.warning("--unsafe-privileged-same-host: serving the same-host path although "
+                        "this daemon is root or holds CAP_SYS_PTRACE: a client can make it "
+                        "write into other processes (a setuid program it execs). Tests only")
+            self.same_host_off = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -304,8 +312,11 @@ class Session(DedupOps, DataOps):
         self.cma: cma.Peer | None = None
         self.cma_stop = threading.Event()
         self.peer = writer.get_extra_info("peername")
-        # Unix socket sessions: the kernel says who connected (pid, uid)
-        self.peer_pid, self.peer_uid = _peer_cred(writer)
+        # Unix socket sessions: the process that connected, pinned by a pidfd
+        # now, at accept (never looked up again by pid): see cma.Peer.of_socket
+        self._process, self._process_why = _accept_peer(writer)
+        self.peer_pid = None if self._process is None else self._process.pid
+        self.unix = self._process is not None or bool(self._process_why)
         self._fd: int | None = None  # the Unix socket's fd: see peer_gone
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
@@ -501,8 +512,8 @@ class Session(DedupOps, DataOps):
                 _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
-        if self.cma is not None:
-            self.cma.close()  # no copy starts after this: Peer.alive() is False
+        if self._process is not None:
+            self._process.close()  # no copy starts after this: Peer.alive() is False
         self._fd = None
         for buf in self.registry.session_closed(self.session_id):
             self._log("release", buf, note="session closed")
@@ -533,7 +544,7 @@ class Session(DedupOps, DataOps):
             raise BadRequest(f"protocol version {req.version} is not supported",
                              {"supported": [P.PROTOCOL_VERSION]})
         tenant = verify_token(self.daemon.secret, req.token)
-        if self.peer_pid is not None:
+        if self.unix:
             self._take_slot(tenant, req.replaces)
         self.tenant = tenant
         same_host, why = self._same_host(req)
@@ -553,8 +564,11 @@ class Session(DedupOps, DataOps):
         if why:
             answer["same_host_why"] = why
         local = self.daemon.local_info()
-        if local is not None and self.peer_pid is None:
-            answer["local"] = local
+        if local is not None and not self.unix:
+            if self.daemon.same_host_off:  # no point reconnecting: say why here
+                answer["same_host_why"] = self.daemon.same_host_off
+            else:
+                answer["local"] = local
         return answer
 
     def peer_gone(self) -> bool:
@@ -582,23 +596,23 @@ class Session(DedupOps, DataOps):
 
     def _same_host(self, req: P.Hello) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
-        client proved we can read its memory."""
+        client proved we can read its memory, and the daemon may serve it."""
         if req.probe is None or req.probe_addr is None:
             return False, ""
-        if self.peer_pid is None:
+        if not self.unix:
             return False, "the same-host path needs the daemon's Unix socket"
-        try:
-            peer = cma.Peer(self.peer_pid, self.peer_uid)
-        except OSError as exc:
-            return False, f"cannot watch the client process: {exc.strerror}"
+        if self.daemon.same_host_off:
+            return False, self.daemon.same_host_off
+        peer = self._process
+        if peer is None:
+            return False, f"cannot watch the client process: {self._process_why}"
         why = peer.probe(req.probe_addr, req.probe)
         if why is not None:
-            peer.close()
             log.info("session %s: same-host path off: %s", self.session_id, why)
             return False, why
         self._fd = self.writer.get_extra_info("socket").fileno()
         self.cma = peer
-        log.debug("session %s bound the same-host path (pid %d)", self.session_id, self.peer_pid)
+        log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
         return True, ""
 
     def _try_request(self, req: P.RequestBuffer) -> Buffer | None:
@@ -702,14 +716,16 @@ def _unlink_stale(path: str) -> None:
             os.unlink(path)
 
 
-def _peer_cred(writer: asyncio.StreamWriter) -> tuple[int | None, int | None]:
-    """The connecting process's pid and uid on a Unix socket (``SO_PEERCRED``)."""
+def _accept_peer(writer: asyncio.StreamWriter) -> tuple[cma.Peer | None, str]:
+    """On a Unix socket: the connecting process (``cma.Peer.of_socket``), or
+    None and why it cannot be had.  Not a Unix socket: (None, "")."""
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
-        return None, None
-    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", cred)
-    return (pid, uid) if pid else (None, None)
+        return None, ""
+    try:
+        return cma.Peer.of_socket(sock), ""
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
 
 
 _SYNC_OPS: dict[type, Any] = {
