@@ -41,6 +41,7 @@ import secrets
 import socket
 import ssl
 import stat
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from dataplane.ucx import (
 
 from . import logs
 from . import protocol as P
+from .admission import Pending
 from .auth import verify_token
 from .content import ContentIndex
 from .dataops import CMA_INLINE, DataOps
@@ -85,8 +87,12 @@ class Limits:
     max_inflight: int = 64
     transfer_timeout: float = 300.0
     drain_timeout: float = 30.0
-    hello_timeout: float = 10.0
-    max_sessions: int = 1024  # control connections, authenticated or not yet
+    hello_timeout: float = 10.0  # from accept to a successful hello, one deadline
+    max_sessions: int = 1024  # authenticated control connections
+    # Connections before their hello, and UCX endpoints before they bind
+    # (each its own count): at the bound the oldest goes (see admission.py).
+    max_unauthenticated: int = 128
+    max_unauthenticated_per_source: int = 16  # control connections, per address (or uid)
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -102,8 +108,12 @@ class Daemon:
         self.secret = secret
         self.node_id = node_id
         self.limits = limits or Limits()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
         self._by_nonce: dict[bytes, Session] = {}
+        lim = self.limits
+        self.unauthenticated: Pending[Session] = Pending(
+            lim.max_unauthenticated, lim.max_unauthenticated_per_source)
+        self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
         self.started_at = time.time()
         self.shutting_down = False
         self._server: asyncio.AbstractServer | None = None
@@ -228,24 +238,26 @@ class Daemon:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
-        unix = writer.get_extra_info("socket").family == socket.AF_UNIX
-        # A Unix socket session usually replaces the same client's TCP session:
-        # its slot is checked at hello (Session._hello), when we know which.
-        # (Twice the limit bounds Unix connections that never say hello.)
-        limit = self.limits.max_sessions * (2 if unix else 1)
-        if len(self.sessions) >= limit:
-            await self._refuse(reader, writer, self.too_many_sessions(), "max_sessions")
-            return
+        # --max-sessions counts authenticated sessions (Session._take_slot, at
+        # hello); until then the connection is one of the unauthenticated
+        # ones, whose bound drops the oldest, never the newcomer.
         session = Session(self, reader, writer)
+        for old in self.unauthenticated.add(session, _source(writer)):
+            old.evict()
         self.sessions[session.session_id] = session
         self._by_nonce[session.nonce] = session
         self.counters["sessions_total"] += 1
         try:
             await session.run()
         finally:
+            self.unauthenticated.discard(session)
             self._by_nonce.pop(session.nonce, None)
             await session.close("connection closed")
             self.sessions.pop(session.session_id, None)
+
+    def authenticated(self) -> int:
+        """Sessions whose hello succeeded (what --max-sessions bounds)."""
+        return sum(1 for s in self.sessions.values() if s.tenant is not None)
 
     def too_many_sessions(self) -> QuotaExceeded:
         """QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up;
@@ -276,13 +288,21 @@ class Daemon:
             writer.close()
 
     async def _on_endpoint(self, ep: DataEndpoint) -> None:
+        # Until it binds, an endpoint is one of a bounded few (the oldest goes).
+        for old in self.pending_endpoints.add(ep):
+            log.warning("data endpoint dropped before binding: %d others wait to bind",
+                        self.limits.max_unauthenticated)
+            old.abort()
         nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
         try:
             await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
         except (TimeoutError, TransferError) as exc:
-            log.warning("data endpoint dropped before binding: %s", exc or "timeout")
+            if ep in self.pending_endpoints:  # (else: dropped above, and said so)
+                log.warning("data endpoint dropped before binding: %s", exc or "timeout")
             ep.abort()
             return
+        finally:
+            self.pending_endpoints.discard(ep)
         session = self._by_nonce.pop(nonce.tobytes(), None)
         ok = session is not None and session.tenant is not None and session.ep is None
         try:
@@ -316,13 +336,15 @@ class Session(DedupOps, DataOps):
         # now, at accept (never looked up again by pid): see cma.Peer.of_socket
         self._process, self._process_why = _accept_peer(writer)
         self.peer_pid = None if self._process is None else self._process.pid
-        self.unix = self._process is not None or bool(self._process_why)
+        self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         self._fd: int | None = None  # the Unix socket's fd: see peer_gone
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
         self._closed = False
-        self._decoder = P.FrameDecoder(daemon.limits.max_frame)
+        # Until hello succeeds: small frames, one at a time, one deadline from now.
+        self._decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
+        self._hello_by = asyncio.get_running_loop().time() + daemon.limits.hello_timeout
         self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
 
     def abort(self, why: str) -> None:
@@ -365,22 +387,32 @@ class Session(DedupOps, DataOps):
 
     async def run(self) -> None:
         limits = self.daemon.limits
+        decoder = self._decoder
         try:
             while not self._closed:
-                if self.tenant is None:
-                    data = await asyncio.wait_for(self.reader.read(READ_CHUNK),
-                                                  limits.hello_timeout)
+                if self.tenant is None:  # one deadline from accept, not per read
+                    async with asyncio.timeout_at(self._hello_by):
+                        data = await self.reader.read(READ_CHUNK)
                 else:
                     data = await self.reader.read(READ_CHUNK)
                 if not data:
                     return
-                for msg in self._decoder.feed(data):
-                    self._dispatch(msg)
-                    while len(self.tasks) >= limits.max_inflight:  # back-pressure
-                        self._slot.clear()
-                        await self._slot.wait()
-                if self._decoder.error is not None:
-                    raise self._decoder.error
+                # Before hello one frame at a time: what follows a hello is
+                # parsed under the limit that holds once it was handled.
+                one = self.tenant is None
+                msgs = decoder.feed(data, 1 if one else None)
+                while True:
+                    for msg in msgs:
+                        self._dispatch(msg)
+                        while len(self.tasks) >= limits.max_inflight:  # back-pressure
+                            self._slot.clear()
+                            await self._slot.wait()
+                    if decoder.error is not None:
+                        raise decoder.error
+                    if not (one and msgs) or self._closed:
+                        break
+                    one = self.tenant is None
+                    msgs = decoder.feed(b"", 1 if one else None)
                 await self.writer.drain()
         except P.FrameError as exc:
             log.warning("closing %s: %s", self.peer, exc)
@@ -389,6 +421,18 @@ class Session(DedupOps, DataOps):
             log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
         except (ConnectionError, OSError):
             pass
+
+    def evict(self) -> None:
+        """Dropped to make room for newer unauthenticated connections (see
+        admission.py): say why, then close; ``close`` cleans up."""
+        log.warning("closing %s: no hello yet, and newer connections need the room",
+                    self.peer or f"pid {self.peer_pid}")
+        self.daemon.metrics.refused("max_unauthenticated")
+        self.send(P.error_response(None, QuotaExceeded(
+            "too many connections have not said hello yet; this one waited longest",
+            {"limit": "max_unauthenticated"})))
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -544,9 +588,10 @@ class Session(DedupOps, DataOps):
             raise BadRequest(f"protocol version {req.version} is not supported",
                              {"supported": [P.PROTOCOL_VERSION]})
         tenant = verify_token(self.daemon.secret, req.token)
-        if self.unix:
-            self._take_slot(tenant, req.replaces)
+        self._take_slot(tenant, req.replaces)
         self.tenant = tenant
+        self.daemon.unauthenticated.discard(self)  # counts toward --max-sessions from now
+        self._decoder.max_frame, self._decoder.why = self.daemon.limits.max_frame, ""
         same_host, why = self._same_host(req)
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
@@ -580,9 +625,10 @@ class Session(DedupOps, DataOps):
         return cma.peer_closed(self._fd)
 
     def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
-        """A Unix socket session: take over the slot of the TCP session it
-        replaces (which ends now), else check --max-sessions."""
-        old = self.daemon._by_nonce.get(replaces) if replaces else None
+        """A Unix socket session may take over the slot of the TCP session it
+        replaces (which ends now); any other checks --max-sessions, and past
+        it gets a connection-level QUOTA_EXCEEDED and is closed."""
+        old = self.daemon._by_nonce.get(replaces) if replaces and self.unix else None
         if old is not None and old is not self and old.tenant == tenant:
             self.daemon._by_nonce.pop(old.nonce, None)
             self.daemon.sessions.pop(old.session_id, None)  # it no longer counts
@@ -590,9 +636,15 @@ class Session(DedupOps, DataOps):
             with contextlib.suppress(Exception):
                 old.writer.close()  # its run loop ends, close() cleans up
             return
-        if len(self.daemon.sessions) > self.daemon.limits.max_sessions:  # this one counts
+        if self.daemon.authenticated() >= self.daemon.limits.max_sessions:
+            error = self.daemon.too_many_sessions()
+            log.warning("refusing connection from %s: %s", self.peer or f"pid {self.peer_pid}",
+                        error)
             self.daemon.metrics.refused("max_sessions")
-            raise self.daemon.too_many_sessions()
+            self.send(P.error_response(None, error))
+            with contextlib.suppress(Exception):
+                self.writer.close()  # its hello is read: nothing unread to reset the frame
+            raise error
 
     def _same_host(self, req: P.Hello) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
@@ -701,6 +753,8 @@ class Session(DedupOps, DataOps):
     def _stats(self, req: P.Stats) -> dict[str, Any]:
         return {"node_id": self.daemon.node_id, "uptime": time.time() - self.daemon.started_at,
                 "sessions": len(self.daemon.sessions),
+                "unauthenticated": len(self.daemon.unauthenticated),
+                "pending_endpoints": len(self.daemon.pending_endpoints),
                 "same_host_sessions": sum(1 for s in self.daemon.sessions.values() if s.cma),
                 **self.daemon.counters,
                 **self.registry.stats()}
@@ -714,6 +768,17 @@ def _unlink_stale(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)
+
+
+def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
+    """Where a connection comes from, for the per-source bound: its IP
+    address, or on the Unix socket the connecting user."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return "uid", struct.unpack("3i", cred)[1]
+    peer = writer.get_extra_info("peername")
+    return "ip", peer[0] if isinstance(peer, tuple) else peer
 
 
 def _accept_peer(writer: asyncio.StreamWriter) -> tuple[cma.Peer | None, str]:
