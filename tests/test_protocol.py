@@ -131,3 +131,18 @@ def test_errors_travel_by_code() -> None:
     unknown = error_from_wire({"code": "FROM_THE_FUTURE", "message": "m"})
     assert type(unknown) is RpcBufError and unknown.details["code"] == "FROM_THE_FUTURE"
     assert type(error_from_wire("junk")) is RpcBufError
+
+
+def test_one_message_at_a_time_under_a_limit_that_changes() -> None:
+    """The daemon parses one frame at a time until hello succeeds, under a
+    small limit, then raises it: a big frame pipelined right behind the hello
+    is judged by the limit that holds once the hello was handled."""
+    hello = P.encode_frame({"op": "hello", "id": 1, "token": "t", "version": 1})
+    big = P.encode_frame({"op": "ping", "id": 2, "pad": "x" * 10_000})
+    dec = P.FrameDecoder(P.HELLO_MAX_FRAME, why=" before hello")
+    assert [m["id"] for m in dec.feed(hello + big, most=1)] == [1]
+    dec.max_frame, dec.why = P.DEFAULT_MAX_FRAME, ""
+    assert [m["id"] for m in dec.feed(b"")] == [2]
+    strict = P.FrameDecoder(P.HELLO_MAX_FRAME, why=" before hello")
+    with pytest.raises(P.FrameError, match="before hello"):
+        strict.feed(big)

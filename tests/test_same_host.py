@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from conftest import DaemonProc, pool_free, wait_free
+from conftest import DaemonProc, pool_free, privileged, wait_free
 from control import protocol as P
 from dataplane import cma
 
@@ -395,3 +395,68 @@ async def test_no_copy_into_a_client_that_went_away(daemon_factory) -> None:  # 
         assert not out.any()  # never written
     async with d.connect() as c:  # (the stalled session was aborted at its deadline)
         await c.release_buffer(await c.open_buffer("gone"))
+
+
+# -- who the daemon may copy into ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not privileged(), reason="needs root or CAP_SYS_PTRACE (as in CI)")
+async def test_a_privileged_daemon_refuses_the_same_host_path(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A daemon that is root or holds CAP_SYS_PTRACE could be made to write
+    into any process (a client that execs a setuid program after its probe):
+    without --unsafe-privileged-same-host it refuses the path and says why,
+    and the client works on over UCX."""
+    sock = "@rpcbufd-test-" + os.urandom(4).hex()
+    d = daemon_factory("--device", "cpu:4MiB", "--local-socket", sock,
+                       privileged_same_host=False)
+    async with d.connect() as c:
+        assert not c.same_host
+        assert "CAP_SYS_PTRACE" in c.hello["same_host_why"]
+        bid = await c.request_buffer(4096)
+        await c.store_tensor(bid, np.full(4096, 9, np.uint8), verify="checksum")
+        assert (await c.read_buffer(bid) == 9).all()
+        await c.release_buffer(bid)
+    async with rpcbuf.connect(f"unix:{sock}", token=d.token()) as c:  # directly: refused too
+        assert not c.same_host and "CAP_SYS_PTRACE" in c.hello["same_host_why"]
+        assert await c.ping()
+    with pytest.raises(rpcbuf.BadRequest, match="CAP_SYS_PTRACE"):
+        await d.connect(same_host=True)
+    assert d.stop() == 0
+    assert "unsafe-privileged-same-host" not in d.log()
+
+
+def test_privilege_is_read_from_the_effective_capabilities() -> None:
+    root = "Name:\tx\nCapEff:\t0000000000000000\n"
+    assert cma.privileged_why(root, euid=0) is not None
+    assert cma.privileged_why("CapEff:\t0000000000080000\n", euid=1000) is not None  # bit 19
+    assert cma.privileged_why("CapEff:\t0000000000001000\n", euid=1000) is None  # not ptrace
+    assert cma.privileged_why("", euid=1000) is not None  # unreadable: assume the worst
+
+
+def test_the_peer_is_the_process_that_connected() -> None:
+    """The pidfd is taken from the socket at accept (SO_PEERPIDFD, else
+    pidfd_open of SO_PEERCRED's pid there and then): a Peer built from it
+    follows that process, and stops being alive when it exits, whatever
+    later holds the socket or gets the pid."""
+    import socket
+
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0rpcbuf-test-peer-" + os.urandom(4).hex())
+    srv.listen(1)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import socket, sys, time\n"
+                              "s = socket.socket(socket.AF_UNIX)\n"
+                              f"s.connect({srv.getsockname()!r})\n"
+                              "sys.stdin.read()\n"], stdin=subprocess.PIPE)
+    conn, _ = srv.accept()
+    peer = cma.Peer.of_socket(conn)
+    try:
+        assert peer.pid == child.pid and peer.alive()
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
+        assert not peer.alive()
+    finally:
+        peer.close()
+        conn.close()
+        srv.close()

@@ -34,6 +34,9 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("limits", "max_frame"): "max_frame",
     ("limits", "max_inflight"): "max_inflight",
     ("limits", "max_sessions"): "max_sessions",
+    ("limits", "hello_timeout"): "hello_timeout",
+    ("limits", "max_unauthenticated"): "max_unauthenticated",
+    ("limits", "max_unauthenticated_per_source"): "max_unauthenticated_per_source",
     ("limits", "transfer_timeout"): "transfer_timeout",
     ("limits", "drain_timeout"): "drain_timeout",
     ("log", "level"): "log_level",
@@ -43,7 +46,8 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("tls", "key"): "tls_key",
 }
 ALIASES = {"devices": "device"}  # top-level key -> dest, where the plural reads better
-NOT_IN_FILE = {"help", "config", "quota", "default_quota"}  # quotas: the [quotas] table
+# quotas: the [quotas] table; the unsafe test-only flag: never from a file
+NOT_IN_FILE = {"help", "config", "quota", "default_quota", "unsafe_privileged_same_host"}
 RELOADABLE = ("quota", "default_quota", "log_level")
 
 

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "on this host reconnect and have the daemon copy their arrays "
                         "directly (process_vm_readv/writev); auto = an abstract socket "
                         "named after the daemon's pid, none = off [%(default)s]")
+    p.add_argument("--unsafe-privileged-same-host", action="store_true",
+                   help="UNSAFE, for test suites that run as root: serve the same-host path "
+                        "even when the daemon is root or holds CAP_SYS_PTRACE, although a "
+                        "client can then make it write into other processes (a setuid "
+                        "program it execs); never in production (not settable in --config)")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
                         "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
@@ -128,8 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=_positive_int, default=Limits.max_inflight,
                    help="requests one client may have in flight [%(default)s]")
     p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,
-                   help="control connections served at once; more are refused with "
-                        "QUOTA_EXCEEDED [%(default)s]")
+                   help="authenticated control connections served at once; a hello beyond "
+                        "it is refused with QUOTA_EXCEEDED [%(default)s]")
+    p.add_argument("--hello-timeout", type=parse_duration, default=Limits.hello_timeout,
+                   help="a connection must have said hello this long after it was accepted, "
+                        "or it is closed (one deadline, however it trickles) [%(default)s]")
+    p.add_argument("--max-unauthenticated", type=_positive_int,
+                   default=Limits.max_unauthenticated,
+                   help="connections that have not said hello yet, and (counted apart) UCX "
+                        "endpoints not yet bound to a session, at once; beyond it the oldest "
+                        "is closed to make room [%(default)s]")
+    p.add_argument("--max-unauthenticated-per-source", type=_positive_int,
+                   default=Limits.max_unauthenticated_per_source,
+                   help="the same, per source address (per user on the Unix socket) "
+                        "[%(default)s]")
     p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
                    help="deadline of one data transfer, e.g. 300s [%(default)s]")
     p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
@@ -276,8 +293,11 @@ async def serve(args: argparse.Namespace) -> int:
     registry = Registry(pools, dict(args.quota), default)
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
-                    max_sessions=args.max_sessions)
-    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits)
+                    max_sessions=args.max_sessions, hello_timeout=args.hello_timeout,
+                    max_unauthenticated=args.max_unauthenticated,
+                    max_unauthenticated_per_source=args.max_unauthenticated_per_source)
+    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
+                    unsafe_same_host=args.unsafe_privileged_same_host)
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:

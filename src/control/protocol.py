@@ -48,6 +48,9 @@ from .errors import BadRequest, RpcBufError
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME = 16 << 20  # room for a 100,000-tensor manifest
+# The limit until hello succeeds: a hello (token, probe, nonce) is well under
+# it, and a stranger gets no more of our memory than this.
+HELLO_MAX_FRAME = 4 << 10
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
 COALESCE_MAX = 256 << 10  # items up to this size travel together with their neighbours
 RUN_MAX = 64 << 20  # the largest message a run of coalesced items makes
@@ -80,20 +83,26 @@ class FrameDecoder:
 
     When the stream breaks, ``feed`` still returns the whole messages that came
     before the break and keeps the error in ``error``; the caller handles
-    those messages, then raises ``error``.  Any later ``feed`` raises it."""
+    those messages, then raises ``error``.  Any later ``feed`` raises it.
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    ``max_frame`` may change between feeds (the daemon raises it once hello
+    succeeded; ``why`` then names the limit in the error); ``feed(data,
+    most=1)`` parses only the next message, leaving the rest buffered for a
+    later ``feed(b"")`` under whatever limit holds then."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, why: str = "") -> None:
         self.max_frame = max_frame
+        self.why = why  # appended to the oversize error: which limit this is
         self.error: FrameError | None = None
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes, most: int | None = None) -> list[Any]:
         if self.error is not None:
             raise self.error
         self._buf += data
         out: list[Any] = []
         try:
-            while len(self._buf) >= _HEADER.size:
+            while len(self._buf) >= _HEADER.size and (most is None or len(out) < most):
                 msg = self._next()
                 if msg is None:
                     break
@@ -109,7 +118,7 @@ class FrameDecoder:
         (length,) = _HEADER.unpack_from(self._buf)
         if length > self.max_frame:
             raise FrameError(
-                f"frame of {length} bytes exceeds the limit of {self.max_frame}",
+                f"frame of {length} bytes exceeds the limit of {self.max_frame}{self.why}",
                 {"max_frame": self.max_frame, "length": length},
             )
         end = _HEADER.size + length

@@ -61,6 +61,7 @@ from dataplane.ucx import (
 
 from . import logs
 from . import protocol as P
+from .admission import Pending
 from .auth import Grant, Keyring, verify
 from .content import ContentIndex
 from .dataops import CMA_INLINE, DataOps, Held
@@ -90,8 +91,12 @@ class Limits:
     max_inflight: int = 64
     transfer_timeout: float = 300.0
     drain_timeout: float = 30.0
-    hello_timeout: float = 10.0
-    max_sessions: int = 1024  # control connections, authenticated or not yet
+    hello_timeout: float = 10.0  # from accept to a successful hello, one deadline
+    max_sessions: int = 1024  # authenticated control connections
+    # Connections before their hello, and UCX endpoints before they bind
+    # (each its own count): at the bound the oldest goes (see admission.py).
+    max_unauthenticated: int = 128
+    max_unauthenticated_per_source: int = 16  # control connections, per address (or uid)
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -100,13 +105,19 @@ class Limits:
 
 class Daemon:
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, unsafe_same_host: bool = False) -> None:
+        """``unsafe_same_host``: serve the same-host path even as root or with
+        CAP_SYS_PTRACE (``--unsafe-privileged-same-host``, for tests only)."""
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
         self.limits = limits or Limits()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
         self._by_nonce: dict[bytes, Session] = {}
+        lim = self.limits
+        self.unauthenticated: Pending[Session] = Pending(
+            lim.max_unauthenticated, lim.max_unauthenticated_per_source)
+        self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
         self.started_at = time.time()
         self.shutting_down = False
         self._server: asyncio.AbstractServer | None = None
@@ -121,6 +132,13 @@ class Daemon:
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        # Why the same-host path is refused to everyone (None: it is offered).
+        self.same_host_off = cma.privileged_why()
+        if self.same_host_off and unsafe_same_host:
+            log.warning("--unsafe-privileged-same-host: serving the same-host path although "
+                        "this daemon is root or holds CAP_SYS_PTRACE: a client can make it "
+                        "write into other processes (a setuid program it execs). Tests only")
+            self.same_host_off = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -243,24 +261,26 @@ class Daemon:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
-        unix = writer.get_extra_info("socket").family == socket.AF_UNIX
-        # A Unix socket session usually replaces the same client's TCP session:
-        # its slot is checked at hello (Session._hello), when we know which.
-        # (Twice the limit bounds Unix connections that never say hello.)
-        limit = self.limits.max_sessions * (2 if unix else 1)
-        if len(self.sessions) >= limit:
-            await self._refuse(reader, writer, self.too_many_sessions(), "max_sessions")
-            return
+        # --max-sessions counts authenticated sessions (Session._take_slot, at
+        # hello); until then the connection is one of the unauthenticated
+        # ones, whose bound drops the oldest, never the newcomer.
         session = Session(self, reader, writer)
+        for old in self.unauthenticated.add(session, _source(writer)):
+            old.evict()
         self.sessions[session.session_id] = session
         self._by_nonce[session.nonce] = session
         self.counters["sessions_total"] += 1
         try:
             await session.run()
         finally:
+            self.unauthenticated.discard(session)
             self._by_nonce.pop(session.nonce, None)
             await session.close("connection closed")
             self.sessions.pop(session.session_id, None)
+
+    def authenticated(self) -> int:
+        """Sessions whose hello succeeded (what --max-sessions bounds)."""
+        return sum(1 for s in self.sessions.values() if s.tenant is not None)
 
     def too_many_sessions(self) -> QuotaExceeded:
         """QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up;
@@ -291,13 +311,21 @@ class Daemon:
             writer.close()
 
     async def _on_endpoint(self, ep: DataEndpoint) -> None:
+        # Until it binds, an endpoint is one of a bounded few (the oldest goes).
+        for old in self.pending_endpoints.add(ep):
+            log.warning("data endpoint dropped before binding: %d others wait to bind",
+                        self.limits.max_unauthenticated)
+            old.abort()
         nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
         try:
             await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
         except (TimeoutError, TransferError) as exc:
-            log.warning("data endpoint dropped before binding: %s", exc or "timeout")
+            if ep in self.pending_endpoints:  # (else: dropped above, and said so)
+                log.warning("data endpoint dropped before binding: %s", exc or "timeout")
             ep.abort()
             return
+        finally:
+            self.pending_endpoints.discard(ep)
         session = self._by_nonce.pop(nonce.tobytes(), None)
         ok = session is not None and session.tenant is not None and session.ep is None
         try:
@@ -333,14 +361,19 @@ class Session(DedupOps, DataOps):
         self.cma: cma.Peer | None = None
         self.cma_stop = threading.Event()
         self.peer = writer.get_extra_info("peername")
-        # Unix socket sessions: the kernel says who connected (pid, uid)
-        self.peer_pid, self.peer_uid = _peer_cred(writer)
+        # Unix socket sessions: the process that connected, pinned by a pidfd
+        # now, at accept (never looked up again by pid): see cma.Peer.of_socket
+        self._process, self._process_why = _accept_peer(writer)
+        self.peer_pid = None if self._process is None else self._process.pid
+        self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         self._fd: int | None = None  # the Unix socket's fd: see peer_gone
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
         self._closed = False
-        self._decoder = P.FrameDecoder(daemon.limits.max_frame)
+        # Until hello succeeds: small frames, one at a time, one deadline from now.
+        self._decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
+        self._hello_by = asyncio.get_running_loop().time() + daemon.limits.hello_timeout
         self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
 
     def abort(self, why: str) -> None:
@@ -421,22 +454,32 @@ class Session(DedupOps, DataOps):
 
     async def run(self) -> None:
         limits = self.daemon.limits
+        decoder = self._decoder
         try:
             while not self._closed:
-                if self.tenant is None:
-                    data = await asyncio.wait_for(self.reader.read(READ_CHUNK),
-                                                  limits.hello_timeout)
+                if self.tenant is None:  # one deadline from accept, not per read
+                    async with asyncio.timeout_at(self._hello_by):
+                        data = await self.reader.read(READ_CHUNK)
                 else:
                     data = await self.reader.read(READ_CHUNK)
                 if not data:
                     return
-                for msg in self._decoder.feed(data):
-                    self._dispatch(msg)
-                    while len(self.tasks) >= limits.max_inflight:  # back-pressure
-                        self._slot.clear()
-                        await self._slot.wait()
-                if self._decoder.error is not None:
-                    raise self._decoder.error
+                # Before hello one frame at a time: what follows a hello is
+                # parsed under the limit that holds once it was handled.
+                one = self.tenant is None
+                msgs = decoder.feed(data, 1 if one else None)
+                while True:
+                    for msg in msgs:
+                        self._dispatch(msg)
+                        while len(self.tasks) >= limits.max_inflight:  # back-pressure
+                            self._slot.clear()
+                            await self._slot.wait()
+                    if decoder.error is not None:
+                        raise decoder.error
+                    if not (one and msgs) or self._closed:
+                        break
+                    one = self.tenant is None
+                    msgs = decoder.feed(b"", 1 if one else None)
                 await self.writer.drain()
         except P.FrameError as exc:
             log.warning("closing %s: %s", self.peer, exc)
@@ -445,6 +488,18 @@ class Session(DedupOps, DataOps):
             log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
         except (ConnectionError, OSError):
             pass
+
+    def evict(self) -> None:
+        """Dropped to make room for newer unauthenticated connections (see
+        admission.py): say why, then close; ``close`` cleans up."""
+        log.warning("closing %s: no hello yet, and newer connections need the room",
+                    self.peer or f"pid {self.peer_pid}")
+        self.daemon.metrics.refused("max_unauthenticated")
+        self.send(P.error_response(None, QuotaExceeded(
+            "too many connections have not said hello yet; this one waited longest",
+            {"limit": "max_unauthenticated"})))
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -575,8 +630,8 @@ class Session(DedupOps, DataOps):
                 _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
-        if self.cma is not None:
-            self.cma.close()  # no copy starts after this: Peer.alive() is False
+        if self._process is not None:
+            self._process.close()  # no copy starts after this: Peer.alive() is False
         self._fd = None
         for buf in self.registry.session_closed(self.session_id):
             self._log("release", buf, note="session closed")
@@ -618,9 +673,10 @@ class Session(DedupOps, DataOps):
                              {"supported": [P.PROTOCOL_VERSION]})
         grant = verify(self.daemon.keys, req.token)
         tenant = grant.tenant
-        if self.peer_pid is not None:
-            self._take_slot(tenant, req.replaces)
+        self._take_slot(tenant, req.replaces)
         self.tenant, self.grant = tenant, grant
+        self.daemon.unauthenticated.discard(self)  # counts toward --max-sessions from now
+        self._decoder.max_frame, self._decoder.why = self.daemon.limits.max_frame, ""
         if grant.expires_at is not None:
             left = grant.expires_at - time.time()
             self._token_deadline = time.perf_counter() + left
@@ -644,8 +700,11 @@ class Session(DedupOps, DataOps):
         if why:
             answer["same_host_why"] = why
         local = self.daemon.local_info()
-        if local is not None and self.peer_pid is None:
-            answer["local"] = local
+        if local is not None and not self.unix:
+            if self.daemon.same_host_off:  # no point reconnecting: say why here
+                answer["same_host_why"] = self.daemon.same_host_off
+            else:
+                answer["local"] = local
         return answer
 
     def peer_gone(self) -> bool:
@@ -657,9 +716,10 @@ class Session(DedupOps, DataOps):
         return cma.peer_closed(self._fd)
 
     def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
-        """A Unix socket session: take over the slot of the TCP session it
-        replaces (which ends now), else check --max-sessions."""
-        old = self.daemon._by_nonce.get(replaces) if replaces else None
+        """A Unix socket session may take over the slot of the TCP session it
+        replaces (which ends now); any other checks --max-sessions, and past
+        it gets a connection-level QUOTA_EXCEEDED and is closed."""
+        old = self.daemon._by_nonce.get(replaces) if replaces and self.unix else None
         if old is not None and old is not self and old.tenant == tenant:
             self.daemon._by_nonce.pop(old.nonce, None)
             self.daemon.sessions.pop(old.session_id, None)  # it no longer counts
@@ -667,29 +727,35 @@ class Session(DedupOps, DataOps):
             with contextlib.suppress(Exception):
                 old.writer.close()  # its run loop ends, close() cleans up
             return
-        if len(self.daemon.sessions) > self.daemon.limits.max_sessions:  # this one counts
+        if self.daemon.authenticated() >= self.daemon.limits.max_sessions:
+            error = self.daemon.too_many_sessions()
+            log.warning("refusing connection from %s: %s", self.peer or f"pid {self.peer_pid}",
+                        error)
             self.daemon.metrics.refused("max_sessions")
-            raise self.daemon.too_many_sessions()
+            self.send(P.error_response(None, error))
+            with contextlib.suppress(Exception):
+                self.writer.close()  # its hello is read: nothing unread to reset the frame
+            raise error
 
     def _same_host(self, req: P.Hello) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
-        client proved we can read its memory."""
+        client proved we can read its memory, and the daemon may serve it."""
         if req.probe is None or req.probe_addr is None:
             return False, ""
-        if self.peer_pid is None:
+        if not self.unix:
             return False, "the same-host path needs the daemon's Unix socket"
-        try:
-            peer = cma.Peer(self.peer_pid, self.peer_uid)
-        except OSError as exc:
-            return False, f"cannot watch the client process: {exc.strerror}"
+        if self.daemon.same_host_off:
+            return False, self.daemon.same_host_off
+        peer = self._process
+        if peer is None:
+            return False, f"cannot watch the client process: {self._process_why}"
         why = peer.probe(req.probe_addr, req.probe)
         if why is not None:
-            peer.close()
             log.info("session %s: same-host path off: %s", self.session_id, why)
             return False, why
         self._fd = self.writer.get_extra_info("socket").fileno()
         self.cma = peer
-        log.debug("session %s bound the same-host path (pid %d)", self.session_id, self.peer_pid)
+        log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
         return True, ""
 
     def _try_request(self, req: P.RequestBuffer) -> Buffer | None:
@@ -798,6 +864,9 @@ class Session(DedupOps, DataOps):
                     **self.daemon.tenant_counters.get(self.tenant, {})}
         return {"node_id": self.daemon.node_id, "uptime": time.time() - self.daemon.started_at,
                 "sessions": len(mine), "same_host_sessions": sum(1 for s in mine if s.cma),
+                # node-wide, but about no tenant: connections not yet authenticated
+                "unauthenticated": len(self.daemon.unauthenticated),
+                "pending_endpoints": len(self.daemon.pending_endpoints),
                 **counters, "expired_total": self.registry.expired_of(self.tenant),
                 **self.registry.stats(self.tenant)}
 
@@ -812,14 +881,27 @@ def _unlink_stale(path: str) -> None:
             os.unlink(path)
 
 
-def _peer_cred(writer: asyncio.StreamWriter) -> tuple[int | None, int | None]:
-    """The connecting process's pid and uid on a Unix socket (``SO_PEERCRED``)."""
+def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
+    """Where a connection comes from, for the per-source bound: its IP
+    address, or on the Unix socket the connecting user."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return "uid", struct.unpack("3i", cred)[1]
+    peer = writer.get_extra_info("peername")
+    return "ip", peer[0] if isinstance(peer, tuple) else peer
+
+
+def _accept_peer(writer: asyncio.StreamWriter) -> tuple[cma.Peer | None, str]:
+    """On a Unix socket: the connecting process (``cma.Peer.of_socket``), or
+    None and why it cannot be had.  Not a Unix socket: (None, "")."""
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
-        return None, None
-    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", cred)
-    return (pid, uid) if pid else (None, None)
+        return None, ""
+    try:
+        return cma.Peer.of_socket(sock), ""
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
 
 
 _SYNC_OPS: dict[type, Any] = {

@@ -8,17 +8,25 @@ has checked, pinned and locked, with ``process_vm_readv`` (a store) or
 Every byte still passes through the daemon's own checks: it chooses where the
 bytes land, it locks the range, it checksums what arrived.
 
-Whose memory: the peer's pid comes from ``SO_PEERCRED`` on the Unix control
-socket (the kernel says it; the client cannot choose it), so a client can only
-make the daemon touch its *own* memory.  A ``pidfd`` taken when the session
-starts is polled before every copy: once that process has exited its pid may be
-reused, and we must never copy into a stranger.
+Whose memory: the peer is the process that connected to the Unix control
+socket, fixed when the daemon accepts the connection: a ``pidfd`` from
+``SO_PEERPIDFD`` (Linux 6.5+; before that ``pidfd_open`` of ``SO_PEERCRED``'s
+pid, there and then), never a pid looked up later.  The pidfd is polled before
+every copy: once that process has exited its pid may be reused, and we must
+never copy into a stranger.  What the kernel then checks is what the path
+trusts: ``process_vm_readv/writev`` need ptrace access to the peer, which an
+unprivileged daemon has only to (dumpable) processes of its own user -- a
+process that execs a setuid program is neither, so the copy fails (EPERM).
+A daemon that is root or holds ``CAP_SYS_PTRACE`` has access to *every*
+process, so a client that forks, keeps the socket in the child and execs a
+setuid program in the parent could make it write into that program: such a
+daemon refuses the path (``privileged_why``; see docs/dataplane.md).
 
 Failure: a bad address (unmapped, read-only for a read's destination) is
-``EFAULT``, a vanished client ``ESRCH``; both come back as ``CmaError`` with no
-partial result trusted.  The kernel needs ptrace access to the peer (same user
-or ``CAP_SYS_PTRACE``; Yama ``ptrace_scope`` 1 also wants the client to name
-the daemon with ``PR_SET_PTRACER``): ``probe`` tells before any data op.
+``EFAULT``, a vanished client ``ESRCH``, no access ``EPERM``; all come back as
+``CmaError`` with no partial result trusted.  Under Yama ``ptrace_scope`` 1
+the client also names the daemon with ``PR_SET_PTRACER``; ``probe`` tells
+whether the path works before any data op.
 
 Big copies run in a worker thread in chunks of ``CHUNK`` bytes (reads from
 the client: two threads, half the chunks each, from ``PARALLEL_MIN`` bytes);
@@ -33,6 +41,8 @@ import errno
 import itertools
 import os
 import select
+import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +64,8 @@ for _fn in (_readv, _writev):
     _fn.argtypes = _SIG
 PR_SET_PTRACER = 0x59616D61
 PROBE_BYTES = 16  # what a client proves we can read at hello
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+; Python 3.11 lacks the name
+CAP_SYS_PTRACE = 19
 
 
 class CmaError(OSError):
@@ -61,29 +73,44 @@ class CmaError(OSError):
 
 
 class Peer:
-    """One client process the daemon may copy from and to."""
+    """One client process the daemon may copy from and to, held by a pidfd."""
 
-    def __init__(self, pid: int, uid: int | None = None) -> None:
-        """``uid``: the user the kernel said connected (``SO_PEERCRED``)."""
+    def __init__(self, pid: int, pidfd: int | None = None) -> None:
+        """``pidfd``: a pidfd of process ``pid`` (taken over: ``close`` closes
+        it); None opens one now (for this process, or one whose pid cannot
+        have been reused yet)."""
         self.pid = pid
-        self.uid = os.stat(f"/proc/{pid}").st_uid if uid is None else uid
-        self._pidfd: int | None = os.pidfd_open(pid)
+        self._pidfd: int | None = os.pidfd_open(pid) if pidfd is None else pidfd
+
+    @classmethod
+    def of_socket(cls, sock: socket.socket) -> Peer:
+        """The process at the other end of connected Unix socket ``sock``:
+        ``SO_PEERPIDFD`` where the kernel has it, else a pidfd of
+        ``SO_PEERCRED``'s pid opened now.  Call it at accept, before the
+        connection is read: the pid is the connecting process's, and only a
+        pidfd taken before that process can exit pins its identity.  Raises
+        OSError (the process has exited already)."""
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", cred)[0]
+        if not pid:
+            raise OSError(errno.ESRCH, "the kernel names no peer process")
+        try:
+            pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            pidfd = os.pidfd_open(pid)
+        return cls(pid, pidfd)
 
     def alive(self) -> bool:
-        """The process still exists and is still the one we were given: owned
-        by the same user and dumpable (``/proc/PID`` turns root-owned when a
-        process runs a setuid program, and a daemon holding CAP_SYS_PTRACE
-        must not copy into that on anyone's behalf)."""
+        """The process we were given still exists (its pidfd is not readable:
+        a pidfd becomes readable when its process exits)."""
         fd = self._pidfd
         if fd is None:
             return False
         exited = select.poll()  # one per call: two copy threads may ask at once
         exited.register(fd, select.POLLIN)
-        try:
-            owner = os.stat(f"/proc/{self.pid}").st_uid
-        except OSError:
-            return False
-        return owner == self.uid and not exited.poll(0)  # readable: it has exited
+        return not exited.poll(0)
 
     def close(self) -> None:
         fd, self._pidfd = self._pidfd, None
@@ -100,8 +127,9 @@ class Peer:
             self.read([got.ctypes.data], [addr], [len(expected)])
         except CmaError as exc:
             if exc.errno == errno.EPERM:
-                return ("the daemon may not access this process's memory (needs the same "
-                        "user or CAP_SYS_PTRACE; see docs/performance.md)")
+                return ("the daemon may not access this process's memory (the kernel "
+                        "allows it only for processes of the daemon's own user; see "
+                        "docs/dataplane.md)")
             return f"process_vm_readv failed: {os.strerror(exc.errno or 0)}"
         if got.tobytes() != expected:
             return "probe bytes differ: not the same host after all"
@@ -304,6 +332,36 @@ def peer_closed(fd: int) -> bool:
     if n >= 0:
         return n == 0
     return ctypes.get_errno() not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+
+
+def privileged_why(status: str | None = None, euid: int | None = None) -> str | None:
+    """Why this process must not serve the same-host path, or None.
+
+    A daemon that is root or holds ``CAP_SYS_PTRACE`` in its effective set
+    may copy into any process, the kernel's access check then protects
+    nobody (see the module's docstring).  ``status``: the text of
+    ``/proc/self/status`` (read when None; unreadable counts as privileged)."""
+    if euid is None:
+        euid = os.geteuid()
+    if status is None:
+        try:
+            with open("/proc/self/status") as f:
+                status = f.read()
+        except OSError:
+            status = ""
+    caps = next((line.split()[1:2] for line in status.splitlines()
+                 if line.startswith("CapEff:")), [])
+    try:
+        ptrace = bool(int(caps[0], 16) >> CAP_SYS_PTRACE & 1) if caps else None
+    except ValueError:
+        ptrace = None
+    if euid == 0 or ptrace is not False:
+        who = "runs as root" if euid == 0 else (
+            "holds CAP_SYS_PTRACE" if ptrace else "cannot tell whether it holds CAP_SYS_PTRACE")
+        return (f"the daemon {who}, so it could be made to write into any process: it "
+                "refuses the same-host path (root or CAP_SYS_PTRACE; run it as an "
+                "unprivileged user, see docs/dataplane.md)")
+    return None
 
 
 def allow_tracer(pid: int) -> None:
