@@ -38,6 +38,7 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("limits", "max_unauthenticated"): "max_unauthenticated",
     ("limits", "max_unauthenticated_per_source"): "max_unauthenticated_per_source",
     ("limits", "transfer_timeout"): "transfer_timeout",
+    ("limits", "copy_threads"): "copy_threads",
     ("limits", "drain_timeout"): "drain_timeout",
     ("log", "level"): "log_level",
     ("log", "format"): "log_format",

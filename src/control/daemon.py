@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=Limits.max_unauthenticated_per_source,
                    help="the same, per source address (per user on the Unix socket) "
                         "[%(default)s]")
+    p.add_argument("--copy-threads", type=_positive_int, default=Limits.copy_threads,
+                   help="threads for same-host copies; one tenant may use at most half of "
+                        "them at once [%(default)s]")
     p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
                    help="deadline of one data transfer, e.g. 300s [%(default)s]")
     p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
@@ -295,7 +298,8 @@ async def serve(args: argparse.Namespace) -> int:
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
                     max_sessions=args.max_sessions, hello_timeout=args.hello_timeout,
                     max_unauthenticated=args.max_unauthenticated,
-                    max_unauthenticated_per_source=args.max_unauthenticated_per_source)
+                    max_unauthenticated_per_source=args.max_unauthenticated_per_source,
+                    copy_threads=args.copy_threads)
     daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
                     unsafe_same_host=args.unsafe_privileged_same_host)
     if args.cache_dir:

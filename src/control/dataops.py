@@ -25,7 +25,7 @@ step as the lookup, and the session unpins everything the request held when
 it is answered.  So no handler can hold a buffer across an ``await`` without
 a pin (a released buffer keeps its memory until then), and a buffer whose
 memory went back already cannot be pinned (``Registry.pin``).  Only
-synchronous code (``_copy_now``, the quick ops) uses the plain lookup
+synchronous code (the quick ops) uses the plain lookup
 ``_get``; ``tests/test_pins.py`` checks that no ``async def`` does.
 """
 
@@ -36,6 +36,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,11 @@ if TYPE_CHECKING:
     from .server import Daemon
 
 log = logging.getLogger("rpcbuf.daemon")
-CMA_INLINE = THREAD_BYTES  # same-host copies below this run on the event loop (<= ~0.7 ms)
+CMA_INLINE = THREAD_BYTES  # same-host stores from this size hash each part as it lands
+# The event loop blocks (GIL released) at most this long for a same-host copy
+# of at most CMA_WAIT_BYTES to end on its copy thread, instead of a loop round
+# trip (see copypool.CopyPool.wait); it never runs one itself.
+CMA_WAIT, CMA_WAIT_BYTES = 300e-6, 256 << 10
 Run = tuple[int, int, int, int]  # offset in buffer, nbytes, first item, stop item
 
 
@@ -102,6 +107,7 @@ class DataOps:
     ep: DataEndpoint | None
     cma: Peer | None  # same-host sessions: the client process we copy from and to
     cma_stop: threading.Event  # set when the session closes: copies stop within a chunk
+    tenant: str | None
     peer_gone: Callable[[], bool]
     session_id: str
     send: Callable[[dict[str, Any]], None]
@@ -142,38 +148,44 @@ class DataOps:
     async def _cma(self, write: bool, local: np.ndarray | list[int],
                    remote: np.ndarray | list[int], sizes: np.ndarray | list[int],
                    total: int, landed: Any = None) -> None:
-        """A same-host copy (``write``: arena -> client).  Small ones run
-        inline; big ones in a worker thread under the transfer deadline
-        (``landed``: see ``cma.Peer.read``).  A task cancelled meanwhile
-        still waits for its thread: until the thread returns it may write
-        into the arena range this task holds, so the range must stay
-        locked and pinned (a thread that never returns keeps it so)."""
-        if total < CMA_INLINE and landed is None:
-            self._cma_now(write, local, remote, sizes)
-            return
+        """A same-host copy (``write``: arena -> client), small or big, on the
+        daemon's copy threads (``copypool``: bounded, fair between tenants),
+        never on the event loop: the client chooses what backs its memory, and
+        pages that never arrive (FUSE, userfaultfd) block the copy for good.
+        Under the transfer deadline: past it the session is aborted, the copy
+        stops at its next chunk (``cancelled``), and a copy stuck inside one
+        system call is written off (its thread replaced).  A task cancelled
+        meanwhile still waits for its copy: until the copy returns it may write
+        into the arena range this task holds, so the range must stay locked
+        and pinned (a copy that never returns keeps it so)."""
         self._cma_allowed()
         peer = self.cma
         assert peer is not None
-        fn = peer.write if write else peer.read
-        thread = asyncio.ensure_future(asyncio.to_thread(
-            fn, local, remote, sizes, self.cma_stop.is_set, landed))
+        stop, timeout = self.cma_stop, self.daemon.limits.transfer_timeout
+        ends = time.monotonic() + timeout
+
+        def cancelled() -> bool:
+            return stop.is_set() or time.monotonic() > ends
+
+        pool = self.daemon.copies
+        job = pool.submit(self.tenant or "", peer.write if write else peer.read,
+                          local, remote, sizes, cancelled, landed)
+        if total <= CMA_WAIT_BYTES and pool.wait(job, CMA_WAIT):  # a small copy, done
+            error = job.future.exception()
+            if isinstance(error, CmaError):
+                raise self._cma_error(error) from error
+            if error is not None:
+                raise error
+            return
+        stuck = asyncio.get_running_loop().call_later(timeout, pool.written_off, job)
         try:
-            await self._transfer([asyncio.shield(thread)])
+            await self._transfer([asyncio.shield(job.future)])
         except CmaError as exc:
             raise self._cma_error(exc) from exc
         finally:
-            if not thread.done():
-                await asyncio.wait([thread])
-
-    def _cma_now(self, write: bool, local: np.ndarray | list[int],
-                 remote: np.ndarray | list[int], sizes: np.ndarray | list[int]) -> None:
-        peer = self.cma
-        assert peer is not None
-        self._cma_allowed()
-        try:
-            (peer.write if write else peer.read)(local, remote, sizes)
-        except CmaError as exc:
-            raise self._cma_error(exc) from exc
+            stuck.cancel()
+            if not job.future.done() and not pool.cancel(job):
+                await _outlast(job.future)
 
     def _cma_allowed(self) -> None:
         """No copy starts once the session is closing or its client has
@@ -380,30 +392,6 @@ class DataOps:
             else:
                 await self._receive(ep, req_id, buf, [(req.offset, req.nbytes, 0, 1)])
             return self._stored(req, buf)
-
-    def _copy_now(self, req: P.Store | P.Read) -> dict[str, Any] | None:
-        """A small same-host store or read whose range is free, done on the
-        spot: no task, no await (a task and its wake-ups were most of a 4 KiB
-        store's cost).  Nothing else runs meanwhile, so the buffer cannot go;
-        the range lock still keeps it off bytes a waiting transfer owns.
-        None: the range is busy (or the store is wire fp16): run it as a task."""
-        assert req.addr is not None
-        if isinstance(req, P.Store) and req.wire_dtype is not None:
-            return None
-        store = isinstance(req, P.Store)
-        buf, at = self._store_check(req, True, self._get) if isinstance(req, P.Store) \
-            else self._read_check(req, True, self._get)
-        span = [(req.offset, req.offset + req.nbytes)]
-        grant = buf.locks.acquire(span, store, _nothing)
-        try:
-            if not grant.granted:
-                return None
-            if store:
-                self.daemon.content.forget(buf, span)
-            self._cma_now(not store, [at], [req.addr], [req.nbytes])
-            return self._stored(req, buf) if isinstance(req, P.Store) else self._was_read(req, buf)
-        finally:
-            buf.locks.release(grant)
 
     async def _receive_f16(self, ep: DataEndpoint | None, req_id: int, buf: Buffer,
                            offset: int, nbytes: int, addr: int | None) -> None:
@@ -622,8 +610,17 @@ class DataOps:
         return {"nbytes": req.nbytes}
 
 
-def _nothing() -> None:
-    pass
+async def _outlast(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, whatever cancels us meanwhile (then
+    re-raise that): memory it may still write into must stay held."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> None:

@@ -24,7 +24,8 @@ on this host reconnects there; the kernel names its pid (``SO_PEERCRED``), and
 its hello carries a probe (bytes and their address in its memory) that the
 daemon reads back with ``process_vm_readv``.  When that works the session is
 *same-host*: data requests carry the client's addresses and the daemon copies
-between them and the arena itself (``dataplane/cma.py``), no UCX involved.
+between them and the arena itself (``dataplane/cma.py``), no UCX involved,
+always on its copy threads (``copypool.py``), never on this loop.
 
 Every request ends in ``Session._finish``, answered inline or by its task:
 that one place counts it and times it for the metrics (``metrics.py``) and
@@ -64,7 +65,8 @@ from . import protocol as P
 from .admission import Pending
 from .auth import Grant, Keyring, verify
 from .content import ContentIndex
-from .dataops import CMA_INLINE, DataOps, Held
+from .copypool import CopyPool
+from .dataops import DataOps, Held
 from .dedupops import DedupOps
 from .errors import (
     AuthFailed,
@@ -83,6 +85,7 @@ READ_CHUNK = 1 << 16
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
+PROBE_WAIT = 0.05  # seconds the loop waits for a hello's probe (16 bytes) at most
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Limits:
     # (each its own count): at the bound the oldest goes (see admission.py).
     max_unauthenticated: int = 128
     max_unauthenticated_per_source: int = 16  # control connections, per address (or uid)
+    copy_threads: int = 4  # same-host copies (copypool.py): at most half for one tenant
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -118,6 +122,11 @@ class Daemon:
         self.unauthenticated: Pending[Session] = Pending(
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
         self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
+        self.copies = CopyPool(lim.copy_threads)
+        # The hello probes (a read of client memory too, so never on the loop):
+        # apart from the copies, so that a tenant's busy copies cannot delay
+        # its new session's probe; one thread per tenant at most.
+        self.probes = CopyPool(2, per_tenant=1)
         self.started_at = time.time()
         self.shutting_down = False
         self._server: asyncio.AbstractServer | None = None
@@ -205,6 +214,8 @@ class Daemon:
         await asyncio.gather(*closing, return_exceptions=True)
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
+        self.copies.close()
+        self.probes.close()
         self.metrics.close()
         log.info("stopped")
 
@@ -533,15 +544,8 @@ class Session(DedupOps, DataOps):
                 if buf is not None:
                     self._answer(req_id, op, self._granted(buf))
                     return
-            # (only with no data op of this session in flight: an earlier one
-            # may not have taken its range lock yet, and must not be overtaken)
-            if (isinstance(req, (P.Store, P.Read)) and req.addr is not None
-                    and self.cma is not None and req.nbytes < CMA_INLINE
-                    and not self.transfers):
-                done = self._copy_now(req)  # a small same-host copy: on the spot
-                if done is not None:
-                    self._answer(req_id, op, done)
-                    return
+            # Same-host copies too, however small: they touch client memory,
+            # which may never arrive, so never on this loop (DataOps._cma).
             self._spawn(req_id, req)
         except RpcBufError as exc:
             self._answer(req_id, op, exc)
@@ -682,7 +686,7 @@ class Session(DedupOps, DataOps):
             self._token_deadline = time.perf_counter() + left
             self._token_timer = asyncio.get_running_loop().call_later(
                 max(0.0, left), self._token_ran_out)
-        same_host, why = self._same_host(req)
+        same_host, why = self._same_host(req, tenant)
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
         answer = {
@@ -737,7 +741,7 @@ class Session(DedupOps, DataOps):
                 self.writer.close()  # its hello is read: nothing unread to reset the frame
             raise error
 
-    def _same_host(self, req: P.Hello) -> tuple[bool, str]:
+    def _same_host(self, req: P.Hello, tenant: str) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
         client proved we can read its memory, and the daemon may serve it."""
         if req.probe is None or req.probe_addr is None:
@@ -749,7 +753,7 @@ class Session(DedupOps, DataOps):
         peer = self._process
         if peer is None:
             return False, f"cannot watch the client process: {self._process_why}"
-        why = peer.probe(req.probe_addr, req.probe)
+        why = self._probe(tenant, peer, req.probe_addr, req.probe)
         if why is not None:
             log.info("session %s: same-host path off: %s", self.session_id, why)
             return False, why
@@ -757,6 +761,21 @@ class Session(DedupOps, DataOps):
         self.cma = peer
         log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
         return True, ""
+
+    def _probe(self, tenant: str, peer: cma.Peer, addr: int, expected: bytes) -> str | None:
+        """``peer.probe`` on a probe thread, the loop waiting for it at most
+        PROBE_WAIT: the client chose the address, and its memory may never
+        arrive (a stuck probe's thread is written off)."""
+        probes = self.daemon.probes
+        job = probes.submit(tenant, peer.probe, addr, expected)
+        job.future.add_done_callback(_consume)
+        if probes.wait(job, PROBE_WAIT, alone=False):
+            result: str | None = job.future.result()
+            return result
+        if not probes.cancel(job):
+            probes.written_off(job)
+        return (f"reading the probe from the client's memory took over "
+                f"{PROBE_WAIT * 1e3:.0f} ms")
 
     def _try_request(self, req: P.RequestBuffer) -> Buffer | None:
         assert self.tenant is not None
@@ -879,6 +898,12 @@ def _unlink_stale(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """A probe nobody waits for any more: its outcome does not matter."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:

@@ -28,10 +28,12 @@ Failure: a bad address (unmapped, read-only for a read's destination) is
 the client also names the daemon with ``PR_SET_PTRACER``; ``probe`` tells
 whether the path works before any data op.
 
-Big copies run in a worker thread in chunks of ``CHUNK`` bytes (reads from
-the client: two threads, half the chunks each, from ``PARALLEL_MIN`` bytes);
-``cancelled`` is checked between chunks, so a session that closes stops within
-one chunk.
+Copies run in the caller's thread (the daemon's copy threads, never its
+event loop: a client may back its memory with pages that never arrive) in
+chunks of ``CHUNK`` bytes (reads from the client: two threads, half the
+chunks each, from ``PARALLEL_MIN`` bytes, when a helper thread is idle);
+``cancelled`` is checked between chunks, so a session that closes, or a copy
+past its deadline, stops within one chunk.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ import numpy as np
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: iovecs per call, per side
 CHUNK = 8 << 20  # bytes per call in big copies: the cancellation granularity
 PARALLEL_MIN = 4 << 20  # reads of two calls or more from this size use two threads
-_POOL: list[ThreadPoolExecutor] = []  # the helper threads of parallel copies, made when needed
+HELPERS = 4  # helper threads of parallel copies, made when needed
+_POOL: list[ThreadPoolExecutor] = []
+# Idle helpers: a copy takes one without waiting or goes alone.  Waiting
+# would let helpers stuck in a hostile client's memory stall every copy.
+_IDLE = threading.BoundedSemaphore(HELPERS)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SIG = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
@@ -176,6 +182,8 @@ class Peer:
         # and two threads faulting one process's memory just contend.
         k = _split(calls) if fn is _readv and len(calls) > 1 and total >= PARALLEL_MIN \
             else None
+        if k is not None and not _IDLE.acquire(blocking=False):
+            k = None  # no idle helper: one thread
         if k is None:
             self._run(fn, calls, cancelled, landed, None)
         else:
@@ -185,13 +193,25 @@ class Peer:
             # before we return; the first real error wins, the other half stops
             # at its next call.
             errors: list[BaseException] = []
-            helper = _pool().submit(self._run, fn, calls[k:], cancelled, landed, errors)
+            try:
+                helper = _pool().submit(self._helper, fn, calls[k:], cancelled, landed, errors)
+            except BaseException:
+                _IDLE.release()
+                raise
             self._run(fn, calls[:k], cancelled, landed, errors)
             helper.result()
             if errors:
                 raise errors[0]
         if landed is not None and not calls and len(sizes):
             landed(0, len(sizes))  # only empty items
+
+    def _helper(self, fn: Callable[..., int], calls: list[Call],
+                cancelled: Callable[[], bool] | None, landed: Landed | None,
+                errors: list[BaseException]) -> None:
+        try:
+            self._run(fn, calls, cancelled, landed, errors)
+        finally:
+            _IDLE.release()
 
     def _run(self, fn: Callable[..., int], calls: list[Call], cancelled: Callable[[], bool] | None,
              landed: Landed | None, errors: list[BaseException] | None) -> None:
@@ -241,7 +261,7 @@ _POOL_LOCK = threading.Lock()
 def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL:
-            _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="rpcbuf-cma"))
+            _POOL.append(ThreadPoolExecutor(HELPERS, thread_name_prefix="rpcbuf-cma"))
         return _POOL[0]
 
 
