@@ -185,7 +185,7 @@ class DataOps:
         finally:
             stuck.cancel()
             if not job.future.done() and not pool.cancel(job):
-                await _outlast(job.future)
+                await _outlast(job.future, lambda: self.daemon.stopped)
 
     def _cma_allowed(self) -> None:
         """No copy starts once the session is closing or its client has
@@ -610,14 +610,18 @@ class DataOps:
         return {"nbytes": req.nbytes}
 
 
-async def _outlast(fut: asyncio.Future[Any]) -> None:
+async def _outlast(fut: asyncio.Future[Any], stopping: Callable[[], bool]) -> None:
     """Wait until ``fut`` is done, whatever cancels us meanwhile (then
-    re-raise that): memory it may still write into must stay held."""
+    re-raise that): memory it may still write into must stay held.  Only a
+    daemon that has stopped serving gives up (nothing is allocated any more,
+    and a copy stuck for good must not keep the process from exiting)."""
     cancelled = False
-    while not fut.done():
+    while not fut.done() and not stopping():
         try:
             await asyncio.wait([fut])
         except asyncio.CancelledError:
+            if stopping():
+                raise
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError

@@ -129,6 +129,7 @@ class Daemon:
         self.probes = CopyPool(2, per_tenant=1)
         self.started_at = time.time()
         self.shutting_down = False
+        self.stopped = False  # shutdown is done: tasks left are cancelled and let go
         self._server: asyncio.AbstractServer | None = None
         self._listener: DataListener | None = None
         self._local_server: asyncio.AbstractServer | None = None
@@ -217,6 +218,7 @@ class Daemon:
         self.copies.close()
         self.probes.close()
         self.metrics.close()
+        self.stopped = True
         log.info("stopped")
 
     def status_line(self) -> str:

@@ -110,3 +110,20 @@ def _unix(name: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + name[1:] if name.startswith("@") else name)
     return sock
+
+
+async def test_a_daemon_with_a_stuck_copy_still_stops(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM while a copy is stuck for good: the drain gives up on it and
+    the daemon exits 0 (its memory goes with the process)."""
+    d = daemon_factory("--device", "cpu:4MiB", "--drain-timeout", "1s")
+    stalled = uffd.Stalled(4096)
+    try:
+        async with d.connect("mallory") as m:
+            bid = await m.request_buffer(4096)
+            store = await m.store_tensor(bid, stalled.array, sync=False)
+            await asyncio.sleep(0.3)
+            assert await asyncio.to_thread(d.stop, timeout=20) == 0
+            with pytest.raises(rpcbuf.ConnectionLost):
+                await asyncio.wait_for(store, 10)
+    finally:
+        stalled.release()
