@@ -98,8 +98,8 @@ class Limits:
     max_sessions: int = 1024  # authenticated control connections
     # Connections before their hello, and UCX endpoints before they bind
     # (each its own count): at the bound the oldest goes (see admission.py).
-    max_unauthenticated: int = 128
-    max_unauthenticated_per_source: int = 16  # control connections, per address (or uid)
+    max_unauthenticated: int = 512
+    max_unauthenticated_per_source: int = 128  # control connections, per address (or uid)
     copy_threads: int = 4  # same-host copies (copypool.py): at most half for one tenant
 
     def to_wire(self) -> dict[str, Any]:
