@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from control import protocol as P
+from control.wire import protocol as P
 from dataplane import ucx
 
 MODE_QUIT, MODE_STORE, MODE_READ, MODE_ECHO = 0, 1, 2, 3

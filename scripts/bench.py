@@ -169,7 +169,7 @@ from _bench_peer import (  # noqa: E402
 )
 from _benchkit import cpu_ticks, no_gc  # noqa: E402
 from control import auth  # noqa: E402
-from control import protocol as P  # noqa: E402
+from control.wire import protocol as P  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 HERE = Path(__file__).resolve().parent

@@ -51,8 +51,8 @@ for _key, _val in (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"),
 import numpy as np  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from control.auth import create_token, load_or_create_secret  # noqa: E402
-from control.client import same_host_default  # noqa: E402
+from control.client.context import same_host_default  # noqa: E402
+from control.wire.auth import create_token, load_or_create_secret  # noqa: E402
 
 MiB = 1 << 20
 SCENARIOS = ("first", "again, same name", "again, new name", "after restart")

@@ -45,7 +45,7 @@ ucx.apply_defaults(cuda=True)
 import cupy as cp  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from control.auth import create_token, load_or_create_secret  # noqa: E402
+from control.wire.auth import create_token, load_or_create_secret  # noqa: E402
 from dataplane.devsum import device_devsum  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from control.auth import create_token, load_or_create_secret  # noqa: E402
+from control.wire.auth import create_token, load_or_create_secret  # noqa: E402
 
 VOCAB, HIDDEN, FFN, LAYERS, ALIGN = 32000, 512, 1376, 4, 256
 RUN_TIMEOUT = 120.0  # a bound on the whole demo, whatever happens

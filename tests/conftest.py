@@ -32,7 +32,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import rpcbuf
-from control.auth import create_token, load_or_create_secret
+from control.wire.auth import create_token, load_or_create_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP_SYS_PTRACE = 19

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from control.auth import create_token, load_or_create_secret
+from control.wire.auth import create_token, load_or_create_secret
 
 SUBNET = "10.77.0"
 PREFIX = "rpcbuf-"  # namespace names: rpcbuf-<pid>-<i>

@@ -12,10 +12,8 @@ import pytest
 import xxhash
 
 import rpcbuf
-from control import manifest as M
-from control import protocol as P
-from control.arrays import data_addresses
-from control.tensors import (
+from control.client.arrays import data_addresses
+from control.client.tensors import (
     ManifestTable,
     Packed,
     bulk_views,
@@ -23,6 +21,8 @@ from control.tensors import (
     plan_offsets,
     plan_spans,
 )
+from control.daemon import manifest as M
+from control.wire import protocol as P
 from dataplane import cma
 
 
@@ -361,7 +361,7 @@ def test_packed_of_arrays_kinds() -> None:
 
 
 def test_populate_backs_pages_without_changing_bytes() -> None:
-    from control.arrays import populate
+    from control.client.arrays import populate
 
     a = np.arange(3 << 20, dtype=np.uint8)[5:]  # not page-aligned at either end
     before = a.copy()

@@ -22,7 +22,7 @@ import pytest
 
 import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
-from control.modelfile import open_model
+from control.client.model.modelfile import open_model
 from models import (
     gguf_tensors,
     llama_tensors,

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 
 import rpcbuf
-from control import protocol as P
+from control.wire import protocol as P
 
 SIZE = 8 << 20
 

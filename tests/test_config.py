@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from control import config
-from control.daemon import build_parser
-from control.registry import Quota
+from control.daemon import config
+from control.daemon.main import build_parser
+from control.daemon.registry import Quota
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scripts" / "systemd" / "rpcbufd.toml"

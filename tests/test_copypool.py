@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from control.copypool import CopyPool
+from control.daemon.copypool import CopyPool
 
 
 async def test_one_tenant_gets_its_share_and_no_more() -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.auth import load_or_create_secret, verify_token
+from control.wire.auth import load_or_create_secret, verify_token
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

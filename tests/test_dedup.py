@@ -9,10 +9,10 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, start_daemon
-from control import protocol as P
-from control.dedup import content_hashes
-from control.diskcache import HEADER, DiskCache, digest128
-from dataplane.checksum import checksum
+from control.client.dedup import content_hashes
+from control.daemon.diskcache import HEADER, DiskCache
+from control.wire import protocol as P
+from dataplane.checksum import checksum, digest128
 
 
 def tensors(n: int = 12, seed: int = 0, size: int = 5000) -> dict[str, np.ndarray]:
@@ -155,7 +155,7 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from control import loader
+    from control.client.model import loader
     from models import llama_tensors, write_safetensors
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
@@ -205,8 +205,8 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
 
 
 def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
-    from control import config
-    from control.daemon import build_parser
+    from control.daemon import config
+    from control.daemon.main import build_parser
     from dataplane.arena import HostArena
 
     assert config.resolve(build_parser(), ["--secret-file", "s", "--prefault"]).prefault

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from control.diskcache import HEADER, MAGIC, MASK64, DiskCache, digest128, tenant_key
-from dataplane.checksum import checksum
+from control.daemon.diskcache import HEADER, MAGIC, MASK64, DiskCache, tenant_key
+from dataplane.checksum import checksum, digest128
 
 
 def entry(data: np.ndarray) -> tuple[int, int, bytes]:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control import protocol as P
+from control.wire import protocol as P
 
 
 async def test_out_of_range_store_writes_nothing(ctx: rpcbuf.RpcContext) -> None:

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rpcbuf
-from control import protocol as P
-from control.arrays import as_bytes, is_cuda
+from control.client.arrays import as_bytes, is_cuda
+from control.wire import protocol as P
 from dataplane import devsum as D
 from dataplane import ucx
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.tensors import ALIGN, plan_layout
+from control.client.tensors import ALIGN, plan_layout
 
 
 def llama_like(n_layers: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control.locks import RangeLocks
+from control.daemon.locks import RangeLocks
 
 
 def test_shared_and_exclusive() -> None:

@@ -177,7 +177,7 @@ async def test_daemon_killed_fails_every_pending_call(daemon_factory) -> None:  
 
 
 async def test_transfer_deadline_aborts_a_stalled_store(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    from control import protocol as P
+    from control.wire import protocol as P
 
     d = daemon_factory("--device", "cpu:16MiB", "--transfer-timeout", "1s")
     start = await pool_free(d)

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from control.errors import BadRequest
-from control.modelfile import open_model
+from control.client.model.modelfile import open_model
+from control.wire.errors import BadRequest
 from models import gguf_tensors, write_gguf, write_raw_safetensors, write_safetensors
 
 FAST = 0.5  # seconds: "well under a second", with room for a busy 2-core machine

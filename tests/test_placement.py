@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rpcbuf
-from control import placement as PL
+from control.client.model import placement as PL
 from models import gguf_tensors, llama_tensors
 
 MiB = 1 << 20

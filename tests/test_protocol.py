@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from control import protocol as P
-from control.errors import BadRequest, NotFound, RpcBufError, error_from_wire
+from control.wire import protocol as P
+from control.wire.errors import BadRequest, NotFound, RpcBufError, error_from_wire
 
 messages = st.dictionaries(
     st.text(max_size=8),

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from control import registry as R
-from control.errors import NotFound, QuotaExceeded
-from control.registry import Pool, Quota, Registry, Waiter
+from control.daemon import registry as R
+from control.daemon.registry import Pool, Quota, Registry, Waiter
+from control.wire.errors import NotFound, QuotaExceeded
 from dataplane.arena import HostArena
 
 MIB = 1 << 20

@@ -26,7 +26,7 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, privileged, wait_free
-from control import protocol as P
+from control.wire import protocol as P
 from dataplane import cma
 
 

@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rpcbuf
-from control.auth import load_or_create_secret
-from control.sdnotify import Notifier, watchdog_interval
+from control.daemon.sdnotify import Notifier, watchdog_interval
+from control.wire.auth import load_or_create_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "scripts" / "systemd" / "rpcbufd.service"
@@ -194,7 +194,7 @@ def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
 
 async def test_metrics_and_audit_after_real_ops(
         daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    import control.client
+    import control.client.context
 
     audit = tmp_path / "audit.log"
     d = daemon_factory("--device", "cpu:16MiB", "--metrics", "127.0.0.1:0",

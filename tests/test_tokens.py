@@ -15,7 +15,7 @@ from pathlib import Path
 import jwt
 import pytest
 
-import control.auth as auth
+import control.wire.auth as auth
 import rpcbuf
 from conftest import ROOT, DaemonProc, pool_free, wait_free
 

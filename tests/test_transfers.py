@@ -79,7 +79,7 @@ async def test_async_store_returns_a_task(ctx: rpcbuf.RpcContext) -> None:
 
 async def test_verify_failed_is_reported(ctx: rpcbuf.RpcContext,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import control.client
+    import control.client.context
 
     buf = await ctx.request_buffer(1024)
     monkeypatch.setattr(control.client, "checksum", lambda data: 12345)  # client lies

@@ -3,9 +3,13 @@
 The public face only re-exports; the logic lives in ``control`` and ``dataplane``.
 """
 
-from control.client import Connector, RpcContext, connect, create_rpc_context
-from control.cluster import Cluster, ClusterError
-from control.errors import (
+from control.client.cluster import Cluster, ClusterError
+from control.client.context import Connector, RpcContext, connect, create_rpc_context
+from control.client.model.loader import LoadResult, load_model, unload_model
+from control.client.model.placement import Placement
+from control.client.pool import BufferPool
+from control.client.tensors import calculate_buffer_size
+from control.wire.errors import (
     AuthFailed,
     BadRequest,
     ConnectionLost,
@@ -21,10 +25,6 @@ from control.errors import (
     UnsupportedDevice,
     VerifyFailed,
 )
-from control.loader import LoadResult, load_model, unload_model
-from control.placement import Placement
-from control.pool import BufferPool
-from control.tensors import calculate_buffer_size
 from dataplane.checksum import checksum
 
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from control import protocol as P
+from control.wire import protocol as P
 from dataplane import ucx
 
 

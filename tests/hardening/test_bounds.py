@@ -16,8 +16,8 @@ from rawwire import frame, hello
 
 import rpcbuf
 from conftest import ROOT
-from control import logs
-from control import protocol as P
+from control.daemon import logs
+from control.wire import protocol as P
 
 
 async def test_huge_shapes_are_refused_without_freezing_the_loop(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from rawwire import free_and_sessions, hello, scaled, wait_for
 
 import rpcbuf
 from conftest import ROOT, DaemonProc
-from control.errors import ConnectionLost
+from control.wire.errors import ConnectionLost
 
 HERE = Path(__file__).resolve().parent
 KILLS = scaled(6, 40)

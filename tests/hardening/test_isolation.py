@@ -11,8 +11,8 @@ import pytest
 
 import rpcbuf
 from conftest import pool_free, wait_free
-from control import protocol as P
-from control.dedup import content_hashes
+from control.client.dedup import content_hashes
+from control.wire import protocol as P
 
 
 async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]

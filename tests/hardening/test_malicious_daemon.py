@@ -19,7 +19,7 @@ import pytest
 from fakedaemon import Conn, FakeDaemon, hello_answer
 
 import rpcbuf
-from control.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
+from control.wire.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
 
 LIMITS = {"max_frame": 16 << 20, "max_inflight": 4, "transfer_timeout": 30.0}
 
@@ -209,7 +209,7 @@ async def test_path_socket_owned_by_a_stranger_gets_no_token(tmp_path: Any) -> N
     not us, not the socket file's owner.  Tests run as root, and root is
     trusted, so the test plays the other side through the check's
     ``trusted`` argument (the uids trusted besides the file's owner)."""
-    from control.client import check_unix_peer
+    from control.client.context import check_unix_peer
 
     path = str(tmp_path / "rpcbufd.sock")
     seen: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@ import pytest
 import rpcbuf
 import uffd
 from conftest import DaemonProc, pool_free, wait_free
-from control import protocol as P
+from control.wire import protocol as P
 
 pytestmark = pytest.mark.skipif(uffd.available() is not None,
                                 reason=f"needs userfaultfd: {uffd.available()}")

@@ -1,0 +1,251 @@
+"""The operator commands of ``rpcbuf``: status, ls, release, put, get, bench.
+
+Each command is one async function over one connected ``RpcContext`` (per
+node for ``status``/``ls``/``release``, the first endpoint for the others)
+that returns a JSON-able result; ``cli.py`` prints it as a rich table or, with
+``--json``, as JSON.  Errors are not handled here: an ``RpcBufError`` from a
+daemon becomes exit 1 with its code printed, a local ``OSError``/``ValueError``
+exit 2 (see ``cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from control.client.tensors import calculate_buffer_size
+from control.wire.errors import NotFound
+from control.wire.units import format_size, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from control.client.context import RpcContext
+
+BAR = 20
+
+
+def register_operator_commands(sub: Any,
+                               client_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add status, ls, release, put, get and bench to the ``rpcbuf`` parser."""
+    st = sub.add_parser("status", help="node, uptime, devices, sessions and buffers",
+                        epilog="example: rpcbuf status --endpoint 127.0.0.1:7700")
+    client_flags(st)
+    ls = sub.add_parser("ls", help="list this tenant's buffers",
+                        epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700 --json")
+    client_flags(ls)
+    rl = sub.add_parser("release", help="release a buffer by id or by name",
+                        epilog="example: rpcbuf release b-XXXX   or   rpcbuf release weights")
+    rl.add_argument("buffer", metavar="ID|NAME")
+    client_flags(rl)
+    put = sub.add_parser("put", help="store a .npy file in a new buffer; prints its id",
+                         epilog="example: rpcbuf put x.npy --name x --ttl 1h   "
+                                "(without --name or --ttl the name is the file's stem)")
+    put.add_argument("file", metavar="FILE.npy")
+    put.add_argument("--name", help="buffer name [the file's stem, unless --ttl is given]")
+    put.add_argument("--ttl", type=parse_duration, help="lease, e.g. 1h (default: no expiry)")
+    client_flags(put)
+    get = sub.add_parser("get", help="read a buffer stored by 'put' into a .npy file",
+                         epilog="example: rpcbuf get x --out x.npy")
+    get.add_argument("buffer", metavar="ID|NAME")
+    get.add_argument("--out", required=True, metavar="FILE.npy")
+    client_flags(get)
+    bn = sub.add_parser("bench", help="quick store/read throughput and latency",
+                        epilog="example: rpcbuf bench --sizes 4KiB,1MiB,16MiB --duration 3s")
+    bn.add_argument("--sizes", default="4KiB,1MiB,16MiB",
+                    type=_sizes, metavar="SIZES",
+                    help="comma-separated payload sizes [4KiB,1MiB,16MiB]")
+    bn.add_argument("--duration", type=parse_duration, default=3.0,
+                    help="total time budget, split between sizes and store/read [3s]")
+    client_flags(bn)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [parse_size(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+async def resolve(ctx: RpcContext, ref: str) -> str:
+    """A buffer id for ``ref``: an id this tenant holds, else a buffer name.
+    Raises NOT_FOUND (the id's error when ``ref`` is neither)."""
+    if ref.startswith("b-"):
+        try:
+            await ctx.get_buffer_meta(ref, tensors=False)
+            return ref
+        except NotFound:
+            pass
+    return await ctx.open_buffer(ref)
+
+
+async def status(ctx: RpcContext) -> dict[str, Any]:
+    path = {"path": "same-host" if ctx.same_host else "ucx"}
+    if ctx.hello.get("same_host_why"):
+        path["same_host_why"] = ctx.hello["same_host_why"]
+    return {**await ctx.stats(), **path}
+
+
+async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
+    now = time.time()
+    out = []
+    for b in await ctx.list_buffers():
+        exp = b.get("expires_at")
+        out.append({"buffer_id": b["buffer_id"], "name": b["name"], "size": b["size"],
+                    "device": f"{b['device_type']}:{b['device']}",
+                    "ttl_left": None if exp is None else max(0.0, exp - now),
+                    "tensors": b.get("tensor_count", 0),
+                    "session_scoped": b.get("session_scoped", False)})
+    return out
+
+
+async def release(ctx: RpcContext, ref: str) -> dict[str, Any]:
+    buffer_id = await resolve(ctx, ref)
+    await ctx.release_buffer(buffer_id)
+    return {"released": buffer_id}
+
+
+def load_npy(path: str) -> np.ndarray:
+    """The array in ``path``, memory-mapped. Raises OSError/ValueError (exit 2)."""
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{path}: not a single .npy array")
+    return arr
+
+
+async def put(ctx: RpcContext, arr: np.ndarray, name: str | None,
+              ttl: float | None) -> dict[str, Any]:
+    size = max(1, calculate_buffer_size({"data": arr}, headroom=0))
+    buffer_id = await ctx.request_buffer(size, name=name, ttl=ttl)
+    try:
+        await ctx.store_tensors(buffer_id, {"data": arr}, verify="checksum")
+    except BaseException:
+        await asyncio.shield(ctx.release_buffer(buffer_id))
+        raise
+    return {"buffer_id": buffer_id, "name": name, "bytes": int(arr.nbytes),
+            "dtype": arr.dtype.str, "shape": list(arr.shape)}
+
+
+async def get(ctx: RpcContext, ref: str, out: str) -> dict[str, Any]:
+    buffer_id = await resolve(ctx, ref)
+    arr = (await ctx.load_tensors(buffer_id, ["data"]))["data"]
+    np.save(out, arr, allow_pickle=False)
+    return {"buffer_id": buffer_id, "out": out, "bytes": int(arr.nbytes),
+            "dtype": arr.dtype.str, "shape": list(arr.shape)}
+
+
+async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict[str, Any]]:
+    """Per size: store and read the same buffer over and over, each for its
+    share of ``duration`` (at most 2000 times); MB/s and p50/p99 latency."""
+    share = max(0.05, duration / max(1, 2 * len(sizes)))
+    rows = []
+    for size in sizes:
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        out = np.empty_like(data)
+        buffer_id = await ctx.request_buffer(size)
+        try:
+            row: dict[str, Any] = {"size": size}
+            for kind in ("store", "read"):
+                lat: list[float] = []
+                end = time.perf_counter() + share
+                while len(lat) < 2000 and (not lat or time.perf_counter() < end):
+                    t0 = time.perf_counter()
+                    if kind == "store":
+                        await ctx.store_tensor(buffer_id, data)
+                    else:
+                        await ctx.read_buffer(buffer_id, out=out)
+                    lat.append(time.perf_counter() - t0)
+                total = sum(lat)
+                row[f"{kind}_mb_s"] = size * len(lat) / total / 1e6 if total else 0.0
+                row[f"{kind}_p50_ms"] = float(np.percentile(lat, 50)) * 1e3
+                row[f"{kind}_p99_ms"] = float(np.percentile(lat, 99)) * 1e3
+                row[f"{kind}_ops"] = len(lat)
+            if not np.array_equal(out, data):
+                raise ValueError("bench: read-back differs from what was stored")
+            rows.append(row)
+        finally:
+            await asyncio.shield(ctx.release_buffer(buffer_id))
+    return rows
+
+
+# -- rendering -------------------------------------------------------------------------
+
+
+def bar(used: int, total: int) -> str:
+    n = round(BAR * used / total) if total else 0
+    return "[red]" + "█" * n + "[/red][green]" + "░" * (BAR - n) + "[/green]"
+
+
+def _dur(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def status_tables(results: dict[str, Any]) -> list[Any]:
+    from rich.table import Table
+
+    nodes = Table(title="rpcbuf status")
+    for col in ("endpoint", "node", "uptime", "sessions", "buffers", "stored", "read", "path"):
+        nodes.add_column(col)
+    devs = Table(title="devices")
+    for col in ("endpoint", "device", "used", "free", "total", "usage"):
+        devs.add_column(col)
+    for addr, st in results.items():
+        if isinstance(st, Exception):
+            nodes.add_row(addr, f"[red]{st}[/red]", "", "", "", "", "", "")
+            continue
+        nodes.add_row(addr, str(st["node_id"]), _dur(st["uptime"]), str(st["sessions"]),
+                      str(st["buffers"]), format_size(st.get("bytes_stored", 0)),
+                      format_size(st.get("bytes_read", 0)), str(st.get("path", "")))
+        for d in st["devices"]:
+            devs.add_row(addr, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
+                         format_size(d["total"]), bar(d["used"], d["total"]))
+    return [nodes, devs] if devs.row_count else [nodes]  # no empty table when all failed
+
+
+def ls_table(results: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="rpcbuf buffers")
+    for col in ("endpoint", "name", "id", "size", "device", "ttl left", "tensors"):
+        table.add_column(col, justify="right" if col in ("size", "tensors") else "left")
+    for addr, bufs in results.items():
+        if isinstance(bufs, Exception):
+            table.add_row(addr, f"[red]{bufs}[/red]", "", "", "", "", "")
+            continue
+        for b in bufs:
+            ttl = "-" if b["ttl_left"] is None else _dur(b["ttl_left"])
+            if b["session_scoped"]:
+                ttl = "session"
+            table.add_row(addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
+                          b["device"], ttl, str(b["tensors"]))
+    return table
+
+
+def bench_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="rpcbuf bench")
+    for col in ("size", "store MB/s", "store p50 ms", "read MB/s", "read p50 ms", "ops"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(format_size(r["size"]), f"{r['store_mb_s']:.1f}",
+                      f"{r['store_p50_ms']:.3f}", f"{r['read_mb_s']:.1f}",
+                      f"{r['read_p50_ms']:.3f}", str(r["store_ops"] + r["read_ops"]))
+    return table
+
+
+def default_name(path: str, name: str | None, ttl: float | None) -> str | None:
+    """Without --name and --ttl the buffer would die with the CLI's session:
+    name it after the file instead."""
+    if name is None and ttl is None:
+        return Path(path).stem
+    return name

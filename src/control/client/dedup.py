@@ -1,0 +1,104 @@
+"""Client side of content-hash dedup: send only what the daemon does not hold.
+
+``store_tensors_dedup`` hashes each tensor (xxh3-128 to find it, xxh3-64 to
+verify it), asks the daemon in one round trip which contents this tenant
+already holds (``dedup_store``: the daemon copies those into place locally
+and verifies them), then sends only the missing tensors in one
+``store_batch`` with the manifest.  The result is the same manifest as
+``store_tensors`` would record; only the bytes on the wire differ.
+
+Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
+caller that hashed already (the model loader hashes while it reads ahead)
+passes ``hashes`` to skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from control.client.tensors import manifest_columns, named_arrays, plan_layout
+from control.wire import protocol as P
+from control.wire.units import THREAD_BYTES
+from dataplane.checksum import checksum, digest128
+
+if TYPE_CHECKING:
+    from control.client.context import RpcContext
+
+CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed array
+
+
+def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """``{name: (xxh3-128, xxh3-64)}`` of each array's bytes.  Big inputs are
+    hashed by two threads at once, one function each (xxhash drops the GIL)."""
+    datas = {n: np.ascontiguousarray(a).reshape(-1).view(np.uint8) for n, a in arrays.items()}
+    if sum(d.nbytes for d in datas.values()) < THREAD_BYTES:
+        return {n: (digest128(d), checksum(d)) for n, d in datas.items()}
+    with ThreadPoolExecutor(1) as pool:
+        longs = pool.submit(lambda: [digest128(d) for d in datas.values()])
+        shorts = [checksum(d) for d in datas.values()]
+        return dict(zip(datas, zip(longs.result(), shorts, strict=True), strict=True))
+
+
+class DedupClientOps:
+    """Mixin for ``RpcContext``."""
+
+    async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
+                                  offsets: Mapping[str, int] | None = None,
+                                  verify: str | None = "checksum",
+                                  hashes: Mapping[str, tuple[int, int]] | None = None,
+                                  ) -> dict[str, Any]:
+        """Store ``{name: array}`` like ``store_tensors``, sending only the
+        tensors whose contents this tenant does not hold on that node already.
+
+        ``offsets`` (name -> offset) places the tensors; by default they go
+        where ``store_tensors`` would put them.  Returns ``{"tensors",
+        "placed", "sent", "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND,
+        OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
+        ctx = cast("RpcContext", self)
+        ctx._check_open()
+        arrays = named_arrays(tensors)
+        if offsets is None:
+            existing = await ctx._manifest_of(buffer_id)  # the cached copy when current
+            offsets = plan_layout(arrays, existing)
+        if hashes is None:
+            total = sum(a.nbytes for a in arrays.values())
+            hashes = await asyncio.to_thread(content_hashes, arrays) \
+                if total >= THREAD_BYTES else content_hashes(arrays)
+        names = sorted(arrays, key=lambda n: offsets[n])
+        placed: set[str] = set()
+        for start in range(0, len(names), CHUNK_ITEMS):
+            placed |= await self._dedup_chunk(buffer_id, names[start:start + CHUNK_ITEMS],
+                                              arrays, offsets, hashes)
+        missing = [n for n in names if n not in placed]
+        if missing:
+            await ctx.store_batch(
+                buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
+                manifest=manifest_columns(arrays, missing))
+        return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
+                "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
+                "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
+
+    async def _dedup_chunk(self, buffer_id: str, names: Sequence[str],
+                           arrays: Mapping[str, np.ndarray], offsets: Mapping[str, int],
+                           hashes: Mapping[str, tuple[int, int]]) -> set[str]:
+        items = [n for n in names if arrays[n].nbytes]
+        if not items:
+            return set()
+        words = np.empty(2 * len(items), dtype="<u8")
+        words[0::2] = [hashes[n][0] & 0xFFFF_FFFF_FFFF_FFFF for n in items]
+        words[1::2] = [hashes[n][0] >> 64 for n in items]
+        names, dtypes, shapes = manifest_columns(arrays, items)
+        req = P.DedupStore(
+            buffer_id=buffer_id,
+            offsets=P.pack_u64([offsets[n] for n in items]),
+            sizes=P.pack_u64([arrays[n].nbytes for n in items]),
+            hashes=P.U64Array(words.tobytes()),
+            checksums=P.pack_u64([hashes[n][1] for n in items]),
+            names=names, dtypes=dtypes, shapes=shapes)
+        result = await cast("RpcContext", self)._call(req)
+        return {items[int(i)] for i in P.unpack_u64(result["placed"])}

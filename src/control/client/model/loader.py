@@ -1,0 +1,559 @@
+"""Model upload: place a safetensors/GGUF model's tensors across a cluster.
+
+``load_model(cluster, path)`` (and ``rpcbuf load``) does, in order:
+
+1. read the model's metadata (``modelfile``) and the cluster's devices, and
+   plan the placement (``placement``: a spec or proportional to free memory);
+   a bad spec or a model that does not fit fails here, before any request;
+2. request one named buffer per used slot, ``f"{name}/slot{i}"``, sized with
+   ``calculate_buffer_size(..., headroom=0)`` on that slot's device; a buffer
+   of that name that already holds part of this slot's plan is reused (a
+   re-load, or a retry after a failure, then fills it in place); if any
+   request fails, the buffers just created are released and nothing is sent;
+3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
+   thread reads and hashes the next batch while this one travels), place it
+   with ``store_tensors_dedup`` (the node copies what this tenant already
+   holds; the rest is sent and checksum-verified), and report progress;
+4. check every slot's manifest against the checksums computed here.
+
+Named buffers outlive the client, so the model stays loaded after the CLI
+exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
+
+If a node fails mid-upload the other slots stop at their next batch, the
+buffers this call created are released on every node that still answers,
+and ``ClusterError`` names the node(s) that failed.  Buffers it reused are
+kept: they hold verified tensors a retry will not send again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from control.client.cluster import Cluster, ClusterError
+from control.client.dedup import content_hashes
+from control.client.model import placement as PL
+from control.client.model.hashcache import HashCache, file_key, tensor_key
+from control.client.model.modelfile import ModelFile, TensorSpec, open_model
+from control.client.tensors import calculate_buffer_size, manifest_columns, plan_layout
+from control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
+from control.wire.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from control.client.context import RpcContext
+
+DEFAULT_BATCH = 64 << 20
+ProgressFn = Callable[[str, int, int], None]  # endpoint, bytes done, bytes total
+
+
+@dataclass
+class NodeStats:
+    endpoint: str
+    bytes_total: int = 0
+    bytes_sent: int = 0
+    bytes_placed: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+    buffers: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes_total": self.bytes_total, "bytes_sent": self.bytes_sent,
+                "bytes_deduped": self.bytes_placed, "tensors": self.tensors,
+                "seconds": round(self.seconds, 4), "buffers": self.buffers}
+
+
+@dataclass
+class LoadResult:
+    name: str
+    model: str
+    format: str
+    placement: PL.Placement
+    nodes: dict[str, NodeStats]
+    buffers: list[dict[str, Any]]
+    seconds: float
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(n.bytes_sent for n in self.nodes.values())
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(n.bytes_total for n in self.nodes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model, "format": self.format,
+                "placement": self.placement.spec, "seconds": round(self.seconds, 4),
+                "bytes_total": self.bytes_total, "bytes_sent": self.bytes_sent,
+                "nodes": {a: n.to_json() for a, n in self.nodes.items()},
+                "buffers": self.buffers}
+
+
+def buffer_name(name: str, slot: int) -> str:
+    return f"{name}/slot{slot}"
+
+
+def _is_model_buffer(name: str, buf_name: str | None) -> bool:
+    return buf_name is not None and re.fullmatch(re.escape(name) + r"/slot\d+", buf_name) \
+        is not None
+
+
+def _batches(specs: Sequence[TensorSpec], limit: int) -> Iterator[list[TensorSpec]]:
+    batch: list[TensorSpec] = []
+    size = 0
+    for s in specs:
+        if batch and size + s.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(s)
+        size += s.nbytes
+    if batch:
+        yield batch
+
+
+class _KnownHashes:
+    """This model's tensors' hashes from the client-side ``HashCache``: the
+    file identities are taken once, before anything is read, and the cache is
+    saved only if they are unchanged after the upload."""
+
+    def __init__(self, model: ModelFile) -> None:
+        self.model = model
+        self.cache = HashCache()
+        self.fkeys = [file_key(f) for f in model.files]
+        self.hits = 0
+
+    def _key(self, spec: TensorSpec) -> tuple[str, str]:
+        file, offset = self.model.where(spec.name)
+        return self.fkeys[file], tensor_key(spec.name, offset, spec.nbytes)
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for s in batch:
+            got = self.cache.get(*self._key(s))
+            if got is not None:
+                out[s.name] = got
+        self.hits += len(out)
+        return out
+
+    def record(self, batch: list[TensorSpec], hashes: dict[str, tuple[int, int]]) -> None:
+        for s in batch:
+            if s.name in hashes:
+                self.cache.put(*self._key(s), hashes[s.name])
+
+    def save(self) -> None:
+        try:
+            same = [file_key(f) for f in self.model.files] == self.fkeys
+        except OSError:
+            same = False
+        if same:  # else a file changed while it was read: its hashes may mix old and new
+            for k in set(self.fkeys):
+                self.cache.touch(k)
+            self.cache.save()
+
+
+def _read(model: ModelFile, batch: list[TensorSpec], known: _KnownHashes | None = None
+          ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """The batch's arrays (memory-map views: nothing is read yet) and their
+    hashes, computed only for the tensors the hash cache does not know."""
+    arrays = model.read([s.name for s in batch])
+    cached = known.lookup(batch) if known is not None else {}
+    fresh = content_hashes({n: a for n, a in arrays.items() if n not in cached})
+    if known is not None and fresh:
+        known.record(batch, fresh)
+    return arrays, {**cached, **fresh}
+
+
+@dataclass
+class _SlotJob:
+    plan: PL.SlotPlan
+    specs: list[TensorSpec]
+    buffer_name: str
+    buffer_id: str = ""
+    created: bool = False
+
+
+class _Progress:
+    """Per-node byte counters, shown with rich when asked and on a terminal."""
+
+    def __init__(self, totals: dict[str, int], show: bool, callback: ProgressFn | None) -> None:
+        self.totals = totals
+        self.done = dict.fromkeys(totals, 0)
+        self.callback = callback
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+        if show and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TimeRemainingColumn(),
+                                 console=Console(stderr=True))
+            for addr, total in totals.items():
+                self._tasks[addr] = self._bar.add_task(addr, total=total)
+            self._bar.start()
+
+    def advance(self, endpoint: str, nbytes: int) -> None:
+        self.done[endpoint] += nbytes
+        if self._bar is not None:
+            self._bar.update(self._tasks[endpoint], advance=nbytes)
+        if self.callback is not None:
+            self.callback(endpoint, self.done[endpoint], self.totals[endpoint])
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+async def load_model(cluster: Cluster, path: str | Path | ModelFile,
+                     placement: str | None = None,
+                     name: str | None = None, progress: bool = True, *,
+                     batch_bytes: int = DEFAULT_BATCH, dedup: bool = True,
+                     on_progress: ProgressFn | None = None,
+                     hash_cache: bool = True) -> LoadResult:
+    """Upload the model at ``path`` across ``cluster``; see the module docstring.
+
+    ``path`` may be a model ``open_model`` opened already (it is closed
+    here); ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
+    split by free memory; ``name`` defaults to the file's stem; ``progress``
+    shows rich progress bars on stderr when it is a terminal;
+    ``on_progress(endpoint, done, total)`` is called after every batch;
+    ``hash_cache`` (with ``dedup``) reuses the tensors' hashes remembered
+    from an earlier upload of the unchanged file (``hashcache``), so a
+    re-upload reads only what it sends.
+    Raises BAD_REQUEST (bad spec, model does not fit, not a model file) before
+    anything is requested; ``ClusterError`` naming each failed node otherwise
+    (after releasing the buffers this call created)."""
+    t0 = time.perf_counter()
+    if batch_bytes <= 0:
+        raise BadRequest("batch_bytes must be positive")
+    model = path if isinstance(path, ModelFile) else await asyncio.to_thread(open_model, path)
+    path = model.path
+    is_dir = model.files[0] != Path(path)  # a directory of shards
+    name = name or (Path(path).name if is_dir else Path(path).stem)
+    if not name or len(name) > 200:
+        raise BadRequest(f"bad model name {name!r}")
+    known: _KnownHashes | None = None
+    if dedup and hash_cache:
+        try:
+            known = await asyncio.to_thread(_KnownHashes, model)
+        except OSError:
+            known = None  # cannot stat the files: hash them
+    try:
+        slots = await cluster.slots()
+        existing = await cluster.list_buffers()
+        slots = _as_if_released(slots, existing, name)
+        groups = PL.Groups.of([(t.name, t.nbytes) for t in model.tensors])
+        plan = PL.plan(groups, slots, placement)
+        jobs = [_SlotJob(p, [model.by_name[n] for n in p.tensors],
+                         buffer_name(name, p.slot.slot)) for p in plan.slots]
+        await _acquire(cluster, jobs, existing, name)
+        stats = {a: NodeStats(a) for a in cluster.endpoints}
+        for j in jobs:
+            node = stats[j.plan.slot.endpoint]
+            node.bytes_total += sum(s.nbytes for s in j.specs)
+            node.tensors += len(j.specs)
+            node.buffers.append(j.buffer_name)
+        bar = _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors},
+                        progress, on_progress)
+        try:
+            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known)
+        finally:
+            bar.close()
+        if known is not None:
+            await asyncio.to_thread(known.save)
+        await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+    finally:
+        model.close()
+    buffers = [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
+                "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
+                "reused": not j.created, **{k: v for k, v in j.plan.describe().items()
+                                            if k in ("prolog", "epilog", "layers", "tensors",
+                                                     "nbytes")}} for j in jobs]
+    return LoadResult(name, str(path), model.format, plan, stats, buffers,
+                      time.perf_counter() - t0)
+
+
+def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]]],
+                    name: str) -> list[PL.Slot]:
+    """Count this model's old buffers as free: a re-load reuses or replaces them."""
+    out = []
+    for s in slots:
+        mine = [b for b in existing.get(s.endpoint, []) if _is_model_buffer(name, b["name"])
+                and b["device_type"] == s.device_type and b["device"] == s.device]
+        held = sum(int(b["alloc_size"]) for b in mine)
+        biggest = max((int(b["alloc_size"]) for b in mine), default=0)
+        out.append(PL.Slot(s.slot, s.endpoint, s.device_type, s.device, s.free + held,
+                           max(s.largest_free, biggest), s.allocator))
+    return out
+
+
+async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
+                   existing: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """Reuse or request each slot's buffer; on any failure release what was
+    created and raise ``ClusterError``."""
+    errors: dict[str, RpcBufError] = {}
+    for j in jobs:
+        slot = j.plan.slot
+        ctx = cluster[slot.endpoint]
+        need = calculate_buffer_size([(s.shape, s.dtype) for s in j.specs], headroom=0.0)
+        old = next((b for b in existing.get(slot.endpoint, []) if b["name"] == j.buffer_name),
+                   None)
+        try:
+            if old is not None:
+                planned = {s.name for s in j.specs}
+                fits = int(old["size"]) >= need and old["device_type"] == slot.device_type \
+                    and old["device"] == slot.device
+                held = old.get("tensors")
+                if held is None:  # a listing without manifests
+                    held = (await ctx.get_buffer_meta(str(old["buffer_id"])))["tensors"]
+                if fits and set(held) <= planned:
+                    j.buffer_id = str(old["buffer_id"])
+                    continue
+                await ctx.release_buffer(str(old["buffer_id"]))  # another layout: replace it
+            j.buffer_id = await ctx.request_buffer(need, device_type=slot.device_type,
+                                                   device=slot.device, name=j.buffer_name)
+            j.created = True
+        except RpcBufError as exc:
+            errors[slot.endpoint] = exc
+            break
+    if errors:
+        cleaned = await _release_created(cluster, jobs)
+        raise ClusterError.of("requesting buffers", errors, cleaned=cleaned)
+
+
+async def _release_created(cluster: Cluster, jobs: list[_SlotJob]) -> dict[str, list[str]]:
+    created = [j for j in jobs if j.created]
+
+    async def one(j: _SlotJob) -> str | None:
+        try:
+            await cluster[j.plan.slot.endpoint].release_buffer(j.buffer_id)
+            return j.buffer_name
+        except RpcBufError:
+            return None  # that node is gone or the buffer with it
+
+    names = await asyncio.gather(*(one(j) for j in created))
+    out: dict[str, list[str]] = {}
+    for j, n in zip(created, names, strict=True):
+        if n is not None:
+            out.setdefault(j.plan.slot.endpoint, []).append(n)
+    return out
+
+
+async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
+                  stats: dict[str, NodeStats], bar: _Progress, batch_bytes: int,
+                  dedup: bool, t0: float, known: _KnownHashes | None = None) -> None:
+    failed = asyncio.Event()  # the other slots stop at their next batch
+
+    async def one(j: _SlotJob) -> None:
+        ctx = cluster[j.plan.slot.endpoint]
+        node = stats[j.plan.slot.endpoint]
+        offsets = plan_layout({sp.name: sp for sp in j.specs}, {}, start=0)  # back to back
+        sums: dict[str, int] = {}
+        batches = list(_batches(j.specs, batch_bytes))
+        ahead: asyncio.Task[Any] | None = None
+        try:
+            for k, batch in enumerate(batches):
+                if failed.is_set():
+                    return
+                if ahead is None:
+                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model, batch,
+                                                                    known))
+                arrays, hashes = await ahead
+                ahead = None
+                if k + 1 < len(batches):
+                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model,
+                                                                    batches[k + 1], known))
+                sums.update({n: h[1] for n, h in hashes.items()})
+                nbytes = sum(int(a.nbytes) for a in arrays.values())
+                if dedup:
+                    res = await ctx.store_tensors_dedup(
+                        j.buffer_id, arrays, {n: offsets[n] for n in arrays}, "checksum",
+                        hashes)
+                    node.bytes_sent += res["bytes_sent"]
+                    node.bytes_placed += res["bytes_placed"]
+                else:
+                    await ctx.store_batch(
+                        j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
+                        manifest_columns(arrays, arrays))
+                    node.bytes_sent += nbytes
+                del arrays
+                bar.advance(j.plan.slot.endpoint, nbytes)
+            await _check_manifest(ctx, j, sums)
+            node.seconds = max(node.seconds, time.perf_counter() - t0)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+
+    results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
+    errors: dict[str, RpcBufError] = {}
+    other: BaseException | None = None
+    for j, r in zip(jobs, results, strict=True):
+        if isinstance(r, RpcBufError):
+            errors.setdefault(j.plan.slot.endpoint, r)
+        elif isinstance(r, BaseException) and other is None:
+            other = r  # a local problem (the file): clean up all the same
+    if errors or other is not None:
+        cleaned = await asyncio.shield(_release_created(cluster, jobs))
+        if other is not None:
+            raise other
+        raise ClusterError.of("uploading the model", errors, cleaned=cleaned)
+
+
+async def _check_manifest(ctx: RpcContext, job: _SlotJob, sums: dict[str, int]) -> None:
+    manifest = (await ctx.get_buffer_meta(job.buffer_id))["tensors"]
+    bad = [n for n, c in sums.items() if (manifest.get(n) or {}).get("checksum") != c]
+    if bad:
+        raise VerifyFailed(f"{len(bad)} tensor(s) of {job.buffer_name} are missing from its "
+                           "manifest or do not match", {"tensors": bad[:20]})
+
+
+async def _release_stale(cluster: Cluster, existing: dict[str, list[dict[str, Any]]],
+                         name: str, keep: set[str]) -> None:
+    """Old buffers of this model that the new placement does not use."""
+    for addr, bufs in existing.items():
+        for b in bufs:
+            if _is_model_buffer(name, b["name"]) and b["name"] not in keep:
+                try:
+                    await cluster[addr].release_buffer(str(b["buffer_id"]))
+                except RpcBufError:
+                    pass  # released meanwhile
+
+
+async def unload_model(cluster: Cluster, name: str) -> dict[str, list[str]]:
+    """Release every buffer ``f"{name}/slotN"`` on every node; return the names
+    released per node.  Raises ``ClusterError`` for nodes that failed (after
+    unloading from the others) and NOT_FOUND when no node held the model."""
+
+    async def one(ctx: RpcContext) -> list[str]:
+        done = []
+        for b in await ctx.list_buffers():
+            if _is_model_buffer(name, b["name"]):
+                await ctx.release_buffer(str(b["buffer_id"]))
+                done.append(str(b["name"]))
+        return done
+
+    got = await cluster.gather(one, "unload")
+    if not any(got.values()):
+        raise NotFound(f"no node holds a model named {name!r}", {"name": name})
+    return got
+
+
+# -- the CLI ----------------------------------------------------------------------
+
+
+def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentParser], None]
+                           ) -> None:
+    """Add ``load`` and ``unload`` to the ``rpcbuf`` parser."""
+    ld = sub.add_parser("load", help="upload a safetensors/GGUF model across the nodes",
+                        epilog='example: rpcbuf load llama.gguf --endpoints "h1:7700;h2:7700" '
+                               '--placement "0:prolog,16;1:all,epilog"')
+    ld.add_argument("model", help="a .gguf or .safetensors file, or a directory of shards")
+    ld.add_argument("--placement", metavar="SPEC",
+                    help='which slot gets what, e.g. "0:prolog,epilog;1:20;2:all" (slot i = '
+                         "the i-th device of the endpoint list); default: by free memory")
+    ld.add_argument("--name", help="model name; buffers are NAME/slotN [the file's stem]")
+    ld.add_argument("--batch-size", type=parse_size, default=DEFAULT_BATCH, metavar="SIZE",
+                    help="bytes read and sent per round trip [64MiB]")
+    ld.add_argument("--no-dedup", action="store_true",
+                    help="send every tensor, even those the node already holds")
+    ld.add_argument("--no-hash-cache", action="store_true",
+                    help="hash every tensor, even of an unchanged file whose hashes are "
+                         "remembered in $RPCBUF_CACHE_DIR (~/.cache/rpcbuf)")
+    client_flags(ld)
+    ul = sub.add_parser("unload", help="release a loaded model on every node",
+                        epilog='example: rpcbuf unload llama --endpoints "h1:7700;h2:7700"')
+    ul.add_argument("name")
+    client_flags(ul)
+
+
+def run_load_command(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
+    """Run ``load``/``unload``: 0 ok, 1 a daemon's error, 2 bad usage or input."""
+    try:
+        return asyncio.run(_run(args, endpoints, token))
+    except BadRequest as exc:
+        _say(args, {"error": exc.to_wire()}, f"rpcbuf: {exc}")
+        return 2
+    except ClusterError as exc:
+        lines = [f"rpcbuf: {exc.message}"] + \
+            [f"  {a}: {e}" for a, e in exc.errors.items()]
+        _say(args, {"error": exc.to_wire()}, "\n".join(lines))
+        return 1
+    except RpcBufError as exc:
+        _say(args, {"error": exc.to_wire()}, f"rpcbuf: {exc}")
+        return 1
+
+
+def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
+    if args.json:
+        print(json.dumps(obj, indent=2, default=str))
+    else:
+        print(text, file=sys.stderr)
+
+
+async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
+    # A bad model file is refused before any connection: no node needs to be
+    # up to learn that (and none is bothered).
+    model = await asyncio.to_thread(open_model, args.model) if args.cmd == "load" else None
+    try:
+        return await _run_connected(args, endpoints, token, model)
+    finally:
+        if model is not None:
+            model.close()
+
+
+async def _run_connected(args: argparse.Namespace, endpoints: list[str], token: str,
+                         model: ModelFile | None) -> int:
+    async with Cluster.connect(endpoints, token, timeout=args.timeout) as cluster:
+        if args.cmd == "unload":
+            got = await unload_model(cluster, args.name)
+            if args.json:
+                print(json.dumps({"name": args.name, "released": got}, indent=2))
+            else:
+                for addr, names in got.items():
+                    print(f"{addr}: released {', '.join(names) or 'nothing'}")
+            return 0
+        assert model is not None
+        result = await load_model(cluster, model, args.placement, args.name,
+                                  progress=not args.json, batch_bytes=args.batch_size,
+                                  dedup=not args.no_dedup,
+                                  hash_cache=not args.no_hash_cache)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        _print_result(result)
+    return 0
+
+
+def _print_result(r: LoadResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s "
+                    f"(placement {r.placement.spec})")
+    for col in ("node", "buffers", "tensors", "bytes", "sent", "deduped", "seconds"):
+        t.add_column(col, justify="left" if col in ("node", "buffers") else "right")
+    for addr, n in r.nodes.items():
+        if n.tensors:
+            t.add_row(addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
+                      format_size(n.bytes_sent), format_size(n.bytes_placed), f"{n.seconds:.2f}")
+    Console().print(t)

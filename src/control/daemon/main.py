@@ -1,0 +1,364 @@
+"""``rpcbufd``: parse flags (over ``--config``), build the pools, serve until
+SIGTERM/SIGINT.
+
+SIGTERM stops accepting new sessions and requests, lets in-flight transfers
+finish (bounded by ``--drain-timeout``), closes every session and exits 0.
+SIGHUP re-reads the node's keys from the secret file (sessions whose key was
+removed end; see ``auth``) and quotas and the log level from the config file;
+other clients stay connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
+both listeners are up and pings the watchdog from its event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+import threading
+import time
+from typing import Any
+
+from control.daemon import config, logs
+from control.daemon.diskcache import DiskCache
+from control.daemon.registry import Pool, Quota, Registry
+from control.daemon.sdnotify import Notifier
+from control.daemon.server import Daemon, Limits
+from control.wire.auth import load_keys
+from control.wire.units import parse_duration, parse_size, split_host_port
+from dataplane import ucx
+from dataplane.allocator import ALLOCATORS
+from dataplane.arena import HostArena
+
+GC_GEN0 = 20_000  # allocations between young-generation collections (CPython: 700)
+log = logging.getLogger("rpcbuf.daemon")
+
+
+def _host_port(text: str, default_port: int) -> tuple[str, int]:
+    try:
+        return split_host_port(text, default_port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad address {text!r} (want HOST:PORT)") from None
+
+
+def _listen(text: str) -> tuple[str, int]:
+    return _host_port(text, 7700)
+
+
+def _metrics_addr(text: str) -> tuple[str, int]:
+    return _host_port(text, 9700)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _device(text: str) -> tuple[str, int, int]:
+    """'cpu:1GiB' -> ('cpu', 0, size); 'cpu:1:1GiB' -> ('cpu', 1, size)."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 2:
+            return parts[0].lower(), 0, parse_size(parts[1])
+        if len(parts) == 3:
+            return parts[0].lower(), int(parts[1]), parse_size(parts[2])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--device {text!r}: {exc}") from None
+    raise argparse.ArgumentTypeError(f"--device {text!r}: want cpu:SIZE or cuda:N:SIZE")
+
+
+def _quota(text: str) -> tuple[str, Quota]:
+    """'alice:1GiB:100' -> per-tenant bytes per device and buffer count ('-' = none)."""
+    try:
+        tenant, size, count = text.split(":")
+        return tenant, Quota(None if size == "-" else parse_size(size),
+                             None if count == "-" else int(count))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--quota {text!r}: want TENANT:BYTES:BUFFERS, e.g. alice:8GiB:1000 ({exc})"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rpcbufd",
+        description="rpcbuf node daemon: owns this node's buffer pool and serves it to "
+                    "authenticated clients (control: msgpack over TCP; data: UCX).",
+        epilog="example: rpcbufd --listen 127.0.0.1:7700 --ucx-port 7701 --device cpu:1GiB "
+               "--secret-file /etc/rpcbuf/secret",
+    )
+    p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
+                   help="control address HOST:PORT "
+                   "(port 0 picks a free one) [127.0.0.1:7700]")
+    p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
+                   "[%(default)s]")
+    p.add_argument("--local-socket", default="auto", metavar="auto|none|@NAME|PATH",
+                   help="the same-host path: a Unix control socket through which clients "
+                        "on this host reconnect and have the daemon copy their arrays "
+                        "directly (process_vm_readv/writev); auto = an abstract socket "
+                        "named after the daemon's pid, none = off [%(default)s]")
+    p.add_argument("--unsafe-privileged-same-host", action="store_true",
+                   help="UNSAFE, for test suites that run as root: serve the same-host path "
+                        "even when the daemon is root or holds CAP_SYS_PTRACE, although a "
+                        "client can then make it write into other processes (a setuid "
+                        "program it execs); never in production (not settable in --config)")
+    p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
+                   help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
+                        "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
+                        "default cpu:1GiB")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="settings file (flags given here override it); SIGHUP re-reads its "
+                        "quotas and log level")
+    p.add_argument("--secret-file", help="the node's keys that tokens are signed with, one "
+                   "'KEY_ID SECRET' a line (a bare secret is key 'default'; created 0600 with "
+                   "one key if missing); SIGHUP re-reads it; required, here or in --config")
+    p.add_argument("--allocator", default="buddy", choices=sorted(ALLOCATORS))
+    p.add_argument("--quota", action="append", type=_quota, default=[], metavar="T:BYTES:N",
+                   help="per-tenant quota: bytes per device and buffer count, repeatable")
+    p.add_argument("--default-quota", type=_quota, metavar="*:BYTES:N",
+                   help="quota for tenants without their own --quota")
+    p.add_argument("--max-frame", type=parse_size, default=Limits.max_frame,
+                   help="largest control frame accepted [%(default)s]")
+    p.add_argument("--max-inflight", type=_positive_int, default=Limits.max_inflight,
+                   help="requests one client may have in flight [%(default)s]")
+    p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,
+                   help="authenticated control connections served at once; a hello beyond "
+                        "it is refused with QUOTA_EXCEEDED [%(default)s]")
+    p.add_argument("--hello-timeout", type=parse_duration, default=Limits.hello_timeout,
+                   help="a connection must have said hello this long after it was accepted, "
+                        "or it is closed (one deadline, however it trickles) [%(default)s]")
+    p.add_argument("--max-unauthenticated", type=_positive_int,
+                   default=Limits.max_unauthenticated,
+                   help="connections that have not said hello yet, and (counted apart) UCX "
+                        "endpoints not yet bound to a session, at once; beyond it the oldest "
+                        "is closed to make room [%(default)s]")
+    p.add_argument("--max-unauthenticated-per-source", type=_positive_int,
+                   default=Limits.max_unauthenticated_per_source,
+                   help="the same, per source address (per user on the Unix socket) "
+                        "[%(default)s]")
+    p.add_argument("--copy-threads", type=_positive_int, default=Limits.copy_threads,
+                   help="threads for same-host copies; one tenant may use at most half of "
+                        "them at once [%(default)s]")
+    p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
+                   help="deadline of one data transfer, e.g. 300s [%(default)s]")
+    p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
+                   help="how long SIGTERM waits for in-flight transfers [%(default)s]")
+    p.add_argument("--node-id", default=socket.gethostname())
+    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="the normal log on stderr: text lines or JSON objects [%(default)s]")
+    p.add_argument("--audit-log", metavar="PATH",
+                   help="write the audit trail (one JSON line per memory op) here instead of "
+                        "into the normal log")
+    p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--tls-cert", metavar="PEM", help="TLS for the control channel: "
+                   "certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="TLS private key (with --tls-cert)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="keep stored tensor contents here by hash, so a restarted daemon "
+                        "still deduplicates uploads (per tenant, checksummed, LRU)")
+    p.add_argument("--cache-size", type=parse_size, default=8 << 30, metavar="SIZE",
+                   help="bound of --cache-dir; least recently used contents go first [8GiB]")
+    p.add_argument("--prefault", action="store_true",
+                   help="back every page of the host arenas with memory at start, in a "
+                        "background thread, so first writes into a buffer do not fault "
+                        "(the arenas' memory is then resident for good)")
+    return p
+
+
+def prefault_arenas(arenas: list[Any]) -> threading.Thread:
+    """Populate each arena that can (``HostArena.prefault``) in one background
+    thread: it changes no byte, so the daemon serves meanwhile."""
+
+    def run() -> None:
+        for arena in arenas:
+            prefault = getattr(arena, "prefault", None)
+            if prefault is None:
+                continue
+            t = time.perf_counter()
+            try:
+                ok = prefault()
+            except OSError as exc:
+                log.warning("--prefault: %s:%d: %s", arena.device_type, arena.device, exc)
+                continue
+            if ok:
+                log.info("--prefault: %s:%d: %d bytes resident in %.2f s", arena.device_type,
+                         arena.device, arena.size, time.perf_counter() - t)
+            else:
+                log.warning("--prefault: this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+); "
+                            "pages stay faulted in on first use")
+
+    thread = threading.Thread(target=run, name="rpcbuf-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+GPU_KINDS = ("cuda", "gpu")
+
+
+def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
+    """One arena per ``--device``.  A device that cannot be served (no CuPy,
+    no such GPU, not enough memory) raises ``DeviceUnavailable`` (a
+    ValueError: ``main`` prints it and exits 2) naming the device."""
+    arenas: list[Any] = []
+    for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
+        if kind == "cpu":
+            arenas.append(HostArena(size, device=index))
+        elif kind in GPU_KINDS:
+            from dataplane.cuda_arena import CudaArena, DeviceUnavailable
+
+            try:
+                arenas.append(CudaArena(size, device=index))
+            except DeviceUnavailable as exc:
+                raise DeviceUnavailable(f"--device: {exc}") from None
+        else:
+            raise ValueError(f"--device {kind}:{index}: unknown device kind {kind!r} "
+                             "(want cpu or cuda)")
+    return arenas
+
+
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
+                      f"cannot load: {exc}") from None
+    return ctx
+
+
+def _reload_keys(args: argparse.Namespace, daemon: Daemon) -> None:
+    """SIGHUP: the node's keys from the secret file, so rotating a key needs
+    no restart; a file that cannot be read keeps the running keys."""
+    try:
+        keys = load_keys(args.secret_file, create=False)
+    except (OSError, ValueError) as exc:
+        log.error("SIGHUP: keeping the running keys: %s", exc)
+        return
+    ended = daemon.set_keys(keys)
+    log.warning("SIGHUP: re-read %s: keys %s (new tokens: %s)%s", args.secret_file,
+                ", ".join(keys.kids), keys.newest,
+                f"; ended {ended} sessions of removed keys" if ended else "")
+
+
+def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> None:
+    """SIGHUP: the keys, and quotas and log level from the config file;
+    sessions stay up (but those of a removed key)."""
+    _reload_keys(args, daemon)
+    if not args.config:
+        log.warning("SIGHUP: started without --config, nothing to reload but the secret file")
+        return
+    notifier.notify(RELOADING=1, STATUS=f"reloading {args.config}")
+    try:
+        restart = config.reload(args, build_parser())
+    except config.ConfigError as exc:
+        log.error("reload failed, keeping the running settings: %s", exc)
+    else:
+        daemon.registry.quotas = dict(args.quota)
+        daemon.registry.default_quota = args.default_quota[1] if args.default_quota else Quota()
+        logs.set_level(args.log_level)
+        log.warning("reloaded %s: quotas for %d tenants%s, log level %s", args.config,
+                    len(daemon.registry.quotas), " and a default" if args.default_quota else "",
+                    args.log_level)
+        if restart:
+            log.warning("changed in %s, applied only after a restart: %s", args.config,
+                        ", ".join(restart))
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+
+
+async def serve(args: argparse.Namespace) -> int:
+    notifier = Notifier()
+    notifier.notify(STATUS="starting")
+    tls = _tls(args)
+    ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
+    keys = load_keys(args.secret_file)
+    arenas = make_arenas(args.device)
+    if args.prefault:
+        prefault_arenas(arenas)
+    pools = [Pool.create(a, args.allocator) for a in arenas]
+    default = args.default_quota[1] if args.default_quota else None
+    registry = Registry(pools, dict(args.quota), default)
+    limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
+                    transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
+                    max_sessions=args.max_sessions, hello_timeout=args.hello_timeout,
+                    max_unauthenticated=args.max_unauthenticated,
+                    max_unauthenticated_per_source=args.max_unauthenticated_per_source,
+                    copy_threads=args.copy_threads)
+    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
+                    unsafe_same_host=args.unsafe_privileged_same_host)
+    if args.cache_dir:
+        daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
+    if args.metrics:
+        try:
+            mhost, mport = await daemon.metrics.serve(*args.metrics)
+        except OSError as exc:
+            raise OSError(f"--metrics {args.metrics[0]}:{args.metrics[1]}: "
+                          f"{exc.strerror or exc}") from None
+        log.info("metrics at http://%s:%d/metrics", mhost, mport)
+    host, port = args.listen
+    local = None if args.local_socket == "none" else args.local_socket
+    await daemon.start(host, port, args.ucx_port, tls=tls, local_socket=local)
+    # Everything imported and built so far lives as long as the daemon: keep it
+    # out of every collection, and collect young objects less often (a
+    # 10,000-tensor manifest makes ~10,000 dicts at once; the default threshold
+    # of 700 ran collections in the middle of it, 15-20 ms each, measured).
+    gc.freeze()
+    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
+    if args.ready_file:
+        tmp = f"{args.ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
+        os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+    notifier.start_heartbeat(daemon.status_line)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
+    await stop.wait()
+    notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
+    await daemon.shutdown()
+    await daemon.content.aclose(args.drain_timeout)  # finish disk-cache writes
+    notifier.close()
+    await ucx.stop_progress()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = config.resolve(build_parser(), argv)
+    except config.ConfigError as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+    try:
+        logs.setup(args.log_level, args.log_format, args.audit_log)
+    except OSError as exc:
+        print(f"rpcbufd: --audit-log {args.audit_log}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    try:
+        return uvloop.run(serve(args))
+    except (OSError, ValueError) as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

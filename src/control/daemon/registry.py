@@ -1,0 +1,592 @@
+"""The buffer registry: who owns which slice of which arena, and for how long.
+
+Plain synchronous code (decide here, do I/O in the daemon): allocation with
+quotas, lookup by unguessable id scoped to a tenant, leases, session-scoped
+buffers, pins that keep memory alive while UCX may still touch it, and the
+fair first-come-first-served queue of requests waiting for memory.
+
+A buffer leaves the tenant's view the moment it is released or expires, but
+its memory goes back to the allocator only when its last transfer has
+finished (``pins == 0``): memory is never handed to another buffer while UCX
+may still write into it.  Freeing is idempotent and checked: each pool knows
+which buffer owns each allocator block, a buffer is freed at most once, and
+only a block it still owns goes back (a stray unpin can never free another
+tenant's block).  A freed buffer cannot be pinned again.
+
+Waiting for memory is fair between tenants without letting a stuck request
+block the pool: each tenant has its own FIFO per device, the heads are served
+round-robin, and a head that does not fit is passed by requests that do;
+once the oldest waiter has waited ``AGING`` seconds, nobody passes it any
+more until it is served (so a big request is not starved by a stream of small
+ones).  Waiting bytes count against the tenant's quota, each tenant may have
+at most ``MAX_WAITERS`` waiting per device, and a waiter leaves its queues in
+O(1) (insertion-ordered dicts keyed by the waiter itself).
+
+Manifest entries cost the daemon memory too: each one is charged
+``ENTRY_BYTES`` against its tenant's bytes on the buffer's device, checked
+before a batch changes anything (``charge_entries``).
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import itertools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.daemon.locks import RangeLocks
+from control.wire.errors import (
+    BadRequest,
+    NotFound,
+    OutOfMemory,
+    QuotaExceeded,
+    RpcBufError,
+    UnsupportedDevice,
+)
+from dataplane.allocator import Allocator, make_allocator
+from dataplane.arena import Arena
+
+AGING = 5.0  # seconds after which the oldest waiter of a device is passed by nobody
+MAX_WAITERS = 64  # requests one tenant may have waiting for memory, per device
+ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
+
+
+@dataclass
+class Pool:
+    """One device: its arena and the allocator that carves it."""
+
+    key: str
+    arena: Arena
+    allocator: Allocator
+    owners: dict[int, Buffer] = field(default_factory=dict)  # allocator offset -> its buffer
+
+    @classmethod
+    def create(cls, arena: Arena, allocator: str) -> Pool:
+        kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
+        return cls(f"{kind}:{arena.device}", arena,
+                   make_allocator(allocator, arena.size))
+
+    def describe(self) -> dict[str, Any]:
+        st = self.allocator.stats()
+        return {
+            **self.arena.describe(),
+            "key": self.key,
+            "allocator": self.allocator.name,
+            "total": st.total,
+            "used": st.used,
+            "free": st.free,
+            "largest_free": st.largest_free,
+        }
+
+
+@dataclass
+class Buffer:
+    buffer_id: str
+    tenant: str
+    pool: Pool
+    offset: int
+    size: int
+    alloc_size: int
+    name: str | None
+    session_id: str | None  # set only for session-scoped buffers
+    ttl: float | None
+    created_at: float
+    expires_at: float | None
+    tensors: dict[str, Any] = field(default_factory=dict)
+    manifest_version: int = 0  # bumped by every manifest change
+    tensors_end: int = 0  # where new slots go: the end of the highest slot ever recorded
+    locks: RangeLocks = field(default_factory=RangeLocks)
+    pins: int = 0
+    released: bool = False
+    freed: bool = False  # its block went back to the allocator: never again
+    entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)
+    renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
+    renews_unlogged: int = 0
+
+    def meta(self, tensors: bool = True) -> dict[str, Any]:
+        return {
+            "buffer_id": self.buffer_id,
+            "name": self.name,
+            "size": self.size,
+            "alloc_size": self.alloc_size,
+            "device_type": self.pool.arena.device_type,
+            "device": self.pool.arena.device,
+            # Not the arena offset: that would map other tenants' memory.
+            "base_addr": 0,
+            "tenant": self.tenant,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "ttl": self.ttl,
+            "session_scoped": self.session_id is not None,
+            "tensors": self.tensors if tensors else None,
+            "tensor_count": len(self.tensors),
+            "tensors_end": self.tensors_end,
+            "manifest_version": self.manifest_version,
+        }
+
+
+_ID_BYTES = 18  # a buffer id is "b-" + 24 base64url characters: 144 random bits
+_ID_CHARS = _ID_BYTES * 4 // 3  # 18 bytes are whole base64 groups: no padding, no spill
+
+
+class _Ids:
+    """Unguessable buffer ids, as ``"b-" + secrets.token_urlsafe(18)`` makes
+    them (the same CSPRNG, the same 144 bits each), drawn from the OS and
+    base64-encoded 256 at a time instead of one syscall and one encode each."""
+
+    BATCH = 256
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._at = 0
+
+    def next(self) -> str:
+        at = self._at
+        if at >= len(self._text):
+            self._text = base64.urlsafe_b64encode(os.urandom(_ID_BYTES * self.BATCH)).decode()
+            at = 0
+        self._at = at + _ID_CHARS
+        return "b-" + self._text[at:at + _ID_CHARS]
+
+
+@dataclass(frozen=True)
+class Quota:
+    bytes_per_device: int | None = None
+    buffers: int | None = None
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request_buffer waiting for memory; ``done`` is called exactly once.
+    Compared and hashed by identity: it is the key of its queues."""
+
+    tenant: str
+    pool: Pool
+    size: int
+    options: dict[str, Any]
+    done: Callable[[Buffer | None, RpcBufError | None], None]
+    since: float = 0.0  # time.monotonic() when it was queued
+    reserved: int = 0  # its block size, counted against the tenant's quota while it waits
+
+
+class _Queues:
+    """The waiters of one device: a FIFO per tenant, and every waiter in
+    arrival order (the oldest first), both O(1) to remove from."""
+
+    __slots__ = ("by_tenant", "order", "turn")
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str, dict[Waiter, None]] = {}
+        self.order: dict[Waiter, None] = {}
+        self.turn = 0  # round-robin position among the tenants
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, w: Waiter) -> None:
+        self.by_tenant.setdefault(w.tenant, {})[w] = None
+        self.order[w] = None
+
+    def remove(self, w: Waiter) -> bool:
+        """Take ``w`` out; False when it was not queued (served or gone)."""
+        if w not in self.order:
+            return False
+        del self.order[w]
+        mine = self.by_tenant[w.tenant]
+        del mine[w]
+        if not mine:
+            del self.by_tenant[w.tenant]
+        return True
+
+    def oldest(self) -> Waiter | None:
+        return next(iter(self.order), None)
+
+    def heads(self) -> list[Waiter]:
+        """Each tenant's first waiter, round-robin from this turn's tenant."""
+        heads = [next(iter(q)) for q in self.by_tenant.values()]
+        k = self.turn % len(heads) if heads else 0
+        return heads[k:] + heads[:k]
+
+
+class Registry:
+    def __init__(self, pools: list[Pool], quotas: dict[str, Quota] | None = None,
+                 default_quota: Quota | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.pools = {p.key: p for p in pools}
+        self.quotas = quotas or {}
+        self.default_quota = default_quota or Quota()
+        self.clock = clock
+        self._buffers: dict[str, Buffer] = {}
+        self._names: dict[tuple[str, str], str] = {}
+        self._tenant_bytes: dict[tuple[str, str], int] = {}
+        self._tenant_count: dict[str, int] = {}
+        self._tenant_waiting: dict[tuple[str, str], int] = {}  # bytes reserved by waiters
+        self._waiters: dict[str, _Queues] = {k: _Queues() for k in self.pools}
+        self._expiries: list[tuple[float, int, str]] = []
+        self._leased = 0  # buffers with a lease: the heap is compacted past twice that
+        self._seq = itertools.count()
+        self._ids = _Ids()
+        self._pool_keys: dict[tuple[str, int], Pool] = {}  # (device_type, device) -> pool
+        self.expired_total = 0
+        self._expired_by: dict[str, int] = {}
+
+    # -- lookup ---------------------------------------------------------------
+
+    def pool_for(self, device_type: str, device: int) -> Pool:
+        pool = self._pool_keys.get((device_type, device))
+        if pool is not None:
+            return pool
+        kind = device_type.lower()
+        kind = {"gpu": "cuda"}.get(kind, kind)
+        key = f"{kind}:{device}"
+        if key not in self.pools:
+            raise UnsupportedDevice(
+                f"this node has no {device_type} device {device}",
+                {"devices": sorted(self.pools)},
+            )
+        pool = self._pool_keys[(device_type, device)] = self.pools[key]
+        return pool
+
+    def get(self, tenant: str, buffer_id: str) -> Buffer:
+        buf = self._buffers.get(buffer_id)
+        if buf is None or buf.tenant != tenant:
+            # Same answer for "never existed" and "someone else's": no hint leaks.
+            raise NotFound(f"no buffer {buffer_id!r}")
+        return buf
+
+    def by_name(self, tenant: str, name: str) -> Buffer:
+        bid = self._names.get((tenant, name))
+        if bid is None:
+            raise NotFound(f"no buffer named {name!r}")
+        return self._buffers[bid]
+
+    def buffers_of(self, tenant: str) -> list[Buffer]:
+        return [b for b in self._buffers.values() if b.tenant == tenant]
+
+    # -- allocation -----------------------------------------------------------
+
+    def quota_for(self, tenant: str) -> Quota:
+        return self.quotas.get(tenant, self.default_quota)
+
+    def _check_quota(self, tenant: str, pool: Pool, size: int, extra: int = 0,
+                     alloc: int | None = None, new_buffer: bool = True) -> None:
+        """Would ``tenant`` stay within its quota holding ``alloc`` more bytes
+        (default: the block ``size`` takes) on ``pool``?  ``extra``: bytes
+        reserved besides what it holds (its waiters' blocks)."""
+        q = self.quota_for(tenant)
+        if alloc is None:
+            alloc = pool.allocator.block_size(size)
+        used = self._tenant_bytes.get((tenant, pool.key), 0) + extra
+        if q.bytes_per_device is not None and used + alloc > q.bytes_per_device:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} would hold {used + alloc} bytes on {pool.key}, "
+                f"quota is {q.bytes_per_device}",
+                {"requested": alloc, "used": used, "quota": q.bytes_per_device},
+            )
+        count = self._tenant_count.get(tenant, 0)
+        if new_buffer and q.buffers is not None and count + 1 > q.buffers:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} holds {count} buffers, quota is {q.buffers}",
+                {"buffers": count, "quota": q.buffers},
+            )
+
+    def _validate(self, tenant: str, pool: Pool, size: int, name: str | None,
+                  extra: int = 0) -> None:
+        if size <= 0:
+            raise BadRequest("size must be positive")
+        if size > pool.allocator.max_size:
+            raise OutOfMemory(
+                f"{size} bytes can never fit on {pool.key} (largest possible buffer: "
+                f"{pool.allocator.max_size} bytes)",
+                self._oom_details(pool, size),
+            )
+        if name is not None and (tenant, name) in self._names:
+            raise BadRequest(f"a buffer named {name!r} already exists", {"name": name})
+        self._check_quota(tenant, pool, size, extra)
+
+    def _oom_details(self, pool: Pool, size: int) -> dict[str, Any]:
+        # The device's free bytes are fine for a tenant to see (placement uses
+        # them); who holds the rest, and how it is laid out, is not said.
+        st = pool.allocator.stats()
+        return {"requested": size, "free": st.free, "largest_free": st.largest_free,
+                "device": pool.key}
+
+    def try_allocate(self, tenant: str, pool: Pool, size: int, *, name: str | None = None,
+                     ttl: float | None = None, session_id: str | None = None) -> Buffer | None:
+        """Allocate now, or return None when the caller must wait: the pool
+        has no block for it, this tenant already has requests waiting there
+        (a tenant's requests are served in order), or the device's oldest
+        waiter has waited past ``AGING`` (nobody passes it now).  Raises on
+        bad input and when the tenant's quota would be exceeded."""
+        queues = self._waiters[pool.key]
+        self._validate(tenant, pool, size, name,
+                       self._tenant_waiting.get((tenant, pool.key), 0))
+        if queues and (tenant in queues.by_tenant or self._aged(queues) is not None):
+            return None
+        return self._allocate(tenant, pool, size, name, ttl, session_id)
+
+    @staticmethod
+    def _aged(queues: _Queues) -> Waiter | None:
+        w = queues.oldest()
+        return w if w is not None and time.monotonic() - w.since >= AGING else None
+
+    def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
+                  ttl: float | None, session_id: str | None) -> Buffer | None:
+        offset = pool.allocator.allocate(size)
+        if offset is None:
+            return None
+        now = self.clock()
+        buf = Buffer(
+            buffer_id=self._ids.next(),
+            tenant=tenant, pool=pool, offset=offset, size=size,
+            alloc_size=pool.allocator.block_size(size), name=name,
+            session_id=session_id if name is None and ttl is None else None,
+            ttl=ttl, created_at=now, expires_at=None if ttl is None else now + ttl,
+        )
+        self._buffers[buf.buffer_id] = buf
+        pool.owners[offset] = buf
+        if name is not None:
+            self._names[(tenant, name)] = buf.buffer_id
+        key = (tenant, pool.key)
+        self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + buf.alloc_size
+        self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        if buf.expires_at is not None:
+            self._leased += 1
+            self._push_expiry(buf)
+        return buf
+
+    def enqueue(self, waiter: Waiter) -> None:
+        """Queue a request that must wait.  QUOTA_EXCEEDED when the tenant
+        has ``MAX_WAITERS`` waiting on this device already, or when its
+        held and waiting bytes with this one would pass its quota."""
+        pool, tenant = waiter.pool, waiter.tenant
+        queues = self._waiters[pool.key]
+        mine = queues.by_tenant.get(tenant)
+        if mine is not None and len(mine) >= MAX_WAITERS:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {len(mine)} requests waiting for memory on "
+                f"{pool.key} already (at most {MAX_WAITERS})",
+                {"limit": "waiters", "waiters": len(mine), "max": MAX_WAITERS})
+        key = (tenant, pool.key)
+        self._check_quota(tenant, pool, waiter.size, self._tenant_waiting.get(key, 0))
+        waiter.reserved = pool.allocator.block_size(waiter.size)
+        waiter.since = time.monotonic()
+        self._tenant_waiting[key] = self._tenant_waiting.get(key, 0) + waiter.reserved
+        queues.add(waiter)
+
+    def _dequeue(self, waiter: Waiter) -> bool:
+        if not self._waiters[waiter.pool.key].remove(waiter):
+            return False
+        key = (waiter.tenant, waiter.pool.key)
+        self._tenant_waiting[key] -= waiter.reserved
+        if not self._tenant_waiting[key]:
+            del self._tenant_waiting[key]
+        return True
+
+    def cancel(self, waiter: Waiter) -> None:
+        """Remove a waiter that gave up (timeout, cancellation, disconnect).
+        No memory came free, so only who may be served changed: everyone,
+        if it was an aged oldest waiter (which held the others back); else
+        the next of its tenant, if it was that tenant's head.  O(1) then."""
+        queues = self._waiters[waiter.pool.key]
+        was_aged = self._aged(queues) is waiter
+        mine = queues.by_tenant.get(waiter.tenant)
+        was_head = mine is not None and next(iter(mine)) is waiter
+        if not self._dequeue(waiter):
+            return
+        if was_aged:
+            self._grant(waiter.pool)
+        elif was_head and self._aged(queues) is None:
+            mine = queues.by_tenant.get(waiter.tenant)
+            if mine:
+                self._serve(next(iter(mine)))
+
+    def waiting(self, pool: Pool, tenant: str | None = None) -> int:
+        queues = self._waiters[pool.key]
+        if tenant is None:
+            return len(queues)
+        return len(queues.by_tenant.get(tenant, ()))
+
+    def out_of_memory(self, pool: Pool, size: int) -> OutOfMemory:
+        return OutOfMemory(f"no {size}-byte block free on {pool.key}",
+                           self._oom_details(pool, size))
+
+    def _grant(self, pool: Pool) -> None:
+        """Serve what fits: the aged oldest waiter alone while it waits past
+        ``AGING``; else each tenant's head in turn, round-robin, passing
+        heads that do not fit."""
+        queues = self._waiters[pool.key]
+        while queues:
+            aged = self._aged(queues)
+            if aged is not None:
+                if not self._serve(aged):
+                    return  # it still does not fit: nobody passes it now
+                continue
+            served = False
+            for w in queues.heads():
+                if self._serve(w):
+                    served = True
+                    queues.turn += 1
+            if not served:
+                return
+
+    def _serve(self, w: Waiter) -> bool:
+        """Allocate for ``w`` (or fail it, when it is no longer valid); False
+        when it does not fit yet."""
+        pool = w.pool
+        try:
+            self._validate(w.tenant, pool, w.size, w.options.get("name"))
+        except RpcBufError as exc:
+            self._dequeue(w)
+            w.done(None, exc)
+            return True
+        buf = self._allocate(w.tenant, pool, w.size, **w.options)
+        if buf is None:
+            return False
+        self._dequeue(w)
+        w.done(buf, None)
+        return True
+
+    # -- release, pins, leases ------------------------------------------------
+
+    def release(self, buf: Buffer) -> None:
+        """Take the buffer out of every view; free its memory once unpinned."""
+        if buf.released:
+            return
+        buf.released = True
+        if self._buffers.get(buf.buffer_id) is buf:
+            del self._buffers[buf.buffer_id]
+        if buf.name is not None and self._names.get((buf.tenant, buf.name)) == buf.buffer_id:
+            del self._names[(buf.tenant, buf.name)]
+        if buf.expires_at is not None:
+            self._leased -= 1
+        if buf.pins == 0:
+            self._free(buf)
+
+    def pin(self, buf: Buffer) -> None:
+        """Keep ``buf``'s memory until the matching ``unpin``.  A buffer whose
+        memory went back already cannot be pinned (NOT_FOUND): its block may
+        belong to another buffer now."""
+        if buf.freed:
+            raise NotFound(f"no buffer {buf.buffer_id!r}")
+        buf.pins += 1
+
+    def unpin(self, buf: Buffer) -> None:
+        if buf.pins <= 0:
+            raise RuntimeError(f"unpin of {buf.buffer_id} without a pin")  # a bug: say so
+        buf.pins -= 1
+        if buf.pins == 0 and buf.released:
+            self._free(buf)
+
+    def _free(self, buf: Buffer) -> None:
+        """Give ``buf``'s block back, once, and only if it still owns it."""
+        if buf.freed:
+            return
+        buf.freed = True
+        pool = buf.pool
+        if pool.owners.get(buf.offset) is not buf:
+            raise RuntimeError(f"{buf.buffer_id}: block {buf.offset} of {pool.key} "
+                               "belongs to another buffer")  # a bug: never free it
+        del pool.owners[buf.offset]
+        pool.allocator.free(buf.offset)
+        key = (buf.tenant, pool.key)
+        self._tenant_bytes[key] -= buf.alloc_size + buf.entries_charged * ENTRY_BYTES
+        buf.entries_charged = 0
+        self._tenant_count[buf.tenant] -= 1
+        self._grant(pool)
+
+    def charge_entries(self, buf: Buffer, count: int, dry_run: bool = False) -> None:
+        """Charge the manifest of ``buf`` at ``count`` entries (from what is
+        charged now) against its tenant's quota; QUOTA_EXCEEDED, changing
+        nothing, when that would pass it (``dry_run``: only check)."""
+        more = count - buf.entries_charged
+        if more > 0:
+            self._check_quota(buf.tenant, buf.pool, 0, alloc=more * ENTRY_BYTES,
+                              new_buffer=False)
+        if dry_run:
+            return
+        key = (buf.tenant, buf.pool.key)
+        self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + more * ENTRY_BYTES
+        buf.entries_charged = count
+
+    def renew(self, buf: Buffer, ttl: float | None) -> None:
+        ttl = buf.ttl if ttl is None else ttl
+        if ttl is None:
+            return  # no lease to renew: the buffer lives until released
+        buf.ttl = ttl
+        buf.session_id = None  # a leased buffer outlives its session
+        if buf.expires_at is None:
+            self._leased += 1
+        buf.expires_at = self.clock() + ttl
+        self._push_expiry(buf)
+
+    def _push_expiry(self, buf: Buffer) -> None:
+        """Every renew leaves a stale entry behind: past twice the live leases
+        (and a floor) the heap is rebuilt from them, so a renew storm cannot
+        grow it."""
+        assert buf.expires_at is not None
+        heapq.heappush(self._expiries, (buf.expires_at, next(self._seq), buf.buffer_id))
+        if len(self._expiries) > 2 * self._leased + 1024:
+            self._expiries = [(b.expires_at, next(self._seq), b.buffer_id)
+                              for b in self._buffers.values() if b.expires_at is not None]
+            heapq.heapify(self._expiries)
+
+    def next_expiry(self) -> float | None:
+        while self._expiries:
+            when, _, bid = self._expiries[0]
+            buf = self._buffers.get(bid)
+            if buf is not None and buf.expires_at == when:
+                return when
+            heapq.heappop(self._expiries)  # stale: released or renewed
+        return None
+
+    def expire(self) -> list[Buffer]:
+        """Release every buffer whose lease has run out; return them."""
+        now = self.clock()
+        out: list[Buffer] = []
+        while (when := self.next_expiry()) is not None and when <= now:
+            _, _, bid = heapq.heappop(self._expiries)
+            buf = self._buffers[bid]
+            self.release(buf)
+            self.expired_total += 1
+            self._expired_by[buf.tenant] = self._expired_by.get(buf.tenant, 0) + 1
+            out.append(buf)
+        return out
+
+    def session_closed(self, session_id: str) -> list[Buffer]:
+        doomed = [b for b in self._buffers.values() if b.session_id == session_id]
+        for b in doomed:
+            self.release(b)
+        return doomed
+
+    def expired_of(self, tenant: str) -> int:
+        return self._expired_by.get(tenant, 0)
+
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Node-wide figures (``tenant`` None: the operator's view, for metrics
+        and logs), or what one tenant may see: its own buffers, bytes and
+        waiters, and each device's size and free bytes."""
+        if tenant is None:
+            return {
+                "buffers": len(self._buffers),
+                "waiters": {k: len(q) for k, q in self._waiters.items()},
+                "expired_total": self.expired_total,
+                "devices": [p.describe() for p in self.pools.values()],
+            }
+        return {
+            "buffers": self._tenant_count.get(tenant, 0),
+            "bytes": {k: self._tenant_bytes.get((tenant, k), 0) for k in self.pools},
+            "waiters": {k: len(q.by_tenant.get(tenant, ())) for k, q in self._waiters.items()},
+            "devices": [p.describe() for p in self.pools.values()],
+        }
+
+    def tenant_usage(self) -> dict[str, Any]:
+        """What each tenant holds (what quotas count, so memory still pinned by a
+        transfer after release is included): buffers per tenant, bytes per
+        (tenant, device)."""
+        return {"buffers": {t: n for t, n in self._tenant_count.items() if n},
+                "bytes": {k: n for k, n in self._tenant_bytes.items() if n}}

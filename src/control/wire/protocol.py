@@ -1,0 +1,557 @@
+"""The control channel's wire protocol, with no I/O (sans-I/O, like h11).
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
+``FrameDecoder.feed`` takes whatever bytes arrived and returns the complete
+messages; feeding the same bytes whole or one at a time gives the same
+messages.  A frame longer than the limit, or bytes that are not a msgpack map,
+raise ``FrameError``: the stream cannot be trusted after that, so the caller
+closes that one connection.
+
+Requests are ``{"op": str, "id": int, **fields}``.  Each op is a small frozen
+dataclass that validates its own fields (types, ranges, no unknown keys) in
+``parse_request``; a bad request whose id could be read gets a
+``BAD_REQUEST`` answer and the connection stays usable.  Every bound a
+request's work depends on is checked here, before any work starts: strings
+are printable and short (nothing a client sends can forge a log line), buffer
+ids have the daemon's id alphabet, shapes have at most ``MAX_NDIM``
+dimensions whose product stays below 2**63 (so no size computation ever sees
+a huge integer), lists and packed arrays at most ``MAX_ITEMS`` entries.
+Answers are
+``{"id": int, "ok": true, "result": {...}}`` or
+``{"id": int, "ok": false, "error": {code, message, details}}``; they may come
+back in any order, so one connection carries many requests at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import types
+from dataclasses import dataclass
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    NewType,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+import msgpack
+import numpy as np
+
+from control.wire.errors import BadRequest, RpcBufError
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 16 << 20  # room for a 100,000-tensor manifest
+# The limit until hello succeeds: a hello (token, probe, nonce) is well under
+# it, and a stranger gets no more of our memory than this.
+HELLO_MAX_FRAME = 4 << 10
+MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
+COALESCE_MAX = 256 << 10  # items up to this size travel together with their neighbours
+RUN_MAX = 64 << 20  # the largest message a run of coalesced items makes
+MAX_INT = (1 << 63) - 1
+MAX_STR = 1024
+MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model needs 32)
+MAX_ID = 64  # characters of a buffer id (the daemon makes 26)
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
+U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, sizes, checksums)
+# Checked forms of plain types (to type checkers they are the plain type):
+BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
+Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
+_HEADER = struct.Struct("!I")
+
+
+class FrameError(BadRequest):
+    """The byte stream is broken (oversized, truncated or not msgpack)."""
+
+
+def encode_frame(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise FrameError(f"frame of {len(body)} bytes exceeds the limit of {max_frame}")
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Incremental frame parser: bytes in, messages out.
+
+    When the stream breaks, ``feed`` still returns the whole messages that came
+    before the break and keeps the error in ``error``; the caller handles
+    those messages, then raises ``error``.  Any later ``feed`` raises it.
+
+    ``max_frame`` may change between feeds (the daemon raises it once hello
+    succeeded; ``why`` then names the limit in the error); ``feed(data,
+    most=1)`` parses only the next message, leaving the rest buffered for a
+    later ``feed(b"")`` under whatever limit holds then."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, why: str = "") -> None:
+        self.max_frame = max_frame
+        self.why = why  # appended to the oversize error: which limit this is
+        self.error: FrameError | None = None
+        self._buf = bytearray()
+
+    def feed(self, data: bytes, most: int | None = None) -> list[Any]:
+        if self.error is not None:
+            raise self.error
+        self._buf += data
+        out: list[Any] = []
+        try:
+            while len(self._buf) >= _HEADER.size and (most is None or len(out) < most):
+                msg = self._next()
+                if msg is None:
+                    break
+                out.append(msg)
+        except FrameError as exc:
+            self.error = exc
+            self._buf.clear()
+            if not out:
+                raise
+        return out
+
+    def _next(self) -> Any:
+        (length,) = _HEADER.unpack_from(self._buf)
+        if length > self.max_frame:
+            raise FrameError(
+                f"frame of {length} bytes exceeds the limit of {self.max_frame}{self.why}",
+                {"max_frame": self.max_frame, "length": length},
+            )
+        end = _HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        body = bytes(self._buf[_HEADER.size : end])
+        del self._buf[:end]
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=length)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise FrameError(f"frame is not valid msgpack: {exc}") from exc
+        if not isinstance(msg, dict):
+            raise FrameError("frame is not a msgpack map")
+        return msg
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that do not yet form a whole frame."""
+        return len(self._buf)
+
+
+# -- requests -----------------------------------------------------------------
+
+
+def _check(op: str, name: str, value: Any, tp: Any) -> Any:
+    # The common scalar types first: identity tests, before typing's introspection.
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str) or len(value) > MAX_STR or not value.isprintable():
+            raise BadRequest(f"{op}: {name} must be a printable string of at most {MAX_STR} "
+                             "characters")
+        return value
+    if tp == BufferId:
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ID \
+                or not _ID_CHARS.issuperset(value):
+            raise BadRequest(f"{op}: {name} is not a buffer id ([A-Za-z0-9_-], at most "
+                             f"{MAX_ID} characters)")
+        return value
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(op, name, value, inner[0])
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if tp is U64Array:
+        if not isinstance(value, bytes) or len(value) % 8 or len(value) > 8 * MAX_ITEMS:
+            raise BadRequest(f"{op}: {name} must be packed uint64s, at most {MAX_ITEMS}")
+        return value
+    if origin is list:
+        if not isinstance(value, list) or len(value) > MAX_ITEMS:
+            raise BadRequest(f"{op}: {name} must be a list of at most {MAX_ITEMS} items")
+        (inner_tp,) = get_args(tp)
+        if inner_tp == Shape:  # shapes of big batches
+            if not all(map(_shape_ok, value)):
+                raise BadRequest(f"{op}: {name} must hold shapes: at most {MAX_NDIM} integers "
+                                 "in [0, 2**63) whose product is below 2**63")
+            return value
+        if inner_tp is str:  # fast path: names and dtypes of big batches
+            if not all(isinstance(v, str) and len(v) <= MAX_STR and v.isprintable()
+                       for v in value):
+                raise BadRequest(f"{op}: {name} must hold printable strings of at most "
+                                 f"{MAX_STR} characters")
+            return value
+        return [_check(op, f"{name}[{i}]", v, inner_tp) for i, v in enumerate(value)]
+    if tp is U64:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {value!r}")
+        return value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0:
+            raise BadRequest(f"{op}: {name} must be a finite number >= 0, got {value!r}")
+        return float(value)
+    if tp is bytes:
+        if not isinstance(value, bytes) or len(value) > MAX_STR:
+            raise BadRequest(f"{op}: {name} must be bytes, at most {MAX_STR}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise BadRequest(f"{op}: {name} must be a boolean, got {value!r}")
+        return value
+    raise TypeError(f"unsupported field type {tp!r}")  # a bug in this module, not input
+
+
+def _shape_ok(v: Any) -> bool:
+    """A shape: a list of at most MAX_NDIM ints in [0, 2**63) whose product
+    is below 2**63 (no tensor of 2**63 bytes or more can match an item)."""
+    if type(v) is not list or len(v) > MAX_NDIM:
+        return False
+    n = 1
+    for d in v:
+        if type(d) is not int or not 0 <= d <= MAX_INT:
+            return False
+        n = min(n * d, MAX_INT + 1)  # capped: the numbers stay small whatever comes
+    return n <= MAX_INT
+
+
+@dataclass(frozen=True)
+class Request:
+    """Base of every request; subclasses set ``op`` and declare typed fields."""
+
+    op: ClassVar[str] = ""
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> Request:
+        names, specs, _ = _specs(cls)
+        if not names.issuperset(fields):
+            raise BadRequest(f"{cls.op}: unknown field(s) {sorted(set(fields) - names)}")
+        op = cls.op
+        kwargs: dict[str, Any] = {}
+        for name, tp, optional, required in specs:
+            if name in fields:
+                value = fields[name]
+                kwargs[name] = None if value is None and optional else _check(op, name, value, tp)
+            elif required:
+                raise BadRequest(f"{op}: missing field {name!r}")
+        return cls(**kwargs)
+
+    def to_wire(self, req_id: int) -> dict[str, Any]:
+        msg: dict[str, Any] = {"op": self.op, "id": req_id}
+        for name in _specs(type(self))[2]:  # in field order, as dataclasses.fields
+            value = getattr(self, name)
+            if value is not None:
+                msg[name] = value
+        return msg
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+# Per request class: its field names (a set), per field (name, type to check,
+# whether None is allowed, whether it is required; a union checks its first
+# non-None type, as _check does), and the names in field order.
+_Specs = tuple[frozenset[str], tuple[tuple[str, Any, bool, bool], ...], tuple[str, ...]]
+_SPECS: dict[type, _Specs] = {}
+
+
+def _specs(cls: type) -> _Specs:
+    specs = _SPECS.get(cls)
+    if specs is None:
+        hints = _hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            tp, optional = hints[f.name], False
+            if get_origin(tp) in (Union, types.UnionType):
+                args = get_args(tp)
+                optional = type(None) in args
+                tp = next(a for a in args if a is not type(None))
+            out.append((f.name, tp, optional, f.default is dataclasses.MISSING))
+        specs = _SPECS[cls] = (frozenset(hints), tuple(out), tuple(o[0] for o in out))
+    return specs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = {
+            k: v for k, v in get_type_hints(cls, include_extras=True).items()
+            if get_origin(v) is not ClassVar
+        }
+    return _HINTS[cls]
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    op: ClassVar[str] = "hello"
+    token: str
+    version: int = PROTOCOL_VERSION
+    # Same-host path (on a Unix control socket only): the daemon reads
+    # len(probe) bytes at probe_addr in the client's memory and compares.
+    probe: bytes | None = None
+    probe_addr: int | None = None
+    # The bind nonce of this client's TCP session that this Unix socket
+    # session replaces (it takes over that session's --max-sessions slot).
+    replaces: bytes | None = None
+
+
+@dataclass(frozen=True)
+class RequestBuffer(Request):
+    op: ClassVar[str] = "request_buffer"
+    size: int
+    device_type: str = "CPU"
+    device: int = 0
+    timeout: float | None = None
+    ttl: float | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GetBufferMeta(Request):
+    op: ClassVar[str] = "get_buffer_meta"
+    buffer_id: BufferId
+    tensors: bool = True  # False: leave the manifest's entries out (version, count, end only)
+
+
+@dataclass(frozen=True)
+class Store(Request):
+    op: ClassVar[str] = "store"
+    buffer_id: BufferId
+    offset: int
+    nbytes: int
+    checksum: U64 | None = None
+    verify: Literal["checksum"] | None = None
+    # Which checksum ``checksum`` is (absent: xxh3); see docs/gpu.md.
+    checksum_kind: Literal["xxh3", "devsum"] | None = None
+    # "float16": the payload is nbytes/2 bytes of float16 that the daemon
+    # widens into the float32 range [offset, offset + nbytes).
+    wire_dtype: Literal["float16"] | None = None
+    # Same-host sessions: the payload's address in the client's memory (the
+    # daemon copies it; nothing comes over UCX).  See dataplane/cma.py.
+    addr: int | None = None
+
+
+@dataclass(frozen=True)
+class StoreBatch(Request):
+    """Many ranges of one buffer in one round trip; see ``plan_runs``.
+
+    ``names``/``dtypes``/``shapes``, when given, are index-aligned with the
+    items and recorded as the buffer's tensor manifest."""
+
+    op: ClassVar[str] = "store_batch"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    checksums: U64Array | None = None
+    verify: Literal["checksum"] | None = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[Shape] | None = None
+    manifest_version: int | None = None  # refuse if the manifest changed since
+    addrs: U64Array | None = None  # same-host sessions: each item's address in the client
+    # The manifest packed, instead of dtypes/shapes (with names as above):
+    # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
+    # (no kinds with a one-kind table: every item is of that kind).
+    kinds: U64Array | None = None
+    kind_dtypes: list[str] | None = None
+    kind_shapes: list[Shape] | None = None
+
+
+@dataclass(frozen=True)
+class ReadBatch(Request):
+    op: ClassVar[str] = "read_batch"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    addrs: U64Array | None = None  # same-host sessions: where each item lands in the client
+
+
+@dataclass(frozen=True)
+class DedupStore(Request):
+    """Place tensors by content instead of by bytes (see ``control/dedupops.py``).
+
+    Items are index-aligned like a ``StoreBatch`` with a manifest, sorted by
+    offset and disjoint; ``hashes`` holds two uint64 per item (xxh3-128, low
+    word first), ``checksums`` each item's xxh3-64.  The daemon copies every
+    item whose content this tenant already holds (or its disk cache does),
+    verifies it, records it in the manifest and answers the indices it
+    ``placed`` (packed uint64s); the client sends the others."""
+
+    op: ClassVar[str] = "dedup_store"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    hashes: U64Array
+    checksums: U64Array
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[Shape]
+
+
+@dataclass(frozen=True)
+class OpenBuffer(Request):
+    op: ClassVar[str] = "open_buffer"
+    name: str
+
+
+@dataclass(frozen=True)
+class ClearBuffer(Request):
+    op: ClassVar[str] = "clear_buffer"
+    buffer_id: BufferId
+    value: int = 0
+    offset: int = 0
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CopyBuffer(Request):
+    op: ClassVar[str] = "copy_buffer"
+    src_id: BufferId
+    src_offset: int
+    dst_id: BufferId
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Read(Request):
+    op: ClassVar[str] = "read"
+    buffer_id: BufferId
+    offset: int
+    nbytes: int
+    addr: int | None = None  # same-host sessions: where the bytes land in the client
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    op: ClassVar[str] = "release"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
+class Renew(Request):
+    op: ClassVar[str] = "renew"
+    buffer_id: BufferId
+    ttl: float | None = None
+
+
+@dataclass(frozen=True)
+class ListDevices(Request):
+    op: ClassVar[str] = "list_devices"
+
+
+@dataclass(frozen=True)
+class ListBuffers(Request):
+    op: ClassVar[str] = "list_buffers"
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    op: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+OPS: dict[str, type[Request]] = {
+    cls.op: cls
+    for cls in (
+        Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
+        ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
+        ClearBuffer, CopyBuffer, DedupStore,
+    )
+}
+
+
+def pack_u64(values: Any) -> U64Array:
+    return U64Array(np.asarray(values, dtype="<u8").tobytes())
+
+
+def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """The packed manifest's kinds: the distinct ``keys`` (hashable, e.g.
+    ``(dtype, shape)``) in first-seen order, and each key's index into them."""
+    table = list(dict.fromkeys(keys))
+    index = {k: i for i, k in enumerate(table)}
+    return table, np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
+
+
+def unpack_u64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u8")
+
+
+def plan_runs(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Group a batch's items into runs: ``(offset, nbytes, first, stop)``.
+
+    Consecutive small items whose ranges touch travel as one UCX message that
+    lands straight in the arena span they cover; a large item travels alone
+    (zero-copy on the client).  Both ends call this on the same items, so they
+    agree on the messages without saying so on the wire.  Run ``i`` of request
+    ``req_id`` uses tag ``run_tag(req_id, i)``."""
+    runs: list[tuple[int, int, int, int]] = []
+    start = end = first = 0
+    small = False
+    for i, (off, size) in enumerate(zip(offsets.tolist(), sizes.tolist(), strict=True)):
+        fits = size <= COALESCE_MAX
+        if i and small and fits and off == end and end - start + size <= RUN_MAX:
+            end += size
+            continue
+        if i:
+            runs.append((start, end - start, first, i))
+        start, end, first, small = off, off + size, i, fits
+    if len(offsets):
+        runs.append((start, end - start, first, len(offsets)))
+    return runs
+
+
+def run_tag(req_id: int, index: int) -> Any:
+    """The UCX tag of run ``index``; run 0 uses the request id itself, as a plain store does."""
+    return req_id if index == 0 else (req_id, index)
+
+
+class RequestError(Exception):
+    """A request that could not be parsed; ``req_id`` is None when unknown."""
+
+    def __init__(self, req_id: int | None, error: RpcBufError) -> None:
+        super().__init__(str(error))
+        self.req_id = req_id
+        self.error = error
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
+    """Validate one decoded frame as a request; raise ``RequestError``."""
+    req_id = msg.get("id")
+    if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id <= MAX_INT:
+        raise RequestError(None, BadRequest("request has no valid 'id'"))
+    op = msg.get("op")
+    cls = OPS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise RequestError(req_id, BadRequest(f"unknown op {op!r}", {"ops": sorted(OPS)}))
+    fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
+    try:
+        return req_id, cls.from_fields(fields)
+    except BadRequest as exc:
+        raise RequestError(req_id, exc) from None
+
+
+def ok_response(req_id: int, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "ok": True, "result": result or {}}
+
+
+def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "error": error.to_wire()}
+
+
+__all__ = [
+    "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "FrameError",
+    "Request", "RequestError", "encode_frame", "error_response", "ok_response",
+    "pack_u64", "parse_request", "plan_runs", "run_tag", "unpack_u64",
+    *[c.__name__ for c in OPS.values()],
+]
