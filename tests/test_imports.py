@@ -74,9 +74,9 @@ def test_no_import_cycles() -> None:
         state[m] = 1
         for t in sorted(edges[m]):
             if state.get(t) == 1:
-                cycles.append(path[path.index(t):] + [t] if t in path else [m, t])
+                cycles.append([*path[path.index(t):], t] if t in path else [m, t])
             elif t not in state:
-                visit(t, path + [t])
+                visit(t, [*path, t])
         state[m] = 2
 
     for m in sorted(edges):
