@@ -168,7 +168,7 @@ from _bench_peer import (  # noqa: E402
     recv_exact,
 )
 from _benchkit import cpu_ticks, no_gc  # noqa: E402
-from control import auth  # noqa: E402
+from control.wire import auth  # noqa: E402
 from control.wire import protocol as P  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
