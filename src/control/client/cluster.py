@@ -28,7 +28,7 @@ from control.wire.errors import BadRequest, RpcBufError
 T = TypeVar("T")
 
 
-class ClusterError(RpcBufError):
+class ClusterError(RpcBufError, wire=False):
     """One or more nodes failed; ``errors``: endpoint -> ``RpcBufError``.
 
     Raised on the client only (never sent on the wire).  ``results`` holds

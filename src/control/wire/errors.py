@@ -3,15 +3,23 @@
 Every error has a stable ``code`` string which is exactly what travels on the
 wire as ``{code, message, details}``.  A registry maps each code to its class so
 that the client can rebuild the same exception the daemon raised; an unknown
-code becomes the root class.  Foreign errors (UCX, OSError, msgpack) are
-translated once, at the I/O edge, with ``raise ... from exc``.
+code becomes the root class.  A class that declares a ``code`` registers it;
+declaring a code that is registered already is a ``TypeError`` at import (two
+classes for one code would make the client raise the wrong one).  A
+subclass that does not declare its own code refines its parent's (say,
+``FrameError`` is a ``BAD_REQUEST``) and is never built from the wire.  An
+error that only ever exists on the client opts out with ``wire=False``
+(``class ClusterError(RpcBufError, wire=False)``): no peer can make a client
+raise it.  Foreign errors (UCX, OSError, msgpack) are translated once, at the
+I/O edge, with ``raise ... from exc``.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-_REGISTRY: dict[str, type[RpcBufError]] = {}
+_REGISTRY: dict[str, type[RpcBufError]] = {}  # wire codes
+_LOCAL: dict[str, type[RpcBufError]] = {}  # client-only codes: never built from the wire
 
 
 class RpcBufError(Exception):
@@ -24,9 +32,14 @@ class RpcBufError(Exception):
         self.message = message or self.code
         self.details: dict[str, Any] = dict(details or {})
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, wire: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _REGISTRY.setdefault(cls.code, cls)  # a subclass sharing a code keeps the first
+        if "code" not in cls.__dict__:
+            return  # a refinement of its parent's code
+        if cls.code in _REGISTRY or cls.code in _LOCAL:
+            raise TypeError(f"error code {cls.code!r} is taken by "
+                            f"{(_REGISTRY.get(cls.code) or _LOCAL[cls.code]).__qualname__}")
+        (_REGISTRY if wire else _LOCAL)[cls.code] = cls
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
