@@ -2,10 +2,10 @@
 
 Each command is one async function over one connected ``RpcContext`` (per
 node for ``status``/``ls``/``release``, the first endpoint for the others)
-that returns a JSON-able result; ``cli.py`` prints it as a rich table or, with
-``--json``, as JSON.  Errors are not handled here: an ``RpcBufError`` from a
-daemon becomes exit 1 with its code printed, a local ``OSError``/``ValueError``
-exit 2 (see ``cli.main``).
+that returns a JSON-able result; ``cli/main.py`` prints it as a table that
+fits the terminal (``cli/tables.py``) or, with ``--json``, as JSON.  Errors
+are not handled here: an ``RpcBufError`` from a daemon becomes exit 1 and a
+sentence (``cli/errors.py``), a local ``OSError``/``ValueError`` exit 2.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from control.cli import tables
 from control.client.tensors import calculate_buffer_size
 from control.wire.errors import NotFound
 from control.wire.units import format_size, parse_duration, parse_size
@@ -51,9 +52,11 @@ def register_operator_commands(sub: Any,
     put.add_argument("--ttl", type=parse_duration, help="lease, e.g. 1h (default: no expiry)")
     client_flags(put)
     get = sub.add_parser("get", help="read a buffer stored by 'put' into a .npy file",
-                         epilog="example: rpcbuf get x --out x.npy")
+                         epilog="example: rpcbuf get x   (writes ./x.npy; --out picks the "
+                                "file, --force overwrites)")
     get.add_argument("buffer", metavar="ID|NAME")
-    get.add_argument("--out", required=True, metavar="FILE.npy")
+    get.add_argument("--out", metavar="FILE.npy", help="where to write [./ID|NAME.npy]")
+    get.add_argument("--force", action="store_true", help="overwrite FILE.npy if it exists")
     client_flags(get)
     bn = sub.add_parser("bench", help="quick store/read throughput and latency",
                         epilog="example: rpcbuf bench --sizes 4KiB,1MiB,16MiB --duration 3s")
@@ -131,10 +134,25 @@ async def put(ctx: RpcContext, arr: np.ndarray, name: str | None,
             "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
+def get_target(ref: str, out: str | None, force: bool) -> str:
+    """Where ``get`` writes: ``--out``, else ``./REF.npy`` (as ``put`` names a
+    buffer after its file).  ValueError (exit 2, before connecting) when it
+    exists and ``force`` is not given."""
+    path = out or f"{Path(ref).name}.npy"
+    if not path.endswith(".npy"):
+        path += ".npy"  # np.save would add it: say the real name
+    if Path(path).exists() and not force:
+        raise ValueError(f"{path} exists: pass --force to overwrite it, or --out another file")
+    return path
+
+
 async def get(ctx: RpcContext, ref: str, out: str) -> dict[str, Any]:
     buffer_id = await resolve(ctx, ref)
     arr = (await ctx.load_tensors(buffer_id, ["data"]))["data"]
-    np.save(out, arr, allow_pickle=False)
+    tmp = Path(out).with_name(f".{Path(out).name}.part")
+    with open(tmp, "wb") as f:  # a whole file or none: written aside, then renamed
+        np.save(f, arr, allow_pickle=False)
+    tmp.replace(out)
     return {"buffer_id": buffer_id, "out": out, "bytes": int(arr.nbytes),
             "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
@@ -189,58 +207,56 @@ def _dur(seconds: float) -> str:
     return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
 
 
-def status_tables(results: dict[str, Any]) -> list[Any]:
-    from rich.table import Table
+def status_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
+    """The nodes that answered: one table of nodes, one of their devices."""
+    ok = {a: st for a, st in results.items() if not isinstance(st, Exception)}
+    nodes = tables.fit("rpcbuf status", [
+        tables.Col("endpoint", key=True), tables.Col("node", key=True),
+        tables.Col("uptime", drop=3), tables.Col("sessions", right=True, drop=2),
+        tables.Col("buffers", right=True), tables.Col("stored", right=True, drop=1),
+        tables.Col("read", right=True, drop=1), tables.Col("path")],
+        [[a, str(st["node_id"]), _dur(st["uptime"]), str(st["sessions"]), str(st["buffers"]),
+          format_size(st.get("bytes_stored", 0)), format_size(st.get("bytes_read", 0)),
+          str(st.get("path", ""))] for a, st in ok.items()], wide=wide)
+    devs = tables.fit("devices", [
+        tables.Col("endpoint", key=True), tables.Col("device", key=True),
+        tables.Col("used", right=True), tables.Col("free", right=True),
+        tables.Col("total", right=True), tables.Col("usage", drop=1)],
+        [[a, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
+          format_size(d["total"]), bar(d["used"], d["total"])]
+         for a, st in ok.items() for d in st["devices"]], wide=wide)
+    return [nodes, devs]
 
-    nodes = Table(title="rpcbuf status")
-    for col in ("endpoint", "node", "uptime", "sessions", "buffers", "stored", "read", "path"):
-        nodes.add_column(col)
-    devs = Table(title="devices")
-    for col in ("endpoint", "device", "used", "free", "total", "usage"):
-        devs.add_column(col)
-    for addr, st in results.items():
-        if isinstance(st, Exception):
-            nodes.add_row(addr, f"[red]{st}[/red]", "", "", "", "", "", "")
-            continue
-        nodes.add_row(addr, str(st["node_id"]), _dur(st["uptime"]), str(st["sessions"]),
-                      str(st["buffers"]), format_size(st.get("bytes_stored", 0)),
-                      format_size(st.get("bytes_read", 0)), str(st.get("path", "")))
-        for d in st["devices"]:
-            devs.add_row(addr, str(d["key"]), format_size(d["used"]), format_size(d["free"]),
-                         format_size(d["total"]), bar(d["used"], d["total"]))
-    return [nodes, devs] if devs.row_count else [nodes]  # no empty table when all failed
 
-
-def ls_table(results: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="rpcbuf buffers")
-    for col in ("endpoint", "name", "id", "size", "device", "ttl left", "tensors"):
-        table.add_column(col, justify="right" if col in ("size", "tensors") else "left")
+def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
+    """This tenant's buffers on the nodes that answered."""
+    rows = []
     for addr, bufs in results.items():
         if isinstance(bufs, Exception):
-            table.add_row(addr, f"[red]{bufs}[/red]", "", "", "", "", "")
             continue
         for b in bufs:
             ttl = "-" if b["ttl_left"] is None else _dur(b["ttl_left"])
             if b["session_scoped"]:
                 ttl = "session"
-            table.add_row(addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
-                          b["device"], ttl, str(b["tensors"]))
-    return table
+            rows.append([addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
+                         b["device"], ttl, str(b["tensors"])])
+    one_node = len(results) == 1  # then the endpoint column goes first
+    return tables.fit("rpcbuf buffers", [
+        tables.Col("endpoint", key=not one_node, drop=1 if one_node else 0),
+        tables.Col("name", key=True, wrap=True), tables.Col("id", key=True),
+        tables.Col("size", right=True), tables.Col("device", drop=3),
+        tables.Col("ttl left", drop=4), tables.Col("tensors", right=True, drop=2)],
+        rows, wide=wide)
 
 
-def bench_table(rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="rpcbuf bench")
-    for col in ("size", "store MB/s", "store p50 ms", "read MB/s", "read p50 ms", "ops"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(format_size(r["size"]), f"{r['store_mb_s']:.1f}",
-                      f"{r['store_p50_ms']:.3f}", f"{r['read_mb_s']:.1f}",
-                      f"{r['read_p50_ms']:.3f}", str(r["store_ops"] + r["read_ops"]))
-    return table
+def bench_table(rows: list[dict[str, Any]], wide: bool = False) -> Any:
+    return tables.fit("rpcbuf bench", [
+        tables.Col("size", right=True), tables.Col("store MB/s", right=True),
+        tables.Col("store p50 ms", right=True), tables.Col("read MB/s", right=True),
+        tables.Col("read p50 ms", right=True), tables.Col("ops", right=True, drop=1)],
+        [[format_size(r["size"]), f"{r['store_mb_s']:.1f}", f"{r['store_p50_ms']:.3f}",
+          f"{r['read_mb_s']:.1f}", f"{r['read_p50_ms']:.3f}",
+          str(r["store_ops"] + r["read_ops"])] for r in rows], wide=wide)
 
 
 def default_name(path: str, name: str | None, ttl: float | None) -> str | None:

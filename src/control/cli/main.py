@@ -1,9 +1,13 @@
 """``rpcbuf``: the command-line client.
 
-Exit codes: 0 success; 1 an rpcbuf error from a daemon (its code is printed);
-2 bad usage or a local problem (missing file, bad flag, no token).  The
-operator commands (status, ls, release, put, get, bench) live in
-``cliops.py``, model upload (load, unload) in ``loader.py``.
+Exit codes: 0 success; 1 an error at a node (for a command over several
+nodes: at least one failed; the table shows those that answered); 2 bad usage
+or a local problem (missing file, bad flag, no token).  Every error is one
+sentence per failing node on stderr (``cli/errors.py``), never a traceback;
+``--json`` carries the same errors as objects.  Tables fit the terminal
+(``cli/tables.py``; ``--wide`` shows every column).  The operator commands
+(status, ls, release, put, get, bench) live in ``commands.py``, model upload
+(load, unload) in ``client/model/loader.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import sys
 from typing import Any
 
 from control.cli import commands as cliops
+from control.cli import tables
 from control.cli.commands import register_operator_commands
+from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
 from control.client.model.loader import register_load_commands, run_load_command
 from control.wire.auth import DEFAULT_KID, create_token, load_keys
 from control.wire.errors import RpcBufError
@@ -61,11 +67,14 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="auth token (else $RPCBUF_TOKEN)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per daemon [10]")
+    p.add_argument("--wide", action="store_true",
+                   help="every table column, however wide the terminal")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rpcbuf", description="rpcbuf command-line client.",
-                                epilog="exit codes: 0 ok, 1 error from a daemon, 2 usage/local")
+                                epilog="exit codes: 0 ok, 1 an error at a node (the others' "
+                                       "results are still shown), 2 usage or a local problem")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     tok = sub.add_parser("token", help="manage auth tokens").add_subparsers(dest="tcmd",
@@ -111,50 +120,35 @@ async def _devices(args: argparse.Namespace) -> int:
         got = await cluster.devices_by_node()
     failed = any(isinstance(r, RpcBufError) for r in got.values())
     if args.json:
-        print(json.dumps({a: (r.to_wire() if isinstance(r, RpcBufError) else r)
-                          for a, r in got.items()}, indent=2, default=str))
-        return 1 if failed else 0
-    from rich.console import Console
-    from rich.table import Table
+        _print_json(got)
+        return EXIT_NODE if failed else EXIT_OK
+    cols = [tables.Col("slot", right=True), tables.Col("endpoint", key=True),
+            tables.Col("node", key=True), tables.Col("device", key=True),
+            tables.Col("allocator", drop=1), tables.Col("total", right=True),
+            tables.Col("free", right=True), tables.Col("largest free", right=True, drop=2)]
+    rows = [[str(d["slot"]) if not failed else "-", addr, str(d["node_id"]), str(d["key"]),
+             str(d.get("allocator", "")), format_size(d["total"]), format_size(d["free"]),
+             format_size(d["largest_free"])]
+            for addr, res in got.items() if not isinstance(res, RpcBufError) for d in res]
+    if rows:
+        tables.console(args.wide).print(tables.fit("rpcbuf devices", cols, rows, wide=args.wide))
+    _print_errors(got)
+    if failed and rows:
+        print("rpcbuf: slot numbers (for --placement) need every node: none are shown",
+              file=sys.stderr)
+    return EXIT_NODE if failed else EXIT_OK
 
-    table = Table(title="rpcbuf devices")
-    for col in ("slot", "endpoint", "node", "device", "allocator", "total", "free",
-                "largest free"):
-        table.add_column(col, justify="right" if col in ("slot", "total", "free",
-                                                        "largest free") else "left")
-    for addr, res in got.items():
+
+def _print_errors(results: dict[str, Any]) -> None:
+    """One sentence per failing node, on stderr."""
+    for addr, res in results.items():
         if isinstance(res, RpcBufError):
-            table.add_row("-", addr, "", f"[red]{res.code}[/red]", res.message[:60], "", "", "")
-            continue
-        for d in res:
-            table.add_row(str(d["slot"] if not failed else "-"), addr, str(d["node_id"]),
-                          str(d["key"]), str(d.get("allocator", "")), format_size(d["total"]),
-                          format_size(d["free"]), format_size(d["largest_free"]))
-    Console(width=max(100, _term_width())).print(table)
-    if failed:
-        print("rpcbuf: some nodes failed; slot numbers need every node", file=sys.stderr)
-    return 1 if failed else 0
+            print(f"rpcbuf: {sentence(addr, res)}", file=sys.stderr)
 
 
-def _term_width() -> int:
-    import shutil
-
-    return shutil.get_terminal_size((120, 24)).columns
-
-
-def _report(args: argparse.Namespace, results: dict[str, Any], rows: Any) -> int:
-    failed = {a: r for a, r in results.items() if isinstance(r, RpcBufError)}
-    if args.json:
-        print(json.dumps({a: (r.to_wire() if isinstance(r, RpcBufError) else r)
-                          for a, r in results.items()}, indent=2, default=str))
-    else:
-        for addr, res in results.items():
-            if isinstance(res, RpcBufError):
-                print(f"{addr}: error {res}", file=sys.stderr)
-            else:
-                for line in rows(addr, res):
-                    print(line)
-    return 1 if failed else 0
+def _print_json(results: dict[str, Any]) -> None:
+    print(json.dumps({a: (to_json(a, r) if isinstance(r, RpcBufError) else r)
+                      for a, r in results.items()}, indent=2, default=str))
 
 
 def _node_command(args: argparse.Namespace) -> int:
@@ -162,20 +156,23 @@ def _node_command(args: argparse.Namespace) -> int:
     fns = {"status": cliops.status, "ls": cliops.ls,
            "release": lambda c: cliops.release(c, args.buffer)}
     results = asyncio.run(_per_node(args, fns[args.cmd]))
-    if args.json or args.cmd == "release":
-        return _report(args, results, lambda a, r: [f"{a}: released {r['released']}"])
-    from rich.console import Console
-
-    console = Console(width=max(100, _term_width()))
-    if args.cmd == "status":
-        for table in cliops.status_tables(results):
-            console.print(table)
+    failed = any(isinstance(r, RpcBufError) for r in results.values())
+    if args.json:
+        _print_json(results)
+    elif args.cmd == "release":
+        for addr, res in results.items():
+            if not isinstance(res, RpcBufError):
+                print(f"{addr}: released {res['released']}")
     else:
-        console.print(cliops.ls_table(results))
-    for addr, res in results.items():
-        if isinstance(res, RpcBufError):
-            print(f"{addr}: error {res}", file=sys.stderr)
-    return 1 if any(isinstance(r, RpcBufError) for r in results.values()) else 0
+        console = tables.console(args.wide)
+        made = cliops.status_tables(results, args.wide) if args.cmd == "status" \
+            else [cliops.ls_table(results, args.wide)]
+        for table in made:
+            if table.row_count:
+                console.print(table)
+    if not args.json:
+        _print_errors(results)
+    return EXIT_NODE if failed else EXIT_OK
 
 
 async def _one_node(args: argparse.Namespace) -> int:
@@ -184,6 +181,8 @@ async def _one_node(args: argparse.Namespace) -> int:
 
     arr = None
     name = None
+    if args.cmd == "get":  # refuse to overwrite before connecting
+        args.out = cliops.get_target(args.buffer, args.out, args.force)
     if args.cmd == "put":
         arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
         name = cliops.default_name(args.file, args.name, args.ttl)
@@ -201,20 +200,19 @@ async def _one_node(args: argparse.Namespace) -> int:
                 result = await cliops.bench(ctx, args.sizes, args.duration)
                 text = ""
     except RpcBufError as exc:
+        addr = _endpoints(args)[0]
         if args.json:
-            print(json.dumps({"error": exc.to_wire()}, indent=2, default=str))
+            print(json.dumps({"error": to_json(addr, exc)}, indent=2, default=str))
         else:
-            print(f"rpcbuf: {exc}", file=sys.stderr)
-        return 1
+            print(f"rpcbuf: {sentence(addr, exc)}", file=sys.stderr)
+        return EXIT_NODE
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     elif args.cmd == "bench":
-        from rich.console import Console
-
-        Console(width=max(100, _term_width())).print(cliops.bench_table(result))
+        tables.console(args.wide).print(cliops.bench_table(result, args.wide))
     else:
         print(text)
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,10 +230,20 @@ def main(argv: list[str] | None = None) -> int:
             return _node_command(args)
         if args.cmd in ("put", "get", "bench"):
             return asyncio.run(_one_node(args))
+    except RpcBufError as exc:  # from a step that reaches every node at once
+        where = ";".join(_endpoints(args)) if hasattr(args, "endpoint") else "rpcbuf"
+        if getattr(args, "json", False):
+            print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
+        else:
+            print(f"rpcbuf: {sentence(where, exc)}", file=sys.stderr)
+        return EXIT_NODE
     except (OSError, ValueError) as exc:
         print(f"rpcbuf: {exc}", file=sys.stderr)
-        return 2
-    return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rpcbuf: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Tables that fit the terminal.
+
+Each column says how it may give way when the terminal is narrow: an
+*optional* one (allocator, largest free block, ...) is dropped first, lowest
+priority first, until the table fits; a *key* column (ids, endpoints: what a
+user copies) is never cut, nor wrapped unless it says ``wrap`` (names, which
+then continue on the next line, whole); numbers keep their width.
+``--wide`` keeps every column and lets the terminal wrap.  Widths come from
+``$COLUMNS`` or the terminal (80 when neither is known).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass(frozen=True)
+class Col:
+    name: str
+    key: bool = False  # never cut: ids, names, endpoints
+    wrap: bool = False  # may continue on the next line when nothing else gives (names)
+    drop: int = 0  # > 0: may be dropped when narrow, lowest first
+    right: bool = False
+
+
+def width() -> int:
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _text_len(cell: Any) -> int:
+    text = Text.from_markup(cell) if isinstance(cell, str) else Text(str(cell))
+    return max((len(line) for line in text.plain.split("\n")), default=0)
+
+
+def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide: bool = False,
+        columns: int | None = None) -> Table:
+    """A rich table of ``rows`` that fits ``columns`` (the terminal's width)."""
+    columns = width() if columns is None else columns
+    keep = list(range(len(cols)))
+    need = [max([len(c.name)] + [_text_len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+
+    def total(idx: list[int]) -> int:  # cell padding 2 + one border per column, + 1
+        return sum(need[i] + 3 for i in idx) + 1
+
+    if not wide:
+        for i in sorted((i for i, c in enumerate(cols) if c.drop), key=lambda i: cols[i].drop):
+            if total(keep) <= columns:
+                break
+            keep.remove(i)
+    table = Table(title=title, expand=False)
+    for i in keep:
+        c = cols[i]
+        table.add_column(c.name, justify="right" if c.right else "left",
+                         min_width=None if c.wrap else need[i], no_wrap=not c.wrap,
+                         overflow="fold")
+    for r in rows:
+        table.add_row(*[r[i] if isinstance(r[i], str) else str(r[i]) for i in keep])
+    return table
+
+
+def console(wide: bool = False) -> Console:
+    """Where tables go: the terminal's width (wider with ``--wide``)."""
+    w = width()
+    return Console(width=max(w, 200) if wide else w, soft_wrap=False)

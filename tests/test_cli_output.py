@@ -1,0 +1,171 @@
+"""What a new user sees: errors as sentences (one per failing node, the
+cause and the next step, never a traceback, the same in --json), tables that
+fit an 80-column terminal without cutting ids, names or endpoints, and
+``rpcbuf get`` writing NAME.npy by default without overwriting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, DaemonProc
+from control.wire.auth import create_token, load_keys
+from control.wire.errors import ALL_CODES
+
+sys.path.insert(0, str(ROOT / "tests" / "hardening"))
+from fakedaemon import FakeDaemon
+
+
+@pytest.fixture(scope="module")
+def out_daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
+    return daemon_factory("--device", "cpu:64MiB")  # type: ignore[no-any-return]
+
+
+def cli_env(columns: int = 80, token: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": str(columns)}
+    env.pop("RPCBUF_TOKEN", None)
+    env.pop("RPCBUF_ENDPOINTS", None)
+    if token is not None:
+        env["RPCBUF_TOKEN"] = token
+    return env
+
+
+def run(*args: str, columns: int = 80, token: str | None = None,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+                         text=True, timeout=60, cwd=cwd, env=cli_env(columns, token))
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr
+    return res
+
+
+def test_unreachable_node_is_one_sentence_and_no_table() -> None:
+    res = run("devices", "--endpoint", "127.0.0.1:1", token="x")
+    assert res.returncode == 1
+    assert res.stdout == ""  # no table of errors
+    (line,) = res.stderr.splitlines()
+    assert "cannot reach rpcbufd at 127.0.0.1:1 (connection refused)" in line
+    assert "is the daemon running?" in line
+
+
+def test_bad_and_expired_tokens_say_what_to_do(out_daemon: DaemonProc) -> None:
+    res = run("ls", "--endpoint", out_daemon.addr, token="garbage")
+    assert res.returncode == 1 and res.stdout == ""
+    assert f"{out_daemon.addr} refused the token (malformed token)" in res.stderr
+    assert "rpcbuf token create" in res.stderr
+    old = create_token(load_keys(out_daemon.secret_file), "alice", 1.0)
+    time.sleep(1.5)
+    res = run("status", "--endpoint", out_daemon.addr, token=old)
+    assert res.returncode == 1
+    assert "the token expired" in res.stderr and "s ago" in res.stderr
+
+
+def test_partly_failing_nodes_print_the_table_of_those_that_answered(
+        out_daemon: DaemonProc) -> None:
+    token = out_daemon.token("cli-out")
+    res = run("devices", "--endpoints", f"{out_daemon.addr};127.0.0.1:1", token=token)
+    assert res.returncode == 1
+    assert out_daemon.addr in res.stdout and "127.0.0.1:1" not in res.stdout
+    assert res.stderr.count("cannot reach rpcbufd at 127.0.0.1:1") == 1
+    res = run("devices", "--endpoints", f"{out_daemon.addr};127.0.0.1:1", "--json", token=token)
+    got = json.loads(res.stdout)
+    assert "cannot reach" in got["127.0.0.1:1"]["sentence"]
+    assert got["127.0.0.1:1"]["code"] == "CONNECTION_LOST"
+    assert isinstance(got[out_daemon.addr], list)
+
+
+def test_tables_fit_80_columns_without_cutting(out_daemon: DaemonProc, tmp_path: Path) -> None:
+    token = out_daemon.token("cli-out")
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.float32))
+    name = "tinyllama-1.1b-chat/slot-000-layers.0-7"
+    put = run("put", str(tmp_path / "t.npy"), "--name", name, "--endpoint", out_daemon.addr,
+              token=token)
+    assert put.returncode == 0, put.stderr
+    bid = put.stdout.strip()
+    eps = f"{out_daemon.addr};localhost:{out_daemon.addr.rsplit(':', 1)[1]}"
+    for cmd in (["ls"], ["status"], ["devices"]):
+        for where in (["--endpoint", out_daemon.addr], ["--endpoints", eps]):
+            res = run(*cmd, *where, token=token)
+            assert res.returncode == 0, res.stderr
+            lines = res.stdout.splitlines()
+            assert lines and max(len(line) for line in lines) <= 80, res.stdout
+            assert "…" not in res.stdout, res.stdout  # nothing cut
+            assert out_daemon.addr in res.stdout or (cmd == ["ls"] and len(where[1]) < 20)
+    res = run("ls", "--endpoints", eps, token=token)
+    assert bid in res.stdout  # ids whole, on one line
+    assert name.replace("/", "") not in res.stdout  # (a long name may wrap onto a second line)
+    assert "tinyllama-1.1b" in res.stdout
+    wide = run("ls", "--endpoints", eps, "--wide", columns=80, token=token)
+    assert "ttl left" in wide.stdout and "device" in wide.stdout
+    assert run("release", bid, "--endpoint", out_daemon.addr, token=token).returncode == 0
+
+
+def test_get_writes_name_npy_and_refuses_to_overwrite(out_daemon: DaemonProc,
+                                                      tmp_path: Path) -> None:
+    token = out_daemon.token("cli-out")
+    arr = np.arange(12, dtype=np.int16).reshape(3, 4)
+    np.save(tmp_path / "src.npy", arr)
+    assert run("put", str(tmp_path / "src.npy"), "--name", "models/w", "--endpoint",
+               out_daemon.addr, token=token).returncode == 0
+    work = tmp_path / "cwd"
+    work.mkdir()
+    res = run("get", "models/w", "--endpoint", out_daemon.addr, token=token, cwd=work)
+    assert res.returncode == 0, res.stderr
+    np.testing.assert_array_equal(np.load(work / "w.npy"), arr)
+    again = run("get", "models/w", "--endpoint", out_daemon.addr, token=token, cwd=work)
+    assert again.returncode == 2 and "exists: pass --force" in again.stderr
+    (work / "w.npy").write_bytes(b"keep me")
+    assert run("get", "models/w", "--endpoint", out_daemon.addr, token=token,
+               cwd=work).returncode == 2
+    assert (work / "w.npy").read_bytes() == b"keep me"  # refused before connecting
+    forced = run("get", "models/w", "--force", "--endpoint", out_daemon.addr, token=token,
+                 cwd=work)
+    assert forced.returncode == 0
+    np.testing.assert_array_equal(np.load(work / "w.npy"), arr)
+    assert not list(work.glob(".*.part"))
+    assert run("release", "models/w", "--endpoint", out_daemon.addr,
+               token=token).returncode == 0
+
+
+async def test_every_error_code_is_a_sentence_without_a_traceback(tmp_path: Path) -> None:
+    """A daemon (here a fake one) refusing hello with each code: every
+    command prints one sentence naming the node, exit 1, no traceback."""
+    code = ["?"]
+
+    async def refuse(conn: Any, req: dict[str, Any]) -> None:
+        conn.send({"id": req["id"], "ok": False,
+                   "error": {"code": code[0], "message": f"the node says {code[0]}",
+                             "details": {}}})
+
+    fake = FakeDaemon(refuse)
+    addr = await fake.start()
+    try:
+        for c in [*ALL_CODES, "SOMETHING_NEW"]:
+            code[0] = c
+            for args in (["devices"], ["ls", "--json"],
+                         ["get", "x", "--out", str(tmp_path / "x.npy")]):
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "control.cli", *args, "--endpoint", addr,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    cwd=ROOT, env=cli_env(80, "t"))
+                out, err = await asyncio.wait_for(proc.communicate(), 60)
+                text = (out + err).decode()
+                assert "Traceback" not in text, (c, args, text)
+                assert proc.returncode == 1, (c, args, text)
+                if "--json" in args:
+                    got = json.loads(out)[addr]  # an unknown code: the root class keeps it
+                    assert c in (got["code"], got["details"].get("code")), got
+                    assert addr in got["sentence"]
+                else:
+                    lines = err.decode().splitlines()
+                    assert len(lines) == 1 and addr in lines[0], (c, lines)
+    finally:
+        await fake.close()
