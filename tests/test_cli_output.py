@@ -169,3 +169,25 @@ async def test_every_error_code_is_a_sentence_without_a_traceback(tmp_path: Path
                     assert len(lines) == 1 and addr in lines[0], (c, lines)
     finally:
         await fake.close()
+
+
+def test_doctor_on_a_healthy_node_a_stopped_one_and_a_wrong_token(out_daemon: DaemonProc) -> None:
+    token = out_daemon.token("cli-out")
+    res = run("doctor", "--endpoint", out_daemon.addr, "--json", token=token)
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = json.loads(res.stdout)[out_daemon.addr]
+    names = [c["check"] for c in checks]
+    for want in ("reachable", "tls", "token", "protocol", "data path", "transports",
+                 "round trip 4.0 KiB", "memory cpu:0", "clock"):
+        assert want in names, names
+    assert not [c for c in checks if c["status"] == "fail"], checks
+    big = [c for c in checks if c["check"].startswith("round trip") and "MiB" in c["check"]]
+    assert big and big[0]["figures"]["bytes"] >= 1 << 20
+    text = run("doctor", "--endpoint", out_daemon.addr, token=token)
+    assert text.returncode == 0 and "ok    token" in text.stdout
+    stopped = run("doctor", "--endpoint", "127.0.0.1:1", token=token)
+    assert stopped.returncode == 1
+    assert "FAIL  reachable" in stopped.stdout and "connection refused" in stopped.stdout
+    wrong = run("doctor", "--endpoint", out_daemon.addr, token="garbage")
+    assert wrong.returncode == 1
+    assert "FAIL  token" in wrong.stdout and "refused the token" in wrong.stdout

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     dv = sub.add_parser("devices", help="list every node's devices and free memory",
                         epilog='example: rpcbuf devices --endpoints "10.0.0.5:7700;10.0.0.6:7700"')
     _client_flags(dv)
+    dr = sub.add_parser("doctor", help="check each node step by step: reachable, token, "
+                        "data path, round trips, memory, clock",
+                        epilog="example: rpcbuf doctor --endpoint 127.0.0.1:7700   "
+                               "(exit 0 when no check failed)")
+    _client_flags(dr)
     register_operator_commands(sub, _client_flags)
     register_load_commands(sub, _client_flags)
     return p
@@ -137,6 +142,17 @@ async def _devices(args: argparse.Namespace) -> int:
         print("rpcbuf: slot numbers (for --placement) need every node: none are shown",
               file=sys.stderr)
     return EXIT_NODE if failed else EXIT_OK
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from control.cli import doctor
+
+    results = asyncio.run(doctor.doctor(_endpoints(args), _token(args), args.timeout))
+    if args.json:
+        print(json.dumps(doctor.as_json(results), indent=2, default=str))
+    else:
+        print("\n".join(doctor.render(results)))
+    return EXIT_NODE if doctor.failed(results) else EXIT_OK
 
 
 def _print_errors(results: dict[str, Any]) -> None:
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "devices":
             return asyncio.run(_devices(args))
+        if args.cmd == "doctor":
+            return _doctor(args)
         if args.cmd in ("load", "unload"):
             return run_load_command(args, _endpoints(args), _token(args))
         if args.cmd in ("status", "ls", "release"):

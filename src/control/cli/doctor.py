@@ -1,0 +1,204 @@
+"""``rpcbuf doctor``: the checks a new user would otherwise make by hand.
+
+Per node, in order, each check ``ok``, ``warn`` or ``fail`` with one
+sentence: the node is reachable; TLS (whether the token travels in the
+clear); the token is accepted (tenant, expiry); the protocol versions; which
+data path this client gets and why; the UCX transports on this side (and
+whether RDMA devices exist); a 4 KiB and a 64 MiB round trip with their
+figures; free memory per device; and the clock skew against the node (token
+expiry is judged by the node's clock).  A check that cannot run because an
+earlier one failed is not run.  Exit 0 when no check failed (warnings
+allowed), 1 otherwise; ``--json`` gives the same as objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from control.cli.errors import ago, sentence
+from control.wire import protocol as P
+from control.wire.errors import RpcBufError
+from control.wire.units import format_size, split_host_port
+
+BIG = 64 << 20
+
+
+@dataclass
+class Check:
+    check: str
+    status: str  # "ok" | "warn" | "fail"
+    message: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _rdma_devices() -> list[str]:
+    path = Path("/sys/class/infiniband")
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+
+async def check_node(addr: str, token: str, timeout: float) -> list[Check]:
+    """Every check against one node, stopping where the next cannot run."""
+    import rpcbuf
+
+    out: list[Check] = []
+    host, port = split_host_port(addr, 7700)
+    t0 = time.perf_counter()
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.close()
+    except (OSError, TimeoutError) as exc:
+        err = rpcbuf.ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}")
+        err.__cause__ = exc
+        out.append(Check("reachable", "fail", sentence(addr, err)))
+        return out
+    ms = (time.perf_counter() - t0) * 1e3
+    out.append(Check("reachable", "ok", f"{addr} accepts connections ({ms:.1f} ms)",
+                     {"connect_ms": ms}))
+    if _loopback(host):
+        out.append(Check("tls", "ok", "plain TCP on loopback (nothing leaves this host)"))
+    else:
+        out.append(Check("tls", "warn", "the control channel is plain TCP: the token travels "
+                         "in the clear; run the daemon with --tls-cert/--tls-key off a trusted "
+                         "network (docs/security.md)"))
+    try:
+        ctx = await rpcbuf.connect(addr, token=token, timeout=timeout)
+    except RpcBufError as exc:
+        out.append(Check("token", "fail", sentence(addr, exc)))
+        return out
+    try:
+        await _with_session(ctx, addr, out)
+    except RpcBufError as exc:  # the node went away or refused midway
+        out.append(Check("session", "fail", sentence(addr, exc)))
+    finally:
+        await ctx.close()
+    return out
+
+
+async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
+    hello = ctx.hello
+    exp = hello.get("token_expires_at")
+    if exp is None:
+        out.append(Check("token", "ok", f"accepted: tenant {hello['tenant']}, never expires"))
+    else:
+        left = float(exp) - time.time()
+        status = "ok" if left > 3600 else "warn"
+        more = "" if status == "ok" else ": make a new one soon (`rpcbuf token create`)"
+        out.append(Check("token", status, f"accepted: tenant {hello['tenant']}, expires in "
+                         f"{ago(left)}{more}", {"expires_in_s": left}))
+    version = hello.get("version")
+    out.append(Check("protocol", "ok" if version == P.PROTOCOL_VERSION else "warn",
+                     f"node speaks protocol {version}, this client {P.PROTOCOL_VERSION}"))
+    if ctx.same_host:
+        out.append(Check("data path", "ok", "same-host (the daemon copies straight between "
+                         "your arrays and its memory)"))
+    else:
+        why = hello.get("same_host_why")
+        local = "local" in hello or _loopback(split_host_port(addr, 7700)[0])
+        msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
+        out.append(Check("data path", "warn" if local and why else "ok", msg))
+    tls = os.environ.get("UCX_TLS", "(UCX's choice)")
+    rdma = _rdma_devices()
+    out.append(Check("transports", "ok",
+                     f"UCX_TLS={tls} here; RDMA devices: {', '.join(rdma) if rdma else 'none'}",
+                     {"ucx_tls": tls, "rdma_devices": rdma}))
+    devices = await ctx.list_devices()
+    host = [d for d in devices if d.get("device_type", "CPU") == "CPU"] or devices
+    await _round_trips(ctx, out, max((int(d["largest_free"]) for d in host), default=0))
+    for d in devices:
+        free, total = int(d["free"]), int(d["total"])
+        status = "ok" if total and free >= total // 10 else "warn"
+        out.append(Check(f"memory {d['key']}", status, f"{format_size(free)} free of "
+                         f"{format_size(total)} (largest block {format_size(d['largest_free'])})",
+                         {"free": free, "total": total}))
+    t0 = time.time()
+    pong = await ctx._call(P.Ping())  # the node's clock (ping() gives the round trip)
+    t1 = time.time()
+    skew = float(pong["time"]) - (t0 + t1) / 2
+    status = "ok" if abs(skew) < 1 else "warn" if abs(skew) < 30 else "fail"
+    out.append(Check("clock", status, f"the node's clock is {abs(skew) * 1e3:.0f} ms "
+                     f"{'ahead' if skew > 0 else 'behind'}" + (
+                         "" if status == "ok" else ": token expiry is judged by the node's "
+                         "clock; run NTP (chrony) on both"), {"skew_s": skew}))
+
+
+async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
+    """A 4 KiB and a 64 MiB (or the largest free block's) store + read, each
+    the best of three after a warm-up (the first transfer sets up UCX)."""
+    big = min(BIG, largest)
+    for size in (4096, big):
+        label = format_size(size)
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        back = np.empty_like(data)
+        try:
+            bid = await ctx.request_buffer(size)
+        except RpcBufError as exc:
+            out.append(Check(f"round trip {label}", "warn", f"not run: {exc.message}"))
+            continue
+        best = [float("inf"), float("inf")]
+        try:
+            for i in range(4):
+                t0 = time.perf_counter()
+                await ctx.store_tensor(bid, data, verify="checksum")
+                t1 = time.perf_counter()
+                await ctx.read_buffer(bid, out=back)
+                t2 = time.perf_counter()
+                if i:
+                    best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+        except RpcBufError as exc:
+            out.append(Check(f"round trip {label}", "fail", exc.message))
+            continue
+        finally:
+            await asyncio.shield(ctx.release_buffer(bid))
+        if not np.array_equal(back, data):
+            out.append(Check(f"round trip {label}", "fail", "read back differs from what "
+                             "was stored"))
+            continue
+        store, read = best
+        if size > 1 << 20:
+            msg = f"store {size / store / 1e9:.2f} GB/s, read {size / read / 1e9:.2f} GB/s"
+        else:
+            msg = f"store + ack {store * 1e6:.0f} us, read {read * 1e6:.0f} us"
+        if size < BIG and size == big:
+            msg += " (the largest free block)"
+        out.append(Check(f"round trip {label}", "ok", msg,
+                         {"store_s": store, "read_s": read, "bytes": size}))
+
+
+async def doctor(endpoints: list[str], token: str, timeout: float) -> dict[str, list[Check]]:
+    results = await asyncio.gather(*(check_node(a, token, timeout) for a in endpoints))
+    return dict(zip(endpoints, results, strict=True))
+
+
+def render(results: dict[str, list[Check]]) -> list[str]:
+    mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+    lines: list[str] = []
+    for addr, checks in results.items():
+        lines.append(addr)
+        for c in checks:
+            lines.append(f"  {mark[c.status]}  {c.check:<18} {c.message}")
+    return lines
+
+
+def as_json(results: dict[str, list[Check]]) -> dict[str, Any]:
+    return {a: [asdict(c) for c in checks] for a, checks in results.items()}
+
+
+def failed(results: dict[str, list[Check]]) -> bool:
+    return any(c.status == "fail" for checks in results.values() for c in checks)
