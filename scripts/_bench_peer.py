@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from benchkit.procs import write_ready
 from control.wire import protocol as P
 from dataplane import ucx
 
@@ -159,13 +160,6 @@ async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
         pass
     finally:
         writer.close()
-
-
-def write_ready(path: str, text: str) -> None:
-    """Write atomically, so the waiter never sees half a line."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -31,30 +31,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-for _key, _val in (("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo"),
-                   ("UCX_WARN_UNUSED_ENV_VARS", "n")):
-    os.environ.setdefault(_key, _val)
+import benchkit
+
+benchkit.loopback_ucx_env()  # before anything imports ucxx
 
 import numpy as np  # noqa: E402
 
 import rpcbuf  # noqa: E402
+from benchkit import MiB  # noqa: E402
+from benchkit.procs import Daemon  # noqa: E402
+from benchkit.report import format_table, machine_meta, progress_printer, write_json  # noqa: E402
 from control.client.context import same_host_default  # noqa: E402
-from control.wire.auth import create_token, load_or_create_secret  # noqa: E402
 
-MiB = 1 << 20
+progress = progress_printer("bench_dedup")
 SCENARIOS = ("first", "again, same name", "again, new name", "after restart")
 GOALS = {"again, same name": (0.01, 0.10), "again, new name": (0.01, 0.10),
          "after restart": (0.01, 0.25)}
@@ -91,43 +89,16 @@ def write_model(path: Path, size: int, layers: int, seed: int = 0) -> int:
     return sum(a.nbytes for a in tensors.values())
 
 
-class Node:
-    def __init__(self, tmp: Path, arena: int, cache: Path, flags: list[str]) -> None:
-        self.tmp, self.arena, self.cache, self.flags = tmp, arena, cache, flags
-        self.secret = tmp / "secret"
-        self.token = create_token(load_or_create_secret(self.secret), "bench")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.addr = ""
-
-    def start(self) -> None:
-        ready = self.tmp / "ready"
-        ready.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
-             "--ucx-port", "0", "--device", f"cpu:{self.arena}", "--secret-file",
-             str(self.secret), "--ready-file", str(ready), "--cache-dir", str(self.cache),
-             "--cache-size", f"{4 * self.arena}",
-             "--log-level", os.environ.get("BENCH_LOG", "WARNING"), *self.flags],
-            stderr=open(self.tmp / "daemon.log", "ab"))  # the child keeps it open
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and ready.read_text().endswith("\n")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((self.tmp / "daemon.log").read_text())
-            time.sleep(0.05)
-        self.addr = ready.read_text().split()[0]
-
-    def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return -1
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+def node(tmp: Path, arena: int, cache: Path, flags: list[str]) -> Daemon:
+    """One rpcbufd on ``cache`` (restartable: ``stop()`` then ``start()`` again
+    keeps the disk cache); SIGTERM lets the cache writes finish (bounded: 120 s)."""
+    return Daemon(tmp, "--device", f"cpu:{arena}", "--cache-dir", str(cache),
+                  "--cache-size", f"{4 * arena}", *flags, tenant="bench",
+                  log_level=os.environ.get("BENCH_LOG", "WARNING"), ready_timeout=30.0,
+                  stop_timeout=120.0)
 
 
-async def upload(node: Node, model: Path, name: str, hash_cache: bool) -> dict[str, Any]:
+async def upload(node: Daemon, model: Path, name: str, hash_cache: bool) -> dict[str, Any]:
     async with rpcbuf.Cluster.connect(node.addr, node.token, timeout=120) as cluster:
         t = time.perf_counter()
         res = await rpcbuf.load_model(cluster, model, name=name, progress=False,
@@ -142,26 +113,26 @@ async def one_round(tmp: Path, model: Path, arena: int, flags: list[str],
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(tmp / "hashes", ignore_errors=True)  # the client's hash cache: cold too
     os.environ["RPCBUF_CACHE_DIR"] = str(tmp / "hashes")
-    node = Node(tmp, arena, cache, flags)
-    node.start()
+    daemon = node(tmp, arena, cache, flags)
+    daemon.start()
     out: dict[str, dict[str, Any]] = {}
     try:
-        out["first"] = await upload(node, model, "m", hash_cache)
-        out["again, same name"] = await upload(node, model, "m", hash_cache)
-        out["again, new name"] = await upload(node, model, "m2", hash_cache)
+        out["first"] = await upload(daemon, model, "m", hash_cache)
+        out["again, same name"] = await upload(daemon, model, "m", hash_cache)
+        out["again, new name"] = await upload(daemon, model, "m2", hash_cache)
     finally:
-        node.stop()
-    node.start()
+        daemon.stop()
+    daemon.start()
     try:
-        out["after restart"] = await upload(node, model, "m", hash_cache)
+        out["after restart"] = await upload(daemon, model, "m", hash_cache)
     finally:
-        node.stop()
+        daemon.stop()
     return out
 
 
 def fmt_table(rows: dict[str, dict[str, Any]]) -> str:
     head = ["scenario", "bytes sent", "of first", "seconds", "of first", "goal", "met"]
-    lines = [head]
+    lines = []
     for name in SCENARIOS:
         r = rows[name]
         goal = GOALS.get(name)
@@ -170,11 +141,7 @@ def fmt_table(rows: dict[str, dict[str, Any]]) -> str:
                       f"{100 * r['bytes_ratio']:.2f} %", f"{r['seconds']:.3f}",
                       f"{100 * r['time_ratio']:.1f} %", target,
                       "-" if r["met"] is None else ("yes" if r["met"] else "NO")])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                      for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    return format_table(head, lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             rounds.append(asyncio.run(one_round(tmp, model, arena, flags,
                                                 not args.no_hash_cache)))
-            print(f"[bench_dedup] round {i + 1}/{args.rounds}: {time.perf_counter() - t:.1f} s",
-                  file=sys.stderr, flush=True)
+            progress(f"round {i + 1}/{args.rounds}: {time.perf_counter() - t:.1f} s")
     rows: dict[str, dict[str, Any]] = {}
     for name in SCENARIOS:
         t_ratios = [r[name]["seconds"] / r["first"]["seconds"] for r in rounds]
@@ -226,12 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": {"started_at": started, "seconds": time.time() - started,
                        "model_bytes": nbytes, "layers": args.layers, "rounds": args.rounds,
                        "hash_cache": not args.no_hash_cache, "daemon_flags": flags,
-                       "python": sys.version.split()[0], "platform": platform.platform(),
-                       "cpus": os.cpu_count()},
+                       **machine_meta()},
               "goals": {k: {"bytes": v[0], "time": v[1]} for k, v in GOALS.items()},
               "scenarios": rows}
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[bench_dedup] wrote {args.json}", file=sys.stderr)
+    write_json(args.json, report)
+    progress(f"wrote {args.json}")
     return 0
 
 

@@ -22,7 +22,6 @@ Writes JSON (``--json``) naming the GPU, the driver and every number.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -35,17 +34,16 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-
-from dataplane import ucx  # noqa: E402
+import benchkit  # noqa: F401  (puts this checkout's src/ on sys.path)
+from dataplane import ucx
 
 ucx.apply_defaults(cuda=True)
 
 import cupy as cp  # noqa: E402
 
 import rpcbuf  # noqa: E402
-from control.wire.auth import create_token, load_or_create_secret  # noqa: E402
+from benchkit.procs import Daemon  # noqa: E402
+from benchkit.report import format_table, write_json  # noqa: E402
 from dataplane.devsum import device_devsum  # noqa: E402
 
 
@@ -116,26 +114,6 @@ def driver_info() -> dict[str, Any]:
     return info
 
 
-def start_daemon(tmp: Path, size: int) -> tuple[subprocess.Popen[bytes], str, str]:
-    secret, ready, log = tmp / "secret", tmp / "ready", tmp / "daemon.log"
-    load_or_create_secret(secret)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0", "--ucx-port", "0",
-             "--secret-file", str(secret), "--ready-file", str(ready), "--log-level", "WARNING",
-             "--device", "cpu:1GiB", "--device", f"cuda:0:{4 * size}"],
-            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    deadline = time.monotonic() + 120
-    while not (ready.exists() and ready.read_text().endswith("\n")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rpcbufd did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.1)
-    addr = ready.read_text().split()[0]
-    return proc, addr, create_token(load_or_create_secret(secret), "bench")
-
-
 async def bench(addr: str, token: str, size: int, rounds: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     src = cp.random.standard_normal(size // 4, dtype=cp.float32).view(cp.uint8)
@@ -185,29 +163,25 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the report here")
     args = p.parse_args()
     info = driver_info()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, addr, token = start_daemon(Path(tmp), args.size)
-        try:
-            import uvloop
+    with tempfile.TemporaryDirectory() as tmp, \
+            Daemon(Path(tmp), "--device", "cpu:1GiB", "--device", f"cuda:0:{4 * args.size}",
+                   tenant="bench", ready_timeout=120.0, stop_timeout=60.0) as daemon:
+        import uvloop
 
-            rows = uvloop.run(bench(addr, token, args.size, args.rounds))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        rows = uvloop.run(bench(daemon.addr, daemon.token, args.size, args.rounds))
     d2d = next(r for r in rows if r["name"].startswith("store D2D (cupy"))
     goal = {"what": "device-to-device store >= 0.5 x on-device copy bandwidth",
             "ratio": d2d["ratio"], "met": d2d["ratio"] >= 0.5}
     print(f"{info['gpu']}  driver {info['nvidia_smi']}")
-    print(f"{'row':42} {'GB/s':>9} {'ratio':>7}  reference")
-    for r in rows:
-        ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
-        print(f"{r['name']:42} {r['gbps']:9.2f} {ratio:>7}  {r['reference'] or ''}")
+    print(format_table(("row", "GB/s", "ratio", "reference"),
+                       [(r["name"], f"{r['gbps']:.2f}",
+                         f"{r['ratio']:.2f}" if "ratio" in r else "", r["reference"] or "")
+                        for r in rows], right={1, 2}, rule=False))
     print(f"goal: {goal['what']}: {goal['ratio']:.2f} -> {'met' if goal['met'] else 'NOT met'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"info": info, "rows": rows, "goal": goal,
-                                         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                                        indent=1))
+        write_json(args.json, {"info": info, "rows": rows, "goal": goal,
+                               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         print(f"wrote {args.json}")
     return 0
 
