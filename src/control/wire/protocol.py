@@ -473,14 +473,6 @@ def pack_u64(values: Any) -> U64Array:
     return U64Array(np.asarray(values, dtype="<u8").tobytes())
 
 
-def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
-    """The packed manifest's kinds: the distinct ``keys`` (hashable, e.g.
-    ``(dtype, shape)``) in first-seen order, and each key's index into them."""
-    table = list(dict.fromkeys(keys))
-    index = {k: i for i, k in enumerate(table)}
-    return table, np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
-
-
 def unpack_u64(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<u8")
 
