@@ -110,6 +110,7 @@ def test_manifest_check_refuses_bad_manifests(change: dict[str, object], words: 
 # -- through a daemon -------------------------------------------------------------------------
 
 
+@pytest.mark.both_paths
 async def test_bad_packed_manifests_are_refused_before_any_byte_lands(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -139,6 +140,7 @@ async def test_bad_packed_manifests_are_refused_before_any_byte_lands(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_store_batch_answers_checksums_in_the_callers_order(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -155,6 +157,7 @@ async def test_store_batch_answers_checksums_in_the_callers_order(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -172,6 +175,7 @@ async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcContext) -> None:
     rng = np.random.default_rng(5)
     kinds = [((4, 8), np.float32), ((16,), np.float16), ((), np.int64), ((3, 0), np.float32),
@@ -205,6 +209,7 @@ async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcCont
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_read_batch_spans_overlaps_duplicates_and_empty_ranges(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 20)

@@ -9,6 +9,8 @@ import pytest
 
 import rpcbuf
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
           "complex64", "bool"]
 
@@ -82,7 +84,7 @@ async def test_verify_failed_is_reported(ctx: rpcbuf.RpcContext,
     import control.client.context
 
     buf = await ctx.request_buffer(1024)
-    monkeypatch.setattr(control.client, "checksum", lambda data: 12345)  # client lies
+    monkeypatch.setattr(control.client.context, "checksum", lambda data: 12345)  # client lies
     with pytest.raises(rpcbuf.VerifyFailed) as info:
         await ctx.store_tensor(buf, np.ones(1024, np.uint8), verify="checksum")
     assert info.value.details["expected"] == 12345
