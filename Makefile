@@ -21,15 +21,11 @@ lint: install
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
 
-# Loopback clients take the same-host path by default; these files run again
-# on the UCX path (what clients on other hosts use).
-UCX_PATH_TESTS := tests/test_transfers.py tests/test_failures.py tests/test_layouts.py \
-	tests/test_memory.py tests/test_concurrency.py tests/test_locks.py tests/test_big_batches.py \
-	tests/test_dedup.py tests/hardening/test_faults.py
-
-test: install lint  ## the whole suite: lint, unit and integration tests, then the UCX path again
+# Loopback clients take the same-host path by default; tests marked both_paths
+# (tests/conftest.py) run on it and again on the UCX path (what clients on other
+# hosts use), in this one run.
+test: install lint  ## the whole suite: lint, unit and integration tests, data-path tests on both paths
 	$(BIN)/python -m pytest -q
-	RPCBUF_SAME_HOST=0 $(BIN)/python -m pytest -q $(UCX_PATH_TESTS)
 
 soak: install  ## the hardening suite, longer: 3000 fuzz examples, 32 clients for 30 s, 40 kills
 	RPCBUF_SOAK=1 $(BIN)/python -m pytest -q -s --timeout 1200 tests/hardening

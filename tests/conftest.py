@@ -11,6 +11,14 @@ Tests (and CI) run as root, and a root daemon refuses the same-host path
 started here as root gets ``--unsafe-privileged-same-host`` unless the test
 asks for a real one (``privileged_same_host=False``).  Never pass that flag
 outside tests.
+
+Loopback clients take the same-host path by default.  A test marked
+``both_paths`` (``@pytest.mark.both_paths``, or ``pytestmark`` for a whole
+module) runs twice, once per data path: ``[same-host]`` and ``[ucx]`` (what
+clients on other hosts use), through ``RPCBUF_SAME_HOST`` set for the test
+(so daemons and client processes the test starts see it too).
+A marked test may take ``data_path`` as an argument to know which.
+``--data-path same-host|ucx`` runs the marked tests on one path only.
 """
 
 from __future__ import annotations
@@ -109,6 +117,57 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30,
         time.sleep(0.05)
     addr, ucx_port = ready.read_text().split()
     return DaemonProc(proc, addr, int(ucx_port), secret, logf, tmp)
+
+
+DATA_PATHS = {"same-host": None, "ucx": "0"}  # RPCBUF_SAME_HOST for each (None: unset, auto)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--data-path", choices=["both", *DATA_PATHS], default="both",
+                     help="the data paths a test marked both_paths runs on (default: both)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "both_paths: run the test on the same-host and the UCX "
+                                       "data path (--data-path picks one)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("both_paths") is None:
+        return
+    chosen = metafunc.config.getoption("--data-path")
+    # A parameter, not a fixture: the path is set by the hooks below, before any
+    # fixture of the test connects, and a function-scoped fixture would trip
+    # hypothesis's health check in marked tests that use @given.
+    metafunc.fixturenames.append("data_path")
+    metafunc.parametrize("data_path", list(DATA_PATHS) if chosen == "both" else [chosen])
+
+
+_SAVED_PATH: dict[str, str | None] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``RPCBUF_SAME_HOST`` for a ``both_paths`` test, from setup to teardown."""
+    callspec = getattr(item, "callspec", None)
+    path = None if callspec is None else callspec.params.get("data_path")
+    if path is None:
+        return
+    _SAVED_PATH[item.nodeid] = os.environ.get("RPCBUF_SAME_HOST")
+    _set_same_host(DATA_PATHS[path])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if item.nodeid in _SAVED_PATH:
+        _set_same_host(_SAVED_PATH.pop(item.nodeid))
+
+
+def _set_same_host(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("RPCBUF_SAME_HOST", None)
+    else:
+        os.environ["RPCBUF_SAME_HOST"] = value
 
 
 @pytest.fixture(scope="session")

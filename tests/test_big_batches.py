@@ -1,6 +1,6 @@
-"""Big tensor batches: the packed manifest on the wire and its checks, the
-client's columns (ManifestTable, layouts, spans and views), same-host copies
-that report what has landed, and array addresses gathered at once."""
+"""Big tensor batches: packed manifests through a daemon, the client's layouts,
+spans and views, same-host copies that report what has landed, and array
+addresses gathered at once.  The manifest model itself: tests/wire/test_manifest.py."""
 
 from __future__ import annotations
 
@@ -21,95 +21,13 @@ from control.client.tensors import (
     plan_offsets,
     plan_spans,
 )
-from control.daemon import manifest as M
 from control.wire import protocol as P
 from dataplane import cma
-
-
-def _batch(**kw: object) -> P.StoreBatch:
-    fields: dict[str, object] = dict(
-        buffer_id="b", offsets=P.pack_u64([0, 64, 128]), sizes=P.pack_u64([16, 16, 8]),
-        names=["a", "b", "c"], kinds=P.pack_u64([0, 0, 1]), kind_dtypes=["<f4", "int16"],
-        kind_shapes=[[2, 2], [4]])
-    fields.update(kw)
-    return P.StoreBatch(**fields)  # type: ignore[arg-type]
-
-
-# -- the wire fields ----------------------------------------------------------------------
-
-
-def test_packed_manifest_fields_round_trip_and_bad_types() -> None:
-    req = _batch()
-    assert P.parse_request(req.to_wire(3)) == (3, req)
-    one_kind = _batch(kinds=None, kind_dtypes=["<f4"], kind_shapes=[[4]])
-    assert P.parse_request(one_kind.to_wire(4)) == (4, one_kind)
-    for bad in ({"kinds": [0, 0, 1]}, {"kinds": b"\x00" * 7}, {"kinds": "abc"},
-                {"kind_dtypes": "<f4"}, {"kind_dtypes": [4, 5]}, {"kind_dtypes": ["x" * 2000]},
-                {"kind_shapes": [4, 4]}, {"kind_shapes": [[-1], [4]]}, {"kind_shapes": [["4"]]},
-                {"kind_shapes": [[2.0, 2]]}, {"kind_shapes": [[True]]}):
-        with pytest.raises(P.RequestError) as info:
-            P.parse_request({**req.to_wire(3), **bad})
-        assert info.value.req_id == 3 and info.value.error.code == "BAD_REQUEST"
-
-
-def _sizes(req: P.StoreBatch) -> np.ndarray:
-    return P.unpack_u64(req.sizes)
-
-
-def test_manifest_check_accepts_both_forms() -> None:
-    cols = M.check(_batch(), _sizes(_batch()))
-    assert cols is not None and cols.dtypes == ["<f4", "<i2"]
-    offsets = P.unpack_u64(_batch().offsets)
-    entries = cols.entries(offsets, _sizes(_batch()), [1, 2, 3])
-    assert entries["a"] == {"dtype": "<f4", "shape": (2, 2), "offset": 0, "nbytes": 16,
-                            "checksum": 1}
-    assert entries["c"]["dtype"] == "<i2" and list(entries["c"]["shape"]) == [4]
-    assert list(cols.entries(offsets, _sizes(_batch()), [9], 1, 2)) == ["b"]
-    one = _batch(kinds=None, kind_dtypes=["<f4"], kind_shapes=[[4]],
-                 sizes=P.pack_u64([16, 16, 16]))
-    assert M.check(one, _sizes(one)) is not None
-    listed = _batch(kinds=None, kind_dtypes=None, kind_shapes=None, dtypes=["<f4", "<f4", "<i2"],
-                    shapes=[[2, 2], [4], [4]])
-    cols = M.check(listed, _sizes(listed))
-    assert cols is not None and len(cols.dtypes) == 3  # (dtype, shape) pairs: three kinds
-    assert cols.entries(offsets, _sizes(listed), [None] * 3)["b"]["shape"] == [4]
-    nothing = _batch(names=None, kinds=None, kind_dtypes=None, kind_shapes=None)
-    assert M.check(nothing, _sizes(nothing)) is None
-
-
-@pytest.mark.parametrize(("change", "words"), [
-    ({"names": ["a", "b"]}, "names and kinds must each list all 3"),
-    ({"kinds": P.pack_u64([0, 0])}, "names and kinds must each list all 3"),
-    ({"kinds": P.pack_u64([0, 0, 2])}, "'c': kind 2 is not in the table of 2 kinds"),
-    ({"kind_shapes": [[2, 2]]}, "2 kind_dtypes for 1 kind_shapes"),
-    ({"kinds": None}, "of 2 kinds needs kinds"),
-    ({"names": None}, "needs names"),
-    ({"kind_dtypes": None}, "needs names, kind_dtypes and kind_shapes"),
-    ({"dtypes": ["<f4"] * 3}, "either dtypes and shapes or kinds"),
-    ({"kind_dtypes": ["<f4", "nonsense"]}, "unknown dtype 'nonsense'"),
-    ({"kind_dtypes": ["<f4", "O"]}, "holds Python objects"),
-    ({"kind_dtypes": ["<f4", "i4,O"]}, "holds Python objects"),
-    ({"kind_shapes": [[2, 2], [3]]}, "tensor 'c': shape [3] of int16 is not 8 bytes"),
-    ({"kind_shapes": [[2, 2], [1 << 62, 1 << 62]]}, "is not 8 bytes"),
-    ({"names": ["a", "b", "a"]}, "must be unique"),
-    # the list form keeps its checks
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
-      "shapes": [[4], [4]]}, "names, dtypes and shapes must each list all 3"),
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
-      "shapes": [[4], [4], [4]]}, "tensor 'c': shape [4] of <f4 is not 8 bytes"),
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4", "<f4", "O"],
-      "shapes": [[4], [4], [1]]}, "holds Python objects"),
-])
-def test_manifest_check_refuses_bad_manifests(change: dict[str, object], words: str) -> None:
-    req = _batch(**change)
-    with pytest.raises(rpcbuf.BadRequest) as info:
-        M.check(req, _sizes(req))
-    assert words in info.value.message
-
 
 # -- through a daemon -------------------------------------------------------------------------
 
 
+@pytest.mark.both_paths
 async def test_bad_packed_manifests_are_refused_before_any_byte_lands(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -139,6 +57,7 @@ async def test_bad_packed_manifests_are_refused_before_any_byte_lands(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_store_batch_answers_checksums_in_the_callers_order(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -155,6 +74,7 @@ async def test_store_batch_answers_checksums_in_the_callers_order(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)
@@ -172,6 +92,7 @@ async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcContext) -> None:
     rng = np.random.default_rng(5)
     kinds = [((4, 8), np.float32), ((16,), np.float16), ((), np.int64), ((3, 0), np.float32),
@@ -205,6 +126,7 @@ async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcCont
     await ctx.release_buffer(bid)
 
 
+@pytest.mark.both_paths
 async def test_read_batch_spans_overlaps_duplicates_and_empty_ranges(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 20)
@@ -223,27 +145,6 @@ async def test_read_batch_spans_overlaps_duplicates_and_empty_ranges(
 
 
 # -- client columns ------------------------------------------------------------------------
-
-
-def test_manifest_table_is_a_mapping_of_entries() -> None:
-    entries = {"a": {"dtype": "<f4", "shape": [2, 2], "offset": 0, "nbytes": 16, "checksum": 5},
-               "b": {"dtype": "<f4", "shape": [4], "offset": 256, "nbytes": 16,
-                     "checksum": None},
-               "c": {"dtype": "<f4", "shape": [2, 2], "offset": 512, "nbytes": 16,
-                     "checksum": 7}}
-    t = ManifestTable.of_entries(entries)
-    assert dict(t) == entries and len(t) == 3 and "b" in t and "z" not in t
-    assert t.get("z") is None and t.end == 768
-    assert t.rows(["c", "z", "a"]).tolist() == [2, -1, 0]
-    packed = Packed(["b", "d"], np.array([0, 0]), ["<i8"], [(2,)])
-    written = ManifestTable.of_batch(packed, np.array([256, 1024]), np.array([16, 16]),
-                                     np.array([1, 2], np.uint64))
-    merged = t.merged(written, ["c"])
-    assert list(merged) == ["a", "b", "d"]
-    assert merged["b"] == {"dtype": "<i8", "shape": [2], "offset": 256, "nbytes": 16,
-                           "checksum": 1}
-    assert merged["a"] == entries["a"] and merged.end == 1280
-    assert dict(t) == entries  # never changed in place
 
 
 def test_plan_offsets_matches_plan_layout() -> None:
@@ -343,21 +244,6 @@ def test_cma_reports_each_item_once_after_it_landed(monkeypatch: pytest.MonkeyPa
             assert done == list(range(n))
     finally:
         peer.close()
-
-
-def test_packed_of_arrays_kinds() -> None:
-    arrays = [np.zeros(3, np.float32), np.zeros(5, np.float32), np.zeros(3, np.float32),
-              np.zeros(3, ">f4"), np.zeros(2, np.dtype([("a", "<i2")])),
-              np.zeros(2, np.dtype([("a", "<i2")]))]
-    for some in (arrays, arrays[:3], [*arrays, np.zeros((2, 3), np.int8), np.zeros((), "<u8")]):
-        packed = Packed.of_arrays([f"t{i}" for i in range(len(some))], some)
-        for i, a in enumerate(some):
-            k = int(packed.kinds[i])
-            assert packed.dtypes[k] == a.dtype.str and packed.shapes[k] == a.shape
-            assert int(packed.kind_nbytes[k]) == a.nbytes  # type: ignore[index]
-        assert np.array_equal(packed.item_nbytes(), [a.nbytes for a in some])
-    one = Packed.of_arrays(["a", "b"], [np.zeros((2, 2)), np.ones((2, 2))])
-    assert one.fields()["kinds"] is None and one.shapes == [(2, 2)]
 
 
 def test_populate_backs_pages_without_changing_bytes() -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 import rpcbuf
 from control.wire import protocol as P
+
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 
 SIZE = 8 << 20
 

@@ -27,6 +27,7 @@ async def stored(ctx: rpcbuf.RpcContext, model: dict[str, np.ndarray],
     return bid, await ctx.store_tensors_dedup(bid, model)
 
 
+@pytest.mark.both_paths
 async def test_second_store_sends_nothing_and_copies_verify(ctx: rpcbuf.RpcContext) -> None:
     model = tensors()
     a, first = await stored(ctx, model)
@@ -54,6 +55,7 @@ async def test_second_store_sends_nothing_and_copies_verify(ctx: rpcbuf.RpcConte
     await ctx.release_buffer(d)
 
 
+@pytest.mark.both_paths
 async def test_dedup_is_per_tenant(clean_pool: DaemonProc) -> None:
     model = tensors(seed=7)
     async with clean_pool.connect("alice") as alice, clean_pool.connect("mallory") as mallory:
@@ -65,6 +67,7 @@ async def test_dedup_is_per_tenant(clean_pool: DaemonProc) -> None:
         await mallory.release_buffer(m)
 
 
+@pytest.mark.both_paths
 async def test_dedup_store_validates_its_request(ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(4096)
     good = dict(buffer_id=bid, offsets=P.pack_u64([0]), sizes=P.pack_u64([16]),
@@ -84,6 +87,7 @@ def _cached_files(root: Path) -> list[Path]:
     return sorted(root.glob("*/*/*.bin"))
 
 
+@pytest.mark.both_paths
 async def test_disk_cache_survives_restart_and_never_serves_corruption(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     flags = ("--device", "cpu:16MiB", "--cache-dir", str(cache), "--cache-size", "8MiB")
@@ -151,6 +155,7 @@ def test_disk_cache_bounds_and_evicts_least_recently_used(tmp_path: Path) -> Non
     assert content_hashes({"x": arrays[0]})["x"] == keys[0]
 
 
+@pytest.mark.both_paths
 async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
@@ -219,6 +224,7 @@ def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
     assert arena.view(0, 4).tolist() == [1, 2, 3, 4]  # changes no byte
 
 
+@pytest.mark.both_paths
 async def test_daemon_with_prefault_serves(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, "--device", "cpu:64MiB", "--prefault")
     try:

@@ -13,6 +13,8 @@ import pytest
 import rpcbuf
 from control.wire import protocol as P
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 
 async def test_out_of_range_store_writes_nothing(ctx: rpcbuf.RpcContext) -> None:
     buf = await ctx.request_buffer(4096)

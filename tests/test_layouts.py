@@ -11,6 +11,8 @@ import pytest
 import rpcbuf
 from control.client.tensors import ALIGN, plan_layout
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 
 def llama_like(n_layers: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)

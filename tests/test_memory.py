@@ -16,6 +16,8 @@ import pytest
 import rpcbuf
 from conftest import pool_free, wait_free
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 
 async def test_release_returns_exact_bytes(ctx: rpcbuf.RpcContext, clean_pool) -> None:  # type: ignore[no-untyped-def]
     start = await pool_free(clean_pool)

@@ -9,6 +9,8 @@ import pytest
 
 import rpcbuf
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
           "complex64", "bool"]
 

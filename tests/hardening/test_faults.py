@@ -23,6 +23,8 @@ import rpcbuf
 from conftest import ROOT, DaemonProc
 from control.wire.errors import ConnectionLost
 
+pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
+
 HERE = Path(__file__).resolve().parent
 KILLS = scaled(6, 40)
 CHUNK, CHUNKS = 1 << 20, 12

@@ -77,6 +77,7 @@ from control.wire.errors import (
     error_from_wire,
 )
 from control.wire.gpuops import check_wire_dtype
+from control.wire.runs import plan_runs, run_tag
 from control.wire.units import split_host_port
 from dataplane import cma, ucx
 from dataplane.checksum import checksum
@@ -673,7 +674,7 @@ class RpcContext(TensorOps, DedupClientOps):
                 if not self._fall_back(buffer_id, exc):
                     raise
         payloads = [_payload(datas[first:stop])
-                    for _, _, first, stop in P.plan_runs(offsets_u, sizes)]
+                    for _, _, first, stop in plan_runs(offsets_u, sizes)]
         return _in_caller_order(await self._send_request(req, payloads), order)
 
     async def read_batch(self, buffer_id: str,
@@ -700,7 +701,7 @@ class RpcContext(TensorOps, DedupClientOps):
                           sizes=P.pack_u64(lengths_u))
         # One block per run of spans (spans never touch, so in practice one
         # per span); each span lands at its place in its block.
-        runs = P.plan_runs(starts_u, lengths_u)
+        runs = plan_runs(starts_u, lengths_u)
         blocks = [np.empty(nb, dtype=np.uint8) for _, nb, _, _ in runs]
         block_of = np.repeat(np.arange(len(runs), dtype=np.intp),
                              [stop - first for _, _, first, stop in runs])
@@ -763,7 +764,7 @@ class RpcContext(TensorOps, DedupClientOps):
             sent: BaseException | None = None
             try:
                 if ep is not None:
-                    await self._transfer([ep.send(p, P.run_tag(req_id, i))
+                    await self._transfer([ep.send(p, run_tag(req_id, i))
                                           for i, p in enumerate(payloads) if p.nbytes], payloads)
             except ucx.TransferError as exc:
                 sent = exc
@@ -786,7 +787,7 @@ class RpcContext(TensorOps, DedupClientOps):
             _result(await self._answer(req_id, fut, req.op, left))
             try:
                 if ep is not None:
-                    await self._transfer([ep.recv(t, P.run_tag(req_id, i))
+                    await self._transfer([ep.recv(t, run_tag(req_id, i))
                                           for i, t in enumerate(targets) if t.nbytes], targets)
             except ucx.TransferError as exc:
                 raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc

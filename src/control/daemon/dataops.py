@@ -4,7 +4,7 @@ daemon-local clear and copy.
 Every operation follows the same steps, so one path serves them all:
 
 1. validate (buffer, ranges, manifest) — a refused store drains its payload
-   with 1-byte receives, one per run (see ``protocol.plan_runs``), so the
+   with 1-byte receives, one per run (see ``runs.plan_runs``), so the
    sender never hangs and nothing is parked here;
 2. pin the buffer (a release meanwhile frees the memory only afterwards);
 3. lock the byte range it touches in the buffer (stores exclusive, reads
@@ -53,6 +53,7 @@ from control.wire.errors import (
     VerifyFailed,
 )
 from control.wire.gpuops import check_wire_f16
+from control.wire.runs import plan_runs, run_tag
 from control.wire.units import THREAD_BYTES
 from dataplane.arena import copy_between
 from dataplane.cma import CmaError, Peer
@@ -319,13 +320,13 @@ class DataOps:
         """Swallow a refused store's payload (UCX truncates it) without parking it."""
         scratch = [np.zeros(1, dtype=np.uint8) for _ in range(nruns)]
         with contextlib.suppress(TransferError):
-            await self._transfer([ep.recv(b, P.run_tag(req_id, i)) for i, b in enumerate(scratch)])
+            await self._transfer([ep.recv(b, run_tag(req_id, i)) for i, b in enumerate(scratch)])
 
     async def _receive(self, ep: DataEndpoint, req_id: int, buf: Buffer,
                        runs: list[Run]) -> None:
         """Each run straight into its arena span."""
         arena = buf.pool.arena
-        await self._receive_into(ep, [(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
+        await self._receive_into(ep, [(arena.view(buf.offset + off, n), run_tag(req_id, i))
                                       for i, (off, n, _, _) in enumerate(runs) if n])
 
     async def _receive_into(self, ep: DataEndpoint, targets: list[tuple[Any, Any]]) -> None:
@@ -342,7 +343,7 @@ class DataOps:
                          runs: list[Run]) -> bool:
         arena = buf.pool.arena
         try:
-            await self._transfer([ep.send(arena.view(buf.offset + off, n), P.run_tag(req_id, i))
+            await self._transfer([ep.send(arena.view(buf.offset + off, n), run_tag(req_id, i))
                                   for i, (off, n, _, _) in enumerate(runs) if n])
         except TransferError as exc:
             log.warning("read transfer to session %s failed: %s", self.session_id, exc)
@@ -412,7 +413,7 @@ class DataOps:
             assert addr is not None and isinstance(wire, np.ndarray)  # host arenas only
             await self._cma(False, [wire.ctypes.data], [addr], [nbytes // 2], nbytes // 2)
         else:
-            await self._receive_into(ep, [(wire, P.run_tag(req_id, 0))])
+            await self._receive_into(ep, [(wire, run_tag(req_id, 0))])
         await _maybe_in_thread(nbytes, widen_f16, arena, buf.offset + offset, wire)
 
     async def _store_batch(self, req_id: int, req: P.StoreBatch, held: Held) -> dict[str, Any]:
@@ -425,7 +426,7 @@ class DataOps:
             # which aborts the endpoint and with it any payload in flight.
             self.abort("store_batch with offsets and sizes of different lengths")
             raise BadRequest("offsets and sizes differ in length")
-        runs = P.plan_runs(offsets, sizes) if ep is not None else []
+        runs = plan_runs(offsets, sizes) if ep is not None else []
         try:
             addrs = self._addrs(req.addrs, len(offsets))
             buf = held.get(req.buffer_id)
@@ -575,7 +576,7 @@ class DataOps:
             self._count("bytes_read", nbytes)
             self._log("read_batch", buf, hull[0], nbytes, note=f"items={len(offsets)}")
             return {"nbytes": nbytes, "messages": 0}
-        runs = P.plan_runs(offsets, sizes)
+        runs = plan_runs(offsets, sizes)
         async with self._holding(buf, [hull], exclusive=False):
             self.send(P.ok_response(req_id, {"nbytes": nbytes, "messages": len(runs)}))
             if not await self._send_runs(ep, req_id, buf, runs):

@@ -52,8 +52,6 @@ DEFAULT_MAX_FRAME = 16 << 20  # room for a 100,000-tensor manifest
 # it, and a stranger gets no more of our memory than this.
 HELLO_MAX_FRAME = 4 << 10
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
-COALESCE_MAX = 256 << 10  # items up to this size travel together with their neighbours
-RUN_MAX = 64 << 20  # the largest message a run of coalesced items makes
 MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
 MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model needs 32)
@@ -339,7 +337,7 @@ class Store(Request):
 
 @dataclass(frozen=True)
 class StoreBatch(Request):
-    """Many ranges of one buffer in one round trip; see ``plan_runs``.
+    """Many ranges of one buffer in one round trip; see ``runs.plan_runs``.
 
     ``names``/``dtypes``/``shapes``, when given, are index-aligned with the
     items and recorded as the buffer's tensor manifest."""
@@ -475,45 +473,8 @@ def pack_u64(values: Any) -> U64Array:
     return U64Array(np.asarray(values, dtype="<u8").tobytes())
 
 
-def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
-    """The packed manifest's kinds: the distinct ``keys`` (hashable, e.g.
-    ``(dtype, shape)``) in first-seen order, and each key's index into them."""
-    table = list(dict.fromkeys(keys))
-    index = {k: i for i, k in enumerate(table)}
-    return table, np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
-
-
 def unpack_u64(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<u8")
-
-
-def plan_runs(offsets: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """Group a batch's items into runs: ``(offset, nbytes, first, stop)``.
-
-    Consecutive small items whose ranges touch travel as one UCX message that
-    lands straight in the arena span they cover; a large item travels alone
-    (zero-copy on the client).  Both ends call this on the same items, so they
-    agree on the messages without saying so on the wire.  Run ``i`` of request
-    ``req_id`` uses tag ``run_tag(req_id, i)``."""
-    runs: list[tuple[int, int, int, int]] = []
-    start = end = first = 0
-    small = False
-    for i, (off, size) in enumerate(zip(offsets.tolist(), sizes.tolist(), strict=True)):
-        fits = size <= COALESCE_MAX
-        if i and small and fits and off == end and end - start + size <= RUN_MAX:
-            end += size
-            continue
-        if i:
-            runs.append((start, end - start, first, i))
-        start, end, first, small = off, off + size, i, fits
-    if len(offsets):
-        runs.append((start, end - start, first, len(offsets)))
-    return runs
-
-
-def run_tag(req_id: int, index: int) -> Any:
-    """The UCX tag of run ``index``; run 0 uses the request id itself, as a plain store does."""
-    return req_id if index == 0 else (req_id, index)
 
 
 class RequestError(Exception):
@@ -552,6 +513,6 @@ def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "FrameError",
     "Request", "RequestError", "encode_frame", "error_response", "ok_response",
-    "pack_u64", "parse_request", "plan_runs", "run_tag", "unpack_u64",
+    "pack_u64", "parse_request", "unpack_u64",
     *[c.__name__ for c in OPS.values()],
 ]

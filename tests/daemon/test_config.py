@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from conftest import ROOT
 from control.daemon import config
 from control.daemon.main import build_parser
 from control.daemon.registry import Quota
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scripts" / "systemd" / "rpcbufd.toml"
 INTERNAL = {"config", "command_line", "from_file"}
 

@@ -1,0 +1,429 @@
+"""The one tensor-manifest model, shared by client and daemon, with no I/O.
+
+A buffer's manifest maps tensor names to entries (``dtype``, ``shape``,
+``offset``, ``nbytes``, ``checksum``).  A batch that records tensors names
+their dtypes and shapes in one of two wire forms:
+
+* the list form: ``dtypes`` and ``shapes``, one per item;
+* the packed form: a small table of *kinds* (``kind_dtypes[k]``,
+  ``kind_shapes[k]``) and ``kinds``, each item's kind as packed uint64s —
+  10,000 tensors of a few distinct shapes encode, decode and check in a
+  fraction of the time, since the work per item is NumPy's, not Python's.
+
+``Packed`` is both: the client builds it from arrays (``of_arrays``) or
+columns (``of_columns``) and sends ``fields()``; the daemon rebuilds it from
+a request with ``check`` (either form), which checks it per kind (a dtype
+NumPy knows, not of Python objects; shape product x itemsize == the item's
+nbytes, for every item at once; unique names) and makes the entries it
+records.  ``ManifestTable`` is a whole manifest as NumPy columns (the
+client's cache); ``merge_plan``, ``merge_entries`` and
+``ManifestTable.merged`` are the one merge rule: a recorded name keeps its
+place, a new one is appended, and entries whose bytes other tensors just
+overwrote are dropped.  One dtype cache (``np_dtype``) serves both sides.
+Nothing here touches buffer bytes; the daemon's part that needs the
+registry and the arena stays in ``control/daemon/manifest.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import operator
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from control.wire import protocol as P
+from control.wire.errors import BadRequest
+
+ALIGN = 256  # tensor slots start at multiples of this (GPU-friendly); so does ``tensors_end``
+_NO_SIZE = (1 << 64) - 1  # a kind whose byte count is past 2**63: matches no item
+_DTYPE_CACHE_MAX = 4096  # wire names are the peer's: bound the cache
+_DTYPES: dict[str, np.dtype[Any]] = {}
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_NDIM = operator.attrgetter("ndim")
+_SIZE = operator.attrgetter("size")
+
+ManifestColumns = tuple[list[str], list[str], list[list[int]]]  # (names, dtypes, shapes)
+Entry = dict[str, Any]  # dtype, shape, offset, nbytes, checksum
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    """The ``np.dtype`` of a wire dtype name; BAD_REQUEST for one NumPy does
+    not know or one holding Python objects."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        try:
+            dt = np.dtype(name)
+        except (TypeError, ValueError):
+            raise BadRequest(f"unknown dtype {name!r}") from None
+        if dt.hasobject:
+            raise BadRequest(f"dtype {name!r} holds Python objects")
+        if len(_DTYPES) < _DTYPE_CACHE_MAX:
+            _DTYPES[name] = dt
+    return dt
+
+
+def dtype_of(name: str) -> tuple[str, int]:
+    """(canonical ``dtype.str``, itemsize) of a wire dtype; raises as ``np_dtype``."""
+    dt = np_dtype(name)
+    return dt.str, dt.itemsize
+
+
+def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
+    """The packed manifest's kinds: the distinct ``keys`` (hashable, e.g.
+    ``(dtype, shape)``) in first-seen order, and each key's index into them."""
+    table = list(dict.fromkeys(keys))
+    index = {k: i for i, k in enumerate(table)}
+    return table, np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
+
+
+def manifest_columns(arrays: Mapping[str, Any], names: Iterable[str]) -> ManifestColumns:
+    """(names, dtypes, shapes) of ``names``: the list form a batch records."""
+    names = list(names)
+    return (names, [arrays[n].dtype.str for n in names],
+            [list(arrays[n].shape) for n in names])
+
+
+class Packed:
+    """A batch's manifest, packed: item ``i`` is ``names[i]``, of dtype
+    ``dtypes[kinds[i]]`` and shape ``shapes[kinds[i]]`` (the
+    ``kinds``/``kind_dtypes``/``kind_shapes`` fields of ``StoreBatch``).
+    ``kind_nbytes``: each kind's bytes (None when built from columns).
+    ``item_shapes``: a checked list-form batch's own shape lists, which its
+    entries keep (None otherwise: entries of one kind share its tuple)."""
+
+    __slots__ = ("dtypes", "item_shapes", "kind_nbytes", "kinds", "names", "shapes")
+
+    def __init__(self, names: list[str], kinds: np.ndarray, dtypes: list[str],
+                 shapes: list[tuple[int, ...]], kind_nbytes: np.ndarray | None = None,
+                 item_shapes: list[list[int]] | None = None) -> None:
+        self.names = names
+        self.kinds = kinds
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self.kind_nbytes = kind_nbytes
+        self.item_shapes = item_shapes
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of_arrays(cls, names: list[str], arrays: Sequence[np.ndarray]) -> Packed:
+        """The manifest of ``arrays`` (NumPy arrays, index-aligned with ``names``)."""
+        n = len(arrays)
+        dtypes = list(map(_DTYPE, arrays))
+        # Kinds are keyed by the dtype object's identity: equal dtypes that are
+        # distinct objects just make two equal kinds (the arrays keep them alive).
+        # 1-D arrays are told apart by size: no shape tuple per array.
+        ids = list(map(id, dtypes))
+        flat = list(map(_NDIM, arrays)).count(1) == n
+        shapes: list[Any] = list(map(_SIZE, arrays)) if flat else list(map(_SHAPE, arrays))
+        if n and ids.count(ids[0]) == n and shapes.count(shapes[0]) == n:  # one kind (C loops)
+            kinds = np.zeros(n, dtype=np.intp)
+            kind_dtypes, kind_shapes = dtypes[:1], shapes[:1]
+        else:
+            table, kinds = intern_kinds(list(zip(ids, shapes, strict=True)))
+            by_id = dict(zip(ids, dtypes, strict=True))
+            kind_dtypes = [by_id[i] for i, _ in table]
+            kind_shapes = [s for _, s in table]
+        if flat:
+            kind_shapes = [(int(size),) for size in kind_shapes]
+        return cls(names, kinds, [dt.str for dt in kind_dtypes], kind_shapes,
+                   np.array([math.prod(s) * dt.itemsize
+                             for dt, s in zip(kind_dtypes, kind_shapes, strict=True)],
+                            dtype=np.int64))
+
+    @classmethod
+    def of_columns(cls, names: Sequence[str], dtypes: Sequence[Any],
+                   shapes: Sequence[Sequence[int]]) -> Packed:
+        """From the (names, dtypes, shapes) lists of ``manifest_columns``."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest(f"names, dtypes and shapes must be equally long, got "
+                             f"{len(names)}, {len(dtypes)} and {len(shapes)}")
+        try:
+            table, kinds = intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
+            kind_dtypes = [d if isinstance(d, str) else np.dtype(d).str for d, _ in table]
+            kind_shapes = [tuple(map(operator.index, s)) for _, s in table]
+        except TypeError as exc:
+            raise BadRequest(f"bad manifest columns: {exc}") from None
+        return cls(list(names), kinds, kind_dtypes, kind_shapes)
+
+    def item_nbytes(self) -> np.ndarray:
+        assert self.kind_nbytes is not None
+        return self.kind_nbytes[self.kinds]
+
+    def take(self, order: np.ndarray) -> Packed:
+        """The items in ``order`` (indices)."""
+        names = self.names
+        return Packed([names[i] for i in order.tolist()], self.kinds[order], self.dtypes,
+                      self.shapes, self.kind_nbytes)
+
+    def fields(self) -> dict[str, Any]:
+        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table)."""
+        return {"names": self.names,
+                "kinds": P.pack_u64(self.kinds) if len(self.dtypes) != 1 else None,
+                "kind_dtypes": self.dtypes, "kind_shapes": [list(s) for s in self.shapes]}
+
+    def entries(self, offsets: np.ndarray, sizes: np.ndarray,
+                checksums: Sequence[int | None], lo: int = 0,
+                hi: int | None = None) -> dict[str, Entry]:
+        """The manifest entries of items ``lo:hi``, one dict per tensor
+        (``checksums`` are those items' only).  Entries of one kind share its
+        shape tuple."""
+        hi = len(self.names) if hi is None else hi
+        kinds = self.kinds[lo:hi].tolist()
+        dts = map(self.dtypes.__getitem__, kinds)
+        shapes: Iterable[Any] = self.item_shapes[lo:hi] if self.item_shapes is not None \
+            else map(self.shapes.__getitem__, kinds)
+        return {n: {"dtype": d, "shape": s, "offset": o, "nbytes": z, "checksum": c}
+                for n, d, s, o, z, c in zip(self.names[lo:hi], dts, shapes,
+                                            offsets[lo:hi].tolist(), sizes[lo:hi].tolist(),
+                                            checksums, strict=True)}
+
+
+def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
+    """The batch's manifest (either form), checked against the items'
+    ``sizes``, with canonical dtypes and ``kind_nbytes``; None when the
+    request records none.  BAD_REQUEST says what is wrong."""
+    n = len(sizes)
+    names, dtypes, shapes = req.names, req.dtypes, req.shapes
+    packed = getattr(req, "kinds", None), getattr(req, "kind_dtypes", None), \
+        getattr(req, "kind_shapes", None)
+    if all(c is None for c in packed):
+        if names is None and dtypes is None and shapes is None:
+            return None
+        if names is None or dtypes is None or shapes is None \
+                or not len(names) == len(dtypes) == len(shapes) == n:
+            raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
+        _unique(names)
+        table, kinds = intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
+        cols = Packed(names, kinds, [], [s for _, s in table], item_shapes=shapes)
+        raw_dtypes = [d for d, _ in table]
+    else:
+        if dtypes is not None or shapes is not None:
+            raise BadRequest("a manifest is either dtypes and shapes or kinds, kind_dtypes "
+                             "and kind_shapes, not both")
+        ids_raw, kind_dtypes, kind_shapes = packed
+        if names is None or kind_dtypes is None or kind_shapes is None:
+            raise BadRequest("a packed manifest needs names, kind_dtypes and kind_shapes "
+                             "(and kinds, unless there is one kind)")
+        if ids_raw is None:
+            if len(kind_dtypes) != 1:
+                raise BadRequest(f"a packed manifest of {len(kind_dtypes)} kinds needs kinds")
+            ids = np.zeros(n, dtype=np.uint64)
+        else:
+            ids = P.unpack_u64(ids_raw)
+        if not len(names) == len(ids) == n:
+            raise BadRequest(f"names and kinds must each list all {n} items "
+                             f"(got {len(names)} and {len(ids)})")
+        if len(kind_dtypes) != len(kind_shapes):
+            raise BadRequest(f"{len(kind_dtypes)} kind_dtypes for {len(kind_shapes)} kind_shapes")
+        if n and int(ids.max()) >= len(kind_dtypes):
+            i = int(np.argmax(ids >= len(kind_dtypes)))
+            raise BadRequest(f"tensor {names[i]!r}: kind {int(ids[i])} is not in the "
+                             f"table of {len(kind_dtypes)} kinds")
+        _unique(names)
+        cols = Packed(names, ids.astype(np.intp), [], [tuple(s) for s in kind_shapes])
+        raw_dtypes = list(kind_dtypes)
+    # Per kind: the dtype, and the bytes its shape takes; then every item at once.
+    nbytes = np.empty(len(raw_dtypes), dtype=np.uint64)
+    for k, (dt, shape) in enumerate(zip(raw_dtypes, cols.shapes, strict=True)):
+        canonical, itemsize = dtype_of(dt)
+        cols.dtypes.append(canonical)
+        total = math.prod(shape) * itemsize
+        nbytes[k] = total if total <= P.MAX_INT else _NO_SIZE
+    if n:
+        bad = nbytes[cols.kinds] != sizes
+        if bad.any():
+            i = int(np.argmax(bad))
+            k = int(cols.kinds[i])
+            said = list(cols.shapes[k]) if cols.item_shapes is None else cols.item_shapes[i]
+            raise BadRequest(f"tensor {names[i]!r}: shape {said} of {raw_dtypes[k]} is not "
+                             f"{int(sizes[i])} bytes")
+    return cols
+
+
+def _unique(names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        raise BadRequest("tensor names in one batch must be unique")
+
+
+# -- the merge rule ----------------------------------------------------------------------
+
+
+def merge_plan(existing: Mapping[str, Mapping[str, Any]], names: Iterable[str],
+               written: list[tuple[int, int]], hull: tuple[int, int]) -> tuple[list[str], int]:
+    """What merging tensors ``names`` written over ``written`` (sorted
+    ranges inside ``hull``) does to the manifest ``existing``: the names of
+    other entries whose bytes they overwrite (dropped), and the entry count
+    after."""
+    new = set(names)
+    dropped: list[str] = []
+    others = existing.keys() - new if existing else set()  # renewed names stay
+    if others:
+        starts = [w[0] for w in written]
+        for name in others:
+            e = existing[name]
+            a, b = e["offset"], e["offset"] + e["nbytes"]
+            if a >= hull[1] or b <= hull[0]:
+                continue
+            j = bisect.bisect_left(starts, b)  # written[j-1]: the last range starting before b
+            if j and written[j - 1][1] > a:
+                dropped.append(name)
+    count = len(existing) - len(dropped) + len(new - existing.keys())
+    return dropped, count
+
+
+def check_count(count: int) -> None:
+    """BAD_REQUEST when a manifest would hold more than ``MAX_ITEMS`` entries."""
+    if count > P.MAX_ITEMS:
+        raise BadRequest(f"a buffer's manifest holds at most {P.MAX_ITEMS} tensors; this "
+                         f"batch would make it {count}", {"limit": P.MAX_ITEMS})
+
+
+def merge_entries(entries: MutableMapping[str, Entry], written: Mapping[str, Entry],
+                  dropped: Iterable[str]) -> None:
+    """Apply a merge to entry dicts in place (the daemon's form):
+    ``ManifestTable.merged`` does the same to columns."""
+    for name in dropped:
+        del entries[name]
+    entries.update(written)
+
+
+class ManifestTable(Mapping[str, Entry]):
+    """A buffer's manifest as NumPy columns: what the client caches and what
+    ``store_tensors`` returns.  Read as a mapping name -> entry (``dtype``,
+    ``shape``, ``offset``, ``nbytes``, ``checksum``); each entry dict is built
+    when asked for.  Never modified: ``merged`` makes a new one."""
+
+    def __init__(self, names: list[str], offsets: np.ndarray, nbytes: np.ndarray,
+                 checksums: np.ndarray, has_sum: np.ndarray, kinds: np.ndarray,
+                 dtypes: list[str], shapes: list[tuple[int, ...]]) -> None:
+        self.names = names
+        self.offsets = offsets  # int64
+        self.nbytes = nbytes  # int64
+        self.checksums = checksums  # uint64, valid where has_sum
+        self.has_sum = has_sum  # bool
+        self.kinds = kinds  # intp: index into dtypes/shapes
+        self.dtypes = dtypes
+        self.shapes = shapes
+        self._index: dict[str, int] | None = None  # name -> row, made when first needed
+
+    @property
+    def _rows(self) -> dict[str, int]:
+        if self._index is None:
+            self._index = dict(zip(self.names, range(len(self.names)), strict=True))
+        return self._index
+
+    @classmethod
+    def empty(cls) -> ManifestTable:
+        z = np.zeros(0, dtype=np.int64)
+        return cls([], z, z, z.astype(np.uint64), z.astype(bool), z.astype(np.intp), [], [])
+
+    @classmethod
+    def of_batch(cls, packed: Packed, offsets: np.ndarray, sizes: np.ndarray,
+                 checksums: np.ndarray) -> ManifestTable:
+        """A batch's entries; ``checksums`` one per item, or empty for none."""
+        n = len(packed)
+        sums = checksums if len(checksums) == n else np.zeros(n, dtype=np.uint64)
+        return cls(packed.names, offsets.astype(np.int64), sizes.astype(np.int64),
+                   sums.astype(np.uint64), np.full(n, len(checksums) == n),
+                   packed.kinds, packed.dtypes, packed.shapes)
+
+    @classmethod
+    def of_entries(cls, entries: Mapping[str, Mapping[str, Any]]) -> ManifestTable:
+        """From entry dicts (``get_buffer_meta``'s ``tensors``)."""
+        if isinstance(entries, ManifestTable):
+            return entries
+        names, es, n = list(entries), list(entries.values()), len(entries)
+        sums = [e.get("checksum") for e in es]
+        has = np.fromiter((c is not None for c in sums), dtype=bool, count=n)
+        table, kinds = intern_kinds([(e["dtype"], tuple(e["shape"])) for e in es])
+        return cls(
+            names,
+            np.fromiter(map(operator.itemgetter("offset"), es), dtype=np.int64, count=n),
+            np.fromiter(map(operator.itemgetter("nbytes"), es), dtype=np.int64, count=n),
+            np.fromiter((c or 0 for c in sums), dtype=np.uint64, count=n), has,
+            kinds, [d for d, _ in table], [s for _, s in table])
+
+    # -- the mapping ----------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> Entry:
+        return self.entry(self._rows[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def __repr__(self) -> str:
+        return f"ManifestTable({len(self)} tensors)"
+
+    def entry(self, row: int) -> Entry:
+        k = int(self.kinds[row])
+        return {"dtype": self.dtypes[k], "shape": list(self.shapes[k]),
+                "offset": int(self.offsets[row]), "nbytes": int(self.nbytes[row]),
+                "checksum": int(self.checksums[row]) if self.has_sum[row] else None}
+
+    # -- columns ----------------------------------------------------------------------
+
+    def rows(self, names: Sequence[str]) -> np.ndarray:
+        """Each name's row, -1 for a name not in the manifest."""
+        return np.fromiter(map(self._rows.get, names, itertools.repeat(-1)), dtype=np.intp,
+                           count=len(names))
+
+    @property
+    def end(self) -> int:
+        """The end of the highest slot, aligned."""
+        if not len(self.names):
+            return 0
+        return align(int((self.offsets + self.nbytes).max()))
+
+    def merged(self, written: ManifestTable, dropped: Sequence[str] = ()) -> ManifestTable:
+        """This manifest with ``written`` recorded (names kept in place, new
+        ones appended, like ``dict.update``) and ``dropped`` removed: what
+        ``merge_entries`` does to entry dicts."""
+        ids = {k: i for i, k in enumerate(zip(self.dtypes, self.shapes, strict=True))}
+        dtypes, shapes = list(self.dtypes), list(self.shapes)
+        remap = np.empty(len(written.dtypes), dtype=np.intp)
+        for j, key in enumerate(zip(written.dtypes, written.shapes, strict=True)):
+            if key not in ids:
+                ids[key] = len(dtypes)
+                dtypes.append(key[0])
+                shapes.append(key[1])
+            remap[j] = ids[key]
+        rows = self.rows(written.names)
+        old = rows >= 0
+        mine = [self.offsets, self.nbytes, self.checksums, self.has_sum, self.kinds]
+        theirs = [written.offsets, written.nbytes, written.checksums, written.has_sum,
+                  remap[written.kinds]]
+        cols = []
+        for a, w in zip(mine, theirs, strict=True):
+            a = a.copy()
+            a[rows[old]] = w[old]
+            cols.append(np.concatenate((a, w[~old])))
+        same_names = bool(old.all()) and not dropped
+        names = self.names if same_names else \
+            self.names + list(itertools.compress(written.names, (~old).tolist()))
+        if dropped:
+            gone = set(dropped)
+            keep = np.fromiter((n not in gone for n in names), dtype=bool, count=len(names))
+            names = list(itertools.compress(names, keep.tolist()))
+            cols = [c[keep] for c in cols]
+        offsets, nbytes, checksums, has_sum, kinds = cols
+        table = ManifestTable(names, offsets, nbytes, checksums, has_sum, kinds, dtypes, shapes)
+        if same_names:
+            table._index = self._index  # the same rows: share the (read-only) index
+        return table
