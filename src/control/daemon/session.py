@@ -20,10 +20,8 @@ and the daemon through ``node.Node``.
 
 Data paths (``paths.py``): the UCX endpoint the client binds after hello
 (``UcxPath``), and on a Unix socket session whose client proved at hello
-that the daemon can read its memory, the same-host path (``SameHostPath``).
-Same host: the kernel names the client's pid (``SO_PEERCRED``, pinned by a
-pidfd at accept), and its hello carries a probe (bytes and their address in
-its memory) that the daemon reads back with ``process_vm_readv``.
+that the daemon can read its memory (``hello.py``), the same-host path
+(``SameHostPath``).
 
 A session that goes away aborts its UCX endpoint first (UCX cancels what is
 posted), stops its same-host copies, waits for its transfers, and only then
@@ -44,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from control.daemon import logs
+from control.daemon import hello, logs
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
@@ -70,7 +68,6 @@ log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
-PROBE_WAIT = 0.05  # seconds the loop waits for a hello's probe (16 bytes) at most
 
 
 class Session:
@@ -99,7 +96,7 @@ class Session:
         self.peer = writer.get_extra_info("peername")
         # Unix socket sessions: the process that connected, pinned by a pidfd
         # now, at accept (never looked up again by pid): see cma.Peer.of_socket
-        self._process, self._process_why = _accept_peer(writer)
+        self._process, self._process_why = hello.accept_peer(writer)
         self.peer_pid = None if self._process is None else self._process.pid
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         self._fd: int | None = None  # the Unix socket's fd: see peer_gone
@@ -473,27 +470,8 @@ class Session:
         same_host, why = self._same_host(req, tenant)
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
-        answer = {
-            "session_id": self.session_id,
-            "tenant": self.tenant,
-            "token_expires_at": grant.expires_at,  # the session ends then (None: never)
-            "node_id": self.daemon.node_id,
-            "version": P.PROTOCOL_VERSION,
-            "ucx": {"port": self.daemon.ucx_port},
-            "bind_nonce": self.nonce,
-            "devices": [p.describe() for p in self.registry.pools.values()],
-            "limits": self.daemon.limits.to_wire(),
-            "same_host": same_host,
-        }
-        if why:
-            answer["same_host_why"] = why
-        local = self.daemon.local_info()
-        if local is not None and not self.unix:
-            if self.daemon.same_host_off:  # no point reconnecting: say why here
-                answer["same_host_why"] = self.daemon.same_host_off
-            else:
-                answer["local"] = local
-        return answer
+        return hello.answer(self.daemon, self.session_id, grant, self.nonce, self.unix,
+                            same_host, why)
 
     def peer_gone(self) -> bool:
         """Whether the client closed its connection, even if nothing reads it
@@ -528,19 +506,14 @@ class Session:
     def _same_host(self, req: P.Hello, tenant: str) -> tuple[bool, str]:
         """Turn on the same-host path if this is a Unix socket session whose
         client proved we can read its memory, and the daemon may serve it."""
-        if req.probe is None or req.probe_addr is None:
-            return False, ""
-        if not self.unix:
-            return False, "the same-host path needs the daemon's Unix socket"
-        if self.daemon.same_host_off:
-            return False, self.daemon.same_host_off
-        peer = self._process
-        if peer is None:
-            return False, f"cannot watch the client process: {self._process_why}"
-        why = self._probe(tenant, peer, req.probe_addr, req.probe)
+        why = hello.same_host_why(req, self.unix, self.daemon, tenant, self._process,
+                                  self._process_why)
         if why is not None:
-            log.info("session %s: same-host path off: %s", self.session_id, why)
+            if why:
+                log.info("session %s: same-host path off: %s", self.session_id, why)
             return False, why
+        peer = self._process
+        assert peer is not None
         self._fd = self.writer.get_extra_info("socket").fileno()
         limits = self.daemon.limits
         self.same_host = SameHostPath(
@@ -549,37 +522,3 @@ class Session:
             expired=self._transfer_expired, stopped=lambda: self.daemon.stopped)
         log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
         return True, ""
-
-    def _probe(self, tenant: str, peer: cma.Peer, addr: int, expected: bytes) -> str | None:
-        """``peer.probe`` on a probe thread, the loop waiting for it at most
-        PROBE_WAIT: the client chose the address, and its memory may never
-        arrive (a stuck probe's thread is written off)."""
-        probes = self.daemon.probes
-        job = probes.submit(tenant, peer.probe, addr, expected)
-        job.future.add_done_callback(_consume)
-        if probes.wait(job, PROBE_WAIT, alone=False):
-            result: str | None = job.future.result()
-            return result
-        if not probes.cancel(job):
-            probes.written_off(job)
-        return (f"reading the probe from the client's memory took over "
-                f"{PROBE_WAIT * 1e3:.0f} ms")
-
-
-
-def _consume(fut: asyncio.Future[Any]) -> None:
-    """A probe nobody waits for any more: its outcome does not matter."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _accept_peer(writer: asyncio.StreamWriter) -> tuple[cma.Peer | None, str]:
-    """On a Unix socket: the connecting process (``cma.Peer.of_socket``), or
-    None and why it cannot be had.  Not a Unix socket: (None, "")."""
-    sock = writer.get_extra_info("socket")
-    if sock is None or sock.family != socket.AF_UNIX:
-        return None, ""
-    try:
-        return cma.Peer.of_socket(sock), ""
-    except OSError as exc:
-        return None, exc.strerror or str(exc)
