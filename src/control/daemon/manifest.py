@@ -21,17 +21,15 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from control.daemon.registry import Buffer, Registry
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 from control.wire.units import THREAD_BYTES
-
-if TYPE_CHECKING:
-    from control.daemon.registry import Buffer, Registry
-    from dataplane.arena import Arena
+from dataplane.arena import Arena
 
 _DTYPES: dict[str, tuple[str, int]] = {}  # wire name -> (canonical dtype.str, itemsize)
 _NO_SIZE = (1 << 64) - 1  # a kind whose byte count is past 2**63: matches no item

@@ -170,7 +170,7 @@ class UcxPath:
         pass
 
     def messages(self, items: Items) -> int:
-        return sum(1 for r in items.runs() if r[1])
+        return len(items.runs())  # as the client plans them (an empty run sends nothing)
 
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None:
