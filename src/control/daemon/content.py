@@ -11,7 +11,7 @@ It is kept precise anyway, so that lookups rarely miss:
 
 - *Overwritten* bytes drop their entries at once: every write into a buffer
   (store, batch, clear, copy, dedup) takes an exclusive range lock first, and
-  ``DataOps._holding`` calls ``forget`` for the ranges it locks.
+  ``Pipeline.lock`` calls ``forget`` for the ranges it locks.
 - *Released* buffers drop out lazily: a lookup skips them, and a sweep every
   ``SWEEP_EVERY`` additions removes them (no hook in the registry needed).
 - *Per tenant*: a lookup sees only the asking tenant's entries, so no tenant

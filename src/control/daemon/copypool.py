@@ -19,7 +19,7 @@ run here, on a bounded set of threads of their own, where
 
 A copy not yet started when its caller gives up is dropped from the queue
 (``cancel``); one already running is never abandoned by the caller, whose
-range lock and pin must outlive it (see ``DataOps._cma``).
+range lock and pin must outlive it (see ``paths.SameHostPath``).
 
 Latency: handing a 4 KiB copy to a thread and back through the event loop
 (``call_soon_threadsafe``, then the future's callbacks) was measured here at

@@ -15,67 +15,72 @@ bytes are written (every writer holds an exclusive range lock and forgets
 the range), so an indexed entry is exactly what was hashed and verified.
 This is the re-load of a model that is already there.
 
-Locks: the destination hull is locked exclusively and each source range
-shared, all in buffer-id order like ``copy_buffer``, so crossing operations
-cannot deadlock; the index entries of the ranges this op writes are dropped
-before it writes them.  Every buffer involved is pinned before the first
-``await``: a source released meanwhile keeps its memory until the copy is
-done.
+Pins, locks, counters and the audit record are the data pipeline's
+(``pipeline.py``), as for every data op: the destination hull is locked
+exclusively and each source range shared, all in buffer-id order like
+``copy_buffer``, so crossing operations cannot deadlock; the index entries of
+the ranges this op writes are dropped before it writes them.  Every buffer
+involved is pinned (``Held``) before the first ``await``: a source released
+meanwhile keeps its memory until the copy is done.
 
-``_index_stored`` is the other half: ``store_batch`` calls it for the
-manifest entries it records, so what a tenant uploads becomes a dedup source
+``stored`` is the other half (``dataops.Indexer``): ``store_batch`` calls it
+for the manifest entries it records, so what a tenant uploads becomes a dedup source
 (and, with ``--cache-dir``, is written to the disk cache in the background).
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from control.daemon.dataops import DataOps, Held
+from control.daemon import manifest as M
+from control.daemon.content import Location
+from control.daemon.pipeline import (
+    Call,
+    Held,
+    Ops,
+    Pipeline,
+    Plan,
+    check_items,
+    maybe_in_thread,
+    unlock,
+)
+from control.daemon.registry import Buffer
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
-from control.wire.units import THREAD_BYTES
 from dataplane.arena import copy_between
 from dataplane.checksum import digest128
 
-if TYPE_CHECKING:
-    from control.daemon.content import ContentIndex, Location
-    from control.daemon.registry import Buffer
 
+class DedupOps:
+    """The ``dedup_store`` op and the store-side indexing of one session."""
 
+    def __init__(self, ops: Ops, pipeline: Pipeline) -> None:
+        self._ops, self._pipe = ops, pipeline
+        self._content = ops.content
 
-class DedupOps(DataOps):
-    """Mixin for ``Session``: the ``dedup_store`` op and the store-side indexing."""
-
-    tenant: str | None
-
-    @property
-    def _content(self) -> ContentIndex:
-        return self.daemon.content
-
-    async def _dedup_store(self, req_id: int, req: P.DedupStore, held: Held) -> dict[str, Any]:
-        assert self.tenant is not None
-        buf = held.get(req.buffer_id)  # pinned before the first await
-        await self._index_deferred(self.tenant, held)
+    async def dedup_store(self, call: Call, req: P.DedupStore) -> dict[str, Any]:
+        tenant = self._ops.owner
+        buf = call.held.get(req.buffer_id)  # pinned before the first await
+        await self._index_deferred(tenant, call.held)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         sums, words = P.unpack_u64(req.checksums), P.unpack_u64(req.hashes)
         n = len(offsets)
         if not (len(sizes) == len(sums) == n and len(words) == 2 * n):
             raise BadRequest(f"dedup_store: {n} offsets, {len(sizes)} sizes, {len(sums)} "
                              f"checksums and {len(words) // 2} hashes do not match")
-        self._check_items(buf, offsets, sizes)
-        entries = self._manifest(req, offsets, sizes, sums)
+        check_items(buf, offsets, sizes)
+        cols = M.check(req, sizes)
+        entries = {} if cols is None else cols.entries(offsets, sizes, sums.tolist())
         digests = [int(lo) | int(hi) << 64 for lo, hi in zip(words[0::2].tolist(),
                                                               words[1::2].tolist(), strict=True)]
         index, cache = self._content, self._content.cache
         plan: list[tuple[int, Location | None]] = []  # (item, source or None = disk cache)
         for i, (size, csum, digest) in enumerate(zip(sizes.tolist(), sums.tolist(), digests,
                                                      strict=True)):
-            loc = index.lookup(self.tenant, digest, size, csum)
+            loc = index.lookup(tenant, digest, size, csum)
             if loc is not None:
                 plan.append((i, loc))
-            elif cache is not None and cache.has(self.tenant, digest, size):
+            elif cache is not None and cache.has(tenant, digest, size):
                 plan.append((i, None))
         if not plan:
             return {"placed": P.pack_u64([]), "nbytes": 0, "copied": 0, "in_place": 0,
@@ -83,58 +88,60 @@ class DedupOps(DataOps):
         hull = (int(offsets.min()), int((offsets + sizes).max()))
         sources = [(loc.buf, (loc.offset, loc.offset + loc.nbytes))
                    for _, loc in plan if loc is not None]
-        async with self._holding_all(buf, [hull], sources, forget=False):
-            arena, base = buf.pool.arena, buf.offset
+        arena, base = buf.pool.arena, buf.offset
+        kept: set[int] = set()
+        done: list[int] = []
+        how = {"copied": 0, "in_place": 0, "from_cache": 0}
+
+        def place() -> None:
+            for i, loc in plan:
+                off, size, want = int(offsets[i]), int(sizes[i]), int(sums[i])
+                if i in kept:
+                    done.append(i)
+                    how["in_place"] += 1
+                    continue
+                if loc is None:
+                    assert cache is not None
+                    ok = cache.read_into(tenant, digests[i], want, arena.view(base + off, size))
+                    kind = "from_cache"
+                else:
+                    same = loc.buf is buf and loc.offset == off
+                    if not same:
+                        copy_between(loc.buf.pool.arena, loc.buf.offset + loc.offset,
+                                     arena, base + off, size)
+                    ok = arena.checksum(base + off, size) == want
+                    kind = "in_place" if same else "copied"
+                if ok:
+                    done.append(i)
+                    how[kind] += 1
+
+        async def move() -> None:
             # Tensors already in place, still indexed (so unwritten since they were
             # hashed and verified), need no work; everything else gets written:
             # drop the index entries it covers, then copy and verify.
-            kept = {i for i, loc in plan if loc is not None and loc.buf is buf
-                    and loc.offset == int(offsets[i]) and index.holds(loc)}
-            written = [(int(offsets[i]), int(offsets[i] + sizes[i])) for i, _ in plan
-                       if i not in kept]
-            index.forget(buf, written)
+            kept.update(i for i, loc in plan if loc is not None and loc.buf is buf
+                        and loc.offset == int(offsets[i]) and index.holds(loc))
+            index.forget(buf, [(int(offsets[i]), int(offsets[i] + sizes[i]))
+                               for i, _ in plan if i not in kept])
+            await maybe_in_thread(int(sum(int(sizes[i]) for i, _ in plan)), place)
 
-            def place() -> tuple[list[int], dict[str, int]]:
-                done: list[int] = []
-                how = {"copied": 0, "in_place": 0, "from_cache": 0}
-                for i, loc in plan:
-                    off, size, want = int(offsets[i]), int(sizes[i]), int(sums[i])
-                    if i in kept:
-                        done.append(i)
-                        how["in_place"] += 1
-                        continue
-                    if loc is None:
-                        assert cache is not None
-                        ok = cache.read_into(self.tenant or "", digests[i], want,
-                                             arena.view(base + off, size))
-                        kind = "from_cache"
-                    else:
-                        same = loc.buf is buf and loc.offset == off
-                        if not same:
-                            copy_between(loc.buf.pool.arena, loc.buf.offset + loc.offset,
-                                         arena, base + off, size)
-                        ok = arena.checksum(base + off, size) == want
-                        kind = "in_place" if same else "copied"
-                    if ok:
-                        done.append(i)
-                        how[kind] += 1
-                return done, how
-
-            total = int(sum(int(sizes[i]) for i, _ in plan))
-            done, how = await asyncio.to_thread(place) if total >= THREAD_BYTES else place()
+        async def after() -> dict[str, Any]:
             if done:
-                self._record(buf, {req.names[i]: entries[req.names[i]] for i in done}, hull)
+                M.record(self._ops.registry, buf,
+                         {req.names[i]: entries[req.names[i]] for i in done}, hull)
                 for i in done:
                     loc_new = index.add(buf, int(offsets[i]), int(sizes[i]), digests[i],
                                         int(sums[i]))
                     if loc_new is not None:
-                        index.keep_on_disk(self.registry, loc_new)
-        nbytes = int(sum(int(sizes[i]) for i in done))
-        self._count("bytes_deduped", nbytes)
-        self._log("dedup_store", buf, hull[0], nbytes,
-                  note=f"items={n} placed={len(done)} copied={how['copied']} "
-                  f"in_place={how['in_place']} from_cache={how['from_cache']}")
-        return {"placed": P.pack_u64(done), "nbytes": nbytes, **how}
+                        index.keep_on_disk(self._ops.registry, loc_new)
+            job.nbytes = int(sum(int(sizes[i]) for i in done))
+            job.note = (f"items={n} placed={len(done)} copied={how['copied']} "
+                        f"in_place={how['in_place']} from_cache={how['from_cache']}")
+            return {"placed": P.pack_u64(done), "nbytes": job.nbytes, **how}
+
+        job = Plan("dedup_store", buf, [hull], exclusive=True, sources=sources, forget=False,
+                   move=move, after=after, nbytes=0, counter="bytes_deduped")
+        return await self._pipe.run(call, job)
 
     async def _index_deferred(self, tenant: str, held: Held) -> None:
         """Hash and index what ``tenant`` stored since its last dedup query.
@@ -147,7 +154,8 @@ class DedupOps(DataOps):
             if not entries or buf.released:
                 continue
             spans = [(e["offset"], e["offset"] + e["nbytes"]) for e in entries.values()]
-            async with self._holding(buf, spans, exclusive=False, forget=False):
+            grants = await self._pipe.lock(held, buf, spans, exclusive=False, forget=False)
+            try:
                 live = _current(buf, entries)
                 offs = [buf.offset + e["offset"] for e in live.values()]
                 sizes = [e["nbytes"] for e in live.values()]
@@ -155,8 +163,10 @@ class DedupOps(DataOps):
                 same = {n: e for (n, e), c in zip(live.items(), now, strict=True)
                         if c == e["checksum"]}
                 await self._index_now(buf, same)
+            finally:
+                unlock(grants)
 
-    async def _index_stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
+    async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
         """Called by ``store_batch`` with the range still locked: without a disk
         cache the hashing waits for the tenant's next dedup query (``defer``);
         with one, the content is indexed and written behind at once, so a
@@ -168,7 +178,7 @@ class DedupOps(DataOps):
 
     async def _index_now(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
         """Index freshly recorded manifest entries by the xxh3-128 of their bytes
-        (called by ``store_batch`` with the range still locked)."""
+        (called with their range locked)."""
         items = [(e["offset"], e["nbytes"], e["checksum"]) for e in manifest.values()
                  if e.get("checksum") is not None and e["nbytes"] > 0]
         if not items:
@@ -178,13 +188,12 @@ class DedupOps(DataOps):
         def digests() -> list[int]:
             return [digest128(arena.view(base + o, n)) for o, n, _ in items]
 
-        total = sum(n for _, n, _ in items)
-        got = await asyncio.to_thread(digests) if total >= THREAD_BYTES else digests()
+        got = await maybe_in_thread(sum(n for _, n, _ in items), digests)
         index = self._content
         for (o, n, c), d in zip(items, got, strict=True):
             loc = index.add(buf, o, n, d, c)
             if loc is not None:
-                index.keep_on_disk(self.registry, loc)
+                index.keep_on_disk(self._ops.registry, loc)
 
 
 def _current(buf: Buffer, manifest: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

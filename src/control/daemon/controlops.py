@@ -1,0 +1,157 @@
+"""The quick control ops of a session: request a buffer (and wait for
+memory), read its metadata, open it by name, renew and release it, list
+devices and buffers, stats and ping.
+
+All but the wait for memory are synchronous: they decide with the
+``Registry`` and answer at once, inline in the session's read loop, so they
+may use the plain lookup ``_get`` (no await follows it; the data ops get
+their buffers pinned, from ``pipeline.Held``).  They see their session
+through ``Owner`` and the daemon through ``node.Node``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from control.daemon import logs
+from control.daemon.node import Node
+from control.daemon.pipeline import Call
+from control.daemon.registry import Buffer, Waiter
+from control.wire import protocol as P
+from control.wire.errors import BadRequest, RpcBufError
+
+RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
+
+
+class Owner(Protocol):
+    """What the control ops see of their session."""
+
+    session_id: str
+
+    @property
+    def owner(self) -> str: ...  # the session's tenant (ops run after hello only)
+    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+              note: str = "") -> None: ...
+
+
+class ControlOps:
+    """The quick ops of one session (``owner``) on ``node``."""
+
+    def __init__(self, owner: Owner, node: Node) -> None:
+        self._owner, self._node, self._registry = owner, node, node.registry
+
+    def try_request(self, req: P.RequestBuffer) -> Buffer | None:
+        """The buffer, if it can be had now; None: wait (``wait_for_memory``)."""
+        pool = self._registry.pool_for(req.device_type, req.device)
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        return self._registry.try_allocate(self._owner.owner, pool, req.size, name=req.name,
+                                          ttl=req.ttl, session_id=self._owner.session_id)
+
+    def granted(self, buf: Buffer) -> dict[str, Any]:
+        self._owner.audit("request_buffer", buf, note=f"size={buf.size}")
+        if buf.expires_at is not None:
+            self._node.schedule_expiry()
+        return buf.meta()
+
+    async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
+        """A request_buffer that could not be granted at once: queue (first
+        come, first served) for at most ``req.timeout``; OUT_OF_MEMORY."""
+        pool = self._registry.pool_for(req.device_type, req.device)
+        if not req.timeout:
+            raise self._registry.out_of_memory(pool, req.size)
+        fut: asyncio.Future[Buffer] = asyncio.get_running_loop().create_future()
+
+        def done(buf: Buffer | None, err: RpcBufError | None) -> None:
+            if fut.done():  # we gave up in the meantime: hand the memory back
+                if buf is not None:
+                    self._registry.release(buf)
+                return
+            if err is not None:
+                fut.set_exception(err)
+            else:
+                fut.set_result(buf)  # type: ignore[arg-type]
+
+        waiter = Waiter(self._owner.owner, pool, req.size,
+                        {"name": req.name, "ttl": req.ttl,
+                         "session_id": self._owner.session_id}, done)
+        self._registry.enqueue(waiter)
+        try:
+            buf = await asyncio.wait_for(asyncio.shield(fut), req.timeout)
+        except TimeoutError:
+            self._registry.cancel(waiter)
+            if fut.done() and not fut.exception():
+                return self.granted(fut.result())  # granted at the last moment
+            raise self._registry.out_of_memory(pool, req.size) from None
+        except BaseException:
+            self._registry.cancel(waiter)
+            if fut.done() and not fut.cancelled() and not fut.exception():
+                self._registry.release(fut.result())
+            raise
+        return self.granted(buf)
+
+    def _get(self, buffer_id: str) -> Buffer:
+        return self._registry.get(self._owner.owner, buffer_id)
+
+    def meta(self, req: P.GetBufferMeta) -> dict[str, Any]:
+        return self._get(req.buffer_id).meta(tensors=req.tensors)
+
+    def open(self, req: P.OpenBuffer) -> dict[str, Any]:
+        return self._registry.by_name(self._owner.owner, req.name).meta()
+
+    def release(self, req: P.Release) -> dict[str, Any]:
+        buf = self._get(req.buffer_id)
+        self._registry.release(buf)
+        self._owner.audit("release", buf, note="deferred until transfers end" if buf.pins else "")
+        self._node.schedule_expiry()
+        return {"buffer_id": buf.buffer_id}
+
+    def renew(self, req: P.Renew) -> dict[str, Any]:
+        buf = self._get(req.buffer_id)
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        self._registry.renew(buf, req.ttl)
+        # Renews are coalesced in the audit trail: one record per buffer per
+        # RENEW_AUDIT_EVERY seconds, saying how many it stands for (a renew
+        # storm must not grow the log; the last lease is always in the meta).
+        now = time.monotonic()
+        if now - buf.renew_logged_at >= RENEW_AUDIT_EVERY:
+            also = f" (+{buf.renews_unlogged} renews since the last record)" \
+                if buf.renews_unlogged else ""
+            self._owner.audit("renew", buf, note=f"expires_at={buf.expires_at}{also}")
+            buf.renew_logged_at, buf.renews_unlogged = now, 0
+        else:
+            buf.renews_unlogged += 1
+            logs.quiet()
+        self._node.schedule_expiry()
+        return {"buffer_id": buf.buffer_id, "expires_at": buf.expires_at}
+
+    def list_devices(self, req: P.ListDevices) -> dict[str, Any]:
+        return {"node_id": self._node.node_id,
+                "devices": [p.describe() for p in self._registry.pools.values()]}
+
+    def list_buffers(self, req: P.ListBuffers) -> dict[str, Any]:
+        return {"buffers": [b.meta() for b in self._registry.buffers_of(self._owner.owner)]}
+
+    def stats(self, req: P.Stats) -> dict[str, Any]:
+        """What a tenant may see: its own sessions, buffers, bytes, waiters
+        and counters, and each device's size and free bytes; nothing about
+        other tenants (the node-wide figures are the operator's, in
+        ``--metrics``)."""
+        tenant = self._owner.owner
+        mine = [s for s in self._node.sessions.values() if s.tenant == tenant]
+        counters = {"bytes_stored": 0, "bytes_read": 0, "verify_failures": 0,
+                    **self._node.tenant_counters.get(tenant, {})}
+        return {"node_id": self._node.node_id, "uptime": time.time() - self._node.started_at,
+                "sessions": len(mine),
+                "same_host_sessions": sum(1 for s in mine if s.same_host is not None),
+                # node-wide, but about no tenant: connections not yet authenticated
+                "unauthenticated": len(self._node.unauthenticated),
+                "pending_endpoints": len(self._node.pending_endpoints),
+                **counters, "expired_total": self._registry.expired_of(tenant),
+                **self._registry.stats(tenant)}
+
+    def ping(self, req: P.Ping) -> dict[str, Any]:
+        return {"time": time.time()}

@@ -1,0 +1,74 @@
+"""What a session sees of the daemon that serves it: the node's limits
+(``Limits``) and a ``Node`` protocol of the daemon's shared parts.
+
+``server.Daemon`` is the one ``Node``; sessions (``session.py``) and their
+control ops (``controlops.py``) are written against this protocol, so the
+daemon owns its sessions without them importing it back (no cycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from control.daemon.admission import Pending
+from control.daemon.content import ContentIndex
+from control.daemon.copypool import CopyPool
+from control.daemon.metrics import Metrics
+from control.daemon.registry import Registry
+from control.wire import protocol as P
+from control.wire.auth import Keyring
+from control.wire.errors import QuotaExceeded
+from dataplane.ucx import DataEndpoint
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_frame: int = P.DEFAULT_MAX_FRAME
+    max_inflight: int = 64
+    transfer_timeout: float = 300.0
+    drain_timeout: float = 30.0
+    hello_timeout: float = 10.0  # from accept to a successful hello, one deadline
+    max_sessions: int = 1024  # authenticated control connections
+    # Connections before their hello, and UCX endpoints before they bind
+    # (each its own count): at the bound the oldest goes (see admission.py).
+    max_unauthenticated: int = 512
+    max_unauthenticated_per_source: int = 128  # control connections, per address (or uid)
+    copy_threads: int = 4  # same-host copies (copypool.py): at most half for one tenant
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
+                "transfer_timeout": self.transfer_timeout}
+
+
+class Node(Protocol):
+    """The daemon's parts that every session shares."""
+
+    registry: Registry
+    keys: Keyring
+    node_id: str
+    limits: Limits
+    unauthenticated: Pending[Any]
+    pending_endpoints: Pending[DataEndpoint]
+    copies: CopyPool  # same-host copies
+    probes: CopyPool  # hello probes
+    metrics: Metrics
+    content: ContentIndex
+    counters: dict[str, int]
+    tenant_counters: dict[str, dict[str, int]]
+    shutting_down: bool
+    stopped: bool
+    same_host_off: str | None  # why the same-host path is refused to everyone
+    ucx_port: int
+    started_at: float
+
+    @property
+    def sessions(self) -> MutableMapping[str, Any]: ...  # id -> session, authenticated or not
+    @property
+    def by_nonce(self) -> MutableMapping[bytes, Any]: ...  # bind nonce -> session not yet bound
+
+    def local_info(self) -> dict[str, Any] | None: ...
+    def schedule_expiry(self) -> None: ...
+    def authenticated(self) -> int: ...
+    def too_many_sessions(self) -> QuotaExceeded: ...

@@ -1,0 +1,524 @@
+"""One ``Session`` per control connection: its read loop, its one dispatch
+table, its one answer path, hello (and with it the same-host path), and its
+end.
+
+Requests are parsed by the sans-I/O protocol and dispatched through one
+table: the quick ops (``controlops``) are answered inline, in this loop;
+``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, run
+by the one data pipeline, ``pipeline``), and a ``request_buffer`` that has
+to wait, run as tasks, so one connection carries many requests at once and
+answers leave in any order.  Every answer frame leaves through ``_reply``,
+once per request (a UCX read answers before its bytes move, through
+``Call.answer_first``; its task then adds no second answer), and every
+request ends in ``_finish``: that one place counts and times it for the
+metrics (``metrics.py``) and writes its audit records with the result code
+(``logs.py``).
+
+The ops are composed, not mixed in: each is an object that sees this
+session through a small Protocol (``pipeline.Ops``, ``controlops.Owner``)
+and the daemon through ``node.Node``.
+
+Data paths (``paths.py``): the UCX endpoint the client binds after hello
+(``UcxPath``), and on a Unix socket session whose client proved at hello
+that the daemon can read its memory (``hello.py``), the same-host path
+(``SameHostPath``).
+
+A session that goes away aborts its UCX endpoint first (UCX cancels what is
+posted), stops its same-host copies, waits for its transfers, and only then
+releases its session-scoped buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from control.daemon import hello, logs
+from control.daemon.controlops import ControlOps
+from control.daemon.dataops import DataOps
+from control.daemon.dedupops import DedupOps
+from control.daemon.node import Node
+from control.daemon.paths import DataPath, SameHostPath, UcxPath
+from control.daemon.pipeline import Call, Held, Pipeline
+from control.daemon.registry import Buffer
+from control.wire import protocol as P
+from control.wire.auth import Grant, verify
+from control.wire.errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionLost,
+    QuotaExceeded,
+    RpcBufError,
+    ShuttingDown,
+    TokenExpired,
+)
+from dataplane import cma
+from dataplane.ucx import NONCE_BYTES, DataEndpoint
+
+log = logging.getLogger("rpcbuf.daemon")
+READ_CHUNK = 1 << 16
+ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
+END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
+
+
+class Session:
+    """One control connection: its tenant, its data paths, its requests."""
+
+    def __init__(self, daemon: Node, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.registry = daemon.registry
+        self.content = daemon.content
+        self.reader = reader
+        self.writer = writer
+        self.session_id = "s-" + secrets.token_urlsafe(12)
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.tenant: str | None = None
+        self.grant: Grant | None = None  # the hello's token: whose, until when, which key
+        # When the token expires, in time.perf_counter()'s terms (what _dispatch
+        # compares against: one float compare per request); -inf once ended.
+        self._token_deadline = math.inf
+        self._token_timer: asyncio.TimerHandle | None = None
+        self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
+        self.ep: DataEndpoint | None = None
+        self.ucx: UcxPath | None = None  # once the client's data endpoint is bound
+        self.same_host: SameHostPath | None = None  # once hello proved it works
+        self.cma_stop = threading.Event()  # set when the session closes: copies stop
+        self.peer = writer.get_extra_info("peername")
+        # Unix socket sessions: the process that connected, pinned by a pidfd
+        # now, at accept (never looked up again by pid): see cma.Peer.of_socket
+        self._process, self._process_why = hello.accept_peer(writer)
+        self.peer_pid = None if self._process is None else self._process.pid
+        self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
+        self._fd: int | None = None  # the Unix socket's fd: see peer_gone
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.transfers: set[asyncio.Task[None]] = set()
+        self._slot = asyncio.Event()
+        self._closed = False
+        # Until hello succeeds: small frames, one at a time, one deadline from now.
+        self._decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
+        self._hello_by = asyncio.get_running_loop().time() + daemon.limits.hello_timeout
+        self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
+        # The ops, composed: each sees this session through a small Protocol.
+        pipeline = Pipeline(self)
+        dedup = DedupOps(self, pipeline)
+        data = DataOps(self, pipeline, dedup)
+        self.control = control = ControlOps(self, daemon)
+        # The one dispatch table: op -> (handler, runs as a task).  Quick ops
+        # answer inline; ops that may wait (memory, locks, transfers) are tasks.
+        self._ops: dict[type, tuple[Callable[..., Any], bool]] = {
+            P.GetBufferMeta: (control.meta, False),
+            P.OpenBuffer: (control.open, False),
+            P.Release: (control.release, False),
+            P.Renew: (control.renew, False),
+            P.ListDevices: (control.list_devices, False),
+            P.ListBuffers: (control.list_buffers, False),
+            P.Stats: (control.stats, False),
+            P.Ping: (control.ping, False),
+            P.RequestBuffer: (control.wait_for_memory, True),
+            P.Store: (data.store, True),
+            P.Read: (data.read, True),
+            P.StoreBatch: (data.store_batch, True),
+            P.ReadBatch: (data.read_batch, True),
+            P.ClearBuffer: (data.clear, True),
+            P.CopyBuffer: (data.copy, True),
+            P.DedupStore: (dedup.dedup_store, True),
+        }
+
+    def abort(self, why: str) -> None:
+        """End the session hard: abort the data endpoint (UCX cancels what is
+        posted on it) and drop the connection; ``close`` then cleans up."""
+        log.warning("session %s aborted: %s", self.session_id, why)
+        if self.ep is not None:
+            self.ep.abort()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    def end(self, why: RpcBufError) -> None:
+        """End the session from our side (its token expired, its key was
+        revoked), telling the client why in a connection-level error frame.
+        The frame goes out and our half of the connection closes; the client
+        then closes its half, which ends ``run`` and ``close`` cleans up.
+        (Closing outright with the client's requests unread would reset the
+        connection, which can destroy the frame.)  Meanwhile every request is
+        refused, unanswered; after END_GRACE the session is aborted whatever
+        the client does."""
+        if self._closed or self._ended is not None:
+            return
+        log.info("session %s tenant=%s ended: %s", self.session_id, self.tenant, why)
+        self.send(P.error_response(None, why))
+        self._flush()
+        self._ended = why
+        self._token_deadline = -math.inf  # _dispatch refuses every request from now on
+        with contextlib.suppress(Exception):
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+        asyncio.get_running_loop().call_later(END_GRACE, self._hang_up)
+
+    def _hang_up(self) -> None:
+        if not self._closed:
+            self.abort(f"the client stayed {END_GRACE:.0f}s after the session ended")
+
+    def _token_ran_out(self) -> None:
+        self._token_timer = None
+        self.end(self._why_over())
+
+    def _why_over(self) -> RpcBufError:
+        """The error for a request after the session's token expired (or
+        after ``end``): a fresh one each time, an exception is raised once."""
+        if self._ended is not None:
+            return type(self._ended)(self._ended.message, self._ended.details)
+        expired = None if self.grant is None else self.grant.expires_at
+        return TokenExpired("this session's token expired; connect again with a new token",
+                            {"expired_at": expired})
+
+    def bind(self, ep: DataEndpoint) -> None:
+        if self._closed:
+            ep.abort()
+            return
+        self.ep = ep
+        self.ucx = UcxPath(ep, self.daemon.limits.transfer_timeout, self._transfer_expired)
+        log.debug("session %s bound its data endpoint", self.session_id)
+
+    # -- what the ops see (pipeline.Ops, controlops.Owner) ------------------------------
+
+    @property
+    def owner(self) -> str:
+        """The session's tenant (ops run only after hello)."""
+        tenant = self.tenant
+        assert tenant is not None
+        return tenant
+
+    def path(self, addressed: bool) -> DataPath:
+        """The request's data path: the UCX endpoint, or the same-host path
+        when the request carries the client's addresses."""
+        if not addressed:
+            if self.ucx is None:
+                raise BadRequest("no data endpoint is bound to this session")
+            return self.ucx
+        if self.same_host is None:
+            raise BadRequest("addresses are for same-host sessions only",
+                             {"reason": "not_same_host"})
+        return self.same_host
+
+    def _transfer_expired(self) -> None:
+        log.warning("session %s: transfer deadline passed; aborting", self.session_id)
+        self.abort("transfer deadline passed")
+
+    # -- I/O --------------------------------------------------------------------
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._closed or self._ended is not None or self.writer.is_closing():
+            return
+        try:
+            frame = P.encode_frame(message, self.daemon.limits.max_frame)
+        except P.FrameError as exc:
+            frame = P.encode_frame(P.error_response(message.get("id"), BadRequest(str(exc))))
+        out = self._out
+        if out is None:  # the first answer of a loop turn leaves at once (latency) ...
+            self.writer.write(frame)
+            self._out = []
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:  # ... the others (a pipelined burst) together, in one write, at its end
+            out.append(frame)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        if out and not self.writer.is_closing():
+            self.writer.write(b"".join(out))
+
+    async def run(self) -> None:
+        limits = self.daemon.limits
+        decoder = self._decoder
+        try:
+            while not self._closed:
+                if self.tenant is None:  # one deadline from accept, not per read
+                    async with asyncio.timeout_at(self._hello_by):
+                        data = await self.reader.read(READ_CHUNK)
+                else:
+                    data = await self.reader.read(READ_CHUNK)
+                if not data:
+                    return
+                # Before hello one frame at a time: what follows a hello is
+                # parsed under the limit that holds once it was handled.
+                one = self.tenant is None
+                msgs = decoder.feed(data, 1 if one else None)
+                while True:
+                    for msg in msgs:
+                        self._dispatch(msg)
+                        while len(self.tasks) >= limits.max_inflight:  # back-pressure
+                            self._slot.clear()
+                            await self._slot.wait()
+                    if decoder.error is not None:
+                        raise decoder.error
+                    if not (one and msgs) or self._closed:
+                        break
+                    one = self.tenant is None
+                    msgs = decoder.feed(b"", 1 if one else None)
+                await self.writer.drain()
+        except P.FrameError as exc:
+            log.warning("closing %s: %s", self.peer, exc)
+            self.send(P.error_response(None, exc))
+        except TimeoutError:
+            log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
+        except (ConnectionError, OSError):
+            pass
+
+    def evict(self) -> None:
+        """Dropped to make room for newer unauthenticated connections (see
+        admission.py): say why, then close; ``close`` cleans up."""
+        log.warning("closing %s: no hello yet, and newer connections need the room",
+                    self.peer or f"pid {self.peer_pid}")
+        self.daemon.metrics.refused("max_unauthenticated")
+        self.send(P.error_response(None, QuotaExceeded(
+            "too many connections have not said hello yet; this one waited longest",
+            {"limit": "max_unauthenticated"})))
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            req_id, req = P.parse_request(msg)
+        except P.RequestError as exc:
+            self.send(P.error_response(exc.req_id, exc.error))
+            self.daemon.metrics.observe("invalid", exc.error.code, started)
+            return
+        op = logs.OpRecord(req.op, self.tenant, self.session_id, started, req)
+        if req_id in self.tasks:
+            self._answer(req_id, op, BadRequest(f"request id {req_id} is in flight"))
+            return
+        token = logs.CURRENT.set(op)  # what _log records attaches to this request
+        try:
+            if isinstance(req, P.Hello):
+                self._answer(req_id, op, self._hello(req))
+                return
+            if self.tenant is None:
+                raise AuthFailed("say hello with a token first")
+            if started >= self._token_deadline:  # a session does not outlive its token
+                raise self._why_over()
+            if self.daemon.shutting_down:
+                raise ShuttingDown("daemon is stopping; no new requests")
+            handler, is_task = self._ops[type(req)]
+            if not is_task:
+                self._answer(req_id, op, handler(req))
+                return
+            if isinstance(req, P.RequestBuffer):
+                buf = self.control.try_request(req)
+                if buf is not None:
+                    self._answer(req_id, op, self.control.granted(buf))
+                    return
+            # Same-host copies too, however small: they touch client memory,
+            # which may never arrive, so never on this loop (paths.SameHostPath).
+            self._spawn(req_id, req, handler)
+        except RpcBufError as exc:
+            self._answer(req_id, op, exc)
+        finally:
+            logs.CURRENT.reset(token)
+
+    def _answer(self, req_id: int, op: logs.OpRecord,
+                result: dict[str, Any] | RpcBufError) -> None:
+        """Answer a request and finish it (the quick ops, inline)."""
+        self._reply(req_id, result)
+        self._finish(op, result if isinstance(result, RpcBufError) else None)
+
+    def _reply(self, req_id: int, result: dict[str, Any] | RpcBufError) -> None:
+        """The one answer path: every request's answer frame leaves here,
+        once (a task's ``Call.answer_first`` comes here too)."""
+        if isinstance(result, RpcBufError):
+            self.send(P.error_response(req_id, result))
+        else:
+            self.send(P.ok_response(req_id, result))
+
+    def _finish(self, op: logs.OpRecord, error: RpcBufError | None) -> None:
+        """Every request ends here, answered inline or by its task: count it,
+        time it, and write its audit records with the result code."""
+        code = "OK" if error is None else error.code
+        self.daemon.metrics.observe(op.op, code, op.started)
+        logs.finish(op, code, None if error is None else error.message)
+
+    def _spawn(self, req_id: int, req: P.Request, handler: Callable[..., Any]) -> None:
+        op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
+                                                 time.perf_counter(), req)
+        assert self.tenant is not None
+        held = Held(self.registry, self.tenant)  # what the handler looks up stays pinned
+        call = Call(req_id, held, self._reply)
+        task = asyncio.get_running_loop().create_task(
+            self._run_task(call, handler(call, req), op))
+        self.tasks[req_id] = task
+        if not isinstance(req, P.RequestBuffer):
+            self.transfers.add(task)
+
+    async def _run_task(self, call: Call, coro: Any, op: logs.OpRecord) -> None:
+        """A task's request, answered once: with what its op returns or
+        raises, unless the op answered first (a UCX read: then a failure of
+        its transfer is only recorded)."""
+        logs.CURRENT.set(op)  # this task's own context: its audit records land on op
+        req_id = call.req_id
+        result: dict[str, Any] | RpcBufError
+        error: RpcBufError | None = None
+        try:
+            result = await coro
+        except RpcBufError as exc:
+            result = error = exc
+        except asyncio.CancelledError:
+            result = error = ConnectionLost("request cancelled")
+        except Exception as exc:  # a bug: answer, log, keep serving everyone else
+            log.exception("request %d failed", req_id)
+            result = error = RpcBufError(f"internal error: {exc}")
+        try:
+            if not call.answered:
+                self._reply(req_id, result)
+        finally:
+            call.held.release()
+            self._finish(op, error)
+            task = self.tasks.pop(req_id, None)
+            if task is not None:
+                self.transfers.discard(task)
+            self._slot.set()
+
+    async def close(self, why: str) -> None:
+        """Abort the data endpoint, wait for transfers, release session buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._token_timer is not None:
+            self._token_timer.cancel()
+        self.cma_stop.set()  # same-host copies stop within a chunk
+        ep, self.ep, self.ucx = self.ep, None, None
+        if ep is not None:
+            ep.abort()  # UCX cancels posted requests: nothing writes into memory after this
+        for task in self.tasks.values():
+            if task not in self.transfers:
+                task.cancel()
+        pending = list(self.tasks.values())
+        if pending:
+            _, stuck = await asyncio.wait(pending, timeout=ABORT_GRACE)
+            if stuck and ep is not None:
+                # The endpoint is closed (abort waits for UCX to close it), so
+                # UCX no longer touches their memory, but ucxx sometimes never
+                # completes a receive it had already matched (seen once when a
+                # client was killed mid-store): cancel the waiting tasks.
+                log.warning("session %s: %d transfers missed the endpoint abort; "
+                            "cancelling them", self.session_id, len(stuck))
+                for task in stuck:
+                    task.cancel()
+                _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
+            if stuck:  # keep their buffers pinned rather than risk a use-after-free
+                log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
+        if self._process is not None:
+            self._process.close()  # no copy starts after this: Peer.alive() is False
+        self._fd = None
+        for buf in self.registry.session_closed(self.session_id):
+            self.audit("release", buf, note="session closed")
+        self.daemon.schedule_expiry()
+        self._flush()  # answers of this loop turn (a connection-level error frame) go first
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
+
+    # -- ops --------------------------------------------------------------------
+
+    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+              note: str = "") -> None:
+        """Audit a memory op: written with its result code and duration when the
+        request is answered (see ``logs``), at once outside a request."""
+        entry: dict[str, Any] = {
+            "op": op, "tenant": buf.tenant, "session": self.session_id,
+            "buffer": buf.buffer_id, "device": buf.pool.key, "offset": offset,
+            "bytes": buf.alloc_size if nbytes is None else nbytes}
+        if note:
+            entry["note"] = note
+        logs.record(entry)
+
+    def count(self, key: str, n: int) -> None:
+        """Count ``n`` into the node's counter ``key`` and this tenant's."""
+        counters = self.daemon.counters
+        counters[key] = counters.get(key, 0) + n
+        assert self.tenant is not None
+        mine = self.daemon.tenant_counters.get(self.tenant)
+        if mine is None:
+            mine = self.daemon.tenant_counters[self.tenant] = {}
+        mine[key] = mine.get(key, 0) + n
+
+    def _hello(self, req: P.Hello) -> dict[str, Any]:
+        if self.tenant is not None:
+            raise BadRequest("hello was already said on this connection")
+        if req.version != P.PROTOCOL_VERSION:
+            raise BadRequest(f"protocol version {req.version} is not supported",
+                             {"supported": [P.PROTOCOL_VERSION]})
+        grant = verify(self.daemon.keys, req.token)
+        tenant = grant.tenant
+        self._take_slot(tenant, req.replaces)
+        self.tenant, self.grant = tenant, grant
+        self.daemon.unauthenticated.discard(self)  # counts toward --max-sessions from now
+        self._decoder.max_frame, self._decoder.why = self.daemon.limits.max_frame, ""
+        if grant.expires_at is not None:
+            left = grant.expires_at - time.time()
+            self._token_deadline = time.perf_counter() + left
+            self._token_timer = asyncio.get_running_loop().call_later(
+                max(0.0, left), self._token_ran_out)
+        same_host, why = self._same_host(req, tenant)
+        log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
+                 self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
+        return hello.answer(self.daemon, self.session_id, grant, self.nonce, self.unix,
+                            same_host, why)
+
+    def peer_gone(self) -> bool:
+        """Whether the client closed its connection, even if nothing reads it
+        now (a session at --max-inflight is not reading): same-host copies
+        must not start then, the client no longer keeps its arrays."""
+        if self._fd is None:
+            return False
+        return cma.peer_closed(self._fd)
+
+    def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
+        """A Unix socket session may take over the slot of the TCP session it
+        replaces (which ends now); any other checks --max-sessions, and past
+        it gets a connection-level QUOTA_EXCEEDED and is closed."""
+        old = self.daemon.by_nonce.get(replaces) if replaces and self.unix else None
+        if old is not None and old is not self and old.tenant == tenant:
+            self.daemon.by_nonce.pop(old.nonce, None)
+            self.daemon.sessions.pop(old.session_id, None)  # it no longer counts
+            log.debug("session %s replaces %s", self.session_id, old.session_id)
+            with contextlib.suppress(Exception):
+                old.writer.close()  # its run loop ends, close() cleans up
+            return
+        if self.daemon.authenticated() >= self.daemon.limits.max_sessions:
+            error = self.daemon.too_many_sessions()
+            log.warning("refusing connection from %s: %s", self.peer or f"pid {self.peer_pid}",
+                        error)
+            self.daemon.metrics.refused("max_sessions")
+            self.send(P.error_response(None, error))
+            with contextlib.suppress(Exception):
+                self.writer.close()  # its hello is read: nothing unread to reset the frame
+            raise error
+
+    def _same_host(self, req: P.Hello, tenant: str) -> tuple[bool, str]:
+        """Turn on the same-host path if this is a Unix socket session whose
+        client proved we can read its memory, and the daemon may serve it."""
+        why = hello.same_host_why(req, self.unix, self.daemon, tenant, self._process,
+                                  self._process_why)
+        if why is not None:
+            if why:
+                log.info("session %s: same-host path off: %s", self.session_id, why)
+            return False, why
+        peer = self._process
+        assert peer is not None
+        self._fd = self.writer.get_extra_info("socket").fileno()
+        limits = self.daemon.limits
+        self.same_host = SameHostPath(
+            peer, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
+            stop=self.cma_stop, peer_gone=self.peer_gone, abort=self.abort,
+            expired=self._transfer_expired, stopped=lambda: self.daemon.stopped)
+        log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
+        return True, ""
