@@ -29,16 +29,14 @@ before a batch changes anything (``charge_entries``).
 
 from __future__ import annotations
 
-import base64
 import heapq
 import itertools
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from control.daemon.locks import RangeLocks
+from control.daemon.buffers import Buffer, Ids, Pool, Quota
+from control.daemon.waiters import AGING, MAX_WAITERS, Queues, Waiter
 from control.wire.errors import (
     BadRequest,
     NotFound,
@@ -47,169 +45,13 @@ from control.wire.errors import (
     RpcBufError,
     UnsupportedDevice,
 )
-from dataplane.allocator import Allocator, make_allocator
-from dataplane.arena import Arena
 
-AGING = 5.0  # seconds after which the oldest waiter of a device is passed by nobody
-MAX_WAITERS = 64  # requests one tenant may have waiting for memory, per device
+__all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
+           "Waiter"]  # the registry's vocabulary, defined in buffers.py and waiters.py
+
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
 
 
-@dataclass
-class Pool:
-    """One device: its arena and the allocator that carves it."""
-
-    key: str
-    arena: Arena
-    allocator: Allocator
-    owners: dict[int, Buffer] = field(default_factory=dict)  # allocator offset -> its buffer
-
-    @classmethod
-    def create(cls, arena: Arena, allocator: str) -> Pool:
-        kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
-        return cls(f"{kind}:{arena.device}", arena,
-                   make_allocator(allocator, arena.size))
-
-    def describe(self) -> dict[str, Any]:
-        st = self.allocator.stats()
-        return {
-            **self.arena.describe(),
-            "key": self.key,
-            "allocator": self.allocator.name,
-            "total": st.total,
-            "used": st.used,
-            "free": st.free,
-            "largest_free": st.largest_free,
-        }
-
-
-@dataclass
-class Buffer:
-    buffer_id: str
-    tenant: str
-    pool: Pool
-    offset: int
-    size: int
-    alloc_size: int
-    name: str | None
-    session_id: str | None  # set only for session-scoped buffers
-    ttl: float | None
-    created_at: float
-    expires_at: float | None
-    tensors: dict[str, Any] = field(default_factory=dict)
-    manifest_version: int = 0  # bumped by every manifest change
-    tensors_end: int = 0  # where new slots go: the end of the highest slot ever recorded
-    locks: RangeLocks = field(default_factory=RangeLocks)
-    pins: int = 0
-    released: bool = False
-    freed: bool = False  # its block went back to the allocator: never again
-    entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)
-    renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
-    renews_unlogged: int = 0
-
-    def meta(self, tensors: bool = True) -> dict[str, Any]:
-        return {
-            "buffer_id": self.buffer_id,
-            "name": self.name,
-            "size": self.size,
-            "alloc_size": self.alloc_size,
-            "device_type": self.pool.arena.device_type,
-            "device": self.pool.arena.device,
-            # Not the arena offset: that would map other tenants' memory.
-            "base_addr": 0,
-            "tenant": self.tenant,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "ttl": self.ttl,
-            "session_scoped": self.session_id is not None,
-            "tensors": self.tensors if tensors else None,
-            "tensor_count": len(self.tensors),
-            "tensors_end": self.tensors_end,
-            "manifest_version": self.manifest_version,
-        }
-
-
-_ID_BYTES = 18  # a buffer id is "b-" + 24 base64url characters: 144 random bits
-_ID_CHARS = _ID_BYTES * 4 // 3  # 18 bytes are whole base64 groups: no padding, no spill
-
-
-class _Ids:
-    """Unguessable buffer ids, as ``"b-" + secrets.token_urlsafe(18)`` makes
-    them (the same CSPRNG, the same 144 bits each), drawn from the OS and
-    base64-encoded 256 at a time instead of one syscall and one encode each."""
-
-    BATCH = 256
-
-    def __init__(self) -> None:
-        self._text = ""
-        self._at = 0
-
-    def next(self) -> str:
-        at = self._at
-        if at >= len(self._text):
-            self._text = base64.urlsafe_b64encode(os.urandom(_ID_BYTES * self.BATCH)).decode()
-            at = 0
-        self._at = at + _ID_CHARS
-        return "b-" + self._text[at:at + _ID_CHARS]
-
-
-@dataclass(frozen=True)
-class Quota:
-    bytes_per_device: int | None = None
-    buffers: int | None = None
-
-
-@dataclass(eq=False)
-class Waiter:
-    """A request_buffer waiting for memory; ``done`` is called exactly once.
-    Compared and hashed by identity: it is the key of its queues."""
-
-    tenant: str
-    pool: Pool
-    size: int
-    options: dict[str, Any]
-    done: Callable[[Buffer | None, RpcBufError | None], None]
-    since: float = 0.0  # time.monotonic() when it was queued
-    reserved: int = 0  # its block size, counted against the tenant's quota while it waits
-
-
-class _Queues:
-    """The waiters of one device: a FIFO per tenant, and every waiter in
-    arrival order (the oldest first), both O(1) to remove from."""
-
-    __slots__ = ("by_tenant", "order", "turn")
-
-    def __init__(self) -> None:
-        self.by_tenant: dict[str, dict[Waiter, None]] = {}
-        self.order: dict[Waiter, None] = {}
-        self.turn = 0  # round-robin position among the tenants
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def add(self, w: Waiter) -> None:
-        self.by_tenant.setdefault(w.tenant, {})[w] = None
-        self.order[w] = None
-
-    def remove(self, w: Waiter) -> bool:
-        """Take ``w`` out; False when it was not queued (served or gone)."""
-        if w not in self.order:
-            return False
-        del self.order[w]
-        mine = self.by_tenant[w.tenant]
-        del mine[w]
-        if not mine:
-            del self.by_tenant[w.tenant]
-        return True
-
-    def oldest(self) -> Waiter | None:
-        return next(iter(self.order), None)
-
-    def heads(self) -> list[Waiter]:
-        """Each tenant's first waiter, round-robin from this turn's tenant."""
-        heads = [next(iter(q)) for q in self.by_tenant.values()]
-        k = self.turn % len(heads) if heads else 0
-        return heads[k:] + heads[:k]
 
 
 class Registry:
@@ -225,11 +67,11 @@ class Registry:
         self._tenant_bytes: dict[tuple[str, str], int] = {}
         self._tenant_count: dict[str, int] = {}
         self._tenant_waiting: dict[tuple[str, str], int] = {}  # bytes reserved by waiters
-        self._waiters: dict[str, _Queues] = {k: _Queues() for k in self.pools}
+        self._waiters: dict[str, Queues] = {k: Queues() for k in self.pools}
         self._expiries: list[tuple[float, int, str]] = []
         self._leased = 0  # buffers with a lease: the heap is compacted past twice that
         self._seq = itertools.count()
-        self._ids = _Ids()
+        self._ids = Ids()
         self._pool_keys: dict[tuple[str, int], Pool] = {}  # (device_type, device) -> pool
         self.expired_total = 0
         self._expired_by: dict[str, int] = {}
@@ -330,7 +172,7 @@ class Registry:
         return self._allocate(tenant, pool, size, name, ttl, session_id)
 
     @staticmethod
-    def _aged(queues: _Queues) -> Waiter | None:
+    def _aged(queues: Queues) -> Waiter | None:
         w = queues.oldest()
         return w if w is not None and time.monotonic() - w.since >= AGING else None
 

@@ -1,0 +1,120 @@
+"""What the registry keeps: a device's ``Pool`` (arena, allocator, and who
+owns each block), a ``Buffer`` (its slice, tenant, lease, manifest, range
+locks and pins), a tenant's ``Quota``, and the unguessable ids (``Ids``).
+Plain data; the rules that change them are ``registry.Registry``'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.daemon.locks import RangeLocks
+from dataplane.allocator import Allocator, make_allocator
+from dataplane.arena import Arena
+
+
+@dataclass
+class Pool:
+    """One device: its arena and the allocator that carves it."""
+
+    key: str
+    arena: Arena
+    allocator: Allocator
+    owners: dict[int, Buffer] = field(default_factory=dict)  # allocator offset -> its buffer
+
+    @classmethod
+    def create(cls, arena: Arena, allocator: str) -> Pool:
+        kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
+        return cls(f"{kind}:{arena.device}", arena,
+                   make_allocator(allocator, arena.size))
+
+    def describe(self) -> dict[str, Any]:
+        st = self.allocator.stats()
+        return {
+            **self.arena.describe(),
+            "key": self.key,
+            "allocator": self.allocator.name,
+            "total": st.total,
+            "used": st.used,
+            "free": st.free,
+            "largest_free": st.largest_free,
+        }
+
+
+@dataclass
+class Buffer:
+    buffer_id: str
+    tenant: str
+    pool: Pool
+    offset: int
+    size: int
+    alloc_size: int
+    name: str | None
+    session_id: str | None  # set only for session-scoped buffers
+    ttl: float | None
+    created_at: float
+    expires_at: float | None
+    tensors: dict[str, Any] = field(default_factory=dict)
+    manifest_version: int = 0  # bumped by every manifest change
+    tensors_end: int = 0  # where new slots go: the end of the highest slot ever recorded
+    locks: RangeLocks = field(default_factory=RangeLocks)
+    pins: int = 0
+    released: bool = False
+    freed: bool = False  # its block went back to the allocator: never again
+    entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)
+    renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
+    renews_unlogged: int = 0
+
+    def meta(self, tensors: bool = True) -> dict[str, Any]:
+        return {
+            "buffer_id": self.buffer_id,
+            "name": self.name,
+            "size": self.size,
+            "alloc_size": self.alloc_size,
+            "device_type": self.pool.arena.device_type,
+            "device": self.pool.arena.device,
+            # Not the arena offset: that would map other tenants' memory.
+            "base_addr": 0,
+            "tenant": self.tenant,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "ttl": self.ttl,
+            "session_scoped": self.session_id is not None,
+            "tensors": self.tensors if tensors else None,
+            "tensor_count": len(self.tensors),
+            "tensors_end": self.tensors_end,
+            "manifest_version": self.manifest_version,
+        }
+
+
+_ID_BYTES = 18  # a buffer id is "b-" + 24 base64url characters: 144 random bits
+_ID_CHARS = _ID_BYTES * 4 // 3  # 18 bytes are whole base64 groups: no padding, no spill
+
+
+class Ids:
+    """Unguessable buffer ids, as ``"b-" + secrets.token_urlsafe(18)`` makes
+    them (the same CSPRNG, the same 144 bits each), drawn from the OS and
+    base64-encoded 256 at a time instead of one syscall and one encode each."""
+
+    BATCH = 256
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._at = 0
+
+    def next(self) -> str:
+        at = self._at
+        if at >= len(self._text):
+            self._text = base64.urlsafe_b64encode(os.urandom(_ID_BYTES * self.BATCH)).decode()
+            at = 0
+        self._at = at + _ID_CHARS
+        return "b-" + self._text[at:at + _ID_CHARS]
+
+
+@dataclass(frozen=True)
+class Quota:
+    bytes_per_device: int | None = None
+    buffers: int | None = None
