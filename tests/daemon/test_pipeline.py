@@ -22,6 +22,7 @@ from control.daemon.pipeline import Call, Held, Pipeline
 from control.daemon.registry import Buffer, Pool, Registry
 from control.wire import protocol as P
 from control.wire.errors import OutOfRange, VerifyFailed
+from control.wire.runs import plan_runs, run_tag
 from dataplane.arena import HostArena
 
 TENANT = "alice"
@@ -55,17 +56,17 @@ class MemPath:
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
-                region.view(off, n)[:] = np.frombuffer(self.sent[P.run_tag(req_id, i)], np.uint8)
+                region.view(off, n)[:] = np.frombuffer(self.sent[run_tag(req_id, i)], np.uint8)
 
     async def send(self, req_id: int, region: Region, items: Items) -> None:
         self.events.append("send")
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
-                self.got[P.run_tag(req_id, i)] = region.view(off, n).tobytes()
+                self.got[run_tag(req_id, i)] = region.view(off, n).tobytes()
 
     async def drain(self, req_id: int, items: Items) -> None:
-        self.drained += [P.run_tag(req_id, i) for i, r in enumerate(items.runs()) if r[1]]
+        self.drained += [run_tag(req_id, i) for i, r in enumerate(items.runs()) if r[1]]
 
 
 class FakeSession:
@@ -163,7 +164,7 @@ async def test_a_refused_batch_drains_only_the_runs_that_were_sent() -> None:
     req = P.StoreBatch(buf.buffer_id, P.pack_u64(offsets), P.pack_u64(sizes))
     with pytest.raises(OutOfRange):
         await run(call, rig.ops.store_batch(call, req))
-    runs = P.plan_runs(offsets, sizes)
+    runs = plan_runs(offsets, sizes)
     assert len(rig.path.drained) == sum(1 for r in runs if r[1]) < len(runs)
 
 
