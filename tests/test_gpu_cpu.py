@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import rpcbuf
 from control.client.arrays import as_bytes, is_cuda
+from control.client.datapath import Transfer
 from control.wire import protocol as P
 from dataplane import devsum as D
 from dataplane import ucx
@@ -271,7 +272,7 @@ async def test_fake_gpu_buffers(fake_gpu_daemon) -> None:  # type: ignore[no-unt
             bad = P.Store(buffer_id=buf, offset=0, nbytes=data.nbytes, checksum=12345,
                           verify="checksum", checksum_kind="devsum")
             with pytest.raises(rpcbuf.VerifyFailed):  # a wrong devsum is caught
-                await c._send_request(bad, [data])
+                await c._paths.ucx.send(Transfer(lambda local: bad, [data], lambda: [data]))
         finally:
             await c.release_buffer(buf)
         assert (await c.stats())["buffers"] == 0

@@ -205,7 +205,7 @@ async def test_metrics_and_audit_after_real_ops(
         await c.store_tensor(buf, np.ones(4096, np.uint8), offset=64, verify="checksum")
         await c.read_buffer(buf, 0, 1000)
         with monkeypatch.context() as mp:
-            mp.setattr(control.client, "checksum", lambda data: 12345)
+            mp.setattr(control.client.context, "checksum", lambda data: 12345)
             with pytest.raises(rpcbuf.VerifyFailed):
                 await c.store_tensor(buf, np.ones(512, np.uint8), verify="checksum")
         with pytest.raises(rpcbuf.NotFound):

@@ -82,7 +82,7 @@ async def test_verify_failed_is_reported(ctx: rpcbuf.RpcContext,
     import control.client.context
 
     buf = await ctx.request_buffer(1024)
-    monkeypatch.setattr(control.client, "checksum", lambda data: 12345)  # client lies
+    monkeypatch.setattr(control.client.context, "checksum", lambda data: 12345)  # client lies
     with pytest.raises(rpcbuf.VerifyFailed) as info:
         await ctx.store_tensor(buf, np.ones(1024, np.uint8), verify="checksum")
     assert info.value.details["expected"] == 12345

@@ -71,6 +71,7 @@ from control.wire.errors import (
     TokenExpired,
 )
 from dataplane import cma
+from dataplane.cuda_arena import is_device_arena
 from dataplane.ucx import (
     BIND_TAG,
     NONCE_BYTES,
@@ -673,9 +674,7 @@ class Session(DedupOps, DataOps):
     def _hello(self, req: P.Hello) -> dict[str, Any]:
         if self.tenant is not None:
             raise BadRequest("hello was already said on this connection")
-        if req.version != P.PROTOCOL_VERSION:
-            raise BadRequest(f"protocol version {req.version} is not supported",
-                             {"supported": [P.PROTOCOL_VERSION]})
+        version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
         grant = verify(self.daemon.keys, req.token)
         tenant = grant.tenant
         self._take_slot(tenant, req.replaces)
@@ -695,7 +694,11 @@ class Session(DedupOps, DataOps):
             "tenant": self.tenant,
             "token_expires_at": grant.expires_at,  # the session ends then (None: never)
             "node_id": self.daemon.node_id,
-            "version": P.PROTOCOL_VERSION,
+            "version": version,
+            "versions": [P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
+            # Each device's own checksum (what a plain store into it is verified with).
+            "checksum_kinds": {p.key: "devsum" if is_device_arena(p.arena) else "xxh3"
+                               for p in self.registry.pools.values()},
             "ucx": {"port": self.daemon.ucx_port},
             "bind_nonce": self.nonce,
             "devices": [p.describe() for p in self.registry.pools.values()],
