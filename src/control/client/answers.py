@@ -66,14 +66,20 @@ class Device:
     largest_free: int
 
 
-def parse_device(msg: Any, answer: str = "device") -> Device:
+def parse_device(msg: Any, answer: str = "list_devices") -> Device:
+    """Raises BAD_REQUEST naming the field (``devices.<key>``)."""
     if not isinstance(msg, dict):
-        raise bad_answer(answer, "device", f"must be a map, got {type(msg).__name__}")
-    key = _str(msg, "key", answer)
-    assert key is not None
-    return Device(key, _device_type(msg, answer), _int(msg, "device", answer),
-                  _int(msg, "total", answer), _int(msg, "free", answer),
-                  _int(msg, "largest_free", answer))
+        raise bad_answer(answer, "devices", f"must hold maps, got {type(msg).__name__}")
+    try:
+        key = _str(msg, "key", answer)
+        assert key is not None
+        return Device(key, _device_type(msg, answer), _int(msg, "device", answer),
+                      _int(msg, "total", answer), _int(msg, "free", answer),
+                      _int(msg, "largest_free", answer))
+    except BadRequest as exc:
+        field = f"devices.{exc.details['field']}"
+        raise bad_answer(answer, field, exc.message.split(f" {exc.details['field']} ", 1)[-1]
+                         ) from None
 
 
 def parse_devices(msgs: Any, answer: str = "list_devices") -> tuple[Device, ...]:

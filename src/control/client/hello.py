@@ -166,6 +166,6 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
     return HelloAnswer(
         session_id=ids[0], tenant=ids[1], node_id=ids[2], version=version, bind_nonce=nonce,
         ucx_port=port, max_inflight=inflight, max_frame=frame,
-        transfer_timeout=float(timeout), devices=parse_devices(devices, "hello.devices"),
+        transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
         checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
         local=local)
