@@ -53,7 +53,7 @@ from control.client.opening import (
 from control.client.tensorops import TensorOps
 from control.client.tensors import ManifestTable, Packed
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, ConnectionLost, Timeout, VerifyFailed
+from control.wire.errors import BadRequest, ConnectionLost, NotFound, Timeout, VerifyFailed
 from control.wire.gpuops import check_wire_dtype
 from dataplane import ucx
 from dataplane.checksum import checksum
@@ -188,12 +188,17 @@ class RpcContext:
     async def _place(self, buffer_id: str) -> BufferPlace | None:
         """Where the buffer lives, as the daemon stated it: from this
         context's answers, else asked once (``get_buffer_meta`` without the
-        manifest).  None for an id that is no string (the daemon refuses it)."""
+        manifest).  None for an id that is no string or no buffer of ours:
+        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
+        arguments before NOT_FOUND, as the daemon checks them)."""
         if not isinstance(buffer_id, str):
             return None
         place = self._places.get(buffer_id)
         if place is None:
-            await self.get_buffer_meta(buffer_id, tensors=False)
+            try:
+                await self.get_buffer_meta(buffer_id, tensors=False)
+            except NotFound:
+                return None
             place = self._places.get(buffer_id)
         return place
 
@@ -244,9 +249,10 @@ class RpcContext:
 
     async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
         self._check_open()
-        devices = (await self._call(P.ListDevices(), timeout)).get("devices")
+        devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
+            "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
         parse_devices(devices)
-        return list(devices)  # type: ignore[arg-type]  # a list: parse_devices checked
+        return list(devices)
 
     async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
         self._check_open()

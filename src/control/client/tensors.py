@@ -1,12 +1,14 @@
 """Named tensor layouts: which tensor lives at which offset of a remote buffer.
 
-``store_tensors`` gives each tensor an aligned slot (256 bytes, GPU-friendly),
-stores them all in one batch (one control round trip; touching small tensors
-travel as one UCX message) and has the daemon record a manifest — name ->
-dtype, shape, offset, nbytes, checksum — that ``get_buffer_meta`` returns
-under ``tensors``.  ``load_tensors`` reads them back, with their dtype and
-shape, in one batch; any process of the same tenant can do so once it has
-the buffer id (``open_buffer(name)`` finds a named buffer).
+The models and plans, with no I/O (``tensorops.py`` runs them over a
+context's batch ops).  ``store_tensors`` gives each tensor an aligned slot
+(256 bytes, GPU-friendly), stores them all in one batch (one control round
+trip; touching small tensors travel as one UCX message) and has the daemon
+record a manifest — name -> dtype, shape, offset, nbytes, checksum — that
+``get_buffer_meta`` returns under ``tensors``.  ``load_tensors`` reads them
+back, with their dtype and shape, in one batch; any process of the same
+tenant can do so once it has the buffer id (``open_buffer(name)`` finds a
+named buffer).
 
 The checksum in the manifest is the daemon's xxh3-64 of the bytes it
 received; ``load_tensors(verify=True)`` recomputes it on what arrived.
