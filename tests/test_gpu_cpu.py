@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import rpcbuf
 from control.client.arrays import as_bytes, is_cuda
+from control.client.datapath import Transfer
 from control.wire import protocol as P
 from dataplane import devsum as D
 from dataplane import ucx
@@ -271,7 +272,29 @@ async def test_fake_gpu_buffers(fake_gpu_daemon) -> None:  # type: ignore[no-unt
             bad = P.Store(buffer_id=buf, offset=0, nbytes=data.nbytes, checksum=12345,
                           verify="checksum", checksum_kind="devsum")
             with pytest.raises(rpcbuf.VerifyFailed):  # a wrong devsum is caught
-                await c._send_request(bad, [data])
+                await c._paths.ucx.send(Transfer(lambda local: bad, [data], lambda: [data]))
         finally:
             await c.release_buffer(buf)
         assert (await c.stats())["buffers"] == 0
+
+
+async def test_checksum_kind_is_the_daemons_word(fake_gpu_daemon) -> None:  # type: ignore[no-untyped-def]
+    """A context that never saw a GPU buffer still verifies a store into it
+    with the kind the daemon states for its device (devsum), and routes it
+    over UCX: from the buffer's metadata (asked once), not from a refusal."""
+    async with fake_gpu_daemon.connect() as owner, fake_gpu_daemon.connect() as other:
+        assert owner.hello["checksum_kinds"] == {"cpu:0": "xxh3", "cuda:1": "devsum"}
+        buf = await owner.request_buffer(1 << 16, device_type="GPU", device=1)
+        host = await owner.request_buffer(1 << 16)
+        try:
+            name = await owner.get_buffer_meta(buf)
+            assert name["device_type"] == "GPU"
+            data = np.arange(4096, dtype=np.uint8)
+            res = await other.store_tensor(buf, data, verify="checksum")
+            assert res["checksum_kind"] == "devsum" and res["checksum"] == D.devsum(data)
+            res = await other.store_tensor(host, data, verify="checksum")
+            assert res.get("checksum_kind", "xxh3") == "xxh3"
+            assert np.array_equal(await other.read_buffer(buf, 0, 4096), data)
+        finally:
+            await owner.release_buffer(buf)
+            await owner.release_buffer(host)

@@ -34,7 +34,7 @@ async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_fact
                                      P.Store(buffer_id=src, offset=0, nbytes=mib))
         await asyncio.sleep(0.3)
         dst = await a.request_buffer(mib)
-        dedup = asyncio.ensure_future(a._dedup_chunk(dst, ["w"], weights, {"w": 0},
+        dedup = asyncio.ensure_future(a._dedup._dedup_chunk(dst, ["w"], weights, {"w": 0},
                                                      content_hashes(weights)))
         await asyncio.sleep(0.3)  # dedup now waits for src's lock, holding dst
         await a.release_buffer(dst)

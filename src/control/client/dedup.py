@@ -10,6 +10,9 @@ and verifies them), then sends only the missing tensors in one
 Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
 caller that hashed already (the model loader hashes while it reads ahead)
 passes ``hashes`` to skip it.
+
+``DedupOps`` holds no connection: it is handed what it needs (``DedupNeeds``:
+the context's ``store_batch``, a plain call, the manifest cache).
 """
 
 from __future__ import annotations
@@ -17,17 +20,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol
 
 import numpy as np
 
-from control.client.tensors import manifest_columns, named_arrays, plan_layout
+from control.client.tensors import ManifestTable, manifest_columns, named_arrays, plan_layout
 from control.wire import protocol as P
 from control.wire.units import THREAD_BYTES
 from dataplane.checksum import checksum, digest128
-
-if TYPE_CHECKING:
-    from control.client.context import RpcContext
 
 CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed array
 
@@ -44,8 +44,26 @@ def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int
         return dict(zip(datas, zip(longs.result(), shorts, strict=True), strict=True))
 
 
-class DedupClientOps:
-    """Mixin for ``RpcContext``."""
+class DedupNeeds(Protocol):
+    """What the dedup upload needs of a context."""
+
+    def check_open(self) -> None: ...
+
+    async def call(self, req: P.Request) -> dict[str, Any]: ...
+
+    async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None = None,
+                          manifest: tuple[list[str], list[str], list[list[int]]] | None = None
+                          ) -> dict[str, Any]: ...
+
+
+class DedupOps:
+    """``store_tensors_dedup`` over a context's ops (``DedupNeeds``)."""
+
+    def __init__(self, ctx: DedupNeeds) -> None:
+        self._ctx = ctx
 
     async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
                                   offsets: Mapping[str, int] | None = None,
@@ -59,11 +77,11 @@ class DedupClientOps:
         where ``store_tensors`` would put them.  Returns ``{"tensors",
         "placed", "sent", "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND,
         OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
-        ctx = cast("RpcContext", self)
-        ctx._check_open()
+        ctx = self._ctx
+        ctx.check_open()
         arrays = named_arrays(tensors)
         if offsets is None:
-            existing = await ctx._manifest_of(buffer_id)  # the cached copy when current
+            existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)
         if hashes is None:
             total = sum(a.nbytes for a in arrays.values())
@@ -100,5 +118,5 @@ class DedupClientOps:
             hashes=P.U64Array(words.tobytes()),
             checksums=P.pack_u64([hashes[n][1] for n in items]),
             names=names, dtypes=dtypes, shapes=shapes)
-        result = await cast("RpcContext", self)._call(req)
+        result = await self._ctx.call(req)
         return {items[int(i)] for i in P.unpack_u64(result["placed"])}

@@ -3,18 +3,28 @@
 The client sizes its semaphore, its deadlines and its frame limit from this
 answer, dials the UCX port it names and may reconnect on the Unix socket it
 names: a malicious or broken daemon must not turn any of that into a hang,
-a crash or a huge allocation.  ``check_hello`` takes the decoded answer and
-returns it unchanged or raises BAD_REQUEST naming the field
-(``details["field"]``, ``details["reason"] == "bad_hello"``).  Sans-I/O: no
-asyncio here, so the checks are testable on their own and the same for TCP
-and Unix sockets.
+a crash or a huge allocation.  ``parse_hello`` takes the decoded answer and
+returns a frozen ``HelloAnswer`` (what the rest of the client reads, by
+attribute) or raises BAD_REQUEST naming the field (``details["field"]``,
+``details["reason"] == "bad_hello"``); ``check_hello`` is the same check
+returning the dict (what ``ctx.hello`` shows).  Sans-I/O: no asyncio here,
+so the checks are testable on their own and the same for TCP and Unix
+sockets.
+
+The protocol version is checked here too: the daemon answers the version it
+chose from the client's range (``P.negotiate``); one outside that range is
+refused with the sentence ``P.version_mismatch`` makes (both ranges named).
+A version-1 daemon says nothing of ``checksum_kinds``: each device's kind is
+then what that protocol defined, devsum on a GPU and xxh3 on the host.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from control.client.answers import CHECKSUM_KINDS, Device, bad_answer, parse_devices
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
@@ -29,8 +39,42 @@ NONCE_BYTES = 16
 
 
 def _bad(field: str, why: str) -> BadRequest:
-    return BadRequest(f"the daemon's hello is malformed: {field} {why}",
-                      {"field": field, "reason": "bad_hello"})
+    return bad_answer("hello", field, why)
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """Where the daemon's same-host socket is (a TCP hello from this host)."""
+
+    socket: str
+    boot_id: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAnswer:
+    """The daemon's hello, checked: what the client sizes itself by."""
+
+    session_id: str
+    tenant: str
+    node_id: str
+    version: int  # the protocol version this session speaks
+    bind_nonce: bytes
+    ucx_port: int
+    max_inflight: int
+    max_frame: int
+    transfer_timeout: float
+    devices: tuple[Device, ...]
+    checksum_kinds: dict[str, str]  # device key -> its checksum ("xxh3", "devsum")
+    same_host: bool
+    same_host_why: str | None
+    local: Local | None
+
+    def checksum_kind(self, device_type: str, device: int) -> str:
+        """The checksum the daemon verifies a plain store into that device with."""
+        gpu = device_type.upper() == "GPU"
+        stated = self.checksum_kinds.get(f"{'cuda' if gpu else 'cpu'}:{device}")
+        return stated if stated is not None else ("devsum" if gpu else "xxh3")
 
 
 def _int(msg: dict[str, Any], key: str, field: str, lo: int, hi: int) -> int:
@@ -55,21 +99,45 @@ def _map(msg: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def check_hello(msg: dict[str, Any], unix: bool) -> dict[str, Any]:
-    """``msg`` if every field the client uses is sane; ``unix``: it came over
-    the daemon's Unix socket (only there can it offer the same-host path).
-    Raises BAD_REQUEST naming the field."""
-    for key in ("session_id", "tenant", "node_id"):
-        _str(msg, key, key, MAX_ID)
-    if "version" in msg and msg["version"] != P.PROTOCOL_VERSION:
-        raise _bad("version", f"is {msg['version']!r:.40}; this client speaks "
-                              f"{P.PROTOCOL_VERSION}")
+    """``msg`` if ``parse_hello`` accepts it.  Raises BAD_REQUEST naming the field."""
+    parse_hello(msg, unix)
+    return msg
+
+
+def _version(msg: dict[str, Any]) -> int:
+    mine = (P.PROTOCOL_MIN, P.PROTOCOL_VERSION)
+    version = msg.get("version", 1)  # a daemon older than the field speaks 1
+    if type(version) is not int or not mine[0] <= version <= mine[1]:
+        node = (version, version) if type(version) is int else (0, 0)
+        err = P.version_mismatch(node, mine)
+        raise BadRequest(err.message, {**err.details, "field": "version",
+                                       "reason": "protocol_version"})
+    return version
+
+
+def _checksum_kinds(msg: dict[str, Any]) -> dict[str, str]:
+    kinds = msg.get("checksum_kinds", {})
+    if not isinstance(kinds, dict) or len(kinds) > MAX_DEVICES or not all(
+            isinstance(k, str) and len(k) <= MAX_ID and v in CHECKSUM_KINDS
+            for k, v in kinds.items()):
+        raise _bad("checksum_kinds", f"must map at most {MAX_DEVICES} device keys to one "
+                                     f"of {list(CHECKSUM_KINDS)}")
+    return kinds
+
+
+def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
+    """The hello as a ``HelloAnswer`` if every field the client uses is sane;
+    ``unix``: it came over the daemon's Unix socket (only there can it offer
+    the same-host path).  Raises BAD_REQUEST naming the field."""
+    ids = [_str(msg, key, key, MAX_ID) for key in ("session_id", "tenant", "node_id")]
+    version = _version(msg)
     nonce = msg.get("bind_nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise _bad("bind_nonce", f"must be {NONCE_BYTES} bytes")
-    _int(_map(msg, "ucx"), "port", "ucx.port", 1, 65535)
+    port = _int(_map(msg, "ucx"), "port", "ucx.port", 1, 65535)
     limits = _map(msg, "limits")
-    _int(limits, "max_inflight", "limits.max_inflight", 1, MAX_INFLIGHT)
-    _int(limits, "max_frame", "limits.max_frame", MIN_FRAME, MAX_FRAME)
+    inflight = _int(limits, "max_inflight", "limits.max_inflight", 1, MAX_INFLIGHT)
+    frame = _int(limits, "max_frame", "limits.max_frame", MIN_FRAME, MAX_FRAME)
     timeout: Any = limits.get("transfer_timeout")
     if type(timeout) not in (int, float) or not math.isfinite(timeout) \
             or not 0 < timeout <= MAX_TRANSFER_TIMEOUT:
@@ -84,13 +152,20 @@ def check_hello(msg: dict[str, Any], unix: bool) -> dict[str, Any]:
     if same_host and not unix:
         raise _bad("same_host", "is offered on a TCP connection (only the daemon's Unix "
                                 "socket can offer it)")
+    why = None
     if "same_host_why" in msg:
-        _str(msg, "same_host_why", "same_host_why", P.MAX_STR, lo=0)
+        why = _str(msg, "same_host_why", "same_host_why", P.MAX_STR, lo=0)
+    local = None
     if msg.get("local") is not None:
-        local = _map(msg, "local")
-        sock = _str(local, "socket", "local.socket", SUN_PATH)
+        where = _map(msg, "local")
+        sock = _str(where, "socket", "local.socket", SUN_PATH)
         if "\0" in sock or len(sock.encode()) > SUN_PATH:
             raise _bad("local.socket", "is not a Unix socket name")
-        _str(local, "boot_id", "local.boot_id", MAX_ID, lo=0)
-        _int(local, "pid", "local.pid", 1, PID_MAX)
-    return msg
+        local = Local(sock, _str(where, "boot_id", "local.boot_id", MAX_ID, lo=0),
+                      _int(where, "pid", "local.pid", 1, PID_MAX))
+    return HelloAnswer(
+        session_id=ids[0], tenant=ids[1], node_id=ids[2], version=version, bind_nonce=nonce,
+        ucx_port=port, max_inflight=inflight, max_frame=frame,
+        transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
+        checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
+        local=local)

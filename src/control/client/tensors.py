@@ -1,12 +1,14 @@
 """Named tensor layouts: which tensor lives at which offset of a remote buffer.
 
-``store_tensors`` gives each tensor an aligned slot (256 bytes, GPU-friendly),
-stores them all in one batch (one control round trip; touching small tensors
-travel as one UCX message) and has the daemon record a manifest — name ->
-dtype, shape, offset, nbytes, checksum — that ``get_buffer_meta`` returns
-under ``tensors``.  ``load_tensors`` reads them back, with their dtype and
-shape, in one batch; any process of the same tenant can do so once it has
-the buffer id (``open_buffer(name)`` finds a named buffer).
+The models and plans, with no I/O (``tensorops.py`` runs them over a
+context's batch ops).  ``store_tensors`` gives each tensor an aligned slot
+(256 bytes, GPU-friendly), stores them all in one batch (one control round
+trip; touching small tensors travel as one UCX message) and has the daemon
+record a manifest — name -> dtype, shape, offset, nbytes, checksum — that
+``get_buffer_meta`` returns under ``tensors``.  ``load_tensors`` reads them
+back, with their dtype and shape, in one batch; any process of the same
+tenant can do so once it has the buffer id (``open_buffer(name)`` finds a
+named buffer).
 
 The checksum in the manifest is the daemon's xxh3-64 of the bytes it
 received; ``load_tensors(verify=True)`` recomputes it on what arrived.
@@ -27,18 +29,16 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
 
-from control.wire import protocol as P
-from control.wire.errors import BadRequest, NotFound, VerifyFailed
+from control.wire.errors import BadRequest
 from control.wire.manifest import ALIGN, ManifestTable, Packed, manifest_columns, np_dtype
 from control.wire.manifest import align as _align
 
-__all__ = ["ALIGN", "Items", "ManifestTable", "Packed", "TensorOps", "calculate_buffer_size",
+__all__ = ["ALIGN", "Items", "ManifestTable", "Packed", "calculate_buffer_size",
            "manifest_columns", "named_arrays", "plan_layout", "plan_offsets", "plan_spans"]
 
 
@@ -67,11 +67,11 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
 def named_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """``{name: array}`` as NumPy arrays; BAD_REQUEST for a non-string name or
     an array of Python objects."""
-    names, arrays = _named(tensors)
+    names, arrays = names_and_arrays(tensors)
     return dict(zip(names, arrays, strict=True))
 
 
-def _named(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.ndarray]]:
+def names_and_arrays(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.ndarray]]:
     """(names, NumPy arrays) of ``tensors``, checked as ``named_arrays`` says."""
     names = list(tensors)
     values = list(tensors.values())
@@ -227,140 +227,17 @@ def bulk_views(blocks: Sequence[np.ndarray], which: np.ndarray, rel: np.ndarray,
     return out
 
 
-@dataclass
-class _Manifest:
-    """A client's copy of one buffer's manifest, valid while ``version`` is."""
-
-    version: int
-    end: int
-    table: ManifestTable
-
-    def update(self, version: int, written: ManifestTable, dropped: list[str]) -> None:
-        self.table = self.table.merged(written, dropped)
-        self.version = version
-        self.end = max(self.end, written.end)
+def _np_dtype(name: str) -> np.dtype[Any]:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = np.dtype(name)
+    return dt
 
 
-class TensorOps:
-    """Mixin for ``RpcContext``: the named-tensor layer over the batch ops."""
-
-    _manifests: dict[str, _Manifest]
-
-    if TYPE_CHECKING:  # provided by RpcContext
-        async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
-                                  ) -> dict[str, Any]: ...
-
-        async def store_batch(
-            self, buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None = None,
-            manifest: tuple[list[str], list[str], list[list[int]]] | Packed | None = None,
-            manifest_version: int | None = None,
-        ) -> dict[str, Any]: ...
-
-        async def read_batch(self, buffer_id: str,
-                             ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]: ...
-
-    async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
-                            offset: int | None = None,
-                            verify: str | None = None) -> ManifestTable:
-        """Store ``{name: array}`` at aligned offsets and record the manifest.
-
-        Returns the manifest entries written (a read-only mapping name ->
-        offset, nbytes, dtype, shape, checksum).
-        Names already stored with the same size are overwritten in place;
-        ``offset`` places the new slots from there instead.  Two clients
-        storing into one buffer at once should use distinct ``offset``s.
-        Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
-        ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST."""
-        names, arrays = _named(tensors)
-        packed = Packed.of_arrays(names, arrays)
-        sizes = packed.item_nbytes()
-        for attempt in (0, 1):
-            cached = self._manifests.get(buffer_id)
-            if cached is None:
-                await self.get_buffer_meta(buffer_id)  # fills the cache
-                cached = self._manifests[buffer_id]
-            offsets = plan_offsets(names, sizes, cached.table, offset, cached.end)
-            try:
-                result = await self.store_batch(
-                    buffer_id, Items(offsets, arrays, sizes), verify=verify,
-                    manifest=packed, manifest_version=cached.version)
-                break
-            except BadRequest as exc:
-                # Another client changed the manifest since we cached it: the
-                # daemon refused before any byte landed; re-read and re-plan once.
-                self._manifests.pop(buffer_id, None)
-                if attempt or exc.details.get("reason") != "manifest_changed":
-                    raise
-        assert cached is not None
-        written = ManifestTable.of_batch(packed, offsets, sizes,
-                                         P.unpack_u64(result.get("checksums", b"")))
-        cached.update(result.get("manifest_version", cached.version), written,
-                      result.get("dropped", []))
-        return written
-
-    def _remember_manifest(self, buffer_id: str, meta: dict[str, Any]) -> None:
-        if meta.get("tensors") is not None:
-            self._manifests[buffer_id] = _Manifest(
-                meta["manifest_version"], meta["tensors_end"],
-                ManifestTable.of_entries(meta["tensors"]))
-
-    async def _manifest_of(self, buffer_id: str) -> ManifestTable:
-        """The manifest, from the cache when its version is still current
-        (a small answer) and from the daemon otherwise."""
-        cached = self._manifests.get(buffer_id)
-        if cached is not None:
-            meta = await self.get_buffer_meta(buffer_id, tensors=False)
-            if meta["manifest_version"] == cached.version:
-                return cached.table
-        meta = await self.get_buffer_meta(buffer_id)
-        cached = self._manifests.get(buffer_id)
-        return cached.table if cached is not None \
-            else ManifestTable.of_entries(meta.get("tensors") or {})
-
-    async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
-                           verify: bool = True) -> dict[str, np.ndarray]:
-        """``{name: array}`` with the stored dtype and shape, in one batch.
-
-        With ``verify`` each tensor's xxh3 is compared with the manifest.
-        Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED."""
-        table = await self._manifest_of(buffer_id)
-        if names is None:
-            wanted = list(table.names)
-            rows = np.arange(len(wanted), dtype=np.intp)
-        else:
-            wanted = list(names)
-            rows = table.rows(wanted)
-            if len(rows) and rows.min() < 0:
-                missing = [n for n, r in zip(wanted, rows.tolist(), strict=True) if r < 0]
-                raise NotFound(f"no tensor(s) {missing[:5]} in this buffer's manifest",
-                               {"missing": missing[:20]})
-        arrays = await self._read_tensors(buffer_id, table, rows)
-        if verify and len(arrays):
-            got = np.fromiter(map(XXH3, arrays), dtype=np.uint64,
-                              count=len(arrays))
-            bad = np.flatnonzero(table.has_sum[rows] & (got != table.checksums[rows]))
-            if len(bad):
-                raise VerifyFailed(f"{len(bad)} tensor(s) do not match their manifest checksum",
-                                   {"tensors": [wanted[i] for i in bad[:20].tolist()]})
-        return dict(zip(wanted, arrays, strict=True))
-
-    async def _read_tensors(self, buffer_id: str, table: ManifestTable,
-                            rows: np.ndarray) -> list[np.ndarray]:
-        """The tensors at ``rows`` of ``table``, typed, in that order: read as
-        a few spans (``plan_spans``), cut a kind at a time (``bulk_views``)."""
-        offsets = table.offsets[rows]
-        order = offset_order(offsets)
-        if order is not None:
-            rows, offsets = rows[order], offsets[order]
-        starts, lengths, span_of = plan_spans(offsets, table.nbytes[rows])
-        blocks = await self.read_batch(buffer_id, list(zip(starts.tolist(), lengths.tolist(),
-                                                           strict=True)))
-        arrays = bulk_views(blocks, span_of, offsets - starts[span_of], table.kinds[rows],
-                            _LazyDtypes(table.dtypes), table.shapes)
-        return in_caller_order(arrays, order)
+_DTYPES: dict[str, np.dtype[Any]] = {}
 
 
-class _LazyDtypes(Sequence[np.dtype[Any]]):
+class LazyDtypes(Sequence[np.dtype[Any]]):
     """``np.dtype`` of a manifest's dtype strings, made when first used."""
 
     def __init__(self, names: list[str]) -> None:

@@ -20,6 +20,7 @@ from control.daemon.node import Node
 from control.wire import protocol as P
 from control.wire.auth import Grant
 from dataplane import cma
+from dataplane.cuda_arena import is_device_arena
 
 PROBE_WAIT = 0.05  # seconds the loop waits for a hello's probe (16 bytes) at most
 
@@ -73,14 +74,18 @@ def _consume(fut: asyncio.Future[Any]) -> None:
 
 
 def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
-           same_host: bool, why: str) -> dict[str, Any]:
+           same_host: bool, why: str, version: int = P.PROTOCOL_VERSION) -> dict[str, Any]:
     """The hello's answer: the session, the node, how to reach its data paths."""
     result: dict[str, Any] = {
         "session_id": session_id,
         "tenant": grant.tenant,
         "token_expires_at": grant.expires_at,  # the session ends then (None: never)
         "node_id": node.node_id,
-        "version": P.PROTOCOL_VERSION,
+        "version": version,  # what both speak (see protocol.negotiate)
+        "versions": [P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
+        # Each device's own checksum (what a plain store into it is verified with).
+        "checksum_kinds": {p.key: "devsum" if is_device_arena(p.arena) else "xxh3"
+                           for p in node.registry.pools.values()},
         "ucx": {"port": node.ucx_port},
         "bind_nonce": nonce,
         "devices": [p.describe() for p in node.registry.pools.values()],

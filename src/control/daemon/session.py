@@ -453,9 +453,7 @@ class Session:
     def _hello(self, req: P.Hello) -> dict[str, Any]:
         if self.tenant is not None:
             raise BadRequest("hello was already said on this connection")
-        if req.version != P.PROTOCOL_VERSION:
-            raise BadRequest(f"protocol version {req.version} is not supported",
-                             {"supported": [P.PROTOCOL_VERSION]})
+        version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
         grant = verify(self.daemon.keys, req.token)
         tenant = grant.tenant
         self._take_slot(tenant, req.replaces)
@@ -471,7 +469,7 @@ class Session:
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
         return hello.answer(self.daemon, self.session_id, grant, self.nonce, self.unix,
-                            same_host, why)
+                            same_host, why, version)
 
     def peer_gone(self) -> bool:
         """Whether the client closed its connection, even if nothing reads it

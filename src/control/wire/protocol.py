@@ -46,7 +46,11 @@ import numpy as np
 
 from control.wire.errors import BadRequest, RpcBufError
 
-PROTOCOL_VERSION = 1
+# The protocol versions this code speaks, oldest to newest (see ``negotiate``).
+# 2: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
+# ``store_batch`` may state its ``checksum_kind``.
+PROTOCOL_MIN = 1
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME = 16 << 20  # room for a 100,000-tensor manifest
 # The limit until hello succeeds: a hello (token, probe, nonce) is well under
 # it, and a stranger gets no more of our memory than this.
@@ -289,6 +293,8 @@ def _hints(cls: type) -> dict[str, Any]:
 class Hello(Request):
     op: ClassVar[str] = "hello"
     token: str
+    # The newest version the client speaks (all a version-1 daemon reads);
+    # ``versions`` below: [oldest, newest] it speaks (version 2 on), see ``negotiate``.
     version: int = PROTOCOL_VERSION
     # Same-host path (on a Unix control socket only): the daemon reads
     # len(probe) bytes at probe_addr in the client's memory and compares.
@@ -297,6 +303,7 @@ class Hello(Request):
     # The bind nonce of this client's TCP session that this Unix socket
     # session replaces (it takes over that session's --max-sessions slot).
     replaces: bytes | None = None
+    versions: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -359,6 +366,9 @@ class StoreBatch(Request):
     kinds: U64Array | None = None
     kind_dtypes: list[str] | None = None
     kind_shapes: list[Shape] | None = None
+    # Which checksum ``checksums`` are (absent: xxh3; protocol 2 on).  The
+    # manifest's checksums are xxh3-64 (dedup and the disk cache key on it).
+    checksum_kind: Literal["xxh3"] | None = None
 
 
 @dataclass(frozen=True)
@@ -502,6 +512,41 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
         raise RequestError(req_id, exc) from None
 
 
+def speaks(lo: int, hi: int) -> str:
+    """A version range as a sentence says it: "2", or "1..3"."""
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def version_mismatch(node: tuple[int, int], client: tuple[int, int]) -> BadRequest:
+    """The refusal both sides give when their versions do not meet."""
+    return BadRequest(f"the node speaks protocol {speaks(*node)}, this client speaks "
+                      f"{speaks(*client)}: upgrade the older side",
+                      {"reason": "protocol_version", "node": list(node),
+                       "client": list(client)})
+
+
+def hello_versions(req: Hello) -> tuple[int, int]:
+    """The [oldest, newest] versions a hello says its client speaks: its
+    ``versions``, or (a version-1 client) just its ``version``.  Raises
+    BAD_REQUEST for a malformed range."""
+    if req.versions is None:
+        return req.version, req.version
+    if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
+        raise BadRequest(f"hello: versions must be [oldest, newest], got {req.versions}")
+    return req.versions[0], req.versions[1]
+
+
+def negotiate(client: tuple[int, int],
+              node: tuple[int, int] = (PROTOCOL_MIN, PROTOCOL_VERSION)) -> int:
+    """The newest version both ranges hold (sans-I/O: the daemon calls it on
+    a hello, the client checks the answer against its own range).  Raises
+    BAD_REQUEST (``reason: protocol_version``) naming both ranges."""
+    best = min(client[1], node[1])
+    if best < max(client[0], node[0]):
+        raise version_mismatch(node, client)
+    return best
+
+
 def ok_response(req_id: int, result: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": req_id, "ok": True, "result": result or {}}
 
@@ -511,8 +556,9 @@ def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
 
 
 __all__ = [
-    "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_VERSION", "FrameDecoder", "FrameError",
-    "Request", "RequestError", "encode_frame", "error_response", "ok_response",
-    "pack_u64", "parse_request", "unpack_u64",
+    "DEFAULT_MAX_FRAME", "OPS", "PROTOCOL_MIN", "PROTOCOL_VERSION", "FrameDecoder",
+    "FrameError", "Request", "RequestError", "encode_frame", "error_response",
+    "hello_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
+    "speaks", "unpack_u64", "version_mismatch",
     *[c.__name__ for c in OPS.values()],
 ]

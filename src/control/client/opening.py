@@ -1,0 +1,295 @@
+"""Opening a session: reach the daemon, say hello, maybe switch to its Unix socket.
+
+``open_session`` does every step of ``rpcbuf.connect`` before the data path
+exists: dial TCP (optionally TLS) or the daemon's Unix socket, say hello
+(with the protocol versions this client speaks, see below), check the answer
+(``hello.parse_hello``), and, when the daemon is on this host, reconnect on
+its Unix socket to take the same-host path.  The peer of a Unix socket is
+checked (``check_unix_peer``) before the token is sent on it: the daemon may
+be an impostor there.
+
+Versions: the hello says ``version`` (the newest we speak, all a version-1
+daemon reads) and ``versions: [oldest, newest]``; the daemon answers the
+newest both speak, or BAD_REQUEST naming both ranges.  A version-1 daemon
+knows no ``versions`` and refuses the field with a bare BAD_REQUEST: if this
+client still speaks 1 it says hello again the old way on the same
+connection, else it raises the same sentence a new daemon would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import struct
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+
+from control.client.connection import ControlConnection, result_of
+from control.client.hello import HelloAnswer, Local, parse_hello
+from control.wire import protocol as P
+from control.wire.errors import (
+    BadRequest,
+    ConnectionLost,
+    Forbidden,
+    RpcBufError,
+    Timeout,
+)
+from control.wire.units import split_host_port
+from dataplane import cma
+
+DEFAULT_PORT = 7700
+log = logging.getLogger("rpcbuf.client")
+
+
+def same_host_default() -> bool | None:
+    """``RPCBUF_SAME_HOST``: 0 = never, 1 = required, unset/auto = when possible."""
+    value = os.environ.get("RPCBUF_SAME_HOST", "auto").strip().lower()
+    if value in ("0", "false", "no", "off", "never"):
+        return False
+    if value in ("1", "true", "yes", "on", "always"):
+        return True
+    return None
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    try:
+        return split_host_port(addr, DEFAULT_PORT)
+    except ValueError:
+        raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A session whose hello succeeded: the connection, the answer (as
+    checked, and as it came), and the host its UCX endpoint dials."""
+
+    conn: ControlConnection
+    hello: HelloAnswer
+    raw: dict[str, Any]
+    host: str
+
+
+async def open_session(addr: str, token: str, timeout: float | None,
+                       tls: bool | ssl.SSLContext | None, same_host: bool | None) -> Opened:
+    """Connect and say hello; on the daemon's host, switch to its Unix socket
+    (``same_host``: None when possible, False never, True required).
+    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST, TIMEOUT,
+    QUOTA_EXCEEDED, SHUTTING_DOWN, BAD_REQUEST (a malformed hello, protocol
+    versions that do not meet, a required same-host path not available)."""
+    if same_host is None:
+        same_host = same_host_default()
+    if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
+        host, path = "127.0.0.1", addr[len("unix:"):]
+        opened = await _open(addr, timeout, token, unix=path, probe=same_host is not False)
+    else:
+        host, port = parse_addr(addr)
+        tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
+        opened = await _open(addr, timeout, token, tcp=(host, port, tls_ctx))
+        local = opened[1].local
+        # Under TLS the same-host path only when asked for: it leaves TLS out.
+        if local is not None and same_host is not False and (tls_ctx is None or same_host):
+            try:
+                switched = await _same_host(addr, timeout, token, local, same_host,
+                                            replaces=opened[1].bind_nonce)
+            except BaseException:  # refused, or connect's deadline
+                opened[0].close()
+                raise
+            if switched is not None:
+                opened[0].close()  # the TCP session held nothing yet
+                opened = switched
+    conn, hello, raw = opened
+    if same_host and not hello.same_host:
+        conn.close()
+        why = hello.same_host_why or "the daemon offers no same-host socket"
+        raise BadRequest(f"same_host=True, but the same-host path is not available: {why}")
+    return Opened(conn, hello, raw, host)
+
+
+_Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any]]
+
+
+def _old_node(exc: BadRequest) -> bool:
+    """Whether a refused hello is a version-1 daemon's: it refuses the
+    ``versions`` field it does not know, or our newest version, bare."""
+    return exc.details.get("reason") != "protocol_version" and (
+        "versions" in exc.message or "protocol version" in exc.message)
+
+
+async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None
+                 ) -> dict[str, Any]:
+    """Say hello (within ``timeout``); on a version-1 daemon's refusal, again
+    as version 1 when we speak it.  Raises BAD_REQUEST naming both versions."""
+    mine = (P.PROTOCOL_MIN, P.PROTOCOL_VERSION)
+    for old in (False, True):
+        fut = conn.submit(conn.next_id(), req)
+        try:
+            async with asyncio.timeout(timeout):
+                return result_of(await fut)
+        except BadRequest as exc:
+            if old or not _old_node(exc):
+                raise
+            if mine[0] > 1:
+                raise P.version_mismatch((1, 1), mine) from None
+            req = P.Hello(token=req.token, version=1, probe=req.probe,
+                          probe_addr=req.probe_addr, replaces=req.replaces)
+    raise AssertionError("unreachable")
+
+
+async def _open(addr: str, timeout: float | None, token: str, *,
+                tcp: tuple[str, int, ssl.SSLContext | None] | None = None,
+                unix: str | None = None, probe: bool = False, replaces: bytes | None = None,
+                daemon_pid: int | None = None) -> _Hello:
+    """Connect (TCP or Unix socket) and say hello; with ``probe`` the hello
+    asks for the same-host path.  On a Unix socket the peer is checked
+    (``check_unix_peer``; ``daemon_pid``: the pid the daemon's TCP hello
+    named) before the token goes out.  The answer is checked
+    (``hello.parse_hello``) before anything trusts it."""
+    try:
+        async with asyncio.timeout(timeout):
+            loop = asyncio.get_running_loop()
+            if unix is not None:
+                sock = await _unix_socket(unix)
+                try:
+                    peer_pid = check_unix_peer(sock, unix, daemon_pid)
+                except BaseException:
+                    sock.close()
+                    raise
+                if probe and peer_pid:
+                    # Yama ptrace_scope 1: let the daemon copy to and from us; the
+                    # pid the kernel names, never one a daemon claims.
+                    cma.allow_tracer(peer_pid)
+                _, conn = await loop.create_unix_connection(ControlConnection, sock=sock)
+            else:
+                assert tcp is not None
+                _, conn = await loop.create_connection(ControlConnection, tcp[0], tcp[1],
+                                                       ssl=tcp[2])
+    except TimeoutError:
+        raise Timeout(f"connecting to {addr} timed out") from None
+    except OSError as exc:
+        raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
+    secret = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+    hello = P.Hello(token=token, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
+                    probe=secret.tobytes() if probe else None,
+                    probe_addr=int(secret.ctypes.data) if probe else None, replaces=replaces)
+    try:
+        answer = await _hello(conn, hello, timeout)
+        return conn, parse_hello(answer, unix=unix is not None), answer
+    except TimeoutError:
+        conn.close()
+        raise Timeout(f"handshake with {addr} timed out") from None
+    except ConnectionLost:
+        conn.close()
+        if conn.lost is not None and not isinstance(conn.lost, ConnectionLost):
+            raise conn.lost from None  # the daemon said why: QUOTA_EXCEEDED, SHUTTING_DOWN
+        raise
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        del secret  # read by the daemon during hello; not needed after
+
+
+async def _unix_socket(name: str) -> socket.socket:
+    """A socket connected to a Unix socket: a path, or "@NAME" for an abstract
+    one.  We connect it ourselves: uvloop refuses abstract names (EINVAL)."""
+    path = "\0" + name[1:] if name.startswith("@") else name
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
+                    trusted: frozenset[int] | None = None) -> int:
+    """Check who listens on Unix socket ``name`` (connected ``sock``) before
+    our token goes to it; returns the peer's pid (0: outside our pid
+    namespace).  ``SO_PEERCRED`` is what the kernel says, not what the peer
+    claims.  Trusted: a peer running as root, as us, or (a path socket) as
+    the owner of the socket file; ``trusted`` replaces the first two (tests).
+    The peer must be a live process, and the one the daemon's TCP hello
+    named (``daemon_pid``) when we came from there: an abstract name has no
+    owner, anyone may bind one the daemon is not holding, so there the pid
+    is what proves it.  Raises FORBIDDEN."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))
+    ok_uids = {0, os.getuid()} if trusted is None else set(trusted)
+    if not name.startswith("@"):
+        with contextlib.suppress(OSError):
+            ok_uids.add(os.stat(name).st_uid)
+    who = f"the process behind unix:{name} (pid {pid}, uid {uid})"
+    if pid and not _alive(pid):
+        raise Forbidden(f"{who} does not exist; the token was not sent")
+    if daemon_pid is not None and pid and pid != daemon_pid:
+        raise Forbidden(f"{who} is not the daemon (pid {daemon_pid}); the token was not sent")
+    if uid not in ok_uids and (daemon_pid is None or not pid):
+        raise Forbidden(f"{who} is not trusted (root, this user, or the socket file's "
+                        f"owner); the token was not sent", {"uid": uid})
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0: checks, sends nothing; works
+    where /proc hides other users' processes, hidepid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
+
+
+async def _same_host(addr: str, timeout: float | None, token: str, local: Local,
+                     required: bool | None, replaces: bytes | None) -> _Hello | None:
+    """Reconnect on the daemon's Unix socket if it is on this host.  None: stay."""
+    if local.boot_id != cma.boot_id():
+        return None  # another host (or kernel)
+    sock = local.socket
+    try:
+        return await _open(f"unix:{sock}", timeout, token, unix=sock, probe=True,
+                           replaces=replaces, daemon_pid=local.pid)
+    except RpcBufError as exc:
+        # Another network namespace (abstract sockets are per namespace), a
+        # socket we may not open, a refused hello: the network path still works.
+        if required:
+            raise
+        log.debug("same-host socket %s of %s unreachable: %s", sock, addr, exc)
+        return None
+
+
+class _Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Closable)
+
+
+class Opening(Generic[_C]):
+    """Something being opened: ``await`` it, or use it with ``async with``
+    (closed on the way out)."""
+
+    def __init__(self, open_: Callable[[], Awaitable[_C]]) -> None:
+        self._open = open_
+        self._opened: _C | None = None
+
+    def __await__(self) -> Generator[Any, None, _C]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> _C:
+        self._opened = await self._open()
+        return self._opened
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._opened is not None:
+            await self._opened.close()
