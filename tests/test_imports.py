@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
@@ -63,8 +61,6 @@ def test_rooms_import_only_what_they_may() -> None:
     assert not bad, "\n".join(sorted(bad))
 
 
-@pytest.mark.xfail(strict=True, reason="the Session and RpcContext mixins still import their "
-                   "classes back (server <-> dataops, context <-> dedup); composition ends them")
 def test_no_import_cycles() -> None:
     edges = graph()
     state: dict[str, int] = {}
