@@ -185,9 +185,11 @@ def test_doctor_on_a_healthy_node_a_stopped_one_and_a_wrong_token(out_daemon: Da
     assert big and big[0]["figures"]["bytes"] >= 1 << 20
     text = run("doctor", "--endpoint", out_daemon.addr, token=token)
     assert text.returncode == 0 and "ok    token" in text.stdout
-    stopped = run("doctor", "--endpoint", "127.0.0.1:1", token=token)
+    stopped = run("doctor", "--endpoint", "127.0.0.1:1", token=token, columns=200)
     assert stopped.returncode == 1
     assert "FAIL  reachable" in stopped.stdout and "connection refused" in stopped.stdout
-    wrong = run("doctor", "--endpoint", out_daemon.addr, token="garbage")
+    wrong = run("doctor", "--endpoint", out_daemon.addr, token="garbage", columns=200)
     assert wrong.returncode == 1
     assert "FAIL  token" in wrong.stdout and "refused the token" in wrong.stdout
+    narrow = run("doctor", "--endpoint", out_daemon.addr, token=token)
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout

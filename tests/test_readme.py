@@ -33,4 +33,4 @@ def test_two_node_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert "Traceback" not in out, out
     assert "FAIL" not in out and out.count("ok    reachable") == 2, out
     assert "tiny/slot0 " in out and "tiny/slot1 " in out, out
-    # (the load table fits 80 columns once the load command moves into cli/)
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80, res.stdout

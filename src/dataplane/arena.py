@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
-import xxhash
+
+from dataplane.checksum import xxh3
 
 from .checksum import checksum
 
@@ -71,7 +72,7 @@ class HostArena:
         ends = offs + lens
         if offs.min() < 0 or lens.min() < 0 or int(ends.max()) > self.size:
             raise IndexError("a range is outside the arena")
-        return list(map(xxhash.xxh3_64_intdigest,
+        return list(map(xxh3,
                         map(self._bytes.__getitem__, map(slice, offs.tolist(), ends.tolist()))))
 
     def describe(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import xxhash
+from dataplane.checksum import xxh3
 
 from .devsum import devsum
 
@@ -102,7 +102,7 @@ class CudaArena:
         if any(o < 0 or n < 0 or o + n > self.size for o, n in zip(offsets, sizes, strict=True)):
             raise IndexError("a range is outside the arena")
         with self._dev:
-            return [xxhash.xxh3_64_intdigest(self.xp.asnumpy(self._mem[o : o + n]).data)
+            return [xxh3(self.xp.asnumpy(self._mem[o : o + n]).data)
                     for o, n in zip(offsets, sizes, strict=True)]
 
     def synchronize(self) -> None:

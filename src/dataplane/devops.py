@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import xxhash
+from dataplane.checksum import xxh3
 
 from .cuda_arena import active, array_module, is_device_arena
 from .devsum import devsum
@@ -26,7 +26,7 @@ def range_checksum(arena: Any, offset: int, nbytes: int, kind: str) -> int:
     if is_device_arena(arena):  # xxh3 of device memory: through the host (slow)
         with active(arena):
             host = arena.xp.asnumpy(arena.view(offset, nbytes))
-        return xxhash.xxh3_64_intdigest(host.data)
+        return xxh3(host.data)
     return int(arena.checksum(offset, nbytes))  # xxh3, the host arena's own
 
 

@@ -186,13 +186,21 @@ async def doctor(endpoints: list[str], token: str, timeout: float) -> dict[str, 
     return dict(zip(endpoints, results, strict=True))
 
 
-def render(results: dict[str, list[Check]]) -> list[str]:
+def render(results: dict[str, list[Check]], columns: int | None = None) -> list[str]:
+    """One line per check, its sentence wrapped to the terminal under itself."""
+    import textwrap
+
+    from control.cli.tables import width
+
     mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+    room = max(30, (width() if columns is None else columns) - 27)
     lines: list[str] = []
     for addr, checks in results.items():
         lines.append(addr)
         for c in checks:
-            lines.append(f"  {mark[c.status]}  {c.check:<18} {c.message}")
+            text = textwrap.wrap(c.message, room, break_on_hyphens=False) or [""]
+            lines.append(f"  {mark[c.status]}  {c.check:<18} {text[0]}")
+            lines += [" " * 27 + more for more in text[1:]]
     return lines
 
 

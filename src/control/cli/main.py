@@ -7,7 +7,7 @@ sentence per failing node on stderr (``cli/errors.py``), never a traceback;
 ``--json`` carries the same errors as objects.  Tables fit the terminal
 (``cli/tables.py``; ``--wide`` shows every column).  The operator commands
 (status, ls, release, put, get, bench) live in ``commands.py``, model upload
-(load, unload) in ``client/model/loader.py``.
+(load, unload) in ``load.py`` over ``client/model/loader.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from control.cli import commands as cliops
 from control.cli import tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
-from control.client.model.loader import register_load_commands, run_load_command
+from control.cli.load import register_load_commands, run_load_command
 from control.wire.auth import DEFAULT_KID, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.units import format_size, parse_duration

@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from control.wire.errors import BadRequest
 from control.wire.manifest import ALIGN, ManifestTable, Packed, manifest_columns, np_dtype
 from control.wire.manifest import align as _align
+from dataplane.checksum import xxh3
 
 __all__ = ["ALIGN", "Items", "ManifestTable", "Packed", "calculate_buffer_size",
            "manifest_columns", "named_arrays", "plan_layout", "plan_offsets", "plan_spans"]
@@ -87,7 +87,7 @@ def names_and_arrays(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.nda
 
 
 _DTYPE = operator.attrgetter("dtype")
-XXH3: Callable[[Any], int] = xxhash.xxh3_64_intdigest  # of any C-contiguous buffer
+XXH3: Callable[[Any], int] = xxh3  # of any C-contiguous buffer (dataplane.checksum)
 class Items(Sequence[tuple[int, Any]]):
     """``store_batch`` items as columns: ``(offsets[i], arrays[i])``, each of
     ``sizes[i]`` bytes (``store_tensors`` has them so; ``store_batch`` then

@@ -27,9 +27,7 @@ kept: they hold verified tensors a retry will not send again.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import re
 import sys
 import time
@@ -47,7 +45,6 @@ from control.client.model.hashcache import HashCache, file_key, tensor_key
 from control.client.model.modelfile import ModelFile, TensorSpec, open_model
 from control.client.tensors import calculate_buffer_size, manifest_columns, plan_layout
 from control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
-from control.wire.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from control.client.context import RpcContext
@@ -456,104 +453,3 @@ async def unload_model(cluster: Cluster, name: str) -> dict[str, list[str]]:
     if not any(got.values()):
         raise NotFound(f"no node holds a model named {name!r}", {"name": name})
     return got
-
-
-# -- the CLI ----------------------------------------------------------------------
-
-
-def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentParser], None]
-                           ) -> None:
-    """Add ``load`` and ``unload`` to the ``rpcbuf`` parser."""
-    ld = sub.add_parser("load", help="upload a safetensors/GGUF model across the nodes",
-                        epilog='example: rpcbuf load llama.gguf --endpoints "h1:7700;h2:7700" '
-                               '--placement "0:prolog,16;1:all,epilog"')
-    ld.add_argument("model", help="a .gguf or .safetensors file, or a directory of shards")
-    ld.add_argument("--placement", metavar="SPEC",
-                    help='which slot gets what, e.g. "0:prolog,epilog;1:20;2:all" (slot i = '
-                         "the i-th device of the endpoint list); default: by free memory")
-    ld.add_argument("--name", help="model name; buffers are NAME/slotN [the file's stem]")
-    ld.add_argument("--batch-size", type=parse_size, default=DEFAULT_BATCH, metavar="SIZE",
-                    help="bytes read and sent per round trip [64MiB]")
-    ld.add_argument("--no-dedup", action="store_true",
-                    help="send every tensor, even those the node already holds")
-    ld.add_argument("--no-hash-cache", action="store_true",
-                    help="hash every tensor, even of an unchanged file whose hashes are "
-                         "remembered in $RPCBUF_CACHE_DIR (~/.cache/rpcbuf)")
-    client_flags(ld)
-    ul = sub.add_parser("unload", help="release a loaded model on every node",
-                        epilog='example: rpcbuf unload llama --endpoints "h1:7700;h2:7700"')
-    ul.add_argument("name")
-    client_flags(ul)
-
-
-def run_load_command(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
-    """Run ``load``/``unload``: 0 ok, 1 a daemon's error, 2 bad usage or input."""
-    try:
-        return asyncio.run(_run(args, endpoints, token))
-    except BadRequest as exc:
-        _say(args, {"error": exc.to_wire()}, f"rpcbuf: {exc}")
-        return 2
-    except ClusterError as exc:
-        lines = [f"rpcbuf: {exc.message}"] + \
-            [f"  {a}: {e}" for a, e in exc.errors.items()]
-        _say(args, {"error": exc.to_wire()}, "\n".join(lines))
-        return 1
-    except RpcBufError as exc:
-        _say(args, {"error": exc.to_wire()}, f"rpcbuf: {exc}")
-        return 1
-
-
-def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
-    if args.json:
-        print(json.dumps(obj, indent=2, default=str))
-    else:
-        print(text, file=sys.stderr)
-
-
-async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
-    # A bad model file is refused before any connection: no node needs to be
-    # up to learn that (and none is bothered).
-    model = await asyncio.to_thread(open_model, args.model) if args.cmd == "load" else None
-    try:
-        return await _run_connected(args, endpoints, token, model)
-    finally:
-        if model is not None:
-            model.close()
-
-
-async def _run_connected(args: argparse.Namespace, endpoints: list[str], token: str,
-                         model: ModelFile | None) -> int:
-    async with Cluster.connect(endpoints, token, timeout=args.timeout) as cluster:
-        if args.cmd == "unload":
-            got = await unload_model(cluster, args.name)
-            if args.json:
-                print(json.dumps({"name": args.name, "released": got}, indent=2))
-            else:
-                for addr, names in got.items():
-                    print(f"{addr}: released {', '.join(names) or 'nothing'}")
-            return 0
-        assert model is not None
-        result = await load_model(cluster, model, args.placement, args.name,
-                                  progress=not args.json, batch_bytes=args.batch_size,
-                                  dedup=not args.no_dedup,
-                                  hash_cache=not args.no_hash_cache)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        _print_result(result)
-    return 0
-
-
-def _print_result(r: LoadResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s "
-                    f"(placement {r.placement.spec})")
-    for col in ("node", "buffers", "tensors", "bytes", "sent", "deduped", "seconds"):
-        t.add_column(col, justify="left" if col in ("node", "buffers") else "right")
-    for addr, n in r.nodes.items():
-        if n.tensors:
-            t.add_row(addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
-                      format_size(n.bytes_sent), format_size(n.bytes_placed), f"{n.seconds:.2f}")
-    Console().print(t)
