@@ -70,13 +70,8 @@ class DedupOps:
                                   verify: str | None = "checksum",
                                   hashes: Mapping[str, tuple[int, int]] | None = None,
                                   ) -> dict[str, Any]:
-        """Store ``{name: array}`` like ``store_tensors``, sending only the
-        tensors whose contents this tenant does not hold on that node already.
-
-        ``offsets`` (name -> offset) places the tensors; by default they go
-        where ``store_tensors`` would put them.  Returns ``{"tensors",
-        "placed", "sent", "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND,
-        OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
+        """``RpcContext.store_tensors_dedup`` (its docstring is the contract):
+        ask the daemon to place what it holds, send the rest."""
         ctx = self._ctx
         ctx.check_open()
         arrays = named_arrays(tensors)

@@ -79,15 +79,8 @@ class TensorOps:
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
                             offset: int | None = None,
                             verify: str | None = None) -> ManifestTable:
-        """Store ``{name: array}`` at aligned offsets and record the manifest.
-
-        Returns the manifest entries written (a read-only mapping name ->
-        offset, nbytes, dtype, shape, checksum).
-        Names already stored with the same size are overwritten in place;
-        ``offset`` places the new slots from there instead.  Two clients
-        storing into one buffer at once should use distinct ``offset``s.
-        Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
-        ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST."""
+        """``RpcContext.store_tensors`` (its docstring is the contract): plan
+        the offsets against the cached manifest, store, merge the cache."""
         names, arrays = names_and_arrays(tensors)
         packed = Packed.of_arrays(names, arrays)
         sizes = packed.item_nbytes()
