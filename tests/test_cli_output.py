@@ -193,3 +193,26 @@ def test_doctor_on_a_healthy_node_a_stopped_one_and_a_wrong_token(out_daemon: Da
     assert "FAIL  token" in wrong.stdout and "refused the token" in wrong.stdout
     narrow = run("doctor", "--endpoint", out_daemon.addr, token=token)
     assert max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout
+
+
+async def test_a_protocol_mismatch_names_both_versions() -> None:
+    async def newer(conn: Any, req: dict[str, Any]) -> None:
+        conn.send({"id": req["id"], "ok": False, "error": {
+            "code": "BAD_REQUEST", "details": {"reason": "protocol_version"},
+            "message": "the node speaks protocol 7..9, this client speaks 1..2: "
+                       "upgrade the older side"}})
+
+    fake = FakeDaemon(newer)
+    addr = await fake.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "control.cli", "status", "--endpoint", addr,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+            env=cli_env(80, "t"))
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        await fake.close()
+    (line,) = err.decode().splitlines()
+    assert proc.returncode == 1
+    assert "speaks protocol 7..9, this client speaks 1..2" in line
+    assert line.count("upgrade the older side") == 1 and line.endswith("[BAD_REQUEST]")

@@ -113,11 +113,17 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
         local = "local" in hello or _loopback(split_host_port(addr, 7700)[0])
         msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
         out.append(Check("data path", "warn" if local and why else "ok", msg))
-    tls = os.environ.get("UCX_TLS", "(UCX's choice)")
+    tls = os.environ.get("UCX_TLS", "") or "(UCX's choice)"
     rdma = _rdma_devices()
+    st = await ctx.stats()
+    node_tls = str(st.get("ucx_tls") or "(UCX's choice)")
+    node_rdma = [str(d) for d in st.get("rdma_devices") or []]
     out.append(Check("transports", "ok",
-                     f"UCX_TLS={tls} here; RDMA devices: {', '.join(rdma) if rdma else 'none'}",
-                     {"ucx_tls": tls, "rdma_devices": rdma}))
+                     f"UCX_TLS={tls} here, {node_tls} on the node; RDMA devices: "
+                     f"{', '.join(rdma) or 'none'} here, {', '.join(node_rdma) or 'none'} "
+                     "on the node",
+                     {"ucx_tls": tls, "rdma_devices": rdma, "node_ucx_tls": node_tls,
+                      "node_rdma_devices": node_rdma}))
     devices = await ctx.list_devices()
     host = [d for d in devices if d.get("device_type", "CPU") == "CPU"] or devices
     await _round_trips(ctx, out, max((int(d["largest_free"]) for d in host), default=0))

@@ -89,8 +89,8 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
                 "using this node's secret file, and pass it with --token or $RPCBUF_TOKEN")
     if code == "FORBIDDEN":
         return f"{addr}: {msg}"
-    if details.get("reason") == "protocol_version" or ("protocol" in msg and "speaks" in msg):
-        return f"{addr}: {msg}: upgrade the older side (`pip install -U rpcbuf`)"
+    if details.get("reason") == "protocol_version":  # the message names both versions
+        return f"{addr}: {msg}" + ("" if "upgrade" in msg else ": upgrade the older side")
     if code == "NOT_FOUND":
         return f"{addr}: {msg} (this tenant has no such buffer there; `rpcbuf ls` lists them)"
     if code == "OUT_OF_MEMORY":

@@ -12,7 +12,9 @@ through ``Owner`` and the daemon through ``node.Node``.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from control.daemon import logs
@@ -150,8 +152,18 @@ class ControlOps:
                 # node-wide, but about no tenant: connections not yet authenticated
                 "unauthenticated": len(self._node.unauthenticated),
                 "pending_endpoints": len(self._node.pending_endpoints),
+                # how this node's data plane is set up (rpcbuf doctor shows it)
+                "ucx_tls": os.environ.get("UCX_TLS", ""),
+                "rdma_devices": rdma_devices(),
                 **counters, "expired_total": self._registry.expired_of(tenant),
                 **self._registry.stats(tenant)}
 
     def ping(self, req: P.Ping) -> dict[str, Any]:
+        """The node's clock (``rpcbuf doctor`` compares it with the client's)."""
         return {"time": time.time()}
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices this host's kernel knows (``/sys/class/infiniband``)."""
+    path = Path("/sys/class/infiniband")
+    return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []
