@@ -1,0 +1,1 @@
+"""rpcbuf's control plane: ``wire`` (shared, sans-I/O), ``daemon``, ``client``, ``cli``."""

@@ -1,0 +1,1 @@
+"""rpcbuf's data plane: arenas, allocators, UCX transfers, checksums, same-host copies."""
