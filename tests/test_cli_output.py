@@ -216,3 +216,28 @@ async def test_a_protocol_mismatch_names_both_versions() -> None:
     assert proc.returncode == 1
     assert "speaks protocol 7..9, this client speaks 1..2" in line
     assert line.count("upgrade the older side") == 1 and line.endswith("[BAD_REQUEST]")
+
+
+def test_get_reads_a_big_array_in_pieces_and_checks_it(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:256MiB")
+    token = d.token("cli-big")
+    arr = np.arange(20 << 20, dtype=np.float32).reshape(5 << 10, 4 << 10)  # 80 MiB
+    np.save(tmp_path / "big.npy", arr)
+    assert run("put", str(tmp_path / "big.npy"), "--endpoint", d.addr,
+               token=token).returncode == 0
+    res = run("get", "big", "--out", str(tmp_path / "back.npy"), "--endpoint", d.addr,
+              token=token)
+    assert res.returncode == 0, res.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "back.npy", mmap_mode="r"), arr)
+
+    async def corrupt() -> None:
+        async with d.connect("cli-big") as c:
+            bid = await c.open_buffer("big")
+            await c.store_tensor(bid, np.full(16, 7, np.uint8), offset=40 << 20)
+
+    asyncio.run(corrupt())
+    bad = run("get", "big", "--out", str(tmp_path / "bad.npy"), "--endpoint", d.addr,
+              token=token)
+    assert bad.returncode == 1 and "[VERIFY_FAILED]" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad.npy").exists()  # nothing written from a failed read
+    assert run("release", "big", "--endpoint", d.addr, token=token).returncode == 0

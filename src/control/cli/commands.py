@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,15 +22,17 @@ import numpy as np
 
 from control.cli import tables
 from control.client.tensors import calculate_buffer_size
-from control.wire.errors import NotFound
+from control.wire.errors import NotFound, VerifyFailed
 from control.wire.units import format_size, parse_duration, parse_size
+from dataplane.checksum import checksum
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from control.client.context import RpcContext
 
 BAR = 20
+CHUNK = 64 << 20  # get reads a big array in pieces of this size (its progress bar's steps)
 
 
 def register_operator_commands(sub: Any,
@@ -146,15 +150,61 @@ def get_target(ref: str, out: str | None, force: bool) -> str:
     return path
 
 
-async def get(ctx: RpcContext, ref: str, out: str) -> dict[str, Any]:
+async def get(ctx: RpcContext, ref: str, out: str, progress: bool = False) -> dict[str, Any]:
+    """Read tensor ``data`` of ``ref`` into the file ``out``; a big array in
+    ``CHUNK`` pieces with a progress bar (on a terminal), then checked
+    against the manifest's checksum as ``load_tensors`` would."""
     buffer_id = await resolve(ctx, ref)
-    arr = (await ctx.load_tensors(buffer_id, ["data"]))["data"]
+    meta = await ctx.get_buffer_meta(buffer_id)
+    entry = (meta.get("tensors") or {}).get("data")
+    if entry is None or int(entry["nbytes"]) < CHUNK:
+        arr = (await ctx.load_tensors(buffer_id, ["data"]))["data"]
+    else:
+        arr = await _read_chunked(ctx, buffer_id, entry, progress)
     tmp = Path(out).with_name(f".{Path(out).name}.part")
     with open(tmp, "wb") as f:  # a whole file or none: written aside, then renamed
         np.save(f, arr, allow_pickle=False)
     tmp.replace(out)
     return {"buffer_id": buffer_id, "out": out, "bytes": int(arr.nbytes),
             "dtype": arr.dtype.str, "shape": list(arr.shape)}
+
+
+async def _read_chunked(ctx: RpcContext, buffer_id: str, entry: dict[str, Any],
+                        progress: bool) -> np.ndarray:
+    arr = np.empty(entry["shape"], dtype=np.dtype(entry["dtype"]))
+    flat = arr.reshape(-1).view(np.uint8)
+    total, base = int(entry["nbytes"]), int(entry["offset"])
+    with _bar(total, progress, "get") as advance:
+        for at in range(0, total, CHUNK):
+            n = min(CHUNK, total - at)
+            await ctx.read_buffer(buffer_id, base + at, n, out=flat[at:at + n])
+            advance(n)
+    want = entry.get("checksum")
+    if want is not None and checksum(flat) != int(want):
+        raise VerifyFailed("the array read back does not match its stored checksum",
+                           {"tensors": ["data"]})
+    return arr
+
+
+@contextlib.contextmanager
+def _bar(total: int, show: bool, what: str) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar on stderr while the block runs (only on a terminal)."""
+    if not (show and sys.stderr.isatty()):
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.update(task, advance=n)
 
 
 async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict[str, Any]]:

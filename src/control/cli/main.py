@@ -209,7 +209,7 @@ async def _one_node(args: argparse.Namespace) -> int:
                 result: Any = await cliops.put(ctx, arr, name, args.ttl)
                 text = result["buffer_id"]
             elif args.cmd == "get":
-                result = await cliops.get(ctx, args.buffer, args.out)
+                result = await cliops.get(ctx, args.buffer, args.out, progress=not args.json)
                 text = (f"wrote {result['out']}: {result['dtype']} {tuple(result['shape'])} "
                         f"from {result['buffer_id']}")
             else:
