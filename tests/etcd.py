@@ -3,9 +3,8 @@
 ``etcd`` on PATH (Debian's ``etcd-server``).  ``Etcd.start()`` runs one
 member on loopback with a temp data dir and waits (bounded) until it answers
 ``/health``; ``stop()`` and ``start()`` again keep the ports and the data,
-as a restarted member would.  TLS (``tls_dir``) serves client certificates
-made by ``make_certs`` (openssl through the ``cryptography`` package when
-it is there)."""
+as a restarted member would.  With ``tls`` (the files ``make_certs`` makes
+with the ``openssl`` command) it serves TLS and requires client certificates."""
 
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ class Etcd:
             args += ["--cert-file", str(self.tls["server_cert"]),
                      "--key-file", str(self.tls["server_key"]),
                      "--trusted-ca-file", str(self.tls["ca"]), "--client-cert-auth"]
-        log = open(self.log_file, "ab")  # noqa: SIM115 (the process keeps it)
+        log = open(self.log_file, "ab")  # the child keeps its own descriptor
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
@@ -138,52 +137,28 @@ class Etcd:
 
 def make_certs(where: Path) -> dict[str, Path] | None:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, as
-    PEM files; None when ``cryptography`` is missing."""
-    try:
-        import datetime
-        import ipaddress
-
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    except ImportError:
+    PEM files, made with the ``openssl`` command; None without it."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
         return None
     where.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
 
-    def write(stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-        (where / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (where / f"{stem}-key.pem").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("rpcbuf test CA"))
-          .issuer_name(name("rpcbuf test CA")).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now)
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    write("ca", ca_key, ca)
-
-    def leaf(stem: str, cn: str, usage: x509.ObjectIdentifier) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"),
-                     x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        write(stem, key, cert)
-
-    leaf("server", "127.0.0.1", ExtendedKeyUsageOID.SERVER_AUTH)
-    leaf("client", "rpcbuf-node", ExtendedKeyUsageOID.CLIENT_AUTH)
-    return {"ca": where / "ca.pem", "server_cert": where / "server.pem",
+    ca, ca_key = where / "ca.pem", where / "ca-key.pem"
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "1",
+        "-subj", "/CN=rpcbuf test CA")
+    for stem, cn, usage in (("server", "127.0.0.1", "serverAuth"),
+                            ("client", "rpcbuf-node", "clientAuth")):
+        key, csr, cert = where / f"{stem}-key.pem", where / f"{stem}.csr", where / f"{stem}.pem"
+        ext = where / f"{stem}.ext"
+        ext.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
+        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
+        run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext))
+    return {"ca": ca, "server_cert": where / "server.pem",
             "server_key": where / "server-key.pem", "client_cert": where / "client.pem",
             "client_key": where / "client-key.pem"}

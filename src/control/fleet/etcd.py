@@ -38,6 +38,12 @@ from control.wire.membership import RegistryAddress
 
 log = logging.getLogger("rpcbuf.etcd")
 T = TypeVar("T")
+# gRPC shares a connection to a target between channels, with its reconnect
+# backoff (up to 120 s): an etcd back from a restart would be refused to every
+# new client for that long.  Each client keeps its own, retried within 2 s.
+CHANNEL_OPTIONS = {"grpc.use_local_subchannel_pool": 1,
+                   "grpc.initial_reconnect_backoff_ms": 200,
+                   "grpc.max_reconnect_backoff_ms": 2000}
 MAX_WATCH_QUEUE = 10_000  # events buffered for a slow watcher before the watch restarts
 
 
@@ -130,7 +136,8 @@ class Etcd:
         host, port = self.address.endpoints[self._member]
         kw: dict[str, Any] = {"username": self.options.user, "password": self.options.password,
                               "timeout": self.options.timeout,
-                              "connect_wait_timeout": self.options.timeout}
+                              "connect_wait_timeout": self.options.timeout,
+                              "options": CHANNEL_OPTIONS}
         if self._creds is not None:
             return _TlsClient(host, port, self._creds, **kw)
         return aetcd.Client(host, port, **kw)
