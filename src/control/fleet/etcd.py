@@ -134,6 +134,7 @@ class Etcd:
 
     def _open(self) -> aetcd.Client:
         host, port = self.address.endpoints[self._member]
+        host = f"[{host}]" if ":" in host else host  # aetcd dials f"{host}:{port}"
         kw: dict[str, Any] = {"username": self.options.user, "password": self.options.password,
                               "timeout": self.options.timeout,
                               "connect_wait_timeout": self.options.timeout,

@@ -48,7 +48,12 @@ class RegistryAddress:
     endpoints: tuple[tuple[str, int], ...]
 
     def __str__(self) -> str:
-        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return SCHEME + ",".join(f"{host_port(h, p)}" for h, p in self.endpoints)
+
+
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def is_registry(text: str | None) -> bool:
