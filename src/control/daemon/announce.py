@@ -35,7 +35,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from control.fleet.etcd import Etcd, EtcdUnavailable
@@ -64,7 +64,7 @@ class Owner(Protocol):
     started_at: float
 
     @property
-    def devices(self) -> list[Mapping[str, Any]]: ...
+    def devices(self) -> Sequence[Mapping[str, Any]]: ...
 
 
 class Announcer:
