@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from control.cli import tables
+from control.cli import fleet, tables
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
 from control.client.cluster import Cluster, ClusterError
 from control.client.model.loader import (
@@ -54,9 +54,10 @@ def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentPa
     client_flags(ul)
 
 
-def run_load_command(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
-    """Run ``load``/``unload``: 0 ok, 1 an error at a node, 2 bad usage or input."""
-    where = ";".join(endpoints)
+def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
+    """Run ``load``/``unload``: 0 ok, 1 an error at a node, 2 bad usage or input.
+    ``endpoints``: a list, or a registry's etcd:// URL (the live nodes)."""
+    where = endpoints if isinstance(endpoints, str) else ";".join(endpoints)
     try:
         return asyncio.run(_run(args, endpoints, token))
     except BadRequest as exc:  # the model file, the placement: local problems
@@ -81,7 +82,7 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
         print(text, file=sys.stderr)
 
 
-async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> int:
+async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
     # A bad model file is refused before any connection: no node needs to be
     # up to learn that (and none is bothered).
     model = await asyncio.to_thread(open_model, args.model) if args.cmd == "load" else None
@@ -92,9 +93,16 @@ async def _run(args: argparse.Namespace, endpoints: list[str], token: str) -> in
             model.close()
 
 
-async def _run_connected(args: argparse.Namespace, endpoints: list[str], token: str,
+async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], token: str,
                          model: ModelFile | None) -> int:
-    async with Cluster.connect(endpoints, token, timeout=args.timeout) as cluster:
+    kw = fleet.connect_kw(args)
+    if kw and model is not None and not args.placement:
+        # By free memory from a registry: its figures choose the nodes before
+        # any is connected (slots then number those nodes' devices).
+        kw["need"] = model.nbytes
+    async with Cluster.connect(endpoints, token, timeout=args.timeout, **kw) as cluster:
+        for why in cluster.warnings:
+            print(f"rpcbuf: warning: {why}", file=sys.stderr)
         if args.cmd == "unload":
             got = await unload_model(cluster, args.name)
             if args.json:

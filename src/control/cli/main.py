@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from control.cli import commands as cliops
-from control.cli import tables
+from control.cli import fleet, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
 from control.cli.load import register_load_commands, run_load_command
@@ -53,6 +53,19 @@ def _endpoints(args: argparse.Namespace) -> list[str]:
     return [e.strip() for e in text.replace(",", ";").split(";") if e.strip()]
 
 
+def _target(args: argparse.Namespace) -> str | list[str]:
+    """The registry's URL (``--registry``, an etcd:// endpoint, or
+    ``$RPCBUF_REGISTRY``), else the endpoint list."""
+    return fleet.registry_url(args) or _endpoints(args)
+
+
+def _one_endpoint(args: argparse.Namespace) -> str:
+    if fleet.registry_url(args) is not None:
+        raise UsageError(f"rpcbuf {args.cmd} talks to one node: give it --endpoint HOST:PORT "
+                         "(rpcbuf nodes lists the registry's)")
+    return _endpoints(args)[0]
+
+
 def _token(args: argparse.Namespace) -> str:
     token = args.token or os.environ.get("RPCBUF_TOKEN")
     if not token:
@@ -69,6 +82,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per daemon [10]")
     p.add_argument("--wide", action="store_true",
                    help="every table column, however wide the terminal")
+    fleet.registry_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(dr)
     register_operator_commands(sub, _client_flags)
     register_load_commands(sub, _client_flags)
+    fleet.register_fleet_commands(sub)
+    md = sub.add_parser("models", help="this tenant's loaded models across the nodes: slots, "
+                        "nodes, bytes, complete or not",
+                        epilog="example: rpcbuf models --registry etcd://10.0.0.1:2379")
+    _client_flags(md)
     return p
 
 
@@ -110,8 +129,8 @@ async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
     cannot be reached reports its own error, the others still answer)."""
     from control.client.cluster import Cluster
 
-    async with Cluster.connect(_endpoints(args), _token(args), timeout=args.timeout,
-                               partial=True) as cluster:
+    async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
+                               partial=True, **fleet.connect_kw(args)) as cluster:
         return await cluster.each(fn)
 
 
@@ -120,8 +139,8 @@ async def _devices(args: argparse.Namespace) -> int:
     ``{endpoint: [device, ...] or error}``; exit 1 if any node failed."""
     from control.client.cluster import Cluster
 
-    async with Cluster.connect(_endpoints(args), _token(args), timeout=args.timeout,
-                               partial=True) as cluster:
+    async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
+                               partial=True, **fleet.connect_kw(args)) as cluster:
         got = await cluster.devices_by_node()
     failed = any(isinstance(r, RpcBufError) for r in got.values())
     if args.json:
@@ -147,6 +166,9 @@ async def _devices(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from control.cli import doctor
 
+    if fleet.registry_url(args) is not None:
+        raise UsageError("rpcbuf doctor checks an endpoint list: give it --endpoint(s) "
+                         "(rpcbuf nodes lists the registry's)")
     results = asyncio.run(doctor.doctor(_endpoints(args), _token(args), args.timeout))
     if args.json:
         print(json.dumps(doctor.as_json(results), indent=2, default=str))
@@ -203,7 +225,7 @@ async def _one_node(args: argparse.Namespace) -> int:
         arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
         name = cliops.default_name(args.file, args.name, args.ttl)
     try:
-        async with connect(_endpoints(args)[0], _token(args), timeout=args.timeout) as ctx:
+        async with connect(_one_endpoint(args), _token(args), timeout=args.timeout) as ctx:
             if args.cmd == "put":
                 assert arr is not None
                 result: Any = await cliops.put(ctx, arr, name, args.ttl)
@@ -242,14 +264,19 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_devices(args))
         if args.cmd == "doctor":
             return _doctor(args)
+        if args.cmd == "nodes":
+            return fleet.run_nodes(args)
+        if args.cmd == "models":
+            return fleet.run_models(args, _target(args), _token(args))
         if args.cmd in ("load", "unload"):
-            return run_load_command(args, _endpoints(args), _token(args))
+            return run_load_command(args, _target(args), _token(args))
         if args.cmd in ("status", "ls", "release"):
             return _node_command(args)
         if args.cmd in ("put", "get", "bench"):
             return asyncio.run(_one_node(args))
     except RpcBufError as exc:  # from a step that reaches every node at once
-        where = ";".join(_endpoints(args)) if hasattr(args, "endpoint") else "rpcbuf"
+        where = fleet.registry_url(args) or ";".join(_endpoints(args)) \
+            if hasattr(args, "endpoint") else "rpcbuf"
         if getattr(args, "json", False):
             print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
         else:

@@ -13,17 +13,45 @@ mixed map instead of raising, for callers that report per node (the CLI).
 A node that cannot be reached makes ``connect`` fail, closing the sessions it
 had opened, unless ``partial=True``: then the cluster keeps the reachable
 nodes and ``cluster.errors`` says why the others are missing.
+
+From the fleet registry: ``Cluster.connect("etcd://h:2379", token=...)`` (or
+``endpoints=None`` with ``$RPCBUF_REGISTRY``) reads the cluster's live
+members (``client/discovery.py``) and connects to them, in node-id order.
+The registry may list a node up to its lease's TTL after it died, so a
+listed node that cannot be reached, or whose ``hello`` names another node id
+than its entry (a stale or forged entry: ``StaleEntry``), is left out (it is
+in ``cluster.errors``); ``connect`` fails only when none is left.  ``need``
+(bytes) chooses the nodes with the most free memory by the registry's
+figures before connecting, so placement by free memory connects only to
+those.  An unreachable registry raises ``RegistryUnavailable`` naming it,
+unless a ``fallback`` endpoint list is given: then ``cluster.warnings`` says
+so and the list is used.  ``cluster.members()`` is the membership now;
+``watch=True`` keeps it current while the cluster is open, and
+``cluster.changes()`` yields each join and leave (``Change``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from control.client.context import Opening, RpcContext
+from control.client.discovery import (
+    Change,
+    Discovery,
+    RegistryUnavailable,
+    check_node,
+    choose_by_free,
+)
 from control.client.model.placement import Slot
+from control.fleet.etcd import EtcdOptions
 from control.wire.errors import BadRequest, RpcBufError
+from control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
+
+log = logging.getLogger("rpcbuf.cluster")
 
 T = TypeVar("T")
 
@@ -76,6 +104,9 @@ class Cluster:
         self.errors = errors or {}  # endpoints that could not be reached (partial=True)
         self._order = list(order) if order is not None else [*nodes, *self.errors]
         self._closed = False
+        self.discovery: Discovery | None = None  # from a registry: its members
+        self.records: dict[str, NodeRecord] = {}  # endpoint -> its registry entry
+        self.warnings: list[str] = []  # e.g. the registry was away, the fallback list used
 
     @property
     def endpoints(self) -> list[str]:
@@ -88,16 +119,123 @@ class Cluster:
         return len(self.nodes)
 
     @classmethod
-    def connect(cls, endpoints: str | Sequence[str], token: str | Mapping[str, str], *,
+    def connect(cls, endpoints: str | Sequence[str] | None, token: str | Mapping[str, str], *,
                 timeout: float | None = 30.0, partial: bool = False,
-                max_inflight: int | None = None) -> ClusterConnector:
+                max_inflight: int | None = None, cluster: str = DEFAULT_CLUSTER,
+                registry: EtcdOptions | None = None,
+                fallback: str | Sequence[str] | None = None, need: int | None = None,
+                watch: bool = False) -> ClusterConnector:
         """Open a session with every node (in parallel).
 
         ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
-        with their own secrets).  Raises ``ClusterError`` naming each node
-        that failed (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless
-        ``partial``; BAD_REQUEST for a bad endpoint list."""
-        return ClusterConnector(parse_endpoints(endpoints), token, timeout, partial, max_inflight)
+        with their own secrets; from a registry, keyed by endpoint or node
+        id).  Raises ``ClusterError`` naming each node that failed
+        (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial``;
+        BAD_REQUEST for a bad endpoint list.  ``endpoints`` "etcd://..."
+        (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
+        ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
+        ``need`` and ``watch`` as the module docstring says."""
+        if endpoints is None:
+            endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
+            if not endpoints:
+                raise BadRequest("no endpoints given and $RPCBUF_REGISTRY is not set")
+        if isinstance(endpoints, str) and is_registry(endpoints):
+            url = endpoints.strip()
+            return ClusterConnector(lambda: cls._open_registry(
+                url, token, timeout, max_inflight, cluster, registry, fallback, need, watch))
+        addrs = parse_endpoints(endpoints)
+        return ClusterConnector(lambda: cls._open(addrs, token, timeout, partial, max_inflight))
+
+    @classmethod
+    async def _open_registry(cls, url: str, token: str | Mapping[str, str],
+                             timeout: float | None, max_inflight: int | None, cluster: str,
+                             options: EtcdOptions | None,
+                             fallback: str | Sequence[str] | None, need: int | None,
+                             watch: bool) -> Cluster:
+        discovery = Discovery(url, cluster, options)
+        try:
+            members = await discovery.read()
+        except RegistryUnavailable as exc:
+            await discovery.close()
+            if fallback is None:
+                raise
+            why = f"{exc.message}; using the fallback list {fallback!r}"
+            log.warning("%s", why)
+            listed = await cls._open(parse_endpoints(fallback), token, timeout, False,
+                                     max_inflight)
+            listed.warnings.append(why)
+            return listed
+        records = list(members.values())
+        if need is not None:
+            records = choose_by_free(records, need)
+        if not records:
+            await discovery.close()
+            raise BadRequest(f"the registry {discovery.address} lists no live node in "
+                             f"cluster {cluster!r}", {"registry": str(discovery.address)})
+
+        def tok(rec: NodeRecord) -> str:
+            if isinstance(token, str):
+                return token
+            got = token.get(rec.address) or token.get(rec.node_id)
+            if got is None:
+                raise BadRequest(f"no token for {rec.address} ({rec.node_id})")
+            return got
+
+        # Entries that name one address are one daemon: connect once, and keep
+        # the entry whose node id its hello names (the others are refused).
+        by_addr: dict[str, list[NodeRecord]] = {}
+        for r in records:
+            by_addr.setdefault(r.address, []).append(r)
+
+        async def one(recs: list[NodeRecord]) -> tuple[RpcContext, NodeRecord] | RpcBufError:
+            try:
+                ctx = await RpcContext.connect(recs[0].address, tok(recs[0]), timeout,
+                                               max_inflight)
+            except RpcBufError as exc:
+                return exc
+            match = next((r for r in recs if r.node_id == ctx.node_id), None)
+            for r in recs:
+                if r is not match:
+                    try:
+                        check_node(r, ctx.node_id)
+                    except RpcBufError as exc:
+                        log.warning("registry entry refused: %s", exc)
+                        if match is None:
+                            await ctx.close()
+                            return exc
+            assert match is not None
+            return ctx, match
+
+        addrs = list(by_addr)
+        got = dict(zip(addrs, await asyncio.gather(*(one(by_addr[a]) for a in addrs)),
+                       strict=True))
+        nodes = {a: g[0] for a, g in got.items() if isinstance(g, tuple)}
+        errors = {a: g for a, g in got.items() if isinstance(g, RpcBufError)}
+        for addr, err in errors.items():
+            log.warning("registry node %s left out: %s", addr, err)
+        if not nodes:
+            await discovery.close()
+            raise ClusterError.of("connect", errors, registry=str(discovery.address))
+        out = cls(nodes, errors, list(nodes))
+        out.discovery = discovery
+        out.records = {a: g[1] for a, g in got.items() if isinstance(g, tuple)}
+        if watch:
+            discovery.watch()
+        return out
+
+    # -- membership (from a registry) ------------------------------------------------
+
+    def members(self) -> dict[str, NodeRecord]:
+        """``{node_id: record}``: the registry's live members (current while
+        watching, else as read at connect); empty without a registry."""
+        return dict(self.discovery.members) if self.discovery is not None else {}
+
+    async def changes(self) -> AsyncIterator[Change]:
+        """Each node that joins, changes or leaves from now on (watches)."""
+        if self.discovery is None:
+            raise BadRequest("this cluster was not opened from a registry (etcd://...)")
+        async for change in self.discovery.changes():
+            yield change
 
     @classmethod
     async def _open(cls, endpoints: list[str], token: str | Mapping[str, str],
@@ -205,11 +343,15 @@ class Cluster:
             return
         self._closed = True
         await asyncio.gather(*(c.close() for c in self.nodes.values()), return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.close()
 
     aclose = close
 
     def abort(self) -> None:
         self._closed = True
+        if self.discovery is not None and self.discovery._task is not None:
+            self.discovery._task.cancel()
         for c in self.nodes.values():
             c.abort()
 
@@ -222,7 +364,3 @@ class Cluster:
 
 class ClusterConnector(Opening["Cluster"]):
     """What ``Cluster.connect`` returns: ``await`` it, or use it with ``async with``."""
-
-    def __init__(self, endpoints: list[str], token: str | Mapping[str, str],
-                 timeout: float | None, partial: bool, max_inflight: int | None) -> None:
-        super().__init__(lambda: Cluster._open(endpoints, token, timeout, partial, max_inflight))

@@ -5,7 +5,7 @@ the same argparse ``type`` (and ``choices``) as its flag, so a setting read
 from the file is exactly the setting the flag would have produced, and a new
 flag is a new top-level key without any code here.  A few keys live in
 sections because they read better there (``[limits]``, ``[log]``, ``[tls]``,
-``[quotas]``); see ``scripts/systemd/rpcbufd.toml`` for every key.
+``[quotas]``, ``[registry]``); see ``scripts/systemd/rpcbufd.toml`` for every key.
 
 Precedence: a flag given on the command line beats the file; the file beats
 the built-in default.  ``--quota`` overrides the file's entry for that tenant
@@ -45,6 +45,15 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("log", "audit"): "audit_log",
     ("tls", "cert"): "tls_cert",
     ("tls", "key"): "tls_key",
+    ("registry", "url"): "registry",
+    ("registry", "advertise"): "advertise",
+    ("registry", "cluster"): "cluster",
+    ("registry", "ttl"): "registry_ttl",
+    ("registry", "ca"): "registry_ca",
+    ("registry", "cert"): "registry_cert",
+    ("registry", "key"): "registry_key",
+    ("registry", "user"): "registry_user",
+    ("registry", "password_file"): "registry_password_file",
 }
 ALIASES = {"devices": "device"}  # top-level key -> dest, where the plural reads better
 # quotas: the [quotas] table; the unsafe test-only flag: never from a file
@@ -203,6 +212,9 @@ def resolve(parser: argparse.ArgumentParser,
                           "in the --config file")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key (tls.cert and tls.key) go together")
+    if bool(args.registry_cert) != bool(args.registry_key):
+        raise ConfigError("--registry-cert and --registry-key (registry.cert and registry.key) "
+                          "go together")
     return args
 
 

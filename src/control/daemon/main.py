@@ -25,11 +25,20 @@ import time
 from typing import Any
 
 from control.daemon import config, logs
+from control.daemon.announce import Announcer
 from control.daemon.diskcache import DiskCache
 from control.daemon.registry import Pool, Quota, Registry
 from control.daemon.sdnotify import Notifier
 from control.daemon.server import Daemon, Limits
+from control.fleet.etcd import Etcd, EtcdOptions
 from control.wire.auth import load_keys
+from control.wire.membership import (
+    DEFAULT_CLUSTER,
+    DEFAULT_TTL,
+    RecordError,
+    check_name,
+    parse_registry,
+)
 from control.wire.units import parse_duration, parse_size, split_host_port
 from dataplane import ucx
 from dataplane.allocator import ALLOCATORS
@@ -62,6 +71,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
+
+
+def _registry(text: str) -> str:
+    try:
+        return str(parse_registry(text))
+    except RecordError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cluster_name(text: str) -> str:
+    try:
+        return check_name("cluster", text)
+    except RecordError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device(text: str) -> tuple[str, int, int]:
@@ -172,6 +195,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "still deduplicates uploads (per tenant, checksummed, LRU)")
     p.add_argument("--cache-size", type=parse_size, default=8 << 30, metavar="SIZE",
                    help="bound of --cache-dir; least recently used contents go first [8GiB]")
+    reg = p.add_argument_group("fleet registry (docs/cluster.md, \"Running a fleet\")")
+    reg.add_argument("--registry", type=_registry, metavar="etcd://HOST:PORT[,HOST:PORT]",
+                     help="register this node in etcd (a key on a lease, kept alive; deleted "
+                          "on SIGTERM) so that clients find it; losing etcd never stops serving")
+    reg.add_argument("--advertise", metavar="HOST:PORT",
+                     help="the control address clients should dial [the --listen address]")
+    reg.add_argument("--cluster", default=DEFAULT_CLUSTER, type=_cluster_name,
+                     help="the cluster (key prefix) to register under [%(default)s]")
+    reg.add_argument("--registry-ttl", type=_positive_int, default=DEFAULT_TTL, metavar="S",
+                     help="seconds of the lease: a crashed node disappears this long after "
+                          "[%(default)s]")
+    reg.add_argument("--registry-ca", metavar="PEM", help="TLS to etcd: the CA to trust")
+    reg.add_argument("--registry-cert", metavar="PEM",
+                     help="TLS client certificate for etcd (with --registry-key)")
+    reg.add_argument("--registry-key", metavar="PEM", help="its private key")
+    reg.add_argument("--registry-user", help="etcd user (its password from "
+                     "--registry-password-file or $RPCBUF_REGISTRY_PASSWORD)")
+    reg.add_argument("--registry-password-file", metavar="FILE",
+                     help="the etcd user's password, the file's first line")
     p.add_argument("--prefault", action="store_true",
                    help="back every page of the host arenas with memory at start, in a "
                         "background thread, so first writes into a buffer do not fault "
@@ -281,6 +323,35 @@ def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> Non
     notifier.notify(READY=1, STATUS=daemon.status_line())
 
 
+def registry_password(args: argparse.Namespace) -> str | None:
+    """The etcd user's password: the file's first line, else the environment
+    (never a flag: a flag shows in ``ps``)."""
+    if not args.registry_user:
+        return None
+    if args.registry_password_file:
+        try:
+            with open(args.registry_password_file) as f:
+                return f.readline().rstrip("\n")
+        except OSError as exc:
+            raise OSError(f"--registry-password-file {args.registry_password_file}: "
+                          f"{exc.strerror or exc}") from None
+    password = os.environ.get("RPCBUF_REGISTRY_PASSWORD")
+    if password is None:
+        raise ValueError("--registry-user needs --registry-password-file or "
+                         "$RPCBUF_REGISTRY_PASSWORD")
+    return password
+
+
+def _announcer(args: argparse.Namespace, daemon: Daemon) -> Announcer | None:
+    if not args.registry:
+        return None
+    options = EtcdOptions(ca=args.registry_ca, cert=args.registry_cert, key=args.registry_key,
+                          user=args.registry_user, password=registry_password(args))
+    etcd = Etcd(parse_registry(args.registry), options)
+    return Announcer(daemon, etcd, args.cluster, advertise=args.advertise,
+                     ttl=args.registry_ttl)
+
+
 async def serve(args: argparse.Namespace) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
@@ -324,6 +395,9 @@ async def serve(args: argparse.Namespace) -> int:
         with open(tmp, "w") as f:
             f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
         os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
+    announcer = _announcer(args, daemon)
+    if announcer is not None:
+        announcer.start()  # its own task: serving never waits for etcd
     notifier.notify(READY=1, STATUS=daemon.status_line())
     notifier.start_heartbeat(daemon.status_line)
     stop = asyncio.Event()
@@ -333,6 +407,8 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     await stop.wait()
     notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
+    if announcer is not None:
+        await announcer.stop()  # clients stop choosing this node before it drains
     await daemon.shutdown()
     await daemon.content.aclose(args.drain_timeout)  # finish disk-cache writes
     notifier.close()

@@ -176,6 +176,11 @@ class Daemon:
         self.stopped = True
         log.info("stopped")
 
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        """Each device's figures (what the registry entry advertises)."""
+        return [p.describe() for p in self.registry.pools.values()]
+
     def status_line(self) -> str:
         """One line for systemd's STATUS=."""
         used = sum(p.allocator.stats().used for p in self.registry.pools.values())
