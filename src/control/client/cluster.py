@@ -212,7 +212,7 @@ class Cluster:
         nodes = {a: g[0] for a, g in got.items() if isinstance(g, tuple)}
         errors = {a: g for a, g in got.items() if isinstance(g, RpcBufError)}
         for addr, err in errors.items():
-            log.warning("registry node %s left out: %s", addr, err)
+            log.info("registry node %s left out: %s", addr, err)  # in cluster.errors
         if not nodes:
             await discovery.close()
             raise ClusterError.of("connect", errors, registry=str(discovery.address))
