@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,8 +97,9 @@ class Host:
     def addr(self) -> str:
         return f"{self.ip}:{PORT}"
 
-    def spawn(self, secret: Path) -> None:
-        """Start this host's rpcbufd in its namespace; ``wait_ready`` waits for it."""
+    def spawn(self, secret: Path, extra: Sequence[str] = ()) -> None:
+        """Start this host's rpcbufd in its namespace (``extra``: more flags);
+        ``wait_ready`` waits for it."""
         ready, logf = self.tmp / "ready", self.tmp / f"daemon-{int(time.time() * 1e3)}.log"
         ready.unlink(missing_ok=True)
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": self.veth_ns,
@@ -109,7 +110,7 @@ class Host:
                "--listen", self.addr, "--ucx-port", "0", "--device", "cpu:64MiB",
                "--secret-file", str(secret), "--ready-file", str(ready),
                "--node-id", f"host{self.index}", "--transfer-timeout", "10s",
-               "--drain-timeout", "5s", "--log-level", "WARNING"]
+               "--drain-timeout", "5s", "--log-level", "WARNING", *extra]
         with open(logf, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                          env=env)
