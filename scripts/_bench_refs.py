@@ -15,12 +15,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import os
+import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+import benchkit
 from _bench_peer import (
     MODE_ECHO,
     MODE_QUIT,
@@ -32,6 +41,7 @@ from _bench_peer import (
     TAG_REPLY,
     recv_exact,
 )
+from benchkit import procs
 from benchkit.timing import Round, blocking, timed, timed_sync
 from control.wire import protocol as P
 from dataplane import ucx
@@ -205,3 +215,100 @@ class EchoClient:
         self._task.cancel()
         self._writer.close()
 
+
+
+class RawUcxx:
+    """The raw ucxx reference in two processes of its own (``_bench_rawucx.py``).
+
+    The server and the client each run plain ucxx with the tuned settings;
+    this object starts them, sends the client one command per round and
+    reads its samples back (a blocking read, bounded by ``timeout``, on the
+    event loop's thread: nothing else runs while measuring).  Between rounds
+    both are stopped with SIGSTOP, because ucxx's own blocking mode keeps
+    polling after its first event and would take CPU from whoever is
+    measured next.  ``close`` ends both (bounded)."""
+
+    def __init__(self, server: subprocess.Popen[bytes], client: subprocess.Popen[bytes],
+                 result: int, timeout: float) -> None:
+        self._server, self._client, self._result = server, client, result
+        self._timeout = timeout
+        self._pending = b""
+        self._pause()
+
+    @classmethod
+    def start(cls, tmp: Path, max_bytes: int, loop: str = "asyncio",
+              timeout: float = 120.0) -> RawUcxx:
+        """Start the pair (raises RuntimeError, with a log's tail, if either fails)."""
+        script = str(benchkit.SCRIPTS / "_bench_rawucx.py")
+        slog, clog = tmp / "rawucx-server.log", tmp / "rawucx-client.log"
+        server = procs.spawn([sys.executable, script, "server", "--loop", loop,
+                              "--ready-file", str(tmp / "rawucx-server.ready"),
+                              "--max-bytes", str(max_bytes)], slog)
+        client: subprocess.Popen[bytes] | None = None
+        read_end, write_end = os.pipe()
+        try:
+            port = procs.wait_ready(tmp / "rawucx-server.ready", server, slog, "raw ucxx server")
+            client = procs.spawn([sys.executable, script, "client", "--loop", loop,
+                                  "--ready-file", str(tmp / "rawucx-client.ready"),
+                                  "--max-bytes", str(max_bytes), "--port", port,
+                                  "--result-fd", str(write_end)], clog,
+                                 stdin=subprocess.PIPE, pass_fds=(write_end,))
+            procs.wait_ready(tmp / "rawucx-client.ready", client, clog, "raw ucxx client")
+        except BaseException:
+            procs.stop(client)
+            procs.stop(server)
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return cls(server, client, read_end, timeout)
+
+    def _signal(self, sig: int) -> None:
+        for proc in (self._server, self._client):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+    def _pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def _command(self, mode: str, nbytes: int, iters: int) -> list[float]:
+        assert self._client.stdin is not None
+        self._signal(signal.SIGCONT)
+        try:
+            self._client.stdin.write(f"{mode} {nbytes} {iters}\n".encode())
+            self._client.stdin.flush()
+            deadline = time.monotonic() + self._timeout
+            while b"\n" not in self._pending:  # each pass reads or raises
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._result], [], [], left)[0]:
+                    raise RuntimeError(f"raw ucxx client: no answer to {mode} {nbytes} "
+                                       f"x{iters} in {self._timeout:.0f} s")
+                chunk = os.read(self._result, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"raw ucxx client exited ({self._client.poll()})")
+                self._pending += chunk
+            line, self._pending = self._pending.split(b"\n", 1)
+            return [float(s) for s in json.loads(line)["samples"]]
+        finally:
+            self._pause()
+
+    def store(self, data: np.ndarray, iters: int) -> list[float]:
+        """``iters`` sends of ``data.nbytes`` bytes, each followed by a 1-byte ack."""
+        return self._command("store", data.nbytes, iters)
+
+    def read(self, out: np.ndarray, iters: int) -> list[float]:
+        """``iters`` 8-byte requests, each answered by ``out.nbytes`` bytes."""
+        return self._command("read", out.nbytes, iters)
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        if self._client.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._client.stdin.write(b"quit\n")
+                self._client.stdin.flush()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._client.wait(5)
+        procs.stop(self._client, 5)
+        procs.stop(self._server, 5)
+        with contextlib.suppress(OSError):
+            os.close(self._result)
