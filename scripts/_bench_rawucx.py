@@ -37,6 +37,7 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,22 @@ TAG_HDR, TAG_DATA, TAG_REPLY = 11, 12, 13
 MODES = {"store": STORE, "read": READ}
 
 
-async def serve(ep: Any, buf: np.ndarray) -> None:
+def load(progress: str) -> tuple[Any, Callable[[], contextlib.AbstractContextManager[Any]]]:
+    """ucxx and the context each exchange runs in: ucxx's own progress
+    (``stock``, the reference) or rpcbuf's ``AdaptiveProgress`` with
+    ``ucx.busy()`` (``adaptive``: what the old in-process reference ran, kept
+    to measure the difference)."""
+    if progress == "adaptive":
+        from dataplane import ucx
+
+        return ucx.ucxx(), ucx.busy
+    import ucxx
+
+    return ucxx, contextlib.nullcontext
+
+
+async def serve(ep: Any, buf: np.ndarray,
+                busy: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
     header = np.zeros(3, dtype=np.int64)
     request = np.zeros(1, dtype=np.int64)
     ack = np.ones(1, dtype=np.uint8)
@@ -68,12 +84,14 @@ async def serve(ep: Any, buf: np.ndarray) -> None:
             view = buf[:nbytes]
             if mode == STORE:
                 for _ in range(iters):
-                    await ep.recv(view, tag=TAG_DATA)
-                    await ep.send(ack, tag=TAG_REPLY)
+                    with busy():
+                        await ep.recv(view, tag=TAG_DATA)
+                        await ep.send(ack, tag=TAG_REPLY)
             elif mode == READ:
                 for _ in range(iters):
-                    await ep.recv(request, tag=TAG_DATA)
-                    await ep.send(view, tag=TAG_REPLY)
+                    with busy():
+                        await ep.recv(request, tag=TAG_DATA)
+                        await ep.send(view, tag=TAG_REPLY)
             else:
                 break
     except Exception:  # the client went away (a UCX error): this endpoint is done
@@ -81,12 +99,12 @@ async def serve(ep: Any, buf: np.ndarray) -> None:
 
 
 async def server_main(args: argparse.Namespace) -> None:
-    import ucxx
+    ucxx, busy = load(args.progress)
 
     buf = np.empty(args.max_bytes, dtype=np.uint8)
     buf.fill(0xA5)  # every page touched before anything is timed
     async def on_endpoint(ep: Any) -> None:  # a coroutine function: ucxx awaits it
-        await serve(ep, buf)
+        await serve(ep, buf, busy)
 
     listener = ucxx.create_listener(on_endpoint, port=0)
     write_ready(args.ready_file, f"{listener.port}\n")
@@ -98,7 +116,7 @@ async def server_main(args: argparse.Namespace) -> None:
 
 
 async def client_main(args: argparse.Namespace) -> None:
-    import ucxx
+    ucxx, busy = load(args.progress)
 
     ep = await asyncio.wait_for(ucxx.create_endpoint("127.0.0.1", args.port), 30)
     data = np.random.default_rng(0).integers(0, 256, args.max_bytes, dtype=np.uint8)
@@ -123,12 +141,13 @@ async def client_main(args: argparse.Namespace) -> None:
         samples = []
         for _ in range(iters):
             t0 = clock()
-            if mode == STORE:
-                await ep.send(src, tag=TAG_DATA)
-                await ep.recv(ack, tag=TAG_REPLY)
-            else:
-                await ep.send(request, tag=TAG_DATA)
-                await ep.recv(dst, tag=TAG_REPLY)
+            with busy():
+                if mode == STORE:
+                    await ep.send(src, tag=TAG_DATA)
+                    await ep.recv(ack, tag=TAG_REPLY)
+                else:
+                    await ep.send(request, tag=TAG_DATA)
+                    await ep.recv(dst, tag=TAG_REPLY)
             samples.append(clock() - t0)
         result.write(json.dumps({"samples": samples}) + "\n")
     header[:] = (QUIT, 0, 0)
@@ -145,6 +164,8 @@ def cli() -> None:
     p.add_argument("--result-fd", type=int, default=1, help="client: where answers go")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="event loop of this end [%(default)s: measured the stronger here]")
+    p.add_argument("--progress", choices=("stock", "adaptive"), default="stock",
+                   help="ucxx's own progress, or rpcbuf's AdaptiveProgress [%(default)s]")
     args = p.parse_args()
     main = server_main(args) if args.role == "server" else client_main(args)
     if args.loop == "uvloop":

@@ -1,13 +1,14 @@
 """The references' client ends in ``bench.py``: what rpcbuf is measured against.
 
-``_bench_peer.py`` serves three references in another process; these are
-their clients in the benchmark's process: ``RawPeer`` (raw ucxx, phases
-announced over TCP so an idle peer has no UCX receive posted), ``SockPeer``
-(a plain blocking TCP socket, the floor any transport must beat) and
-``EchoClient`` (bare msgpack request/reply with the daemon's framing, the
-floor for control ops).  Plus ``memcpy_round``, the in-process copy.  Each
-exposes rounds of the ``benchkit.timing`` kind: a count in, that many
-samples out, every buffer preallocated and pre-touched by the caller.
+``_bench_peer.py`` serves two references in another process; these are
+their clients in the benchmark's process: ``SockPeer`` (a plain blocking
+TCP socket, the floor any transport must beat) and ``EchoClient`` (bare
+msgpack request/reply with the daemon's framing, the floor for control
+ops).  ``RawUcxx`` drives the raw ucxx reference, whose both ends are
+processes of their own (``_bench_rawucx.py``).  Plus ``memcpy_round``, the
+in-process copy.  Each exposes rounds of the ``benchkit.timing`` kind: a
+count in, that many samples out, every buffer preallocated and pre-touched
+by the caller.
 """
 
 from __future__ import annotations
@@ -37,74 +38,16 @@ from _bench_peer import (
     MODE_STORE,
     PHASE,
     READ_REQUEST,
-    TAG_DATA,
-    TAG_REPLY,
     recv_exact,
 )
 from benchkit import procs
-from benchkit.timing import Round, blocking, timed, timed_sync
+from benchkit.timing import Round, blocking, timed_sync
 from control.wire import protocol as P
-from dataplane import ucx
 
 
 def memcpy_round(dst: np.ndarray, src: np.ndarray) -> Round:
     """The memcpy reference: ``np.copyto(dst, src)`` in this process."""
     return blocking(lambda n: timed_sync(lambda: np.copyto(dst, src), n))
-
-
-class RawPeer:
-    """Client side of the raw ucxx reference (protocol: see _bench_peer.py)."""
-
-    def __init__(self, ep: Any, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.ep = ep
-        self._reader, self._writer = reader, writer
-        self._request = np.zeros(1, dtype=np.int64)
-        self._ack = np.zeros(1, dtype=np.uint8)
-        self._open_phase = False
-
-    @classmethod
-    async def connect(cls, port: int, phase_port: int) -> RawPeer:
-        ep = await asyncio.wait_for(ucx.ucxx().create_endpoint("127.0.0.1", port), 30)
-        reader, writer = await asyncio.open_connection("127.0.0.1", phase_port)
-        return cls(ep, reader, writer)
-
-    async def _phase(self, mode: int, nbytes: int, iters: int) -> None:
-        if self._open_phase:  # the previous phase's "done" byte
-            await self._reader.readexactly(1)
-        self._writer.write(PHASE.pack(mode, nbytes, iters))
-        await self._writer.drain()
-        self._open_phase = mode != MODE_QUIT
-
-    async def store(self, data: np.ndarray, iters: int) -> list[float]:
-        await self._phase(MODE_STORE, data.nbytes, iters)
-        ep, ack = self.ep, self._ack
-
-        async def once() -> None:
-            with ucx.busy():  # the progress policy rpcbuf's own transfers get
-                await ep.send(data, tag=TAG_DATA)
-                await ep.recv(ack, tag=TAG_REPLY)
-
-        return await timed(once, iters)
-
-    async def read(self, out: np.ndarray, iters: int) -> list[float]:
-        await self._phase(MODE_READ, out.nbytes, iters)
-        ep, request = self.ep, self._request
-        request[0] = out.nbytes
-
-        async def once() -> None:
-            with ucx.busy():
-                await ep.send(request, tag=TAG_DATA)
-                await ep.recv(out, tag=TAG_REPLY)
-
-        return await timed(once, iters)
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._phase(MODE_QUIT, 0, 0), 5)
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ep.close(), 5)
 
 
 class SockPeer:
@@ -236,19 +179,20 @@ class RawUcxx:
         self._pause()
 
     @classmethod
-    def start(cls, tmp: Path, max_bytes: int, loop: str = "asyncio",
+    def start(cls, tmp: Path, max_bytes: int, loop: str = "asyncio", progress: str = "stock",
               timeout: float = 120.0) -> RawUcxx:
         """Start the pair (raises RuntimeError, with a log's tail, if either fails)."""
         script = str(benchkit.SCRIPTS / "_bench_rawucx.py")
         slog, clog = tmp / "rawucx-server.log", tmp / "rawucx-client.log"
-        server = procs.spawn([sys.executable, script, "server", "--loop", loop,
+        how = ["--loop", loop, "--progress", progress]
+        server = procs.spawn([sys.executable, script, "server", *how,
                               "--ready-file", str(tmp / "rawucx-server.ready"),
                               "--max-bytes", str(max_bytes)], slog)
         client: subprocess.Popen[bytes] | None = None
         read_end, write_end = os.pipe()
         try:
             port = procs.wait_ready(tmp / "rawucx-server.ready", server, slog, "raw ucxx server")
-            client = procs.spawn([sys.executable, script, "client", "--loop", loop,
+            client = procs.spawn([sys.executable, script, "client", *how,
                                   "--ready-file", str(tmp / "rawucx-client.ready"),
                                   "--max-bytes", str(max_bytes), "--port", port,
                                   "--result-fd", str(write_end)], clog,
