@@ -71,7 +71,7 @@ def _check(pkg: PeerPackage, python: Path) -> tuple[str | None, str]:
     rc, out = _run([str(python), "-c", code], 120)
     if rc == 0:
         return out.split(" | ")[-1].strip(), ""
-    return None, f"import {pkg.module} failed: {out}"
+    return None, f"import {pkg.module} failed: {out.split(' | ')[-1]}"  # the error line
 
 
 def ensure(pkg: PeerPackage, install: bool = True, reinstall: bool = False,
