@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench soak clean install-service
+.PHONY: install run test lint bench bench-peers soak clean install-service
 
 install: $(STAMP)
 
@@ -34,6 +34,17 @@ bench: install  ## prints tables and writes bench.json, bench_alloc.json, bench_
 	$(BIN)/python scripts/bench.py --json bench.json
 	$(BIN)/python scripts/bench_alloc.py --json bench_alloc.json
 	$(BIN)/python scripts/bench_dedup.py --json bench_dedup.json
+
+# The peers (Mooncake's transfer engine, NIXL) each in its own venv under .peers/
+# (made on first use; never part of `make test`).  Mooncake's wheel links
+# libibverbs: installed here when root, named otherwise.
+bench-peers: install  ## rpcbuf beside Mooncake TE and NIXL in one run: prints a table, writes bench_peers.json
+	@if dpkg -s libibverbs1 >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "bench-peers: apt-get install -y libibverbs1 (Mooncake needs it)"; \
+		apt-get install -y -q libibverbs1 >/dev/null || echo "bench-peers: apt-get failed: Mooncake may not import"; \
+	else echo "bench-peers: libibverbs1 is not installed and this is not root: Mooncake will not import" \
+		"(sudo apt-get install -y libibverbs1); it is reported as not measured"; fi
+	$(BIN)/python scripts/bench_peers.py --json bench_peers.json
 
 # As root: rpcbufd as a systemd service. Creates the rpcbuf system user and
 # /var/lib/rpcbuf, /var/log/rpcbuf if missing, a venv in $(PREFIX), the unit in

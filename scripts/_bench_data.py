@@ -27,13 +27,13 @@ from _bench_plan import (
     RTT_BYTES,
     Plan,
 )
-from _bench_refs import RawPeer, SockPeer, memcpy_round
+from _bench_refs import RawUcxx, SockPeer, memcpy_round
 from benchkit import size_name
 from benchkit.interrupt import check_interrupted
 from benchkit.timing import Round, alternate, alternate_many, blocking, summarize, timed
 
 
-def data_sides(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawPeer, sock: SockPeer,
+def data_sides(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawUcxx, sock: SockPeer,
                bids: dict[str, str], data: np.ndarray, out: np.ndarray,
                copy_dst: np.ndarray) -> tuple[dict[str, Round], dict[str, Round]]:
     """Every store side and every read side of one size, by JSON key."""
@@ -50,20 +50,15 @@ def data_sides(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawPeer, s
 
         stores[key], reads[key] = rp_store, rp_read
 
-    async def raw_store(n: int) -> list[float]:
-        return await raw.store(data, n)
-
-    async def raw_read(n: int) -> list[float]:
-        return await raw.read(out, n)
-
-    stores["raw_ucxx"], reads["raw_ucxx"] = raw_store, raw_read
+    stores["raw_ucxx"] = blocking(lambda n: raw.store(data, n))
+    reads["raw_ucxx"] = blocking(lambda n: raw.read(out, n))
     stores["raw_socket"] = blocking(lambda n: sock.store(data, n))
     reads["raw_socket"] = blocking(lambda n: sock.read(out, n))
     stores["memcpy"] = reads["memcpy"] = memcpy_round(copy_dst, data)
     return stores, reads
 
 
-async def bench_data(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawPeer,
+async def bench_data(tcp: rpcbuf.RpcContext, local: rpcbuf.RpcContext, raw: RawUcxx,
                      sock: SockPeer, plan: Plan) -> dict[str, Any]:
     """Store and read of each size: rpcbuf on both paths against raw ucxx, the
     raw socket and memcpy, all in one alternation; at the smallest size the

@@ -1,13 +1,14 @@
 """The references' client ends in ``bench.py``: what rpcbuf is measured against.
 
-``_bench_peer.py`` serves three references in another process; these are
-their clients in the benchmark's process: ``RawPeer`` (raw ucxx, phases
-announced over TCP so an idle peer has no UCX receive posted), ``SockPeer``
-(a plain blocking TCP socket, the floor any transport must beat) and
-``EchoClient`` (bare msgpack request/reply with the daemon's framing, the
-floor for control ops).  Plus ``memcpy_round``, the in-process copy.  Each
-exposes rounds of the ``benchkit.timing`` kind: a count in, that many
-samples out, every buffer preallocated and pre-touched by the caller.
+``_bench_peer.py`` serves two references in another process; these are
+their clients in the benchmark's process: ``SockPeer`` (a plain blocking
+TCP socket, the floor any transport must beat) and ``EchoClient`` (bare
+msgpack request/reply with the daemon's framing, the floor for control
+ops).  ``RawUcxx`` drives the raw ucxx reference, whose both ends are
+processes of their own (``_bench_rawucx.py``).  Plus ``memcpy_round``, the
+in-process copy.  Each exposes rounds of the ``benchkit.timing`` kind: a
+count in, that many samples out, every buffer preallocated and pre-touched
+by the caller.
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import os
+import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+import benchkit
 from _bench_peer import (
     MODE_ECHO,
     MODE_QUIT,
@@ -28,73 +38,16 @@ from _bench_peer import (
     MODE_STORE,
     PHASE,
     READ_REQUEST,
-    TAG_DATA,
-    TAG_REPLY,
     recv_exact,
 )
-from benchkit.timing import Round, blocking, timed, timed_sync
+from benchkit import procs
+from benchkit.timing import Round, blocking, timed_sync
 from control.wire import protocol as P
-from dataplane import ucx
 
 
 def memcpy_round(dst: np.ndarray, src: np.ndarray) -> Round:
     """The memcpy reference: ``np.copyto(dst, src)`` in this process."""
     return blocking(lambda n: timed_sync(lambda: np.copyto(dst, src), n))
-
-
-class RawPeer:
-    """Client side of the raw ucxx reference (protocol: see _bench_peer.py)."""
-
-    def __init__(self, ep: Any, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.ep = ep
-        self._reader, self._writer = reader, writer
-        self._request = np.zeros(1, dtype=np.int64)
-        self._ack = np.zeros(1, dtype=np.uint8)
-        self._open_phase = False
-
-    @classmethod
-    async def connect(cls, port: int, phase_port: int) -> RawPeer:
-        ep = await asyncio.wait_for(ucx.ucxx().create_endpoint("127.0.0.1", port), 30)
-        reader, writer = await asyncio.open_connection("127.0.0.1", phase_port)
-        return cls(ep, reader, writer)
-
-    async def _phase(self, mode: int, nbytes: int, iters: int) -> None:
-        if self._open_phase:  # the previous phase's "done" byte
-            await self._reader.readexactly(1)
-        self._writer.write(PHASE.pack(mode, nbytes, iters))
-        await self._writer.drain()
-        self._open_phase = mode != MODE_QUIT
-
-    async def store(self, data: np.ndarray, iters: int) -> list[float]:
-        await self._phase(MODE_STORE, data.nbytes, iters)
-        ep, ack = self.ep, self._ack
-
-        async def once() -> None:
-            with ucx.busy():  # the progress policy rpcbuf's own transfers get
-                await ep.send(data, tag=TAG_DATA)
-                await ep.recv(ack, tag=TAG_REPLY)
-
-        return await timed(once, iters)
-
-    async def read(self, out: np.ndarray, iters: int) -> list[float]:
-        await self._phase(MODE_READ, out.nbytes, iters)
-        ep, request = self.ep, self._request
-        request[0] = out.nbytes
-
-        async def once() -> None:
-            with ucx.busy():
-                await ep.send(request, tag=TAG_DATA)
-                await ep.recv(out, tag=TAG_REPLY)
-
-        return await timed(once, iters)
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._phase(MODE_QUIT, 0, 0), 5)
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ep.close(), 5)
 
 
 class SockPeer:
@@ -205,3 +158,101 @@ class EchoClient:
         self._task.cancel()
         self._writer.close()
 
+
+
+class RawUcxx:
+    """The raw ucxx reference in two processes of its own (``_bench_rawucx.py``).
+
+    The server and the client each run plain ucxx with the tuned settings;
+    this object starts them, sends the client one command per round and
+    reads its samples back (a blocking read, bounded by ``timeout``, on the
+    event loop's thread: nothing else runs while measuring).  Between rounds
+    both are stopped with SIGSTOP, because ucxx's own blocking mode keeps
+    polling after its first event and would take CPU from whoever is
+    measured next.  ``close`` ends both (bounded)."""
+
+    def __init__(self, server: subprocess.Popen[bytes], client: subprocess.Popen[bytes],
+                 result: int, timeout: float) -> None:
+        self._server, self._client, self._result = server, client, result
+        self._timeout = timeout
+        self._pending = b""
+        self._pause()
+
+    @classmethod
+    def start(cls, tmp: Path, max_bytes: int, loop: str = "asyncio", progress: str = "stock",
+              timeout: float = 120.0) -> RawUcxx:
+        """Start the pair (raises RuntimeError, with a log's tail, if either fails)."""
+        script = str(benchkit.SCRIPTS / "_bench_rawucx.py")
+        slog, clog = tmp / "rawucx-server.log", tmp / "rawucx-client.log"
+        how = ["--loop", loop, "--progress", progress]
+        server = procs.spawn([sys.executable, script, "server", *how,
+                              "--ready-file", str(tmp / "rawucx-server.ready"),
+                              "--max-bytes", str(max_bytes)], slog)
+        client: subprocess.Popen[bytes] | None = None
+        read_end, write_end = os.pipe()
+        try:
+            port = procs.wait_ready(tmp / "rawucx-server.ready", server, slog, "raw ucxx server")
+            client = procs.spawn([sys.executable, script, "client", *how,
+                                  "--ready-file", str(tmp / "rawucx-client.ready"),
+                                  "--max-bytes", str(max_bytes), "--port", port,
+                                  "--result-fd", str(write_end)], clog,
+                                 stdin=subprocess.PIPE, pass_fds=(write_end,))
+            procs.wait_ready(tmp / "rawucx-client.ready", client, clog, "raw ucxx client")
+        except BaseException:
+            procs.stop(client)
+            procs.stop(server)
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return cls(server, client, read_end, timeout)
+
+    def _signal(self, sig: int) -> None:
+        for proc in (self._server, self._client):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+    def _pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def _command(self, mode: str, nbytes: int, iters: int) -> list[float]:
+        assert self._client.stdin is not None
+        self._signal(signal.SIGCONT)
+        try:
+            self._client.stdin.write(f"{mode} {nbytes} {iters}\n".encode())
+            self._client.stdin.flush()
+            deadline = time.monotonic() + self._timeout
+            while b"\n" not in self._pending:  # each pass reads or raises
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._result], [], [], left)[0]:
+                    raise RuntimeError(f"raw ucxx client: no answer to {mode} {nbytes} "
+                                       f"x{iters} in {self._timeout:.0f} s")
+                chunk = os.read(self._result, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"raw ucxx client exited ({self._client.poll()})")
+                self._pending += chunk
+            line, self._pending = self._pending.split(b"\n", 1)
+            return [float(s) for s in json.loads(line)["samples"]]
+        finally:
+            self._pause()
+
+    def store(self, data: np.ndarray, iters: int) -> list[float]:
+        """``iters`` sends of ``data.nbytes`` bytes, each followed by a 1-byte ack."""
+        return self._command("store", data.nbytes, iters)
+
+    def read(self, out: np.ndarray, iters: int) -> list[float]:
+        """``iters`` 8-byte requests, each answered by ``out.nbytes`` bytes."""
+        return self._command("read", out.nbytes, iters)
+
+    def close(self) -> None:
+        self._signal(signal.SIGCONT)
+        if self._client.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._client.stdin.write(b"quit\n")
+                self._client.stdin.flush()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._client.wait(5)
+        procs.stop(self._client, 5)
+        procs.stop(self._server, 5)
+        with contextlib.suppress(OSError):
+            os.close(self._result)

@@ -22,21 +22,33 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
   "same-host" in the table; a loopback client gets it by default).  Which
   path each got is printed, and a note under the table says so when the
   default one did not get the same-host path (its rows then measure UCX).
-  Plus a raw ucxx endpoint, a bare echo connection and a plain blocking
-  socket to the reference peer;
+  Plus a bare echo connection and a plain blocking socket to the reference
+  peer;
 * a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
-  its same-host socket left at ``auto``);
-* ``scripts/_bench_peer.py``, the reference peer: a raw ucxx listener that
-  receives into / sends from a preallocated numpy buffer, a msgpack echo
-  server using the daemon's framing (``control.protocol``), and a raw
-  blocking TCP socket server in its own thread (not asyncio) with its own
-  preallocated buffer.
+  its same-host socket left at ``auto``; as root, where the daemon refuses
+  that path, with the test-only ``--unsafe-privileged-same-host``, which
+  the run says on stderr and under the table);
+* ``scripts/_bench_peer.py``, the reference peer: a msgpack echo server
+  using the daemon's framing (``control.protocol``), and a raw blocking TCP
+  socket server in its own thread (not asyncio) with its own preallocated
+  buffer;
+* the raw ucxx reference, both ends in processes of their own
+  (``scripts/_bench_rawucx.py``, driven by ``_bench_refs.RawUcxx``): a
+  server that receives into / sends from a preallocated numpy buffer and a
+  client that times the exchanges, each plain ucxx under ``asyncio.run``
+  with ucxx's own blocking progress (which keeps polling once it has seen
+  traffic: the pair is kept SIGSTOPped between its rounds so it takes no
+  CPU from the others).
 
-All three processes get the same UCX settings: ``UCX_TLS=tcp``,
-``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.apply_defaults()`` (blocking
+Every process gets the same UCX settings: ``UCX_TLS=tcp``,
+``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.UCX_DEFAULTS`` (blocking
 progress, put_zcopy rendezvous, 2 MiB tcp segments), each only where the
 environment does not already set it.  So raw ucxx runs with the fastest
 settings found (DESIGN.md "Facts measured here"), as the goal demands.
+Why the reference is built this way (it used to be a client in this process,
+through rpcbuf's own ``AdaptiveProgress``, which made it about as slow as
+rpcbuf wherever progress is the limit): docs/performance.md "The raw ucxx
+reference".
 
 The raw socket reference: a plain blocking ``socket.socket`` on both sides
 (on this side called from the event loop's thread, which it stalls: nothing
@@ -166,7 +178,7 @@ from _bench_plan import (  # noqa: E402
     SECTIONS,
     Plan,
 )
-from _bench_refs import EchoClient, RawPeer, SockPeer  # noqa: E402
+from _bench_refs import EchoClient, RawUcxx, SockPeer  # noqa: E402
 from _bench_rows import build_rows, render  # noqa: E402
 from benchkit import procs, size_name  # noqa: E402
 from benchkit.interrupt import Interrupted, interruptible, note_signals  # noqa: E402
@@ -180,12 +192,11 @@ def path_name(ctx: rpcbuf.RpcContext) -> str:
     return "same-host" if ctx.same_host else "UCX (tcp)"
 
 
-async def run_all(addr: str, token: str, daemon_pid: int, peer_ucx_port: int, echo_port: int,
-                  phase_port: int, sock_port: int, plan: Plan,
+async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, echo_port: int,
+                  sock_port: int, plan: Plan,
                   sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     tcp: rpcbuf.RpcContext | None = None
     local: rpcbuf.RpcContext | None = None
-    raw: RawPeer | None = None
     echo: EchoClient | None = None
     sock: SockPeer | None = None
     note_signals(asyncio.get_running_loop())
@@ -208,21 +219,19 @@ async def run_all(addr: str, token: str, daemon_pid: int, peer_ucx_port: int, ec
             paths["default_why"] = why
             progress(f"WARNING: the default context is not on the same-host path: {why}")
         out["paths"] = paths
-        raw = await RawPeer.connect(peer_ucx_port, phase_port)
         echo = await EchoClient.connect(echo_port)
         sock = SockPeer.connect(sock_port)
         if "data" in sections:
+            assert raw is not None, "measure() starts the raw ucxx pair for the data section"
             progress("data ops: rpcbuf (tcp, same-host) vs raw ucxx, raw socket, memcpy ...")
             out["data"] = await bench_data(tcp, local, raw, sock, plan)
         if "control" in sections:
             progress("control ops: rpcbuf (default path, then tcp) vs msgpack echo ...")
             out["control"] = {"same_host": await bench_control(local, echo, plan),
                               "tcp": await bench_control(tcp, echo, plan)}
-        # Done with the peer's ucxx and echo (its phases come over TCP, so an
-        # idle peer has no UCX receive posted and uses no CPU; closing them is
-        # just tidy).  The raw socket stays: it is the batching reference.
-        await raw.close()
-        raw = None
+        # Done with the echo (closing it is just tidy; the raw ucxx pair is
+        # stopped between its rounds and ended by measure()).  The raw socket
+        # stays: it is the batching reference.
         echo.close()
         echo = None
         if "batching" in sections:
@@ -246,8 +255,6 @@ async def run_all(addr: str, token: str, daemon_pid: int, peer_ucx_port: int, ec
             sock.close()
         if echo is not None:
             echo.close()
-        if raw is not None:
-            await raw.close()
         for ctx in (tcp, local):
             if ctx is not None:
                 with contextlib.suppress(Exception):
@@ -257,12 +264,22 @@ async def run_all(addr: str, token: str, daemon_pid: int, peer_ucx_port: int, ec
 def measure(plan: Plan, tmp: Path,
             sections: tuple[str, ...] = SECTIONS) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start the daemon and the peer, measure, stop both (always, bounded)."""
-    daemon = procs.Daemon(tmp, "--device", "cpu:1GiB", tenant="bench")
+    flags = ["--device", "cpu:1GiB"]
+    if os.geteuid() == 0:
+        flags.append("--unsafe-privileged-same-host")
+        progress("running as root: rpcbufd gets the test-only --unsafe-privileged-same-host "
+                 "so that the same-host rows measure the same-host path")
+    daemon = procs.Daemon(tmp, *flags, tenant="bench")
     peer_log = tmp / "peer.log"
     peer: subprocess.Popen[bytes] | None = None
-    exits: dict[str, Any] = {}
+    raw: RawUcxx | None = None
+    exits: dict[str, Any] = {"unsafe_privileged_same_host": os.geteuid() == 0}
 
     def cleanup() -> None:
+        nonlocal raw
+        if raw is not None:
+            raw.close()
+            raw = None
         exits["daemon_exit"] = daemon.stop()
         exits["peer_exit"] = procs.stop(peer)
         exits["daemon_log"] = procs.tail(daemon.log, 50)
@@ -277,13 +294,15 @@ def measure(plan: Plan, tmp: Path,
                             "--ready-file", str(tmp / "peer.ready"),
                             "--max-bytes", str(max(plan.iters))], peer_log)
         daemon.start()
-        peer_ucx, echo_port, phase_port, sock_port = procs.wait_ready(
+        echo_port, sock_port = procs.wait_ready(
             tmp / "peer.ready", peer, peer_log, "bench peer").split()
-        progress(f"rpcbufd at {daemon.addr} (pid {daemon.pid}), reference peer ucx={peer_ucx} "
-                 f"echo={echo_port} socket={sock_port}")
-        results = uvloop.run(run_all(daemon.addr, daemon.token, daemon.pid, int(peer_ucx),
-                                     int(echo_port), int(phase_port), int(sock_port), plan,
-                                     sections))
+        if "data" in sections:
+            raw = RawUcxx.start(tmp, max(plan.iters))
+        progress(f"rpcbufd at {daemon.addr} (pid {daemon.pid}), reference peer "
+                 f"echo={echo_port} socket={sock_port}, raw ucxx pair "
+                 f"{'started' if raw is not None else 'not needed'}")
+        results = uvloop.run(run_all(daemon.addr, daemon.token, daemon.pid, raw,
+                                     int(echo_port), int(sock_port), plan, sections))
     return results, exits
 
 
@@ -313,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - started
     rows = build_rows(results)
     print(render(rows))
+    if exits.get("unsafe_privileged_same_host"):
+        print("note: run as root, so rpcbufd was started with the test-only "
+              "--unsafe-privileged-same-host for its same-host rows (never run a daemon "
+              "like that for real)")
     if not results["paths"]["default"]:
         print("note: the default context did not get the same-host path: its rows "
               "(\"same-host\") measure the UCX (tcp) path")
