@@ -29,6 +29,7 @@ import logging
 import os
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 UCX_DEFAULTS: dict[str, str] = {
@@ -405,3 +406,10 @@ async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
     except Exception as exc:
         raise _translate(exc) from exc
     return DataEndpoint(ep)
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices this host's kernel knows (``/sys/class/infiniband``):
+    what UCX could use besides tcp.  At most 64 names."""
+    path = Path("/sys/class/infiniband")
+    return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []

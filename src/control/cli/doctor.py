@@ -18,7 +18,6 @@ import ipaddress
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from control.cli.errors import ago, sentence
 from control.wire import protocol as P
 from control.wire.errors import RpcBufError
 from control.wire.units import format_size, split_host_port
+from dataplane.ucx import rdma_devices
 
 BIG = 64 << 20
 
@@ -46,11 +46,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _rdma_devices() -> list[str]:
-    path = Path("/sys/class/infiniband")
-    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
 
 
 async def check_node(addr: str, token: str, timeout: float) -> list[Check]:
@@ -114,7 +109,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
         msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
         out.append(Check("data path", "warn" if local and why else "ok", msg))
     tls = os.environ.get("UCX_TLS", "") or "(UCX's choice)"
-    rdma = _rdma_devices()
+    rdma = rdma_devices()
     st = await ctx.stats()
     node_tls = str(st.get("ucx_tls") or "(UCX's choice)")
     node_rdma = [str(d) for d in st.get("rdma_devices") or []]

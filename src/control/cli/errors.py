@@ -12,6 +12,8 @@ decoded (never verified) to say when it expired.
 from __future__ import annotations
 
 import errno
+import json
+import sys
 import time
 from typing import Any
 
@@ -105,3 +107,13 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
 def to_json(addr: str, exc: RpcBufError) -> dict[str, Any]:
     """The error's wire form plus its sentence, for ``--json``."""
     return {**exc.to_wire(), "sentence": sentence(addr, exc)}
+
+
+def report(where: str, exc: RpcBufError, as_json: bool) -> int:
+    """Print one error of a whole command (``{"error": ...}`` with ``--json``,
+    else its sentence on stderr); EXIT_NODE."""
+    if as_json:
+        print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
+    else:
+        print(f"rpcbuf: {sentence(where, exc)}", file=sys.stderr)
+    return EXIT_NODE

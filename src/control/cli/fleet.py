@@ -25,7 +25,7 @@ from typing import Any
 
 from control.cli import tables
 from control.cli.commands import bar
-from control.cli.errors import EXIT_NODE, EXIT_OK, sentence, to_json
+from control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
 from control.client.cluster import Cluster
 from control.client.discovery import Discovery
 from control.fleet.etcd import EtcdOptions
@@ -137,11 +137,7 @@ def run_nodes(args: argparse.Namespace) -> int:
     try:
         records = asyncio.run(_read_nodes(args, url))
     except RpcBufError as exc:
-        if args.json:
-            print(json.dumps({"error": to_json(url, exc)}, indent=2, default=str))
-        else:
-            print(f"rpcbuf: {sentence(url, exc)}", file=sys.stderr)
-        return EXIT_NODE
+        return report(url, exc, args.json)
     if args.json:
         print(json.dumps({n: r.to_json() for n, r in records.items()}, indent=2))
         return EXIT_OK

@@ -22,7 +22,7 @@ from typing import Any
 from control.cli import commands as cliops
 from control.cli import fleet, tables
 from control.cli.commands import register_operator_commands
-from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
+from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
 from control.cli.load import register_load_commands, run_load_command
 from control.wire.auth import DEFAULT_KID, create_token, load_keys
 from control.wire.errors import RpcBufError
@@ -238,12 +238,7 @@ async def _one_node(args: argparse.Namespace) -> int:
                 result = await cliops.bench(ctx, args.sizes, args.duration)
                 text = ""
     except RpcBufError as exc:
-        addr = _endpoints(args)[0]
-        if args.json:
-            print(json.dumps({"error": to_json(addr, exc)}, indent=2, default=str))
-        else:
-            print(f"rpcbuf: {sentence(addr, exc)}", file=sys.stderr)
-        return EXIT_NODE
+        return report(_endpoints(args)[0], exc, args.json)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     elif args.cmd == "bench":
@@ -277,11 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     except RpcBufError as exc:  # from a step that reaches every node at once
         where = fleet.registry_url(args) or ";".join(_endpoints(args)) \
             if hasattr(args, "endpoint") else "rpcbuf"
-        if getattr(args, "json", False):
-            print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
-        else:
-            print(f"rpcbuf: {sentence(where, exc)}", file=sys.stderr)
-        return EXIT_NODE
+        return report(where, exc, getattr(args, "json", False))
     except (OSError, ValueError) as exc:
         print(f"rpcbuf: {exc}", file=sys.stderr)
         return EXIT_USAGE

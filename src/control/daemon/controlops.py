@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
 from control.daemon import logs
@@ -23,6 +22,7 @@ from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, RpcBufError
+from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
@@ -161,9 +161,3 @@ class ControlOps:
     def ping(self, req: P.Ping) -> dict[str, Any]:
         """The node's clock (``rpcbuf doctor`` compares it with the client's)."""
         return {"time": time.time()}
-
-
-def rdma_devices() -> list[str]:
-    """The RDMA devices this host's kernel knows (``/sys/class/infiniband``)."""
-    path = Path("/sys/class/infiniband")
-    return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []
