@@ -6,12 +6,6 @@ SIGTERM at the end and must exit 0.  ``ctx`` is a client of the shared daemon;
 after each test that used it, the pool's free bytes must be back at their
 starting value: nothing leaks.
 
-Tests (and CI) run as root, and a root daemon refuses the same-host path
-(``docs/dataplane.md``), so the suite would never exercise it: a daemon
-started here as root gets ``--unsafe-privileged-same-host`` unless the test
-asks for a real one (``privileged_same_host=False``).  Never pass that flag
-outside tests.
-
 Loopback clients take the same-host path by default.  A test marked
 ``both_paths`` (``@pytest.mark.both_paths``, or ``pytestmark`` for a whole
 module) runs twice, once per data path: ``[same-host]`` and ``[ucx]`` (what
@@ -43,17 +37,6 @@ import rpcbuf
 from control.wire.auth import create_token, load_or_create_secret
 
 ROOT = Path(__file__).resolve().parent.parent
-CAP_SYS_PTRACE = 19
-
-
-def privileged() -> bool:
-    """Whether a daemon started by this process would be root or hold
-    CAP_SYS_PTRACE (and so refuse the same-host path)."""
-    if os.geteuid() == 0:
-        return True
-    with open("/proc/self/status") as f:
-        caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
-    return bool(int(caps, 16) >> CAP_SYS_PTRACE & 1)
 
 
 @dataclass
@@ -93,10 +76,7 @@ class DaemonProc:
 
 
 def start_daemon(tmp: Path, *flags: str, wait: float = 30,
-                 env: dict[str, str] | None = None,
-                 privileged_same_host: bool | None = None) -> DaemonProc:
-    """``privileged_same_host``: pass ``--unsafe-privileged-same-host``
-    (default: when this process is privileged, see the module's docstring)."""
+                 env: dict[str, str] | None = None) -> DaemonProc:
     tmp.mkdir(parents=True, exist_ok=True)
     secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
     load_or_create_secret(secret)
@@ -104,8 +84,6 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30,
             "--secret-file", str(secret), "--ready-file", str(ready), *flags]
     if not any(f == "--device" for f in flags):
         args += ["--device", "cpu:512MiB"]
-    if privileged() if privileged_same_host is None else privileged_same_host:
-        args.append("--unsafe-privileged-same-host")
     with open(logf, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=None if env is None else {**os.environ, **env})
@@ -174,10 +152,8 @@ def _set_same_host(value: str | None) -> None:
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     started: list[DaemonProc] = []
 
-    def factory(*flags: str, env: dict[str, str] | None = None,
-                privileged_same_host: bool | None = None) -> DaemonProc:
-        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags, env=env,
-                         privileged_same_host=privileged_same_host)
+    def factory(*flags: str, env: dict[str, str] | None = None) -> DaemonProc:
+        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags, env=env)
         started.append(d)
         return d
 

@@ -76,7 +76,7 @@ class Allocator(Protocol):
     total: int  # usable bytes: offsets lie in [0, total)
     max_size: int  # the largest request that can ever succeed (in the empty arena)
 
-    def __init__(self, size: int) -> None: ...
+    def __init__(self, size: int, min_block: int = 256) -> None: ...
 
     def allocate(self, size: int) -> int | None:
         """Offset of ``block_size(size)`` bytes, or None when it cannot fit now.
@@ -498,12 +498,14 @@ ALLOCATORS: dict[str, type[Allocator]] = {
 }
 
 
-def make_allocator(name: str, size: int) -> Allocator:
-    """The allocator called ``name`` over ``size`` bytes. Raises ValueError for an unknown name."""
+def make_allocator(name: str, size: int, min_block: int = 256) -> Allocator:
+    """The allocator called ``name`` over ``size`` bytes, every block a
+    multiple of ``min_block`` (a power of two). Raises ValueError for an
+    unknown name."""
     try:
         cls = ALLOCATORS[name]
     except KeyError:
         raise ValueError(
             f"unknown allocator {name!r}; available: {', '.join(sorted(ALLOCATORS))}"
         ) from None
-    return cls(size)
+    return cls(size, min_block)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dataplane import shm
 from dataplane.checksum import xxh3
 
 from .checksum import checksum
@@ -38,18 +39,70 @@ class Arena(Protocol):
 
 
 class HostArena:
-    """Host (CPU) memory: one NumPy uint8 array, pages touched on first use."""
+    """Host (CPU) memory: one reserved address range, and in it one memfd
+    per buffer (``back`` when the buffer is allocated, ``unback`` when it is
+    freed), so exactly one buffer's bytes can be handed out by handle
+    (``export``: a read-only fd) and nothing else of the arena.  The daemon
+    maps each memfd read-write and then seals it read-only (``shm``): every
+    handle it ever gives away is read-only by construction, while its own
+    mapping, made before the seal, keeps writing.  Memory outside any buffer
+    is unbacked anonymous memory.  Offsets and block sizes are multiples of
+    ``granularity`` (the page size), which the allocator is told."""
 
     device_type = "CPU"
+    granularity = shm.PAGE
 
     def __init__(self, size: int, device: int = 0) -> None:
         if size <= 0:
             raise ValueError("arena size must be positive")
         self.size = size
         self.device = device
-        self._mem = np.empty(size, dtype=np.uint8)
+        span = -(-size // self.granularity) * self.granularity
+        self._map = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                              | shm.MAP_NORESERVE)
+        self._mem = np.frombuffer(self._map, dtype=np.uint8, count=size)
         self._bytes = self._mem.data  # a memoryview: slicing it is cheaper than numpy views
-        self.address = int(self._mem.ctypes.data)  # same-host copies (dataplane/cma.py)
+        self.address = int(self._mem.ctypes.data)
+        self._fds: dict[int, tuple[int, int]] = {}  # offset -> (memfd, nbytes)
+
+    def back(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, offset + nbytes)`` (a fresh block) its own memfd,
+        mapped here read-write, then sealed read-only for everyone else."""
+        g = self.granularity
+        if offset % g or nbytes % g or nbytes <= 0 or offset + nbytes > len(self._map):
+            raise ValueError(f"[{offset}, +{nbytes}) is not whole pages of this arena")
+        if offset in self._fds:
+            raise RuntimeError(f"block {offset} is backed already")  # a bug: say so
+        fd = shm.memfd(nbytes, "rpcbuf-buffer")
+        try:
+            shm.map_fixed(self.address + offset, nbytes, fd)
+            shm.seal_read_only(fd)
+        except BaseException:
+            os.close(fd)
+            shm.map_anonymous(self.address + offset, nbytes)
+            raise
+        self._fds[offset] = (fd, nbytes)
+
+    def unback(self, offset: int, nbytes: int) -> None:
+        """The block goes back to unbacked anonymous memory; its memfd's pages
+        are freed once no reader maps them any more."""
+        fd, backed = self._fds.pop(offset)
+        if backed != nbytes:
+            raise RuntimeError(f"block {offset} was backed with {backed} bytes, not {nbytes}")
+        shm.map_anonymous(self.address + offset, nbytes)
+        os.close(fd)
+
+    def export(self, offset: int, nbytes: int) -> int:
+        """A new read-only fd of the buffer at ``offset`` (exactly its block);
+        the caller closes it."""
+        got = self._fds.get(offset)
+        if got is None or got[1] != nbytes:
+            raise ValueError(f"[{offset}, +{nbytes}) is not one backed block")
+        return shm.read_only_fd(got[0])
+
+    @property
+    def backed(self) -> int:
+        return len(self._fds)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -78,12 +131,12 @@ class HostArena:
     def describe(self) -> dict[str, Any]:
         return {"device_type": self.device_type, "device": self.device, "name": "host memory"}
 
-    def prefault(self, chunk: int = 64 << 20) -> bool:
-        """Back every page with memory now, so a first write does not fault
-        (``madvise(MADV_POPULATE_WRITE)``, a chunk at a time).  It changes no
-        byte, so it may run in a thread while the arena is in use.  False when
-        the kernel lacks it (before Linux 5.14)."""
-        start, stop = whole_pages(self._mem.ctypes.data, self.size)
+    def prefault_range(self, offset: int, nbytes: int) -> bool:
+        """Back the pages of a (backed) buffer with memory now, so a first
+        write does not fault (``madvise(MADV_POPULATE_WRITE)``, a chunk at a
+        time).  It changes no byte.  False when the kernel lacks it."""
+        start, stop = whole_pages(self.address + offset, nbytes)
+        chunk = 64 << 20
         for at in range(start, stop, chunk):
             if populate_pages(at, min(chunk, stop - at)) != 0:
                 err = ctypes.get_errno()

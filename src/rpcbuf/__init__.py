@@ -12,6 +12,7 @@ from control.client.tensors import calculate_buffer_size
 from control.wire.errors import (
     AuthFailed,
     BadRequest,
+    Busy,
     ConnectionLost,
     Forbidden,
     NotFound,
@@ -33,6 +34,7 @@ __all__ = [
     "AuthFailed",
     "BadRequest",
     "BufferPool",
+    "Busy",
     "Cluster",
     "ClusterError",
     "ConnectionLost",

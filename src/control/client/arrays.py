@@ -16,16 +16,12 @@ only after every kernel that wrote the tensor has finished.
 
 from __future__ import annotations
 
-import mmap
-import os
 import sys
 from typing import Any
 
 import numpy as np
 
 from control.wire.errors import BadRequest
-from dataplane import cma
-from dataplane.arena import populate_pages, whole_pages
 
 _CUDA_DLPACK = (2, 13)  # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is host memory)
 
@@ -175,78 +171,3 @@ def to_wire_f16(array: Any) -> tuple[Any, Any]:
     return half.view(np.uint8), half.astype(np.float32).view(np.uint8)
 
 
-# -- many host arrays at once ------------------------------------------------------
-#
-# ``a.ctypes.data`` costs about a microsecond an array (it builds a ctypes
-# helper object), 10 ms for a 10,000-tensor batch.  The address is the
-# ``data`` field of NumPy's array struct, right after the object header (the
-# struct NumPy's own C macros read, fixed by its ABI), so all of them can be
-# gathered at once: process_vm_readv of our own memory, the pages holding
-# ``id(a) + header`` of each array.  The kernel reads, so a wrong guess can only
-# fail (EFAULT), never crash; the layout is checked against ``ctypes.data``
-# once per process and on every call's first and last array, and anything
-# unexpected falls back to ``ctypes.data`` for good.
-
-_GATHER_MIN = 64  # fewer arrays than this: ctypes.data is cheaper than a syscall
-_gather: dict[str, Any] = {"ok": None, "peer": None}
-
-
-def data_addresses(arrays: list[np.ndarray]) -> np.ndarray:
-    """The address of each NumPy array's first byte, as uint64s."""
-    n = len(arrays)
-    if n >= _GATHER_MIN and _gather["ok"] is not False:
-        got = _gather_addresses(arrays)
-        if got is not None:
-            return got
-    return np.fromiter((a.ctypes.data for a in arrays), dtype=np.uint64, count=n)
-
-
-def _gather_addresses(arrays: list[np.ndarray]) -> np.ndarray | None:
-    if _gather["ok"] is None:  # first use in this process: check the layout
-        _gather["ok"] = True
-        probe = [np.empty(3), np.arange(10)[3:], np.zeros((4, 4), np.float32)[1],
-                 np.empty(0), *[np.empty(i) for i in range(_GATHER_MIN)]]
-        want = np.fromiter((a.ctypes.data for a in probe), dtype=np.uint64, count=len(probe))
-        got = _gather_addresses(probe)
-        _gather["ok"] = got is not None and bool(np.array_equal(got, want))
-        if not _gather["ok"]:
-            return None
-    try:
-        peer = _gather["peer"]
-        if peer is None or peer.pid != os.getpid():  # forked: our own pid changed
-            peer = _gather["peer"] = cma.Peer(os.getpid())
-        n = len(arrays)
-        fields = np.fromiter(map(id, arrays), dtype=np.uint64, count=n) + np.uint64(
-            object.__basicsize__)
-        # Whole pages: the objects sit close together (a few hundred pages for
-        # 10,000), a page holding one is mapped, and an 8-aligned field never
-        # crosses a page.  Adjacent pages travel as one iovec.
-        pages, where = np.unique(fields >> np.uint64(12), return_inverse=True)
-        mem = np.empty(len(pages) * 512, dtype=np.uint64)
-        peer.read(np.uint64(mem.ctypes.data) + np.arange(len(pages), dtype=np.uint64)
-                  * np.uint64(4096), pages << np.uint64(12), np.full(len(pages), 4096, np.uint64))
-        out = mem[where.reshape(-1) * 512 + ((fields & np.uint64(4095)) >> np.uint64(3))
-                  .astype(np.intp)]
-    except (OSError, ValueError):
-        _gather["ok"] = False
-        return None
-    if int(out[0]) != arrays[0].ctypes.data or int(out[-1]) != arrays[-1].ctypes.data:
-        _gather["ok"] = False
-        return None
-    return out
-
-
-def populate(arr: np.ndarray) -> None:
-    """Back a fresh host array's pages with memory now, before the daemon
-    copies into it: faulting them in here, in this process, costs about
-    half of what the daemon pays faulting them in from outside
-    (``process_vm_writev``), and it keeps the shared daemon's time free.
-    Its bytes are left as they are (``MADV_POPULATE_WRITE``; before Linux
-    5.14, a write of each page's first byte, which changes it)."""
-    addr = int(arr.ctypes.data)
-    start, stop = whole_pages(addr, arr.nbytes)
-    if stop <= start:
-        return
-    if populate_pages(start, stop - start) != 0:
-        flat = arr.reshape(-1).view(np.uint8)
-        flat[start - addr:stop - addr:mmap.PAGESIZE] = 0

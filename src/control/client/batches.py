@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from control.client.arrays import as_bytes, data_addresses, populate
+from control.client.arrays import as_bytes
 from control.client.datapath import Transfer
 from control.client.tensors import (
     XXH3,
@@ -82,10 +82,8 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
                        manifest_version=manifest_version,
                        **(packed.fields() if packed is not None else {}))
 
-    def request(local: bool) -> P.Request:
-        if not local:
-            return req
-        return dataclasses.replace(req, addrs=P.pack_u64(data_addresses(datas)))
+    def request(stage: int | None) -> P.Request:
+        return req if stage is None else dataclasses.replace(req, stage=stage)
 
     def messages() -> list[Any]:
         return [_payload(datas[first:stop])
@@ -122,15 +120,8 @@ def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
     in_block = starts - np.array([off for off, _, _, _ in runs], dtype=np.int64)[block_of] \
         if runs else starts
 
-    def request(local: bool) -> P.Request:
-        if not local:
-            return req
-        addrs = data_addresses(blocks)[block_of] + in_block.astype(np.uint64) \
-            if runs else np.zeros(0, np.uint64)
-        for block in blocks:
-            if block.nbytes >= _POPULATE_MIN:
-                populate(block)
-        return dataclasses.replace(req, addrs=P.pack_u64(addrs))
+    def request(stage: int | None) -> P.Request:
+        return req if stage is None else dataclasses.replace(req, stage=stage)
 
     def views() -> list[np.ndarray]:
         return _byte_views(blocks, block_of, in_block, span_of, offsets, starts, sizes, order)
@@ -138,7 +129,6 @@ def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
     return Transfer(request, blocks, lambda: blocks), views
 
 
-_POPULATE_MIN = 1 << 20  # same-host reads: blocks this big are faulted in here first
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")

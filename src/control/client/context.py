@@ -22,6 +22,7 @@ public methods still return the wire dicts they always returned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,15 +33,17 @@ import numpy as np
 from control.client import batches
 from control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
 from control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
-from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
+from control.client.attach import Attachment, detacher
+from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection, result_of
 from control.client.datapath import (
     BufferPlace,
     DataPaths,
-    SameHostPath,
+    StagedPath,
     Transfer,
     UcxPath,
 )
 from control.client.dedup import DedupOps
+from control.client.handles import Handles, check_read_only
 from control.client.hello import HelloAnswer
 from control.client.opening import (
     DEFAULT_PORT,
@@ -53,7 +56,14 @@ from control.client.opening import (
 from control.client.tensorops import TensorOps
 from control.client.tensors import ManifestTable, Packed
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, ConnectionLost, NotFound, Timeout, VerifyFailed
+from control.wire.errors import (
+    BadRequest,
+    ConnectionLost,
+    NotFound,
+    RpcBufError,
+    Timeout,
+    VerifyFailed,
+)
 from control.wire.gpuops import check_wire_dtype
 from dataplane import ucx
 from dataplane.checksum import checksum
@@ -70,13 +80,14 @@ class RpcContext:
 
     def __init__(self, conn: ControlConnection, hello: HelloAnswer, raw_hello: dict[str, Any],
                  timeout: float | None, max_inflight: int | None = None,
-                 ucx_host: str = "127.0.0.1") -> None:
+                 ucx_host: str = "127.0.0.1", handles: Handles | None = None) -> None:
         self._conn = conn
         self._hello = hello
         #: the daemon's hello as it came (checked: ``hello.parse_hello``)
         self.hello = raw_hello
         #: True when this context's host arrays move by the same-host path
-        self.same_host: bool = hello.same_host
+        self.same_host: bool = handles is not None and handles.area is not None
+        self._handles = handles
         self.session_id: str = hello.session_id
         self.tenant: str = hello.tenant
         self.node_id: str = hello.node_id
@@ -94,7 +105,8 @@ class RpcContext:
         self._paths = DataPaths(
             UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
-            SameHostPath(self._caller) if hello.same_host else None)
+            StagedPath(self._caller, handles.area, self.transfer_timeout)
+            if handles is not None and handles.area is not None else None)
         self._paths.on_device_memory = self._on_device_memory
         self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
         self._tensors = TensorOps(self)
@@ -125,7 +137,7 @@ class RpcContext:
             async with asyncio.timeout(timeout):
                 opened = await open_session(addr, token, timeout, tls, same_host)
                 ctx = cls(opened.conn, opened.hello, opened.raw, timeout, max_inflight,
-                          ucx_host=opened.host)
+                          ucx_host=opened.host, handles=opened.handles)
                 if not ctx.same_host:
                     try:  # bind now: a broken data path shows at connect, not at the first store
                         await ctx._paths.ucx.endpoint()
@@ -167,11 +179,15 @@ class RpcContext:
         self._closed = True
         await self._paths.ucx.close()
         self._conn.close()
+        if self._handles is not None:
+            self._handles.close()
 
     def abort(self) -> None:
         self._closed = True
         self._paths.ucx.abort()
         self._conn.close()
+        if self._handles is not None:
+            self._handles.close()
 
     # -- what the daemon stated about buffers -------------------------------------
 
@@ -230,6 +246,53 @@ class RpcContext:
         if tensors:
             self._tensors.remember(buffer_id, meta)
         return meta
+
+    def attach(self, buffer_id: str) -> Opening[Attachment]:
+        """A zero-copy, read-only view of a host buffer of ours on this
+        node: ``async with ctx.attach(buf) as view`` (or ``view = await
+        ctx.attach(buf)`` and later ``await view.close()``); ``view.tensors()``
+        and ``view.array(offset, nbytes)`` are NumPy arrays over the daemon's
+        memory.  While attached, stores, clears and copies into the buffer
+        are BUSY and its release waits (see ``control/client/attach.py``).
+        Needs the same-host path.  Raises NOT_FOUND, BAD_REQUEST
+        (not same-host), UNSUPPORTED_DEVICE, QUOTA_EXCEEDED."""
+        return Opening(lambda: self._attach(buffer_id))
+
+    async def _attach(self, buffer_id: str) -> Attachment:
+        self._check_open()
+        handles = self._handles
+        if handles is None or not self.same_host:
+            raise BadRequest("attach needs the same-host path: a client on the daemon's "
+                             "host, on its Unix socket", {"reason": "not_same_host"})
+        caller, conn = self._caller, self._conn
+        req = P.Attach(buffer_id=buffer_id)
+        left = await caller.take_slot(req.op, None)
+        try:
+            req_id = conn.next_id()
+            fut = conn.submit(req_id, req)
+            meta = result_of(await caller.answer(req_id, fut, req.op, left))
+        finally:
+            caller.release_slot()
+        nbytes, fd = await handles.fd_for(req_id, self.timeout)
+        try:
+            size, alloc = meta.get("size"), meta.get("alloc_size")
+            if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
+                    or nbytes != alloc:
+                raise ConnectionLost("the daemon's attach answer does not match its handle")
+            check_read_only(fd, alloc)
+            return Attachment(buffer_id, meta, fd, alloc, detacher(
+                asyncio.get_running_loop(), self._detach))
+        except BaseException:
+            await self._detach(buffer_id)
+            raise
+        finally:
+            os.close(fd)
+
+    async def _detach(self, buffer_id: str) -> None:
+        if self._closed or self._conn.lost is not None:
+            return  # the session's end detached everything
+        with contextlib.suppress(RpcBufError):
+            await self._call(P.Detach(buffer_id=buffer_id))
 
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
@@ -345,12 +408,12 @@ class RpcContext:
             digest = devsum(final) if kind == "devsum" else checksum(final)
         nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
 
-        def request(local: bool) -> P.Request:
+        def request(stage: int | None) -> P.Request:
             return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
                            checksum=digest, verify=verify,  # type: ignore[arg-type]
                            checksum_kind=stated,  # type: ignore[arg-type]
                            wire_dtype=wire_dtype,  # type: ignore[arg-type]
-                           addr=int(data.ctypes.data) if local else None)
+                           stage=stage)
 
         return await self._paths.run(buffer_id, place, _one(request, data))
 
@@ -378,9 +441,8 @@ class RpcContext:
         prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
         size = nbytes
 
-        def request(local: bool) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size,
-                          addr=int(dest.ctypes.data) if local else None)
+        def request(stage: int | None) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
 
         await self._paths.run(buffer_id, await self._place(buffer_id), _one(request, dest),
                               receive=True)
@@ -493,9 +555,9 @@ class _DedupNeeds:
         return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest)
 
 
-def _one(request: Callable[[bool], P.Request], array: Any) -> Transfer:
+def _one(request: Callable[[int | None], P.Request], array: Any) -> Transfer:
     """The transfer of a one-array op (store, read): one UCX message, or
-    the daemon copies at the array's address."""
+    one piece through the staging area."""
     return Transfer(request, (array,), lambda: [array] if array.nbytes else [])
 
 

@@ -2,14 +2,15 @@
 
 A session has one or two ``DataPath`` implementations: ``UcxPath`` (a UCX
 endpoint bound to the session by its nonce, dialled on first use on a
-same-host session) and, when ``hello`` granted it, ``SameHostPath`` (the
-client sends the addresses of its host arrays; the daemon copies between
-them and the arena, ``dataplane/cma.py``).  ``DataPaths.choose`` is the one
+same-host session) and, when ``hello`` granted it and the handle channel
+is bound (``handles.py``), ``StagedPath`` (our host arrays are copied into
+or out of the session's staging area, shared memory the daemon made; the
+daemon copies between it and its arena).  ``DataPaths.choose`` is the one
 rule that picks a path per op: the same-host path for host arrays of a host
 buffer, UCX for everything else (GPU arrays, GPU buffers).  A buffer's
 device is what the daemon stated (``BufferPlace``, from its metadata), never
 guessed; the one fallback left, in ``DataPaths.run``, is for a daemon whose
-buffer turned out to be device memory after all (it refuses the addresses
+buffer turned out to be device memory after all (it refuses the staged op
 with reason ``device_memory`` before touching a byte): noted, and rerun over
 UCX.
 
@@ -24,11 +25,11 @@ RDMA), touching nothing else on the client side:
    ``receive(t)`` (read-like: the daemon says yes, then the bytes land in
    ``t.arrays``), each within the call's in-flight slot and timeout
    (``Caller``) and, for the transfer, the daemon's transfer deadline;
-2. whatever it adds to the request (addresses, handles, keys) made from
-   ``t`` in one place, as ``SameHostPath`` asks ``t.request(True)``;
-3. every array the daemon or the transport may touch stays referenced
-   until the daemon answered (``Caller.call(hold=...)``) or, when we stop
-   waiting, for the orphan grace (``ControlConnection.orphan``);
+2. whatever it adds to the request (a staging slot, handles, keys) made
+   from ``t`` in one place, as ``StagedPath`` asks ``t.request(slot)``;
+3. every array the transport may touch stays referenced until it is done
+   with it, even when we stop waiting (UCX: the orphan grace,
+   ``ControlConnection.orphan``; the staged path's own threads hold theirs);
 4. on a lost control connection every wait ends at once with
    CONNECTION_LOST (``conn.lost_future()``);
 5. its case in ``DataPaths.choose`` (which buffers and arrays it takes) and
@@ -39,6 +40,8 @@ RDMA), touching nothing else on the client side:
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -47,9 +50,9 @@ import numpy as np
 
 from control.client.connection import Caller, result_of
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, ConnectionLost, Timeout
+from control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
 from control.wire.runs import run_tag
-from dataplane import ucx
+from dataplane import staging, ucx
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +67,14 @@ class BufferPlace:
 class Transfer(NamedTuple):
     """One data op's bytes, described once for every path.
 
-    ``request(False)``: the request as the network path sends it;
-    ``request(True)``: with the addresses of ``arrays``, the host arrays the
-    daemon copies from or into on the same-host path; ``messages()``: the
-    UCX messages, message ``i`` on ``run_tag(id, i)``.  (A named tuple and
+    ``request(None)``: the request as the network path sends it;
+    ``request(stage)``: naming a staging slot (the same-host path), whose
+    bytes are those of ``arrays`` (host arrays, contiguous), back to back
+    in order -- the order of the UCX runs; ``messages()``: the UCX
+    messages, message ``i`` on ``run_tag(id, i)``.  (A named tuple and
     closures: made per op, so cheap to make.)"""
 
-    request: Callable[[bool], P.Request]
+    request: Callable[[int | None], P.Request]
     arrays: Sequence[Any]
     messages: Callable[[], list[Any]]
 
@@ -83,17 +87,146 @@ class DataPath(Protocol):
     async def receive(self, t: Transfer) -> dict[str, Any]: ...
 
 
-class SameHostPath:
-    """The daemon copies between our host arrays and its arena: the request
-    names their addresses, the arrays stay referenced until it answers."""
+class StagedPath:
+    """The same-host path: our bytes meet the daemon's in the session's
+    staging area (``dataplane/staging.py``, shared memory the daemon made
+    and sent over the handle channel, ``handles.py``); we copy our arrays
+    in or out, the daemon copies between it and its arena.  The daemon never
+    touches our memory.
 
-    def __init__(self, caller: Caller) -> None:
-        self._caller = caller
+    An op of at most ``staging.SMALL`` bytes takes one of the small slots: a
+    store copies its bytes in, then asks; a read asks, then copies out.  A
+    bigger op takes the ring (one op at a time): we copy chunk ``k + 1`` in
+    (or out) on a worker thread while the daemon copies chunk ``k``.  A slot
+    (or the ring) whose request we stopped waiting for (timeout, cancel) may
+    still be in use by the daemon: it is retired for good, never reused; the
+    ring retired, big ops go over UCX."""
+
+    def __init__(self, caller: Caller, area: staging.Area, transfer_timeout: float) -> None:
+        self._caller, self._conn, self.area = caller, caller.conn, area
+        self._timeout = transfer_timeout
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(staging.SMALL_SLOTS):
+            self._free.put_nowait(slot)
+        self._ring = asyncio.Lock()
+        self.ring_ok = True  # False once retired
+
+    def takes(self, arrays: Sequence[Any]) -> bool:
+        """Whether this path can carry an op of these host arrays now."""
+        return self.ring_ok or sum(int(a.nbytes) for a in arrays) <= staging.SMALL
 
     async def send(self, t: Transfer) -> dict[str, Any]:
-        return await self._caller.call(t.request(True), hold=t.arrays)
+        pieces = _flat(t.arrays)
+        nbytes = sum(p.nbytes for p in pieces)
+        if nbytes > staging.SMALL:
+            return await self._ring_op(t, pieces, nbytes, produce=True)
+        slot = await self._small_slot()
+        ok = False
+        try:
+            staging.gather(pieces, self.area.small(slot, nbytes))
+            result = await self._caller.call(t.request(slot))
+            ok = True
+            return result
+        except RpcBufError as exc:
+            ok = not isinstance(exc, Timeout)  # the daemon answered: it is done with the slot
+            raise
+        finally:
+            if ok:
+                self._free.put_nowait(slot)
 
-    receive = send
+    async def receive(self, t: Transfer) -> dict[str, Any]:
+        pieces = _flat(t.arrays)
+        nbytes = sum(p.nbytes for p in pieces)
+        if nbytes > staging.SMALL:
+            return await self._ring_op(t, pieces, nbytes, produce=False)
+        slot = await self._small_slot()
+        ok = False
+        try:
+            result = await self._caller.call(t.request(slot))
+            staging.scatter(self.area.small(slot, nbytes), pieces)
+            ok = True
+            return result
+        except RpcBufError as exc:
+            ok = not isinstance(exc, Timeout)
+            raise
+        finally:
+            if ok:
+                self._free.put_nowait(slot)
+
+    async def _small_slot(self) -> int:
+        try:
+            return self._free.get_nowait()
+        except asyncio.QueueEmpty:
+            pass
+        timeout = self._caller.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._free.get()
+        except TimeoutError:
+            raise Timeout(f"no staging slot came free within {timeout}s") from None
+
+    async def _ring_op(self, t: Transfer, pieces: list[np.ndarray], nbytes: int,
+                       produce: bool) -> dict[str, Any]:
+        """A big op through the ring.  Store (``produce``): the request goes
+        first (the daemon looks up and locks while we copy), then our thread
+        fills the ring; read: the request goes, our thread empties the ring
+        as the daemon fills it.  The daemon answers once it is done with the
+        ring; our thread stops early only when the answer is an error."""
+        if not self.ring_ok:
+            raise ConnectionLost("the staging ring was retired")  # DataPaths picks UCX first
+        await self._ring.acquire()
+        area, caller, conn = self.area, self._caller, self._conn
+        retire = True
+        try:
+            area.reset()
+            one = nbytes <= staging.RING_CHUNK
+            if produce and one:  # one chunk: in place before the request, no thread
+                staging.gather(pieces, area.chunk(0))
+                area.put(staging.PRODUCED, 1)
+            req = t.request(staging.RING)
+            left = await caller.take_slot(req.op, None)
+            try:
+                req_id = conn.next_id()
+                fut = conn.submit(req_id, req)
+                refused = threading.Event()
+                fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
+                pump: asyncio.Future[None] | None = None
+                if not (produce and one):
+                    deadline = time.monotonic() + self._timeout
+                    pump = asyncio.get_running_loop().run_in_executor(
+                        None, area.pump, pieces, produce, refused.is_set, deadline)
+                try:
+                    answer = await caller.answer(req_id, fut, req.op, left)
+                finally:
+                    if pump is not None:
+                        await asyncio.wait([pump])  # our thread is done with the arrays
+                result = result_of(answer)  # the daemon's error, if it refused
+                if pump is not None:
+                    pump.result()  # ours: it stopped short (deadline)
+                retire = False
+                return result
+            except RpcBufError as exc:
+                retire = isinstance(exc, Timeout)
+                raise
+            except staging.Stopped as exc:
+                raise ConnectionLost(f"same-host transfer stopped: {exc}") from exc
+            finally:
+                caller.release_slot()
+        finally:
+            if retire:
+                self.ring_ok = False
+            self._ring.release()
+
+
+def _refused(fut: asyncio.Future[dict[str, Any]]) -> bool:
+    """Whether an answer future ended in anything but success."""
+    return fut.cancelled() or fut.exception() is not None or not fut.result().get("ok")
+
+
+def _flat(arrays: Sequence[Any]) -> list[np.ndarray]:
+    """Each host array as its bytes (a flat uint8 view: they are contiguous)."""
+    return [a.reshape(-1).view(np.uint8) if a.dtype != np.uint8 or a.ndim != 1 else a
+            for a in arrays]
 
 
 class UcxPath:
@@ -137,7 +270,7 @@ class UcxPath:
         at once, while the daemon checks the request (one round trip)."""
         payloads = t.messages()
         ep = await self.endpoint() if payloads else None
-        req, caller = t.request(False), self._caller
+        req, caller = t.request(None), self._caller
         left = await caller.take_slot(req.op, None)
         try:
             req_id = self._conn.next_id()
@@ -161,7 +294,7 @@ class UcxPath:
         straight into ``messages()[i]``; on an error answer nothing was sent."""
         targets = t.messages()
         ep = await self.endpoint() if targets else None
-        req, caller = t.request(False), self._caller
+        req, caller = t.request(None), self._caller
         left = await caller.take_slot(req.op, None)
         try:
             req_id = self._conn.next_id()
@@ -197,7 +330,7 @@ class UcxPath:
 class DataPaths:
     """The session's paths and the one rule that picks one per op."""
 
-    def __init__(self, ucx_path: UcxPath, same_host: SameHostPath | None) -> None:
+    def __init__(self, ucx_path: UcxPath, same_host: StagedPath | None) -> None:
         self.ucx = ucx_path
         self.same_host = same_host
         self.on_device_memory: Callable[[str], None] = _ignore  # the context notes the place
@@ -206,9 +339,10 @@ class DataPaths:
         """Host arrays of a host buffer take the same-host path when the
         session has one; everything else (GPU arrays, GPU buffers, a buffer
         whose place is not known) goes over UCX."""
-        if self.same_host is not None and place is not None and not place.gpu \
-                and all(isinstance(a, np.ndarray) for a in arrays):
-            return self.same_host
+        same = self.same_host
+        if same is not None and place is not None and not place.gpu \
+                and all(isinstance(a, np.ndarray) for a in arrays) and same.takes(arrays):
+            return same
         return self.ucx
 
     async def run(self, buffer_id: str, place: BufferPlace | None, t: Transfer,

@@ -69,6 +69,7 @@ class HelloAnswer:
     same_host: bool
     same_host_why: str | None
     local: Local | None
+    handles_nonce: bytes | None = None  # same_host: what binds the handle channel
 
     def checksum_kind(self, device_type: str, device: int) -> str:
         """The checksum the daemon verifies a plain store into that device with."""
@@ -152,6 +153,9 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
     if same_host and not unix:
         raise _bad("same_host", "is offered on a TCP connection (only the daemon's Unix "
                                 "socket can offer it)")
+    handles = msg.get("handles_nonce")
+    if same_host and (not isinstance(handles, bytes) or len(handles) != NONCE_BYTES):
+        raise _bad("handles_nonce", f"must be {NONCE_BYTES} bytes with same_host")
     why = None
     if "same_host_why" in msg:
         why = _str(msg, "same_host_why", "same_host_why", P.MAX_STR, lo=0)
@@ -168,4 +172,4 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
         ucx_port=port, max_inflight=inflight, max_frame=frame,
         transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
         checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
-        local=local)
+        local=local, handles_nonce=handles if same_host else None)

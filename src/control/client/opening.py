@@ -4,9 +4,10 @@
 exists: dial TCP (optionally TLS) or the daemon's Unix socket, say hello
 (with the protocol versions this client speaks, see below), check the answer
 (``hello.parse_hello``), and, when the daemon is on this host, reconnect on
-its Unix socket to take the same-host path.  The peer of a Unix socket is
-checked (``check_unix_peer``) before the token is sent on it: the daemon may
-be an impostor there.
+its Unix socket to take the same-host path: a second connection there, from
+this process, becomes the session's handle channel (``handles.py``).  The
+peer of a Unix socket is checked (``check_unix_peer``) before the token is
+sent on it: the daemon may be an impostor there.
 
 Versions: the hello says ``version`` (the newest we speak, all a version-1
 daemon reads) and ``versions: [oldest, newest]``; the daemon answers the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -29,9 +31,8 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from control.client.connection import ControlConnection, result_of
+from control.client.handles import Handles
 from control.client.hello import HelloAnswer, Local, parse_hello
 from control.wire import protocol as P
 from control.wire.errors import (
@@ -42,7 +43,7 @@ from control.wire.errors import (
     Timeout,
 )
 from control.wire.units import split_host_port
-from dataplane import cma
+from dataplane import shm
 
 DEFAULT_PORT = 7700
 log = logging.getLogger("rpcbuf.client")
@@ -74,6 +75,7 @@ class Opened:
     hello: HelloAnswer
     raw: dict[str, Any]
     host: str
+    handles: Handles | None = None  # the same-host path's handle channel, when bound
 
 
 async def open_session(addr: str, token: str, timeout: float | None,
@@ -87,7 +89,7 @@ async def open_session(addr: str, token: str, timeout: float | None,
         same_host = same_host_default()
     if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
         host, path = "127.0.0.1", addr[len("unix:"):]
-        opened = await _open(addr, timeout, token, unix=path, probe=same_host is not False)
+        opened = await _open(addr, timeout, token, unix=path, handles=same_host is not False)
     else:
         host, port = parse_addr(addr)
         tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
@@ -104,15 +106,15 @@ async def open_session(addr: str, token: str, timeout: float | None,
             if switched is not None:
                 opened[0].close()  # the TCP session held nothing yet
                 opened = switched
-    conn, hello, raw = opened
-    if same_host and not hello.same_host:
+    conn, hello, raw, handles = opened
+    if same_host and handles is None:
         conn.close()
         why = hello.same_host_why or "the daemon offers no same-host socket"
         raise BadRequest(f"same_host=True, but the same-host path is not available: {why}")
-    return Opened(conn, hello, raw, host)
+    return Opened(conn, hello, raw, host, handles)
 
 
-_Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any]]
+_Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any], Handles | None]
 
 
 def _old_node(exc: BadRequest) -> bool:
@@ -137,20 +139,21 @@ async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None
                 raise
             if mine[0] > 1:
                 raise P.version_mismatch((1, 1), mine) from None
-            req = P.Hello(token=req.token, version=1, probe=req.probe,
-                          probe_addr=req.probe_addr, replaces=req.replaces)
+            req = P.Hello(token=req.token, version=1, replaces=req.replaces)
     raise AssertionError("unreachable")
 
 
 async def _open(addr: str, timeout: float | None, token: str, *,
                 tcp: tuple[str, int, ssl.SSLContext | None] | None = None,
-                unix: str | None = None, probe: bool = False, replaces: bytes | None = None,
+                unix: str | None = None, handles: bool = False, replaces: bytes | None = None,
                 daemon_pid: int | None = None) -> _Hello:
-    """Connect (TCP or Unix socket) and say hello; with ``probe`` the hello
-    asks for the same-host path.  On a Unix socket the peer is checked
+    """Connect (TCP or Unix socket) and say hello; with ``handles`` (a Unix
+    socket) the hello asks for the same-host path, and once granted its
+    handle channel is bound.  On a Unix socket the peer is checked
     (``check_unix_peer``; ``daemon_pid``: the pid the daemon's TCP hello
     named) before the token goes out.  The answer is checked
     (``hello.parse_hello``) before anything trusts it."""
+    peer_pid = 0
     try:
         async with asyncio.timeout(timeout):
             loop = asyncio.get_running_loop()
@@ -161,10 +164,6 @@ async def _open(addr: str, timeout: float | None, token: str, *,
                 except BaseException:
                     sock.close()
                     raise
-                if probe and peer_pid:
-                    # Yama ptrace_scope 1: let the daemon copy to and from us; the
-                    # pid the kernel names, never one a daemon claims.
-                    cma.allow_tracer(peer_pid)
                 _, conn = await loop.create_unix_connection(ControlConnection, sock=sock)
             else:
                 assert tcp is not None
@@ -174,13 +173,18 @@ async def _open(addr: str, timeout: float | None, token: str, *,
         raise Timeout(f"connecting to {addr} timed out") from None
     except OSError as exc:
         raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
-    secret = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
     hello = P.Hello(token=token, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
-                    probe=secret.tobytes() if probe else None,
-                    probe_addr=int(secret.ctypes.data) if probe else None, replaces=replaces)
+                    handles=True if handles and unix is not None else None, replaces=replaces)
     try:
         answer = await _hello(conn, hello, timeout)
-        return conn, parse_hello(answer, unix=unix is not None), answer
+        parsed = parse_hello(answer, unix=unix is not None)
+        channel = None
+        if unix is not None and parsed.handles_nonce is not None:
+            channel, why = await _bind(unix, peer_pid, parsed.handles_nonce, timeout)
+            if channel is None:
+                answer = {**answer, "same_host": False, "same_host_why": why}
+                parsed = dataclasses.replace(parsed, same_host=False, same_host_why=why)
+        return conn, parsed, answer, channel
     except TimeoutError:
         conn.close()
         raise Timeout(f"handshake with {addr} timed out") from None
@@ -192,8 +196,24 @@ async def _open(addr: str, timeout: float | None, token: str, *,
     except BaseException:
         conn.close()
         raise
-    finally:
-        del secret  # read by the daemon during hello; not needed after
+
+
+async def _bind(unix: str, daemon_pid: int, nonce: bytes, timeout: float | None
+                ) -> tuple[Handles | None, str]:
+    """The session's handle channel: a second connection to the same
+    daemon process, bound with ``nonce``.  (None, why) when it cannot be
+    had: the session then goes on without the same-host path."""
+    try:
+        sock = await _unix_socket(unix)
+    except OSError as exc:
+        return None, f"cannot open the handle channel: {exc}"
+    try:
+        check_unix_peer(sock, unix, daemon_pid or None)
+        return await Handles.bind(sock, nonce, timeout or 30.0), ""
+    except (RpcBufError, OSError) as exc:
+        sock.close()
+        log.debug("handle channel at unix:%s refused: %s", unix, exc)
+        return None, f"the handle channel was refused: {exc}"
 
 
 async def _unix_socket(name: str) -> socket.socket:
@@ -253,11 +273,11 @@ def _alive(pid: int) -> bool:
 async def _same_host(addr: str, timeout: float | None, token: str, local: Local,
                      required: bool | None, replaces: bytes | None) -> _Hello | None:
     """Reconnect on the daemon's Unix socket if it is on this host.  None: stay."""
-    if local.boot_id != cma.boot_id():
+    if local.boot_id != shm.boot_id():
         return None  # another host (or kernel)
     sock = local.socket
     try:
-        return await _open(f"unix:{sock}", timeout, token, unix=sock, probe=True,
+        return await _open(f"unix:{sock}", timeout, token, unix=sock, handles=True,
                            replaces=replaces, daemon_pid=local.pid)
     except RpcBufError as exc:
         # Another network namespace (abstract sockets are per namespace), a

@@ -28,8 +28,11 @@ class Pool:
     @classmethod
     def create(cls, arena: Arena, allocator: str) -> Pool:
         kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
+        # Whole pages on host arenas (one memfd per buffer), the VMM granularity
+        # on GPU arenas that back buffers one by one.
+        block = max(256, getattr(arena, "granularity", 256))
         return cls(f"{kind}:{arena.device}", arena,
-                   make_allocator(allocator, arena.size))
+                   make_allocator(allocator, arena.size, block))
 
     def describe(self) -> dict[str, Any]:
         st = self.allocator.stats()
@@ -62,6 +65,7 @@ class Buffer:
     tensors_end: int = 0  # where new slots go: the end of the highest slot ever recorded
     locks: RangeLocks = field(default_factory=RangeLocks)
     pins: int = 0
+    attached: int = 0  # open attachments (each also holds a pin): writes are BUSY
     released: bool = False
     freed: bool = False  # its block went back to the allocator: never again
     entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)

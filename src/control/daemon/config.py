@@ -56,8 +56,8 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("registry", "password_file"): "registry_password_file",
 }
 ALIASES = {"devices": "device"}  # top-level key -> dest, where the plural reads better
-# quotas: the [quotas] table; the unsafe test-only flag: never from a file
-NOT_IN_FILE = {"help", "config", "quota", "default_quota", "unsafe_privileged_same_host"}
+# quotas: the [quotas] table
+NOT_IN_FILE = {"help", "config", "quota", "default_quota"}
 RELOADABLE = ("quota", "default_quota", "log_level")
 
 

@@ -60,7 +60,7 @@ class DataOps:
     # -- store ------------------------------------------------------------------------
 
     async def store(self, call: Call, req: P.Store) -> dict[str, Any]:
-        path = self._ops.path(req.addr is not None)
+        path = self._ops.path(req.stage is not None)
         try:
             buf = call.held.get(req.buffer_id)
             check_range(buf, req.offset, req.nbytes)
@@ -79,7 +79,7 @@ class DataOps:
                 return self._receive_f16(path, call.req_id, buf, req)
         else:
             region, items = Region(buf.pool.arena, buf.offset), \
-                Items.one(req.offset, req.nbytes, req.addr)
+                Items.one(req.offset, req.nbytes, req.stage)
 
             def move() -> Any:
                 return path.receive(call.req_id, region, items)
@@ -114,11 +114,11 @@ class DataOps:
             return
         arena, half = buf.pool.arena, req.nbytes // 2
         wire = scratch(arena, half)
-        await path.receive(req_id, Region(Scratch(wire)), Items.one(0, half, req.addr))
+        await path.receive(req_id, Region(Scratch(wire)), Items.one(0, half, req.stage))
         await maybe_in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
 
     async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
-        path = self._ops.path(req.addrs is not None)
+        path = self._ops.path(req.stage is not None)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             if not path.addressed:
@@ -126,9 +126,8 @@ class DataOps:
                 # which aborts the endpoint and with it any payload in flight.
                 self._ops.abort("store_batch with offsets and sizes of different lengths")
             raise BadRequest("offsets and sizes differ in length")
-        items = Items(offsets, sizes, 0)
+        items = Items(offsets, sizes, 0, req.stage)
         try:
-            items.addrs = _addrs(req.addrs, len(offsets))
             buf = call.held.get(req.buffer_id)
             check_items(buf, offsets, sizes)
             sums = _batch_checksums(req, len(offsets))
@@ -195,12 +194,12 @@ class DataOps:
     # -- read -------------------------------------------------------------------------
 
     async def read(self, call: Call, req: P.Read) -> dict[str, Any]:
-        path = self._ops.path(req.addr is not None)
+        path = self._ops.path(req.stage is not None)
         buf = call.held.get(req.buffer_id)
         check_range(buf, req.offset, req.nbytes)
         path.check(buf)
         region, items = Region(buf.pool.arena, buf.offset), \
-            Items.one(req.offset, req.nbytes, req.addr)
+            Items.one(req.offset, req.nbytes, req.stage)
         answer = {"nbytes": req.nbytes}
 
         def move() -> Any:
@@ -215,12 +214,11 @@ class DataOps:
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             raise BadRequest("offsets and sizes differ in length")
-        addrs = _addrs(req.addrs, len(offsets))
         buf = call.held.get(req.buffer_id)
         check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
-        path = self._ops.path(req.addrs is not None)
+        path = self._ops.path(req.stage is not None)
         path.check(buf)
-        items = Items(offsets, sizes, int(sizes.sum()), addrs)
+        items = Items(offsets, sizes, int(sizes.sum()), req.stage)
         region = Region(buf.pool.arena, buf.offset)
         answer = {"nbytes": items.nbytes, "messages": path.messages(items)}
 
@@ -267,15 +265,6 @@ class DataOps:
             sources=[(src, (req.src_offset, req.src_offset + req.nbytes))], move=move,
             nbytes=req.nbytes, answer={"nbytes": req.nbytes},
             note=f"from {src.buffer_id}+{req.src_offset}"))
-
-
-def _addrs(packed: bytes | None, n: int) -> np.ndarray | None:
-    if packed is None:
-        return None
-    addrs = P.unpack_u64(packed)
-    if len(addrs) != n:
-        raise BadRequest(f"{len(addrs)} addresses for {n} items")
-    return addrs
 
 
 def _batch_checksums(req: P.StoreBatch, n: int) -> np.ndarray | None:

@@ -127,14 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "[%(default)s]")
     p.add_argument("--local-socket", default="auto", metavar="auto|none|@NAME|PATH",
                    help="the same-host path: a Unix control socket through which clients "
-                        "on this host reconnect and have the daemon copy their arrays "
-                        "directly (process_vm_readv/writev); auto = an abstract socket "
-                        "named after the daemon's pid, none = off [%(default)s]")
-    p.add_argument("--unsafe-privileged-same-host", action="store_true",
-                   help="UNSAFE, for test suites that run as root: serve the same-host path "
-                        "even when the daemon is root or holds CAP_SYS_PTRACE, although a "
-                        "client can then make it write into other processes (a setuid "
-                        "program it execs); never in production (not settable in --config)")
+                        "on this host reconnect to, share memory with the daemon by "
+                        "handle (a staging area, read-only attachments of their "
+                        "buffers) and skip UCX; auto = an abstract socket named after "
+                        "the daemon's pid, none = off [%(default)s]")
     p.add_argument("--device", action="append", type=_device, default=[], metavar="SPEC",
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
                         "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
@@ -370,8 +366,7 @@ async def serve(args: argparse.Namespace) -> int:
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
                     copy_threads=args.copy_threads)
-    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
-                    unsafe_same_host=args.unsafe_privileged_same_host)
+    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits)
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:

@@ -51,15 +51,13 @@ class Node(Protocol):
     limits: Limits
     unauthenticated: Pending[Any]
     pending_endpoints: Pending[DataEndpoint]
-    copies: CopyPool  # same-host copies
-    probes: CopyPool  # hello probes
+    copies: CopyPool  # same-host ring copies
     metrics: Metrics
     content: ContentIndex
     counters: dict[str, int]
     tenant_counters: dict[str, dict[str, int]]
     shutting_down: bool
     stopped: bool
-    same_host_off: str | None  # why the same-host path is refused to everyone
     ucx_port: int
     started_at: float
 
@@ -67,6 +65,8 @@ class Node(Protocol):
     def sessions(self) -> MutableMapping[str, Any]: ...  # id -> session, authenticated or not
     @property
     def by_nonce(self) -> MutableMapping[bytes, Any]: ...  # bind nonce -> session not yet bound
+    @property
+    def by_handles_nonce(self) -> MutableMapping[bytes, Any]: ...  # -> session awaiting handles
 
     def local_info(self) -> dict[str, Any] | None: ...
     def schedule_expiry(self) -> None: ...

@@ -11,9 +11,10 @@ paths exist:
 * ``UcxPath``: one UCX message per run (``protocol.plan_runs``: touching
   small items coalesce), tag ``run_tag(req_id, i)``, received straight into
   or sent straight from the arena span;
-* ``SameHostPath``: the request carries the client's addresses; the daemon
-  copies between them and the region itself (``dataplane/cma.py``), on its
-  copy threads (``copypool.py``), never on the event loop.
+* ``StagedPath``: the request names a slot of the session's staging area
+  (daemon memory shared with the local client, ``dataplane/staging.py``);
+  the daemon copies between it and the region (small ops on the loop, big
+  ones streamed through the ring on its copy threads, ``copypool.py``).
 
 Both run under the transfer deadline (``transfer_all``): past it the session
 is aborted, and a transfer is always waited for to its end, even when its
@@ -24,28 +25,23 @@ the pipeline keeps locked and pinned meanwhile).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from control.daemon.copypool import CopyPool
 from control.daemon.registry import Buffer
-from control.wire.errors import BadRequest, ConnectionLost, RpcBufError
+from control.wire.errors import BadRequest, ConnectionLost
 from control.wire.runs import plan_runs, run_tag
-from dataplane.cma import CmaError, Peer
+from dataplane import staging
 from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
 
 log = logging.getLogger("rpcbuf.daemon")
 Run = tuple[int, int, int, int]  # offset in the region, nbytes, first item, stop item
-# The event loop blocks (GIL released) at most this long for a same-host copy
-# of at most CMA_WAIT_BYTES to end on its copy thread, instead of a loop round
-# trip (see copypool.CopyPool.wait); it never runs one itself.
-CMA_WAIT, CMA_WAIT_BYTES = 300e-6, 256 << 10
 
 
 class Region:
@@ -80,23 +76,23 @@ class Scratch:
 
 class Items:
     """The items of one transfer: ``offsets`` (in the region) and ``sizes``,
-    ``nbytes`` in all, and on the same-host path the client's ``addrs``.
-    Lists for a single item (no NumPy on the 4 KiB path), uint64 arrays for
-    a batch.  ``runs`` (the UCX messages) are planned once, when asked for."""
+    ``nbytes`` in all, and on the same-host path the request's staging
+    ``stage``.  Lists for a single item (no NumPy on the 4 KiB path), uint64
+    arrays for a batch.  ``runs`` (the UCX messages, and the order of the
+    bytes in the staging area) are planned once, when asked for."""
 
-    __slots__ = ("_runs", "addrs", "nbytes", "offsets", "sizes")
+    __slots__ = ("_runs", "nbytes", "offsets", "sizes", "stage")
 
     def __init__(self, offsets: np.ndarray | list[int], sizes: np.ndarray | list[int],
-                 nbytes: int, addrs: np.ndarray | list[int] | None = None,
+                 nbytes: int, stage: int | None = None,
                  runs: list[Run] | None = None) -> None:
-        self.offsets, self.sizes, self.nbytes, self.addrs = offsets, sizes, nbytes, addrs
+        self.offsets, self.sizes, self.nbytes, self.stage = offsets, sizes, nbytes, stage
         self._runs = runs
 
     @classmethod
-    def one(cls, offset: int, nbytes: int, addr: int | None = None) -> Items:
+    def one(cls, offset: int, nbytes: int, stage: int | None = None) -> Items:
         """A plain store or read: a batch of one item, one run (tag = request id)."""
-        return cls([offset], [nbytes], nbytes, None if addr is None else [addr],
-                   [(offset, nbytes, 0, 1)])
+        return cls([offset], [nbytes], nbytes, stage, [(offset, nbytes, 0, 1)])
 
     def runs(self) -> list[Run]:
         if self._runs is None:
@@ -121,15 +117,15 @@ class DataPath(Protocol):
     the others (``Session.path``); nothing else changes — validation, pins,
     locks, verification, counters, audit and answers are the pipeline's.
 
-    1. ``addressed``: whether its requests name client memory (``addr``/
-       ``addrs``); the session routes a request to the path whose kind it is.
+    1. ``addressed``: whether its requests name a staging slot (``stage``);
+       the session routes a request to the path whose kind it is.
     2. ``answer_first``: a read's answer leaves before its bytes (UCX: the
        client posts its receives when it sees the answer); else after them.
     3. ``lands_in_parts``: ``receive`` calls ``landed(lo, hi)`` as parts of a
        batch land (a big batch is then hashed while the rest still moves);
        else the pipeline hashes after the transfer.
     4. ``check(buf)``: refuse (BAD_REQUEST, before anything is locked) a
-       buffer this path cannot serve (same host: device memory).
+       buffer this path cannot serve (same host: device memory, for now).
     5. ``messages(items)``: how many wire messages the batch takes (answers
        and audit notes say so; 0 for copies).
     6. ``receive``/``send``: move ``items`` into/out of ``region`` under the
@@ -208,28 +204,37 @@ class UcxPath:
             pass  # truncated: drained, as meant (or the endpoint broke: nothing to drain)
 
 
-class SameHostPath:
-    """The same-host path: the daemon copies between the client's addresses
-    and the region (``cma.Peer``), on the copy threads.  Host memory only."""
+class StagedPath:
+    """The same-host path: the client's bytes are in the session's staging
+    area (``dataplane/staging.py``), which the daemon made and shares with
+    the client; the daemon copies between it and the region.  The daemon
+    never touches client memory and needs no rights over the client
+    process: the staging area is its own shmem, size-sealed, so nothing the
+    client does can make a copy fault or block (a client that stops
+    producing or consuming only stalls its own op, until the deadline).
+
+    A small op (``stage`` = a small slot, at most ``staging.SMALL`` bytes)
+    is copied right here on the loop: it is a ``memcpy`` of daemon memory.
+    A ring op (``stage == staging.RING``) streams chunk by chunk on the copy
+    threads (``copypool.py``: bounded, fair between tenants), the client
+    copying the next chunk while we copy this one.  Host memory only."""
 
     addressed = True
     answer_first = False
     lands_in_parts = True
 
-    def __init__(self, peer: Peer, copies: CopyPool, tenant: str, *, timeout: float,
-                 stop: threading.Event, peer_gone: Callable[[], bool],
-                 abort: Callable[[str], None], expired: Callable[[], None],
+    def __init__(self, area: staging.Area, copies: CopyPool, tenant: str, *, timeout: float,
+                 stop: threading.Event, expired: Callable[[], None],
                  stopped: Callable[[], bool]) -> None:
-        """``stop``: set when the session closes (copies stop within a
-        chunk); ``peer_gone``: the client closed its connection; ``abort``
-        ends the session; ``stopped``: the daemon no longer serves."""
-        self.peer, self._copies, self._tenant, self._timeout = peer, copies, tenant, timeout
-        self._stop, self._peer_gone, self._abort = stop, peer_gone, abort
-        self._expired, self._stopped = expired, stopped
+        """``stop``: set when the session closes (ring copies stop within a
+        chunk); ``stopped``: the daemon no longer serves."""
+        self.area, self._copies, self._tenant, self._timeout = area, copies, tenant, timeout
+        self._stop, self._expired, self._stopped = stop, expired, stopped
+        self._ring_busy = False
 
     def check(self, buf: Buffer) -> None:
         if getattr(buf.pool.arena, "address", None) is None:
-            raise BadRequest(f"same-host copies serve host buffers; {buf.buffer_id} is on "
+            raise BadRequest(f"the same-host path serves host buffers; {buf.buffer_id} is on "
                              f"{buf.pool.key}: use the UCX path", {"reason": "device_memory"})
 
     def messages(self, items: Items) -> int:
@@ -243,69 +248,75 @@ class SameHostPath:
         await self._copy(True, region, items)
 
     async def drain(self, req_id: int, items: Items) -> None:
-        pass  # the bytes are still in the client: nothing was sent
+        pass  # the bytes wait in the staging area: nothing to swallow
 
-    async def _copy(self, write: bool, region: Region, items: Items,
+    def _pieces(self, region: Region, items: Items) -> list[np.ndarray]:
+        return [region.view(off, n) for off, n, _, _ in items.runs() if n]
+
+    async def _copy(self, out: bool, region: Region, items: Items,
                     landed: Landed | None = None) -> None:
-        """A copy (``write``: region -> client), small or big, on the
-        daemon's copy threads (bounded, fair between tenants), never on the
-        event loop: the client chooses what backs its memory, and pages that
-        never arrive (FUSE, userfaultfd) block the copy for good.  Past the
-        deadline the session is aborted, the copy stops at its next chunk,
-        and a copy stuck inside one system call is written off (its thread
-        replaced).  A task cancelled meanwhile still waits for its copy: until
-        it returns it may write into the region, which must stay locked and
-        pinned (a copy that never returns keeps it so)."""
-        # No copy starts once the session is closing or its client closed the
-        # connection (a request may have waited long for its range lock; the
-        # client keeps its arrays only for a while after that).
-        if self._stop.is_set() or self._peer_gone():
+        """``out``: region -> staging (a read); else staging -> region."""
+        stage = items.stage
+        if stage is None:
+            raise BadRequest("a same-host request names its staging slot (stage)")
+        if self._stop.is_set():
             raise ConnectionLost("the session is closing")
-        assert region.address is not None and items.addrs is not None  # check() and the ops
-        local = _shifted(items.offsets, region.address)
-        stop, timeout = self._stop, self._timeout
-        ends = time.monotonic() + timeout
-
-        def cancelled() -> bool:
-            return stop.is_set() or time.monotonic() > ends
-
-        pool, peer = self._copies, self.peer
-        job = pool.submit(self._tenant, peer.write if write else peer.read,
-                          local, items.addrs, items.sizes, cancelled, landed)
-        if items.nbytes <= CMA_WAIT_BYTES and pool.wait(job, CMA_WAIT):  # a small copy, done
-            error = job.future.exception()
-            if isinstance(error, CmaError):
-                raise self._error(error) from error
-            if error is not None:
-                raise error
+        if stage != staging.RING:
+            if not 0 <= stage < staging.SMALL_SLOTS:
+                raise BadRequest(f"stage {stage} is no staging slot (0..{staging.SMALL_SLOTS - 1}"
+                                 f" or {staging.RING} for the ring)")
+            if items.nbytes > staging.SMALL:
+                raise BadRequest(f"{items.nbytes} bytes do not fit a small staging slot "
+                                 f"({staging.SMALL}); use the ring")
+            slot = self.area.small(stage, items.nbytes)
+            pieces = self._pieces(region, items)
+            if out:
+                staging.gather(pieces, slot)
+            else:
+                staging.scatter(slot, pieces)
+            if landed is not None:
+                landed(0, len(items))
             return
-        stuck = asyncio.get_running_loop().call_later(timeout, pool.written_off, job)
+        if self._ring_busy:
+            raise BadRequest("this session's staging ring is in use by another request",
+                             {"reason": "ring_busy"})
+        self._ring_busy = True
         try:
-            await transfer_all([asyncio.shield(job.future)], timeout, self._expired)
-        except CmaError as exc:
-            raise self._error(exc) from exc
+            await self._ring(out, region, items, landed)
         finally:
-            stuck.cancel()
+            self._ring_busy = False
+
+    async def _ring(self, out: bool, region: Region, items: Items,
+                    landed: Landed | None) -> None:
+        """A ring op on a copy thread, under the deadline; a task cancelled
+        meanwhile still waits for its copy, which writes into the region
+        (locked and pinned meanwhile) until it returns."""
+        runs = [r for r in items.runs() if r[1]]
+        pieces = [region.view(off, n) for off, n, _, _ in runs]
+        stop, timeout = self._stop, self._timeout
+        deadline = time.monotonic() + timeout
+        told = [0]
+
+        def stopped() -> bool:
+            return stop.is_set()
+
+        def landed_runs(done: int) -> None:  # runs [0, done) are complete
+            if landed is not None and done > told[0]:
+                landed(runs[told[0]][2], runs[done - 1][3])
+                told[0] = done
+
+        pool = self._copies
+        job = pool.submit(self._tenant, self.area.pump, pieces, out, stopped, deadline,
+                          landed_runs if landed is not None else None)
+        try:
+            await transfer_all([asyncio.shield(job.future)], timeout + 1.0, self._expired)
+        except staging.Stopped as exc:
+            if stop.is_set():
+                raise ConnectionLost("the session is closing") from exc
+            raise ConnectionLost(f"same-host transfer stopped: {exc}") from exc
+        finally:
             if not job.future.done() and not pool.cancel(job):
                 await outlast(job.future, self._stopped)
-
-    def _error(self, exc: CmaError) -> RpcBufError:
-        """EFAULT: the client named memory it does not have (BAD_REQUEST, the
-        session goes on; part of the range may have been copied).  Anything
-        else (the process exited, changed owner, or we were stopped): the
-        session ends."""
-        if exc.errno == errno.EFAULT:
-            return BadRequest("an address range is not mapped (or not writable) in the "
-                              "client's memory; part of the range may have been copied",
-                              {"reason": "bad_address"})
-        self._abort(f"same-host copy failed: {exc.strerror}")
-        return ConnectionLost(f"same-host copy failed: {exc.strerror}")
-
-
-def _shifted(offsets: np.ndarray | Sequence[int], base: int) -> np.ndarray | list[int]:
-    if isinstance(offsets, np.ndarray):
-        return offsets + np.uint64(base)
-    return [o + base for o in offsets]
 
 
 async def outlast(fut: asyncio.Future[Any], stopping: Callable[[], bool]) -> None:

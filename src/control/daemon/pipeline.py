@@ -12,7 +12,8 @@ counter to bump and what the audit record says.  ``Pipeline.run`` then
    buffer in buffer-id order (stores exclusive, reads shared: overlapping
    stores never interleave, a read never sees half a store, crossing copies
    cannot deadlock); an exclusive lock drops the dedup index's entries of
-   the range (those bytes are about to change);
+   the range (those bytes are about to change), and is BUSY, once granted,
+   on a buffer a local reader has attached (``attachops``);
 2. answers first where the path says so (UCX reads: the client posts its
    receives when it sees the answer);
 3. moves the bytes;
@@ -43,7 +44,7 @@ from control.daemon.locks import Grant
 from control.daemon.paths import DataPath
 from control.daemon.registry import Buffer, Registry
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, NotFound, OutOfRange
+from control.wire.errors import BadRequest, Busy, NotFound, OutOfRange
 from control.wire.units import THREAD_BYTES
 
 Range = tuple[int, int]
@@ -58,7 +59,7 @@ class Ops(Protocol):
 
     @property
     def owner(self) -> str: ...  # the session's tenant (the ops run after hello only)
-    def path(self, addressed: bool) -> DataPath: ...
+    def path(self, staged: bool) -> DataPath: ...
     def count(self, key: str, n: int) -> None: ...
     def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
               note: str = "") -> None: ...
@@ -196,6 +197,10 @@ class Pipeline:
                     await waiting[0]
                     if b.released:  # released while we waited: its memory is only pinned
                         raise NotFound(f"no buffer {b.buffer_id!r}")
+                if excl and b.attached:  # read in place by a local reader: hands off
+                    raise Busy(f"buffer {b.buffer_id} is attached (read in place) by "
+                               f"{b.attached} reader(s); it cannot change until they detach",
+                               {"buffer_id": b.buffer_id, "attached": b.attached})
                 if excl and forget:  # these bytes change: dedup must not use them
                     self._ops.content.forget(b, rngs)
         except BaseException:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,7 @@ from control.wire.errors import (
 __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
            "Waiter"]  # the registry's vocabulary, defined in buffers.py and waiters.py
 
+log = logging.getLogger("rpcbuf.daemon")
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
 
 
@@ -181,11 +183,23 @@ class Registry:
         offset = pool.allocator.allocate(size)
         if offset is None:
             return None
+        alloc_size = pool.allocator.block_size(size)
+        back = getattr(pool.arena, "back", None)
+        if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
+            try:
+                back(offset, alloc_size)
+            except OSError as exc:  # no memory, no fds left: nothing changed
+                pool.allocator.free(offset)
+                log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
+                            alloc_size, exc)
+                raise OutOfMemory(f"cannot back {alloc_size} bytes on {pool.key}: "
+                                  f"{exc.strerror or exc}",
+                                  {**self._oom_details(pool, size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
             buffer_id=self._ids.next(),
             tenant=tenant, pool=pool, offset=offset, size=size,
-            alloc_size=pool.allocator.block_size(size), name=name,
+            alloc_size=alloc_size, name=name,
             session_id=session_id if name is None and ttl is None else None,
             ttl=ttl, created_at=now, expires_at=None if ttl is None else now + ttl,
         )
@@ -334,6 +348,9 @@ class Registry:
             raise RuntimeError(f"{buf.buffer_id}: block {buf.offset} of {pool.key} "
                                "belongs to another buffer")  # a bug: never free it
         del pool.owners[buf.offset]
+        unback = getattr(pool.arena, "unback", None)
+        if unback is not None:
+            unback(buf.offset, buf.alloc_size)
         pool.allocator.free(buf.offset)
         key = (buf.tenant, pool.key)
         self._tenant_bytes[key] -= buf.alloc_size + buf.entries_charged * ENTRY_BYTES

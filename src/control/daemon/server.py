@@ -46,7 +46,7 @@ from control.daemon.session import READ_CHUNK, Session
 from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
-from dataplane import cma
+from dataplane import shm
 from dataplane.ucx import BIND_TAG, NONCE_BYTES, DataEndpoint, DataListener, TransferError
 
 __all__ = ["Daemon", "Limits"]
@@ -57,24 +57,19 @@ class Daemon:
     """One node's daemon: serves ``registry`` to the holders of ``keys``."""
 
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
-                 limits: Limits | None = None, unsafe_same_host: bool = False) -> None:
-        """``unsafe_same_host``: serve the same-host path even as root or with
-        CAP_SYS_PTRACE (``--unsafe-privileged-same-host``, for tests only)."""
+                 limits: Limits | None = None) -> None:
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
         self.limits = limits or Limits()
         self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
         self.by_nonce: dict[bytes, Session] = {}
+        self.by_handles_nonce: dict[bytes, Session] = {}
         lim = self.limits
         self.unauthenticated: Pending[Session] = Pending(
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
         self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
         self.copies = CopyPool(lim.copy_threads)
-        # The hello probes (a read of client memory too, so never on the loop):
-        # apart from the copies, so that a tenant's busy copies cannot delay
-        # its new session's probe; one thread per tenant at most.
-        self.probes = CopyPool(2, per_tenant=1)
         self.started_at = time.time()
         self.shutting_down = False
         self.stopped = False  # shutdown is done: tasks left are cancelled and let go
@@ -90,13 +85,6 @@ class Daemon:
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
-        # Why the same-host path is refused to everyone (None: it is offered).
-        self.same_host_off = cma.privileged_why()
-        if self.same_host_off and unsafe_same_host:
-            log.warning("--unsafe-privileged-same-host: serving the same-host path although "
-                        "this daemon is root or holds CAP_SYS_PTRACE: a client can make it "
-                        "write into other processes (a setuid program it execs). Tests only")
-            self.same_host_off = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -139,7 +127,7 @@ class Daemon:
         if not name.startswith("@"):
             os.chmod(path, 0o666)  # tokens authenticate, as on TCP
         self.local_socket = name
-        self.boot_id = cma.boot_id()
+        self.boot_id = shm.boot_id()
 
     def local_info(self) -> dict[str, Any] | None:
         """What a TCP client needs to find the same-host path."""
@@ -171,7 +159,6 @@ class Daemon:
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
         self.copies.close()
-        self.probes.close()
         self.metrics.close()
         self.stopped = True
         log.info("stopped")

@@ -19,13 +19,15 @@ session through a small Protocol (``pipeline.Ops``, ``controlops.Owner``)
 and the daemon through ``node.Node``.
 
 Data paths (``paths.py``): the UCX endpoint the client binds after hello
-(``UcxPath``), and on a Unix socket session whose client proved at hello
-that the daemon can read its memory (``hello.py``), the same-host path
-(``SameHostPath``).
+(``UcxPath``), and on a Unix socket session that asked for it at hello, once
+its client bound the session's handle channel (``handles.py``: a second
+connection from the same process), the same-host path (``StagedPath``, over
+the staging area that channel delivered) and attachments (``attachops``).
 
 A session that goes away aborts its UCX endpoint first (UCX cancels what is
-posted), stops its same-host copies, waits for its transfers, and only then
-releases its session-scoped buffers.
+posted), stops its same-host copies, waits for its transfers, closes its
+attachments and handle channel, and only then releases its session-scoped
+buffers.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from collections.abc import Callable
 from typing import Any
 
 from control.daemon import hello, logs
+from control.daemon.attachops import AttachOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
+from control.daemon.handles import HandleChannel, same_process
 from control.daemon.node import Node
-from control.daemon.paths import DataPath, SameHostPath, UcxPath
+from control.daemon.paths import DataPath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
@@ -61,7 +65,6 @@ from control.wire.errors import (
     ShuttingDown,
     TokenExpired,
 )
-from dataplane import cma
 from dataplane.ucx import NONCE_BYTES, DataEndpoint
 
 log = logging.getLogger("rpcbuf.daemon")
@@ -91,15 +94,13 @@ class Session:
         self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
         self.ep: DataEndpoint | None = None
         self.ucx: UcxPath | None = None  # once the client's data endpoint is bound
-        self.same_host: SameHostPath | None = None  # once hello proved it works
-        self.cma_stop = threading.Event()  # set when the session closes: copies stop
+        self.same_host: StagedPath | None = None  # once the handle channel is bound
+        self.handles: HandleChannel | None = None
+        self.handles_nonce: bytes | None = None  # while a granted handle channel is awaited
+        self.copy_stop = threading.Event()  # set when the session closes: copies stop
         self.peer = writer.get_extra_info("peername")
-        # Unix socket sessions: the process that connected, pinned by a pidfd
-        # now, at accept (never looked up again by pid): see cma.Peer.of_socket
-        self._process, self._process_why = hello.accept_peer(writer)
-        self.peer_pid = None if self._process is None else self._process.pid
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
-        self._fd: int | None = None  # the Unix socket's fd: see peer_gone
+        self.peer_pid = hello.peer_pid(writer) if self.unix else None
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
@@ -113,6 +114,7 @@ class Session:
         dedup = DedupOps(self, pipeline)
         data = DataOps(self, pipeline, dedup)
         self.control = control = ControlOps(self, daemon)
+        self.attachments = attach = AttachOps(self, pipeline)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
         # answer inline; ops that may wait (memory, locks, transfers) are tasks.
         self._ops: dict[type, tuple[Callable[..., Any], bool]] = {
@@ -132,6 +134,8 @@ class Session:
             P.ClearBuffer: (data.clear, True),
             P.CopyBuffer: (data.copy, True),
             P.DedupStore: (dedup.dedup_store, True),
+            P.Attach: (attach.attach, True),
+            P.Detach: (attach.detach, False),
         }
 
     def abort(self, why: str) -> None:
@@ -198,15 +202,15 @@ class Session:
         assert tenant is not None
         return tenant
 
-    def path(self, addressed: bool) -> DataPath:
+    def path(self, staged: bool) -> DataPath:
         """The request's data path: the UCX endpoint, or the same-host path
-        when the request carries the client's addresses."""
-        if not addressed:
+        when the request names a staging slot."""
+        if not staged:
             if self.ucx is None:
                 raise BadRequest("no data endpoint is bound to this session")
             return self.ucx
         if self.same_host is None:
-            raise BadRequest("addresses are for same-host sessions only",
+            raise BadRequest("staging slots are for same-host sessions only",
                              {"reason": "not_same_host"})
         return self.same_host
 
@@ -302,6 +306,9 @@ class Session:
             if isinstance(req, P.Hello):
                 self._answer(req_id, op, self._hello(req))
                 return
+            if isinstance(req, P.BindHandles):
+                self._bind_handles(req)  # answers nothing: the channel carries records
+                return
             if self.tenant is None:
                 raise AuthFailed("say hello with a token first")
             if started >= self._token_deadline:  # a session does not outlive its token
@@ -317,8 +324,6 @@ class Session:
                 if buf is not None:
                     self._answer(req_id, op, self.control.granted(buf))
                     return
-            # Same-host copies too, however small: they touch client memory,
-            # which may never arrive, so never on this loop (paths.SameHostPath).
             self._spawn(req_id, req, handler)
         except RpcBufError as exc:
             self._answer(req_id, op, exc)
@@ -393,7 +398,7 @@ class Session:
         self._closed = True
         if self._token_timer is not None:
             self._token_timer.cancel()
-        self.cma_stop.set()  # same-host copies stop within a chunk
+        self.copy_stop.set()  # same-host ring copies stop within a chunk
         ep, self.ep, self.ucx = self.ep, None, None
         if ep is not None:
             ep.abort()  # UCX cancels posted requests: nothing writes into memory after this
@@ -415,9 +420,11 @@ class Session:
                 _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
-        if self._process is not None:
-            self._process.close()  # no copy starts after this: Peer.alive() is False
-        self._fd = None
+        self.attachments.detach_all()
+        if self.handles is not None:
+            self.handles.close()
+        if self.handles_nonce is not None:
+            self.daemon.by_handles_nonce.pop(self.handles_nonce, None)
         for buf in self.registry.session_closed(self.session_id):
             self.audit("release", buf, note="session closed")
         self.daemon.schedule_expiry()
@@ -465,19 +472,11 @@ class Session:
             self._token_deadline = time.perf_counter() + left
             self._token_timer = asyncio.get_running_loop().call_later(
                 max(0.0, left), self._token_ran_out)
-        same_host, why = self._same_host(req, tenant)
+        same_host, why = self._same_host(req)
         log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
                  self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
         return hello.answer(self.daemon, self.session_id, grant, self.nonce, self.unix,
-                            same_host, why, version)
-
-    def peer_gone(self) -> bool:
-        """Whether the client closed its connection, even if nothing reads it
-        now (a session at --max-inflight is not reading): same-host copies
-        must not start then, the client no longer keeps its arrays."""
-        if self._fd is None:
-            return False
-        return cma.peer_closed(self._fd)
+                            self.handles_nonce, why, version)
 
     def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
         """A Unix socket session may take over the slot of the TCP session it
@@ -501,22 +500,69 @@ class Session:
                 self.writer.close()  # its hello is read: nothing unread to reset the frame
             raise error
 
-    def _same_host(self, req: P.Hello, tenant: str) -> tuple[bool, str]:
-        """Turn on the same-host path if this is a Unix socket session whose
-        client proved we can read its memory, and the daemon may serve it."""
-        why = hello.same_host_why(req, self.unix, self.daemon, tenant, self._process,
-                                  self._process_why)
-        if why is not None:
-            if why:
-                log.info("session %s: same-host path off: %s", self.session_id, why)
-            return False, why
-        peer = self._process
-        assert peer is not None
-        self._fd = self.writer.get_extra_info("socket").fileno()
-        limits = self.daemon.limits
-        self.same_host = SameHostPath(
-            peer, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
-            stop=self.cma_stop, peer_gone=self.peer_gone, abort=self.abort,
-            expired=self._transfer_expired, stopped=lambda: self.daemon.stopped)
-        log.debug("session %s bound the same-host path (pid %d)", self.session_id, peer.pid)
+    def _same_host(self, req: P.Hello) -> tuple[bool, str]:
+        """Grant the same-host path to a Unix socket session that asks for it
+        (protocol 3's ``handles``): the client binds the handle channel next
+        with ``handles_nonce``.  Nothing of the client's is trusted: the
+        daemon only hands out handles and copies its own memory."""
+        if not req.handles:
+            return False, ""
+        if not self.unix:
+            return False, "the same-host path needs the daemon's Unix socket"
+        self.handles_nonce = os.urandom(NONCE_BYTES)
+        self.daemon.by_handles_nonce[self.handles_nonce] = self
         return True, ""
+
+    def _bind_handles(self, req: P.BindHandles) -> None:
+        """This connection is a session's handle channel: check it, hand its
+        socket to that session, and let this one go (it never says hello)."""
+        if self.tenant is not None or not self.unix:
+            raise BadRequest("bind_handles is the only frame of a second connection to the "
+                             "daemon's Unix socket")
+        owner = self.daemon.by_handles_nonce.get(req.nonce)
+        mine = self.writer.get_extra_info("socket")
+        if owner is None or owner._closed or owner.handles is not None:
+            raise AuthFailed("no session waits for this handle channel")
+        if not same_process(mine, owner.writer.get_extra_info("socket")):
+            raise AuthFailed("the handle channel must come from the session's own process")
+        self.daemon.by_handles_nonce.pop(req.nonce, None)
+        owner.handles_nonce = None
+        sock = mine.dup()
+        self.daemon.unauthenticated.discard(self)
+        self._closed_quietly()
+        owner.take_handles(sock)
+
+    def _closed_quietly(self) -> None:
+        """Drop this connection's transport (its socket lives on as a dup)."""
+        with contextlib.suppress(Exception):
+            self.writer.transport.abort()
+
+    def take_handles(self, sock: socket.socket) -> None:
+        """Our handle channel is bound: make the staging area, send it, and
+        turn on the same-host path."""
+        try:
+            channel = HandleChannel(sock)
+        except OSError as exc:
+            sock.close()
+            log.warning("session %s: no staging area: %s", self.session_id, exc)
+            return
+        if self._closed:
+            channel.close()
+            return
+        self.handles = channel
+        limits, tenant = self.daemon.limits, self.owner
+        self.same_host = StagedPath(
+            channel.area, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
+            stop=self.copy_stop, expired=self._transfer_expired,
+            stopped=lambda: self.daemon.stopped)
+        task = asyncio.get_running_loop().create_task(self._send_staging(channel))
+        self.transfers.add(task)
+        task.add_done_callback(self.transfers.discard)
+        log.debug("session %s bound its handle channel", self.session_id)
+
+    async def _send_staging(self, channel: HandleChannel) -> None:
+        try:
+            await channel.start()
+        except (OSError, TimeoutError) as exc:
+            log.warning("session %s: sending the staging area failed: %s", self.session_id, exc)
+            self.abort("the handle channel failed")

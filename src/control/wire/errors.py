@@ -92,6 +92,13 @@ class UnsupportedDevice(RpcBufError):
     code = "UNSUPPORTED_DEVICE"
 
 
+class Busy(RpcBufError):
+    """The buffer is attached (read-only, in place) by a session of its
+    tenant: stores, clears and copies into it wait for the last detach."""
+
+    code = "BUSY"
+
+
 class ShuttingDown(RpcBufError):
     code = "SHUTTING_DOWN"
 

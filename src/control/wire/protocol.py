@@ -48,9 +48,11 @@ from control.wire.frames import (
 
 # The protocol versions this code speaks, oldest to newest (see ``negotiate``).
 # 2: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
-# ``store_batch`` may state its ``checksum_kind``.
+# ``store_batch`` may state its ``checksum_kind``.  3: the same-host path
+# shares memory by handle (``handles``, ``bind_handles``, ``stage``,
+# ``attach``/``detach``, the BUSY code) instead of copying client memory.
 PROTOCOL_MIN = 1
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
 MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
@@ -218,14 +220,17 @@ class Hello(Request):
     # The newest version the client speaks (all a version-1 daemon reads);
     # ``versions`` below: [oldest, newest] it speaks (version 2 on), see ``negotiate``.
     version: int = PROTOCOL_VERSION
-    # Same-host path (on a Unix control socket only): the daemon reads
-    # len(probe) bytes at probe_addr in the client's memory and compares.
+    # Protocol 2's same-host probe: accepted from old clients and ignored
+    # (the same-host path no longer reads client memory; see ``handles``).
     probe: bytes | None = None
     probe_addr: int | None = None
     # The bind nonce of this client's TCP session that this Unix socket
     # session replaces (it takes over that session's --max-sessions slot).
     replaces: bytes | None = None
     versions: list[int] | None = None
+    # Protocol 3: on the daemon's Unix socket, ask for the same-host path
+    # (a handle channel and a staging area; see ``BindHandles``).
+    handles: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -259,9 +264,10 @@ class Store(Request):
     # "float16": the payload is nbytes/2 bytes of float16 that the daemon
     # widens into the float32 range [offset, offset + nbytes).
     wire_dtype: Literal["float16"] | None = None
-    # Same-host sessions: the payload's address in the client's memory (the
-    # daemon copies it; nothing comes over UCX).  See dataplane/cma.py.
-    addr: int | None = None
+    # Same-host sessions: the payload is in the session's staging area, in
+    # small slot ``stage`` or (``stage == 0xFFFF``) streamed through its ring;
+    # nothing comes over UCX.  See dataplane/staging.py.
+    stage: int | None = None
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class StoreBatch(Request):
     dtypes: list[str] | None = None
     shapes: list[Shape] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
-    addrs: U64Array | None = None  # same-host sessions: each item's address in the client
+    stage: int | None = None  # same-host sessions: as ``Store.stage``, the items' runs in order
     # The manifest packed, instead of dtypes/shapes (with names as above):
     # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
     # (no kinds with a one-kind table: every item is of that kind).
@@ -299,7 +305,7 @@ class ReadBatch(Request):
     buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
-    addrs: U64Array | None = None  # same-host sessions: where each item lands in the client
+    stage: int | None = None  # same-host sessions: as ``Store.stage``
 
 
 @dataclass(frozen=True)
@@ -355,7 +361,35 @@ class Read(Request):
     buffer_id: BufferId
     offset: int
     nbytes: int
-    addr: int | None = None  # same-host sessions: where the bytes land in the client
+    stage: int | None = None  # same-host sessions: as ``Store.stage``
+
+
+@dataclass(frozen=True)
+class BindHandles(Request):
+    """The first and only frame of a session's handle channel: a second
+    connection to the daemon's Unix socket, from the same process, naming
+    the session by its bind nonce.  The daemon answers nothing on it in
+    msgpack: from then on it carries only fd records (``dataplane/shm``),
+    the staging area's first."""
+
+    op: ClassVar[str] = "bind_handles"
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Attach(Request):
+    """A read-only handle of a host buffer, sent on the handle channel
+    (protocol 3): stores, clears and copies into the buffer are BUSY, and
+    its release is deferred, until the session detaches (or ends)."""
+
+    op: ClassVar[str] = "attach"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
+class Detach(Request):
+    op: ClassVar[str] = "detach"
+    buffer_id: BufferId
 
 
 @dataclass(frozen=True)
@@ -396,7 +430,7 @@ OPS: dict[str, type[Request]] = {
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
-        ClearBuffer, CopyBuffer, DedupStore,
+        ClearBuffer, CopyBuffer, DedupStore, BindHandles, Attach, Detach,
     )
 }
 

@@ -1,0 +1,124 @@
+"""Attach and detach: a local reader uses a buffer's bytes in place.
+
+``attach`` hands the session a read-only fd of one host buffer (exactly its
+block: its own memfd, ``HostArena.export``) over the session's handle
+channel (``handles.py``), and makes the buffer *attached*:
+
+* the attachment holds a pin, so a release or an expired lease takes the
+  buffer out of every view at once but frees its memory (which stays
+  charged to its tenant) only at the last detach;
+* stores, clears and copies into it are BUSY (``pipeline.Pipeline.lock``
+  checks under the range lock), so bytes a reader maps never change under it;
+* attach itself takes a shared lock of the whole buffer, so it waits for
+  writes in flight and never hands out a half-written buffer.
+
+Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
+attachments end with it, however it ends (the client killed: its socket
+closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Protocol
+
+from control.daemon.handles import HandleChannel
+from control.daemon.pipeline import Call, Pipeline, unlock
+from control.daemon.registry import Buffer, Registry
+from control.wire import protocol as P
+from control.wire.errors import (
+    BadRequest,
+    ConnectionLost,
+    NotFound,
+    QuotaExceeded,
+    UnsupportedDevice,
+)
+
+log = logging.getLogger("rpcbuf.daemon")
+MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)
+
+
+class Owner(Protocol):
+    registry: Registry
+    session_id: str
+    handles: HandleChannel | None
+
+    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+              note: str = "") -> None: ...
+
+
+class AttachOps:
+    """One session's attachments."""
+
+    def __init__(self, owner: Owner, pipeline: Pipeline) -> None:
+        self._owner, self._pipe = owner, pipeline
+        self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
+        self._count = 0
+
+    async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
+        owner = self._owner
+        channel = owner.handles
+        if channel is None:
+            raise BadRequest("attach needs the same-host path (a client on the daemon's "
+                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        buf = call.held.get(req.buffer_id)  # pinned before the first await
+        export = getattr(buf.pool.arena, "export", None)
+        if export is None:
+            raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached here")
+        if self._count >= MAX_ATTACHED:
+            raise QuotaExceeded(f"a session may hold at most {MAX_ATTACHED} attachments",
+                                {"limit": "attachments"})
+        grants = await self._pipe.lock(call.held, buf, [(0, buf.size)], False, forget=False)
+        try:
+            if buf.released:
+                raise NotFound(f"no buffer {buf.buffer_id!r}")
+            fd = export(buf.offset, buf.alloc_size)
+            try:
+                self._take(buf)  # before the record leaves: a detach may follow at once
+                try:
+                    await channel.send(call.req_id, buf.alloc_size, fd)
+                except (OSError, TimeoutError) as exc:
+                    self._drop(buf)
+                    raise ConnectionLost(f"the handle channel failed: {exc}") from None
+            finally:
+                os.close(fd)
+        finally:
+            unlock(grants)
+        owner.audit("attach", buf, 0, buf.size, note=f"attached={buf.attached}")
+        return {"buffer_id": buf.buffer_id, "size": buf.size, "alloc_size": buf.alloc_size,
+                "device_type": buf.pool.arena.device_type, "device": buf.pool.arena.device,
+                "tensors": buf.tensors, "manifest_version": buf.manifest_version}
+
+    def detach(self, req: P.Detach) -> dict[str, Any]:
+        got = self._attached.get(req.buffer_id) if isinstance(req.buffer_id, str) else None
+        if got is None:
+            raise NotFound(f"this session has not attached {req.buffer_id!r}")
+        buf = got[0]
+        self._drop(buf)
+        self._owner.audit("detach", buf, 0, buf.size, note=f"attached={buf.attached}")
+        return {"attached": buf.attached}
+
+    def detach_all(self) -> None:
+        """The session ends: every attachment with it."""
+        for buf, count in list(self._attached.values()):
+            for _ in range(count):
+                self._drop(buf)
+            self._owner.audit("detach", buf, 0, buf.size, note="session closed")
+
+    def _take(self, buf: Buffer) -> None:
+        self._owner.registry.pin(buf)
+        buf.attached += 1
+        count = self._attached.get(buf.buffer_id, (buf, 0))[1]
+        self._attached[buf.buffer_id] = (buf, count + 1)
+        self._count += 1
+
+    def _drop(self, buf: Buffer) -> None:
+        _, count = self._attached[buf.buffer_id]
+        if count == 1:
+            del self._attached[buf.buffer_id]
+        else:
+            self._attached[buf.buffer_id] = (buf, count - 1)
+        self._count -= 1
+        buf.attached -= 1
+        self._owner.registry.unpin(buf)  # the last one frees a released buffer
