@@ -73,10 +73,44 @@ class Link:
 # -- server -------------------------------------------------------------------------
 
 
+class _Cma:
+    """``process_vm_readv``/``writev`` of one peer process: the reference
+    UCX's cma transport stands on (rpcbuf itself no longer copies client
+    memory: its same-host path shares memory by handle)."""
+
+    def __init__(self, pid: int) -> None:
+        import ctypes
+
+        self._pid = pid
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._fns = libc.process_vm_readv, libc.process_vm_writev
+        for fn in self._fns:
+            fn.restype = ctypes.c_ssize_t
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                           ctypes.c_ulong, ctypes.c_ulong]
+        self._iov = ctypes.c_void_p * 2
+
+    def _copy(self, fn: Any, local: list[int], remote: list[int], sizes: list[int]) -> None:
+        import ctypes
+
+        chunk = 8 << 20
+        for lo, ro, n in zip(local, remote, sizes, strict=True):
+            for at in range(0, n, chunk):
+                k = min(chunk, n - at)
+                liov, riov = self._iov(lo + at, k), self._iov(ro + at, k)
+                if fn(self._pid, liov, 1, riov, 1, 0) != k:
+                    raise OSError(ctypes.get_errno(), "process_vm_readv/writev")
+
+    def read(self, local: list[int], remote: list[int], sizes: list[int]) -> None:
+        self._copy(self._fns[0], local, remote, sizes)
+
+    def write(self, local: list[int], remote: list[int], sizes: list[int]) -> None:
+        self._copy(self._fns[1], local, remote, sizes)
+
+
 async def server_main(args: argparse.Namespace) -> None:
     cfg = BY_KEY[args.config]
     U, busy = load_ucxx(cfg)
-    from dataplane import cma
 
     buf = np.empty(args.max_bytes, dtype=np.uint8)
     buf.fill(0xA5)  # touch every page before anything is timed
@@ -103,7 +137,7 @@ async def server_main(args: argparse.Namespace) -> None:
                 mode, n, iters, arg = HDR.unpack(await reader.readexactly(HDR.size))
                 if mode == M_HELLO:  # same-host: swap worker addresses, pid for cma
                     address = await reader.readexactly(n)
-                    peer = cma.Peer(arg)
+                    peer = _Cma(arg)
                     ep = await U.create_endpoint_from_worker_address(
                         U.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
                     link = Link(ep, forced=True)

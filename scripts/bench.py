@@ -17,17 +17,16 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
 * this process, the client, under uvloop: two rpcbuf contexts on the daemon,
   ``rpcbuf.connect(addr, token=..., same_host=False)`` (the UCX path over
   loopback TCP, "tcp" in the table) and ``rpcbuf.connect(addr, token=...)``,
-  the default, which on the daemon's own host is the same-host path (the
-  daemon copies straight from and into this process's memory;
-  "same-host" in the table; a loopback client gets it by default).  Which
+  the default, which on the daemon's own host is the same-host path (this
+  process copies into or out of the session's staging area, the daemon
+  between it and its arena; "same-host" in the table; a loopback client
+  gets it by default).  Which
   path each got is printed, and a note under the table says so when the
   default one did not get the same-host path (its rows then measure UCX).
   Plus a bare echo connection and a plain blocking socket to the reference
   peer;
 * a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
-  its same-host socket left at ``auto``; as root, where the daemon refuses
-  that path, with the test-only ``--unsafe-privileged-same-host``, which
-  the run says on stderr and under the table);
+  its same-host socket left at ``auto``);
 * ``scripts/_bench_peer.py``, the reference peer: a msgpack echo server
   using the daemon's framing (``control.protocol``), and a raw blocking TCP
   socket server in its own thread (not asyncio) with its own preallocated
@@ -265,15 +264,11 @@ def measure(plan: Plan, tmp: Path,
             sections: tuple[str, ...] = SECTIONS) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start the daemon and the peer, measure, stop both (always, bounded)."""
     flags = ["--device", "cpu:1GiB"]
-    if os.geteuid() == 0:
-        flags.append("--unsafe-privileged-same-host")
-        progress("running as root: rpcbufd gets the test-only --unsafe-privileged-same-host "
-                 "so that the same-host rows measure the same-host path")
     daemon = procs.Daemon(tmp, *flags, tenant="bench")
     peer_log = tmp / "peer.log"
     peer: subprocess.Popen[bytes] | None = None
     raw: RawUcxx | None = None
-    exits: dict[str, Any] = {"unsafe_privileged_same_host": os.geteuid() == 0}
+    exits: dict[str, Any] = {}
 
     def cleanup() -> None:
         nonlocal raw
@@ -332,10 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - started
     rows = build_rows(results)
     print(render(rows))
-    if exits.get("unsafe_privileged_same_host"):
-        print("note: run as root, so rpcbufd was started with the test-only "
-              "--unsafe-privileged-same-host for its same-host rows (never run a daemon "
-              "like that for real)")
     if not results["paths"]["default"]:
         print("note: the default context did not get the same-host path: its rows "
               "(\"same-host\") measure the UCX (tcp) path")

@@ -20,10 +20,8 @@ shared memory.
 rpcbuf's side (``_bench_peers_ours``), first, with the peers' processes not
 yet started: a real ``rpcbufd`` (``--device cpu:1GiB``) and this process as
 the client under uvloop, one context on the UCX path over loopback tcp
-(``same_host=False``) and one default context (the same-host path; as root
-the daemon refuses that path unless started with the test-only
-``--unsafe-privileged-same-host``, which this benchmark then passes and
-says so on stderr and under the table), beside the raw ucxx reference in
+(``same_host=False``) and one default context (the same-host path),
+beside the raw ucxx reference in
 two processes of its own (``_bench_rawucx.py``: ucxx's blocking progress,
 put_zcopy rendezvous, 2 MiB tcp segments) and ``np.copyto``.
 
@@ -83,17 +81,6 @@ QUICK = PeerPlan(small=300, small_warm=50, mid=40, mid_warm=5, big=5, big_warm=2
 CAP_SYS_PTRACE = 19
 
 
-def privileged() -> bool:
-    """Root or CAP_SYS_PTRACE: the daemon would refuse its same-host path."""
-    if os.geteuid() == 0:
-        return True
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status") as f:
-            cap = next(ln for ln in f if ln.startswith("CapEff:")).split()[1]
-        return bool(int(cap, 16) >> CAP_SYS_PTRACE & 1)
-    return False
-
-
 async def ours(daemon: procs.Daemon, raw: RawUcxx | None,
                plan: PeerPlan) -> tuple[dict[str, Any], dict[str, Any]]:
     note_signals(asyncio.get_running_loop())
@@ -116,12 +103,6 @@ def measure_ours(tmp: Path, plan: PeerPlan) -> tuple[dict[str, Any], dict[str, A
     """rpcbuf and the raw references: (paths, samples, notes)."""
     notes: list[str] = []
     flags = ["--device", "cpu:1GiB"]
-    if privileged():
-        flags.append("--unsafe-privileged-same-host")
-        notes.append("note: running as root, so rpcbufd was started with the test-only "
-                     "--unsafe-privileged-same-host to let this benchmark measure its "
-                     "same-host path (never run a daemon like that for real)")
-        progress(notes[-1])
     daemon = procs.Daemon(tmp, *flags, tenant="bench")
     raw: RawUcxx | None = None
 

@@ -72,9 +72,10 @@ Configurations (``key``: what it is)
   each other's worker addresses (swapped over the TCP connection) with
   endpoint error handling *off*, the only way UCX picks shared memory.  In
   the same pair, alternating with it: the same 64 MiB copied by the server
-  with ``process_vm_readv``/``writev`` (``dataplane.cma.Peer``, what rpcbuf's
-  same-host path does; the client sends its array's address; timed by the
-  client including one TCP round trip) and ``np.copyto`` in the client
+  with ``process_vm_readv``/``writev`` (a small helper in the child; what
+  rpcbuf's same-host path did before it shared memory by handle; the client
+  sends its array's address; timed by the client including one TCP round
+  trip) and ``np.copyto`` in the client
   (memcpy, one core).
 
 What is measured

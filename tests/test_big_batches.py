@@ -4,15 +4,15 @@ addresses gathered at once.  The manifest model itself: tests/wire/test_manifest
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import mmap
+import threading
+import time
 
 import numpy as np
 import pytest
 import xxhash
 
 import rpcbuf
-from control.client.arrays import data_addresses
 from control.client.tensors import (
     ManifestTable,
     Packed,
@@ -22,7 +22,7 @@ from control.client.tensors import (
     plan_spans,
 )
 from control.wire import protocol as P
-from dataplane import cma
+from dataplane import staging
 
 # -- through a daemon -------------------------------------------------------------------------
 
@@ -190,68 +190,50 @@ def test_spans_and_bulk_views() -> None:
             assert v.tobytes() == mem[o:o + s].tobytes()
 
 
-def test_addresses_gathered_at_once_match_ctypes(tmp_path: Path) -> None:
-    arrays = [np.ones(i % 7 + 1, np.float32) for i in range(500)]
-    arrays += [np.arange(100)[3:], np.zeros((4, 4))[1], np.empty(0), np.ones((2, 2)).T]
-    arrays += [np.memmap(tmp_path / "m", mode="w+", shape=(64,))[8:], np.ones(3)] * 3
-    want = [a.ctypes.data for a in arrays]
-    assert data_addresses(arrays).tolist() == want
-    assert data_addresses(arrays[:5]).tolist() == want[:5]
+# -- the staging ring on its own (two threads of this process, one area) ---------------
 
 
-# -- same-host copies that report what landed ---------------------------------------------
+def _area() -> tuple[staging.Area, mmap.mmap]:
+    mem = mmap.mmap(-1, staging.SIZE)
+    return staging.Area(mem, np.frombuffer(mem, np.uint8, count=1).ctypes.data), mem
 
 
-def test_cma_joins_adjacent_pieces() -> None:
-    offs = np.arange(3000, dtype=np.uint64) * 4096
-    calls = cma._calls(offs, offs + np.uint64(1 << 40), np.full(3000, 4096))
-    assert len(calls) == 2 and calls[0][1] - calls[0][0] == 1  # 12 MB in one piece, cut in two
-    scattered = cma._calls(offs, offs * np.uint64(2), np.full(3000, 4096))
-    assert sum(c[1] - c[0] for c in scattered) == 3000
-    assert all(c[1] - c[0] <= cma.IOV_MAX for c in scattered)
+@pytest.mark.parametrize("pieces", [[1], [staging.RING_CHUNK], [0, 3, 0],
+                                    [staging.RING_CHUNK * staging.RING_SLOTS * 3 + 17],
+                                    [70_000] * 150 + [0, 1, 5_000_000]])
+def test_the_ring_carries_every_byte_in_order_and_says_what_landed(pieces: list[int]) -> None:
+    rng = np.random.default_rng(len(pieces))
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in pieces]
+    dst = [np.zeros(n, np.uint8) for n in pieces]
+    area, _ = _area()
+    area.reset()
+    done: list[int] = []
+
+    def landed(i: int) -> None:  # pieces [0, i) complete, told in order
+        assert not done or i >= done[-1]
+        for k in range(i):
+            assert np.array_equal(dst[k], src[k]), "reported before it landed"
+        done.append(i)
+
+    deadline = time.monotonic() + 30
+    producer = threading.Thread(target=area.pump, args=(src, True, lambda: False, deadline))
+    producer.start()
+    area.pump(dst, False, lambda: False, deadline, landed)
+    producer.join(10)
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    assert not done or done[-1] == len(pieces) or sum(pieces) == 0
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_cma_reports_each_item_once_after_it_landed(monkeypatch: pytest.MonkeyPatch,
-                                                     parallel: bool) -> None:
-    monkeypatch.setattr(cma, "CHUNK", 1 << 16)
-    monkeypatch.setattr(cma, "PARALLEL_MIN", 1 << 12 if parallel else 1 << 60)
-    rng = np.random.default_rng(6)
-    peer = cma.Peer(os.getpid())
-    try:
-        for _ in range(20):
-            n = int(rng.integers(1, 400))
-            sizes = rng.choice([0, 1, 100, 4096, 70_000, 200_000], n).astype(np.uint64)
-            src = rng.integers(0, 256, int(sizes.sum()) + n * 64, dtype=np.uint8)
-            dst = np.zeros(len(src) * 2, np.uint8)
-            gaps = rng.choice([0, 0, 16], n).astype(np.uint64)  # some adjacent, some not
-            src_off = np.cumsum(sizes + gaps) - sizes - gaps
-            dst_off = src_off + np.where(rng.random(n) < 0.5, 0, 8).astype(np.uint64).cumsum()
-            seen: list[tuple[int, int]] = []
-
-            def landed(lo: int, hi: int, so: np.ndarray = src_off, do: np.ndarray = dst_off,
-                       sz: np.ndarray = sizes, s: np.ndarray = src, d: np.ndarray = dst,
-                       log: list[tuple[int, int]] = seen) -> None:
-                for i in range(lo, hi):
-                    a, b, z = int(so[i]), int(do[i]), int(sz[i])
-                    assert np.array_equal(d[b:b + z], s[a:a + z]), "reported before it landed"
-                log.append((lo, hi))
-
-            copy = peer.read if rng.random() < 0.7 else peer.write
-            copy(np.uint64(dst.ctypes.data) + dst_off, np.uint64(src.ctypes.data) + src_off,
-                 sizes, landed=landed)
-            done = sorted(i for lo, hi in seen for i in range(lo, hi))
-            assert done == list(range(n))
-    finally:
-        peer.close()
-
-
-def test_populate_backs_pages_without_changing_bytes() -> None:
-    from control.client.arrays import populate
-
-    a = np.arange(3 << 20, dtype=np.uint8)[5:]  # not page-aligned at either end
-    before = a.copy()
-    populate(a)
-    populate(a[:10])  # less than a page: nothing to do
-    # MADV_POPULATE_WRITE keeps every byte; the fallback zeroes page starts only
-    assert np.array_equal(a, before) or (a[a != before] == 0).all()
+def test_a_ring_whose_other_side_stops_gives_up_at_the_deadline_or_when_told() -> None:
+    area, _ = _area()
+    area.reset()
+    t0 = time.monotonic()
+    with pytest.raises(staging.Stopped):
+        area.pump([np.zeros(3 * staging.RING_CHUNK, np.uint8)], False, lambda: False,
+                  time.monotonic() + 0.2)
+    assert 0.15 < time.monotonic() - t0 < 2
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    with pytest.raises(staging.Stopped):
+        area.pump([np.zeros((staging.RING_SLOTS + 1) * staging.RING_CHUNK, np.uint8)], True,
+                  stop.is_set, time.monotonic() + 30)  # fills the ring, then waits

@@ -86,9 +86,10 @@ class HostArena:
     def unback(self, offset: int, nbytes: int) -> None:
         """The block goes back to unbacked anonymous memory; its memfd's pages
         are freed once no reader maps them any more."""
-        fd, backed = self._fds.pop(offset)
+        fd, backed = self._fds[offset]
         if backed != nbytes:
             raise RuntimeError(f"block {offset} was backed with {backed} bytes, not {nbytes}")
+        del self._fds[offset]
         shm.map_anonymous(self.address + offset, nbytes)
         os.close(fd)
 

@@ -132,3 +132,29 @@ def test_renew_storm_does_not_grow_the_expiry_heap() -> None:
             reg.renew(b, 60.0)
     assert len(reg._expiries) <= 2 * 10 + 1024 + 1
     assert reg.next_expiry() is not None
+
+
+def test_each_buffer_gets_its_own_memory_and_a_failed_backing_leaves_nothing() -> None:
+    """Host buffers are page-sized blocks with a memfd each (``back`` at
+    allocation, ``unback`` at free); when backing fails (no memory, no
+    fds) the request is OUT_OF_MEMORY and nothing is allocated or charged."""
+    from control.wire.errors import OutOfMemory
+
+    reg, pool = make()
+    small = reg.try_allocate("alice", pool, 100)
+    assert small is not None and small.alloc_size == 4096 and small.offset % 4096 == 0
+    assert pool.arena.backed == 1
+    real = pool.arena.back
+
+    def failing(offset: int, nbytes: int) -> None:
+        raise OSError(24, "Too many open files")
+
+    pool.arena.back = failing  # type: ignore[method-assign]
+    used = pool.allocator.stats().used
+    with pytest.raises(OutOfMemory) as err:
+        reg.try_allocate("alice", pool, 1 << 20)
+    assert err.value.details["reason"] == "backing"
+    assert pool.allocator.stats().used == used and reg.stats("alice")["buffers"] == 1
+    pool.arena.back = real  # type: ignore[method-assign]
+    reg.release(small)
+    assert pool.arena.backed == 0 and pool.allocator.stats().used == 0

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from control.wire import protocol as P
-from dataplane import ucx
+from dataplane import shm, staging, ucx
 
 
 def hello_answer(**overrides: Any) -> dict[str, Any]:
@@ -35,6 +35,25 @@ def hello_answer(**overrides: Any) -> dict[str, Any]:
         else:
             answer[key] = value
     return answer
+
+
+def send_handle(conn: Conn, tag: int, value: int, fd: int | None) -> None:
+    """A handle-channel record on ``conn`` (the fake's end of a client's
+    ``bind_handles`` connection): ``fd`` attached, or none."""
+    sock = conn.writer.get_extra_info("socket").dup()
+    try:
+        shm.send_fds(sock, tag, value, [] if fd is None else [fd])
+    finally:
+        sock.close()
+
+
+def staging_fd(size: int = staging.SIZE, seal: bool = True) -> int:
+    """A staging area as a real daemon makes it (or, ``seal=False``, one
+    that can shrink under the client's mapping)."""
+    fd = shm.memfd(size, "fake-staging")
+    if seal:
+        shm.seal_size(fd)
+    return fd
 
 
 class Conn:

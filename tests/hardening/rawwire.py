@@ -27,8 +27,15 @@ class Raw:
     """A blocking control connection speaking frames by hand."""
 
     def __init__(self, addr: str, timeout: float = 10.0) -> None:
-        host, port = addr.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        """``addr``: "HOST:PORT", or "unix:NAME" (a path, or "@name": abstract)."""
+        if addr.startswith("unix:"):
+            name = addr[len("unix:"):]
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect("\0" + name[1:] if name.startswith("@") else name)
+        else:
+            host, port = addr.rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.unpacker = msgpack.Unpacker(raw=False)
         self._buf = b""
         self._next_id = 1

@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from fakedaemon import Conn, FakeDaemon, hello_answer
+from fakedaemon import Conn, FakeDaemon, hello_answer, send_handle, staging_fd
 
 import rpcbuf
 from control.wire.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
+from dataplane import staging
 
 LIMITS = {"max_frame": 16 << 20, "max_inflight": 4, "transfer_timeout": 30.0}
 
@@ -32,6 +33,10 @@ async def opened(answer: dict[str, Any] | None, silent_ops: tuple[str, ...] = ()
         if req["op"] == "hello":
             if answer is not None:
                 conn.answer(req, answer)
+        elif req["op"] == "bind_handles":  # as a real daemon: the staging area
+            fd = staging_fd()
+            send_handle(conn, 0, staging.SIZE, fd)
+            os.close(fd)
         elif req["op"] not in silent_ops:
             conn.answer(req, {})
 
@@ -72,7 +77,7 @@ async def connect_to(answer: dict[str, Any], **kw: Any) -> rpcbuf.RpcContext:
 def local(**over: Any) -> dict[str, Any]:
     """A hello answer on the same-host path (no UCX endpoint to bind), as
     the daemon gives on its Unix socket."""
-    return hello_answer(**{"same_host": True, **over})
+    return hello_answer(**{"same_host": True, "handles_nonce": os.urandom(16), **over})
 
 
 async def test_hello_never_answered_times_out(never_answers: str) -> None:
@@ -109,6 +114,7 @@ async def test_bad_limits_are_refused(field: str, limits: Any) -> None:
     {"bind_nonce": b"short"}, {"bind_nonce": "x" * 16},
     {"ucx": {"port": 0}}, {"ucx": {"port": 70000}}, {"ucx": {"port": "7701"}}, {"ucx": 5},
     {"version": 99}, {"same_host": "yes"}, {"same_host": 1}, {"same_host_why": ["no"]},
+    {"handles_nonce": b"short"}, {"handles_nonce": ...},
     {"devices": "cpu"}, {"devices": [{}] * 100_000}, {"devices": [{"key": "cpu:0"}]},
     {"checksum_kinds": {"cpu:0": "md5"}}, {"checksum_kinds": ["xxh3"]},
     {"local": {"socket": "@x", "boot_id": "b", "pid": -1}},
@@ -241,10 +247,10 @@ async def test_connect_checks_the_peer_before_the_token(tmp_path: Any) -> None:
     path = str(tmp_path / "squat.sock")
     seen: list[dict[str, Any]] = []
     squatter = await unix_daemon(path, seen)
-    from dataplane import cma
+    from dataplane import shm
 
     other_pid = 1 if os.getpid() != 1 else 2
-    tcp_answer = hello_answer(local={"socket": path, "boot_id": cma.boot_id(),
+    tcp_answer = hello_answer(local={"socket": path, "boot_id": shm.boot_id(),
                                      "pid": other_pid}, same_host=True)
     gen = opened(tcp_answer)
     addr = await gen.__anext__()
@@ -269,3 +275,119 @@ async def test_tcp_hello_cannot_claim_the_same_host_path() -> None:
         assert info.value.details.get("field") == "same_host"
     finally:
         await gen.aclose()
+
+
+# -- the handle channel: what the daemon sends by handle is checked --------------------
+
+
+async def _handle_daemon(on_bind: Any, on_attach: Any = None) -> AsyncIterator[str]:
+    """A fake Unix-socket daemon granting the same-host path, whose handle
+    channel (and attach answers) do what the test says."""
+    bound: list[Conn] = []
+
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        if req["op"] == "hello":  # (a real UCX listener: the client falls back to it)
+            conn.answer(req, local(ucx={"port": fd.ucx_port}))
+        elif req["op"] == "bind_handles":
+            bound.append(conn)
+            on_bind(conn)
+        elif req["op"] == "attach" and on_attach is not None:
+            on_attach(bound[0], conn, req)
+        else:
+            conn.answer(req, {})
+
+    fd = FakeDaemon(handler, ucx_listener=True)
+    await fd.start()
+    path = os.path.join(tempfile.mkdtemp(prefix="fake-rpcbufd-"), "sock")
+    server = await asyncio.start_unix_server(fd._serve, path)
+    try:
+        yield f"unix:{path}"
+    finally:
+        await fd.close()
+        server.close()
+        await server.wait_closed()
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+
+
+def _send_staging(size: int = staging.SIZE, seal: bool = True, record_size: int | None = None,
+                  fd_too: bool = True) -> Any:
+    def on_bind(conn: Conn) -> None:
+        fd = staging_fd(size, seal)
+        send_handle(conn, 0, record_size or size, fd if fd_too else None)
+        os.close(fd)
+    return on_bind
+
+
+@pytest.mark.parametrize("on_bind, why", [
+    (_send_staging(seal=False), "can shrink"),
+    (_send_staging(size=4096), "not"),
+    (_send_staging(record_size=1 << 40), "not"),
+    (_send_staging(fd_too=False), "exactly one fd"),
+    (lambda conn: conn.answer({"id": 1}, {}), "fd"),  # msgpack where records belong
+    (lambda conn: conn.close(), "closed"),
+])
+async def test_a_bad_staging_area_turns_the_same_host_path_off(on_bind: Any, why: str) -> None:
+    """A staging area that could shrink under our mapping (SIGBUS here), of
+    the wrong size, without its fd, or no record at all: the session goes on
+    without the same-host path, and says why; required, it is refused."""
+    async for addr in _handle_daemon(on_bind):
+        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+            assert not c.same_host
+            assert why in c.hello["same_host_why"], c.hello["same_host_why"]
+        with pytest.raises(BadRequest, match="same-host path is not available"):
+            await rpcbuf.connect(addr, token="t", timeout=5, same_host=True)
+
+
+def _attach_with(fd_of: Any, meta: dict[str, Any]) -> Any:
+    def on_attach(channel: Conn, conn: Conn, req: dict[str, Any]) -> None:
+        fd, nbytes = fd_of()
+        send_handle(channel, req["id"], nbytes, fd)
+        os.close(fd)
+        conn.answer(req, meta)
+    return on_attach
+
+
+def _writable(size: int = 8192) -> tuple[int, int]:
+    from dataplane import shm
+    return shm.memfd(size, "fake-buffer"), size
+
+
+def _read_only(size: int = 8192, seal: bool = True) -> tuple[int, int]:
+    from dataplane import shm
+    fd = shm.memfd(size, "fake-buffer")
+    if seal:
+        shm.seal_read_only(fd)
+    ro = shm.read_only_fd(fd)
+    os.close(fd)
+    return ro, size
+
+
+META = {"buffer_id": "b-x", "size": 8192, "alloc_size": 8192, "tensors": {}}
+
+
+@pytest.mark.parametrize("fd_of, meta, why", [
+    (_writable, META, "read-only"),  # a handle we could write through: refused
+    (lambda: _read_only(seal=False), META, "sealed"),  # someone else could
+    (lambda: (_read_only(4096)[0], 8192), META, "4096 bytes"),  # not the size it claims
+    (_read_only, {**META, "alloc_size": 1 << 40}, "does not match"),
+    (_read_only, {**META, "size": 9000}, "does not match"),
+])
+async def test_an_attach_handle_must_be_read_only_sealed_and_sized(
+        fd_of: Any, meta: dict[str, Any], why: str) -> None:
+    async for addr in _handle_daemon(_send_staging(), _attach_with(fd_of, meta)):
+        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+            assert c.same_host
+            with pytest.raises(ConnectionLost, match=why):
+                await c.attach("b-x")
+
+
+async def test_a_manifest_entry_outside_the_buffer_is_refused() -> None:
+    bad = {**META, "tensors": {"w": {"dtype": "float32", "shape": [4096], "offset": 0,
+                                     "nbytes": 16384}}}
+    async for addr in _handle_daemon(_send_staging(), _attach_with(_read_only, bad)):
+        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+            async with c.attach("b-x") as view:
+                with pytest.raises(ConnectionLost, match="outside"):
+                    view.tensors()
+                assert view.array().nbytes == 8192

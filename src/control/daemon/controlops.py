@@ -106,7 +106,7 @@ class ControlOps:
     def release(self, req: P.Release) -> dict[str, Any]:
         buf = self._get(req.buffer_id)
         self._registry.release(buf)
-        self._owner.audit("release", buf, note="deferred until transfers end" if buf.pins else "")
+        self._owner.audit("release", buf, note="deferred until transfers end and readers detach" if buf.pins else "")
         self._node.schedule_expiry()
         return {"buffer_id": buf.buffer_id}
 

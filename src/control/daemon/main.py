@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -348,12 +350,22 @@ def _announcer(args: argparse.Namespace, daemon: Daemon) -> Announcer | None:
                      ttl=args.registry_ttl)
 
 
+def raise_fd_limit() -> None:
+    """Open files up to the hard limit: each host buffer holds a memfd."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.debug("open files: %d -> %d", soft, hard)
+
+
 async def serve(args: argparse.Namespace) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
     tls = _tls(args)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
     keys = load_keys(args.secret_file)
+    raise_fd_limit()  # one memfd per host buffer
     arenas = make_arenas(args.device)
     if args.prefault:
         prefault_arenas(arenas)
