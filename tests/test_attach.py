@@ -304,7 +304,7 @@ async def test_a_client_of_another_user_can_attach(clean_pool: DaemonProc) -> No
         await c.clear_buffer(bid, 17)
         reader = _reader(clean_pool, "for-nobody", user="nobody")
         try:
-            total, first, private_kb = _ready(reader)
+            _, first, private_kb = _ready(reader)
             assert first == 17 and private_kb == 0
         finally:
             reader.kill()

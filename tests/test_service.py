@@ -118,8 +118,8 @@ async def test_notify_watchdog_and_reload_without_dropping_clients(
     assert await asyncio.to_thread(d.proc.wait, 30) == 0
     log = d.log()
     assert "reloaded" in log and "log level DEBUG" in log
-    assert re.search(r"DEBUG rpcbuf.daemon session s-\S+ bound (its data endpoint|the same-host "
-                     r"path)", log)
+    assert re.search(r"DEBUG rpcbuf.daemon session s-\S+ bound (its data endpoint|its handle "
+                     r"channel)", log)
     assert "reload failed, keeping the running settings" in log and "quotas.alice" in log
     assert "code=QUOTA_EXCEEDED" in log  # the refused request_buffer, in the audit trail
 

@@ -102,7 +102,7 @@ async def test_meta_and_devices(ctx: rpcbuf.RpcContext) -> None:
     assert devs[0]["device_type"] == "CPU" and devs[0]["total"] == 768 << 20
     buf = await ctx.request_buffer(1000, device_type="cpu", ttl=60)
     meta = await ctx.get_buffer_meta(buf)
-    assert meta["buffer_id"] == buf and meta["size"] == 1000 and meta["alloc_size"] == 1024
+    assert meta["buffer_id"] == buf and meta["size"] == 1000 and meta["alloc_size"] == 4096
     assert meta["tenant"] == "alice" and meta["device_type"] == "CPU" and meta["device"] == 0
     assert meta["expires_at"] > meta["created_at"] and meta["tensors"] == {}
     assert isinstance(meta["base_addr"], int) and meta["base_addr"] % 256 == 0

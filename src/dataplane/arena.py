@@ -51,6 +51,7 @@ class HostArena:
 
     device_type = "CPU"
     granularity = shm.PAGE
+    prefault = False  # ``--prefault``: each new buffer's pages are populated (``prefault_range``)
 
     def __init__(self, size: int, device: int = 0) -> None:
         if size <= 0:

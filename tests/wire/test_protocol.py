@@ -118,7 +118,9 @@ def test_every_op_round_trips() -> None:
                P.ReadBatch("b", P.pack_u64([0]), P.pack_u64([4])), P.OpenBuffer("n"),
                P.ClearBuffer("b", 7, 1, 2), P.CopyBuffer("a", 1, "b", 2, 3),
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
-                            P.pack_u64([3]), ["a"], ["<f4"], [[2]])]
+                            P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
+               P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
+               P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3)]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import mmap
 import weakref
 from collections.abc import Callable, Mapping
@@ -36,7 +37,7 @@ class Attachment:
     """One open attachment: the buffer's bytes, mapped read-only."""
 
     def __init__(self, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
-                 detach: Callable[[str], None]) -> None:
+                 detach: Callable[[str], asyncio.Future[Any] | None]) -> None:
         self.buffer_id = buffer_id
         self.size: int = meta["size"]
         self.tensors_meta: dict[str, dict[str, Any]] = dict(meta.get("tensors") or {})
@@ -45,8 +46,10 @@ class Attachment:
         base: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8, count=self.size)
         self._base = base
         self.closed = False
-        # When the last array over the mapping is gone: unmap, then detach.
-        self._done = weakref.finalize(base, _release, mm, detach, buffer_id)
+        # When the last array over the mapping is gone: unmap, then detach
+        # (the detach request lands in ``_sent``, for ``close`` to wait on).
+        self._sent: list[asyncio.Future[Any]] = []
+        self._done = weakref.finalize(base, _release, mm, detach, buffer_id, self._sent)
 
     @property
     def address(self) -> int:
@@ -81,6 +84,8 @@ class Attachment:
         """End the attachment (see the module: deferred while arrays live)."""
         self.closed = True
         self._base = None  # the finalizer runs now if no array is left
+        if self._sent:  # it did: the detach is on its way; let it land
+            await asyncio.wait(self._sent)
 
     async def __aenter__(self) -> Attachment:
         return self
@@ -94,32 +99,44 @@ def tensor_view(base: np.ndarray, entry: Mapping[str, Any], size: int) -> np.nda
     be hostile) is CONNECTION_LOST, never an array past the mapping."""
     try:
         dtype = np_dtype(entry["dtype"])
-        shape = tuple(int(d) for d in entry["shape"])
+        shape = tuple(map(int, entry["shape"]))
         offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
     except (KeyError, TypeError, ValueError, BadRequest) as exc:
         raise ConnectionLost(f"the daemon sent a malformed manifest entry: {exc}") from None
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if offset < 0 or nbytes < 0 or offset + nbytes > size or count * dtype.itemsize != nbytes:
+    if offset < 0 or nbytes < 0 or offset + nbytes > size \
+            or math.prod(shape) * dtype.itemsize != nbytes or min(shape, default=0) < 0:
         raise ConnectionLost("the daemon sent a manifest entry outside its buffer")
     return base[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def _release(mm: mmap.mmap, detach: Callable[[str], None], buffer_id: str) -> None:
+def _release(mm: mmap.mmap, detach: Callable[[str], asyncio.Future[Any] | None],
+             buffer_id: str, sent: list[asyncio.Future[Any]]) -> None:
     with contextlib.suppress(BufferError, ValueError):
         mm.close()
-    detach(buffer_id)
+    task = detach(buffer_id)
+    if task is not None:
+        sent.append(task)
 
 
 def detacher(loop: asyncio.AbstractEventLoop,
-             send: Callable[[str], Any]) -> Callable[[str], None]:
+             send: Callable[[str], Any]) -> Callable[[str], asyncio.Future[Any] | None]:
     """A detach that may be called from any thread (a finalizer): the
-    request goes from ``loop``, unanswered waits are nobody's business."""
-    def detach(buffer_id: str) -> None:
-        def go() -> None:
-            task = loop.create_task(send(buffer_id))
-            task.add_done_callback(_swallow)
+    request goes from ``loop``; on the loop's own thread the task is
+    returned (``close`` waits for it), else nobody waits."""
+    def go(buffer_id: str) -> asyncio.Future[Any]:
+        task = loop.create_task(send(buffer_id))
+        task.add_done_callback(_swallow)
+        return task
+
+    def detach(buffer_id: str) -> asyncio.Future[Any] | None:
+        try:
+            if asyncio.get_running_loop() is loop:
+                return go(buffer_id)
+        except RuntimeError:
+            pass
         with contextlib.suppress(RuntimeError):  # the loop is closed: the session went too
-            loop.call_soon_threadsafe(go)
+            loop.call_soon_threadsafe(go, buffer_id)
+        return None
     return detach
 
 

@@ -87,6 +87,7 @@ class Buffer:
             "expires_at": self.expires_at,
             "ttl": self.ttl,
             "session_scoped": self.session_id is not None,
+            "attached": self.attached,  # open read-only attachments (writes are BUSY)
             "tensors": self.tensors if tensors else None,
             "tensor_count": len(self.tensors),
             "tensors_end": self.tensors_end,

@@ -12,6 +12,7 @@ through ``Owner`` and the daemon through ``node.Node``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, Protocol
@@ -25,6 +26,8 @@ from control.wire.errors import BadRequest, RpcBufError
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
+
+log = logging.getLogger("rpcbuf.daemon")
 
 
 class Owner(Protocol):
@@ -56,7 +59,26 @@ class ControlOps:
         self._owner.audit("request_buffer", buf, note=f"size={buf.size}")
         if buf.expires_at is not None:
             self._node.schedule_expiry()
+        if getattr(buf.pool.arena, "prefault", False):
+            self._prefault(buf)
         return buf.meta()
+
+    def _prefault(self, buf: Buffer) -> None:
+        """``--prefault``: back the new buffer's pages with memory now, in a
+        worker thread (it changes no byte, so stores may already land), the
+        buffer pinned until it is done."""
+        registry = self._registry
+        registry.pin(buf)
+        populate = buf.pool.arena.prefault_range  # type: ignore[attr-defined]
+        fut = asyncio.get_running_loop().run_in_executor(None, populate, buf.offset,
+                                                         buf.alloc_size)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("--prefault of %s: %s", buf.buffer_id, f.exception())
+            registry.unpin(buf)
+
+        fut.add_done_callback(done)
 
     async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
         """A request_buffer that could not be granted at once: queue (first
@@ -106,7 +128,8 @@ class ControlOps:
     def release(self, req: P.Release) -> dict[str, Any]:
         buf = self._get(req.buffer_id)
         self._registry.release(buf)
-        self._owner.audit("release", buf, note="deferred until transfers end and readers detach" if buf.pins else "")
+        self._owner.audit("release", buf, note="deferred until transfers end and readers "
+                          "detach" if buf.pins else "")
         self._node.schedule_expiry()
         return {"buffer_id": buf.buffer_id}
 

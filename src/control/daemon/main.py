@@ -22,8 +22,6 @@ import signal
 import socket
 import ssl
 import sys
-import threading
-import time
 from typing import Any
 
 from control.daemon import config, logs
@@ -213,37 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--registry-password-file", metavar="FILE",
                      help="the etcd user's password, the file's first line")
     p.add_argument("--prefault", action="store_true",
-                   help="back every page of the host arenas with memory at start, in a "
-                        "background thread, so first writes into a buffer do not fault "
-                        "(the arenas' memory is then resident for good)")
+                   help="back every page of each new host buffer with memory when it is "
+                        "requested, in a worker thread, so first writes into it do not "
+                        "fault (costs about what a first write would, off the event loop)")
     return p
-
-
-def prefault_arenas(arenas: list[Any]) -> threading.Thread:
-    """Populate each arena that can (``HostArena.prefault``) in one background
-    thread: it changes no byte, so the daemon serves meanwhile."""
-
-    def run() -> None:
-        for arena in arenas:
-            prefault = getattr(arena, "prefault", None)
-            if prefault is None:
-                continue
-            t = time.perf_counter()
-            try:
-                ok = prefault()
-            except OSError as exc:
-                log.warning("--prefault: %s:%d: %s", arena.device_type, arena.device, exc)
-                continue
-            if ok:
-                log.info("--prefault: %s:%d: %d bytes resident in %.2f s", arena.device_type,
-                         arena.device, arena.size, time.perf_counter() - t)
-            else:
-                log.warning("--prefault: this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+); "
-                            "pages stay faulted in on first use")
-
-    thread = threading.Thread(target=run, name="rpcbuf-prefault", daemon=True)
-    thread.start()
-    return thread
 
 
 GPU_KINDS = ("cuda", "gpu")
@@ -367,8 +338,9 @@ async def serve(args: argparse.Namespace) -> int:
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
     arenas = make_arenas(args.device)
-    if args.prefault:
-        prefault_arenas(arenas)
+    for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
+        if hasattr(arena, "prefault_range"):
+            arena.prefault = bool(args.prefault)
     pools = [Pool.create(a, args.allocator) for a in arenas]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)
