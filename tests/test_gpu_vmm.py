@@ -120,6 +120,11 @@ def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
     print(f"\nVMM granularity: minimum {g}, recommended {rec}")
     d = arena.describe()
     assert d["backing"] == "vmm" and d["granularity"] == g and g % 4096 == 0
+    from dataplane.cuda_arena import CudaArena
+
+    auto = CudaArena(64 * MiB, 0, vmm=None)  # where VMM works, it is what auto picks
+    assert auto.backing == "vmm", auto.describe()
+    auto.close()
     with pytest.raises(IndexError, match="not inside one backed buffer"):
         arena.view(0, 1)
     arena.back(0, g)

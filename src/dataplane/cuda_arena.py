@@ -38,11 +38,11 @@ from typing import Any
 
 from dataplane.checksum import xxh3
 
-from .cuda_backing import Ledger, VmmBacking
+from .cuda_backing import Ledger, VmmBacking, undo
 from .cuda_vmm import CudaError, Driver, UnsupportedDevice, open_driver
 from .devsum import devsum
 
-HOST_GRANULARITY = 256  # the cupy backing: the allocator's own alignment
+CUPY_GRANULARITY = 256  # the cupy backing: the allocator's own alignment
 
 
 class DeviceUnavailable(ValueError):
@@ -100,12 +100,17 @@ class CudaArena:
         if self._vmm is not None:
             self.granularity = self._vmm.granularity
             self._ledger = self._vmm.ledger
-            with self._dev:
-                self._mem = device_array(cp, self._vmm.base, self._vmm.reserved, device,
-                                         self._vmm)
+            try:
+                with self._dev:
+                    self._mem = device_array(cp, self._vmm.base, self._vmm.reserved, device,
+                                             self._vmm)
+            except Exception as exc:
+                undo(exc, self._vmm.close)
+                raise DeviceUnavailable(f"{spec}: cannot view the reserved range "
+                                        f"({type(exc).__name__}: {exc})") from None
         else:
-            self.granularity = HOST_GRANULARITY
-            self._ledger = Ledger(size, HOST_GRANULARITY)
+            self.granularity = CUPY_GRANULARITY
+            self._ledger = Ledger(size, CUPY_GRANULARITY)
             try:
                 with self._dev:
                     self._mem = cp.empty(size, dtype=cp.uint8)

@@ -468,6 +468,18 @@ def test_falls_back_without_a_driver(fake_cupy: Any, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a CUDA driver is here")
+def test_a_failed_view_of_the_range_gives_it_back(fake_cupy: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no view")
+
+    monkeypatch.setattr(cuda_arena, "device_array", broken)
+    drv = FakeDriver()
+    with pytest.raises(cuda_arena.DeviceUnavailable, match="cuda:0: cannot view"):
+        cuda_arena.CudaArena(16 * MiB, 0, vmm=True, driver=drv)
+    drv.check_clean()
+
+
 def test_open_driver_without_libcuda_is_unsupported_device() -> None:
     pytest.importorskip("cuda.bindings.driver")
     with pytest.raises(UnsupportedDevice, match="no usable CUDA driver"):
