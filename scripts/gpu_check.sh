@@ -13,8 +13,10 @@
 #
 # Steps: a venv (.gpu-venv, seeing python3's own packages) with the wheels
 # and this project installed; a smoke start of rpcbufd with a GPU arena
-# (--device cuda:0:1GiB) answering `rpcbuf devices`; `pytest -m gpu`;
-# scripts/bench_gpu.py.  Writes benchmarks/gpu/gpu-check-STAMP.json (the
+# (--device cuda:0:1GiB) answering `rpcbuf devices`; `pytest -m gpu`; the
+# CUDA VMM tests (tests/test_gpu_vmm.py: export/import across processes, a
+# write through a read-only import, copy bandwidth into an import, 1000
+# back/unback cycles), with their printed numbers; scripts/bench_gpu.py.  Writes benchmarks/gpu/gpu-check-STAMP.json (the
 # GPU, the driver, every number, the goal) and the logs beside it.
 # UCX settings come from src/dataplane/ucx.py (CUDA defaults); the caller's
 # UCX_* variables win.  Exit status: 0 when every step passed.
@@ -67,7 +69,7 @@ say "checking imports"
 import importlib, sys
 need = ["cupy", "ucxx", "numpy", "msgpack", "uvloop", "xxhash", "rich", "safetensors",
         "prometheus_client", "pytest", "pytest_asyncio", "pytest_timeout",
-        "hypothesis", "rpcbuf"]
+        "hypothesis", "cuda.bindings.driver", "rpcbuf"]
 missing = []
 for name in need:
     try:
@@ -80,6 +82,13 @@ if missing:
 import cupy
 n = cupy.cuda.runtime.getDeviceCount()
 print(f"cupy {cupy.__version__}: {n} CUDA device(s); ucxx", importlib.import_module("ucxx").__version__)
+from dataplane.cuda_vmm import open_driver
+try:
+    drv = open_driver(0)
+    print(f"CUDA VMM on device 0: {drv.support}; granularity minimum "
+          f"{drv.granularity()}, recommended {drv.granularity(recommended=True)}")
+except Exception as exc:
+    print(f"CUDA VMM on device 0: unavailable ({type(exc).__name__}: {exc})")
 sys.exit(0 if n else 1)
 PYEOF
 
@@ -124,8 +133,15 @@ daemon_pid=""
 cat "$tmp/daemon.log"
 
 say "pytest -m gpu"
-if ! (cd "$ROOT" && "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider); then
+if ! (cd "$ROOT" && "$VPY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+        --ignore=tests/test_gpu_vmm.py); then
     failed+=("pytest -m gpu")
+fi
+
+say "CUDA VMM: pytest -m gpu tests/test_gpu_vmm.py (prints granularity, bandwidth, timings)"
+if ! (cd "$ROOT" && "$VPY" -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+        tests/test_gpu_vmm.py); then
+    failed+=("pytest tests/test_gpu_vmm.py")
 fi
 
 say "benchmark"

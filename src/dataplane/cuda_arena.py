@@ -1,11 +1,29 @@
-"""A GPU arena: one CuPy allocation on one CUDA device, handed out as views.
+"""A GPU arena on one CUDA device, handed out as views.
 
 It implements the ``Arena`` protocol of ``dataplane.arena``: ``view``
 returns a zero-copy CuPy ``uint8`` slice that UCX receives into or sends
 from directly (ucxx takes any ``__cuda_array_interface__`` buffer; UCX moves
 it with cuda_copy/cuda_ipc or GPUDirect RDMA), ``checksum`` is the device
 checksum ``devsum`` (``dataplane.devsum``: computed by a kernel, no copy to
-the host), and ``describe`` names the GPU.
+the host), and ``describe`` names the GPU and how its memory is backed.
+
+Two backings, one interface (``granularity``, ``back``, ``unback``,
+``export``, called by the daemon's registry around its allocator):
+
+* **vmm**: the arena's virtual range is reserved once (CUDA VMM,
+  ``dataplane.cuda_vmm``) and each buffer gets its own physical allocation
+  when it is handed out (``back``) and loses it when freed (``unback``);
+  ``export`` gives a POSIX fd for one buffer's memory, which another process
+  on the node maps (``dataplane.cuda_import``).  Offsets and sizes are
+  multiples of the allocation granularity (2 MiB on current GPUs).  Views
+  are refused outside backed buffers: touching unmapped device memory would
+  poison the daemon's CUDA context for every tenant.
+* **cupy**: one ``cupy.empty(size, uint8)`` allocation, as before VMM; the
+  granularity is 256, ``back``/``unback`` only keep the books, and
+  ``export`` raises ``UnsupportedDevice``.  Used when asked for
+  (``vmm=False``, the default until the registry calls ``back``) and, with
+  ``vmm=None``, where the device or node lacks VMM or POSIX-fd handles
+  (``describe()["backing_why"]`` says why).
 
 CuPy is imported only when a ``CudaArena`` is made, so a CPU-only node never
 needs it.  Every failure to make one (no CuPy, no such device, not enough
@@ -20,7 +38,11 @@ from typing import Any
 
 from dataplane.checksum import xxh3
 
+from .cuda_backing import Ledger, VmmBacking, undo
+from .cuda_vmm import CudaError, Driver, UnsupportedDevice, open_driver
 from .devsum import devsum
+
+CUPY_GRANULARITY = 256  # the cupy backing: the allocator's own alignment
 
 
 class DeviceUnavailable(ValueError):
@@ -38,13 +60,25 @@ def _import_cupy(spec: str) -> Any:
     return cupy
 
 
+def device_array(cp: Any, ptr: int, nbytes: int, device: int, owner: object) -> Any:
+    """A CuPy uint8 array over ``nbytes`` of device memory CuPy does not own
+    (``owner`` is kept alive by the array)."""
+    mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device)
+    return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
 class CudaArena:
-    """Device memory of CUDA device ``device``: one ``cupy.empty(size, uint8)``."""
+    """Device memory of CUDA device ``device``.
+
+    ``vmm``: ``False`` (default) one CuPy allocation; ``None`` VMM where the
+    device supports it, else one CuPy allocation; ``True`` VMM or
+    ``DeviceUnavailable``.  ``driver`` replaces the CUDA driver (tests)."""
 
     device_type = "GPU"
     kind = "cuda"
 
-    def __init__(self, size: int, device: int = 0) -> None:
+    def __init__(self, size: int, device: int = 0, *, vmm: bool | None = False,
+                 driver: Driver | None = None) -> None:
         spec = f"cuda:{device}"
         if size <= 0:
             raise DeviceUnavailable(f"{spec}: arena size must be positive")
@@ -59,18 +93,57 @@ class CudaArena:
         self.size = size
         self.device = device
         self._dev = cp.cuda.Device(device)
-        try:
-            with self._dev:
-                self._mem = cp.empty(size, dtype=cp.uint8)
-        except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError and friends
-            free = self._free_bytes()
-            raise DeviceUnavailable(
-                f"{spec}: cannot allocate {size} bytes ({type(exc).__name__}: {exc}; "
-                f"{free} bytes free)"
-            ) from None
+        self._vmm: VmmBacking | None = None
+        self.backing_why = "" if vmm is not False else "VMM not asked for"
+        if vmm is not False:
+            self._vmm = self._make_vmm(spec, driver, required=vmm is True)
+        if self._vmm is not None:
+            self.granularity = self._vmm.granularity
+            self._ledger = self._vmm.ledger
+            try:
+                with self._dev:
+                    self._mem = device_array(cp, self._vmm.base, self._vmm.reserved, device,
+                                             self._vmm)
+            except Exception as exc:
+                undo(exc, self._vmm.close)
+                raise DeviceUnavailable(f"{spec}: cannot view the reserved range "
+                                        f"({type(exc).__name__}: {exc})") from None
+        else:
+            self.granularity = CUPY_GRANULARITY
+            self._ledger = Ledger(size, CUPY_GRANULARITY)
+            try:
+                with self._dev:
+                    self._mem = cp.empty(size, dtype=cp.uint8)
+            except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError and friends
+                free = self._free_bytes()
+                raise DeviceUnavailable(
+                    f"{spec}: cannot allocate {size} bytes ({type(exc).__name__}: {exc}; "
+                    f"{free} bytes free)"
+                ) from None
         props = cp.cuda.runtime.getDeviceProperties(device)
         name = props.get("name", b"CUDA device")
         self.name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+    def _make_vmm(self, spec: str, driver: Driver | None, required: bool) -> VmmBacking | None:
+        try:
+            drv = driver if driver is not None else open_driver(self.device)
+            why = drv.support.why_not
+        except (UnsupportedDevice, CudaError) as exc:
+            why = str(exc)
+        if not why:
+            try:
+                return VmmBacking(drv, self.size)
+            except CudaError as exc:  # the range cannot be reserved
+                why = f"cannot reserve {self.size} bytes of virtual addresses ({exc})"
+        if required:
+            raise DeviceUnavailable(f"{spec}: CUDA VMM was asked for, but {why}")
+        self.backing_why = why
+        return None
+
+    @property
+    def backing(self) -> str:
+        """``"vmm"`` or ``"cupy"``."""
+        return "vmm" if self._vmm is not None else "cupy"
 
     def _free_bytes(self) -> int | None:
         try:
@@ -86,9 +159,48 @@ class CudaArena:
         with self._dev:
             yield
 
-    def view(self, offset: int, nbytes: int) -> Any:
+    # -- what the registry calls around its allocator -----------------------------------
+
+    def back(self, offset: int, nbytes: int) -> None:
+        """Give the block ``[offset, offset+nbytes)`` just handed out its memory.
+        Raises ``BackingError`` (a range not aligned to ``granularity``, outside
+        the arena, or overlapping a backed block) or ``CudaError`` (the driver
+        refused, e.g. ``CUDA_ERROR_OUT_OF_MEMORY``); either way nothing stays
+        backed, and the registry answers ``OUT_OF_MEMORY``."""
+        if self._vmm is not None:
+            self._vmm.back(offset, nbytes)
+        else:
+            self._ledger.add(offset, nbytes)
+
+    def unback(self, offset: int, nbytes: int) -> None:
+        """The block is freed: its memory goes (once importers released it too).
+        Raises ``BackingError`` for a range that is not exactly one backed block."""
+        if self._vmm is not None:
+            self._vmm.unback(offset, nbytes)
+        else:
+            self._ledger.remove(offset, nbytes)
+
+    def export(self, offset: int, nbytes: int) -> int:
+        """A new POSIX fd for one backed block's memory; the caller closes it
+        after sending it.  Raises ``UnsupportedDevice`` on the cupy backing,
+        ``BackingError`` unless the range is exactly one backed block,
+        ``CudaError`` when the driver refuses."""
+        if self._vmm is None:
+            raise UnsupportedDevice(
+                f"cuda:{self.device}: GPU buffers here are one CuPy allocation and cannot "
+                f"be shared by handle ({self.backing_why})")
+        return self._vmm.export(offset, nbytes)
+
+    # -- views ------------------------------------------------------------------------
+
+    def _check(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise IndexError(f"[{offset}, {offset + nbytes}) is outside the arena of {self.size}")
+        if self._vmm is not None and nbytes and not self._vmm.covers(offset, nbytes):
+            raise IndexError(f"[{offset}, {offset + nbytes}) is not inside one backed buffer")
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        self._check(offset, nbytes)
         return self._mem[offset : offset + nbytes]
 
     def checksum(self, offset: int, nbytes: int) -> int:
@@ -99,8 +211,8 @@ class CudaArena:
     def checksums(self, offsets: list[int], sizes: list[int]) -> list[int]:
         """xxh3-64 of many ranges (what batches and dedup compare against host
         checksums): copies each range to the host first, so it is slow."""
-        if any(o < 0 or n < 0 or o + n > self.size for o, n in zip(offsets, sizes, strict=True)):
-            raise IndexError("a range is outside the arena")
+        for o, n in zip(offsets, sizes, strict=True):
+            self._check(o, n)
         with self._dev:
             return [xxh3(self.xp.asnumpy(self._mem[o : o + n]).data)
                     for o, n in zip(offsets, sizes, strict=True)]
@@ -110,7 +222,10 @@ class CudaArena:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"device_type": self.device_type, "device": self.device,
-                               "name": self.name, "kind": self.kind}
+                               "name": self.name, "kind": self.kind,
+                               "backing": self.backing, "granularity": self.granularity}
+        if self._vmm is None:
+            out["backing_why"] = self.backing_why
         try:
             with self._dev:
                 free, total = self.xp.cuda.runtime.memGetInfo()
@@ -118,6 +233,14 @@ class CudaArena:
         except Exception:  # describe must not fail a list_devices call
             pass
         return out
+
+    def close(self) -> None:
+        """Give every buffer's memory and the virtual range back (idempotent;
+        the daemon's shutdown).  Views taken earlier must not be used after."""
+        if self._vmm is not None:
+            with self._dev:
+                self._dev.synchronize()
+                self._vmm.close()
 
 
 def is_device_arena(arena: Any) -> bool:

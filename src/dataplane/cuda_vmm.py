@@ -1,0 +1,233 @@
+"""The CUDA virtual memory management (VMM) calls rpcbuf uses, behind one seam.
+
+GPU buffers that other processes on the node attach by handle need memory
+that CUDA can export: a physical allocation made with ``cuMemCreate`` and a
+POSIX-fd handle type, mapped into a virtual range reserved with
+``cuMemAddressReserve``.  ``Driver`` is the small protocol of those calls
+(one device per driver, sizes in bytes, handles and addresses as ints);
+``RealDriver`` implements it over ``cuda-bindings`` (``cuda.bindings.driver``),
+and unit tests implement it with a fake that records calls and enforces the
+rules (tests/dataplane/fakevmm.py).
+
+Why cuda-bindings and not CuPy: CuPy's driver module
+(``cupy_backends.cuda.api.driver``) wraps contexts, modules, kernel launch
+and occupancy, and none of cuMemCreate / cuMemMap / cuMemSetAccess /
+cuMemAddressReserve / cuMemGetAllocationGranularity /
+cuMemExportToShareableHandle / cuMemImportFromShareableHandle.
+cuda-bindings has all of them, and it is installed wherever rpcbuf is
+(``ucxx-cu12`` -> ``rmm-cu12`` requires it).  It is imported only when a
+driver is opened.
+
+Every failed call is a ``CudaError`` naming the call and the ``CUresult``
+(``CUDA_ERROR_OUT_OF_MEMORY``, ...); a node where VMM cannot be used at all
+(no driver library, no bindings, a device without VMM or POSIX-fd handles)
+is an ``UnsupportedDevice`` whose message says which.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed: ``call`` is its name, ``name`` the ``CUresult``."""
+
+    def __init__(self, call: str, name: str, detail: str = "") -> None:
+        self.call, self.name, self.detail = call, name, detail
+        super().__init__(f"{call}: {name}" + (f" ({detail})" if detail else ""))
+
+
+class UnsupportedDevice(RuntimeError):
+    """This device or node cannot share GPU memory by handle (message says why)."""
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a device offers, read once when its driver is opened."""
+
+    vmm: bool  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    posix_fd: bool  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+    gpudirect_rdma: bool = False  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+
+    @property
+    def why_not(self) -> str:
+        """Empty when VMM buffers with POSIX-fd handles work here, else the reason."""
+        if not self.vmm:
+            return "the device does not support CUDA virtual memory management"
+        if not self.posix_fd:
+            return "the device does not support POSIX file descriptor memory handles"
+        return ""
+
+
+class Driver(Protocol):
+    """The VMM calls for one device.  Sizes and addresses must be multiples of
+    ``granularity()`` (the callers make sure; the fake checks)."""
+
+    device: int
+    support: Support
+
+    def granularity(self, *, recommended: bool = False) -> int: ...
+
+    def create(self, nbytes: int) -> int: ...  # cuMemCreate, POSIX-fd handle type requested
+
+    def release(self, handle: int) -> None: ...  # cuMemRelease
+
+    def reserve(self, nbytes: int, alignment: int) -> int: ...  # cuMemAddressReserve
+
+    def free_address(self, ptr: int, nbytes: int) -> None: ...  # cuMemAddressFree
+
+    def map(self, ptr: int, nbytes: int, handle: int) -> None: ...  # cuMemMap, offset 0
+
+    def unmap(self, ptr: int, nbytes: int) -> None: ...  # cuMemUnmap
+
+    def set_access(self, ptr: int, nbytes: int, *, writable: bool) -> None: ...  # cuMemSetAccess
+
+    def export(self, handle: int) -> int: ...  # cuMemExportToShareableHandle: a new fd
+
+    def import_fd(self, fd: int) -> int: ...  # cuMemImportFromShareableHandle (fd stays open)
+
+    def mem_info(self) -> tuple[int, int]: ...  # cuMemGetInfo: (free, total)
+
+    def synchronize(self) -> None: ...  # cuCtxSynchronize
+
+
+def _bindings() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise UnsupportedDevice(f"cuda-bindings is not installed ({exc})") from None
+    return driver
+
+
+class RealDriver:
+    """``Driver`` over cuda-bindings, in the device's primary context (the one
+    CuPy uses, so CuPy arrays over these addresses work).  Every call pushes
+    that context on the calling thread and pops it again."""
+
+    def __init__(self, device: int, cu: Any = None) -> None:
+        self.device = device
+        self._cu = cu = cu if cu is not None else _bindings()
+        try:
+            cu.cuInit(0)  # raises, rather than returns, when there is no driver library
+        except Exception as exc:
+            raise UnsupportedDevice(f"no usable CUDA driver ({type(exc).__name__}: {exc})") \
+                from None
+        self._dev = self._call("cuDeviceGet", cu.cuDeviceGet, device)
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain, self._dev)
+        attr = cu.CUdevice_attribute
+        self.support = Support(
+            vmm=bool(self._attribute(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)),
+            posix_fd=bool(self._attribute(
+                attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)),
+            gpudirect_rdma=bool(self._attribute(
+                attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)))
+        self._posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        prop.requestedHandleTypes = self._posix
+        if self.support.gpudirect_rdma:  # NICs may DMA into it (InfiniBand/RoCE GPUDirect)
+            prop.allocFlags.gpuDirectRDMACapable = 1
+        self._prop = prop
+
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            out = fn(*args)
+        except Exception as exc:  # a symbol this driver lacks, an argument the bindings refuse
+            raise CudaError(name, type(exc).__name__, str(exc)) from None
+        err, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise CudaError(name, getattr(err, "name", str(err)))
+        return rest[0] if len(rest) == 1 else rest
+
+    def _attribute(self, attr: Any) -> int:
+        return int(self._call("cuDeviceGetAttribute", self._cu.cuDeviceGetAttribute,
+                              attr, self._dev))
+
+    @contextmanager
+    def _current(self) -> Iterator[None]:
+        self._call("cuCtxPushCurrent", self._cu.cuCtxPushCurrent, self._ctx)
+        try:
+            yield
+        finally:
+            self._call("cuCtxPopCurrent", self._cu.cuCtxPopCurrent)
+
+    def _in_ctx(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._current():
+            return self._call(name, fn, *args)
+
+    def granularity(self, *, recommended: bool = False) -> int:
+        flags = self._cu.CUmemAllocationGranularity_flags
+        flag = (flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED if recommended
+                else flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        return int(self._in_ctx("cuMemGetAllocationGranularity",
+                                self._cu.cuMemGetAllocationGranularity, self._prop, flag))
+
+    def create(self, nbytes: int) -> int:
+        return int(self._in_ctx("cuMemCreate", self._cu.cuMemCreate, nbytes, self._prop, 0))
+
+    def release(self, handle: int) -> None:
+        self._in_ctx("cuMemRelease", self._cu.cuMemRelease, handle)
+
+    def reserve(self, nbytes: int, alignment: int) -> int:
+        return int(self._in_ctx("cuMemAddressReserve", self._cu.cuMemAddressReserve,
+                                nbytes, alignment, 0, 0))
+
+    def free_address(self, ptr: int, nbytes: int) -> None:
+        self._in_ctx("cuMemAddressFree", self._cu.cuMemAddressFree, ptr, nbytes)
+
+    def map(self, ptr: int, nbytes: int, handle: int) -> None:
+        self._in_ctx("cuMemMap", self._cu.cuMemMap, ptr, nbytes, 0, handle, 0)
+
+    def unmap(self, ptr: int, nbytes: int) -> None:
+        self._in_ctx("cuMemUnmap", self._cu.cuMemUnmap, ptr, nbytes)
+
+    def set_access(self, ptr: int, nbytes: int, *, writable: bool) -> None:
+        cu = self._cu
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device
+        desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable
+                      else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)
+        self._in_ctx("cuMemSetAccess", cu.cuMemSetAccess, ptr, nbytes, [desc], 1)
+
+    def export(self, handle: int) -> int:
+        return int(self._in_ctx("cuMemExportToShareableHandle",
+                                self._cu.cuMemExportToShareableHandle, handle, self._posix, 0))
+
+    def import_fd(self, fd: int) -> int:
+        # The bindings pass an int osHandle through as the pointer value, which
+        # is what the C API wants for a POSIX fd: (void *)(uintptr_t)fd.
+        return int(self._in_ctx("cuMemImportFromShareableHandle",
+                                self._cu.cuMemImportFromShareableHandle, fd, self._posix))
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = self._in_ctx("cuMemGetInfo", self._cu.cuMemGetInfo)
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        self._in_ctx("cuCtxSynchronize", self._cu.cuCtxSynchronize)
+
+
+_drivers: dict[int, RealDriver] = {}
+_lock = threading.Lock()
+
+
+def open_driver(device: int) -> RealDriver:
+    """The process's ``RealDriver`` for ``device`` (made, and its support read,
+    once).  Raises ``UnsupportedDevice`` when CUDA's driver or the bindings
+    are missing, ``CudaError`` when the device cannot be opened."""
+    with _lock:
+        drv = _drivers.get(device)
+        if drv is None:
+            drv = _drivers[device] = RealDriver(device)
+        return drv
+
+
+def round_up(n: int, granularity: int) -> int:
+    return -(-n // granularity) * granularity
