@@ -163,3 +163,24 @@ async def test_torch_cuda_tensors(cp, gpu_daemon) -> None:  # type: ignore[no-un
                 await c.store_batch(buf, [(0, torch.zeros(4, device="cuda"))])
         finally:
             await c.release_buffer(buf)
+
+
+async def test_gpu_attach_is_zero_copy_and_busy(cp, gpu_daemon) -> None:  # type: ignore[no-untyped-def]
+    """A GPU buffer attached through its CUDA VMM handle (read-only import):
+    CuPy arrays over the daemon's allocation, stores BUSY, detach on close.
+    Needs the VMM backing (``describe()["backing"] == "vmm"``)."""
+    async with gpu_daemon.connect() as c:
+        devs = {d["key"]: d for d in await c.list_devices()}
+        if devs["cuda:0"].get("backing") != "vmm":
+            pytest.skip(f"no VMM backing: {devs['cuda:0'].get('backing_why')}")
+        bid = await c.request_buffer(4 << 20, device_type="GPU", device=0)
+        src = cp.arange(1 << 20, dtype=cp.float32)
+        await c.store_tensors(bid, {"w": src})
+        async with c.attach(bid) as view:
+            w = view.tensors()["w"]
+            assert isinstance(w, cp.ndarray) and bool((w == src).all())
+            with pytest.raises(rpcbuf.Busy):
+                await c.store_tensor(bid, cp.zeros(8, cp.uint8))
+            del w
+        await c.store_tensor(bid, cp.zeros(8, cp.uint8))  # detached
+        await c.release_buffer(bid)

@@ -36,32 +36,63 @@ from control.wire.manifest import np_dtype
 class Attachment:
     """One open attachment: the buffer's bytes, mapped read-only."""
 
-    def __init__(self, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
+    def __init__(self, buffer_id: str, meta: Mapping[str, Any], base: Any, owner: Any,
+                 release: Callable[..., None], release_args: tuple[Any, ...],
                  detach: Callable[[str], asyncio.Future[Any] | None]) -> None:
+        """``base``: the whole buffer as a uint8 array (NumPy over a
+        read-only mapping, or CuPy over an imported GPU allocation);
+        ``owner``: what every array over it keeps alive (``base`` itself on
+        the host; the import's mapping on a GPU); ``release(*release_args)``
+        unmaps once ``owner`` is gone (it must not reference ``owner``)."""
         self.buffer_id = buffer_id
         self.size: int = meta["size"]
+        self.device_type: str = str(meta.get("device_type") or "CPU")
         self.tensors_meta: dict[str, dict[str, Any]] = dict(meta.get("tensors") or {})
         self.manifest_version: int = int(meta.get("manifest_version") or 0)
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        base: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8, count=self.size)
-        self._base = base
+        self._base: Any = base
         self.closed = False
         # When the last array over the mapping is gone: unmap, then detach
         # (the detach request lands in ``_sent``, for ``close`` to wait on).
         self._sent: list[asyncio.Future[Any]] = []
-        self._done = weakref.finalize(base, _release, mm, detach, buffer_id, self._sent)
+        self._done = weakref.finalize(owner, _release, release, release_args, detach,
+                                      buffer_id, self._sent)
+        del owner
+
+    @classmethod
+    def host(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
+             detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
+        """A host buffer's read-only memfd, mapped ``PROT_READ``."""
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        base = np.frombuffer(mm, dtype=np.uint8, count=int(meta["size"]))
+        return cls(buffer_id, meta, base, base, _unmap, (mm,), detach)
+
+    @classmethod
+    def device(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
+               device: int, detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
+        """A GPU buffer's CUDA VMM handle, imported with read-only access
+        (``dataplane/cuda_import.py``); CUDA cannot stop a hostile process
+        from importing it writable (docs/security.md)."""
+        from dataplane.cuda_import import import_buffer
+
+        imported = import_buffer(fd, nbytes, device, writable=False)  # takes the fd
+        m = imported.mapping
+        base = imported.array[:int(meta["size"])]
+        args = (m.driver, m.ptr, m.nbytes, m._handle)
+        del imported
+        return cls(buffer_id, meta, base, m, _unimport, args, detach)
 
     @property
     def address(self) -> int:
         """Where the mapping starts in this process (for tests and tools)."""
-        return int(self._live().ctypes.data)
+        base = self._live()
+        return int(base.data.ptr) if self.device_type == "GPU" else int(base.ctypes.data)
 
-    def _live(self) -> np.ndarray:
+    def _live(self) -> Any:
         if self._base is None:
             raise BadRequest(f"the attachment of {self.buffer_id} is closed")
         return self._base
 
-    def array(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+    def array(self, offset: int = 0, nbytes: int | None = None) -> Any:
         """``nbytes`` (default: to the end) from ``offset``, as a read-only uint8 array."""
         base = self._live()
         if nbytes is None:
@@ -71,11 +102,13 @@ class Attachment:
             raise BadRequest(f"[{offset}, +{nbytes}) is outside the buffer of {self.size} bytes")
         return base[offset:offset + nbytes]
 
-    def tensors(self) -> dict[str, np.ndarray]:
+    def tensors(self) -> dict[str, Any]:
         """The manifest's tensors (as of attach), by name, with their dtypes
-        and shapes, read-only, over the buffer's pages."""
+        and shapes, over the buffer's pages: read-only NumPy arrays (host),
+        CuPy arrays (GPU: CuPy has no read-only flag; the import is
+        read-only, a write faults)."""
         base = self._live()
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Any] = {}
         for name, e in self.tensors_meta.items():
             out[name] = tensor_view(base, e, self.size)
         return out
@@ -94,7 +127,7 @@ class Attachment:
         await self.close()
 
 
-def tensor_view(base: np.ndarray, entry: Mapping[str, Any], size: int) -> np.ndarray:
+def tensor_view(base: Any, entry: Mapping[str, Any], size: int) -> Any:
     """One manifest entry over ``base``; a malformed entry (the daemon may
     be hostile) is CONNECTION_LOST, never an array past the mapping."""
     try:
@@ -109,13 +142,29 @@ def tensor_view(base: np.ndarray, entry: Mapping[str, Any], size: int) -> np.nda
     return base[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def _release(mm: mmap.mmap, detach: Callable[[str], asyncio.Future[Any] | None],
-             buffer_id: str, sent: list[asyncio.Future[Any]]) -> None:
-    with contextlib.suppress(BufferError, ValueError):
-        mm.close()
+def _release(release: Callable[..., None], args: tuple[Any, ...],
+             detach: Callable[[str], asyncio.Future[Any] | None], buffer_id: str,
+             sent: list[asyncio.Future[Any]]) -> None:
+    with contextlib.suppress(Exception):  # a leak at worst, never a crash in a finalizer
+        release(*args)
     task = detach(buffer_id)
     if task is not None:
         sent.append(task)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError, ValueError):
+        mm.close()
+
+
+def _unimport(driver: Any, ptr: int, nbytes: int, handle: int) -> None:
+    """An imported GPU allocation's release (``cuda_import.Mapping.close``'s
+    steps): synchronize, unmap, release, free the range; a failed unmap
+    keeps the rest (a leak, never a range freed under a mapping)."""
+    driver.synchronize()
+    driver.unmap(ptr, nbytes)
+    driver.release(handle)
+    driver.free_address(ptr, nbytes)
 
 
 def detacher(loop: asyncio.AbstractEventLoop,

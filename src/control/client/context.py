@@ -274,19 +274,26 @@ class RpcContext:
         finally:
             caller.release_slot()
         nbytes, fd = await handles.fd_for(req_id, self.timeout)
+        detach = detacher(asyncio.get_running_loop(), self._detach)
         try:
             size, alloc = meta.get("size"), meta.get("alloc_size")
             if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
                     or nbytes != alloc:
                 raise ConnectionLost("the daemon's attach answer does not match its handle")
+            if meta.get("device_type") == "GPU":
+                device = meta.get("device")
+                if type(device) is not int or device < 0:
+                    raise ConnectionLost("the daemon's attach answer names no GPU")
+                fd, took = -1, fd  # the import takes the fd
+                return Attachment.device(buffer_id, meta, took, alloc, device, detach)
             check_read_only(fd, alloc)
-            return Attachment(buffer_id, meta, fd, alloc, detacher(
-                asyncio.get_running_loop(), self._detach))
+            return Attachment.host(buffer_id, meta, fd, alloc, detach)
         except BaseException:
             await self._detach(buffer_id)
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     async def _detach(self, buffer_id: str) -> None:
         if self._closed or self._conn.lost is not None:

@@ -34,6 +34,8 @@ from control.wire.errors import (
     QuotaExceeded,
     UnsupportedDevice,
 )
+from dataplane.cuda_vmm import CudaError
+from dataplane.cuda_vmm import UnsupportedDevice as NoVmm
 
 log = logging.getLogger("rpcbuf.daemon")
 MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)
@@ -73,7 +75,11 @@ class AttachOps:
         try:
             if buf.released:
                 raise NotFound(f"no buffer {buf.buffer_id!r}")
-            fd = export(buf.offset, buf.alloc_size)
+            try:
+                fd = export(buf.offset, buf.alloc_size)
+            except (NoVmm, CudaError) as exc:  # a GPU without VMM handles
+                raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached: "
+                                        f"{exc}") from None
             try:
                 self._take(buf)  # before the record leaves: a detach may follow at once
                 try:

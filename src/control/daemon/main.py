@@ -232,7 +232,7 @@ def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
             from dataplane.cuda_arena import CudaArena, DeviceUnavailable
 
             try:
-                arenas.append(CudaArena(size, device=index))
+                arenas.append(CudaArena(size, device=index, vmm=None))  # VMM where it can
             except DeviceUnavailable as exc:
                 raise DeviceUnavailable(f"--device: {exc}") from None
         else:

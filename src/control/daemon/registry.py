@@ -46,6 +46,7 @@ from control.wire.errors import (
     RpcBufError,
     UnsupportedDevice,
 )
+from dataplane.cuda_vmm import CudaError
 
 __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
            "Waiter"]  # the registry's vocabulary, defined in buffers.py and waiters.py
@@ -188,12 +189,12 @@ class Registry:
         if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
             try:
                 back(offset, alloc_size)
-            except OSError as exc:  # no memory, no fds left: nothing changed
+            except (OSError, CudaError) as exc:  # no memory, no fds left: nothing changed
                 pool.allocator.free(offset)
                 log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
                             alloc_size, exc)
-                raise OutOfMemory(f"cannot back {alloc_size} bytes on {pool.key}: "
-                                  f"{exc.strerror or exc}",
+                why = getattr(exc, "strerror", None) or exc
+                raise OutOfMemory(f"cannot back {alloc_size} bytes on {pool.key}: {why}",
                                   {**self._oom_details(pool, size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
