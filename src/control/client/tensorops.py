@@ -36,6 +36,9 @@ from control.client.tensors import (
 )
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
+from control.wire.manifest import Source, source_columns
+
+DESCRIBED = 3  # the protocol version from which manifests record source types
 
 
 @dataclass
@@ -54,6 +57,8 @@ class _Manifest:
 
 class BatchOps(Protocol):
     """What the named-tensor layer needs of a context."""
+
+    protocol_version: int  # the session's (source types are recorded from DESCRIBED on)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]: ...
@@ -78,11 +83,14 @@ class TensorOps:
 
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
                             offset: int | None = None,
-                            verify: str | None = None) -> ManifestTable:
+                            verify: str | None = None,
+                            sources: Mapping[str, Source] | None = None) -> ManifestTable:
         """``RpcContext.store_tensors`` (its docstring is the contract): plan
         the offsets against the cached manifest, store, merge the cache."""
         names, arrays = names_and_arrays(tensors)
         packed = Packed.of_arrays(names, arrays)
+        if sources and self._ops.protocol_version >= DESCRIBED:
+            packed = packed.described(*source_columns(names, sources))
         sizes = packed.item_nbytes()
         for attempt in (0, 1):
             cached = self.manifests.get(buffer_id)
