@@ -324,6 +324,22 @@ def test_parse_tensors_refuses_a_manifest_that_is_no_map() -> None:
         assert info.value.details["reason"] == "bad_answer"
 
 
+def test_the_manifest_cache_refuses_entries_that_are_no_entries() -> None:
+    from control.client.tensorops import TensorOps
+
+    ops = TensorOps(None)  # type: ignore[arg-type]  # remember() is synchronous: no I/O
+    meta = {"manifest_version": 1, "tensors_end": 256}
+    ops.remember("b-1", {**meta, "tensors": {"a": GOOD}})
+    assert ops.manifests["b-1"].table["a"] == GOOD
+    for bad in ({"a": {**GOOD, "logical_shape": 5}}, {"a": {**GOOD, "shape": None}},
+                {"a": {"dtype": "<f4"}}, {"a": [1]}, {"a": {**GOOD, "offset": "x"}},
+                {"a": {**GOOD, "nbytes": 1 << 70}}):
+        with pytest.raises(BadRequest) as info:
+            ops.remember("b-2", {**meta, "tensors": bad})
+        assert info.value.details == {"field": "tensors", "reason": "bad_answer"}
+    assert "b-2" not in ops.manifests
+
+
 def test_slot_of() -> None:
     assert slot_of("llama", "llama/slot12") == 12
     assert slot_of("llama", "llama/slot") is None

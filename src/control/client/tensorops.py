@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from control.client.answers import bad_answer
 from control.client.tensors import (
     XXH3,
     Items,
@@ -117,10 +118,17 @@ class TensorOps:
         return written
 
     def remember(self, buffer_id: str, meta: dict[str, Any]) -> None:
+        """Cache the manifest of a ``get_buffer_meta`` answer.  Raises
+        BAD_REQUEST (``reason: bad_answer``) for entries that are not manifest
+        entries (a key missing, a shape or logical shape no list of ints)."""
         if meta.get("tensors") is not None:
-            self.manifests[buffer_id] = _Manifest(
-                meta["manifest_version"], meta["tensors_end"],
-                ManifestTable.of_entries(meta["tensors"]))
+            try:
+                table = ManifestTable.of_entries(meta["tensors"])
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+                raise bad_answer("buffer meta", "tensors", "holds something that is no "
+                                 "manifest entry") from None
+            self.manifests[buffer_id] = _Manifest(meta["manifest_version"],
+                                                  meta["tensors_end"], table)
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable:
         """The manifest, from the cache when its version is still current
