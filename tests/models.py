@@ -95,3 +95,36 @@ def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], b
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + body)
     return path
+
+
+QUANT_KVS = {"general.name": "quant-test", "test.context_length": 4096,
+             "test.rope_scale": 0.5, "test.causal": True,
+             "tokenizer.ggml.tokens": ["<s>", "</s>", "hello", "wörld"]}
+
+
+def write_quantized_gguf(path: Path, seed: int = 3) -> Path:
+    """A GGUF with a Q8_0 matrix of logical shape (512, 256), a Q4_0 one of
+    (64, 256), an F16 and an F32 tensor (llama-style names: prolog, layer 0,
+    epilog), and ``QUANT_KVS`` (a string, an int, a float, a bool and an
+    array of strings) beside ``general.architecture``."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_string("general.name", QUANT_KVS["general.name"])
+    w.add_uint32("test.context_length", QUANT_KVS["test.context_length"])
+    w.add_float32("test.rope_scale", QUANT_KVS["test.rope_scale"])
+    w.add_bool("test.causal", QUANT_KVS["test.causal"])
+    w.add_array("tokenizer.ggml.tokens", QUANT_KVS["tokenizer.ggml.tokens"])
+    big = rng.standard_normal((512, 256), dtype=np.float32)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(big, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(big[:64], Q.Q4_0),
+                 raw_dtype=Q.Q4_0)
+    w.add_tensor("blk.0.attn_norm.weight", big[0].astype(np.float16))
+    w.add_tensor("output_norm.weight", big[1, :32].copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

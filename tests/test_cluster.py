@@ -22,6 +22,7 @@ import pytest
 
 import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
+from control.client.model.metadata import META_TENSOR
 from control.client.model.modelfile import open_model
 from models import (
     gguf_tensors,
@@ -123,7 +124,21 @@ async def test_load_by_spec_reload_dedups_then_unload(cluster: rpcbuf.Cluster,
     for addr, bufs in (await cluster.list_buffers()).items():
         for meta in bufs:
             got.update(await cluster[addr].load_tensors(meta["buffer_id"]))  # checksums
-    assert set(got) == set(model)
+    assert set(got) == set(model) | {META_TENSOR}  # and the file's metadata, per node:
+    for addr, slots in ((a, [0, 1]), (b, [2])):
+        info = await rpcbuf.model_info(cluster[addr], "tiny")
+        assert [s.slot for s in info.slots] == slots
+        assert (info.format, info.metadata) == ("safetensors", {"format": "np"})
+        assert {t.slot for t in info.tensors.values()} == set(slots)
+        assert all(t.source_type == "F16" or t.source_type == "F32"
+                   for t in info.tensors.values())
+        held = (await cluster[addr].get_buffer_meta(info.slots[0].buffer_id))["tensors"]
+        assert META_TENSOR in held  # on the node's first slot only
+        if len(slots) > 1:
+            rest = (await cluster[addr].get_buffer_meta(info.slots[1].buffer_id))["tensors"]
+            assert META_TENSOR not in rest
+    counts = [len((await rpcbuf.model_info(cluster[x], "tiny")).tensors) for x in (a, b)]
+    assert counts == [len(model) - 3, 3]
     for name, arr in model.items():
         np.testing.assert_array_equal(got[name], arr)
     slot1 = (await cluster[a].open_buffer("tiny/slot1"))

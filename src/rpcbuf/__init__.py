@@ -5,6 +5,7 @@ The public face only re-exports; the logic lives in ``control`` and ``dataplane`
 
 from control.client.cluster import Cluster, ClusterError
 from control.client.context import Connector, RpcContext, connect, create_rpc_context
+from control.client.model.info import ModelInfo, TensorInfo, model_info
 from control.client.model.loader import LoadResult, load_model, unload_model
 from control.client.model.placement import Placement
 from control.client.pool import BufferPool
@@ -41,6 +42,7 @@ __all__ = [
     "Connector",
     "Forbidden",
     "LoadResult",
+    "ModelInfo",
     "NotFound",
     "OutOfMemory",
     "OutOfRange",
@@ -49,6 +51,7 @@ __all__ = [
     "RpcBufError",
     "RpcContext",
     "ShuttingDown",
+    "TensorInfo",
     "Timeout",
     "TokenExpired",
     "UnsupportedDevice",
@@ -58,5 +61,6 @@ __all__ = [
     "connect",
     "create_rpc_context",
     "load_model",
+    "model_info",
     "unload_model",
 ]

@@ -28,6 +28,7 @@ from control.cli.commands import bar
 from control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
 from control.client.cluster import Cluster
 from control.client.discovery import Discovery
+from control.client.model.metadata import META_TENSOR
 from control.fleet.etcd import EtcdOptions
 from control.wire.errors import RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
@@ -151,9 +152,13 @@ def run_nodes(args: argparse.Namespace) -> int:
 
 def group_models(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``{endpoint: buffers or error}`` -> ``{model: {slots, nodes, bytes, tensors,
-    complete}}``.  Complete: every node answered and every slot buffer holds
-    tensors (a slot buffer still being uploaded, or emptied, holds none);
-    ``None`` (unknown) when a node did not answer."""
+    source_types, metadata, complete}}``.  ``tensors`` counts the model's
+    tensors (not its metadata tensor); ``source_types``: tensors per source
+    type (``Q8_0``, ``BF16``, ...; from the manifests, where recorded);
+    ``metadata``: some slot holds the file's metadata.  Complete: every node
+    answered and every slot buffer holds tensors (a slot buffer still being
+    uploaded, or emptied, holds none); ``None`` (unknown) when a node did not
+    answer."""
     answered = all(not isinstance(r, RpcBufError) for r in results.values())
     out: dict[str, dict[str, Any]] = {}
     for addr, bufs in results.items():
@@ -164,17 +169,39 @@ def group_models(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             if m is None:
                 continue
             g = out.setdefault(m.group(1), {"slots": [], "nodes": [], "bytes": 0, "tensors": 0,
-                                            "empty_slots": 0})
+                                            "source_types": {}, "metadata": False,
+                                            "empty_slots": 0, "type_bytes": {}})
             g["slots"].append(int(m.group(2)))
             if addr not in g["nodes"]:
                 g["nodes"].append(addr)
             g["bytes"] += int(b.get("size", 0))
-            g["tensors"] += int(b.get("tensor_count", 0))
-            g["empty_slots"] += int(b.get("tensor_count", 0) == 0)
+            entries = b.get("tensors") if isinstance(b.get("tensors"), dict) else {}
+            has_meta = META_TENSOR in entries
+            g["metadata"] |= has_meta
+            count = int(b.get("tensor_count", 0)) - has_meta
+            g["tensors"] += count
+            g["empty_slots"] += int(count == 0)
+            for name, e in entries.items():
+                kind = e.get("source_type") if isinstance(e, dict) else None
+                if isinstance(kind, str) and name != META_TENSOR:
+                    g["source_types"][kind] = g["source_types"].get(kind, 0) + 1
+                    nbytes = e.get("nbytes")
+                    g["type_bytes"][kind] = g["type_bytes"].get(kind, 0) + \
+                        (nbytes if isinstance(nbytes, int) else 0)
     for g in out.values():
         g["slots"].sort()
         g["complete"] = (g.pop("empty_slots") == 0) if answered else None
+        by_bytes = g.pop("type_bytes")
+        g["source_types"] = dict(sorted(g["source_types"].items(),
+                                        key=lambda kv: (-by_bytes[kv[0]], kv[0])))
     return dict(sorted(out.items()))
+
+
+def _types_cell(types: dict[str, int], most: int = 3) -> str:
+    """The source types holding the most bytes first: ``"Q4_K Q6_K F32 +2"``."""
+    names = list(types)
+    more = f" +{len(names) - most}" if len(names) > most else ""
+    return " ".join(names[:most]) + more or "-"
 
 
 async def _models(args: argparse.Namespace, target: Any, token: str) -> dict[str, Any]:
@@ -192,12 +219,13 @@ def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
                           "errors": {a: to_json(a, e) for a, e in failed.items()}}, indent=2))
     elif models:
         rows = [[name, ", ".join(map(str, g["slots"])), "\n".join(g["nodes"]),
-                 format_size(g["bytes"]), str(g["tensors"]),
+                 format_size(g["bytes"]), str(g["tensors"]), _types_cell(g["source_types"]),
                  {True: "yes", False: "no", None: "unknown"}[g["complete"]]]
                 for name, g in models.items()]
         cols = [tables.Col("model", key=True, wrap=True), tables.Col("slots"),
                 tables.Col("nodes", key=True), tables.Col("bytes", right=True),
-                tables.Col("tensors", right=True, drop=1), tables.Col("complete")]
+                tables.Col("tensors", right=True, drop=2),
+                tables.Col("types", wrap=True, drop=1), tables.Col("complete")]
         tables.console(args.wide).print(tables.fit(
             f"rpcbuf models: {len(models)} on {len(results) - len(failed)} node(s)", cols, rows,
             wide=args.wide))

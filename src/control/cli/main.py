@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_load_commands(sub, _client_flags)
     fleet.register_fleet_commands(sub)
     md = sub.add_parser("models", help="this tenant's loaded models across the nodes: slots, "
-                        "nodes, bytes, complete or not",
+                        "nodes, bytes, tensors, source types, complete or not",
                         epilog="example: rpcbuf models --registry etcd://10.0.0.1:2379")
     _client_flags(md)
     return p

@@ -40,10 +40,12 @@ Manifest = tuple[list[str], list[str], list[list[int]]] | Packed
 
 def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None,
                 manifest: Manifest | None, manifest_version: int | None,
-                state_kind: bool) -> tuple[Transfer, Callable[[dict[str, Any]], dict[str, Any]]]:
+                state_kind: bool, described: bool = False
+                ) -> tuple[Transfer, Callable[[dict[str, Any]], dict[str, Any]]]:
     """The transfer of a ``store_batch`` and what puts its answer in the
     caller's order.  ``state_kind``: the request states its checksum kind
-    (protocol 2).  Raises BAD_REQUEST."""
+    (protocol 2); ``described``: it carries the manifest's source types and
+    logical shapes, if any (protocol 3).  Raises BAD_REQUEST."""
     if verify not in (None, "checksum"):
         raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
     n = len(items)
@@ -80,7 +82,7 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
                        verify=verify,  # type: ignore[arg-type]
                        checksum_kind="xxh3" if sums is not None and state_kind else None,
                        manifest_version=manifest_version,
-                       **(packed.fields() if packed is not None else {}))
+                       **(packed.fields(described) if packed is not None else {}))
 
     def request(stage: int | None) -> P.Request:
         return req if stage is None else dataclasses.replace(req, stage=stage)

@@ -53,7 +53,7 @@ from control.client.opening import (
     parse_addr,
     same_host_default,
 )
-from control.client.tensorops import TensorOps
+from control.client.tensorops import DESCRIBED, TensorOps
 from control.client.tensors import ManifestTable, Packed
 from control.wire import protocol as P
 from control.wire.errors import (
@@ -65,6 +65,7 @@ from control.wire.errors import (
     VerifyFailed,
 )
 from control.wire.gpuops import check_wire_dtype
+from control.wire.manifest import ManifestColumns, Source
 from dataplane import ucx
 from dataplane.checksum import checksum
 from dataplane.devsum import devsum
@@ -472,7 +473,8 @@ class RpcContext:
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         self._check_open()
         t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
-                                          state_kind=self.protocol_version >= 2)
+                                          state_kind=self.protocol_version >= 2,
+                                          described=self.protocol_version >= DESCRIBED)
         return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
 
     async def read_batch(self, buffer_id: str,
@@ -490,7 +492,8 @@ class RpcContext:
 
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
                             offset: int | None = None,
-                            verify: str | None = None) -> ManifestTable:
+                            verify: str | None = None,
+                            sources: Mapping[str, Source] | None = None) -> ManifestTable:
         """Store ``{name: array}`` at aligned offsets and record the manifest.
 
         Returns the manifest entries written (a read-only mapping name ->
@@ -498,9 +501,15 @@ class RpcContext:
         Names already stored with the same size are overwritten in place;
         ``offset`` places the new slots from there instead.  Two clients
         storing into one buffer at once should use distinct ``offset``s.
+        ``sources`` (name -> (source type, logical shape), either None) adds
+        what a tensor is beyond its NumPy view to its entry (``source_type``,
+        ``logical_shape``; e.g. ``("Q8_0", (512, 256))`` for uint8 rows of
+        shape (512, 272)); a daemon before protocol 3 records neither.
         Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
-        ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST."""
-        return await self._tensors.store_tensors(buffer_id, tensors, offset, verify)
+        ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST (also for a
+        source type that is not 1-32 of [A-Za-z0-9_] or a logical shape of
+        more than 32 dimensions)."""
+        return await self._tensors.store_tensors(buffer_id, tensors, offset, verify, sources)
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
                            verify: bool = True) -> dict[str, np.ndarray]:
@@ -514,15 +523,18 @@ class RpcContext:
                                   offsets: Mapping[str, int] | None = None,
                                   verify: str | None = "checksum",
                                   hashes: Mapping[str, tuple[int, int]] | None = None,
+                                  sources: Mapping[str, Source] | None = None,
                                   ) -> dict[str, Any]:
         """Store ``{name: array}`` like ``store_tensors``, sending only the
         tensors whose contents this tenant does not hold on that node already.
 
         ``offsets`` (name -> offset) places the tensors; by default they go
-        where ``store_tensors`` would put them.  Returns ``{"tensors",
-        "placed", "sent", "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND,
-        OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
-        return await self._dedup.store_tensors_dedup(buffer_id, tensors, offsets, verify, hashes)
+        where ``store_tensors`` would put them; ``sources`` as in
+        ``store_tensors``.  Returns ``{"tensors", "placed", "sent",
+        "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND, OUT_OF_RANGE,
+        VERIFY_FAILED, BAD_REQUEST."""
+        return await self._dedup.store_tensors_dedup(buffer_id, tensors, offsets, verify, hashes,
+                                                     sources)
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         """Read the range back over the data plane and compare it with ``array``.
@@ -549,6 +561,9 @@ class _DedupNeeds:
     def check_open(self) -> None:
         self._ctx._check_open()
 
+    def described(self) -> bool:
+        return self._ctx.protocol_version >= DESCRIBED
+
     async def call(self, req: P.Request) -> dict[str, Any]:
         return await self._ctx._call(req)
 
@@ -557,7 +572,7 @@ class _DedupNeeds:
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
-                          manifest: tuple[list[str], list[str], list[list[int]]] | None = None
+                          manifest: ManifestColumns | Packed | None = None
                           ) -> dict[str, Any]:
         return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest)
 

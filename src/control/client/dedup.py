@@ -24,8 +24,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from control.client.tensors import ManifestTable, manifest_columns, named_arrays, plan_layout
+from control.client.tensors import (
+    ManifestTable,
+    Packed,
+    manifest_columns,
+    named_arrays,
+    plan_layout,
+)
 from control.wire import protocol as P
+from control.wire.manifest import ManifestColumns, Source, source_columns
 from control.wire.units import THREAD_BYTES
 from dataplane.checksum import checksum, digest128
 
@@ -49,13 +56,16 @@ class DedupNeeds(Protocol):
 
     def check_open(self) -> None: ...
 
+    def described(self) -> bool:
+        """Whether the daemon records source types and logical shapes (protocol 3)."""
+
     async def call(self, req: P.Request) -> dict[str, Any]: ...
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
-                          manifest: tuple[list[str], list[str], list[list[int]]] | None = None
+                          manifest: ManifestColumns | Packed | None = None
                           ) -> dict[str, Any]: ...
 
 
@@ -69,12 +79,15 @@ class DedupOps:
                                   offsets: Mapping[str, int] | None = None,
                                   verify: str | None = "checksum",
                                   hashes: Mapping[str, tuple[int, int]] | None = None,
+                                  sources: Mapping[str, Source] | None = None,
                                   ) -> dict[str, Any]:
         """``RpcContext.store_tensors_dedup`` (its docstring is the contract):
         ask the daemon to place what it holds, send the rest."""
         ctx = self._ctx
         ctx.check_open()
         arrays = named_arrays(tensors)
+        if not ctx.described():
+            sources = None  # a daemon before protocol 3 records no source types
         if offsets is None:
             existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)
@@ -86,19 +99,22 @@ class DedupOps:
         placed: set[str] = set()
         for start in range(0, len(names), CHUNK_ITEMS):
             placed |= await self._dedup_chunk(buffer_id, names[start:start + CHUNK_ITEMS],
-                                              arrays, offsets, hashes)
+                                              arrays, offsets, hashes, sources)
         missing = [n for n in names if n not in placed]
         if missing:
+            cols = manifest_columns(arrays, missing)
             await ctx.store_batch(
                 buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
-                manifest=manifest_columns(arrays, missing))
+                manifest=Packed.of_columns(*cols, *source_columns(missing, sources))
+                if sources else cols)
         return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
                 "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
                 "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
 
     async def _dedup_chunk(self, buffer_id: str, names: Sequence[str],
                            arrays: Mapping[str, np.ndarray], offsets: Mapping[str, int],
-                           hashes: Mapping[str, tuple[int, int]]) -> set[str]:
+                           hashes: Mapping[str, tuple[int, int]],
+                           sources: Mapping[str, Source] | None = None) -> set[str]:
         items = [n for n in names if arrays[n].nbytes]
         if not items:
             return set()
@@ -106,12 +122,14 @@ class DedupOps:
         words[0::2] = [hashes[n][0] & 0xFFFF_FFFF_FFFF_FFFF for n in items]
         words[1::2] = [hashes[n][0] >> 64 for n in items]
         names, dtypes, shapes = manifest_columns(arrays, items)
+        source_types, logical_shapes = source_columns(items, sources)
         req = P.DedupStore(
             buffer_id=buffer_id,
             offsets=P.pack_u64([offsets[n] for n in items]),
             sizes=P.pack_u64([arrays[n].nbytes for n in items]),
             hashes=P.U64Array(words.tobytes()),
             checksums=P.pack_u64([hashes[n][1] for n in items]),
-            names=names, dtypes=dtypes, shapes=shapes)
+            names=names, dtypes=dtypes, shapes=shapes, source_types=source_types,
+            logical_shapes=logical_shapes)
         result = await self._ctx.call(req)
         return {items[int(i)] for i in P.unpack_u64(result["placed"])}

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from control.client.answers import bad_answer
 from control.client.tensors import (
     XXH3,
     Items,
@@ -36,6 +37,9 @@ from control.client.tensors import (
 )
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
+from control.wire.manifest import Source, source_columns
+
+DESCRIBED = 3  # the protocol version from which manifests record source types
 
 
 @dataclass
@@ -54,6 +58,8 @@ class _Manifest:
 
 class BatchOps(Protocol):
     """What the named-tensor layer needs of a context."""
+
+    protocol_version: int  # the session's (source types are recorded from DESCRIBED on)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]: ...
@@ -78,11 +84,14 @@ class TensorOps:
 
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
                             offset: int | None = None,
-                            verify: str | None = None) -> ManifestTable:
+                            verify: str | None = None,
+                            sources: Mapping[str, Source] | None = None) -> ManifestTable:
         """``RpcContext.store_tensors`` (its docstring is the contract): plan
         the offsets against the cached manifest, store, merge the cache."""
         names, arrays = names_and_arrays(tensors)
         packed = Packed.of_arrays(names, arrays)
+        if sources and self._ops.protocol_version >= DESCRIBED:
+            packed = packed.described(*source_columns(names, sources))
         sizes = packed.item_nbytes()
         for attempt in (0, 1):
             cached = self.manifests.get(buffer_id)
@@ -109,10 +118,17 @@ class TensorOps:
         return written
 
     def remember(self, buffer_id: str, meta: dict[str, Any]) -> None:
+        """Cache the manifest of a ``get_buffer_meta`` answer.  Raises
+        BAD_REQUEST (``reason: bad_answer``) for entries that are not manifest
+        entries (a key missing, a shape or logical shape no list of ints)."""
         if meta.get("tensors") is not None:
-            self.manifests[buffer_id] = _Manifest(
-                meta["manifest_version"], meta["tensors_end"],
-                ManifestTable.of_entries(meta["tensors"]))
+            try:
+                table = ManifestTable.of_entries(meta["tensors"])
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+                raise bad_answer("buffer meta", "tensors", "holds something that is no "
+                                 "manifest entry") from None
+            self.manifests[buffer_id] = _Manifest(meta["manifest_version"],
+                                                  meta["tensors_end"], table)
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable:
         """The manifest, from the cache when its version is still current

@@ -1,14 +1,25 @@
 """The one tensor-manifest model, shared by client and daemon, with no I/O.
 
 A buffer's manifest maps tensor names to entries (``dtype``, ``shape``,
-``offset``, ``nbytes``, ``checksum``).  A batch that records tensors names
-their dtypes and shapes in one of two wire forms:
+``offset``, ``nbytes``, ``checksum``, and, for tensors that came from a
+model file, ``source_type`` and ``logical_shape``: what the file says they
+are beside the NumPy view, e.g. a Q8_0 matrix of logical shape (512, 256)
+stored as uint8 rows of shape (512, 272); each key only when given).  A
+batch that records tensors names their dtypes and shapes in one of two wire
+forms:
 
-* the list form: ``dtypes`` and ``shapes``, one per item;
+* the list form: ``dtypes`` and ``shapes`` (and optionally ``source_types``,
+  ``logical_shapes``), one per item;
 * the packed form: a small table of *kinds* (``kind_dtypes[k]``,
-  ``kind_shapes[k]``) and ``kinds``, each item's kind as packed uint64s —
-  10,000 tensors of a few distinct shapes encode, decode and check in a
-  fraction of the time, since the work per item is NumPy's, not Python's.
+  ``kind_shapes[k]``, optionally ``kind_source_types[k]``,
+  ``kind_logical_shapes[k]``) and ``kinds``, each item's kind as packed
+  uint64s — 10,000 tensors of a few distinct shapes encode, decode and check
+  in a fraction of the time, since the work per item is NumPy's, not Python's.
+
+A source type or logical shape may be null for some tensors and not others;
+the wire bounds them (``protocol.SourceType``: ``[A-Za-z0-9_]{1,32}``; a
+logical shape is a ``protocol.Shape``).  Nothing relates them to the view's
+bytes: the daemon records them as said.
 
 ``Packed`` is both: the client builds it from arrays (``of_arrays``) or
 columns (``of_columns``) and sends ``fields()``; the daemon rebuilds it from
@@ -48,7 +59,9 @@ _NDIM = operator.attrgetter("ndim")
 _SIZE = operator.attrgetter("size")
 
 ManifestColumns = tuple[list[str], list[str], list[list[int]]]  # (names, dtypes, shapes)
-Entry = dict[str, Any]  # dtype, shape, offset, nbytes, checksum
+Entry = dict[str, Any]  # dtype, shape, offset, nbytes, checksum[, source_type, logical_shape]
+# What a model file says a tensor is: (source type, logical shape), either None.
+Source = tuple[str | None, Sequence[int] | None]
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -92,25 +105,51 @@ def manifest_columns(arrays: Mapping[str, Any], names: Iterable[str]) -> Manifes
             [list(arrays[n].shape) for n in names])
 
 
+def source_columns(names: Sequence[str], sources: Mapping[str, Source] | None
+                   ) -> tuple[list[str | None] | None, list[list[int] | None] | None]:
+    """The (source types, logical shapes) columns of ``names``, index-aligned,
+    from ``sources`` (name -> (source type, logical shape), either None; a
+    name not in it has neither): a column is None when no tensor has one.
+    BAD_REQUEST for a value that is no such pair."""
+    if not sources:
+        return None, None
+    try:
+        pairs = [sources.get(n) or (None, None) for n in names]
+        srcs = [s for s, _ in pairs]
+        logs = [None if g is None else list(map(operator.index, g)) for _, g in pairs]
+    except (TypeError, ValueError):
+        raise BadRequest("sources must map tensor names to (source type, logical shape) "
+                         "pairs") from None
+    return (srcs if any(s is not None for s in srcs) else None,
+            logs if any(g is not None for g in logs) else None)
+
+
 class Packed:
     """A batch's manifest, packed: item ``i`` is ``names[i]``, of dtype
     ``dtypes[kinds[i]]`` and shape ``shapes[kinds[i]]`` (the
     ``kinds``/``kind_dtypes``/``kind_shapes`` fields of ``StoreBatch``).
     ``kind_nbytes``: each kind's bytes (None when built from columns).
     ``item_shapes``: a checked list-form batch's own shape lists, which its
-    entries keep (None otherwise: entries of one kind share its tuple)."""
+    entries keep (None otherwise: entries of one kind share its tuple).
+    ``sources``/``logicals``: each kind's source type / logical shape (None
+    entries for kinds without; None as a whole when no kind has one)."""
 
-    __slots__ = ("dtypes", "item_shapes", "kind_nbytes", "kinds", "names", "shapes")
+    __slots__ = ("dtypes", "item_shapes", "kind_nbytes", "kinds", "logicals", "names",
+                 "shapes", "sources")
 
     def __init__(self, names: list[str], kinds: np.ndarray, dtypes: list[str],
                  shapes: list[tuple[int, ...]], kind_nbytes: np.ndarray | None = None,
-                 item_shapes: list[list[int]] | None = None) -> None:
+                 item_shapes: list[list[int]] | None = None,
+                 sources: list[str | None] | None = None,
+                 logicals: list[tuple[int, ...] | None] | None = None) -> None:
         self.names = names
         self.kinds = kinds
         self.dtypes = dtypes
         self.shapes = shapes
         self.kind_nbytes = kind_nbytes
         self.item_shapes = item_shapes
+        self.sources = sources
+        self.logicals = logicals
 
     def __len__(self) -> int:
         return len(self.names)
@@ -143,8 +182,11 @@ class Packed:
 
     @classmethod
     def of_columns(cls, names: Sequence[str], dtypes: Sequence[Any],
-                   shapes: Sequence[Sequence[int]]) -> Packed:
-        """From the (names, dtypes, shapes) lists of ``manifest_columns``."""
+                   shapes: Sequence[Sequence[int]],
+                   source_types: Sequence[str | None] | None = None,
+                   logical_shapes: Sequence[Sequence[int] | None] | None = None) -> Packed:
+        """From the (names, dtypes, shapes) lists of ``manifest_columns``,
+        and optionally each item's source type and logical shape."""
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"names, dtypes and shapes must be equally long, got "
                              f"{len(names)}, {len(dtypes)} and {len(shapes)}")
@@ -154,7 +196,42 @@ class Packed:
             kind_shapes = [tuple(map(operator.index, s)) for _, s in table]
         except TypeError as exc:
             raise BadRequest(f"bad manifest columns: {exc}") from None
-        return cls(list(names), kinds, kind_dtypes, kind_shapes)
+        return cls(list(names), kinds, kind_dtypes, kind_shapes).described(source_types,
+                                                                          logical_shapes)
+
+    def described(self, source_types: Sequence[str | None] | None,
+                  logical_shapes: Sequence[Sequence[int] | None] | None) -> Packed:
+        """These items with each one's source type and logical shape
+        (index-aligned with ``names``, None for a tensor without; a column
+        of None for none): kinds then differ by those too.  BAD_REQUEST for
+        a column of the wrong length or a logical shape that is no sequence
+        of ints (the wire bounds the rest)."""
+        n = len(self.names)
+        srcs = list(source_types) if source_types is not None else None
+        try:
+            logs = None if logical_shapes is None else \
+                [None if s is None else tuple(map(operator.index, s)) for s in logical_shapes]
+        except TypeError as exc:
+            raise BadRequest(f"bad logical shapes: {exc}") from None
+        if srcs is not None and all(s is None for s in srcs):
+            srcs = None
+        if logs is not None and all(s is None for s in logs):
+            logs = None
+        for what, col in (("source types", srcs), ("logical shapes", logs)):
+            if col is not None and len(col) != n:
+                raise BadRequest(f"{len(col)} {what} for {n} tensors")
+        if srcs is None and logs is None:
+            return self
+        none: list[Any] = [None] * n
+        table, kinds = intern_kinds(list(zip(self.kinds.tolist(), none if srcs is None else srcs,
+                                             none if logs is None else logs, strict=True)))
+        base = np.fromiter((k for k, _, _ in table), dtype=np.intp, count=len(table))
+        return Packed(self.names, kinds, [self.dtypes[k] for k in base.tolist()],
+                      [self.shapes[k] for k in base.tolist()],
+                      None if self.kind_nbytes is None else self.kind_nbytes[base],
+                      self.item_shapes,
+                      [s for _, s, _ in table] if srcs is not None else None,
+                      [s for _, _, s in table] if logs is not None else None)
 
     def item_nbytes(self) -> np.ndarray:
         assert self.kind_nbytes is not None
@@ -164,13 +241,22 @@ class Packed:
         """The items in ``order`` (indices)."""
         names = self.names
         return Packed([names[i] for i in order.tolist()], self.kinds[order], self.dtypes,
-                      self.shapes, self.kind_nbytes)
+                      self.shapes, self.kind_nbytes, sources=self.sources,
+                      logicals=self.logicals)
 
-    def fields(self) -> dict[str, Any]:
-        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table)."""
-        return {"names": self.names,
-                "kinds": P.pack_u64(self.kinds) if len(self.dtypes) != 1 else None,
-                "kind_dtypes": self.dtypes, "kind_shapes": [list(s) for s in self.shapes]}
+    def fields(self, described: bool = True) -> dict[str, Any]:
+        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table);
+        ``described``: with the source types and logical shapes, if any
+        (protocol 3: a daemon before it knows no such fields)."""
+        out: dict[str, Any] = {
+               "names": self.names,
+               "kinds": P.pack_u64(self.kinds) if len(self.dtypes) != 1 else None,
+               "kind_dtypes": self.dtypes, "kind_shapes": [list(s) for s in self.shapes]}
+        if described and self.sources is not None:
+            out["kind_source_types"] = self.sources
+        if described and self.logicals is not None:
+            out["kind_logical_shapes"] = [None if s is None else list(s) for s in self.logicals]
+        return out
 
     def entries(self, offsets: np.ndarray, sizes: np.ndarray,
                 checksums: Sequence[int | None], lo: int = 0,
@@ -183,10 +269,28 @@ class Packed:
         dts = map(self.dtypes.__getitem__, kinds)
         shapes: Iterable[Any] = self.item_shapes[lo:hi] if self.item_shapes is not None \
             else map(self.shapes.__getitem__, kinds)
-        return {n: {"dtype": d, "shape": s, "offset": o, "nbytes": z, "checksum": c}
-                for n, d, s, o, z, c in zip(self.names[lo:hi], dts, shapes,
-                                            offsets[lo:hi].tolist(), sizes[lo:hi].tolist(),
-                                            checksums, strict=True)}
+        out = {n: {"dtype": d, "shape": s, "offset": o, "nbytes": z, "checksum": c}
+               for n, d, s, o, z, c in zip(self.names[lo:hi], dts, shapes,
+                                           offsets[lo:hi].tolist(), sizes[lo:hi].tolist(),
+                                           checksums, strict=True)}
+        if self.sources is not None or self.logicals is not None:
+            extra = [_described(self.sources[k] if self.sources is not None else None,
+                                self.logicals[k] if self.logicals is not None else None)
+                     for k in range(len(self.dtypes))]
+            for e, k in zip(out.values(), kinds, strict=True):
+                if extra[k]:
+                    e.update(extra[k])
+        return out
+
+
+def _described(source: str | None, logical: tuple[int, ...] | None) -> dict[str, Any]:
+    """An entry's ``source_type``/``logical_shape`` keys: only those given."""
+    out: dict[str, Any] = {}
+    if source is not None:
+        out["source_type"] = source
+    if logical is not None:
+        out["logical_shape"] = logical
+    return out
 
 
 def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
@@ -197,20 +301,46 @@ def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
     names, dtypes, shapes = req.names, req.dtypes, req.shapes
     packed = getattr(req, "kinds", None), getattr(req, "kind_dtypes", None), \
         getattr(req, "kind_shapes", None)
+    srcs, logs = req.source_types, req.logical_shapes
+    kind_srcs = getattr(req, "kind_source_types", None)
+    kind_logs = getattr(req, "kind_logical_shapes", None)
     if all(c is None for c in packed):
+        if kind_srcs is not None or kind_logs is not None:
+            raise BadRequest("kind_source_types and kind_logical_shapes go with a packed "
+                             "manifest (kind_dtypes, kind_shapes)")
         if names is None and dtypes is None and shapes is None:
+            if srcs is not None or logs is not None:
+                raise BadRequest("source_types and logical_shapes need a manifest (names, "
+                                 "dtypes and shapes)")
             return None
         if names is None or dtypes is None or shapes is None \
                 or not len(names) == len(dtypes) == len(shapes) == n:
             raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
+        for what, col in (("source_types", srcs), ("logical_shapes", logs)):
+            if col is not None and len(col) != n:
+                raise BadRequest(f"{what} must list all {n} items (got {len(col)})")
         _unique(names)
-        table, kinds = intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
-        cols = Packed(names, kinds, [], [s for _, s in table], item_shapes=shapes)
-        raw_dtypes = [d for d, _ in table]
+        if srcs is None and logs is None:
+            table, kinds = intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
+            cols = Packed(names, kinds, [], [s for _, s in table], item_shapes=shapes)
+            raw_dtypes = [d for d, _ in table]
+        else:
+            none: list[Any] = [None] * n
+            rich, kinds = intern_kinds(list(zip(
+                dtypes, map(tuple, shapes), none if srcs is None else srcs,
+                none if logs is None else [None if s is None else tuple(s) for s in logs],
+                strict=True)))
+            cols = Packed(names, kinds, [], [r[1] for r in rich], item_shapes=shapes,
+                          sources=[r[2] for r in rich] if srcs is not None else None,
+                          logicals=[r[3] for r in rich] if logs is not None else None)
+            raw_dtypes = [r[0] for r in rich]
     else:
         if dtypes is not None or shapes is not None:
             raise BadRequest("a manifest is either dtypes and shapes or kinds, kind_dtypes "
                              "and kind_shapes, not both")
+        if srcs is not None or logs is not None:
+            raise BadRequest("a packed manifest gives kind_source_types and "
+                             "kind_logical_shapes, not source_types and logical_shapes")
         ids_raw, kind_dtypes, kind_shapes = packed
         if names is None or kind_dtypes is None or kind_shapes is None:
             raise BadRequest("a packed manifest needs names, kind_dtypes and kind_shapes "
@@ -230,8 +360,14 @@ def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
             i = int(np.argmax(ids >= len(kind_dtypes)))
             raise BadRequest(f"tensor {names[i]!r}: kind {int(ids[i])} is not in the "
                              f"table of {len(kind_dtypes)} kinds")
+        for what, col in (("kind_source_types", kind_srcs), ("kind_logical_shapes", kind_logs)):
+            if col is not None and len(col) != len(kind_dtypes):
+                raise BadRequest(f"{len(col)} {what} for {len(kind_dtypes)} kinds")
         _unique(names)
-        cols = Packed(names, ids.astype(np.intp), [], [tuple(s) for s in kind_shapes])
+        cols = Packed(names, ids.astype(np.intp), [], [tuple(s) for s in kind_shapes],
+                      sources=list(kind_srcs) if kind_srcs is not None else None,
+                      logicals=None if kind_logs is None else
+                      [None if s is None else tuple(s) for s in kind_logs])
         raw_dtypes = list(kind_dtypes)
     # Per kind: the dtype, and the bytes its shape takes; then every item at once.
     nbytes = np.empty(len(raw_dtypes), dtype=np.uint64)
@@ -301,20 +437,25 @@ def merge_entries(entries: MutableMapping[str, Entry], written: Mapping[str, Ent
 class ManifestTable(Mapping[str, Entry]):
     """A buffer's manifest as NumPy columns: what the client caches and what
     ``store_tensors`` returns.  Read as a mapping name -> entry (``dtype``,
-    ``shape``, ``offset``, ``nbytes``, ``checksum``); each entry dict is built
-    when asked for.  Never modified: ``merged`` makes a new one."""
+    ``shape``, ``offset``, ``nbytes``, ``checksum``, and ``source_type`` /
+    ``logical_shape`` where recorded); each entry dict is built when asked
+    for.  Never modified: ``merged`` makes a new one."""
 
     def __init__(self, names: list[str], offsets: np.ndarray, nbytes: np.ndarray,
                  checksums: np.ndarray, has_sum: np.ndarray, kinds: np.ndarray,
-                 dtypes: list[str], shapes: list[tuple[int, ...]]) -> None:
+                 dtypes: list[str], shapes: list[tuple[int, ...]],
+                 sources: list[str | None] | None = None,
+                 logicals: list[tuple[int, ...] | None] | None = None) -> None:
         self.names = names
         self.offsets = offsets  # int64
         self.nbytes = nbytes  # int64
         self.checksums = checksums  # uint64, valid where has_sum
         self.has_sum = has_sum  # bool
-        self.kinds = kinds  # intp: index into dtypes/shapes
+        self.kinds = kinds  # intp: index into dtypes/shapes (and sources/logicals)
         self.dtypes = dtypes
         self.shapes = shapes
+        self.sources = sources  # per kind, None for a kind without; None: no kind has one
+        self.logicals = logicals  # likewise
         self._index: dict[str, int] | None = None  # name -> row, made when first needed
 
     @property
@@ -336,7 +477,8 @@ class ManifestTable(Mapping[str, Entry]):
         sums = checksums if len(checksums) == n else np.zeros(n, dtype=np.uint64)
         return cls(packed.names, offsets.astype(np.int64), sizes.astype(np.int64),
                    sums.astype(np.uint64), np.full(n, len(checksums) == n),
-                   packed.kinds, packed.dtypes, packed.shapes)
+                   packed.kinds, packed.dtypes, packed.shapes, packed.sources,
+                   packed.logicals)
 
     @classmethod
     def of_entries(cls, entries: Mapping[str, Mapping[str, Any]]) -> ManifestTable:
@@ -346,13 +488,18 @@ class ManifestTable(Mapping[str, Entry]):
         names, es, n = list(entries), list(entries.values()), len(entries)
         sums = [e.get("checksum") for e in es]
         has = np.fromiter((c is not None for c in sums), dtype=bool, count=n)
-        table, kinds = intern_kinds([(e["dtype"], tuple(e["shape"])) for e in es])
+        table, kinds = intern_kinds([
+            (e["dtype"], tuple(e["shape"]), e.get("source_type"),
+             None if (g := e.get("logical_shape")) is None else tuple(g)) for e in es])
+        described = any(k[2] is not None or k[3] is not None for k in table)
         return cls(
             names,
             np.fromiter(map(operator.itemgetter("offset"), es), dtype=np.int64, count=n),
             np.fromiter(map(operator.itemgetter("nbytes"), es), dtype=np.int64, count=n),
             np.fromiter((c or 0 for c in sums), dtype=np.uint64, count=n), has,
-            kinds, [d for d, _ in table], [s for _, s in table])
+            kinds, [k[0] for k in table], [k[1] for k in table],
+            [k[2] for k in table] if described else None,
+            [k[3] for k in table] if described else None)
 
     # -- the mapping ----------------------------------------------------------------
 
@@ -373,9 +520,23 @@ class ManifestTable(Mapping[str, Entry]):
 
     def entry(self, row: int) -> Entry:
         k = int(self.kinds[row])
-        return {"dtype": self.dtypes[k], "shape": list(self.shapes[k]),
-                "offset": int(self.offsets[row]), "nbytes": int(self.nbytes[row]),
-                "checksum": int(self.checksums[row]) if self.has_sum[row] else None}
+        out = {"dtype": self.dtypes[k], "shape": list(self.shapes[k]),
+               "offset": int(self.offsets[row]), "nbytes": int(self.nbytes[row]),
+               "checksum": int(self.checksums[row]) if self.has_sum[row] else None}
+        if self.sources is not None and self.sources[k] is not None:
+            out["source_type"] = self.sources[k]
+        if self.logicals is not None and (logical := self.logicals[k]) is not None:
+            out["logical_shape"] = list(logical)
+        return out
+
+    def _kind_keys(self, described: bool) -> list[tuple[Any, ...]]:
+        """Each kind's key: (dtype, shape), and its source type and logical
+        shape when ``described``."""
+        if not described:
+            return list(zip(self.dtypes, self.shapes, strict=True))
+        n = len(self.dtypes)
+        return list(zip(self.dtypes, self.shapes, self.sources or [None] * n,
+                        self.logicals or [None] * n, strict=True))
 
     # -- columns ----------------------------------------------------------------------
 
@@ -395,15 +556,19 @@ class ManifestTable(Mapping[str, Entry]):
         """This manifest with ``written`` recorded (names kept in place, new
         ones appended, like ``dict.update``) and ``dropped`` removed: what
         ``merge_entries`` does to entry dicts."""
-        ids = {k: i for i, k in enumerate(zip(self.dtypes, self.shapes, strict=True))}
-        dtypes, shapes = list(self.dtypes), list(self.shapes)
+        described = any(t.sources is not None or t.logicals is not None
+                        for t in (self, written))
+        keys = self._kind_keys(described)
+        ids = {k: i for i, k in enumerate(keys)}
         remap = np.empty(len(written.dtypes), dtype=np.intp)
-        for j, key in enumerate(zip(written.dtypes, written.shapes, strict=True)):
+        for j, key in enumerate(written._kind_keys(described)):
             if key not in ids:
-                ids[key] = len(dtypes)
-                dtypes.append(key[0])
-                shapes.append(key[1])
+                ids[key] = len(keys)
+                keys.append(key)
             remap[j] = ids[key]
+        dtypes, shapes = [k[0] for k in keys], [k[1] for k in keys]
+        sources = [k[2] for k in keys] if described else None
+        logicals = [k[3] for k in keys] if described else None
         rows = self.rows(written.names)
         old = rows >= 0
         mine = [self.offsets, self.nbytes, self.checksums, self.has_sum, self.kinds]
@@ -423,7 +588,8 @@ class ManifestTable(Mapping[str, Entry]):
             names = list(itertools.compress(names, keep.tolist()))
             cols = [c[keep] for c in cols]
         offsets, nbytes, checksums, has_sum, kinds = cols
-        table = ManifestTable(names, offsets, nbytes, checksums, has_sum, kinds, dtypes, shapes)
+        table = ManifestTable(names, offsets, nbytes, checksums, has_sum, kinds, dtypes, shapes,
+                              sources, logicals)
         if same_names:
             table._index = self._index  # the same rows: share the (read-only) index
         return table

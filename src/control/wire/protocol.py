@@ -50,7 +50,9 @@ from control.wire.frames import (
 # 2: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
 # ``store_batch`` may state its ``checksum_kind``.  3: the same-host path
 # shares memory by handle (``handles``, ``bind_handles``, ``stage``,
-# ``attach``/``detach``, the BUSY code) instead of copying client memory.
+# ``attach``/``detach``, the BUSY code) instead of copying client memory;
+# ``store_batch`` and ``dedup_store`` may give each tensor's source type and
+# logical shape (``source_types``/``logical_shapes``, or per kind).
 PROTOCOL_MIN = 1
 PROTOCOL_VERSION = 3
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
@@ -58,12 +60,17 @@ MAX_INT = (1 << 63) - 1
 MAX_STR = 1024
 MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model needs 32)
 MAX_ID = 64  # characters of a buffer id (the daemon makes 26)
+MAX_SOURCE_TYPE = 32  # characters of a source type name ("Q4_K", "BF16", "F8_E4M3FNUZ")
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+_SOURCE_CHARS = _ID_CHARS - {"-"}
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
 U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, sizes, checksums)
 # Checked forms of plain types (to type checkers they are the plain type):
 BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
 Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
+# A tensor's type in the file it came from: a GGML type ("Q8_0") or a
+# safetensors dtype ("BF16"), [A-Za-z0-9_]{1,32}.
+SourceType = Annotated[str, "source_type"]
 
 
 # -- requests -----------------------------------------------------------------
@@ -86,6 +93,11 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
             raise BadRequest(f"{op}: {name} is not a buffer id ([A-Za-z0-9_-], at most "
                              f"{MAX_ID} characters)")
         return value
+    if tp == SourceType:
+        if not source_type_ok(value):
+            raise BadRequest(f"{op}: {name} is not a source type ([A-Za-z0-9_], 1 to "
+                             f"{MAX_SOURCE_TYPE} characters)")
+        return value
     origin = get_origin(tp)
     if origin in (Union, types.UnionType):
         args = get_args(tp)
@@ -106,9 +118,20 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
             raise BadRequest(f"{op}: {name} must be a list of at most {MAX_ITEMS} items")
         (inner_tp,) = get_args(tp)
         if inner_tp == Shape:  # shapes of big batches
-            if not all(map(_shape_ok, value)):
+            if not all(map(shape_ok, value)):
                 raise BadRequest(f"{op}: {name} must hold shapes: at most {MAX_NDIM} integers "
                                  "in [0, 2**63) whose product is below 2**63")
+            return value
+        if inner_tp == _OPT_SHAPE:  # logical shapes: a shape or None each
+            if not all(v is None or shape_ok(v) for v in value):
+                raise BadRequest(f"{op}: {name} must hold shapes (at most {MAX_NDIM} "
+                                 "integers in [0, 2**63) whose product is below 2**63) or "
+                                 "nulls")
+            return value
+        if inner_tp == _OPT_SOURCE_TYPE:
+            if not all(v is None or source_type_ok(v) for v in value):
+                raise BadRequest(f"{op}: {name} must hold source types ([A-Za-z0-9_], 1 to "
+                                 f"{MAX_SOURCE_TYPE} characters) or nulls")
             return value
         if inner_tp is str:  # fast path: names and dtypes of big batches
             if not all(isinstance(v, str) and len(v) <= MAX_STR and v.isprintable()
@@ -137,7 +160,7 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported field type {tp!r}")  # a bug in this module, not input
 
 
-def _shape_ok(v: Any) -> bool:
+def shape_ok(v: Any) -> bool:
     """A shape: a list of at most MAX_NDIM ints in [0, 2**63) whose product
     is below 2**63 (no tensor of 2**63 bytes or more can match an item)."""
     if type(v) is not list or len(v) > MAX_NDIM:
@@ -148,6 +171,15 @@ def _shape_ok(v: Any) -> bool:
             return False
         n = min(n * d, MAX_INT + 1)  # capped: the numbers stay small whatever comes
     return n <= MAX_INT
+
+
+def source_type_ok(v: Any) -> bool:
+    """A source type: 1 to MAX_SOURCE_TYPE characters of [A-Za-z0-9_]."""
+    return type(v) is str and 0 < len(v) <= MAX_SOURCE_TYPE and _SOURCE_CHARS.issuperset(v)
+
+
+_OPT_SHAPE = Shape | None
+_OPT_SOURCE_TYPE = SourceType | None
 
 
 @dataclass(frozen=True)
@@ -297,6 +329,14 @@ class StoreBatch(Request):
     # Which checksum ``checksums`` are (absent: xxh3; protocol 2 on).  The
     # manifest's checksums are xxh3-64 (dedup and the disk cache key on it).
     checksum_kind: Literal["xxh3"] | None = None
+    # Protocol 3 on, each optional, null for a tensor without: the tensors'
+    # source types and logical shapes (what a model file says they are, beside
+    # the NumPy view dtypes/shapes), one per item with ``dtypes``/``shapes`` ...
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
+    # ... or one per kind with ``kind_dtypes``/``kind_shapes``.
+    kind_source_types: list[SourceType | None] | None = None
+    kind_logical_shapes: list[Shape | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +368,9 @@ class DedupStore(Request):
     names: list[str]
     dtypes: list[str]
     shapes: list[Shape]
+    # As in ``StoreBatch``'s list form (protocol 3 on).
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -516,6 +559,6 @@ __all__ = [
     "FrameDecoder",
     "FrameError", "Request", "RequestError", "encode_frame", "error_response",
     "hello_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
-    "speaks", "unpack_u64", "version_mismatch",
+    "source_type_ok", "speaks", "unpack_u64", "version_mismatch",
     *[c.__name__ for c in OPS.values()],
 ]

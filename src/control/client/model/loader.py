@@ -14,7 +14,10 @@
    thread reads and hashes the next batch while this one travels), place it
    with ``store_tensors_dedup`` (the node copies what this tenant already
    holds; the rest is sent and checksum-verified), and report progress;
-4. check every slot's manifest against the checksums computed here.
+4. store the file's own metadata (``metadata``: one tensor in the first slot
+   buffer on each node) and record each tensor's source type and logical
+   shape in the manifests (``TensorSpec.source``);
+5. check every slot's manifest against the checksums computed here.
 
 Named buffers outlive the client, so the model stays loaded after the CLI
 exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
@@ -31,7 +34,7 @@ import asyncio
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,11 +43,20 @@ import numpy as np
 
 from control.client.cluster import Cluster, ClusterError
 from control.client.dedup import content_hashes
+from control.client.model import metadata as MD
 from control.client.model import placement as PL
 from control.client.model.hashcache import HashCache, file_key, tensor_key
 from control.client.model.modelfile import ModelFile, TensorSpec, open_model
-from control.client.tensors import calculate_buffer_size, manifest_columns, plan_layout
+from control.client.tensors import (
+    ALIGN,
+    Packed,
+    calculate_buffer_size,
+    manifest_columns,
+    plan_layout,
+)
 from control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
+from control.wire.manifest import Source, align, source_columns
+from dataplane.checksum import checksum
 
 if TYPE_CHECKING:
     from control.client.context import RpcContext
@@ -176,6 +188,7 @@ class _SlotJob:
     buffer_name: str
     buffer_id: str = ""
     created: bool = False
+    metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
 
 
 class _Progress:
@@ -256,10 +269,12 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
         slots = await cluster.slots()
         existing = await cluster.list_buffers()
         slots = _as_if_released(slots, existing, name)
+        blob = MD.encode(model.format, model.metadata)
         groups = PL.Groups.of([(t.name, t.nbytes) for t in model.tensors])
-        plan = PL.plan(groups, slots, placement)
+        plan = PL.plan(groups, _room_for_metadata(slots, blob), placement)
         jobs = [_SlotJob(p, [model.by_name[n] for n in p.tensors],
                          buffer_name(name, p.slot.slot)) for p in plan.slots]
+        _carry_metadata(jobs, blob)
         await _acquire(cluster, jobs, existing, name)
         stats = {a: NodeStats(a) for a in cluster.endpoints}
         for j in jobs:
@@ -309,12 +324,13 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
     for j in jobs:
         slot = j.plan.slot
         ctx = cluster[slot.endpoint]
-        need = calculate_buffer_size([(s.shape, s.dtype) for s in j.specs], headroom=0.0)
+        need = calculate_buffer_size([(s.shape, s.dtype) for s in j.specs], headroom=0.0) \
+            + _metadata_bytes(j)
         old = next((b for b in existing.get(slot.endpoint, []) if b["name"] == j.buffer_name),
                    None)
         try:
             if old is not None:
-                planned = {s.name for s in j.specs}
+                planned = {s.name for s in j.specs} | _metadata_names(j)
                 fits = int(old["size"]) >= need and old["device_type"] == slot.device_type \
                     and old["device"] == slot.device
                 held = old.get("tensors")
@@ -382,16 +398,17 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                 if dedup:
                     res = await ctx.store_tensors_dedup(
                         j.buffer_id, arrays, {n: offsets[n] for n in arrays}, "checksum",
-                        hashes)
+                        hashes, sources=_sources(model, arrays))
                     node.bytes_sent += res["bytes_sent"]
                     node.bytes_placed += res["bytes_placed"]
                 else:
                     await ctx.store_batch(
                         j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
-                        manifest_columns(arrays, arrays))
+                        _described(model, arrays))
                     node.bytes_sent += nbytes
                 del arrays
                 bar.advance(j.plan.slot.endpoint, nbytes)
+            await _store_metadata(ctx, j, offsets, sums)
             await _check_manifest(ctx, j, sums)
             node.seconds = max(node.seconds, time.perf_counter() - t0)
         except BaseException:
@@ -414,6 +431,59 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
         if other is not None:
             raise other
         raise ClusterError.of("uploading the model", errors, cleaned=cleaned)
+
+
+# -- what the manifests say beyond the NumPy views: source types, the file's metadata --
+
+
+def _sources(model: ModelFile, names: Iterable[str]) -> dict[str, Source]:
+    """Each tensor's (source type, logical shape), as its manifest entry records them."""
+    return {n: model.by_name[n].source for n in names}
+
+
+def _described(model: ModelFile, arrays: dict[str, np.ndarray]) -> Packed:
+    """A batch's manifest with each tensor's source type and logical shape."""
+    names = list(arrays)
+    return Packed.of_columns(*manifest_columns(arrays, names),
+                             *source_columns(names, _sources(model, names)))
+
+
+def _carry_metadata(jobs: list[_SlotJob], blob: np.ndarray) -> None:
+    """The first slot of each node holds the model's metadata (``metadata``)."""
+    seen: set[str] = set()
+    for j in jobs:  # by slot number
+        if j.plan.slot.endpoint not in seen:
+            seen.add(j.plan.slot.endpoint)
+            j.metadata = blob
+
+
+def _metadata_bytes(job: _SlotJob) -> int:
+    return 0 if job.metadata is None else align(job.metadata.nbytes, ALIGN)
+
+
+def _metadata_names(job: _SlotJob) -> set[str]:
+    return set() if job.metadata is None else {MD.META_TENSOR}
+
+
+def _room_for_metadata(slots: list[PL.Slot], blob: np.ndarray) -> list[PL.Slot]:
+    """Slots as placement should see them: each less the metadata's aligned
+    bytes (any may be a node's first slot, which holds it)."""
+    less = align(blob.nbytes, ALIGN)
+    return [PL.Slot(s.slot, s.endpoint, s.device_type, s.device, max(0, s.free - less),
+                    max(0, s.largest_free - less), s.allocator) for s in slots]
+
+
+async def _store_metadata(ctx: RpcContext, job: _SlotJob, offsets: dict[str, int],
+                          sums: dict[str, int]) -> None:
+    """The metadata tensor of a slot that carries it, right after the slot's
+    tensors (deduplicated: a re-load sends nothing); its checksum joins
+    ``sums`` for the manifest check."""
+    if job.metadata is None:
+        return
+    end = max((offsets[s.name] + s.nbytes for s in job.specs), default=0)
+    await ctx.store_tensors_dedup(job.buffer_id, {MD.META_TENSOR: job.metadata},
+                                  {MD.META_TENSOR: align(end, ALIGN)}, "checksum")
+    sums[MD.META_TENSOR] = checksum(job.metadata)
 
 
 async def _check_manifest(ctx: RpcContext, job: _SlotJob, sums: dict[str, int]) -> None:

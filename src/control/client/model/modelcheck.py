@@ -16,16 +16,25 @@ format's own package (``gguf.GGUFReader``, ``safetensors.safe_open``).
 - GGUF (versions 2 and 3, either byte order): magic, version, tensor and
   metadata counts, every key and value (strings, scalars, arrays of any
   type, nested at most ``GGUF_MAX_NESTING`` deep), ``general.alignment``,
-  and each tensor's name, dimensions (at most 4, as in ggml), type (one the
-  ``gguf`` package knows the block size of), offset (aligned) and byte
-  range, which must end within the file.
+  and each tensor's name (at most ``MAX_NAME`` bytes, what the wire takes),
+  dimensions (at most 4, as in ggml), type (one the ``gguf`` package knows
+  the block size of), offset (aligned) and byte range, which must end
+  within the file.  The walk also reads the key/values, as plain Python
+  (``check_gguf`` returns them: ints, floats, bools, strings, lists), bounded
+  before anything is read: at most ``MAX_METADATA_KEYS`` keys,
+  ``MAX_METADATA_ITEMS`` values (array items counted one by one) and
+  ``MAX_METADATA_BYTES`` bytes of key/value section, so an array of 10^7
+  entries or a 2 GiB string (a sparse file) is refused at its length.
 - safetensors: the 8-byte header length (within the file and
   ``ST_MAX_HEADER``), nesting (at most 3 levels: the header is a flat
   object of flat objects whose only arrays hold numbers), then the JSON and
-  its shape: ``__metadata__`` maps strings to strings; every other entry has
-  a string ``dtype``, a ``shape`` of non-negative ints and ``data_offsets``
-  ``[start, stop]`` with ``0 <= start <= stop <=`` the bytes after the header,
-  exactly the shape's bytes for a dtype of known size.
+  its shape: ``__metadata__`` maps strings to strings (at most
+  ``MAX_METADATA_KEYS`` of them, ``MAX_METADATA_BYTES`` in all); every other
+  entry has a ``dtype`` of 1-32 of ``[A-Za-z0-9_]`` (what the wire records
+  as its source type), a ``shape`` of at most 32 non-negative ints and
+  ``data_offsets`` ``[start, stop]`` with ``0 <= start <= stop <=`` the
+  bytes after the header, exactly the shape's bytes for a dtype of known
+  size.
 """
 
 from __future__ import annotations
@@ -40,15 +49,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
 GGUF_MAX_NESTING = 8  # arrays of arrays: real files use 1 or 2
 GGML_MAX_DIMS = 4
 ST_MAX_HEADER = 100 << 20
 _ST_LEVELS = 3
+MAX_NAME = P.MAX_STR  # bytes of a tensor name (the wire takes at most this many characters)
+# A model file's own metadata (GGUF key/values, safetensors __metadata__).
+# Real files hold tens of keys and a tokenizer of a few MiB (Llama 3: about
+# 540,000 array items, 8 MiB; the largest vocabularies about twice that).
+MAX_METADATA_KEYS = 1 << 16
+MAX_METADATA_ITEMS = 1 << 21  # keys and values, array items counted one by one
+MAX_METADATA_BYTES = 32 << 20  # of the file: GGUF's key/value section, __metadata__'s text
 
 # GGUF value types: fixed-size scalars by type number; 8 is STRING, 9 ARRAY.
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q",
+               11: "q", 12: "d"}  # struct/NumPy codes (bool: a byte, nonzero is true)
+_BOOL = 7
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MIN_VALUE = 1  # the smallest value a metadata entry can have (a u8 or a bool)
 _MIN_KV = 8 + 4 + _MIN_VALUE  # key length, value type, value
@@ -73,6 +95,8 @@ class _Cursor:
         self.size = len(data)
         self.pos = 0
         self.order = order
+        self.bound: tuple[int, str] | None = None  # (end, why): no read may pass it
+        self.items = MAX_METADATA_ITEMS  # metadata values still allowed
 
     def left(self) -> int:
         return self.size - self.pos
@@ -81,6 +105,8 @@ class _Cursor:
         if n > self.left():
             raise _Malformed(f"{what} at byte {self.pos} ({n} bytes) runs past the end of the "
                              f"file ({self.size} bytes)")
+        if self.bound is not None and self.pos + n > self.bound[0]:
+            raise _Malformed(f"{what} at byte {self.pos} ({n} bytes) {self.bound[1]}")
         self.pos += n
 
     def take(self, n: int, what: str) -> bytes:
@@ -103,18 +129,26 @@ class _Cursor:
             raise _Malformed(f"{what} at byte {self.pos} cannot fit in the {self.left()} bytes "
                              f"left of the file ({self.size} bytes)")
 
+    def values(self, n: int, what: str) -> None:
+        """``n`` more metadata values, within ``MAX_METADATA_ITEMS`` in all."""
+        if n > self.items:
+            raise _Malformed(f"{what} at byte {self.pos}: the metadata would hold more than "
+                             f"{MAX_METADATA_ITEMS} values (the most rpcbuf reads)")
+        self.items -= n
 
-def check_gguf(path: Path) -> None:
-    """Walk a GGUF file's whole header against its size.  Raises BAD_REQUEST
-    naming the file and the first thing wrong with it."""
+
+def check_gguf(path: Path) -> dict[str, Any]:
+    """Walk a GGUF file's whole header against its size; return its
+    key/values as plain Python (see the module docstring).  Raises
+    BAD_REQUEST naming the file and the first thing wrong with it."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            _walk_gguf(data)
+            return _walk_gguf(data)
     except (_Malformed, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise BadRequest(f"{path}: not a valid GGUF file: {exc}", {"file": str(path)}) from None
 
 
-def _walk_gguf(data: mmap.mmap) -> None:
+def _walk_gguf(data: mmap.mmap) -> dict[str, Any]:
     from gguf.constants import GGML_QUANT_SIZES
 
     cur = _Cursor(data, "<")
@@ -130,23 +164,37 @@ def _walk_gguf(data: mmap.mmap) -> None:
     n_kv = cur.uint(8, "metadata count")
     cur.count(n_kv, _MIN_KV, f"{n_kv} metadata entries")
     cur.count(n_tensors, _MIN_TENSOR_INFO, f"{n_tensors} tensors")
+    if n_kv > MAX_METADATA_KEYS:
+        raise _Malformed(f"{n_kv} metadata entries (rpcbuf reads at most {MAX_METADATA_KEYS})")
+    cur.bound = (cur.pos + MAX_METADATA_BYTES, f"passes the {MAX_METADATA_BYTES} bytes of "
+                                               "metadata rpcbuf reads")
     alignment = 32
+    meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string("metadata key")
         vtype = cur.uint(4, f"type of {_short(key)}")
+        text = key.decode("utf-8", "replace")
+        if text in meta:
+            raise _Malformed(f"metadata key {_short(key)} appears twice")
+        cur.values(1, f"metadata key {_short(key)}")
         if key == b"general.alignment":
             if vtype != _UINT32:
                 raise _Malformed(f"general.alignment has value type {vtype}, not uint32")
-            alignment = cur.uint(4, "general.alignment")
+            alignment = meta[text] = cur.uint(4, "general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
                 raise _Malformed(f"alignment {alignment} is not a power of two")
             continue
-        _gguf_value(cur, vtype, _short(key), 0)
+        meta[text] = _gguf_value(cur, vtype, _short(key), 0)
+    cur.bound = None
     quant = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
     infos: list[tuple[str, int, int]] = []  # name, offset, bytes
     names: set[bytes] = set()
     for _ in range(n_tensors):
-        raw = cur.string("tensor name")
+        n = cur.uint(8, "length of tensor name")
+        if n > MAX_NAME:
+            raise _Malformed(f"a tensor name at byte {cur.pos} of {n} bytes (at most "
+                             f"{MAX_NAME})")
+        raw = cur.take(n, "tensor name")
         name = _short(raw)
         if raw in names:
             raise _Malformed(f"tensor {name} appears twice")
@@ -174,15 +222,20 @@ def _walk_gguf(data: mmap.mmap) -> None:
         if start + offset + nbytes > cur.size:
             raise _Malformed(f"tensor {name}: its {nbytes} bytes at byte {start + offset} run "
                              f"past the end of the file ({cur.size} bytes)")
+    return meta
 
 
-def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> None:
+def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
+    """One metadata value, read as plain Python; every length is checked
+    (against the file, the metadata's bounds) before its bytes are read."""
     size = _GGUF_SCALARS.get(vtype)
     if size is not None:
-        cur.skip(size, f"value of {key}")
-    elif vtype == _STRING:
-        cur.string(f"string of {key}")
-    elif vtype == _ARRAY:
+        raw = cur.take(size, f"value of {key}")
+        value = struct.unpack(cur.order + _GGUF_CODES[vtype], raw)[0]
+        return value != 0 if vtype == _BOOL else value
+    if vtype == _STRING:
+        return cur.string(f"string of {key}").decode("utf-8", "replace")
+    if vtype == _ARRAY:
         if depth >= GGUF_MAX_NESTING:
             raise _Malformed(f"{key}: arrays nested more than {GGUF_MAX_NESTING} deep")
         itype = cur.uint(4, f"item type of {key}")
@@ -191,13 +244,27 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> None:
             raise _Malformed(f"{key}: array of unknown value type {itype}")
         least = _GGUF_SCALARS.get(itype) or (8 if itype == _STRING else 4 + 8)
         cur.count(n, least, f"{key}: array of {n} items")
+        cur.values(n, f"{key}: array of {n} items")
         if itype in _GGUF_SCALARS:
-            cur.skip(n * least, f"items of {key}")
-            return
-        for _ in range(n):  # bounded: n items of >= 8 bytes fit in the file
-            _gguf_value(cur, itype, key, depth + 1)
-    else:
-        raise _Malformed(f"{key} has unknown value type {vtype}")
+            raw = cur.take(n * least, f"items of {key}")
+            items = np.frombuffer(raw, dtype=cur.order + _GGUF_CODES[itype])
+            return (items != 0).tolist() if itype == _BOOL else items.tolist()
+        # bounded: n items of >= 8 bytes fit in the file, n values in the budget
+        return [_gguf_value(cur, itype, key, depth + 1) for _ in range(n)]
+    raise _Malformed(f"{key} has unknown value type {vtype}")
+
+
+def metadata_of_safetensors(path: Path, header: Mapping[str, Any]) -> dict[str, str]:
+    """A safetensors header's ``__metadata__`` (checked a map of strings by
+    ``safetensors_header``), within the bounds of the module docstring.
+    Raises BAD_REQUEST naming the file."""
+    meta = header.get("__metadata__") or {}
+    size = sum(len(k) + len(v) for k, v in meta.items())  # characters: at most the bytes
+    if len(meta) > MAX_METADATA_KEYS or size > MAX_METADATA_BYTES:
+        raise BadRequest(f"{path}: its __metadata__ has {len(meta)} keys and {size} characters "
+                         f"(rpcbuf reads at most {MAX_METADATA_KEYS} keys and "
+                         f"{MAX_METADATA_BYTES} characters)", {"file": str(path)})
+    return dict(meta)
 
 
 # A JSON string (escapes included), then everything but brackets: what is
@@ -278,9 +345,14 @@ def _check_entry(name: str, entry: Any, room: int, base: int, itemsizes: Mapping
         raise _Malformed(f"tensor {name} is not a JSON object")
     if not isinstance(entry.get("dtype"), str):
         raise _Malformed(f"tensor {name} has no string dtype")
+    if not P.source_type_ok(entry["dtype"]):
+        raise _Malformed(f"tensor {name}: dtype {_short(entry['dtype'])} is not 1 to "
+                         f"{P.MAX_SOURCE_TYPE} of [A-Za-z0-9_]")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise _Malformed(f"tensor {name}: shape is not a list of non-negative integers")
+    if len(shape) > P.MAX_NDIM:
+        raise _Malformed(f"tensor {name}: {len(shape)} dimensions (at most {P.MAX_NDIM})")
     offsets = entry.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
         raise _Malformed(f"tensor {name}: data_offsets is not [start, stop]")

@@ -1,7 +1,11 @@
 """Model files: the tensors of a safetensors or GGUF model, read a batch at a time.
 
 ``open_model(path)`` reads only the metadata: each tensor's name, dtype,
-shape and size, in file order.  ``ModelFile.read(names)`` then returns those
+shape and size, in file order, what the file says it is (``source_dtype``:
+its GGML type or safetensors dtype; ``logical_shape``: its elements, in
+NumPy order), and the file's own metadata (``ModelFile.metadata``: GGUF's
+key/values as plain Python, or the safetensors ``__metadata__`` strings;
+bounded, see ``modelcheck``).  ``ModelFile.read(names)`` then returns those
 tensors as NumPy arrays, so a loader holds one bounded batch in memory, not
 the model.  Both formats are memory-mapped by their own packages:
 
@@ -13,10 +17,12 @@ the model.  Both formats are memory-mapped by their own packages:
   (``model-00001-of-00004.safetensors`` ...) is one model.  NumPy has no
   bfloat16 or float8, so those tensors are their raw bits (``<u2`` / ``|u1``,
   same shape); the manifest records that dtype and ``source_dtype`` keeps
-  the file's name.
+  the file's name.  The shards' ``__metadata__`` are merged, the first
+  shard's value winning.
 - GGUF through ``gguf.GGUFReader`` (a memory map): float tensors keep their
   dtype; quantized ones are the uint8 rows the reader gives (``source_dtype``
-  says which quantization).
+  says which quantization, ``logical_shape`` the elements: a Q8_0 matrix of
+  (512, 256) is uint8 rows of (512, 272)).
 
 ``read`` may be called from several threads at once (the loader reads ahead
 for each slot in a worker thread).
@@ -30,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from control.client.model.modelcheck import check_gguf, safetensors_header
+from control.client.model.modelcheck import (
+    MAX_METADATA_BYTES,
+    MAX_METADATA_KEYS,
+    check_gguf,
+    metadata_of_safetensors,
+    safetensors_header,
+)
 from control.wire.errors import BadRequest
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
@@ -49,17 +61,28 @@ class TensorSpec:
     nbytes: int
     source_dtype: str  # the file's own name for it (BF16, Q4_K, F16 ...)
     file: int = 0  # index into ModelFile.files
+    logical_shape: tuple[int, ...] | None = None  # its elements, in NumPy order (None: shape)
+
+    @property
+    def source(self) -> tuple[str, tuple[int, ...]]:
+        """``(source type, logical shape)``: what the manifest records beside
+        the NumPy view (``store_tensors(sources=...)``)."""
+        return self.source_dtype, self.shape if self.logical_shape is None \
+            else self.logical_shape
 
 
 class ModelFile:
     """The metadata of one model, and batched reads of its tensors."""
 
     def __init__(self, path: Path, fmt: str, files: list[Path],
-                 tensors: list[TensorSpec], reader: Any = None) -> None:
+                 tensors: list[TensorSpec], reader: Any = None,
+                 metadata: dict[str, Any] | None = None) -> None:
         self.path = path
         self.format = fmt
         self.files = files
         self.tensors = tensors
+        #: the file's own metadata: GGUF key/values, safetensors ``__metadata__``
+        self.metadata: dict[str, Any] = metadata or {}
         self.by_name = {t.name: t for t in tensors}
         self._gguf = reader
         self._maps: dict[int, np.memmap] = {}
@@ -121,8 +144,16 @@ def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
 
     specs: list[TensorSpec] = []
     raw_at: dict[str, tuple[int, int]] = {}
+    metadata: dict[str, str] = {}
     for idx, file in enumerate(files):
         base, header = safetensors_header(file, _ST_ITEMSIZE)  # checked against the file
+        for k, v in metadata_of_safetensors(file, header).items():
+            metadata.setdefault(k, v)
+        if len(metadata) > MAX_METADATA_KEYS or \
+                sum(len(k) + len(v) for k, v in metadata.items()) > MAX_METADATA_BYTES:
+            raise BadRequest(f"{root}: the shards' __metadata__ together pass "
+                             f"{MAX_METADATA_KEYS} keys or {MAX_METADATA_BYTES} characters",
+                             {"file": str(file)})
         try:
             with safe_open(str(file), framework="np") as f:
                 keys = list(f.keys())
@@ -134,17 +165,18 @@ def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
         order = sorted(keys, key=lambda k: header[k]["data_offsets"][0])  # file order
         for k in order:
             src, shape = meta[k]
+            logical = shape
             start, stop = (int(x) for x in header[k]["data_offsets"])
             dtype = _ST_DTYPES.get(src) or _ST_RAW.get(src)
             if dtype is None:  # unknown to us: its bytes, as they are
                 dtype, shape = "|u1", (stop - start,)
             nbytes = stop - start  # the shape's bytes: safetensors_header checked
             raw_at[k] = (base + start, base + stop)
-            specs.append(TensorSpec(k, dtype, shape, nbytes, src, idx))
+            specs.append(TensorSpec(k, dtype, shape, nbytes, src, idx, logical))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise BadRequest(f"{root}: a tensor name appears in more than one shard")
-    model = ModelFile(root, "safetensors", files, specs)
+    model = ModelFile(root, "safetensors", files, specs, metadata=metadata)
     model._raw_at = raw_at
     return model
 
@@ -152,11 +184,13 @@ def _open_safetensors(root: Path, files: list[Path]) -> ModelFile:
 def _open_gguf(path: Path) -> ModelFile:
     import gguf
 
-    check_gguf(path)  # every count and length against the file, before the reader loops
+    metadata = check_gguf(path)  # every count and length against the file, first
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # gguf raises ValueError and friends on a bad file
         raise BadRequest(f"{path}: not a readable GGUF file: {exc}") from None
     specs = [TensorSpec(t.name, t.data.dtype.str, tuple(int(d) for d in t.data.shape),
-                        int(t.data.nbytes), t.tensor_type.name) for t in reader.tensors]
-    return ModelFile(path, "gguf", [path], specs, reader)
+                        int(t.data.nbytes), t.tensor_type.name, 0,
+                        tuple(int(d) for d in reversed(t.shape)))  # ggml lists ne[0] first
+             for t in reader.tensors]
+    return ModelFile(path, "gguf", [path], specs, reader, metadata)
