@@ -239,3 +239,35 @@ async def test_rpcbuf_models_shows_source_types_in_80_columns(cluster: rpcbuf.Cl
         assert "…" not in res.stdout
     assert "Q8_0 Q4_0 F16 +1" in res.stdout  # 120 columns: room for the types
     await rpcbuf.unload_model(cluster, "cli-quant")
+
+
+async def test_attach_model_gives_every_tensor_in_place_with_its_source_type(
+        cluster: rpcbuf.Cluster, tmp_path: Path) -> None:
+    """``rpcbuf.attach_model``: the GGUF's tensors over the daemon's memory
+    (read-only, no copy), each with its source type and logical shape, and
+    the file's metadata; the slot buffer is BUSY while attached."""
+    import gguf
+
+    path = write_quantized_gguf(tmp_path / "quant.gguf")
+    await rpcbuf.load_model(cluster, path, name="quant", progress=False)
+    ctx = cluster[cluster.endpoints[0]]
+    if not ctx.same_host:
+        pytest.skip("attach needs the same-host path")
+    reader = gguf.GGUFReader(str(path))
+    async with rpcbuf.attach_model(ctx, "quant") as model:
+        assert set(model) == {t.name for t in reader.tensors}  # no metadata tensor
+        q8 = model["token_embd.weight"]
+        assert q8.shape == (512, 272) and q8.dtype == np.uint8 and not q8.flags.writeable
+        assert (model.info["token_embd.weight"].source_type,
+                model.info["token_embd.weight"].logical_shape) == ("Q8_0", (512, 256))
+        raw = next(t for t in reader.tensors if t.name == "token_embd.weight").data
+        assert q8.tobytes() == np.asarray(raw).tobytes()
+        assert model.metadata["general.architecture"] == "llama" and model.format == "gguf"
+        slot = model.info["token_embd.weight"].buffer_id
+        with pytest.raises(rpcbuf.Busy):
+            await ctx.clear_buffer(slot)
+        del q8
+    await ctx.clear_buffer(slot, 0)  # detached on the way out
+    with pytest.raises(rpcbuf.NotFound):
+        await rpcbuf.attach_model(ctx, "no-such-model")
+    await rpcbuf.unload_model(cluster, "quant")

@@ -5,6 +5,7 @@ The public face only re-exports; the logic lives in ``control`` and ``dataplane`
 
 from control.client.cluster import Cluster, ClusterError
 from control.client.context import Connector, RpcContext, connect, create_rpc_context
+from control.client.model.attached import AttachedModel, attach_model
 from control.client.model.info import ModelInfo, TensorInfo, model_info
 from control.client.model.loader import LoadResult, load_model, unload_model
 from control.client.model.placement import Placement
@@ -32,6 +33,7 @@ from dataplane.checksum import checksum
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttachedModel",
     "AuthFailed",
     "BadRequest",
     "BufferPool",
@@ -56,6 +58,7 @@ __all__ = [
     "TokenExpired",
     "UnsupportedDevice",
     "VerifyFailed",
+    "attach_model",
     "calculate_buffer_size",
     "checksum",
     "connect",

@@ -1,0 +1,91 @@
+"""``rpcbuf.attach_model``: every tensor of a loaded model on this node, in
+place, read-only, with what an inference engine needs to use it.
+
+It reads the model's description from the node (``info.model_info``: its
+slot buffers, each tensor's NumPy view dtype and shape, its source type and
+logical shape, the file's metadata), attaches every slot buffer
+(``ctx.attach``: zero-copy, read-only; stores into them are BUSY while
+attached), and hands out each tensor as an array over the daemon's memory
+beside its ``TensorInfo``.  A GGUF Q8_0 matrix of logical shape (512, 256)
+is a ``uint8`` array of shape (512, 272) with ``source_type == "Q8_0"``; a
+safetensors BF16 tensor is ``<u2`` bits with ``source_type == "BF16"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from control.client.attach import Attachment, tensor_view
+from control.client.model.info import ModelInfo, TensorInfo, model_info
+from control.client.model.metadata import META_TENSOR
+from control.client.opening import Opening
+
+if TYPE_CHECKING:
+    from control.client.context import RpcContext
+
+
+class AttachedModel(Mapping[str, Any]):
+    """A loaded model's tensors on this node, by name, over the daemon's
+    memory: ``model[name]`` is the array, ``model.info[name]`` its
+    ``TensorInfo`` (source type, logical shape, ...), ``model.metadata`` the
+    file's own key/values.  ``close()`` (or ``async with``) detaches."""
+
+    def __init__(self, info: ModelInfo, views: dict[str, Attachment]) -> None:
+        self.name = info.name
+        self.description = info
+        self.metadata: dict[str, Any] = info.metadata
+        self.format = info.format
+        self.info: dict[str, TensorInfo] = {
+            k: v for k, v in info.tensors.items() if k != META_TENSOR}
+        self._views = views
+        self._arrays: dict[str, Any] | None = {}
+        for name, t in self.info.items():
+            view = views[t.buffer_id]
+            self._arrays[name] = tensor_view(view.array(), t.entry, view.size)
+
+    def __getitem__(self, name: str) -> Any:
+        if self._arrays is None:
+            raise KeyError(f"{name!r}: the model's attachment is closed")
+        return self._arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.info)
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    async def close(self) -> None:
+        """Detach every slot buffer (arrays still alive keep theirs: see
+        ``control/client/attach.py``)."""
+        self._arrays = None
+        for view in self._views.values():
+            await view.close()
+
+    async def __aenter__(self) -> AttachedModel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def attach_model(ctx: RpcContext, name: str) -> Opening[AttachedModel]:
+    """Every tensor of model ``name`` that lives on ``ctx``'s node, zero-copy
+    and read-only: ``async with rpcbuf.attach_model(ctx, "llama") as m:`` (or
+    ``m = await ...`` and ``await m.close()``).  Needs the same-host path.
+    Raises NOT_FOUND (no such model on this node), BAD_REQUEST (not same
+    host, a bad answer), BUSY never (attach only reads)."""
+    return Opening(lambda: _attach_model(ctx, name))
+
+
+async def _attach_model(ctx: RpcContext, name: str) -> AttachedModel:
+    info = await model_info(ctx, name)
+    views: dict[str, Attachment] = {}
+    try:
+        for slot in info.slots:
+            views[slot.buffer_id] = await ctx.attach(slot.buffer_id)
+        return AttachedModel(info, views)
+    except BaseException:
+        for view in views.values():
+            await view.close()
+        raise
