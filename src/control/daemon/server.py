@@ -40,6 +40,7 @@ from control.daemon.admission import Pending
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
 from control.daemon.metrics import Metrics
+from control.daemon.modeldirs import ModelFiles
 from control.daemon.node import Limits
 from control.daemon.registry import Registry
 from control.daemon.session import READ_CHUNK, Session
@@ -57,9 +58,12 @@ class Daemon:
     """One node's daemon: serves ``registry`` to the holders of ``keys``."""
 
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
-                 limits: Limits | None = None, unsafe_same_host: bool = False) -> None:
+                 limits: Limits | None = None, unsafe_same_host: bool = False,
+                 model_files: ModelFiles | None = None) -> None:
         """``unsafe_same_host``: serve the same-host path even as root or with
-        CAP_SYS_PTRACE (``--unsafe-privileged-same-host``, for tests only)."""
+        CAP_SYS_PTRACE (``--unsafe-privileged-same-host``, for tests only);
+        ``model_files``: the ``--model-dir`` directories node-local loads may
+        read (None: such loads are refused)."""
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
@@ -85,11 +89,13 @@ class Daemon:
         self._expiry_timer: asyncio.TimerHandle | None = None
         self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
-                                         "verify_failures": 0, "sessions_total": 0}
+                                         "bytes_loaded_local": 0, "verify_failures": 0,
+                                         "sessions_total": 0}
         # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        self.model_files = model_files
         # Why the same-host path is refused to everyone (None: it is offered).
         self.same_host_off = cma.privileged_why()
         if self.same_host_off and unsafe_same_host:
@@ -172,6 +178,8 @@ class Daemon:
             self._expiry_timer.cancel()
         self.copies.close()
         self.probes.close()
+        if self.model_files is not None:
+            self.model_files.close()
         self.metrics.close()
         self.stopped = True
         log.info("stopped")

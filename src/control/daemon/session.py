@@ -4,8 +4,9 @@ end.
 
 Requests are parsed by the sans-I/O protocol and dispatched through one
 table: the quick ops (``controlops``) are answered inline, in this loop;
-``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, run
-by the one data pipeline, ``pipeline``), and a ``request_buffer`` that has
+``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, the
+node-local ``load_file`` of ``fileops``, run by the one data pipeline,
+``pipeline``), and a ``request_buffer`` that has
 to wait, run as tasks, so one connection carries many requests at once and
 answers leave in any order.  Every answer frame leaves through ``_reply``,
 once per request (a UCX read answers before its bytes move, through
@@ -46,6 +47,7 @@ from control.daemon import hello, logs
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
+from control.daemon.fileops import FileOps
 from control.daemon.node import Node
 from control.daemon.paths import DataPath, SameHostPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
@@ -112,6 +114,7 @@ class Session:
         pipeline = Pipeline(self)
         dedup = DedupOps(self, pipeline)
         data = DataOps(self, pipeline, dedup)
+        files = FileOps(self, pipeline, daemon, self.cma_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
         # answer inline; ops that may wait (memory, locks, transfers) are tasks.
@@ -132,6 +135,7 @@ class Session:
             P.ClearBuffer: (data.clear, True),
             P.CopyBuffer: (data.copy, True),
             P.DedupStore: (dedup.dedup_store, True),
+            P.LoadFile: (files.load_file, True),
         }
 
     def abort(self, why: str) -> None:

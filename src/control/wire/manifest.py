@@ -189,7 +189,8 @@ class Packed:
                                             checksums, strict=True)}
 
 
-def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
+def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
+          ) -> Packed | None:
     """The batch's manifest (either form), checked against the items'
     ``sizes``, with canonical dtypes and ``kind_nbytes``; None when the
     request records none.  BAD_REQUEST says what is wrong."""
