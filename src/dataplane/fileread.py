@@ -107,8 +107,8 @@ def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
             else:
                 got = os.preadv(fd, [bounce.data[:n]], item.file_offset + done)
                 digests.update(bounce[:got])
-                with active(arena):  # host to device (CuPy copies a NumPy value over)
-                    view[done:done + got] = bounce[:got]
+                with active(arena):
+                    _to_device(view[done:done + got], bounce[:got])
             if got == 0:  # the file ends here (it shrank since it was checked)
                 out.bad, out.ended_at = k, item.file_offset + done
                 return out
@@ -122,3 +122,11 @@ def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
             return out
         out.done += 1
     return out
+
+
+def _to_device(dst: Any, src: np.ndarray) -> None:
+    """Host to device: CuPy's ``set`` (the tests' NumPy-backed fake has none)."""
+    if hasattr(dst, "set"):
+        dst.set(src)
+    else:
+        dst[...] = src
