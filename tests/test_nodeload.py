@@ -459,3 +459,27 @@ async def test_a_client_that_vanishes_mid_load_leaves_nothing(big: tuple[Path, A
     loads = [r for r in records if r["op"] == "load_file"]
     assert [r["code"] for r in loads] == ["CONNECTION_LOST"], loads
     assert "did not end" not in d.log()
+
+
+async def test_a_directory_of_shards_loads_shard_by_shard(
+        node: tuple[DaemonProc, Path, Path]) -> None:
+    d, models, local = node
+    t = llama_tensors(2, seed=4)
+    names = list(t)
+    for where in (local / "sharded", models / "sharded"):
+        where.mkdir(exist_ok=True)
+        write_safetensors(where / "model-00001-of-00002.safetensors",
+                          {n: t[n] for n in names[:7]})
+        write_safetensors(where / "model-00002-of-00002.safetensors",
+                          {n: t[n] for n in names[7:]})
+    res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "control.cli", "hash",
+                                                   str(local / "sharded")],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "rpcbuf-hashes.json" in res.stdout, res.stderr
+    async with rpcbuf.Cluster.connect(d.addr, d.token("alice"), timeout=10) as cluster:
+        out = await rpcbuf.load_model(cluster, local / "sharded" / "rpcbuf-hashes.json",
+                                      source="node", node_path="sharded", progress=False)
+        assert out.name == "sharded" and out.to_json()["hashes"] == "manifest"
+        got = await cluster[d.addr].load_tensors(out.buffers[0]["buffer_id"])
+        assert set(got) == set(t) and all(np.array_equal(got[n], t[n]) for n in t)
+        await rpcbuf.unload_model(cluster, "sharded")
