@@ -2,7 +2,9 @@
 
 One definition for both ends: the client hashes the bytes it sends, the daemon
 hashes the arena slice it received into, and the two integers must match.
-``digest128`` is the content key of dedup (xxh3-128), for both ends too.
+``digest128`` is the content key of dedup (xxh3-128), for both ends too;
+``Digests`` computes both of bytes that arrive in pieces (a node-local load
+reads a file a chunk at a time).
 This is the only module that imports xxhash: everything hashes through it.
 """
 
@@ -26,3 +28,26 @@ def checksum(data: Any) -> int:
 def digest128(data: Any) -> int:
     """xxh3-128 of a contiguous buffer, as an int (what dedup keys on)."""
     return xxhash.xxh3_128_intdigest(memoryview(data).cast("B"))
+
+
+class Digests:
+    """Both hashes of bytes that arrive in pieces (a file read a chunk at a
+    time): ``update`` each piece in order, then ``digest128`` and ``checksum``
+    equal ``digest128(whole)`` and ``checksum(whole)``."""
+
+    __slots__ = ("_long", "_short")
+
+    def __init__(self) -> None:
+        self._long = xxhash.xxh3_128()
+        self._short = xxhash.xxh3_64()
+
+    def update(self, data: Any) -> None:
+        piece = memoryview(data).cast("B")
+        self._long.update(piece)
+        self._short.update(piece)
+
+    def digest128(self) -> int:
+        return int(self._long.intdigest())
+
+    def checksum(self) -> int:
+        return int(self._short.intdigest())

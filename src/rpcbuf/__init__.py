@@ -7,8 +7,9 @@ from control.client.cluster import Cluster, ClusterError
 from control.client.context import Connector, RpcContext, connect, create_rpc_context
 from control.client.model.attached import AttachedModel, attach_model
 from control.client.model.info import ModelInfo, TensorInfo, model_info
-from control.client.model.loader import LoadResult, load_model, unload_model
+from control.client.model.loader import LoadResult, unload_model
 from control.client.model.placement import Placement
+from control.client.model.sources import load_model
 from control.client.pool import BufferPool
 from control.client.tensors import calculate_buffer_size
 from control.wire.errors import (

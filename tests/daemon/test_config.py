@@ -40,6 +40,7 @@ ucx_port = 7801
 node_id = "n1"
 secret_file = "/etc/rpcbuf/secret"
 devices = ["cpu:1GiB", "cpu:1:512MiB"]
+model_dirs = ["/srv/models", "/data/hf"]
 allocator = "slab"
 metrics = "0.0.0.0:9100"
 [limits]
@@ -64,6 +65,7 @@ bob = { buffers = 0 }
 SAME_AS_FLAGS = [
     "--listen", "10.0.0.5:7800", "--ucx-port", "7801", "--node-id", "n1",
     "--secret-file", "/etc/rpcbuf/secret", "--device", "cpu:1GiB", "--device", "cpu:1:512MiB",
+    "--model-dir", "/srv/models", "--model-dir", "/data/hf",
     "--allocator", "slab", "--metrics", "0.0.0.0:9100", "--max-frame", "2MiB",
     "--max-inflight", "8", "--max-sessions", "100", "--transfer-timeout", "1m",
     "--drain-timeout", "5", "--log-level", "DEBUG", "--log-format", "json",
@@ -101,6 +103,8 @@ def test_flags_beat_the_file_and_quotas_merge_per_tenant(tmp_path: Path) -> None
 @pytest.mark.parametrize(("text", "key"), [
     ("listn = \"1.2.3.4:5\"", "'listn'; did you mean 'listen'"),
     ("device = [\"cpu:1GiB\"]", "'device'; did you mean 'devices'"),
+    ("model_dir = [\"/m\"]", "'model_dir'; did you mean 'model_dirs'"),
+    ("model_dirs = \"/m\"", "model_dirs: want a list"),
     ("log_level = \"INFO\"", "'log_level'"),
     ("[limits]\nmax_frames = 1", "'limits.max_frames'; did you mean 'limits.max_frame'"),
     ("[bogus]\nx = 1", "'bogus'"),
@@ -195,3 +199,11 @@ def test_bad_service_flags_fail_clearly(tmp_path: Path, flags: list[str], messag
     res = run_daemon("--secret-file", str(tmp_path / "s"), "--device", "cpu:1MiB", *flags)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_missing_model_dir_stops_the_daemon_at_start(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "control.daemon", "--secret-file",
+                          str(tmp_path / "s"), "--model-dir", str(tmp_path / "nope"),
+                          "--listen", "127.0.0.1:0", "--ucx-port", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--model-dir" in res.stderr and "not a directory" in res.stderr

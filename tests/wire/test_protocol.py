@@ -101,6 +101,45 @@ def test_bad_requests_keep_their_id(msg: dict[str, object], match: str) -> None:
     assert info.value.req_id == 1 and isinstance(info.value.error, BadRequest)
 
 
+LOAD = {"op": "load_file", "id": 1, "buffer_id": "b", "path": "m.gguf", "file_size": 8,
+        "file_offsets": P.pack_u64([0]), "offsets": P.pack_u64([0]), "sizes": P.pack_u64([8]),
+        "hashes": P.pack_u64([1, 2]), "checksums": P.pack_u64([3]), "names": ["t"],
+        "kind_dtypes": ["u1"], "kind_shapes": [[8]]}
+
+
+@pytest.mark.parametrize(("path", "match"), [
+    ("../etc/passwd", "components"), ("a/../../b", "components"), ("a//b", "components"),
+    ("./a", "components"), ("a/", "components"), ("/", "components"), ("", "printable path"),
+    ("a\nop=release", "printable path"), ("x" * 1025, "printable path"), (7, "printable path"),
+    (b"model", "printable path"), (None, "missing"),
+])
+def test_load_file_paths_are_checked_at_parse_time(path: object, match: str) -> None:
+    msg = {k: v for k, v in LOAD.items() if k != "path" or path is not None}
+    if path is not None:
+        msg["path"] = path
+    with pytest.raises(P.RequestError, match=match) as info:
+        P.parse_request(msg)
+    assert info.value.req_id == 1
+
+
+@pytest.mark.parametrize("path", ["model.safetensors", "llama/shard-1.safetensors",
+                                  "/srv/models/llama.gguf", "a b/é.gguf", "x" * 1024])
+def test_load_file_paths_that_parse(path: str) -> None:
+    _, req = P.parse_request({**LOAD, "path": path})
+    assert isinstance(req, P.LoadFile) and req.path == path
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("file_size", -1, "file_size"), ("file_size", "8", "file_size"),
+    ("file_offsets", [0], "file_offsets"), ("file_offsets", b"1234567", "file_offsets"),
+    ("hashes", 5, "hashes"), ("names", "t", "names"), ("kind_shapes", [[-1]], "kind_shapes"),
+    ("sizes", P.pack_u64([0] * (P.MAX_ITEMS + 1)), "sizes"), ("x", 1, "unknown"),
+])
+def test_load_file_fields_are_typed(field: str, value: object, match: str) -> None:
+    with pytest.raises(P.RequestError, match=match):
+        P.parse_request({**LOAD, field: value})
+
+
 @pytest.mark.parametrize("msg", [{"op": "ping"}, {"op": "ping", "id": "1"},
                                  {"op": "ping", "id": -3}])
 def test_request_without_valid_id(msg: dict[str, object]) -> None:
@@ -120,7 +159,10 @@ def test_every_op_round_trips() -> None:
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
                P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
-               P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3)]
+               P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3),
+               P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
+                          P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],
+                          ["<f4"], [[2]])]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))

@@ -89,8 +89,12 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
         why = msg.removeprefix("AUTH_FAILED").strip(": ") or "refused"
         return (f"{addr} refused the token ({why}): make one with `rpcbuf token create` "
                 "using this node's secret file, and pass it with --token or $RPCBUF_TOKEN")
+    if code == "FORBIDDEN" and details.get("reason") == "no_model_dirs":
+        return f"{addr}: {msg}: ask its operator, or load without --from-node (upload)"
     if code == "FORBIDDEN":
         return f"{addr}: {msg}"
+    if details.get("reason") == "missing_file":  # a node-local load: the node's own disk
+        return f"{addr}: {msg}: copy the model there, or load without --from-node (upload)"
     if details.get("reason") == "protocol_version":  # the message names both versions
         return f"{addr}: {msg}" + ("" if "upgrade" in msg else ": upgrade the older side")
     if code == "NOT_FOUND":

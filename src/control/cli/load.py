@@ -1,9 +1,12 @@
-"""``rpcbuf load`` and ``rpcbuf unload``: a model across the nodes, from the
-command line.  The work is ``client.model.loader`` (``load_model``,
-``unload_model``); this module parses the flags, refuses a bad model file
-before connecting (exit 2), and prints the result as a table that fits the
-terminal (``cli/tables.py``) or JSON, and errors as sentences, one per
-failing node (``cli/errors.py``).
+"""``rpcbuf load``, ``rpcbuf unload`` and ``rpcbuf hash``: a model across the
+nodes, from the command line.  The work is ``client.model.loader``
+(``load_model``, ``unload_model``), ``client.model.nodeload`` (``load
+--from-node``: every node reads its share from its own disk) and
+``client.model.hashfile`` (``hash``: the manifest of hashes a node-local load
+reads instead of the model); this module parses the flags, refuses a bad
+model file before connecting (exit 2), and prints the result as a table that
+fits the terminal (``cli/tables.py``) or JSON, and errors as sentences, one
+per failing node (``cli/errors.py``).
 """
 
 from __future__ import annotations
@@ -12,12 +15,21 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from control.cli import fleet, tables
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
 from control.client.cluster import Cluster, ClusterError
+from control.client.model.hashfile import (
+    HashedModel,
+    describe,
+    hash_model,
+    manifest_path,
+    write_manifest,
+)
 from control.client.model.loader import (
     DEFAULT_BATCH,
     LoadResult,
@@ -25,6 +37,7 @@ from control.client.model.loader import (
     unload_model,
 )
 from control.client.model.modelfile import ModelFile, open_model
+from control.client.model.nodeload import NODE_BATCH, NodeLoadResult, load_from_node
 from control.wire.errors import BadRequest, RpcBufError
 from control.wire.units import format_size, parse_size
 
@@ -40,14 +53,29 @@ def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentPa
                     help='which slot gets what, e.g. "0:prolog,epilog;1:20;2:all" (slot i = '
                          "the i-th device of the endpoint list); default: by free memory")
     ld.add_argument("--name", help="model name; buffers are NAME/slotN [the file's stem]")
-    ld.add_argument("--batch-size", type=parse_size, default=DEFAULT_BATCH, metavar="SIZE",
-                    help="bytes read and sent per round trip [64MiB]")
+    ld.add_argument("--batch-size", type=parse_size, metavar="SIZE",
+                    help="bytes read and sent per round trip [64MiB; with --from-node, read "
+                         "by a node per request: 256MiB]")
     ld.add_argument("--no-dedup", action="store_true",
                     help="send every tensor, even those the node already holds")
     ld.add_argument("--no-hash-cache", action="store_true",
                     help="hash every tensor, even of an unchanged file whose hashes are "
                          "remembered in $RPCBUF_CACHE_DIR (~/.cache/rpcbuf)")
+    ld.add_argument("--from-node", metavar="PATH",
+                    help="every node reads its share from its own copy at PATH (relative "
+                         "to, or inside, its --model-dir) and verifies it; nothing is sent. "
+                         "MODEL may then be the model's hash manifest (rpcbuf hash)")
     client_flags(ld)
+    hs = sub.add_parser("hash", help="write a model's hash manifest beside it, so that "
+                        "load --from-node reads no tensor here",
+                        epilog="example: rpcbuf hash /srv/models/llama.safetensors   "
+                               "(writes llama.safetensors.rpcbuf-hashes.json)")
+    hs.add_argument("model", help="a .gguf or .safetensors file, or a directory of shards")
+    hs.add_argument("--output", metavar="FILE",
+                    help="write the manifest here [beside the model]")
+    hs.add_argument("--no-hash-cache", action="store_true",
+                    help="hash every tensor, even those remembered in $RPCBUF_CACHE_DIR")
+    hs.add_argument("--json", action="store_true", help="print JSON for scripts")
     ul = sub.add_parser("unload", help="release a loaded model on every node",
                         epilog='example: rpcbuf unload llama --endpoints "h1:7700;h2:7700"')
     ul.add_argument("name")
@@ -75,6 +103,32 @@ def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token
         return EXIT_NODE
 
 
+def run_hash_command(args: argparse.Namespace) -> int:
+    """``rpcbuf hash``: 0 written, 2 not a model (or the manifest cannot be written)."""
+    t0 = time.perf_counter()
+    try:
+        model = open_model(args.model)
+        try:
+            hm = hash_model(model, not args.no_hash_cache)
+        finally:
+            model.close()
+        out = Path(args.output) if args.output else manifest_path(args.model)
+        write_manifest(hm, out)
+    except BadRequest as exc:
+        _say(args, {"error": to_json(args.model, exc)}, f"rpcbuf: {exc.message}")
+        return EXIT_USAGE
+    n = sum(len(f.tensors) for f in hm.files)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"manifest": str(out), "model": str(args.model), "tensors": n,
+                          "bytes": hm.nbytes, "bytes_hashed": hm.hashed,
+                          "seconds": round(seconds, 4)}, indent=2))
+    else:
+        print(f"{out}: {n} tensors, {format_size(hm.nbytes)} (hashed "
+              f"{format_size(hm.hashed)} in {seconds:.2f} s)")
+    return EXIT_OK
+
+
 def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     if args.json:
         print(json.dumps(obj, indent=2, default=str))
@@ -85,6 +139,9 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
     # A bad model file is refused before any connection: no node needs to be
     # up to learn that (and none is bothered).
+    if args.cmd == "load" and args.from_node:
+        hashed = await asyncio.to_thread(describe, args.model, not args.no_hash_cache)
+        return await _run_connected(args, endpoints, token, hashed)
     model = await asyncio.to_thread(open_model, args.model) if args.cmd == "load" else None
     try:
         return await _run_connected(args, endpoints, token, model)
@@ -94,7 +151,7 @@ async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str)
 
 
 async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], token: str,
-                         model: ModelFile | None) -> int:
+                         model: ModelFile | HashedModel | None) -> int:
     kw = fleet.connect_kw(args)
     if kw and model is not None and not args.placement:
         # By free memory from a registry: its figures choose the nodes before
@@ -112,10 +169,17 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
                     print(f"{addr}: released {', '.join(names) or 'nothing'}")
             return EXIT_OK
         assert model is not None
-        result = await load_model(cluster, model, args.placement, args.name,
-                                  progress=not args.json, batch_bytes=args.batch_size,
-                                  dedup=not args.no_dedup,
-                                  hash_cache=not args.no_hash_cache)
+        result: LoadResult
+        if isinstance(model, HashedModel):
+            result = await load_from_node(cluster, model, args.from_node, args.placement,
+                                          args.name, progress=not args.json,
+                                          batch_bytes=_or(args.batch_size, NODE_BATCH))
+        else:
+            result = await load_model(cluster, model, args.placement, args.name,
+                                      progress=not args.json,
+                                      batch_bytes=_or(args.batch_size, DEFAULT_BATCH),
+                                      dedup=not args.no_dedup,
+                                      hash_cache=not args.no_hash_cache)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -124,7 +188,10 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
 
 
 def result_table(r: LoadResult, wide: bool = False) -> Any:
-    """Per node: its buffers, tensors, bytes, what was sent and deduplicated."""
+    """Per node: its buffers, tensors, bytes, what was sent and deduplicated
+    (for a node-local load: what each node read from its disk)."""
+    if isinstance(r, NodeLoadResult):
+        return _node_table(r, wide)
     rows = [[addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
              format_size(n.bytes_sent), format_size(n.bytes_placed), f"{n.seconds:.2f}"]
             for addr, n in r.nodes.items() if n.tensors]
@@ -135,3 +202,24 @@ def result_table(r: LoadResult, wide: bool = False) -> Any:
          tables.Col("tensors", right=True, drop=3), tables.Col("bytes", right=True),
          tables.Col("sent", right=True, drop=2), tables.Col("deduped", right=True, drop=1),
          tables.Col("seconds", right=True, drop=4)], rows, wide=wide)
+
+
+def _node_table(r: NodeLoadResult, wide: bool) -> Any:
+    rows = [[addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
+             format_size(getattr(n, "bytes_read", 0)),
+             format_size(getattr(n, "bytes_in_place", 0)), f"{n.seconds:.2f}"]
+            for addr, n in r.nodes.items() if n.tensors]
+    hashes = {"manifest": "hash manifest", "cache": "hash cache",
+              "hashed": f"hashed {format_size(r.bytes_hashed)} here"}[r.hashes]
+    return tables.fit(
+        f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s, read by the nodes "
+        f"from their {r.node_path}, nothing sent ({hashes}; placement {r.placement.spec})",
+        [tables.Col("node", key=True), tables.Col("buffers", key=True, wrap=True),
+         tables.Col("tensors", right=True, drop=3), tables.Col("bytes", right=True),
+         tables.Col("read there", right=True), tables.Col("in place", right=True, drop=2),
+         tables.Col("seconds", right=True, drop=4)], rows, wide=wide)
+
+
+
+def _or(given: int | None, default: int) -> int:
+    return default if given is None else given

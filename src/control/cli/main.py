@@ -7,7 +7,7 @@ sentence per failing node on stderr (``cli/errors.py``), never a traceback;
 ``--json`` carries the same errors as objects.  Tables fit the terminal
 (``cli/tables.py``; ``--wide`` shows every column).  The operator commands
 (status, ls, release, put, get, bench) live in ``commands.py``, model upload
-(load, unload) in ``load.py`` over ``client/model/loader.py``.
+(load, unload, hash) in ``load.py`` over ``client/model/``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from control.cli import commands as cliops
 from control.cli import fleet, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
-from control.cli.load import register_load_commands, run_load_command
+from control.cli.load import register_load_commands, run_hash_command, run_load_command
 from control.wire.auth import DEFAULT_KID, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.units import format_size, parse_duration
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             return fleet.run_models(args, _target(args), _token(args))
         if args.cmd in ("load", "unload"):
             return run_load_command(args, _target(args), _token(args))
+        if args.cmd == "hash":
+            return run_hash_command(args)
         if args.cmd in ("status", "ls", "release"):
             return _node_command(args)
         if args.cmd in ("put", "get", "bench"):

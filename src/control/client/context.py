@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from control.client import batches
+from control.client import batches, fileload
 from control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
 from control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
 from control.client.attach import Attachment, detacher
@@ -535,6 +535,27 @@ class RpcContext:
         VERIFY_FAILED, BAD_REQUEST."""
         return await self._dedup.store_tensors_dedup(buffer_id, tensors, offsets, verify, hashes,
                                                      sources)
+
+    async def load_file(self, buffer_id: str, path: str, file_size: int,
+                        tensors: Sequence[fileload.FileTensor],
+                        timeout: float | None = None) -> dict[str, Any]:
+        """Have the node read ``tensors`` of the file ``path`` in its own
+        ``--model-dir`` straight into the buffer (node-local load; nothing
+        moves over the network).  Each tensor is verified against its
+        ``digest`` (xxh3-128) and ``checksum`` (xxh3-64) before any is recorded
+        in the manifest.  ``timeout`` defaults to the daemon's transfer
+        deadline.  Returns ``{"nbytes", "items", "read", "in_place",
+        "manifest_version"}`` (``read``: bytes read from the node's disk;
+        ``in_place``: tensors already there, verified, not read again).
+        Raises FORBIDDEN (a node without ``--model-dir``, a path outside it),
+        NOT_FOUND (the buffer, the file), VERIFY_FAILED (the node's copy
+        differs: its size, a tensor's place or hash; the message names the
+        file and the tensor), TIMEOUT, BAD_REQUEST."""
+        self._check_open()
+        req = fileload.request(buffer_id, path, file_size, tensors)
+        result = await self._call(req, self.transfer_timeout if timeout is None else timeout)
+        self._tensors.manifests.pop(buffer_id, None)  # the manifest changed on the node
+        return result
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         """Read the range back over the data plane and compare it with ``array``.

@@ -55,7 +55,8 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("registry", "user"): "registry_user",
     ("registry", "password_file"): "registry_password_file",
 }
-ALIASES = {"devices": "device"}  # top-level key -> dest, where the plural reads better
+# top-level key -> dest, where the plural reads better
+ALIASES = {"devices": "device", "model_dirs": "model_dir"}
 # quotas: the [quotas] table
 NOT_IN_FILE = {"help", "config", "quota", "default_quota"}
 RELOADABLE = ("quota", "default_quota", "log_level")

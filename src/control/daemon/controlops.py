@@ -168,6 +168,7 @@ class ControlOps:
         tenant = self._owner.owner
         mine = [s for s in self._node.sessions.values() if s.tenant == tenant]
         counters = {"bytes_stored": 0, "bytes_read": 0, "verify_failures": 0,
+                    "bytes_loaded_local": 0,
                     **self._node.tenant_counters.get(tenant, {})}
         return {"node_id": self._node.node_id, "uptime": time.time() - self._node.started_at,
                 "sessions": len(mine),

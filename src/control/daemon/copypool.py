@@ -1,12 +1,12 @@
-"""The threads that run same-host copies, shared fairly between tenants.
+"""The threads that run long copies on a client's behalf, shared fairly
+between tenants.
 
-A same-host copy reads or writes *client* memory (``dataplane/cma.py``), and
-a client decides what backs it: pages of a FUSE file that never answers, or a
-userfaultfd range it never serves, make ``process_vm_readv`` block for as long
-as the client likes, in a system call nobody can interrupt.  So no such copy
-runs on the event loop (it would stall every tenant), and none runs on the
-default thread pool (a few stalled copies would fill it for everyone): they
-run here, on a bounded set of threads of their own, where
+A same-host ring op (``paths.StagedPath``) waits on its client chunk by
+chunk, and a node-local load (``fileops``) on a disk: either may take as
+long as the client (or the file) makes it, up to its deadline.  So none runs
+on the event loop (it would stall every tenant), and none on the default
+thread pool (a few stalled ones would fill it for everyone): they run here,
+on a bounded set of threads of their own, where
 
 - each tenant runs at most ``per_tenant`` copies at once (half the threads by
   default), so one tenant's stalled copies leave the other threads to others;
@@ -19,7 +19,7 @@ run here, on a bounded set of threads of their own, where
 
 A copy not yet started when its caller gives up is dropped from the queue
 (``cancel``); one already running is never abandoned by the caller, whose
-range lock and pin must outlive it (see ``paths.SameHostPath``).
+range lock and pin must outlive it (see ``paths.StagedPath``).
 
 Latency: handing a 4 KiB copy to a thread and back through the event loop
 (``call_soon_threadsafe``, then the future's callbacks) was measured here at

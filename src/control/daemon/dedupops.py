@@ -143,6 +143,11 @@ class DedupOps:
                    move=move, after=after, nbytes=0, counter="bytes_deduped")
         return await self._pipe.run(call, job)
 
+    async def index_pending(self, held: Held) -> None:
+        """Index what this session's tenant stored since its last dedup query
+        (a node-local load looks for tensors already in place, too)."""
+        await self._index_deferred(self._ops.owner, held)
+
     async def _index_deferred(self, tenant: str, held: Held) -> None:
         """Hash and index what ``tenant`` stored since its last dedup query.
         Only entries still current (the very manifest entry recorded, bytes

@@ -27,6 +27,7 @@ from typing import Any
 from control.daemon import config, logs
 from control.daemon.announce import Announcer
 from control.daemon.diskcache import DiskCache
+from control.daemon.modeldirs import ModelFiles
 from control.daemon.registry import Pool, Quota, Registry
 from control.daemon.sdnotify import Notifier
 from control.daemon.server import Daemon, Limits
@@ -191,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "still deduplicates uploads (per tenant, checksummed, LRU)")
     p.add_argument("--cache-size", type=parse_size, default=8 << 30, metavar="SIZE",
                    help="bound of --cache-dir; least recently used contents go first [8GiB]")
+    p.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                   help="a directory whose model files (safetensors, GGUF) every tenant may "
+                        "load from this node's own disk (rpcbuf load --from-node); "
+                        "repeatable; nothing outside these is ever read (config: model_dirs)")
     reg = p.add_argument_group("fleet registry (docs/cluster.md, \"Running a fleet\")")
     reg.add_argument("--registry", type=_registry, metavar="etcd://HOST:PORT[,HOST:PORT]",
                      help="register this node in etcd (a key on a lease, kept alive; deleted "
@@ -337,6 +342,7 @@ async def serve(args: argparse.Namespace) -> int:
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
+    model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
     arenas = make_arenas(args.device)
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
         if hasattr(arena, "prefault_range"):
@@ -350,7 +356,11 @@ async def serve(args: argparse.Namespace) -> int:
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
                     copy_threads=args.copy_threads)
-    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits)
+    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
+                    model_files=model_files)
+    if model_files is not None:
+        log.info("node-local loads may read %s",
+                 ", ".join(d.real for d in model_files.dirs))
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:

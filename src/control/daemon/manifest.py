@@ -5,6 +5,7 @@ merge rule) is ``control/wire/manifest.py``, shared with the client.
 ``plan_record`` refuses a batch whose entries would overfill the buffer's
 manifest or the tenant's quota before any byte lands; ``record`` merges a
 batch's entries into the buffer's manifest (``buf.tensors``, entry dicts);
+``drop_written`` drops the entries whose bytes a failed op overwrote;
 ``landed_checksums`` and ``Landing`` hash what arrived in the arena.
 """
 
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     from control.daemon.registry import Buffer, Registry
     from dataplane.arena import Arena
 
-__all__ = ["Landing", "check", "landed_checksums", "plan_record", "record"]
+__all__ = ["Landing", "check", "drop_written", "landed_checksums", "plan_record",
+           "record"]
 
 
 def plan_record(registry: Registry, buf: Buffer, names: list[str], offsets: np.ndarray,
@@ -66,6 +68,22 @@ def record(registry: Registry, buf: Buffer, manifest: dict[str, dict[str, Any]],
     return dropped
 
 
+def drop_written(registry: Registry, buf: Buffer, ranges: list[tuple[int, int]]) -> list[str]:
+    """Drop the entries whose bytes lie in ``ranges`` (written by an op that
+    then failed: they no longer hold what their checksums say).  Returns the
+    dropped names."""
+    written = sorted(r for r in ranges if r[1] > r[0])
+    if not written or not buf.tensors:
+        return []
+    hull = (written[0][0], max(e for _, e in written))
+    dropped, count = merge_plan(buf.tensors, (), written, hull)
+    if dropped:
+        merge_entries(buf.tensors, {}, dropped)
+        registry.charge_entries(buf, count)
+        buf.manifest_version += 1
+    return dropped
+
+
 async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
                            nbytes: int) -> list[int]:
     """xxh3-64 of each arena range: in a worker thread when they add up to
@@ -77,7 +95,7 @@ async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
 
 
 class Landing:
-    """A same-host store's ``landed`` callback (see ``cma.Peer.read``): hash
+    """A same-host store's ``landed`` callback (``staging.Area.pump``): hash
     the items that have arrived, and build their manifest entries, while the
     rest still copies.  Called from the copying threads, for disjoint ranges."""
 

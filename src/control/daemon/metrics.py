@@ -201,6 +201,8 @@ class _StateCollector(Collector):
         for name, doc, value in (
             ("rpcbuf_bytes_stored", "Bytes received into buffers", c["bytes_stored"]),
             ("rpcbuf_bytes_read", "Bytes sent out of buffers", c["bytes_read"]),
+            ("rpcbuf_bytes_loaded_local", "Bytes read into buffers from --model-dir files",
+             c["bytes_loaded_local"]),
             ("rpcbuf_verify_failures", "Stores whose checksum did not match",
              c["verify_failures"]),
             ("rpcbuf_sessions_opened", "Control connections accepted", c["sessions_total"]),

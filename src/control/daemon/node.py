@@ -16,6 +16,7 @@ from control.daemon.admission import Pending
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
 from control.daemon.metrics import Metrics
+from control.daemon.modeldirs import ModelFiles
 from control.daemon.registry import Registry
 from control.wire import protocol as P
 from control.wire.auth import Keyring
@@ -54,6 +55,7 @@ class Node(Protocol):
     copies: CopyPool  # same-host ring copies
     metrics: Metrics
     content: ContentIndex
+    model_files: ModelFiles | None  # --model-dir: what node-local loads may read
     counters: dict[str, int]
     tenant_counters: dict[str, dict[str, int]]
     shutting_down: bool

@@ -40,6 +40,7 @@ from control.daemon.admission import Pending
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
 from control.daemon.metrics import Metrics
+from control.daemon.modeldirs import ModelFiles
 from control.daemon.node import Limits
 from control.daemon.registry import Registry
 from control.daemon.session import READ_CHUNK, Session
@@ -57,7 +58,10 @@ class Daemon:
     """One node's daemon: serves ``registry`` to the holders of ``keys``."""
 
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None,
+                 model_files: ModelFiles | None = None) -> None:
+        """``model_files``: the ``--model-dir`` directories node-local loads
+        may read (None: such loads are refused)."""
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
@@ -80,11 +84,13 @@ class Daemon:
         self._expiry_timer: asyncio.TimerHandle | None = None
         self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
-                                         "verify_failures": 0, "sessions_total": 0}
+                                         "bytes_loaded_local": 0, "verify_failures": 0,
+                                         "sessions_total": 0}
         # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(self)
         self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        self.model_files = model_files
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -159,6 +165,8 @@ class Daemon:
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
         self.copies.close()
+        if self.model_files is not None:
+            self.model_files.close()
         self.metrics.close()
         self.stopped = True
         log.info("stopped")

@@ -4,8 +4,9 @@ end.
 
 Requests are parsed by the sans-I/O protocol and dispatched through one
 table: the quick ops (``controlops``) are answered inline, in this loop;
-``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, run
-by the one data pipeline, ``pipeline``), and a ``request_buffer`` that has
+``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, the
+node-local ``load_file`` of ``fileops``, run by the one data pipeline,
+``pipeline``), and a ``request_buffer`` that has
 to wait, run as tasks, so one connection carries many requests at once and
 answers leave in any order.  Every answer frame leaves through ``_reply``,
 once per request (a UCX read answers before its bytes move, through
@@ -49,6 +50,7 @@ from control.daemon.attachops import AttachOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
+from control.daemon.fileops import FileOps
 from control.daemon.handles import HandleChannel, same_process
 from control.daemon.node import Node
 from control.daemon.paths import DataPath, StagedPath, UcxPath
@@ -113,6 +115,7 @@ class Session:
         pipeline = Pipeline(self)
         dedup = DedupOps(self, pipeline)
         data = DataOps(self, pipeline, dedup)
+        files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
@@ -136,6 +139,7 @@ class Session:
             P.DedupStore: (dedup.dedup_store, True),
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
+            P.LoadFile: (files.load_file, True),
         }
 
     def abort(self, why: str) -> None:

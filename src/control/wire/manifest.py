@@ -293,7 +293,8 @@ def _described(source: str | None, logical: tuple[int, ...] | None) -> dict[str,
     return out
 
 
-def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
+def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
+          ) -> Packed | None:
     """The batch's manifest (either form), checked against the items'
     ``sizes``, with canonical dtypes and ``kind_nbytes``; None when the
     request records none.  BAD_REQUEST says what is wrong."""
@@ -301,7 +302,8 @@ def check(req: P.StoreBatch | P.DedupStore, sizes: np.ndarray) -> Packed | None:
     names, dtypes, shapes = req.names, req.dtypes, req.shapes
     packed = getattr(req, "kinds", None), getattr(req, "kind_dtypes", None), \
         getattr(req, "kind_shapes", None)
-    srcs, logs = req.source_types, req.logical_shapes
+    srcs = getattr(req, "source_types", None)  # a load_file records none (yet)
+    logs = getattr(req, "logical_shapes", None)
     kind_srcs = getattr(req, "kind_source_types", None)
     kind_logs = getattr(req, "kind_logical_shapes", None)
     if all(c is None for c in packed):

@@ -61,6 +61,7 @@ MAX_STR = 1024
 MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model needs 32)
 MAX_ID = 64  # characters of a buffer id (the daemon makes 26)
 MAX_SOURCE_TYPE = 32  # characters of a source type name ("Q4_K", "BF16", "F8_E4M3FNUZ")
+MAX_PATH = 1024  # characters of a file path in a request (load_file), no NUL, printable
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 _SOURCE_CHARS = _ID_CHARS - {"-"}
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
@@ -71,6 +72,9 @@ Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
 # A tensor's type in the file it came from: a GGML type ("Q8_0") or a
 # safetensors dtype ("BF16"), [A-Za-z0-9_]{1,32}.
 SourceType = Annotated[str, "source_type"]
+# A relative or absolute file path: printable, at most MAX_PATH characters,
+# no empty, "." or ".." component (the daemon confines it to its --model-dir).
+FilePath = Annotated[str, "file_path"]
 
 
 # -- requests -----------------------------------------------------------------
@@ -86,6 +90,16 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str) or len(value) > MAX_STR or not value.isprintable():
             raise BadRequest(f"{op}: {name} must be a printable string of at most {MAX_STR} "
                              "characters")
+        return value
+    if tp == FilePath:
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_PATH \
+                or not value.isprintable():
+            raise BadRequest(f"{op}: {name} must be a printable path of at most {MAX_PATH} "
+                             "characters")
+        parts = value.split("/")
+        if any(p in ("", ".", "..") for p in (parts[1:] if value.startswith("/") else parts)):
+            raise BadRequest(f"{op}: {name} must not hold empty, '.' or '..' components "
+                             "(name the file as it lies in a --model-dir)")
         return value
     if tp == BufferId:
         if not isinstance(value, str) or not 0 < len(value) <= MAX_ID \
@@ -374,6 +388,41 @@ class DedupStore(Request):
 
 
 @dataclass(frozen=True)
+class LoadFile(Request):
+    """Node-local load (see ``control/daemon/fileops.py``): read tensors of
+    a file in one of the daemon's ``--model-dir`` directories straight into
+    a buffer of this tenant's, verify each against the hashes the client
+    expects, and only then record them in the manifest.
+
+    ``path`` names the file: relative to a model directory (each is tried
+    in turn), or absolute inside one.  ``file_size`` is the size the client
+    expects (a copy of another size fails).  Items are index-aligned like a
+    ``DedupStore``'s, sorted by buffer offset and disjoint: item ``i`` is the
+    tensor ``names[i]``, whose bytes lie at ``file_offsets[i]`` in the file
+    (exactly one tensor of the file's own header), ``sizes[i]`` bytes long,
+    and go to ``offsets[i]`` of the buffer; ``hashes`` holds two uint64 per
+    item (xxh3-128, low word first), ``checksums`` each item's xxh3-64.  The
+    manifest comes in the list form (``dtypes``, ``shapes``) or packed
+    (``kinds``, ``kind_dtypes``, ``kind_shapes``), as for ``StoreBatch``."""
+
+    op: ClassVar[str] = "load_file"
+    buffer_id: BufferId
+    path: FilePath
+    file_size: int
+    file_offsets: U64Array
+    offsets: U64Array
+    sizes: U64Array
+    hashes: U64Array
+    checksums: U64Array
+    names: list[str]
+    dtypes: list[str] | None = None
+    shapes: list[Shape] | None = None
+    kinds: U64Array | None = None
+    kind_dtypes: list[str] | None = None
+    kind_shapes: list[Shape] | None = None
+
+
+@dataclass(frozen=True)
 class OpenBuffer(Request):
     op: ClassVar[str] = "open_buffer"
     name: str
@@ -473,7 +522,7 @@ OPS: dict[str, type[Request]] = {
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
-        ClearBuffer, CopyBuffer, DedupStore, BindHandles, Attach, Detach,
+        ClearBuffer, CopyBuffer, DedupStore, BindHandles, Attach, Detach, LoadFile,
     )
 }
 

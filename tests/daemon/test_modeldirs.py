@@ -1,0 +1,190 @@
+"""Which files a node-local load may open (``daemon/modeldirs.py``), against
+real directories, symlinks, FIFOs and a descriptor opened elsewhere; and the
+tensor layouts the daemon reads from a file's own header."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from control.client.model.modelfile import open_model
+from control.daemon.modeldirs import ModelFiles
+from control.wire.errors import BadRequest, Forbidden, NotFound
+from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """Two model directories and a secret outside them."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "outside"
+    for d in (a, b, out):
+        d.mkdir()
+    (a / "one.bin").write_bytes(b"one")
+    (b / "sub").mkdir()
+    (b / "sub" / "two.bin").write_bytes(b"two")
+    (out / "secret").write_bytes(b"secret")
+    return {"a": a, "b": b, "out": out}
+
+
+def read(files: ModelFiles, name: str) -> bytes:
+    f = files.open(name)
+    try:
+        return os.pread(f.fd, 100, 0)
+    finally:
+        os.close(f.fd)
+
+
+def test_relative_names_are_tried_in_each_directory(tree: dict[str, Path]) -> None:
+    files = ModelFiles([str(tree["a"]), str(tree["b"])])
+    assert read(files, "one.bin") == b"one"
+    assert read(files, "sub/two.bin") == b"two"
+    f = files.open("sub/two.bin")
+    os.close(f.fd)
+    assert (f.name, f.real, f.size) == ("sub/two.bin", str(tree["b"] / "sub" / "two.bin"), 3)
+    with pytest.raises(NotFound, match=r"'nope\.bin'") as info:
+        files.open("nope.bin")
+    assert info.value.details["reason"] == "missing_file"
+
+
+def test_absolute_names_inside_a_directory_open(tree: dict[str, Path]) -> None:
+    files = ModelFiles([str(tree["a"])])
+    assert read(files, str(tree["a"] / "one.bin")) == b"one"
+
+
+def test_absolute_names_outside_are_refused_before_the_file_system(
+        tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    files = ModelFiles([str(tree["a"])])
+    touched: list[str] = []
+    monkeypatch.setattr(os.path, "realpath", lambda p, **kw: touched.append(p) or p)
+    for name in (str(tree["out"] / "secret"), "/etc/passwd", str(tree["a"]) + "x/one.bin",
+                 str(tree["a"])):
+        with pytest.raises(Forbidden, match="outside"):
+            files.open(name)
+    assert touched == []
+
+
+def test_dot_dot_cannot_climb_out_even_past_the_protocol(tree: dict[str, Path]) -> None:
+    """The protocol refuses '..' components; resolving refuses them again."""
+    files = ModelFiles([str(tree["a"])])
+    with pytest.raises(Forbidden, match="outside"):
+        files.open("../outside/secret")
+    with pytest.raises(Forbidden, match="outside"):
+        files.open(str(tree["a"] / ".." / "outside" / "secret"))
+
+
+def test_symlinks_out_are_refused_and_within_are_followed(tree: dict[str, Path]) -> None:
+    a, b, out = tree["a"], tree["b"], tree["out"]
+    (a / "escape").symlink_to(out / "secret")
+    (a / "escape_dir").symlink_to(out)
+    (a / "rel_escape").symlink_to("../outside/secret")
+    (a / "blob").write_bytes(b"blob")  # the Hugging Face cache: snapshots link to blobs
+    (a / "snap").mkdir()
+    (a / "snap" / "model.bin").symlink_to("../blob")
+    (a / "to_b").symlink_to(b / "sub" / "two.bin")  # into another model directory: fine
+    (a / "loop").symlink_to("loop")
+    files = ModelFiles([str(a), str(b)])
+    for name in ("escape", "escape_dir/secret", "rel_escape"):
+        with pytest.raises(Forbidden, match="outside"):
+            files.open(name)
+    assert read(files, "snap/model.bin") == b"blob"
+    assert read(files, "to_b") == b"two"
+    with pytest.raises(Forbidden):
+        files.open("loop")
+
+
+def test_only_regular_files_and_no_hanging_fifo(tree: dict[str, Path]) -> None:
+    a = tree["a"]
+    os.mkfifo(a / "fifo")
+    (a / "dir").mkdir()
+    files = ModelFiles([str(a)])
+    done = threading.Event()
+
+    def opener() -> None:
+        with pytest.raises(Forbidden, match="regular"):
+            files.open("fifo")
+        done.set()
+
+    t = threading.Thread(target=opener, daemon=True)
+    t.start()
+    assert done.wait(5), "opening a FIFO hung"
+    with pytest.raises(Forbidden):
+        files.open("dir")
+
+
+def test_a_descriptor_that_leads_outside_is_caught(tree: dict[str, Path]) -> None:
+    """The re-check through the descriptor: as if a directory on the way had
+    been swapped for a symlink out between resolving and opening."""
+    files = ModelFiles([str(tree["a"])])
+    fd = os.open(tree["out"] / "secret", os.O_RDONLY)
+    try:
+        with pytest.raises(Forbidden, match="changed while it was opened"):
+            files._check(fd, "one.bin", str(tree["a"] / "one.bin"))
+    finally:
+        os.close(fd)
+    fd = os.open(tree["a"] / "one.bin", os.O_RDONLY)
+    assert files._check(fd, "one.bin", str(tree["a"] / "one.bin")).size == 3
+    os.close(fd)
+
+
+def test_unreadable_files_are_forbidden(tree: dict[str, Path]) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root reads every file")
+    (tree["a"] / "one.bin").chmod(0)
+    with pytest.raises(Forbidden, match="cannot be opened"):
+        ModelFiles([str(tree["a"])]).open("one.bin")
+
+
+def test_model_dirs_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a directory"):
+        ModelFiles([str(tmp_path / "missing")])
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a directory"):
+        ModelFiles([str(tmp_path / "file")])
+
+
+def test_layouts_match_what_the_client_reads(tmp_path: Path) -> None:
+    st = write_safetensors(tmp_path / "m.safetensors", llama_tensors(2))
+    gg = write_gguf(tmp_path / "m.gguf", gguf_tensors(2))
+    files = ModelFiles([str(tmp_path)])
+    for path in (st, gg):
+        model = open_model(path)
+        f = files.open(path.name)
+        try:
+            layout = files.layout(f)
+            assert layout is files.layout(f)  # remembered by the file's identity
+            assert layout == {t.name: (model.where(t.name)[1],
+                                       model.where(t.name)[1] + t.nbytes)
+                              for t in model.tensors}
+        finally:
+            os.close(f.fd)
+            model.close()
+
+
+@pytest.mark.parametrize("body", [b"", b"GGUF\3\0\0\0" + b"\xff" * 16,
+                                  (100).to_bytes(8, "little") + b"{}",
+                                  (2).to_bytes(8, "little") + b"[]"])
+def test_malformed_files_are_refused_by_name(tmp_path: Path, body: bytes) -> None:
+    (tmp_path / "bad.safetensors").write_bytes(body)
+    files = ModelFiles([str(tmp_path)])
+    f = files.open("bad.safetensors")
+    try:
+        with pytest.raises(BadRequest, match=r"'bad\.safetensors' on this node is not a valid"):
+            files.layout(f)
+    finally:
+        os.close(f.fd)
+
+
+def test_a_changed_file_is_walked_again(tmp_path: Path) -> None:
+    path = write_safetensors(tmp_path / "m.safetensors", {"a": np.zeros(4, np.float32)})
+    files = ModelFiles([str(tmp_path)])
+    f = files.open("m.safetensors")
+    first = files.layout(f)
+    os.close(f.fd)
+    write_safetensors(path, {"b": np.zeros(8, np.float32)})
+    f = files.open("m.safetensors")
+    assert set(files.layout(f)) == {"b"} and set(first) == {"a"}
+    os.close(f.fd)
