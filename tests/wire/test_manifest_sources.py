@@ -263,3 +263,43 @@ def test_the_client_cache_merges_them_as_the_daemon_does() -> None:
     assert "source_type" not in table.merged(plain)["d"]
     assert plain.merged(written)["c"]["source_type"] == "Q4_0"
     assert dict(table) == before  # never changed in place
+
+
+# -- load_file ---------------------------------------------------------------------------
+
+
+def _load_file(**kw: object) -> P.LoadFile:
+    fields: dict[str, object] = dict(
+        buffer_id="b", path="m.gguf", file_size=1 << 20, file_offsets=P.pack_u64([0, 64, 128]),
+        offsets=P.pack_u64(OFFSETS), sizes=P.pack_u64(SIZES), hashes=P.pack_u64([0] * 6),
+        checksums=P.pack_u64([0] * 3), names=["q", "r", "s"], kinds=P.pack_u64([0, 1, 2]),
+        kind_dtypes=["|u1", "|u1", "<f4"], kind_shapes=[[2, 8], [2, 8], [2]],
+        kind_source_types=["Q8_0", "Q4_0", None], kind_logical_shapes=[[2, 32], None, [2]])
+    fields.update(kw)
+    return P.LoadFile(**fields)  # type: ignore[arg-type]
+
+
+def test_load_file_records_them_in_either_form() -> None:
+    req = _load_file()
+    assert P.parse_request(req.to_wire(3)) == (3, req)
+    got = _entries(req)  # type: ignore[arg-type]
+    assert (got["q"]["source_type"], got["q"]["logical_shape"]) == ("Q8_0", (2, 32))
+    assert "logical_shape" not in got["r"] and "source_type" not in got["s"]
+    listed = _load_file(kinds=None, kind_dtypes=None, kind_shapes=None, kind_source_types=None,
+                        kind_logical_shapes=None, dtypes=["|u1", "|u1", "<f4"],
+                        shapes=[[2, 8], [2, 8], [2]], source_types=["Q8_0", None, "F32"])
+    assert _entries(listed)["s"]["source_type"] == "F32"  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="3 kind_source_types for"):
+        check(_load_file(kind_source_types=["Q8_0"] * 3, kinds=None, kind_dtypes=["|u1"],
+                         kind_shapes=[[16]]), _sizes())
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("kind_source_types", ["Q8-0", None, None]), ("kind_source_types", ["x" * 33, None, None]),
+    ("kind_logical_shapes", [[-1], None, None]), ("source_types", "Q8_0"),
+    ("logical_shapes", [[1 << 62, 4]]),
+])
+def test_load_file_source_fields_are_bounded_by_the_wire(field: str, bad: object) -> None:
+    wire = _load_file().to_wire(1)
+    with pytest.raises(P.RequestError, match=field):
+        P.parse_request({**wire, field: bad})

@@ -543,7 +543,8 @@ class RpcContext:
         ``--model-dir`` straight into the buffer (node-local load; nothing
         moves over the network).  Each tensor is verified against its
         ``digest`` (xxh3-128) and ``checksum`` (xxh3-64) before any is recorded
-        in the manifest.  ``timeout`` defaults to the daemon's transfer
+        in the manifest (with its ``source_type`` and ``logical_shape``, where
+        given).  ``timeout`` defaults to the daemon's transfer
         deadline.  Returns ``{"nbytes", "items", "read", "in_place",
         "manifest_version"}`` (``read``: bytes read from the node's disk;
         ``in_place``: tensors already there, verified, not read again).
@@ -552,7 +553,8 @@ class RpcContext:
         differs: its size, a tensor's place or hash; the message names the
         file and the tensor), TIMEOUT, BAD_REQUEST."""
         self._check_open()
-        req = fileload.request(buffer_id, path, file_size, tensors)
+        req = fileload.request(buffer_id, path, file_size, tensors,
+                               described=self.protocol_version >= DESCRIBED)
         result = await self._call(req, self.transfer_timeout if timeout is None else timeout)
         self._tensors.manifests.pop(buffer_id, None)  # the manifest changed on the node
         return result

@@ -26,7 +26,9 @@ MASK64 = (1 << 64) - 1
 class FileTensor:
     """A tensor of a model file: its manifest entry (``name``, ``dtype``,
     ``shape``), its bytes ``[file_offset, file_offset + nbytes)`` in the file,
-    where it goes in the buffer (``offset``), and its xxh3-128 and xxh3-64."""
+    where it goes in the buffer (``offset``), its xxh3-128 and xxh3-64, and
+    what the file says it is (``source_type``, ``logical_shape``: recorded
+    beside the view, as an upload records them; None: not known)."""
 
     name: str
     dtype: str
@@ -36,13 +38,16 @@ class FileTensor:
     offset: int
     digest: int
     checksum: int
+    source_type: str | None = None
+    logical_shape: tuple[int, ...] | None = None
 
 
 def request(buffer_id: str, path: str, file_size: int,
-            tensors: Sequence[FileTensor]) -> P.LoadFile:
+            tensors: Sequence[FileTensor], described: bool = True) -> P.LoadFile:
     """One ``load_file`` request for ``tensors`` (any order: sorted here by
-    buffer offset, as the daemon wants them).  Raises BAD_REQUEST for more
-    tensors than one request may carry."""
+    buffer offset, as the daemon wants them); ``described``: with their
+    source types and logical shapes (protocol 3 on).  Raises BAD_REQUEST for
+    more tensors than one request may carry."""
     if len(tensors) > P.MAX_ITEMS // 2:
         raise BadRequest(f"one load_file carries at most {P.MAX_ITEMS // 2} tensors, "
                          f"got {len(tensors)}")
@@ -51,7 +56,9 @@ def request(buffer_id: str, path: str, file_size: int,
     words[0::2] = [t.digest & MASK64 for t in items]
     words[1::2] = [t.digest >> 64 for t in items]
     packed = Packed.of_columns([t.name for t in items], [t.dtype for t in items],
-                               [t.shape for t in items]).fields()
+                               [t.shape for t in items],
+                               [t.source_type for t in items],
+                               [t.logical_shape for t in items]).fields(described)
     return P.LoadFile(
         buffer_id=buffer_id, path=path, file_size=file_size,
         file_offsets=P.pack_u64([t.file_offset for t in items]),
@@ -60,4 +67,5 @@ def request(buffer_id: str, path: str, file_size: int,
         hashes=P.U64Array(words.tobytes()),
         checksums=P.pack_u64([t.checksum for t in items]),
         names=packed["names"], kinds=packed["kinds"], kind_dtypes=packed["kind_dtypes"],
-        kind_shapes=packed["kind_shapes"])
+        kind_shapes=packed["kind_shapes"], kind_source_types=packed.get("kind_source_types"),
+        kind_logical_shapes=packed.get("kind_logical_shapes"))

@@ -302,9 +302,9 @@ def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
     names, dtypes, shapes = req.names, req.dtypes, req.shapes
     packed = getattr(req, "kinds", None), getattr(req, "kind_dtypes", None), \
         getattr(req, "kind_shapes", None)
-    srcs = getattr(req, "source_types", None)  # a load_file records none (yet)
-    logs = getattr(req, "logical_shapes", None)
-    kind_srcs = getattr(req, "kind_source_types", None)
+    srcs = req.source_types
+    logs = req.logical_shapes
+    kind_srcs = getattr(req, "kind_source_types", None)  # a dedup_store has no packed form
     kind_logs = getattr(req, "kind_logical_shapes", None)
     if all(c is None for c in packed):
         if kind_srcs is not None or kind_logs is not None:

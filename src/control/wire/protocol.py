@@ -403,7 +403,10 @@ class LoadFile(Request):
     and go to ``offsets[i]`` of the buffer; ``hashes`` holds two uint64 per
     item (xxh3-128, low word first), ``checksums`` each item's xxh3-64.  The
     manifest comes in the list form (``dtypes``, ``shapes``) or packed
-    (``kinds``, ``kind_dtypes``, ``kind_shapes``), as for ``StoreBatch``."""
+    (``kinds``, ``kind_dtypes``, ``kind_shapes``), as for ``StoreBatch``,
+    and so, optionally, do the tensors' source types and logical shapes
+    (``source_types``/``logical_shapes`` or ``kind_source_types``/
+    ``kind_logical_shapes``: what the model file says they are)."""
 
     op: ClassVar[str] = "load_file"
     buffer_id: BufferId
@@ -420,6 +423,10 @@ class LoadFile(Request):
     kinds: U64Array | None = None
     kind_dtypes: list[str] | None = None
     kind_shapes: list[Shape] | None = None
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
+    kind_source_types: list[SourceType | None] | None = None
+    kind_logical_shapes: list[Shape | None] | None = None
 
 
 @dataclass(frozen=True)
