@@ -6,31 +6,40 @@ tensor once (xxh3-128, the content key, and xxh3-64, the manifest's
 checksum) and writes ``MODEL.rpcbuf-hashes.json`` (for a directory of
 shards, ``DIR/rpcbuf-hashes.json``): per file its name and size, per tensor
 its name, dtype (as recorded in a buffer's manifest), the file's own dtype
-name, shape, byte range in the file and both hashes.  That is everything
+name, shape, logical shape (null: the shape), byte range in the file and
+both hashes; and the model file's own metadata (``metadata``: the base64 of
+the blob ``metadata.encode`` makes, which an upload stores as
+``__rpcbuf_metadata__``; absent or null: none).  That is everything
 ``load_model(..., source="node")`` needs: the driver may hold the manifest
-alone, without the model.
+alone, without the model, and still lays the model out as an upload does.
 
 A manifest is input like a model file (anyone may have written it), so
 ``read_manifest`` bounds it before parsing (``MAX_BYTES``, JSON nesting,
 ``MAX_TENSORS``) and checks every field's type and range; against a model
 at hand (``check_against``) every tensor must lie where the header says and
 the files must have the sizes it says, else it is stale: BAD_REQUEST naming
-the first difference, and "run rpcbuf hash again".  Hashes that lie are
+the first difference, and "run rpcbuf hash again" (the metadata is then
+the model's own, from its header).  The metadata is bounded by its encoded
+size (``metadata.MAX_BLOB``, checked before it is decoded) and decoded as a
+daemon's answer is (``metadata.decode``: bounded, no recursion).  Hashes that lie are
 caught by the nodes, which verify every tensor they read.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from control.client.dedup import content_hashes
+from control.client.model import metadata as MD
 from control.client.model.hashcache import HashCache, file_key, tensor_key
 from control.client.model.modelfile import ModelFile, open_model
 from control.wire import protocol as P
@@ -38,10 +47,11 @@ from control.wire.errors import BadRequest
 from control.wire.manifest import np_dtype
 from control.wire.modelcheck import nesting_within
 
-VERSION = 1
+VERSION = 2  # 2: logical shapes and the model's metadata
 SUFFIX = ".rpcbuf-hashes.json"
 DIR_NAME = "rpcbuf-hashes.json"
-MAX_BYTES = 64 << 20
+MAX_METADATA_CHARS = 4 * -(-MD.MAX_BLOB // 3)  # the base64 of the largest blob
+MAX_BYTES = (64 << 20) + MAX_METADATA_CHARS
 MAX_TENSORS = 10 * P.MAX_ITEMS
 MAX_FILES = 4096
 _LEVELS = 6  # {files: [{tensors: [[..., [shape]]]}]}
@@ -58,6 +68,13 @@ class HashedTensor:
     nbytes: int
     digest: int  # xxh3-128
     checksum: int  # xxh3-64
+    logical_shape: tuple[int, ...] | None = None  # its elements, in NumPy order (None: shape)
+
+    @property
+    def source(self) -> tuple[str, tuple[int, ...]]:
+        """``(source type, logical shape)``, as an upload records them."""
+        return self.source_dtype, self.shape if self.logical_shape is None \
+            else self.logical_shape
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,8 @@ class HashedModel:
     files: list[HashedFile]
     hashed: int = 0  # bytes this process read to hash them (0: from a manifest or cache)
     source: str = "manifest"  # where the hashes came from: manifest, hashed, cache
+    #: the model file's own metadata (``ModelFile.metadata``; {}: none)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tensors(self) -> Iterator[tuple[int, HashedTensor]]:
@@ -88,10 +107,19 @@ class HashedModel:
     def nbytes(self) -> int:
         return sum(t.nbytes for _, t in self.tensors)
 
+    def blob(self) -> Any:
+        """The metadata tensor an upload of this model stores (``metadata.encode``)."""
+        return MD.encode(self.format, self.metadata)
+
     def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON.  Raises BAD_REQUEST for metadata that cannot
+        be stored (as an upload would)."""
         return {"rpcbuf_hashes": VERSION, "format": self.format,
+                "metadata": base64.b64encode(self.blob().tobytes()).decode("ascii"),
                 "files": [{"name": f.name, "size": f.size,
                            "tensors": [[t.name, t.dtype, t.source_dtype, list(t.shape),
+                                        None if t.logical_shape is None
+                                        else list(t.logical_shape),
                                         t.file_offset, t.nbytes, f"{t.digest:032x}",
                                         t.checksum] for t in f.tensors]} for f in self.files]}
 
@@ -167,10 +195,11 @@ def of_model(model: ModelFile, hashes: dict[str, tuple[int, int]]) -> HashedMode
         k, offset = model.where(t.name)
         digest, checksum = hashes[t.name]
         files[k].tensors.append(HashedTensor(t.name, t.dtype, t.source_dtype, tuple(t.shape),
-                                             offset, t.nbytes, digest, checksum))
+                                             offset, t.nbytes, digest, checksum,
+                                             t.source[1]))
     for f in files:
         f.tensors.sort(key=lambda t: t.file_offset)
-    return HashedModel(Path(model.path), model.format, files)
+    return HashedModel(Path(model.path), model.format, files, metadata=model.metadata)
 
 
 def write_manifest(hm: HashedModel, path: Path) -> None:
@@ -229,6 +258,7 @@ def _parse(p: Path, doc: Any) -> HashedModel:
     fmt = doc.get("format")
     if fmt not in ("safetensors", "gguf"):
         raise ValueError("format is neither safetensors nor gguf")
+    metadata = _metadata(fmt, doc.get("metadata"))
     files_raw = doc.get("files")
     if not isinstance(files_raw, list) or not 0 < len(files_raw) <= MAX_FILES:
         raise ValueError(f"files is not a list of 1 to {MAX_FILES} files")
@@ -251,14 +281,35 @@ def _parse(p: Path, doc: Any) -> HashedModel:
                 raise ValueError(f"tensor {t.name!r} appears twice")
             names.add(t.name)
         files.append(HashedFile(fname, fsize, sorted(tensors, key=lambda t: t.file_offset)))
-    return HashedModel(p, fmt, files)
+    return HashedModel(p, fmt, files, metadata=metadata)
+
+
+def _metadata(fmt: str, raw: Any) -> dict[str, Any]:
+    """The manifest's ``metadata``: bounded before it is decoded, then
+    checked as ``metadata.decode`` checks a daemon's answer."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, str) or len(raw) > MAX_METADATA_CHARS:
+        raise ValueError(f"metadata is not a base64 string of at most {MAX_METADATA_CHARS} "
+                         "characters")
+    try:
+        blob = base64.b64decode(raw, validate=True)
+    except binascii.Error:
+        raise ValueError("metadata is not base64") from None
+    try:
+        got, meta = MD.decode(blob)
+    except BadRequest as exc:
+        raise ValueError(exc.message) from None
+    if got != fmt:
+        raise ValueError(f"metadata is of a {got} model, the manifest's is {fmt}")
+    return meta
 
 
 def _tensor(fname: str, fsize: int, i: int, t: Any) -> HashedTensor:
     where = f"{fname}: tensor {i}"
-    if not isinstance(t, list) or len(t) != 8:
-        raise ValueError(f"{where} is not [name, dtype, source_dtype, shape, offset, nbytes, "
-                         "xxh3-128, xxh3-64]")
+    if not isinstance(t, list) or len(t) != 9:
+        raise ValueError(f"{where} is not [name, dtype, source_dtype, shape, logical_shape, "
+                         "offset, nbytes, xxh3-128, xxh3-64]")
     name = _str(t[0], f"{where}'s name")
     where = f"{fname}: tensor {name[:80]!r}"
     dtype = _str(t[1], f"{where}'s dtype")
@@ -266,25 +317,37 @@ def _tensor(fname: str, fsize: int, i: int, t: Any) -> HashedTensor:
         itemsize = np_dtype(dtype).itemsize
     except BadRequest as exc:
         raise ValueError(f"{where}: {exc.message}") from None
-    source = _str(t[2], f"{where}'s source dtype")
-    shape = t[3]
-    if not isinstance(shape, list) or len(shape) > P.MAX_NDIM:
-        raise ValueError(f"{where}'s shape is not a list of at most {P.MAX_NDIM} dimensions")
-    dims = tuple(_int(d, f"{where}'s shape") for d in shape)
-    offset, nbytes = _int(t[4], f"{where}'s offset"), _int(t[5], f"{where}'s size")
+    source = t[2]
+    if not isinstance(source, str) or not P.source_type_ok(source):
+        raise ValueError(f"{where}'s source dtype is not 1 to {P.MAX_SOURCE_TYPE} of "
+                         "[A-Za-z0-9_]")
+    dims = _shape(t[3], f"{where}'s shape")
+    logical = None if t[4] is None else _shape(t[4], f"{where}'s logical shape")
+    offset, nbytes = _int(t[5], f"{where}'s offset"), _int(t[6], f"{where}'s size")
     if math.prod(dims) * itemsize != nbytes:  # Python ints: no overflow
         raise ValueError(f"{where}: shape {list(dims)} of {dtype} is not {nbytes} bytes")
     if offset + nbytes > fsize:
         raise ValueError(f"{where}: bytes [{offset}, {offset + nbytes}) run past the file's "
                          f"{fsize} bytes")
-    if not isinstance(t[6], str) or len(t[6]) != 32:
+    if not isinstance(t[7], str) or len(t[7]) != 32:
         raise ValueError(f"{where}'s xxh3-128 is not 32 hex digits")
-    digest = int(t[6], 16)  # ValueError for a non-hex digit
-    checksum = t[7]
+    digest = int(t[7], 16)  # ValueError for a non-hex digit
+    checksum = t[8]
     if not isinstance(checksum, int) or isinstance(checksum, bool) \
             or not 0 <= checksum < 1 << 64:
         raise ValueError(f"{where}'s xxh3-64 is not an integer in [0, 2**64)")
-    return HashedTensor(name, dtype, source, dims, offset, nbytes, digest, checksum)
+    return HashedTensor(name, dtype, source, dims, offset, nbytes, digest, checksum, logical)
+
+
+def _shape(shape: Any, what: str) -> tuple[int, ...]:
+    """A shape as the wire takes one (``P.Shape``): at most ``P.MAX_NDIM``
+    dimensions, each and their product below 2**63."""
+    if not isinstance(shape, list) or len(shape) > P.MAX_NDIM:
+        raise ValueError(f"{what} is not a list of at most {P.MAX_NDIM} dimensions")
+    dims = tuple(_int(d, what) for d in shape)
+    if math.prod(dims) > P.MAX_INT:
+        raise ValueError(f"{what} holds 2**63 elements or more")
+    return dims
 
 
 def check_against(hm: HashedModel, model: ModelFile) -> None:
@@ -305,7 +368,8 @@ def check_against(hm: HashedModel, model: ModelFile) -> None:
         k, offset = model.where(spec.name)
         got = listed.pop(spec.name, None)
         if got is None or got[0] != k or got[1].file_offset != offset \
-                or got[1].nbytes != spec.nbytes or got[1].dtype != spec.dtype:
+                or got[1].nbytes != spec.nbytes or got[1].dtype != spec.dtype \
+                or got[1].source != spec.source:
             raise BadRequest(f"{stale}: tensor {spec.name!r} is not as the manifest says"
                              f"{again}", {"file": str(hm.path), "tensor": spec.name})
     if listed:
@@ -317,8 +381,9 @@ def check_against(hm: HashedModel, model: ModelFile) -> None:
 def describe(path: str | Path, use_cache: bool = True) -> HashedModel:
     """What a node-local load needs of the model at ``path`` on this machine:
     a hash manifest itself; or a model, with the manifest beside it (checked
-    against the model's header); or, without one, hashes read from the model
-    (or remembered by the hash cache).  Blocking: call it in a thread.
+    against the model's header, the metadata then the header's own); or,
+    without one, hashes read from the model (or remembered by the hash
+    cache).  Blocking: call it in a thread.
     Raises BAD_REQUEST; OSError for a missing file."""
     p = Path(path)
     if is_manifest(p):
@@ -330,6 +395,7 @@ def describe(path: str | Path, use_cache: bool = True) -> HashedModel:
             hm = read_manifest(beside)
             check_against(hm, model)
             hm.path = p
+            hm.metadata = model.metadata
             return hm
         return hash_model(model, use_cache)
     finally:
