@@ -24,7 +24,8 @@ from tests.hardening.rawwire import frame, hello
 import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
 from control.client.fileload import FileTensor
-from control.client.model.hashfile import describe, manifest_path
+from control.client.model import metadata as MD
+from control.client.model.hashfile import MAX_BYTES, describe, manifest_path
 from control.client.model.modelfile import open_model
 from control.daemon import logs
 from control.wire import protocol as P
@@ -81,14 +82,24 @@ async def test_a_node_reads_verifies_and_reloads_in_place(
         assert out["bytes_sent"] == 0 and out["source"] == "node"
         bid = res.buffers[0]["buffer_id"]
         got = await ctx.load_tensors(bid)  # verified against the manifest's checksums
-        assert set(got) == set(want)
+        assert set(got) == set(want) | {MD.META_TENSOR}
         for n, a in want.items():
             assert np.array_equal(got[n], a), n
+        model = open_model(local / "tiny.safetensors")
+        blob = MD.encode(model.format, model.metadata)
+        model.close()
+        assert np.array_equal(got[MD.META_TENSOR], blob)  # the upload's metadata tensor
         after = await ctx.stats()
-        assert after["bytes_stored"] == before["bytes_stored"]  # no tensor byte was sent
+        # No tensor byte of the file was sent: only rpcbuf's own metadata blob.
+        assert after["bytes_stored"] - before["bytes_stored"] == blob.nbytes < 1024
         assert after["bytes_loaded_local"] - before["bytes_loaded_local"] == total
+        info = await rpcbuf.model_info(ctx, "tiny")
+        assert (info.format, info.metadata) == ("safetensors", model.metadata)
+        assert {n: t.source_type for n, t in info.tensors.items()} == \
+            {t.name: t.source_dtype for t in model.tensors}
         again = await rpcbuf.load_model(cluster, local / "tiny.safetensors", source="node",
                                         node_path="tiny.safetensors", progress=False)
+        assert (await ctx.stats())["bytes_stored"] == after["bytes_stored"]  # nothing at all
         node_stats = again.to_json()["nodes"][d.addr]
         assert node_stats["bytes_read_locally"] == 0 and node_stats["bytes_in_place"] == total
         assert again.buffers[0]["buffer_id"] == bid and again.buffers[0]["reused"]
@@ -119,6 +130,40 @@ async def test_the_upload_and_the_node_load_lay_a_model_out_alike(
         back = await cluster[d.addr].load_tensors(bid)  # verified against the manifest
         assert set(back) == set(uploaded)
         await rpcbuf.unload_model(cluster, "g")
+
+
+def without_ids(doc: Any) -> Any:
+    """``doc`` with every ``buffer_id`` key dropped (each load makes new buffers)."""
+    if isinstance(doc, dict):
+        return {k: without_ids(v) for k, v in doc.items() if k != "buffer_id"}
+    if isinstance(doc, list):
+        return [without_ids(v) for v in doc]
+    return doc
+
+
+async def test_a_fresh_node_load_records_what_an_upload_records(
+        node: tuple[DaemonProc, Path, Path]) -> None:
+    """Source types, logical shapes (a Q8_0 tensor's differ from its uint8
+    rows) and the metadata tensor, recorded by the node itself."""
+    d, models, local = node
+    write_gguf(local / "q.gguf", gguf_tensors(1, seed=7))
+    shutil.copy(local / "q.gguf", models / "q.gguf")
+    async with rpcbuf.Cluster.connect(d.addr, d.token("alice"), timeout=10) as cluster:
+        ctx = cluster[d.addr]
+        res = await rpcbuf.load_model(cluster, local / "q.gguf", source="node",
+                                      node_path="q.gguf", progress=False)
+        assert res.to_json()["nodes"][d.addr]["bytes_in_place"] == 0  # all read afresh
+        loaded = (await ctx.get_buffer_meta(res.buffers[0]["buffer_id"]))["tensors"]
+        node_info = without_ids((await rpcbuf.model_info(ctx, "q")).to_json())
+        await rpcbuf.unload_model(cluster, "q")
+        up = await rpcbuf.load_model(cluster, local / "q.gguf", progress=False)
+        uploaded = (await ctx.get_buffer_meta(up.buffers[0]["buffer_id"]))["tensors"]
+        assert loaded == uploaded and MD.META_TENSOR in loaded
+        quant = [e for e in loaded.values() if e.get("source_type") == "Q8_0"]
+        assert quant and all(list(e["logical_shape"]) != list(e["shape"]) for e in quant)
+        up_info = without_ids((await rpcbuf.model_info(ctx, "q")).to_json())
+        assert node_info == up_info and node_info["metadata"]
+        await rpcbuf.unload_model(cluster, "q")
 
 
 async def test_a_corrupt_copy_fails_naming_the_tensor_and_leaves_nothing(
@@ -242,11 +287,11 @@ async def test_a_stale_or_malformed_manifest_is_refused_before_any_request(
     async with rpcbuf.Cluster.connect(d.addr, d.token("alice"), timeout=10) as cluster:
         with pytest.raises(rpcbuf.BadRequest, match="does not match"):
             await rpcbuf.load_model(cluster, path, source="node", progress=False)
-        manifest.write_text('{"rpcbuf_hashes": 1, "format": "gguf", "files": [' * 50)
+        manifest.write_text('{"rpcbuf_hashes": 2, "format": "gguf", "files": [' * 50)
         with pytest.raises(rpcbuf.BadRequest, match="not a valid rpcbuf hash manifest"):
             await rpcbuf.load_model(cluster, path, source="node", progress=False)
         with open(manifest, "wb") as f:
-            f.truncate(100 << 20)
+            f.truncate(MAX_BYTES + 1)
         with pytest.raises(rpcbuf.BadRequest, match="at most"):
             await rpcbuf.load_model(cluster, manifest, source="node", progress=False)
         assert await cluster[d.addr].list_buffers() == []
@@ -481,5 +526,11 @@ async def test_a_directory_of_shards_loads_shard_by_shard(
                                       source="node", node_path="sharded", progress=False)
         assert out.name == "sharded" and out.to_json()["hashes"] == "manifest"
         got = await cluster[d.addr].load_tensors(out.buffers[0]["buffer_id"])
-        assert set(got) == set(t) and all(np.array_equal(got[n], t[n]) for n in t)
+        assert set(got) == set(t) | {MD.META_TENSOR}
+        assert all(np.array_equal(got[n], t[n]) for n in t)
+        model = open_model(local / "sharded")  # the manifest alone carried the metadata
+        want = (model.format, model.metadata)
+        model.close()
+        info = await rpcbuf.model_info(cluster[d.addr], "sharded")
+        assert (info.format, info.metadata) == want and info.metadata
         await rpcbuf.unload_model(cluster, "sharded")

@@ -9,15 +9,23 @@ upload does (``loader.py``), except that no tensor crosses the network:
    or given itself), else the model's header with hashes read from the
    local copy (or the hash cache);
 2. placement and buffers exactly as for an upload (``placement.plan`` over
-   the cluster's slots, one named buffer per used slot, reused or created
-   as ``loader._acquire`` does, the same back-to-back layout), so a model
-   loaded either way lies the same, and a re-load finds it in place;
+   the cluster's slots less the room for the model's metadata, one named
+   buffer per used slot, reused or created as ``loader._acquire`` does, the
+   same back-to-back layout), so a model loaded either way lies the same,
+   and a re-load finds it in place;
 3. per slot, batches of at most ``batch_bytes`` (``NODE_BATCH``), two in flight: a
    ``load_file`` request naming the file on the node (``node_path``; for a
    directory of shards, each shard inside it), each tensor's byte range in
-   the file, its place in the buffer and its hashes; the node reads and
-   verifies them (``daemon/fileops.py``) and records only what matched;
-4. every slot's manifest is checked against the expected checksums.
+   the file, its place in the buffer, its hashes, its source type and
+   logical shape; the node reads and verifies them (``daemon/fileops.py``)
+   and records only what matched;
+4. the model file's metadata (from the header, or the hash manifest) is
+   stored as an upload stores it: the tensor ``__rpcbuf_metadata__``
+   (``metadata``) right after the tensors of each node's first slot,
+   from the driver (rpcbuf's own msgpack blob, not the file's bytes;
+   deduplicated, so a re-load sends nothing; ``bytes_sent`` counts the
+   file's tensors only, none);
+5. every slot's manifest is checked against the expected checksums.
 
 A node whose copy differs (missing, another size, a tensor that does not
 match) fails its load with an error naming the file and the tensor; the
@@ -44,11 +52,14 @@ from control.client.model.loader import (
     ProgressFn,
     _acquire,
     _as_if_released,
+    _carry_metadata,
     _check_manifest,
     _Progress,
     _release_created,
     _release_stale,
+    _room_for_metadata,
     _SlotJob,
+    _store_metadata,
     buffer_name,
 )
 from control.client.model.modelfile import TensorSpec
@@ -144,10 +155,12 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     slots = await cluster.slots()
     existing = await cluster.list_buffers()
     slots = _as_if_released(slots, existing, name)
+    blob = hm.blob()
     groups = PL.Groups.of([(t.name, t.nbytes) for _, t in hm.tensors])
-    plan = PL.plan(groups, slots, placement)
+    plan = PL.plan(groups, _room_for_metadata(slots, blob), placement)
     jobs = [_SlotJob(p, [_spec(*tensors[n]) for n in p.tensors],
                      buffer_name(name, p.slot.slot)) for p in plan.slots]
+    _carry_metadata(jobs, blob)
     await _acquire(cluster, jobs, existing, name)
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
     for j in jobs:
@@ -173,7 +186,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
 
 
 def _spec(k: int, t: HashedTensor) -> TensorSpec:
-    return TensorSpec(t.name, t.dtype, t.shape, t.nbytes, t.source_dtype, k)
+    return TensorSpec(t.name, t.dtype, t.shape, t.nbytes, t.source_dtype, k, t.source[1])
 
 
 def _batches(job: _SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
@@ -189,7 +202,7 @@ def _batches(job: _SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
             out.append((k, batch))
             batch, size = [], 0
         batch.append(FileTensor(t.name, t.dtype, t.shape, t.file_offset, t.nbytes,
-                                offsets[t.name], t.digest, t.checksum))
+                                offsets[t.name], t.digest, t.checksum, *t.source))
         open_[k] = (batch, size + t.nbytes)
     out.extend((k, b) for k, (b, _) in open_.items() if b)
     return out
@@ -231,7 +244,13 @@ async def _read_on_nodes(cluster: Cluster, jobs: list[_SlotJob],
             raise
         if failed.is_set():
             return
-        await _check_manifest(ctx, j, {s.name: tensors[s.name][1].checksum for s in j.specs})
+        sums = {s.name: tensors[s.name][1].checksum for s in j.specs}
+        try:
+            await _store_metadata(ctx, j, offsets, sums)
+        except BaseException:
+            failed.set()
+            raise
+        await _check_manifest(ctx, j, sums)
         node.seconds = max(node.seconds, time.perf_counter() - t0)
 
     results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
