@@ -31,15 +31,9 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cp() -> Any:
-    try:
-        import cupy
-    except ImportError:
-        pytest.skip("CuPy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device is visible")
-    except Exception as exc:  # no driver
-        pytest.skip(f"no CUDA device is visible ({exc})")
+    from test_gpu import _cupy
+
+    cupy = _cupy()
     from dataplane.cuda_vmm import UnsupportedDevice, open_driver
 
     try:

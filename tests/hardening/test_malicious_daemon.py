@@ -47,6 +47,12 @@ async def opened(answer: dict[str, Any] | None, silent_ops: tuple[str, ...] = ()
         finally:
             await fd.close()
         return
+    async for addr in on_unix_socket(fd):
+        yield addr
+
+
+async def on_unix_socket(fd: FakeDaemon) -> AsyncIterator[str]:
+    """``fd`` served on a Unix socket of its own: ``unix:PATH``, removed after."""
     path = os.path.join(tempfile.mkdtemp(prefix="fake-rpcbufd-"), "sock")
     server = await asyncio.start_unix_server(fd._serve, path)
     try:
@@ -298,16 +304,8 @@ async def _handle_daemon(on_bind: Any, on_attach: Any = None) -> AsyncIterator[s
 
     fd = FakeDaemon(handler, ucx_listener=True)
     await fd.start()
-    path = os.path.join(tempfile.mkdtemp(prefix="fake-rpcbufd-"), "sock")
-    server = await asyncio.start_unix_server(fd._serve, path)
-    try:
-        yield f"unix:{path}"
-    finally:
-        await fd.close()
-        server.close()
-        await server.wait_closed()
-        os.unlink(path)
-        os.rmdir(os.path.dirname(path))
+    async for addr in on_unix_socket(fd):
+        yield addr
 
 
 def _send_staging(size: int = staging.SIZE, seal: bool = True, record_size: int | None = None,

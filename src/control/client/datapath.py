@@ -116,38 +116,28 @@ class StagedPath:
         return self.ring_ok or sum(int(a.nbytes) for a in arrays) <= staging.SMALL
 
     async def send(self, t: Transfer) -> dict[str, Any]:
+        return await self._op(t, store=True)
+
+    async def receive(self, t: Transfer) -> dict[str, Any]:
+        return await self._op(t, store=False)
+
+    async def _op(self, t: Transfer, store: bool) -> dict[str, Any]:
         pieces = _flat(t.arrays)
         nbytes = sum(p.nbytes for p in pieces)
         if nbytes > staging.SMALL:
-            return await self._ring_op(t, pieces, nbytes, produce=True)
+            return await self._ring_op(t, pieces, nbytes, produce=store)
         slot = await self._small_slot()
-        ok = False
+        area, ok = self.area, False
         try:
-            staging.gather(pieces, self.area.small(slot, nbytes))
+            if store:  # our bytes first, then the request
+                staging.gather(pieces, area.small(slot, nbytes))
             result = await self._caller.call(t.request(slot))
+            if not store:  # the answer says the slot holds them
+                staging.scatter(area.small(slot, nbytes), pieces)
             ok = True
             return result
         except RpcBufError as exc:
             ok = not isinstance(exc, Timeout)  # the daemon answered: it is done with the slot
-            raise
-        finally:
-            if ok:
-                self._free.put_nowait(slot)
-
-    async def receive(self, t: Transfer) -> dict[str, Any]:
-        pieces = _flat(t.arrays)
-        nbytes = sum(p.nbytes for p in pieces)
-        if nbytes > staging.SMALL:
-            return await self._ring_op(t, pieces, nbytes, produce=False)
-        slot = await self._small_slot()
-        ok = False
-        try:
-            result = await self._caller.call(t.request(slot))
-            staging.scatter(self.area.small(slot, nbytes), pieces)
-            ok = True
-            return result
-        except RpcBufError as exc:
-            ok = not isinstance(exc, Timeout)
             raise
         finally:
             if ok:
