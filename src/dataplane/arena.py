@@ -92,6 +92,22 @@ class HostArena:
                 raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
         return True
 
+    def prefault_range(self, offset: int, nbytes: int) -> bool:
+        """``prefault`` for the whole pages inside ``[offset, offset + nbytes)``
+        (what a buffer is about to receive); bytes unchanged.  False when the
+        kernel lacks ``MADV_POPULATE_WRITE``; OSError for another failure."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise IndexError(f"[{offset}, {offset + nbytes}) is outside the arena of {self.size}")
+        start, stop = whole_pages(self._mem.ctypes.data + offset, nbytes)
+        if stop <= start:
+            return True
+        if populate_pages(start, stop - start) != 0:
+            err = ctypes.get_errno()
+            if err in (22, 38):  # EINVAL, ENOSYS: not this kernel
+                return False
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        return True
+
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in 3.13
 _libc = ctypes.CDLL(None, use_errno=True)

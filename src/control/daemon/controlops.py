@@ -16,12 +16,12 @@ import os
 import time
 from typing import Any, Protocol
 
-from control.daemon import logs
+from control.daemon import logs, prefault
 from control.daemon.node import Node
 from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, RpcBufError
+from control.wire.errors import BadRequest, NotFound, RpcBufError
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -58,6 +58,28 @@ class ControlOps:
             self._node.schedule_expiry()
         return buf.meta()
 
+    @staticmethod
+    def ready_now(buf: Buffer) -> bool:
+        """Whether ``buf`` can be answered at once: nothing to pre-fault."""
+        return not prefault.wanted(buf.pool.arena, buf.size)
+
+    async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
+        """``granted`` once the new buffer's pages are backed with memory
+        (``prefault.populate``), so its first store runs at full speed.  The
+        buffer is pinned meanwhile.  It was granted before the wait, so a
+        request that ends first (the client gone) leaves it as a lost answer
+        would: audited, a session-scoped one going with its session, a named
+        or leased one kept."""
+        if not call.held.keep(buf):
+            raise NotFound(f"no buffer {buf.buffer_id!r}")  # released by name meanwhile
+        try:
+            await prefault.populate(buf.pool.arena, buf.offset, buf.size)
+        finally:
+            meta = self.granted(buf)
+        if buf.released:
+            raise NotFound(f"no buffer {buf.buffer_id!r}")
+        return meta
+
     async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
         """A request_buffer that could not be granted at once: queue (first
         come, first served) for at most ``req.timeout``; OUT_OF_MEMORY."""
@@ -92,7 +114,7 @@ class ControlOps:
             if fut.done() and not fut.cancelled() and not fut.exception():
                 self._registry.release(fut.result())
             raise
-        return self.granted(buf)
+        return await self.granted_ready(call, buf)
 
     def _get(self, buffer_id: str) -> Buffer:
         return self._registry.get(self._owner.owner, buffer_id)
