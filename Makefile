@@ -30,11 +30,12 @@ test: install lint  ## the whole suite: lint, unit and integration tests, data-p
 soak: install  ## the hardening suite, longer: 3000 fuzz examples, 32 clients for 30 s, 40 kills
 	RPCBUF_SOAK=1 $(BIN)/python -m pytest -q -s --timeout 1200 tests/hardening
 
-bench: install  ## prints tables and writes bench.json, bench_alloc.json, bench_dedup.json, bench_attach.json
+bench: install  ## prints tables and writes bench.json, bench_alloc.json, bench_dedup.json, bench_attach.json, bench_load.json
 	$(BIN)/python scripts/bench.py --json bench.json
 	$(BIN)/python scripts/bench_alloc.py --json bench_alloc.json
 	$(BIN)/python scripts/bench_dedup.py --json bench_dedup.json
 	$(BIN)/python scripts/bench_attach.py --json bench_attach.json
+	$(BIN)/python scripts/bench_load.py --json bench_load.json
 
 # The peers (Mooncake's transfer engine, NIXL) each in its own venv under .peers/
 # (made on first use; never part of `make test`).  Mooncake's wheel links

@@ -75,6 +75,30 @@ async def test_store_batch_answers_checksums_in_the_callers_order(
 
 
 @pytest.mark.both_paths
+async def test_store_batch_takes_the_callers_checksums_and_still_verifies_them(
+        ctx: rpcbuf.RpcContext) -> None:
+    """Checksums the caller computed already are sent as they are (in the
+    caller's order, whatever the offsets); the daemon compares them with what
+    it received, so a wrong one fails the batch and records nothing."""
+    bid = await ctx.request_buffer(1 << 16)
+    arrays = [np.full(300, i, np.uint8) for i in range(3)]
+    items = [(2048 - 1024 * i, a) for i, a in enumerate(arrays)]  # descending offsets
+    sums = [xxhash.xxh3_64_intdigest(a) for a in arrays]
+    names = (["a", "b", "c"], ["|u1"] * 3, [[300]] * 3)
+    res = await ctx.store_batch(bid, items, verify="checksum", manifest=names, checksums=sums)
+    assert P.unpack_u64(res["checksums"]).tolist() == sums
+    with pytest.raises(rpcbuf.VerifyFailed):
+        await ctx.store_batch(bid, items, verify="checksum", manifest=(["x", "y", "z"],
+                                                                       *names[1:]),
+                              checksums=[sums[0], sums[2], sums[1]])
+    assert set((await ctx.get_buffer_meta(bid))["tensors"]) == {"a", "b", "c"}
+    for bad in ([1, 2], [-1, 2, 3], ["x", 1, 2]):
+        with pytest.raises(rpcbuf.BadRequest):
+            await ctx.store_batch(bid, items, verify="checksum", checksums=bad)  # type: ignore[arg-type]
+    await ctx.release_buffer(bid)
+
+
+@pytest.mark.both_paths
 async def test_store_tensors_new_names_before_kept_slots_verify_on_load(
         ctx: rpcbuf.RpcContext) -> None:
     bid = await ctx.request_buffer(1 << 16)

@@ -208,3 +208,32 @@ async def test_other_allocators_serve_end_to_end(daemon_factory, allocator: str)
         for b in ids:
             await c.release_buffer(b)
     assert await wait_free(d, start) == start
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+async def test_a_big_new_buffer_is_backed_with_memory_before_the_answer(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """request_buffer answers once a new host buffer's pages are resident
+    (control/daemon/prefault.py), so its first store does not fault them in;
+    a small one is answered at once; the pool comes back whole."""
+    from dataplane.arena import HostArena
+
+    if not HostArena(1 << 16).prefault_range(0, 1 << 16):
+        pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
+    d = daemon_factory("--device", "cpu:256MiB")
+    start = await pool_free(d)
+    async with d.connect("alice") as c:
+        before = _rss_kib(d.proc.pid)
+        small = await c.request_buffer(1 << 20)
+        big = await c.request_buffer(96 << 20)
+        assert _rss_kib(d.proc.pid) - before >= 90 << 10, "the new buffer is not resident"
+        data = np.arange(96 << 20, dtype=np.uint8)
+        await c.store_tensor(big, data, verify="checksum")
+        assert np.array_equal(await c.read_buffer(big, 0, 1 << 20), data[: 1 << 20])
+        for bid in (small, big):
+            await c.release_buffer(bid)
+    assert await wait_free(d, start) == start

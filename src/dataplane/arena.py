@@ -134,17 +134,20 @@ class HostArena:
         return {"device_type": self.device_type, "device": self.device, "name": "host memory"}
 
     def prefault_range(self, offset: int, nbytes: int) -> bool:
-        """Back the pages of a (backed) buffer with memory now, so a first
-        write does not fault (``madvise(MADV_POPULATE_WRITE)``, a chunk at a
-        time).  It changes no byte.  False when the kernel lacks it."""
-        start, stop = whole_pages(self.address + offset, nbytes)
-        chunk = 64 << 20
-        for at in range(start, stop, chunk):
-            if populate_pages(at, min(chunk, stop - at)) != 0:
-                err = ctypes.get_errno()
-                if err in (22, 38) and at == start:  # EINVAL, ENOSYS: not this kernel
-                    return False
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        """Back the whole pages inside ``[offset, offset + nbytes)`` (a new
+        buffer) with memory now (``MADV_POPULATE_WRITE``), so a first write
+        does not fault; bytes unchanged.  False when the
+        kernel lacks ``MADV_POPULATE_WRITE``; OSError for another failure."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise IndexError(f"[{offset}, {offset + nbytes}) is outside the arena of {self.size}")
+        start, stop = whole_pages(self._mem.ctypes.data + offset, nbytes)
+        if stop <= start:
+            return True
+        if populate_pages(start, stop - start) != 0:
+            err = ctypes.get_errno()
+            if err in (22, 38):  # EINVAL, ENOSYS: not this kernel
+                return False
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
         return True
 
 

@@ -12,27 +12,35 @@ import pytest
 import rpcbuf
 from conftest import pool_free, wait_free
 from control.client.dedup import content_hashes
+from control.daemon.content import WRITE_LOG
 from control.wire import protocol as P
 
 
 async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """dedup_store looks its target up, then waits for another buffer's range
-    lock (the deferred index).  Releasing the target meanwhile and letting
-    bob allocate must not let the dedup copy write into bob's buffer, nor
-    free bob's block a second time (then carol would share it)."""
+    lock (the deferred index, hashing again what it cannot prove unwritten).
+    Releasing the target meanwhile and letting bob allocate must not let the
+    dedup copy write into bob's buffer, nor free bob's block a second time
+    (then carol would share it)."""
     d = daemon_factory("--device", "cpu:8MiB", "--transfer-timeout", "2s")
     start = await pool_free(d)
     mib = 1 << 20
     weights = {"w": np.full(mib, 0xA1, np.uint8)}
     async with d.connect("alice") as a, d.connect("alice", same_host=False) as stall, \
             d.connect("bob") as b, d.connect("carol") as c:
-        src = await a.request_buffer(mib)
+        src = await a.request_buffer(2 * mib)
         await a.store_tensors(src, weights)  # indexed lazily, at the next dedup query
         # A UCX store that never sends its payload holds src's range for ~2 s
         # (then the deadline aborts that session).
         stalled = stall._conn.submit(stall._conn.next_id(),
                                      P.Store(buffer_id=src, offset=0, nbytes=mib))
         await asyncio.sleep(0.3)
+        # More writes into src (elsewhere) than its write log keeps: the index
+        # cannot tell whether the stalled store's range was written since the
+        # weights were hashed, so the next dedup query hashes them again, under
+        # a shared lock that waits for the stalled store.
+        for k in range(WRITE_LOG + 1):
+            await a.store_tensor(src, np.zeros(16, np.uint8), offset=mib + 64 * k)
         dst = await a.request_buffer(mib)
         dedup = asyncio.ensure_future(a._dedup._dedup_chunk(dst, ["w"], weights, {"w": 0},
                                                      content_hashes(weights)))

@@ -40,12 +40,15 @@ Manifest = tuple[list[str], list[str], list[list[int]]] | Packed
 
 def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None,
                 manifest: Manifest | None, manifest_version: int | None,
-                state_kind: bool, described: bool = False
+                state_kind: bool, described: bool = False,
+                checksums: Sequence[int] | None = None,
                 ) -> tuple[Transfer, Callable[[dict[str, Any]], dict[str, Any]]]:
     """The transfer of a ``store_batch`` and what puts its answer in the
     caller's order.  ``state_kind``: the request states its checksum kind
     (protocol 2); ``described``: it carries the manifest's source types and
-    logical shapes, if any (protocol 3).  Raises BAD_REQUEST."""
+    logical shapes, if any (protocol 3); ``checksums``: the items' xxh3-64,
+    index-aligned, when the caller computed them already (else, with
+    ``verify``, they are computed here).  Raises BAD_REQUEST."""
     if verify not in (None, "checksum"):
         raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
     n = len(items)
@@ -62,20 +65,25 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
     if n and offsets.min() < 0:
         raise BadRequest("offsets must be non-negative")
     packed = _packed(manifest, n)
+    given = _given_checksums(checksums, n) if verify else None
     order = offset_order(offsets)
     if order is not None:
         offsets = offsets[order]
         arrays = [arrays[i] for i in order.tolist()]
         packed = packed.take(order) if packed is not None else None
         known = known[order] if known is not None else None
+        given = given[order] if given is not None else None
     datas = _host_data(arrays)
     if known is None or datas is not arrays:
         sizes = np.fromiter(map(_NBYTES, datas), dtype=np.uint64, count=n)
     else:
         sizes = known.astype(np.uint64)
     offsets_u = offsets.astype(np.uint64)
-    sums = P.pack_u64(np.fromiter(map(XXH3, datas), dtype=np.uint64,
-                                  count=n)) if verify else None
+    if given is not None:
+        sums: P.U64Array | None = P.pack_u64(given)
+    else:
+        sums = P.pack_u64(np.fromiter(map(XXH3, datas), dtype=np.uint64,
+                                      count=n)) if verify else None
     # The manifest's checksums are xxh3-64 whatever the buffer's device.
     req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
                        sizes=P.pack_u64(sizes), checksums=sums,
@@ -145,6 +153,18 @@ def _packed(manifest: tuple[list[str], list[str], list[list[int]]] | Packed | No
     if len(packed) != n:
         raise BadRequest(f"the manifest lists {len(packed)} tensors for {n} items")
     return packed
+
+
+def _given_checksums(checksums: Sequence[int] | None, n: int) -> np.ndarray | None:
+    if checksums is None:
+        return None
+    try:
+        sums = np.asarray(checksums, dtype=np.uint64)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest("checksums must be unsigned 64-bit integers") from None
+    if sums.shape != (n,):
+        raise BadRequest(f"{sums.size} checksums for {n} items")
+    return sums
 
 
 def _host_data(arrays: list[Any]) -> list[np.ndarray]:

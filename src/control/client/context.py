@@ -460,7 +460,8 @@ class RpcContext:
                           verify: str | None = None,
                           manifest: tuple[list[str], list[str], list[list[int]]] | Packed
                           | None = None,
-                          manifest_version: int | None = None) -> dict[str, Any]:
+                          manifest_version: int | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
         """Store many ``(offset, array)`` items of one buffer in one control
         round trip; the daemon copies them straight from the arrays (same
         host), or touching small items travel as one UCX message each run;
@@ -468,13 +469,18 @@ class RpcContext:
         shapes), index-aligned with ``items``, is recorded on the daemon;
         with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
         ``manifest_changed``, before any byte lands) if the manifest changed.
+        With ``verify="checksum"``, ``checksums`` (index-aligned with
+        ``items``) are the items' xxh3-64 when the caller has them already,
+        so they are not computed again here; the daemon compares them with
+        what it received all the same (a wrong one is VERIFY_FAILED).
         The answer's ``checksums`` (with a manifest) are index-aligned with
         ``items`` too; they are xxh3-64, whatever the buffer's device.
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         self._check_open()
         t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
                                           state_kind=self.protocol_version >= 2,
-                                          described=self.protocol_version >= DESCRIBED)
+                                          described=self.protocol_version >= DESCRIBED,
+                                          checksums=checksums)
         return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
 
     async def read_batch(self, buffer_id: str,
@@ -595,9 +601,10 @@ class _DedupNeeds:
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
-                          manifest: ManifestColumns | Packed | None = None
-                          ) -> dict[str, Any]:
-        return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest)
+                          manifest: ManifestColumns | Packed | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
+        return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest,
+                                           checksums=checksums)
 
 
 def _one(request: Callable[[int | None], P.Request], array: Any) -> Transfer:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,21 +33,17 @@ from control.client.tensors import (
 from control.wire import protocol as P
 from control.wire.manifest import ManifestColumns, Source, source_columns
 from control.wire.units import THREAD_BYTES
-from dataplane.checksum import checksum, digest128
+from dataplane.checksum import digests
 
 CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed array
 
 
 def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int]]:
-    """``{name: (xxh3-128, xxh3-64)}`` of each array's bytes.  Big inputs are
-    hashed by two threads at once, one function each (xxhash drops the GIL)."""
-    datas = {n: np.ascontiguousarray(a).reshape(-1).view(np.uint8) for n, a in arrays.items()}
-    if sum(d.nbytes for d in datas.values()) < THREAD_BYTES:
-        return {n: (digest128(d), checksum(d)) for n, d in datas.items()}
-    with ThreadPoolExecutor(1) as pool:
-        longs = pool.submit(lambda: [digest128(d) for d in datas.values()])
-        shorts = [checksum(d) for d in datas.values()]
-        return dict(zip(datas, zip(longs.result(), shorts, strict=True), strict=True))
+    """``{name: (xxh3-128, xxh3-64)}`` of each array's bytes, each array read
+    once (``checksum.digests``: the low half of a long input's xxh3-128 is its
+    xxh3-64)."""
+    return {n: digests(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            for n, a in arrays.items()}
 
 
 class DedupNeeds(Protocol):
@@ -65,8 +60,8 @@ class DedupNeeds(Protocol):
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
-                          manifest: ManifestColumns | Packed | None = None
-                          ) -> dict[str, Any]: ...
+                          manifest: ManifestColumns | Packed | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]: ...
 
 
 class DedupOps:
@@ -106,7 +101,8 @@ class DedupOps:
             await ctx.store_batch(
                 buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
                 manifest=Packed.of_columns(*cols, *source_columns(missing, sources))
-                if sources else cols)
+                if sources else cols,
+                checksums=[hashes[n][1] for n in missing])  # hashed once, above
         return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
                 "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
                 "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}

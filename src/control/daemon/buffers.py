@@ -69,6 +69,11 @@ class Buffer:
     released: bool = False
     freed: bool = False  # its block went back to the allocator: never again
     entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)
+    # Whether every change to its bytes goes through the data pipeline (range
+    # lock, ``ContentIndex.forget``), so the checksums the daemon computed stay
+    # true until then (content.py).  Whoever hands out a way to write it
+    # behind the daemon's back (a writable mapping) must set this False first.
+    trusted: bool = True
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

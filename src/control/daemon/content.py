@@ -5,17 +5,35 @@ is indexed as tenant -> xxh3-128 of its bytes -> where they lie (buffer,
 offset, nbytes, xxh3-64).  A client about to upload asks which of its
 tensors' hashes are here and sends only the others (``dedupops.py``).
 
-Plain synchronous bookkeeping, like the registry.  Correctness does not rest
-on it: every placement copies and then verifies the xxh3-64 of what landed.
-It is kept precise anyway, so that lookups rarely miss:
+Plain synchronous bookkeeping, like the registry.  The hashes are the
+daemon's own: computed over the bytes as they landed (``store_batch`` hashes
+what it received, both hashes in one pass) or over a verified copy, never a
+client's claim.  An indexed entry is *trusted*: its bytes are exactly what
+was hashed, so a re-load finds them and places them without hashing again.
+That holds because every way bytes of a buffer change is a write that
+passes through ``forget`` first:
 
 - *Overwritten* bytes drop their entries at once: every write into a buffer
-  (store, batch, clear, copy, dedup) takes an exclusive range lock first, and
-  ``Pipeline.lock`` calls ``forget`` for the ranges it locks.
+  (store, batch, wire-fp16 store, clear, copy, dedup placement, a disk-cache
+  read into place) takes an exclusive range lock first, and ``Pipeline.lock``
+  calls ``forget`` for the ranges it locks (``dedup_store`` calls it for the
+  ranges it writes) before a byte moves.
+- *Deferred* entries (a batch stored but not indexed yet, see ``defer``)
+  cannot be dropped by ``forget`` since they are not in the index; instead
+  ``forget`` logs each write of a buffer that has deferred entries, and
+  ``index_deferred`` indexes only entries no logged write touched since they
+  were hashed.  When the log of a buffer overflowed (``WRITE_LOG`` writes)
+  nothing is proved and the entries are returned to be hashed again.
 - *Released* buffers drop out lazily: a lookup skips them, and a sweep every
-  ``SWEEP_EVERY`` additions removes them (no hook in the registry needed).
+  ``SWEEP_EVERY`` additions removes them (no hook in the registry needed);
+  buffer ids are never reused.
 - *Per tenant*: a lookup sees only the asking tenant's entries, so no tenant
   learns what another stored.
+
+What is *not* covered is memory written behind the daemon's back (a
+writable mapping handed to a client, a device written by a kernel): a
+buffer whose bytes can change that way must not be indexed at all
+(``Buffer.trusted``; every buffer today only changes through the pipeline).
 
 Entries of one buffer never overlap (a manifest's entries do not), so each
 buffer keeps them sorted by offset and ``forget`` is a bisection.
@@ -30,6 +48,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from control.daemon.diskcache import DiskCache
     from control.daemon.registry import Buffer, Registry
@@ -38,6 +58,10 @@ log = logging.getLogger("rpcbuf.daemon")
 SWEEP_EVERY = 1024
 MAX_LOCATIONS = 4  # places remembered per (tenant, hash): a few copies suffice
 MAX_DEFERRED = 10_000  # stored batches per tenant waiting to be indexed
+WRITE_LOG = 32  # writes remembered per buffer that has deferred entries
+MAX_LOGGED = 4096  # buffers with a write log; past it the oldest log is dropped
+
+Entry = dict[str, Any]
 
 
 @dataclass(eq=False)
@@ -47,6 +71,47 @@ class Location:
     nbytes: int
     checksum: int
     digest: int  # xxh3-128
+
+
+class _Writes:
+    """The writes into one buffer while it has deferred entries:
+    ``(seq, start, end)``, at most ``WRITE_LOG``, ``seq`` counting every
+    write the index is told of (all buffers).  ``lost``: the newest write
+    whose record was dropped (an entry hashed before it proves nothing); a
+    log dropped as a whole (``MAX_LOGGED``) proves nothing for any entry."""
+
+    __slots__ = ("log", "lost", "pending")
+
+    def __init__(self) -> None:
+        self.lost = -1
+        self.pending = 0  # deferred batches that refer to this log
+        self.log: deque[tuple[int, int, int]] = deque()
+
+    def write(self, seq: int, ranges: list[tuple[int, int]]) -> None:
+        for a, b in ranges:
+            if b > a:
+                if len(self.log) >= WRITE_LOG:
+                    self.lost = self.log.popleft()[0]
+                self.log.append((seq, a, b))
+
+    def since(self, seq: int) -> list[tuple[int, int]] | None:
+        """The ranges written after ``seq``; None when the log cannot tell."""
+        if self.lost > seq:
+            return None
+        return [(a, b) for q, a, b in self.log if q > seq]
+
+
+@dataclass(eq=False)
+class Deferred:
+    """A stored batch's manifest entries and the xxh3-128 of each (aligned
+    with the entries; None: not computed), hashed when the index had been
+    told of ``seq`` writes; ``writes`` is its buffer's log."""
+
+    buf: Buffer
+    manifest: dict[str, Entry]
+    digests: list[int] | None
+    seq: int
+    writes: _Writes
 
 
 class _BufferEntries:
@@ -75,24 +140,72 @@ class ContentIndex:
         self._adds = 0
         self._writes: set[asyncio.Task[None]] = set()
         self._write_slots = asyncio.Semaphore(1)  # one disk writer: the CPUs serve transfers
-        self.counters = {"lookups": 0, "hits": 0, "forgotten": 0}
-        # tenant -> batches stored but not hashed yet (see ``defer``)
-        self._deferred: dict[str, deque[tuple[Buffer, dict[str, dict[str, Any]]]]] = {}
+        self.counters = {"lookups": 0, "hits": 0, "forgotten": 0, "deferred_trusted": 0,
+                         "deferred_stale": 0, "deferred_rehashed": 0}
+        # tenant -> batches stored but not indexed yet (see ``defer``)
+        self._deferred: dict[str, deque[Deferred]] = {}
+        self._logs: dict[str, _Writes] = {}  # buffer id -> its write log, while it has deferred
+        self._seq = 0  # writes told of (``forget``), all buffers
 
     # -- deferred indexing ----------------------------------------------------------
 
-    def defer(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None:
-        """Remember a stored batch's manifest entries, to hash and index on the
-        tenant's next dedup query: hashing every store up front cost a third
-        of a 10,000-tensor ``store_batch``, and most stores are never deduped
-        against.  Bounded: the oldest batches are forgotten first (they only
-        stop being dedup sources)."""
-        q = self._deferred.setdefault(buf.tenant, deque(maxlen=MAX_DEFERRED))
-        q.append((buf, manifest))
+    def defer(self, buf: Buffer, manifest: dict[str, Entry],
+              digests: list[int] | None = None) -> None:
+        """Remember a stored batch's manifest entries (and the xxh3-128 of each,
+        computed as the bytes landed) to index on the tenant's next dedup
+        query: indexing 10,000 entries costs more than a 10,000-tensor
+        ``store_batch`` can spare, and most stores are never deduped
+        against.  Called with the batch's range still locked.  Bounded: the
+        oldest batches are forgotten first (they only stop being dedup
+        sources)."""
+        q = self._deferred.setdefault(buf.tenant, deque())
+        if len(q) >= MAX_DEFERRED:
+            self._untrack(q.popleft())
+        w = self._logs.get(buf.buffer_id)
+        if w is None:
+            if len(self._logs) >= MAX_LOGGED:  # drop the oldest log: its entries re-hash
+                oldest = self._logs.pop(next(iter(self._logs)))
+                oldest.lost = self._seq + 1  # past every entry that refers to it
+            w = self._logs[buf.buffer_id] = _Writes()
+        w.pending += 1
+        q.append(Deferred(buf, manifest, digests, self._seq, w))
 
-    def take_deferred(self, tenant: str) -> list[tuple[Buffer, dict[str, dict[str, Any]]]]:
+    def _untrack(self, d: Deferred) -> None:
+        w = d.writes
+        w.pending -= 1
+        if w.pending <= 0 and self._logs.get(d.buf.buffer_id) is w:
+            del self._logs[d.buf.buffer_id]
+
+    def index_deferred(self, tenant: str) -> list[tuple[Buffer, dict[str, Entry]]]:
+        """Index what ``tenant`` stored since its last dedup query.  Entries
+        still current (the very manifest entry recorded) whose bytes no write
+        touched since they were hashed are indexed now, with the digests
+        computed as they landed; entries a write touched are dropped.  What
+        cannot be proved either way (no digests, or the buffer's write log
+        overflowed) is returned, per buffer, to be hashed again under a lock."""
         q = self._deferred.pop(tenant, None)
-        return [(b, m) for b, m in q if not b.released] if q else []
+        if not q:
+            return []
+        again: list[tuple[Buffer, dict[str, Entry]]] = []
+        for d in q:
+            self._untrack(d)
+            if d.buf.released or not d.buf.trusted:
+                continue
+            live = current(d.buf, d.manifest)
+            if not live:
+                continue
+            written = d.writes.since(d.seq)
+            if d.digests is None or written is None:
+                self.counters["deferred_rehashed"] += len(live)
+                again.append((d.buf, live))
+                continue
+            stale = _touched(live, written) if written else set()
+            self.counters["deferred_stale"] += len(stale)
+            for (name, e), digest in zip(d.manifest.items(), d.digests, strict=True):
+                if name in live and name not in stale and e.get("checksum") is not None:
+                    self.add(d.buf, e["offset"], e["nbytes"], digest, e["checksum"])
+                    self.counters["deferred_trusted"] += 1
+        return again
 
     # -- queries ----------------------------------------------------------------
 
@@ -103,7 +216,7 @@ class ContentIndex:
         if not locs:
             return None
         for loc in list(locs):
-            if loc.buf.released:
+            if loc.buf.released or not loc.buf.trusted:
                 self._remove(loc)
             elif loc.nbytes == nbytes and loc.checksum == checksum:
                 self.counters["hits"] += 1
@@ -113,7 +226,7 @@ class ContentIndex:
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` is still indexed (nothing wrote its bytes since)."""
         entries = self._buffers.get(loc.buf.buffer_id)
-        if entries is None or loc.buf.released:
+        if entries is None or loc.buf.released or not loc.buf.trusted:
             return False
         j = bisect.bisect_left(entries.starts, loc.offset)
         return j < len(entries.locs) and entries.locs[j] is loc
@@ -125,10 +238,12 @@ class ContentIndex:
 
     def add(self, buf: Buffer, offset: int, nbytes: int, digest: int,
             checksum: int) -> Location | None:
-        """Index ``[offset, offset + nbytes)`` of ``buf`` (replacing what overlapped)."""
-        if nbytes <= 0 or buf.released:
+        """Index ``[offset, offset + nbytes)`` of ``buf`` (replacing what
+        overlapped): the caller hashed exactly these bytes, and they have not
+        been written since."""
+        if nbytes <= 0 or buf.released or not buf.trusted:
             return None
-        self.forget(buf, [(offset, offset + nbytes)], count=False)
+        self._drop(buf, [(offset, offset + nbytes)])
         entries = self._buffers.get(buf.buffer_id)
         if entries is None:
             entries = self._buffers[buf.buffer_id] = _BufferEntries(buf)
@@ -145,9 +260,20 @@ class ContentIndex:
             self.sweep()
         return loc
 
-    def forget(self, buf: Buffer, ranges: list[tuple[int, int]], count: bool = True) -> int:
-        """Drop entries of ``buf`` overlapping ``ranges`` (their bytes are being
-        written); return how many."""
+    def forget(self, buf: Buffer, ranges: list[tuple[int, int]]) -> int:
+        """These ranges of ``buf`` are about to be written: drop the entries
+        overlapping them, and log the write for the buffer's deferred
+        entries (``index_deferred``).  Every writer calls this, before its
+        first byte moves.  Returns how many entries were dropped."""
+        self._seq += 1
+        w = self._logs.get(buf.buffer_id)
+        if w is not None:
+            w.write(self._seq, ranges)
+        dropped = self._drop(buf, ranges)
+        self.counters["forgotten"] += dropped
+        return dropped
+
+    def _drop(self, buf: Buffer, ranges: list[tuple[int, int]]) -> int:
         entries = self._buffers.get(buf.buffer_id)
         if entries is None:
             return 0
@@ -163,15 +289,13 @@ class ContentIndex:
             dropped += len(hit)
         if not entries.locs:
             del self._buffers[buf.buffer_id]
-        if count:
-            self.counters["forgotten"] += dropped
         return dropped
 
     def sweep(self) -> int:
         """Remove the entries of released buffers; return how many buffers."""
         dead = [e.buf for e in self._buffers.values() if e.buf.released]
         for buf in dead:
-            self.forget(buf, [(0, buf.size)], count=False)
+            self._drop(buf, [(0, buf.size)])
         return len(dead)
 
     def _remove(self, loc: Location) -> None:
@@ -229,7 +353,29 @@ class ContentIndex:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {**self.counters, "entries": len(self),
+                               "deferred": sum(len(q) for q in self._deferred.values()),
+                               "write_logs": len(self._logs),
                                "pending_disk_writes": len(self._writes)}
         if self.cache is not None:
             out["disk_cache"] = self.cache.stats()
         return out
+
+
+def current(buf: Buffer, manifest: dict[str, Entry]) -> dict[str, Entry]:
+    """The entries that are still the buffer's very manifest entries (not
+    replaced or dropped since they were recorded)."""
+    tensors = buf.tensors
+    return {name: e for name, e in manifest.items() if tensors.get(name) is e}
+
+
+def _touched(entries: dict[str, Entry], written: list[tuple[int, int]]) -> set[str]:
+    """The names of ``entries`` whose bytes overlap a ``written`` range."""
+    names = list(entries)
+    starts = np.fromiter((e["offset"] for e in entries.values()), dtype=np.int64,
+                         count=len(names))
+    ends = starts + np.fromiter((e["nbytes"] for e in entries.values()), dtype=np.int64,
+                                count=len(names))
+    hit = np.zeros(len(names), dtype=bool)
+    for a, b in written:
+        hit |= (starts < b) & (ends > a)
+    return {names[i] for i in np.flatnonzero(hit).tolist()}

@@ -17,12 +17,12 @@ import os
 import time
 from typing import Any, Protocol
 
-from control.daemon import logs
+from control.daemon import logs, prefault
 from control.daemon.node import Node
 from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, RpcBufError
+from control.wire.errors import BadRequest, NotFound, RpcBufError
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -59,26 +59,29 @@ class ControlOps:
         self._owner.audit("request_buffer", buf, note=f"size={buf.size}")
         if buf.expires_at is not None:
             self._node.schedule_expiry()
-        if getattr(buf.pool.arena, "prefault", False):
-            self._prefault(buf)
         return buf.meta()
 
-    def _prefault(self, buf: Buffer) -> None:
-        """``--prefault``: back the new buffer's pages with memory now, in a
-        worker thread (it changes no byte, so stores may already land), the
-        buffer pinned until it is done."""
-        registry = self._registry
-        registry.pin(buf)
-        populate = buf.pool.arena.prefault_range  # type: ignore[attr-defined]
-        fut = asyncio.get_running_loop().run_in_executor(None, populate, buf.offset,
-                                                         buf.alloc_size)
+    @staticmethod
+    def ready_now(buf: Buffer) -> bool:
+        """Whether ``buf`` can be answered at once: nothing to pre-fault."""
+        return not prefault.wanted(buf.pool.arena, buf.size)
 
-        def done(f: asyncio.Future[Any]) -> None:
-            if not f.cancelled() and f.exception() is not None:
-                log.warning("--prefault of %s: %s", buf.buffer_id, f.exception())
-            registry.unpin(buf)
-
-        fut.add_done_callback(done)
+    async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
+        """``granted`` once the new buffer's pages are backed with memory
+        (``prefault.populate``), so its first store runs at full speed.  The
+        buffer is pinned meanwhile.  It was granted before the wait, so a
+        request that ends first (the client gone) leaves it as a lost answer
+        would: audited, a session-scoped one going with its session, a named
+        or leased one kept."""
+        if not call.held.keep(buf):
+            raise NotFound(f"no buffer {buf.buffer_id!r}")  # released by name meanwhile
+        try:
+            await prefault.populate(buf.pool.arena, buf.offset, buf.size)
+        finally:
+            meta = self.granted(buf)
+        if buf.released:
+            raise NotFound(f"no buffer {buf.buffer_id!r}")
+        return meta
 
     async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
         """A request_buffer that could not be granted at once: queue (first
@@ -114,7 +117,7 @@ class ControlOps:
             if fut.done() and not fut.cancelled() and not fut.exception():
                 self._registry.release(fut.result())
             raise
-        return self.granted(buf)
+        return await self.granted_ready(call, buf)
 
     def _get(self, buffer_id: str) -> Buffer:
         return self._registry.get(self._owner.owner, buffer_id)

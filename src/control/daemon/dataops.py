@@ -48,7 +48,8 @@ CMA_INLINE = THREAD_BYTES  # same-host stores from this size hash each part as i
 class Indexer(Protocol):
     """Told of the manifest entries a store recorded (range still locked)."""
 
-    async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]]) -> None: ...
+    async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
+                     digests: list[int] | None) -> None: ...
 
 
 class DataOps:
@@ -149,10 +150,13 @@ class DataOps:
         # What landed, hashed by us: compared with the client's checksums, and
         # what the manifest records (never a checksum we did not see match).
         hashing = verify or cols is not None
+        # Recorded entries become dedup sources: their xxh3-128 is taken in the
+        # same pass as the checksum (host memory), so nothing reads them again.
+        with_digests = cols is not None and bool(cols.names) and M.host_arena(arena)
         at = offsets + np.uint64(buf.offset)  # in the arena
         # A big same-host batch: each part is hashed (and its entries made)
         # as soon as it has landed, while the rest still copies.
-        landing = M.Landing(arena, at, sizes, cols, offsets) \
+        landing = M.Landing(arena, at, sizes, cols, offsets, with_digests) \
             if path.lands_in_parts and hashing and nbytes >= CMA_INLINE else None
         messages = path.messages(items)
 
@@ -161,9 +165,12 @@ class DataOps:
 
         async def after() -> dict[str, Any]:
             got: list[int] | None = None
+            digests: list[int] | None = None
             manifest: dict[str, dict[str, Any]] | None = None
             if landing is not None:
-                got, manifest = landing.sums, landing.entries()
+                got, manifest, digests = landing.sums, landing.entries(), landing.digests
+            elif with_digests:
+                got, digests = await M.landed_digests(arena, at, sizes, nbytes)
             elif hashing:
                 got = await M.landed_checksums(arena, at, sizes, nbytes)
             if verify:
@@ -181,7 +188,7 @@ class DataOps:
                     manifest = cols.entries(offsets, sizes, got)
                 result["dropped"] = M.record(self._ops.registry, buf, manifest, span,
                                              end=span[1])
-                await self._indexer.stored(buf, manifest)  # a dedup source from now on
+                await self._indexer.stored(buf, manifest, digests)  # a dedup source now
                 result["manifest_version"] = buf.manifest_version
                 result["checksums"] = P.pack_u64(got)
             return result

@@ -216,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--registry-password-file", metavar="FILE",
                      help="the etcd user's password, the file's first line")
     p.add_argument("--prefault", action="store_true",
-                   help="back every page of each new host buffer with memory when it is "
-                        "requested, in a worker thread, so first writes into it do not "
-                        "fault (costs about what a first write would, off the event loop)")
+                   help="back every new host buffer with memory before request_buffer "
+                        "answers, whatever its size (without it: buffers of 8 MiB or more), "
+                        "so first writes into it do not page-fault")
     return p
 
 

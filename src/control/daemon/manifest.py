@@ -6,7 +6,10 @@ merge rule) is ``control/wire/manifest.py``, shared with the client.
 manifest or the tenant's quota before any byte lands; ``record`` merges a
 batch's entries into the buffer's manifest (``buf.tensors``, entry dicts);
 ``drop_written`` drops the entries whose bytes a failed op overwrote;
-``landed_checksums`` and ``Landing`` hash what arrived in the arena.
+``landed_checksums``, ``landed_digests`` and ``Landing`` hash what arrived
+in the arena (``landed_digests``: the xxh3-64 and the xxh3-128 of each item
+in one pass over its bytes, for a host arena, so the content index gets the
+digests of exactly what landed without reading it again).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from control.wire.manifest import (
     merge_plan,
 )
 from control.wire.units import THREAD_BYTES
+from dataplane.checksum import digests
+from dataplane.cuda_arena import is_device_arena
 
 if TYPE_CHECKING:
     from control.daemon.registry import Buffer, Registry
     from dataplane.arena import Arena
 
-__all__ = ["Landing", "check", "drop_written", "landed_checksums", "plan_record",
-           "record"]
+__all__ = ["Landing", "check", "drop_written", "landed_checksums", "landed_digests",
+           "plan_record", "record"]
 
 
 def plan_record(registry: Registry, buf: Buffer, names: list[str], offsets: np.ndarray,
@@ -94,20 +99,54 @@ async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
     return arena.checksums(offsets, sizes)
 
 
+def host_arena(arena: Arena) -> bool:
+    """Whether ``arena`` is host memory (its views have the buffer protocol)."""
+    return not is_device_arena(arena)
+
+
+def range_digests(arena: Arena, offsets: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[list[int], list[int]]:
+    """``(xxh3-64s, xxh3-128s)`` of each range of a host arena, each range read
+    once (``checksum.digests``); bounds checked here too."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    ends = offs + np.asarray(sizes, dtype=np.int64)
+    if not len(offs):
+        return [], []
+    if offs.min() < 0 or int(ends.max()) > arena.size or (ends < offs).any():
+        raise IndexError("a range is outside the arena")
+    mem = memoryview(arena.view(0, arena.size))
+    pairs = [digests(mem[a:b]) for a, b in zip(offs.tolist(), ends.tolist(), strict=True)]
+    return [c for _, c in pairs], [d for d, _ in pairs]
+
+
+async def landed_digests(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
+                         nbytes: int) -> tuple[list[int], list[int]]:
+    """``range_digests``, in a worker thread from ``THREAD_BYTES`` on."""
+    if nbytes >= THREAD_BYTES:
+        return await asyncio.to_thread(range_digests, arena, offsets, sizes)
+    return range_digests(arena, offsets, sizes)
+
+
 class Landing:
     """A same-host store's ``landed`` callback (``staging.Area.pump``): hash
     the items that have arrived, and build their manifest entries, while the
     rest still copies.  Called from the copying threads, for disjoint ranges."""
 
     def __init__(self, arena: Arena, at: np.ndarray, sizes: np.ndarray,
-                 cols: Packed | None, offsets: np.ndarray) -> None:
+                 cols: Packed | None, offsets: np.ndarray, with_digests: bool = False) -> None:
         self._arena, self._at, self._sizes = arena, at, sizes
         self._cols, self._offsets = cols, offsets
         self.sums: list[int] = [0] * len(sizes)
+        # each item's xxh3-128 too (same pass) when asked: None otherwise
+        self.digests: list[int] | None = [0] * len(sizes) if with_digests else None
         self._parts: dict[int, dict[str, dict[str, Any]]] = {}
 
     def __call__(self, lo: int, hi: int) -> None:
-        got = self._arena.checksums(self._at[lo:hi], self._sizes[lo:hi])
+        if self.digests is not None:
+            got, self.digests[lo:hi] = range_digests(self._arena, self._at[lo:hi],
+                                                     self._sizes[lo:hi])
+        else:
+            got = self._arena.checksums(self._at[lo:hi], self._sizes[lo:hi])
         self.sums[lo:hi] = got
         if self._cols is not None:
             self._parts[lo] = self._cols.entries(self._offsets, self._sizes, got, lo, hi)

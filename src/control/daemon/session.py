@@ -326,7 +326,11 @@ class Session:
             if isinstance(req, P.RequestBuffer):
                 buf = self.control.try_request(req)
                 if buf is not None:
-                    self._answer(req_id, op, self.control.granted(buf))
+                    if self.control.ready_now(buf):
+                        self._answer(req_id, op, self.control.granted(buf))
+                    else:  # its pages are backed first, in a worker thread
+                        self._spawn(req_id, req,
+                                    lambda call, _, buf=buf: self.control.granted_ready(call, buf))
                     return
             self._spawn(req_id, req, handler)
         except RpcBufError as exc:

@@ -11,9 +11,11 @@
    re-load, or a retry after a failure, then fills it in place); if any
    request fails, the buffers just created are released and nothing is sent;
 3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
-   thread reads and hashes the next batch while this one travels), place it
-   with ``store_tensors_dedup`` (the node copies what this tenant already
-   holds; the rest is sent and checksum-verified), and report progress;
+   thread reads and hashes the next batch, each tensor once, while this one
+   travels), place it with ``store_tensors_dedup`` (the node places what
+   this tenant already holds; the rest is sent and checksum-verified, with
+   the checksums hashed here), ``IN_FLIGHT`` batches on the wire at once
+   (the node verifies one while the next arrives), and report progress;
 4. store the file's own metadata (``metadata``: one tensor in the first slot
    buffer on each node) and record each tensor's source type and logical
    shape in the manifests (``TensorSpec.source``);
@@ -34,6 +36,7 @@ import asyncio
 import re
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
     from control.client.context import RpcContext
 
 DEFAULT_BATCH = 64 << 20
+IN_FLIGHT = 2  # batches a slot has on the wire at once
 ProgressFn = Callable[[str, int, int], None]  # endpoint, bytes done, bytes total
 
 
@@ -380,7 +384,27 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
         offsets = plan_layout({sp.name: sp for sp in j.specs}, {}, start=0)  # back to back
         sums: dict[str, int] = {}
         batches = list(_batches(j.specs, batch_bytes))
-        ahead: asyncio.Task[Any] | None = None
+
+        async def store(arrays: dict[str, np.ndarray], hashes: dict[str, tuple[int, int]]
+                        ) -> None:
+            nbytes = sum(int(a.nbytes) for a in arrays.values())
+            if dedup:
+                res = await ctx.store_tensors_dedup(
+                    j.buffer_id, arrays, {n: offsets[n] for n in arrays}, "checksum", hashes,
+                    sources=_sources(model, arrays))
+                node.bytes_sent += res["bytes_sent"]
+                node.bytes_placed += res["bytes_placed"]
+            else:
+                await ctx.store_batch(
+                    j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
+                    _described(model, arrays), checksums=[hashes[n][1] for n in arrays])
+                node.bytes_sent += nbytes
+            bar.advance(j.plan.slot.endpoint, nbytes)
+
+        # Batch k+1 is read and hashed (a worker thread) and sent while batch k's
+        # answer is still on its way: the node verifies k while k+1 travels.
+        ahead: asyncio.Future[Any] | None = None
+        sending: deque[asyncio.Future[None]] = deque()
         try:
             for k, batch in enumerate(batches):
                 if failed.is_set():
@@ -394,20 +418,12 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                     ahead = asyncio.ensure_future(asyncio.to_thread(_read, model,
                                                                     batches[k + 1], known))
                 sums.update({n: h[1] for n, h in hashes.items()})
-                nbytes = sum(int(a.nbytes) for a in arrays.values())
-                if dedup:
-                    res = await ctx.store_tensors_dedup(
-                        j.buffer_id, arrays, {n: offsets[n] for n in arrays}, "checksum",
-                        hashes, sources=_sources(model, arrays))
-                    node.bytes_sent += res["bytes_sent"]
-                    node.bytes_placed += res["bytes_placed"]
-                else:
-                    await ctx.store_batch(
-                        j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
-                        _described(model, arrays))
-                    node.bytes_sent += nbytes
-                del arrays
-                bar.advance(j.plan.slot.endpoint, nbytes)
+                sending.append(asyncio.ensure_future(store(arrays, hashes)))
+                del arrays, hashes
+                if len(sending) >= IN_FLIGHT:
+                    await sending.popleft()
+            while sending:
+                await sending.popleft()
             await _store_metadata(ctx, j, offsets, sums)
             await _check_manifest(ctx, j, sums)
             node.seconds = max(node.seconds, time.perf_counter() - t0)
@@ -415,8 +431,11 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
             failed.set()
             raise
         finally:
-            if ahead is not None:
-                ahead.cancel()
+            left = [f for f in (ahead, *sending) if f is not None]
+            for f in left:
+                f.cancel()
+            if left:  # collected, so no error of theirs goes unretrieved
+                await asyncio.gather(*left, return_exceptions=True)
 
     results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
     errors: dict[str, RpcBufError] = {}

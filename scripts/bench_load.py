@@ -1,0 +1,371 @@
+"""Model-load benchmark: ``load_model`` against one plain store of the same bytes.
+
+Run as ``.venv/bin/python scripts/bench_load.py [--json bench_load.json] [--quick]
+[--only one,cold,netns]`` (``make bench`` runs it whole).
+
+A llama-like float16 safetensors model (``--size``, 1 GiB by default, 256
+tensors: ``bench_dedup.write_model`` with 28 layers) is written to a
+temporary directory, and its tensor bytes are read back into one contiguous,
+touched array: "the same bytes" the stores send.  Clients take the UCX path
+(``RPCBUF_SAME_HOST=0``: what a client on another host gets), over loopback
+tcp, in this process under uvloop.  Each comparison runs back to back in one
+run, ``--reps`` times, and the table shows medians; ratios are of the same
+repetition.
+
+* **one** (a daemon with a 4 GiB arena, kept for all repetitions, warmed
+  up first: one store and one load of each kind before timing): per
+  repetition, one ``store_tensor`` of the whole array into a warm buffer
+  (``verify=None``: the reference; ``verify="checksum"`` too, shown), then
+  ``load_model`` with an empty client hash cache into memory the arena has
+  touched before (*first load*: every byte read, hashed, sent, verified),
+  the same model again under the same name (*re-load, same name*), again
+  under a new name while the first copy is held (*re-load, new name*), the
+  same without the client's hash cache (*re-load, new name, no hash
+  cache*), then both unloaded.  Goals: first load >= 0.8 x the warm store;
+  re-loads <= 10 % of the first load's time and <= 1 % of its bytes.
+* **cold** (a fresh daemon per measurement, no ``--prefault``): the
+  ``request_buffer`` of never-touched memory (which backs a new buffer's
+  pages before it answers, ``control/daemon/prefault.py``) and the first
+  ``store_tensor`` into it, against a second store into the same, now warm,
+  buffer of the same daemon (goal: the first store not below 1/6 of warm);
+  ``load_model`` into a fresh daemon against the warm store of *one*; and a
+  daemon started with ``--prefault``: how long backing its arena took (its
+  log line) and a store once it is done.  A fresh daemon often gets memory
+  another process just freed, which faults in faster than memory nobody
+  touched for a while: the first repetition is usually the coldest (the
+  JSON keeps each).
+* **netns** (root only: three daemons in network namespaces, the client in
+  a child process, ``scripts/_bench_load_netns.py``, whose UCX uses the
+  veths): each node's single store of its share of the bytes, alone, then
+  ``load_model`` across the three (placement by free memory: a third each);
+  goal: aggregate >= 0.8 x the sum of the three nodes' single-store speeds.
+  Skipped with a message when not root or when namespaces are unavailable.
+
+Output: an aligned table (value, reference, ratio, goal, met) on stdout and
+every sample as JSON.  Missing a goal does not change the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import benchkit
+
+benchkit.loopback_ucx_env()  # before anything imports ucxx
+os.environ.setdefault("RPCBUF_SAME_HOST", "0")  # the UCX path, as a remote client
+
+import numpy as np  # noqa: E402
+import uvloop  # noqa: E402
+
+import rpcbuf  # noqa: E402
+from bench_dedup import write_model  # noqa: E402
+from benchkit import GiB, MiB  # noqa: E402
+from benchkit.procs import Daemon  # noqa: E402
+from benchkit.report import format_table, machine_meta, progress_printer, write_json  # noqa: E402
+
+progress = progress_printer("bench_load")
+SECTIONS = ("one", "cold", "netns")
+LAYERS = 28  # 28 x 9 + 4 = 256 tensors
+
+
+def model_bytes(path: Path) -> np.ndarray:
+    """The file's tensor bytes (everything after the header), read into fresh,
+    touched memory: what a plain store of "the same bytes" sends."""
+    with open(path, "rb") as f:
+        head = int.from_bytes(f.read(8), "little")
+        f.seek(8 + head)
+        data = np.fromfile(f, dtype=np.uint8)
+    return data
+
+
+class Client:
+    """One cluster connection to a daemon and the helpers the rows time."""
+
+    def __init__(self, cluster: rpcbuf.Cluster, model: Path, tmp: Path) -> None:
+        self.cluster, self.model, self.tmp = cluster, model, tmp
+        self.ctx = cluster[cluster.endpoints[0]]
+        self._caches = 0
+
+    def fresh_hash_cache(self) -> None:
+        self._caches += 1
+        os.environ["RPCBUF_CACHE_DIR"] = str(self.tmp / f"hashes-{self._caches}")
+
+    async def load(self, name: str, hash_cache: bool = True) -> dict[str, Any]:
+        t = time.perf_counter()
+        res = await rpcbuf.load_model(self.cluster, self.model, name=name, progress=False,
+                                      hash_cache=hash_cache)
+        return {"seconds": time.perf_counter() - t, "bytes_sent": res.bytes_sent,
+                "bytes_total": res.bytes_total}
+
+    async def unload(self, name: str) -> None:
+        await rpcbuf.unload_model(self.cluster, name)
+
+
+async def store_time(ctx: rpcbuf.RpcContext, bid: str, data: np.ndarray,
+                     verify: str | None = None) -> float:
+    """Seconds one ``store_tensor`` of ``data`` takes."""
+    t = time.perf_counter()
+    await ctx.store_tensor(bid, data, verify=verify)
+    return time.perf_counter() - t
+
+
+async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int) -> dict[str, Any]:
+    nbytes = int(data.nbytes)
+    arena = 4 * GiB if nbytes > 512 * MiB else 1 << max(24, (4 * nbytes - 1).bit_length())
+    with Daemon(tmp / "one", "--device", f"cpu:{arena}", ready_timeout=60,
+                stop_timeout=60) as daemon:
+        async with rpcbuf.Cluster.connect(daemon.addr, daemon.token, timeout=120) as cluster:
+            c = Client(cluster, model, tmp)
+            ctx = c.ctx
+            bid = await ctx.request_buffer(nbytes)
+            progress("one: warm-up (a store, a load of each kind)")
+            await ctx.store_tensor(bid, data)
+            c.fresh_hash_cache()
+            await c.load("m")
+            await c.load("m2")
+            await c.unload("m2")
+            await c.unload("m")
+            rows: dict[str, list[Any]] = {k: [] for k in (
+                "store", "store_checksum", "first", "same_name", "new_name",
+                "new_name_no_hash_cache")}
+            for r in range(reps):
+                rows["store"].append(await store_time(ctx, bid, data))
+                rows["store_checksum"].append(await store_time(ctx, bid, data, "checksum"))
+                c.fresh_hash_cache()
+                rows["first"].append(await c.load("m"))
+                rows["same_name"].append(await c.load("m"))
+                rows["new_name"].append(await c.load("m2"))
+                await c.unload("m2")
+                rows["new_name_no_hash_cache"].append(await c.load("m2", hash_cache=False))
+                await c.unload("m2")
+                await c.unload("m")
+                progress(f"one: repetition {r + 1}/{reps}: store {rows['store'][-1]:.3f} s, "
+                         f"first load {rows['first'][-1]['seconds']:.3f} s, same name "
+                         f"{rows['same_name'][-1]['seconds']:.3f} s, new name "
+                         f"{rows['new_name'][-1]['seconds']:.3f} s")
+            await ctx.release_buffer(bid)
+    return rows
+
+
+async def section_cold(tmp: Path, model: Path, data: np.ndarray, reps: int) -> dict[str, Any]:
+    nbytes = int(data.nbytes)
+    arena = 1 << max(24, (2 * nbytes - 1).bit_length())
+    out: dict[str, list[Any]] = {"request": [], "cold_store": [], "warm_store": [],
+                                 "cold_load": [], "prefault_start": [],
+                                 "after_prefault_store": [], "arena": [arena]}
+    for r in range(reps):
+        with Daemon(tmp / f"cold-store-{r}", "--device", f"cpu:{arena}") as daemon:
+            async with rpcbuf.connect(daemon.addr, token=daemon.token, timeout=120) as ctx:
+                t = time.perf_counter()
+                bid = await ctx.request_buffer(nbytes)
+                out["request"].append(time.perf_counter() - t)
+                out["cold_store"].append(await store_time(ctx, bid, data))
+                out["warm_store"].append(await store_time(ctx, bid, data))
+        with Daemon(tmp / f"cold-load-{r}", "--device", f"cpu:{arena}") as daemon:
+            async with rpcbuf.Cluster.connect(daemon.addr, daemon.token,
+                                              timeout=120) as cluster:
+                c = Client(cluster, model, tmp)
+                c.fresh_hash_cache()
+                out["cold_load"].append(await c.load("m"))
+        # --prefault: the whole arena backed at start, in a background thread
+        with Daemon(tmp / f"prefault-{r}", "--device", f"cpu:{arena}", "--prefault",
+                    log_level="INFO") as daemon:
+            out["prefault_start"].append(prefault_seconds(daemon.log, 120.0))
+            async with rpcbuf.connect(daemon.addr, token=daemon.token, timeout=120) as ctx:
+                bid = await ctx.request_buffer(nbytes)
+                out["after_prefault_store"].append(await store_time(ctx, bid, data))
+        progress(f"cold: repetition {r + 1}/{reps}: request {out['request'][-1]:.3f} s, first "
+                 f"store {out['cold_store'][-1]:.3f} s, second {out['warm_store'][-1]:.3f} s, "
+                 f"cold load {out['cold_load'][-1]['seconds']:.3f} s, --prefault "
+                 f"{out['prefault_start'][-1]:.2f} s at start")
+    return out
+
+
+def prefault_seconds(log: Path, timeout: float) -> float:
+    """How long ``--prefault`` took, from the daemon's log line (waited for)."""
+    import re
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"--prefault: \S+: \d+ bytes resident in ([0-9.]+) s",
+                      log.read_text(errors="replace"))
+        if m:
+            return float(m.group(1))
+        time.sleep(0.05)
+    return float("nan")
+
+
+def section_netns(tmp: Path, model: Path, reps: int) -> dict[str, Any]:
+    """The three-node row, in a child process (its UCX uses the veths)."""
+    if os.geteuid() != 0:
+        return {"skipped": "needs root for network namespaces (ip netns); run as root"}
+    out = tmp / "netns.json"
+    cmd = [sys.executable, str(benchkit.SCRIPTS / "_bench_load_netns.py"), str(model),
+           str(tmp / "netns"), str(out), str(reps)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "PYTHONPATH": str(benchkit.SRC)})
+    except subprocess.TimeoutExpired:
+        return {"skipped": "the netns child did not finish within 900 s"}
+    sys.stderr.write(res.stderr)
+    if res.returncode != 0 or not out.exists():
+        return {"skipped": f"the netns child failed (exit {res.returncode}): "
+                           f"{(res.stderr.strip().splitlines() or ['?'])[-1]}"}
+    import json
+
+    got: dict[str, Any] = json.loads(out.read_text())
+    return got
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+
+    def add(what: str, value: str, ref: str, ratio: float | None, goal: str,
+            met: bool | None, **extra: Any) -> None:
+        rows.append({"what": what, "value": value, "reference": ref, "ratio": ratio,
+                     "goal": goal, "met": met, **extra})
+
+    def gbs(seconds: float, n: int = nbytes) -> str:
+        return f"{n / seconds / 1e9:.2f} GB/s"
+
+    one = res.get("one")
+    if one:
+        store = med(one["store"])
+        ratios = [s / f["seconds"] for s, f in zip(one["store"], one["first"], strict=True)]
+        first = med([f["seconds"] for f in one["first"]])
+        add("load_model, first (warm arena)", gbs(first), f"store_tensor {gbs(store)}",
+            med(ratios), ">= 0.8x", med(ratios) >= 0.8)
+        ck = med(one["store_checksum"])
+        ratios_ck = [s / f["seconds"] for s, f in zip(one["store_checksum"], one["first"],
+                                                       strict=True)]
+        add("load_model, first (warm arena)", gbs(first),
+            f"store_tensor verify=checksum {gbs(ck)}", med(ratios_ck), "-", None)
+        for key, label in (("same_name", "re-load, same name"),
+                           ("new_name", "re-load, new name"),
+                           ("new_name_no_hash_cache", "re-load, new name, no hash cache")):
+            t = [x["seconds"] / f["seconds"] for x, f in zip(one[key], one["first"],
+                                                              strict=True)]
+            b = [x["bytes_sent"] / max(1, f["bytes_sent"]) for x, f in zip(one[key],
+                                                                            one["first"],
+                                                                            strict=True)]
+            secs = med([x["seconds"] for x in one[key]])
+            add(f"{label}: time", f"{secs * 1e3:.0f} ms", f"first load {first * 1e3:.0f} ms",
+                med(t), "<= 0.10x", med(t) <= 0.10)
+            add(f"{label}: bytes", f"{med([x['bytes_sent'] for x in one[key]]) / MiB:.2f} MiB",
+                f"first load {nbytes / MiB:.0f} MiB", med(b), "<= 0.01x", med(b) <= 0.01)
+    cold = res.get("cold")
+    if cold:
+        r = [w / c for w, c in zip(cold["warm_store"], cold["cold_store"], strict=True)]
+        add("first store_tensor into a fresh daemon", gbs(med(cold["cold_store"])),
+            f"same buffer again {gbs(med(cold['warm_store']))}", med(r), "> 0.17x (1/6)",
+            med(r) > 1 / 6)
+        both = [q + c for q, c in zip(cold["request"], cold["cold_store"], strict=True)]
+        rb = [w / b for w, b in zip(cold["warm_store"], both, strict=True)]
+        add("request_buffer + first store, fresh daemon", gbs(med(both)),
+            f"same buffer again {gbs(med(cold['warm_store']))}", med(rb), "-", None,
+            request_seconds=med(cold["request"]))
+        if cold.get("prefault_start"):
+            add("--prefault: arena backed at start (background)",
+                f"{med(cold['prefault_start']):.2f} s", f"a {cold['arena'][0] / GiB:.0f} GiB arena",
+                None, "-", None)
+            ra = [w / a for w, a in zip(cold["warm_store"], cold["after_prefault_store"],
+                                        strict=True)]
+            add("first store after --prefault finished", gbs(med(cold["after_prefault_store"])),
+                f"same buffer again {gbs(med(cold['warm_store']))}", med(ra), "-", None)
+        if one:
+            secs = med([x["seconds"] for x in cold["cold_load"]])
+            store = med(one["store"])
+            add("load_model into a fresh daemon", gbs(secs),
+                f"warm store_tensor {gbs(store)}", store / secs, "-", None)
+    net = res.get("netns")
+    if net:
+        if "skipped" in net:
+            add("load_model, 3 nodes (netns, tcp)", "skipped", net["skipped"], None, ">= 0.8x",
+                None)
+        else:
+            agg = [n / s for n, s in zip([net["bytes"]] * len(net["load"]), net["load"],
+                                         strict=True)]
+            sums = net["sum_single"]
+            r = [a / s for a, s in zip(agg, sums, strict=True)]
+            add("load_model, 3 nodes (netns, tcp), aggregate", f"{med(agg) / 1e9:.2f} GB/s",
+                f"sum of single stores {med(sums) / 1e9:.2f} GB/s", med(r), ">= 0.8x",
+                med(r) >= 0.8)
+            serial = [net["bytes"] / sum(one) for one in net["single"]]
+            rs = [a / s for a, s in zip(agg, serial, strict=True)]
+            add("load_model, 3 nodes (netns, tcp), aggregate", f"{med(agg) / 1e9:.2f} GB/s",
+                f"the three stores one after another {med(serial) / 1e9:.2f} GB/s", med(rs),
+                "-", None)
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    head = ["what", "value", "reference", "ratio", "goal", "met"]
+    lines = [[r["what"], r["value"], r["reference"],
+              "-" if r["ratio"] is None else f"{r['ratio']:.3f}x", r["goal"],
+              "-" if r["met"] is None else ("yes" if r["met"] else "NO")] for r in rows]
+    return format_table(head, lines, right={1, 3})
+
+
+async def run(tmp: Path, model: Path, data: np.ndarray, reps: int,
+              sections: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "one" in sections:
+        out["one"] = await section_one(tmp, model, data, reps)
+    if "cold" in sections:
+        out["cold"] = await section_cold(tmp, model, data, reps)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--json", default="bench_load.json", help="write every number here")
+    p.add_argument("--size", type=int, default=1024, help="model size in MiB [%(default)s]")
+    p.add_argument("--reps", type=int, default=3, help="[%(default)s]")
+    p.add_argument("--quick", action="store_true", help="one repetition of a 256 MiB model")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help="comma-separated sections [%(default)s]")
+    args = p.parse_args(argv)
+    sections = tuple(s for s in SECTIONS if s in args.only.split(","))
+    if not sections or set(args.only.split(",")) - set(SECTIONS):
+        p.error(f"--only: choose from {', '.join(SECTIONS)}")
+    if args.quick:
+        args.size, args.reps = 256, 1
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_load-") as tmpdir:
+        tmp = Path(tmpdir)
+        model = tmp / "model.safetensors"
+        write_model(model, args.size * MiB, LAYERS)
+        data = model_bytes(model)
+        nbytes = int(data.nbytes)
+        progress(f"model {nbytes / MiB:.0f} MiB, {LAYERS * 9 + 4} tensors")
+        results = uvloop.run(run(tmp, model, data, args.reps, sections))
+        del data
+        if "netns" in sections:
+            progress("netns: three namespaced daemons, the client in a child process")
+            results["netns"] = section_netns(tmp, model, args.reps)
+    rows = build_rows(results, nbytes)
+    print(f"model {nbytes / MiB:.0f} MiB ({LAYERS * 9 + 4} tensors, float16 safetensors), "
+          f"UCX path over loopback tcp, medians of {args.reps} repetition(s)")
+    print(render(rows))
+    write_json(args.json, {"meta": {"started_at": started, "seconds": time.time() - started,
+                                    "model_bytes": nbytes, "reps": args.reps,
+                                    "sections": list(sections), **machine_meta()},
+                           "results": results, "rows": rows})
+    progress(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Backing new host buffers with memory (``control/daemon/prefault.py``,
+``HostArena.prefault_range``): no byte changes, bounds checked, small
+buffers and GPU arenas skipped, the work bounded in time, a cancelled request
+waiting for the worker's current chunk, a failing kernel call only logged."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from control.daemon import prefault
+from dataplane.arena import HostArena
+
+
+def resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_prefault_range_backs_pages_and_changes_no_byte() -> None:
+    arena = HostArena(96 << 20)
+    arena.view(10, 4)[:] = [1, 2, 3, 4]
+    before = resident_kib()
+    ok = arena.prefault_range(0, 64 << 20)
+    if not ok:
+        pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert resident_kib() - before >= 60 << 10  # about 64 MiB more resident
+    assert arena.view(10, 4).tolist() == [1, 2, 3, 4]
+    assert arena.prefault_range(5, 3)  # less than a page: nothing to do, fine
+    assert arena.prefault_range(96 << 20, 0)
+    for off, n in ((-1, 10), (0, (96 << 20) + 1), (96 << 20, 1), (0, -1)):
+        with pytest.raises(IndexError):
+            arena.prefault_range(off, n)
+
+
+class SlowArena:
+    """``prefault_range`` that records its calls and can be held or fail."""
+
+    def __init__(self, hold: threading.Event | None = None, fail: bool = False,
+                 delay: float = 0.0) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.hold, self.fail, self.delay = hold, fail, delay
+        self.inside = threading.Event()
+
+    def prefault_range(self, offset: int, nbytes: int) -> bool:
+        self.inside.set()
+        if self.hold is not None:
+            self.hold.wait(10)
+        if self.fail:
+            raise OSError(12, "Cannot allocate memory")
+        time.sleep(self.delay)
+        self.calls.append((offset, nbytes))
+        return True
+
+
+async def test_populate_covers_the_range_in_chunks_and_skips_small_ones() -> None:
+    arena = SlowArena()
+    n = 2 * prefault.CHUNK + 4096
+    assert await prefault.populate(arena, 1000, n) == n
+    assert arena.calls == [(1000, prefault.CHUNK), (1000 + prefault.CHUNK, prefault.CHUNK),
+                           (1000 + 2 * prefault.CHUNK, 4096)]
+    assert await prefault.populate(arena, 0, prefault.MIN_BYTES - 1) == 0
+    assert await prefault.populate(object(), 0, 1 << 30) == 0  # a GPU arena: no such method
+    assert len(arena.calls) == 3
+
+
+async def test_populate_stops_at_its_budget() -> None:
+    arena = SlowArena(delay=0.05)
+    done = await prefault.populate(arena, 0, 100 * prefault.CHUNK, budget=0.12)
+    assert 0 < done < 100 * prefault.CHUNK and len(arena.calls) <= 4
+
+
+async def test_a_failing_kernel_call_is_logged_not_raised(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    assert await prefault.populate(SlowArena(fail=True), 0, prefault.CHUNK) == 0
+    assert "pre-faulting a new buffer failed" in caplog.text
+
+
+async def test_a_cancelled_populate_waits_for_its_chunk_then_stops() -> None:
+    hold = threading.Event()
+    arena = SlowArena(hold=hold)
+    task = asyncio.ensure_future(prefault.populate(arena, 0, 10 * prefault.CHUNK))
+    await asyncio.to_thread(arena.inside.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # still waiting for the chunk in the worker
+    hold.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(arena.calls) == 1  # nothing after the cancel
+
+
+def test_wanted_only_for_big_host_buffers() -> None:
+    arena = HostArena(1 << 20)
+    assert prefault.wanted(arena, prefault.MIN_BYTES)
+    assert not prefault.wanted(arena, prefault.MIN_BYTES - 1)
+    assert not prefault.wanted(np.zeros(1), 1 << 30)
