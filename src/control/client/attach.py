@@ -23,12 +23,16 @@ import asyncio
 import contextlib
 import math
 import mmap
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from control.client.connection import Caller, result_of
+from control.client.handles import Handles, check_read_only
+from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost
 from control.wire.manifest import np_dtype
 
@@ -125,6 +129,44 @@ class Attachment:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
+                          timeout: float | None,
+                          send_detach: Callable[[str], Any]) -> Attachment:
+    """``attach`` over the control connection, its handle from the handle
+    channel, checked (``check_read_only``; a GPU handle is imported read-only)
+    and mapped.  Anything wrong after the daemon said yes detaches again."""
+    req = P.Attach(buffer_id=buffer_id)
+    conn = caller.conn
+    left = await caller.take_slot(req.op, None)
+    try:
+        req_id = conn.next_id()
+        fut = conn.submit(req_id, req)
+        meta = result_of(await caller.answer(req_id, fut, req.op, left))
+    finally:
+        caller.release_slot()
+    nbytes, fd = await handles.fd_for(req_id, timeout)
+    detach = detacher(asyncio.get_running_loop(), send_detach)
+    try:
+        size, alloc = meta.get("size"), meta.get("alloc_size")
+        if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
+                or nbytes != alloc:
+            raise ConnectionLost("the daemon's attach answer does not match its handle")
+        if meta.get("device_type") == "GPU":
+            device = meta.get("device")
+            if type(device) is not int or device < 0:
+                raise ConnectionLost("the daemon's attach answer names no GPU")
+            fd, took = -1, fd  # the import takes the fd
+            return Attachment.device(buffer_id, meta, took, alloc, device, detach)
+        check_read_only(fd, alloc)
+        return Attachment.host(buffer_id, meta, fd, alloc, detach)
+    except BaseException:
+        await send_detach(buffer_id)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def tensor_view(base: Any, entry: Mapping[str, Any], size: int) -> Any:

@@ -33,8 +33,8 @@ import numpy as np
 from control.client import batches, fileload
 from control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
 from control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
-from control.client.attach import Attachment, detacher
-from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection, result_of
+from control.client.attach import Attachment, open_attachment
+from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
 from control.client.datapath import (
     BufferPlace,
     DataPaths,
@@ -43,7 +43,7 @@ from control.client.datapath import (
     UcxPath,
 )
 from control.client.dedup import DedupOps
-from control.client.handles import Handles, check_read_only
+from control.client.handles import Handles
 from control.client.hello import HelloAnswer
 from control.client.opening import (
     DEFAULT_PORT,
@@ -265,36 +265,8 @@ class RpcContext:
         if handles is None or not self.same_host:
             raise BadRequest("attach needs the same-host path: a client on the daemon's "
                              "host, on its Unix socket", {"reason": "not_same_host"})
-        caller, conn = self._caller, self._conn
-        req = P.Attach(buffer_id=buffer_id)
-        left = await caller.take_slot(req.op, None)
-        try:
-            req_id = conn.next_id()
-            fut = conn.submit(req_id, req)
-            meta = result_of(await caller.answer(req_id, fut, req.op, left))
-        finally:
-            caller.release_slot()
-        nbytes, fd = await handles.fd_for(req_id, self.timeout)
-        detach = detacher(asyncio.get_running_loop(), self._detach)
-        try:
-            size, alloc = meta.get("size"), meta.get("alloc_size")
-            if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
-                    or nbytes != alloc:
-                raise ConnectionLost("the daemon's attach answer does not match its handle")
-            if meta.get("device_type") == "GPU":
-                device = meta.get("device")
-                if type(device) is not int or device < 0:
-                    raise ConnectionLost("the daemon's attach answer names no GPU")
-                fd, took = -1, fd  # the import takes the fd
-                return Attachment.device(buffer_id, meta, took, alloc, device, detach)
-            check_read_only(fd, alloc)
-            return Attachment.host(buffer_id, meta, fd, alloc, detach)
-        except BaseException:
-            await self._detach(buffer_id)
-            raise
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        return await open_attachment(self._caller, handles, buffer_id, self.timeout,
+                                     self._detach)
 
     async def _detach(self, buffer_id: str) -> None:
         if self._closed or self._conn.lost is not None:
