@@ -270,24 +270,11 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
         except OSError:
             known = None  # cannot stat the files: hash them
     try:
-        slots = await cluster.slots()
-        existing = await cluster.list_buffers()
-        slots = _as_if_released(slots, existing, name)
-        blob = MD.encode(model.format, model.metadata)
-        groups = PL.Groups.of([(t.name, t.nbytes) for t in model.tensors])
-        plan = PL.plan(groups, _room_for_metadata(slots, blob), placement)
-        jobs = [_SlotJob(p, [model.by_name[n] for n in p.tensors],
-                         buffer_name(name, p.slot.slot)) for p in plan.slots]
-        _carry_metadata(jobs, blob)
-        await _acquire(cluster, jobs, existing, name)
+        plan, existing, jobs = await place_and_acquire(
+            cluster, name, [(t.name, t.nbytes) for t in model.tensors], model.by_name.__getitem__,
+            MD.encode(model.format, model.metadata), placement)
         stats = {a: NodeStats(a) for a in cluster.endpoints}
-        for j in jobs:
-            node = stats[j.plan.slot.endpoint]
-            node.bytes_total += sum(s.nbytes for s in j.specs)
-            node.tensors += len(j.specs)
-            node.buffers.append(j.buffer_name)
-        bar = _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors},
-                        progress, on_progress)
+        bar = start_progress(jobs, stats, progress, on_progress)
         try:
             await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known)
         finally:
@@ -297,13 +284,47 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
         await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
     finally:
         model.close()
-    buffers = [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
-                "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
-                "reused": not j.created, **{k: v for k, v in j.plan.describe().items()
-                                            if k in ("prolog", "epilog", "layers", "tensors",
-                                                     "nbytes")}} for j in jobs]
-    return LoadResult(name, str(path), model.format, plan, stats, buffers,
+    return LoadResult(name, str(path), model.format, plan, stats, described(jobs),
                       time.perf_counter() - t0)
+
+
+async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
+                            spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
+                            placement: str | None
+                            ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
+                                       list[_SlotJob]]:
+    """Step 1 of a load, an upload's or a node-local one alike: the placement
+    over the nodes' slots (this model's old buffers counted free, room left
+    for the metadata ``blob``), a job per slot, its buffer reused or made."""
+    slots = await cluster.slots()
+    existing = await cluster.list_buffers()
+    slots = _as_if_released(slots, existing, name)
+    plan = PL.plan(PL.Groups.of(sizes), _room_for_metadata(slots, blob), placement)
+    jobs = [_SlotJob(p, [spec_of(n) for n in p.tensors], buffer_name(name, p.slot.slot))
+            for p in plan.slots]
+    _carry_metadata(jobs, blob)
+    await _acquire(cluster, jobs, existing, name)
+    return plan, existing, jobs
+
+
+def start_progress(jobs: list[_SlotJob], stats: dict[str, Any], show: bool,
+                   callback: ProgressFn | None) -> _Progress:
+    """Count each node's share into ``stats`` and start the progress bars."""
+    for j in jobs:
+        node = stats[j.plan.slot.endpoint]
+        node.bytes_total += sum(s.nbytes for s in j.specs)
+        node.tensors += len(j.specs)
+        node.buffers.append(j.buffer_name)
+    return _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors}, show, callback)
+
+
+def described(jobs: list[_SlotJob]) -> list[dict[str, Any]]:
+    """What a load result says of each buffer."""
+    return [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
+             "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
+             "reused": not j.created, **{k: v for k, v in j.plan.describe().items()
+                                         if k in ("prolog", "epilog", "layers", "tensors",
+                                                  "nbytes")}} for j in jobs]
 
 
 def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]]],

@@ -44,23 +44,20 @@ from typing import TYPE_CHECKING, Any
 
 from control.client.cluster import Cluster, ClusterError
 from control.client.fileload import FileTensor
-from control.client.model import placement as PL
 from control.client.model.hashfile import DIR_NAME, SUFFIX, HashedModel, HashedTensor, describe
 from control.client.model.loader import (
     LoadResult,
     NodeStats,
     ProgressFn,
-    _acquire,
-    _as_if_released,
-    _carry_metadata,
     _check_manifest,
     _Progress,
     _release_created,
     _release_stale,
-    _room_for_metadata,
     _SlotJob,
     _store_metadata,
-    buffer_name,
+    described,
+    place_and_acquire,
+    start_progress,
 )
 from control.client.model.modelfile import TensorSpec
 from control.client.tensors import plan_layout
@@ -152,35 +149,17 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     shards = _shards(local)
     files = [posixpath.join(node_path, f.name) if shards else node_path for f in hm.files]
     tensors = {t.name: (k, t) for k, t in hm.tensors}
-    slots = await cluster.slots()
-    existing = await cluster.list_buffers()
-    slots = _as_if_released(slots, existing, name)
-    blob = hm.blob()
-    groups = PL.Groups.of([(t.name, t.nbytes) for _, t in hm.tensors])
-    plan = PL.plan(groups, _room_for_metadata(slots, blob), placement)
-    jobs = [_SlotJob(p, [_spec(*tensors[n]) for n in p.tensors],
-                     buffer_name(name, p.slot.slot)) for p in plan.slots]
-    _carry_metadata(jobs, blob)
-    await _acquire(cluster, jobs, existing, name)
+    plan, existing, jobs = await place_and_acquire(
+        cluster, name, [(t.name, t.nbytes) for _, t in hm.tensors],
+        lambda n: _spec(*tensors[n]), hm.blob(), placement)
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
-    for j in jobs:
-        node = stats[j.plan.slot.endpoint]
-        node.bytes_total += sum(s.nbytes for s in j.specs)
-        node.tensors += len(j.specs)
-        node.buffers.append(j.buffer_name)
-    bar = _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors},
-                    progress, on_progress)
+    bar = start_progress(jobs, stats, progress, on_progress)
     try:
         await _read_on_nodes(cluster, jobs, tensors, hm, files, stats, bar, batch_bytes, t0)
     finally:
         bar.close()
     await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
-    buffers = [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
-                "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
-                "reused": not j.created, **{k: v for k, v in j.plan.describe().items()
-                                            if k in ("prolog", "epilog", "layers", "tensors",
-                                                     "nbytes")}} for j in jobs]
-    return NodeLoadResult(name, str(local), hm.format, plan, dict(stats), buffers,
+    return NodeLoadResult(name, str(local), hm.format, plan, dict(stats), described(jobs),
                           time.perf_counter() - t0, node_path=node_path, hashes=hm.source,
                           bytes_hashed=hm.hashed)
 
