@@ -37,7 +37,7 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -458,6 +458,14 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
             if left:  # collected, so no error of theirs goes unretrieved
                 await asyncio.gather(*left, return_exceptions=True)
 
+    await each_slot(cluster, jobs, one, "uploading the model")
+
+
+async def each_slot(cluster: Cluster, jobs: list[_SlotJob],
+                    one: Callable[[_SlotJob], Awaitable[None]], what: str) -> None:
+    """``one(job)`` for every slot at once; when any fails, the buffers this
+    load created are released, then a local problem (the file) is raised as
+    it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
     results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
     errors: dict[str, RpcBufError] = {}
     other: BaseException | None = None
@@ -470,7 +478,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
         cleaned = await asyncio.shield(_release_created(cluster, jobs))
         if other is not None:
             raise other
-        raise ClusterError.of("uploading the model", errors, cleaned=cleaned)
+        raise ClusterError.of(what, errors, cleaned=cleaned)
 
 
 # -- what the manifests say beyond the NumPy views: source types, the file's metadata --

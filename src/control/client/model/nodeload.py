@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from control.client.cluster import Cluster, ClusterError
+from control.client.cluster import Cluster
 from control.client.fileload import FileTensor
 from control.client.model.hashfile import DIR_NAME, SUFFIX, HashedModel, HashedTensor, describe
 from control.client.model.loader import (
@@ -51,18 +51,18 @@ from control.client.model.loader import (
     ProgressFn,
     _check_manifest,
     _Progress,
-    _release_created,
     _release_stale,
     _SlotJob,
     _store_metadata,
     described,
+    each_slot,
     place_and_acquire,
     start_progress,
 )
 from control.client.model.modelfile import TensorSpec
 from control.client.tensors import plan_layout
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, RpcBufError
+from control.wire.errors import BadRequest
 
 if TYPE_CHECKING:
     from control.client.context import RpcContext
@@ -232,19 +232,7 @@ async def _read_on_nodes(cluster: Cluster, jobs: list[_SlotJob],
         await _check_manifest(ctx, j, sums)
         node.seconds = max(node.seconds, time.perf_counter() - t0)
 
-    results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
-    errors: dict[str, RpcBufError] = {}
-    other: BaseException | None = None
-    for j, r in zip(jobs, results, strict=True):
-        if isinstance(r, RpcBufError):
-            errors.setdefault(j.plan.slot.endpoint, r)
-        elif isinstance(r, BaseException) and other is None:
-            other = r
-    if errors or other is not None:
-        cleaned = await asyncio.shield(_release_created(cluster, jobs))
-        if other is not None:
-            raise other
-        raise ClusterError.of("loading from the nodes' own disks", errors, cleaned=cleaned)
+    await each_slot(cluster, jobs, one, "loading from the nodes' own disks")
 
 
 async def _load(ctx: RpcContext, buffer_id: str, path: str, size: int,
