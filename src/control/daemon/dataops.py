@@ -42,7 +42,7 @@ from control.wire.units import THREAD_BYTES
 from dataplane.arena import copy_between
 from dataplane.devops import fill, range_checksum, scratch, widen_f16
 
-CMA_INLINE = THREAD_BYTES  # same-host stores from this size hash each part as it lands
+LANDING_MIN = THREAD_BYTES  # same-host stores from this size hash each part as it lands
 
 
 class Indexer(Protocol):
@@ -157,7 +157,7 @@ class DataOps:
         # A big same-host batch: each part is hashed (and its entries made)
         # as soon as it has landed, while the rest still copies.
         landing = M.Landing(arena, at, sizes, cols, offsets, with_digests) \
-            if path.lands_in_parts and hashing and nbytes >= CMA_INLINE else None
+            if path.lands_in_parts and hashing and nbytes >= LANDING_MIN else None
         messages = path.messages(items)
 
         async def move() -> None:
