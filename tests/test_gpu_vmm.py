@@ -103,6 +103,20 @@ class Child:
         return self.proc.returncode
 
 
+def _exported(cp: Any, arena: Any, nbytes: int, seed: int, mode: str) -> tuple[Any, int]:
+    """A backed buffer of ``nbytes`` holding a pattern, its handle sent to a
+    child in ``mode``: (the child, the pattern's devsum)."""
+    from dataplane.devsum import device_devsum
+
+    arena.back(0, nbytes)
+    data = pattern(cp, nbytes, seed)
+    arena.view(0, nbytes)[...] = data
+    arena.synchronize()
+    child = Child(mode)
+    child.send_fd(arena.export(0, nbytes), nbytes=nbytes, device=0)
+    return child, device_devsum(data)
+
+
 def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
     from dataplane import devsum as D
     from dataplane.checksum import xxh3
@@ -137,16 +151,8 @@ def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
 def test_read_only_import_in_another_process(cp: Any, arena: Any) -> None:
     """A second process attaches a buffer read-only and sees its bytes; the
     memory stays while it is attached, even after the arena unbacked it."""
-    from dataplane.devsum import device_devsum
-
     nbytes = 2 * arena.granularity
-    arena.back(0, nbytes)
-    data = pattern(cp, nbytes, 2)
-    arena.view(0, nbytes)[...] = data
-    arena.synchronize()
-    want = device_devsum(data)
-    child = Child("read")
-    child.send_fd(arena.export(0, nbytes), nbytes=nbytes, device=0)
+    child, want = _exported(cp, arena, nbytes, 2, "read")
     got = child.recv()
     assert got == {"imported": True, "devsum": want}, got
     arena.unback(0, nbytes)  # the importer still holds the allocation
@@ -157,16 +163,8 @@ def test_read_only_import_in_another_process(cp: Any, arena: Any) -> None:
 
 
 def test_write_through_a_read_only_import_fails(cp: Any, arena: Any) -> None:
-    from dataplane.devsum import device_devsum
-
     nbytes = arena.granularity
-    arena.back(0, nbytes)
-    data = pattern(cp, nbytes, 3)
-    arena.view(0, nbytes)[...] = data
-    arena.synchronize()
-    want = device_devsum(data)
-    child = Child("write")
-    child.send_fd(arena.export(0, nbytes), nbytes=nbytes, device=0)
+    child, want = _exported(cp, arena, nbytes, 3, "write")
     assert child.recv() == {"imported": True, "devsum": want}
     try:
         answer = child.recv()
@@ -195,17 +193,10 @@ def test_copy_bandwidth_into_an_imported_buffer(cp: Any, arena: Any) -> None:
     src = cp.random.randint(0, 256, nbytes, dtype=cp.uint8)
     plain = cp.empty_like(src)
     own = {}
+    from gpu_vmm_child import copy_gbps
+
     for name, dst in (("arena view", arena.view(0, nbytes)), ("plain", plain)):
-        dst[...] = src
-        times = []
-        for _ in range(20):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            dst[...] = src
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        own[name] = nbytes / sorted(times)[10] / 1e9
+        own[name] = copy_gbps(cp, src, dst, 20)
     assert device_devsum(arena.view(0, nbytes)) == device_devsum(src)
     print(f"\n256 MiB D2D copy, GB/s (median of 20): into an imported buffer "
           f"{got['import_gbps']:.0f} vs plain cupy {got['plain_gbps']:.0f} "
