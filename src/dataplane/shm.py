@@ -36,6 +36,7 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 PAGE = mmap.PAGESIZE
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -123,6 +124,17 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
 # -- records with file descriptors over a Unix stream socket -------------------------
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_cred(sock: Any) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected a Unix socket, as the
+    kernel recorded it at connect (``SO_PEERCRED``: not what the peer says)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid
+
 
 RECORD = struct.Struct("<QQ")  # (tag, value): what a record says besides its fds
 

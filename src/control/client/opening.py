@@ -26,7 +26,6 @@ import logging
 import os
 import socket
 import ssl
-import struct
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -241,8 +240,7 @@ def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
     named (``daemon_pid``) when we came from there: an abstract name has no
     owner, anyone may bind one the daemon is not holding, so there the pid
     is what proves it.  Raises FORBIDDEN."""
-    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      struct.calcsize("3i")))
+    pid, uid, _ = shm.peer_cred(sock)
     ok_uids = {0, os.getuid()} if trusted is None else set(trusted)
     if not name.startswith("@"):
         with contextlib.suppress(OSError):

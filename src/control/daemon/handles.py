@@ -86,7 +86,4 @@ class HandleChannel:
 def same_process(a: socket.socket, b: socket.socket) -> bool:
     """Whether two Unix socket connections come from one process (the
     kernel's ``SO_PEERCRED``: pid, uid and gid as of connect)."""
-    cred = socket.SO_PEERCRED
-    size = 12  # struct ucred: pid, uid, gid
-    return bool(a.getsockopt(socket.SOL_SOCKET, cred, size)
-                == b.getsockopt(socket.SOL_SOCKET, cred, size))
+    return shm.peer_cred(a) == shm.peer_cred(b)

@@ -12,25 +12,22 @@ client's memory, it hands out handles of the daemon's own.
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 from typing import Any
 
 from control.daemon.node import Node
 from control.wire import protocol as P
 from control.wire.auth import Grant
+from dataplane import shm
 from dataplane.cuda_arena import is_device_arena
 
 
 def peer_pid(writer: asyncio.StreamWriter) -> int | None:
     """The pid of the process that connected to our Unix socket (the
     kernel's ``SO_PEERCRED``, as of connect; for the logs only)."""
-    sock = writer.get_extra_info("socket")
     try:
-        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return shm.peer_cred(writer.get_extra_info("socket"))[0]
     except OSError:
         return None
-    return int(struct.unpack("3i", cred)[0])
 
 
 def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,

@@ -28,7 +28,6 @@ import secrets
 import socket
 import ssl
 import stat
-import struct
 import time
 from types import TracebackType
 from typing import Any
@@ -319,7 +318,6 @@ def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
     address, or on the Unix socket the connecting user."""
     sock = writer.get_extra_info("socket")
     if sock is not None and sock.family == socket.AF_UNIX:
-        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return "uid", struct.unpack("3i", cred)[1]
+        return "uid", shm.peer_cred(sock)[1]
     peer = writer.get_extra_info("peername")
     return "ip", peer[0] if isinstance(peer, tuple) else peer
