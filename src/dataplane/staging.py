@@ -149,17 +149,9 @@ class _Cursor:
 
 def gather(pieces: Sequence[np.ndarray], slot: np.ndarray) -> None:
     """Pieces, in order, into the start of ``slot`` (a small op)."""
-    at = 0
-    for p in pieces:
-        n = p.nbytes
-        slot[at:at + n] = p
-        at += n
+    _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], True)
 
 
 def scatter(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
     """The start of ``slot`` into the pieces, in order (a small op)."""
-    at = 0
-    for p in pieces:
-        n = p.nbytes
-        p[...] = slot[at:at + n]
-        at += n
+    _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], False)

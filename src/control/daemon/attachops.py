@@ -56,7 +56,6 @@ class AttachOps:
     def __init__(self, owner: Owner, pipeline: Pipeline) -> None:
         self._owner, self._pipe = owner, pipeline
         self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
-        self._count = 0
 
     async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
         owner = self._owner
@@ -68,7 +67,7 @@ class AttachOps:
         export = getattr(buf.pool.arena, "export", None)
         if export is None:
             raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached here")
-        if self._count >= MAX_ATTACHED:
+        if sum(n for _, n in self._attached.values()) >= MAX_ATTACHED:
             raise QuotaExceeded(f"a session may hold at most {MAX_ATTACHED} attachments",
                                 {"limit": "attachments"})
         grants = await self._pipe.lock(call.held, buf, [(0, buf.size)], False, forget=False)
@@ -117,7 +116,6 @@ class AttachOps:
         buf.attached += 1
         count = self._attached.get(buf.buffer_id, (buf, 0))[1]
         self._attached[buf.buffer_id] = (buf, count + 1)
-        self._count += 1
 
     def _drop(self, buf: Buffer) -> None:
         _, count = self._attached[buf.buffer_id]
@@ -125,6 +123,5 @@ class AttachOps:
             del self._attached[buf.buffer_id]
         else:
             self._attached[buf.buffer_id] = (buf, count - 1)
-        self._count -= 1
         buf.attached -= 1
         self._owner.registry.unpin(buf)  # the last one frees a released buffer

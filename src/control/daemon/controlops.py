@@ -12,7 +12,6 @@ through ``Owner`` and the daemon through ``node.Node``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from typing import Any, Protocol
@@ -27,7 +26,6 @@ from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
-log = logging.getLogger("rpcbuf.daemon")
 
 
 class Owner(Protocol):
