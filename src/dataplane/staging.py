@@ -149,9 +149,17 @@ class _Cursor:
 
 def gather(pieces: Sequence[np.ndarray], slot: np.ndarray) -> None:
     """Pieces, in order, into the start of ``slot`` (a small op)."""
+    if len(pieces) == 1:  # a plain read: one copy, no cursor (the 4 KiB path)
+        piece = pieces[0]
+        slot[:piece.nbytes] = piece
+        return
     _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], True)
 
 
 def scatter(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
     """The start of ``slot`` into the pieces, in order (a small op)."""
+    if len(pieces) == 1:  # a plain store
+        piece = pieces[0]
+        piece[:] = slot[:piece.nbytes]
+        return
     _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], False)

@@ -51,6 +51,15 @@ class MemPath:
     def messages(self, items: Items) -> int:
         return len(items.runs())
 
+    def now(self, items: Items) -> bool:
+        return False  # every transfer is awaited (through the gate)
+
+    def move_now(self, out: bool, region: Region, items: Items) -> None:
+        raise AssertionError("now() is False")
+
+    def carried(self) -> dict[str, Any]:
+        return {}
+
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Any = None) -> None:
         await self.gate.wait()
@@ -85,7 +94,7 @@ class FakeSession:
     def owner(self) -> str:
         return TENANT
 
-    def path(self, addressed: bool) -> DataPath:
+    def path(self, req: Any) -> DataPath:
         return self._path
 
     def count(self, key: str, n: int) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 from fakedaemon import Conn, FakeDaemon, hello_answer, send_handle, staging_fd
 
@@ -389,3 +390,37 @@ async def test_a_manifest_entry_outside_the_buffer_is_refused() -> None:
                 with pytest.raises(ConnectionLost, match="outside"):
                     view.tensors()
                 assert view.array().nbytes == 8192
+
+
+@pytest.mark.parametrize("data", [b"x" * 4095, b"x" * 4097, "x" * 4096, None, 7])
+async def test_an_inline_read_answer_must_carry_exactly_the_bytes_asked(data: Any) -> None:
+    """A read whose bytes ride in its answer (``Read.inline``): fewer, more,
+    or no bytes is CONNECTION_LOST, and nothing was written into ``out``."""
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        if req["op"] == "hello":
+            conn.answer(req, hello_answer(ucx={"port": fd.ucx_port}, inline_max=65536))
+        elif req["op"] == "get_buffer_meta":
+            conn.answer(req, {**META, "device_type": "CPU", "device": 0})
+        elif req["op"] == "read":
+            assert req.get("inline") is True, req  # small: it asks for the bytes inline
+            conn.answer(req, {"nbytes": req["nbytes"], **({} if data is None else
+                                                          {"data": data})})
+        else:
+            conn.answer(req, {})
+
+    fd = FakeDaemon(handler, ucx_listener=True)
+    addr = await fd.start()
+    try:
+        async with rpcbuf.connect(addr, token="t", timeout=5, same_host=False) as c:
+            out = np.zeros(4096, np.uint8)
+            with pytest.raises(ConnectionLost, match="4096 bytes"):
+                await c.read_buffer("b-x", 0, 4096, out=out)
+            assert not out.any()
+    finally:
+        await fd.close()
+
+
+async def test_an_inline_max_out_of_range_is_refused() -> None:
+    for bad in (-1, 1 << 40, "64k", True):
+        with pytest.raises(BadRequest, match="inline_max"):
+            await connect_to(local(inline_max=bad), timeout=2)

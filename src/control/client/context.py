@@ -38,6 +38,7 @@ from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
 from control.client.datapath import (
     BufferPlace,
     DataPaths,
+    InlinePath,
     StagedPath,
     Transfer,
     UcxPath,
@@ -107,7 +108,9 @@ class RpcContext:
             UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
             StagedPath(self._caller, handles.area, self.transfer_timeout)
-            if handles is not None and handles.area is not None else None)
+            if handles is not None and handles.area is not None else None,
+            InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
+            else None)
         self._paths.on_device_memory = self._on_device_memory
         self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
         self._tensors = TensorOps(self)
@@ -395,7 +398,14 @@ class RpcContext:
                            wire_dtype=wire_dtype,  # type: ignore[arg-type]
                            stage=stage)
 
-        return await self._paths.run(buffer_id, place, _one(request, data))
+        def inline(payload: Any) -> P.Request:
+            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                           checksum=digest, verify=verify,  # type: ignore[arg-type]
+                           checksum_kind=stated,  # type: ignore[arg-type]
+                           data=payload)
+
+        return await self._paths.run(buffer_id, place, _one(
+            request, data, inline if wire_dtype is None else None))
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
                           out: Any = None) -> np.ndarray:
@@ -424,8 +434,11 @@ class RpcContext:
         def request(stage: int | None) -> P.Request:
             return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
 
-        await self._paths.run(buffer_id, await self._place(buffer_id), _one(request, dest),
-                              receive=True)
+        def inline(_: Any) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
+
+        await self._paths.run(buffer_id, await self._place(buffer_id),
+                              _one(request, dest, inline), receive=True)
         return out if out is not None else target
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
@@ -579,10 +592,18 @@ class _DedupNeeds:
                                            checksums=checksums)
 
 
-def _one(request: Callable[[int | None], P.Request], array: Any) -> Transfer:
-    """The transfer of a one-array op (store, read): one UCX message, or
-    one piece through the staging area."""
-    return Transfer(request, (array,), lambda: [array] if array.nbytes else [])
+def inline_on() -> bool:
+    """Whether small ops of network sessions ride in their frames:
+    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
+    compare the UCX path itself)."""
+    return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _one(request: Callable[[int | None], P.Request], array: Any,
+         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
+    """The transfer of a one-array op (store, read): one UCX message, one
+    piece through the staging area, or (``inline``) the bytes in a frame."""
+    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)
 
 
 class Connector(Opening[RpcContext]):

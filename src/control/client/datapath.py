@@ -77,6 +77,9 @@ class Transfer(NamedTuple):
     request: Callable[[int | None], P.Request]
     arrays: Sequence[Any]
     messages: Callable[[], list[Any]]
+    # A plain store or read: the request carrying its bytes (a store's, as a
+    # buffer) or asking for them in the answer (a read: None); see InlinePath.
+    inline: Callable[[Any], P.Request] | None = None
 
 
 class DataPath(Protocol):
@@ -208,6 +211,42 @@ class StagedPath:
             self._ring.release()
 
 
+class InlinePath:
+    """Small host ops of a network session in the control frames themselves:
+    a store's bytes in its request (``Store.data``), a read's in its answer
+    (``Read.inline``), at most the daemon's ``inline_max``.  One round trip
+    and nothing else: no UCX message, so neither side's progress engine
+    polls for it (a 4 KiB store over UCX cost twice as much, measured in
+    docs/performance.md).  The answer's bytes are checked for their count
+    before they are copied (a daemon could lie)."""
+
+    def __init__(self, caller: Caller, limit: int) -> None:
+        self._caller, self.limit = caller, limit
+
+    def takes(self, t: Transfer) -> bool:
+        if t.inline is None or len(t.arrays) != 1:
+            return False
+        a = t.arrays[0]
+        return isinstance(a, np.ndarray) and a.nbytes <= self.limit
+
+    async def send(self, t: Transfer) -> dict[str, Any]:
+        assert t.inline is not None
+        (piece,) = _flat(t.arrays)
+        return await self._caller.call(t.inline(piece.data))
+
+    async def receive(self, t: Transfer) -> dict[str, Any]:
+        assert t.inline is not None
+        (piece,) = _flat(t.arrays)
+        result = await self._caller.call(t.inline(None))
+        data = result.pop("data", None)
+        if not isinstance(data, bytes) or len(data) != piece.nbytes:
+            got = len(data) if isinstance(data, bytes) else type(data).__name__
+            raise ConnectionLost(f"the daemon answered a read of {piece.nbytes} bytes with "
+                                 f"{got}")
+        piece[:] = np.frombuffer(data, dtype=np.uint8)
+        return result
+
+
 def _refused(fut: asyncio.Future[dict[str, Any]]) -> bool:
     """Whether an answer future ended in anything but success."""
     return fut.cancelled() or fut.exception() is not None or not fut.result().get("ok")
@@ -320,30 +359,37 @@ class UcxPath:
 class DataPaths:
     """The session's paths and the one rule that picks one per op."""
 
-    def __init__(self, ucx_path: UcxPath, same_host: StagedPath | None) -> None:
+    def __init__(self, ucx_path: UcxPath, same_host: StagedPath | None,
+                 inline: InlinePath | None = None) -> None:
         self.ucx = ucx_path
         self.same_host = same_host
+        self.inline = inline
         self.on_device_memory: Callable[[str], None] = _ignore  # the context notes the place
 
-    def choose(self, place: BufferPlace | None, arrays: Sequence[Any]) -> DataPath:
+    def choose(self, place: BufferPlace | None, t: Transfer) -> DataPath:
         """Host arrays of a host buffer take the same-host path when the
-        session has one; everything else (GPU arrays, GPU buffers, a buffer
-        whose place is not known) goes over UCX."""
+        session has one, else (a plain store or read, small enough) ride in
+        the control frames; everything else (GPU arrays, GPU buffers, a
+        buffer whose place is not known, big ops) goes over UCX."""
+        if place is None or place.gpu:
+            return self.ucx
         same = self.same_host
-        if same is not None and place is not None and not place.gpu \
-                and all(isinstance(a, np.ndarray) for a in arrays) and same.takes(arrays):
-            return same
+        if same is not None:
+            if all(isinstance(a, np.ndarray) for a in t.arrays) and same.takes(t.arrays):
+                return same
+        elif self.inline is not None and self.inline.takes(t):
+            return self.inline
         return self.ucx
 
     async def run(self, buffer_id: str, place: BufferPlace | None, t: Transfer,
                   receive: bool = False) -> dict[str, Any]:
         """``t`` over the chosen path.  Raises what the daemon answers, TIMEOUT,
         CONNECTION_LOST."""
-        path = self.choose(place, t.arrays)
+        path = self.choose(place, t)
         try:
             return await (path.receive(t) if receive else path.send(t))
         except BadRequest as exc:
-            if path is not self.same_host or exc.details.get("reason") != "device_memory":
+            if path is self.ucx or exc.details.get("reason") != "device_memory":
                 raise
         self.on_device_memory(buffer_id)
         return await (self.ucx.receive(t) if receive else self.ucx.send(t))

@@ -70,6 +70,7 @@ class HelloAnswer:
     same_host_why: str | None
     local: Local | None
     handles_nonce: bytes | None = None  # same_host: what binds the handle channel
+    inline_max: int = 0  # stores/reads up to this many bytes may ride in their frames
 
     def checksum_kind(self, device_type: str, device: int) -> str:
         """The checksum the daemon verifies a plain store into that device with."""
@@ -167,9 +168,12 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
             raise _bad("local.socket", "is not a Unix socket name")
         local = Local(sock, _str(where, "boot_id", "local.boot_id", MAX_ID, lo=0),
                       _int(where, "pid", "local.pid", 1, PID_MAX))
+    # A daemon older than the field carries no bytes in frames (0).
+    inline = _int(msg, "inline_max", "inline_max", 0, P.INLINE_MAX) \
+        if "inline_max" in msg else 0
     return HelloAnswer(
         session_id=ids[0], tenant=ids[1], node_id=ids[2], version=version, bind_nonce=nonce,
         ucx_port=port, max_inflight=inflight, max_frame=frame,
         transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
         checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
-        local=local, handles_nonce=handles if same_host else None)
+        local=local, handles_nonce=handles if same_host else None, inline_max=inline)

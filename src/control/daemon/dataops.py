@@ -61,7 +61,7 @@ class DataOps:
     # -- store ------------------------------------------------------------------------
 
     async def store(self, call: Call, req: P.Store) -> dict[str, Any]:
-        path = self._ops.path(req.stage is not None)
+        path = self._ops.path(req)
         try:
             buf = call.held.get(req.buffer_id)
             check_range(buf, req.offset, req.nbytes)
@@ -93,6 +93,32 @@ class DataOps:
             nbytes=req.nbytes, counter="bytes_stored", after=after,
             note=f"wire={req.wire_dtype}" if req.wire_dtype else ""))
 
+    def store_now(self, req: P.Store) -> dict[str, Any] | None:
+        """``store`` served synchronously where nothing waits (a small
+        same-host op whose range is free: ``Pipeline.run_now``); ``None``,
+        with nothing done, when it must run as a task.  A path that moves
+        now has nothing in flight, so a refusal drains nothing."""
+        if req.wire_dtype is not None:
+            return None
+        path = self._ops.path(req)
+        items = Items.one(req.offset, req.nbytes, req.stage)
+        if not path.now(items):
+            return None
+        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
+        check_range(buf, req.offset, req.nbytes)
+        if req.verify == "checksum" and req.checksum is None:
+            raise BadRequest("verify='checksum' needs the client's checksum")
+        path.check(buf)
+        region = Region(buf.pool.arena, buf.offset)
+
+        def now() -> dict[str, Any]:
+            path.move_now(False, region, items)
+            return self._stored(req, buf)
+
+        return self._pipe.run_now(Plan(
+            "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, now=now,
+            nbytes=req.nbytes, counter="bytes_stored"))
+
     def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
         """After the bytes landed (range still locked): verify."""
         result: dict[str, Any] = {"nbytes": req.nbytes}
@@ -119,7 +145,7 @@ class DataOps:
         await maybe_in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
 
     async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
-        path = self._ops.path(req.stage is not None)
+        path = self._ops.path(req)
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
         if len(offsets) != len(sizes):
             if not path.addressed:
@@ -201,7 +227,7 @@ class DataOps:
     # -- read -------------------------------------------------------------------------
 
     async def read(self, call: Call, req: P.Read) -> dict[str, Any]:
-        path = self._ops.path(req.stage is not None)
+        path = self._ops.path(req)
         buf = call.held.get(req.buffer_id)
         check_range(buf, req.offset, req.nbytes)
         path.check(buf)
@@ -212,10 +238,32 @@ class DataOps:
         def move() -> Any:
             return path.send(call.req_id, region, items)
 
+        async def after() -> dict[str, Any]:
+            return {**answer, **path.carried()}  # inline: the bytes themselves
+
         return await self._pipe.run(call, Plan(
             "read", buf, [(req.offset, req.offset + req.nbytes)], exclusive=False, move=move,
-            nbytes=req.nbytes, counter="bytes_read", answer=answer,
+            nbytes=req.nbytes, counter="bytes_read", after=after,
             early=answer if path.answer_first else None))
+
+    def read_now(self, req: P.Read) -> dict[str, Any] | None:
+        """``read`` served synchronously where nothing waits (see ``store_now``)."""
+        path = self._ops.path(req)
+        items = Items.one(req.offset, req.nbytes, req.stage)
+        if not path.now(items):
+            return None
+        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
+        check_range(buf, req.offset, req.nbytes)
+        path.check(buf)
+        region = Region(buf.pool.arena, buf.offset)
+
+        def now() -> dict[str, Any]:
+            path.move_now(True, region, items)
+            return {"nbytes": req.nbytes, **path.carried()}
+
+        return self._pipe.run_now(Plan(
+            "read", buf, [(req.offset, req.offset + req.nbytes)], exclusive=False, now=now,
+            nbytes=req.nbytes, counter="bytes_read"))
 
     async def read_batch(self, call: Call, req: P.ReadBatch) -> dict[str, Any]:
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
@@ -223,7 +271,7 @@ class DataOps:
             raise BadRequest("offsets and sizes differ in length")
         buf = call.held.get(req.buffer_id)
         check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
-        path = self._ops.path(req.stage is not None)
+        path = self._ops.path(req)
         path.check(buf)
         items = Items(offsets, sizes, int(sizes.sum()), req.stage)
         region = Region(buf.pool.arena, buf.offset)

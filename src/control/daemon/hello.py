@@ -49,6 +49,9 @@ def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
         "devices": [p.describe() for p in node.registry.pools.values()],
         "limits": node.limits.to_wire(),
         "same_host": handles_nonce is not None,
+        # Stores and reads up to this many bytes may carry their bytes in
+        # their frames (``Store.data``, ``Read.inline``) instead of UCX.
+        "inline_max": P.INLINE_MAX,
     }
     if handles_nonce is not None:
         result["handles_nonce"] = handles_nonce

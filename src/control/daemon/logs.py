@@ -141,15 +141,28 @@ def escape(value: Any) -> str:
 
 
 def _text(e: dict[str, Any]) -> str:
-    text = (f"op={escape(e['op'])} tenant={escape(e['tenant'])} "
-            f"session={escape(e['session'])} buffer={escape(e['buffer'])} "
-            f"device={escape(e['device'])} offset={e['offset']} "
+    # One printability test of the whole line (the common case: every field
+    # printable, so none needs escaping); else field by field.
+    text = (f"op={e['op']} tenant={e['tenant']} session={e['session']} "
+            f"buffer={e['buffer']} device={e['device']} offset={e['offset']} "
             f"bytes={e['bytes']} code={e['code']} "
             f"duration_ms={e['duration_s'] * 1000:.3f}")
-    if e.get("note"):
-        text += f" ({escape(e['note'])})"
-    if e.get("error"):
-        text += f": {escape(e['error'])}"
+    note, error = e.get("note"), e.get("error")
+    if note:
+        text += f" ({note})"
+    if error:
+        text += f": {error}"
+    if text.isprintable():
+        return text
+    text = (f"op={escape(e['op'])} tenant={escape(e['tenant'])} "
+            f"session={escape(e['session'])} buffer={escape(e['buffer'])} "
+            f"device={escape(e['device'])} offset={escape(e['offset'])} "
+            f"bytes={escape(e['bytes'])} code={escape(e['code'])} "
+            f"duration_ms={e['duration_s'] * 1000:.3f}")
+    if note:
+        text += f" ({escape(note)})"
+    if error:
+        text += f": {escape(error)}"
     return text
 
 

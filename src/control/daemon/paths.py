@@ -35,6 +35,7 @@ import numpy as np
 
 from control.daemon.copypool import CopyPool
 from control.daemon.registry import Buffer
+from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost
 from control.wire.runs import plan_runs, run_tag
 from dataplane import staging
@@ -136,7 +137,14 @@ class DataPath(Protocol):
     7. ``drain``: swallow what the client already sent for a store that is
        refused (UCX: 1-byte receives, one per non-empty run) so it never
        hangs and nothing is parked; nothing to do where nothing was sent.
-    8. Tests: the pipeline's unit tests (``tests/test_pipeline.py``) run over
+    8. ``now(items)``: whether the transfer can be done synchronously, with
+       no waiting (same host: a small slot's copy, daemon memory only), by
+       ``move_now(out, region, items)``; False where it must be awaited (UCX,
+       the ring). A plain store or read that can go now is served without a
+       task (``Pipeline.run_now``): the 4 KiB path's largest saving.
+    9. ``carried()``: what a read's answer carries besides its result (the
+       inline path: the bytes, ``data``); ``{}`` where they travel apart.
+    10. Tests: the pipeline's unit tests (``tests/test_pipeline.py``) run over
        an in-memory path; add the new one to the integration fixtures.
     """
 
@@ -146,6 +154,9 @@ class DataPath(Protocol):
 
     def check(self, buf: Buffer) -> None: ...
     def messages(self, items: Items) -> int: ...
+    def now(self, items: Items) -> bool: ...
+    def move_now(self, out: bool, region: Region, items: Items) -> None: ...
+    def carried(self) -> dict[str, Any]: ...
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None: ...
     async def send(self, req_id: int, region: Region, items: Items) -> None: ...
@@ -167,6 +178,15 @@ class UcxPath:
 
     def messages(self, items: Items) -> int:
         return len(items.runs())  # as the client plans them (an empty run sends nothing)
+
+    def now(self, items: Items) -> bool:
+        return False  # a message is awaited
+
+    def carried(self) -> dict[str, Any]:
+        return {}
+
+    def move_now(self, out: bool, region: Region, items: Items) -> None:
+        raise AssertionError("UCX transfers are awaited (now() is False)")
 
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None:
@@ -253,27 +273,42 @@ class StagedPath:
     def _pieces(self, region: Region, items: Items) -> list[np.ndarray]:
         return [region.view(off, n) for off, n, _, _ in items.runs() if n]
 
-    async def _copy(self, out: bool, region: Region, items: Items,
-                    landed: Landed | None = None) -> None:
-        """``out``: region -> staging (a read); else staging -> region."""
+    def now(self, items: Items) -> bool:
+        """Whether ``items`` go now (a small slot, ``move_now``) rather than
+        through the ring (a task); a bad stage is BAD_REQUEST."""
         stage = items.stage
         if stage is None:
             raise BadRequest("a same-host request names its staging slot (stage)")
         if self._stop.is_set():
             raise ConnectionLost("the session is closing")
-        if stage != staging.RING:
-            if not 0 <= stage < staging.SMALL_SLOTS:
-                raise BadRequest(f"stage {stage} is no staging slot (0..{staging.SMALL_SLOTS - 1}"
-                                 f" or {staging.RING} for the ring)")
-            if items.nbytes > staging.SMALL:
-                raise BadRequest(f"{items.nbytes} bytes do not fit a small staging slot "
-                                 f"({staging.SMALL}); use the ring")
-            slot = self.area.small(stage, items.nbytes)
-            pieces = self._pieces(region, items)
-            if out:
-                staging.gather(pieces, slot)
-            else:
-                staging.scatter(slot, pieces)
+        if stage == staging.RING:
+            return False
+        if not 0 <= stage < staging.SMALL_SLOTS:
+            raise BadRequest(f"stage {stage} is no staging slot (0..{staging.SMALL_SLOTS - 1}"
+                             f" or {staging.RING} for the ring)")
+        if items.nbytes > staging.SMALL:
+            raise BadRequest(f"{items.nbytes} bytes do not fit a small staging slot "
+                             f"({staging.SMALL}); use the ring")
+        return True
+
+    def carried(self) -> dict[str, Any]:
+        return {}
+
+    def move_now(self, out: bool, region: Region, items: Items) -> None:
+        """A small op's copy (``out``: region -> staging, a read), on the
+        loop: it is a memcpy of daemon memory, nothing can block it."""
+        slot = self.area.small(items.stage or 0, items.nbytes)
+        pieces = self._pieces(region, items)
+        if out:
+            staging.gather(pieces, slot)
+        else:
+            staging.scatter(slot, pieces)
+
+    async def _copy(self, out: bool, region: Region, items: Items,
+                    landed: Landed | None = None) -> None:
+        """``out``: region -> staging (a read); else staging -> region."""
+        if self.now(items):
+            self.move_now(out, region, items)
             if landed is not None:
                 landed(0, len(items))
             return
@@ -317,6 +352,66 @@ class StagedPath:
         finally:
             if not job.future.done() and not pool.cancel(job):
                 await outlast(job.future, self._stopped)
+
+
+class InlinePath:
+    """A small op's bytes in its own frames (``Store.data``; a ``Read.inline``
+    answer's ``data``): one request's path, made for it by the session.  At
+    most ``INLINE_MAX`` bytes, copied on the loop (a memcpy between the
+    frame and the arena); nothing else travels, so nothing is drained.
+    Host memory only (a device buffer is BAD_REQUEST ``device_memory``: the
+    client sends it over UCX instead)."""
+
+    addressed = True  # nothing is in flight beside the request
+    answer_first = False
+    lands_in_parts = False
+
+    def __init__(self, data: bytes | None) -> None:
+        self._data = data  # a store's payload; None for a read
+        self._out: bytes | None = None
+
+    def check(self, buf: Buffer) -> None:
+        if getattr(buf.pool.arena, "address", None) is None:
+            raise BadRequest(f"bytes in a frame are for host buffers; {buf.buffer_id} is on "
+                             f"{buf.pool.key}: use UCX", {"reason": "device_memory"})
+
+    def messages(self, items: Items) -> int:
+        return 0
+
+    def now(self, items: Items) -> bool:
+        if items.nbytes > P.INLINE_MAX:
+            raise BadRequest(f"at most {P.INLINE_MAX} bytes travel in a frame, not "
+                             f"{items.nbytes}")
+        if self._data is not None and len(self._data) != items.nbytes:
+            raise BadRequest(f"the frame carries {len(self._data)} bytes for a store of "
+                             f"{items.nbytes}")
+        return True
+
+    def move_now(self, out: bool, region: Region, items: Items) -> None:
+        pieces = [region.view(off, n) for off, n, _, _ in items.runs() if n]
+        if out:
+            self._out = b"".join(p.tobytes() for p in pieces) if len(pieces) != 1 \
+                else pieces[0].tobytes()
+        else:
+            assert self._data is not None
+            staging.scatter(np.frombuffer(self._data, dtype=np.uint8), pieces)
+
+    def carried(self) -> dict[str, Any]:
+        return {} if self._out is None else {"data": self._out}
+
+    async def receive(self, req_id: int, region: Region, items: Items,
+                      landed: Landed | None = None) -> None:
+        self.now(items)
+        self.move_now(False, region, items)
+        if landed is not None:
+            landed(0, len(items))
+
+    async def send(self, req_id: int, region: Region, items: Items) -> None:
+        self.now(items)
+        self.move_now(True, region, items)
+
+    async def drain(self, req_id: int, items: Items) -> None:
+        pass  # the bytes came in the request's frame: nothing to swallow
 
 
 async def outlast(fut: asyncio.Future[Any], stopping: Callable[[], bool]) -> None:

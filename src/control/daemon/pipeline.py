@@ -22,6 +22,12 @@ counter to bump and what the audit record says.  ``Pipeline.run`` then
    audit record; the session answers with what ``run`` returns (once: an op
    answered first is not answered again).
 
+``Pipeline.run_now`` runs the same steps synchronously, without a task, for
+a plan whose move needs no waiting (``Plan.now``: a same-host small-slot
+copy) and whose lock is free at once; a plan that would wait is left
+untouched (``None``: run it as a task). Nothing awaits in between, so the
+buffer needs no pin.
+
 Pins by construction: an async handler never looks a buffer up itself; it
 gets it from ``Held.get``, which pins it in the same step as the lookup, and
 the session unpins everything the request held when it is answered.  So no
@@ -59,7 +65,7 @@ class Ops(Protocol):
 
     @property
     def owner(self) -> str: ...  # the session's tenant (the ops run after hello only)
-    def path(self, staged: bool) -> DataPath: ...
+    def path(self, req: P.Request) -> DataPath: ...
     def count(self, key: str, n: int) -> None: ...
     def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
               note: str = "") -> None: ...
@@ -119,10 +125,12 @@ class Plan:
     """One data op after validation, as data (see the module's steps)."""
 
     __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "move",
-                 "nbytes", "note", "offset", "op", "ranges", "sources")
+                 "nbytes", "note", "now", "offset", "op", "ranges", "sources")
 
     def __init__(self, op: str, buf: Buffer, ranges: list[Range], *, exclusive: bool,
-                 move: Callable[[], Awaitable[None]], nbytes: int, offset: int | None = None,
+                 move: Callable[[], Awaitable[None]] | None = None, nbytes: int,
+                 now: Callable[[], dict[str, Any] | None] | None = None,
+                 offset: int | None = None,
                  counter: str | None = None, note: str = "",
                  answer: dict[str, Any] | None = None,
                  after: Callable[[], Awaitable[dict[str, Any]]] | None = None,
@@ -131,6 +139,7 @@ class Plan:
                  forget: bool = True) -> None:
         self.op, self.buf, self.ranges, self.exclusive = op, buf, ranges, exclusive
         self.move, self.nbytes, self.counter, self.note = move, nbytes, counter, note
+        self.now = now  # run_now: the move and its checks in one call, returning the answer
         self.offset = ranges[0][0] if offset is None else offset  # what the audit says
         self.answer, self.after, self.early = answer, after, early
         self.sources, self.forget = sources, forget
@@ -148,15 +157,48 @@ class Pipeline:
         try:
             if plan.early is not None:
                 call.answer_first(plan.early)
+            assert plan.move is not None, "a plan run as a task moves with an awaitable"
             await plan.move()
             result = plan.answer if plan.after is None else await plan.after()
         finally:
             unlock(grants)
+        return self._done(plan, result)
+
+    def run_now(self, plan: Plan) -> dict[str, Any] | None:
+        """``plan`` (one buffer, ``plan.now`` set) run to its end now, or
+        ``None`` with nothing done when its lock is not free at once (FCFS:
+        it then queues as a task)."""
+        assert plan.now is not None and not plan.sources
+        buf = plan.buf
+        if buf.released:
+            raise NotFound(f"no buffer {buf.buffer_id!r}")
+        grant = buf.locks.acquire(plan.ranges, plan.exclusive)
+        if not grant.granted:
+            buf.locks.release(grant)  # withdrawn: as if never asked
+            return None
+        try:
+            self._granted(buf, plan.ranges, plan.exclusive, plan.forget)
+            result = plan.now()
+        finally:
+            buf.locks.release(grant)
+        return self._done(plan, result)
+
+    def _done(self, plan: Plan, result: dict[str, Any] | None) -> dict[str, Any]:
         ops = self._ops
         if plan.counter is not None:
             ops.count(plan.counter, plan.nbytes)
         ops.audit(plan.op, plan.buf, plan.offset, plan.nbytes, plan.note)
         return {} if result is None else result
+
+    def _granted(self, b: Buffer, rngs: list[Range], excl: bool, forget: bool) -> None:
+        """Once a lock of ``b`` is granted: BUSY if it is exclusive and ``b``
+        is attached; else an exclusive lock drops ``b``'s dedup entries there."""
+        if excl and b.attached:  # read in place by a local reader: hands off
+            raise Busy(f"buffer {b.buffer_id} is attached (read in place) by "
+                       f"{b.attached} reader(s); it cannot change until they detach",
+                       {"buffer_id": b.buffer_id, "attached": b.attached})
+        if excl and forget:  # these bytes change: dedup must not use them
+            self._ops.content.forget(b, rngs)
 
     async def lock(self, held: Held, buf: Buffer, ranges: list[Range], exclusive: bool,
                    sources: list[tuple[Buffer, Range]] | None = None,
@@ -197,12 +239,7 @@ class Pipeline:
                     await waiting[0]
                     if b.released:  # released while we waited: its memory is only pinned
                         raise NotFound(f"no buffer {b.buffer_id!r}")
-                if excl and b.attached:  # read in place by a local reader: hands off
-                    raise Busy(f"buffer {b.buffer_id} is attached (read in place) by "
-                               f"{b.attached} reader(s); it cannot change until they detach",
-                               {"buffer_id": b.buffer_id, "attached": b.attached})
-                if excl and forget:  # these bytes change: dedup must not use them
-                    self._ops.content.forget(b, rngs)
+                self._granted(b, rngs, excl, forget)
         except BaseException:
             unlock(grants)
             raise

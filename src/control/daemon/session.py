@@ -53,7 +53,7 @@ from control.daemon.dedupops import DedupOps
 from control.daemon.fileops import FileOps
 from control.daemon.handles import HandleChannel, same_process
 from control.daemon.node import Node
-from control.daemon.paths import DataPath, StagedPath, UcxPath
+from control.daemon.paths import DataPath, InlinePath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
@@ -119,7 +119,8 @@ class Session:
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
-        # answer inline; ops that may wait (memory, locks, transfers) are tasks.
+        # answer inline; ops that may wait (memory, locks, transfers) are tasks,
+        # unless their ``now`` (below) can serve them without waiting.
         self._ops: dict[type, tuple[Callable[..., Any], bool]] = {
             P.GetBufferMeta: (control.meta, False),
             P.OpenBuffer: (control.open, False),
@@ -140,6 +141,16 @@ class Session:
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
             P.LoadFile: (files.load_file, True),
+        }
+        # Task ops that may be served at once: the answer, or None (nothing
+        # done: spawn the task).  A small same-host store or read, or one
+        # carrying its bytes (no task, no pin: nothing awaits).  Never while
+        # a task spawned earlier has not started (its lock not yet asked
+        # for): requests take their locks in the order they came.
+        self._unstarted = 0
+        self._now: dict[type, Callable[[Any], dict[str, Any] | None]] = {
+            P.Store: data.store_now,
+            P.Read: data.read_now,
         }
 
     def abort(self, why: str) -> None:
@@ -206,9 +217,17 @@ class Session:
         assert tenant is not None
         return tenant
 
-    def path(self, staged: bool) -> DataPath:
-        """The request's data path: the UCX endpoint, or the same-host path
-        when the request names a staging slot."""
+    def path(self, req: P.Request) -> DataPath:
+        """The request's data path: the same-host path when it names a
+        staging slot, its own frames when it carries its bytes
+        (``Store.data``, ``Read.inline``), else the UCX endpoint."""
+        staged = getattr(req, "stage", None) is not None
+        data = getattr(req, "data", None)
+        if data is not None or getattr(req, "inline", None):
+            if staged:
+                raise BadRequest("a request names a staging slot or carries its bytes, "
+                                 "not both")
+            return InlinePath(data)
         if not staged:
             if self.ucx is None:
                 raise BadRequest("no data endpoint is bound to this session")
@@ -323,7 +342,13 @@ class Session:
             if not is_task:
                 self._answer(req_id, op, handler(req))
                 return
-            if isinstance(req, P.RequestBuffer):
+            now = self._now.get(type(req)) if not self._unstarted else None
+            if now is not None:
+                result = now(req)
+                if result is not None:
+                    self._answer(req_id, op, result)
+                    return
+            elif isinstance(req, P.RequestBuffer):
                 buf = self.control.try_request(req)
                 if buf is not None:
                     if self.control.ready_now(buf):
@@ -367,6 +392,7 @@ class Session:
         call = Call(req_id, held, self._reply)
         task = asyncio.get_running_loop().create_task(
             self._run_task(call, handler(call, req), op))
+        self._unstarted += 1
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
@@ -375,6 +401,7 @@ class Session:
         """A task's request, answered once: with what its op returns or
         raises, unless the op answered first (a UCX read: then a failure of
         its transfer is only recorded)."""
+        self._unstarted -= 1  # its lock is asked for in this first step
         logs.CURRENT.set(op)  # this task's own context: its audit records land on op
         req_id = call.req_id
         result: dict[str, Any] | RpcBufError

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import (
     Annotated,
@@ -66,6 +67,10 @@ _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234
 _SOURCE_CHARS = _ID_CHARS - {"-"}
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
 U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, sizes, checksums)
+# A small op's payload carried in its frame (``Store.data``, a ``Read``'s
+# answer): at most INLINE_MAX bytes.
+Inline = NewType("Inline", bytes)
+INLINE_MAX = 64 << 10
 # Checked forms of plain types (to type checkers they are the plain type):
 BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
 Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
@@ -122,6 +127,10 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         if value not in get_args(tp):
             raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if tp is Inline:
+        if not isinstance(value, bytes) or len(value) > INLINE_MAX:
+            raise BadRequest(f"{op}: {name} must be bytes, at most {INLINE_MAX}")
         return value
     if tp is U64Array:
         if not isinstance(value, bytes) or len(value) % 8 or len(value) > 8 * MAX_ITEMS:
@@ -204,18 +213,23 @@ class Request:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> Request:
-        names, specs, _ = _specs(cls)
+        names, specs, _, defaults = _specs(cls)
         if not names.issuperset(fields):
             raise BadRequest(f"{cls.op}: unknown field(s) {sorted(set(fields) - names)}")
         op = cls.op
-        kwargs: dict[str, Any] = {}
-        for name, tp, optional, required in specs:
+        values = dict(defaults)
+        for name, check, optional, required in specs:
             if name in fields:
                 value = fields[name]
-                kwargs[name] = None if value is None and optional else _check(op, name, value, tp)
+                values[name] = None if value is None and optional else check(op, name, value)
             elif required:
                 raise BadRequest(f"{op}: missing field {name!r}")
-        return cls(**kwargs)
+        # As the dataclass's own __init__ would (every field set, nothing else
+        # runs: no request defines __post_init__), without its per-field
+        # object.__setattr__ calls.
+        req = object.__new__(cls)
+        req.__dict__.update(values)
+        return req
 
     def to_wire(self, req_id: int) -> dict[str, Any]:
         msg: dict[str, Any] = {"op": self.op, "id": req_id}
@@ -227,11 +241,32 @@ class Request:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
-# Per request class: its field names (a set), per field (name, type to check,
+# Per request class: its field names (a set), per field (name, its checker,
 # whether None is allowed, whether it is required; a union checks its first
-# non-None type, as _check does), and the names in field order.
-_Specs = tuple[frozenset[str], tuple[tuple[str, Any, bool, bool], ...], tuple[str, ...]]
+# non-None type, as _check does), the names in field order, and the
+# defaults of the optional fields.
+_Checker = Callable[[str, str, Any], Any]
+_Specs = tuple[frozenset[str], tuple[tuple[str, _Checker, bool, bool], ...], tuple[str, ...],
+               dict[str, Any]]
 _SPECS: dict[type, _Specs] = {}
+
+
+def _checker(tp: Any) -> _Checker:
+    """``_check`` for one field type, chosen once: the request's hot path
+    (store, read: ints and a buffer id) then makes no type comparisons."""
+    if tp is int:
+        def check_int(op: str, name: str, value: Any) -> Any:
+            if type(value) is int and 0 <= value <= MAX_INT:
+                return value
+            return _check(op, name, value, int)  # raises, with the message
+        return check_int
+    if tp == BufferId:
+        def check_id(op: str, name: str, value: Any) -> Any:
+            if type(value) is str and 0 < len(value) <= MAX_ID and _ID_CHARS.issuperset(value):
+                return value
+            return _check(op, name, value, BufferId)
+        return check_id
+    return lambda op, name, value: _check(op, name, value, tp)
 
 
 def _specs(cls: type) -> _Specs:
@@ -239,14 +274,18 @@ def _specs(cls: type) -> _Specs:
     if specs is None:
         hints = _hints(cls)
         out = []
+        defaults: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             tp, optional = hints[f.name], False
             if get_origin(tp) in (Union, types.UnionType):
                 args = get_args(tp)
                 optional = type(None) in args
                 tp = next(a for a in args if a is not type(None))
-            out.append((f.name, tp, optional, f.default is dataclasses.MISSING))
-        specs = _SPECS[cls] = (frozenset(hints), tuple(out), tuple(o[0] for o in out))
+            required = f.default is dataclasses.MISSING
+            if not required:
+                defaults[f.name] = f.default
+            out.append((f.name, _checker(tp), optional, required))
+        specs = _SPECS[cls] = (frozenset(hints), tuple(out), tuple(o[0] for o in out), defaults)
     return specs
 
 
@@ -314,6 +353,10 @@ class Store(Request):
     # small slot ``stage`` or (``stage == 0xFFFF``) streamed through its ring;
     # nothing comes over UCX.  See dataplane/staging.py.
     stage: int | None = None
+    # The payload itself, exactly ``nbytes`` (at most INLINE_MAX, the hello's
+    # ``inline_max``): a small store of a network session rides in its frame,
+    # one round trip with no UCX message.
+    data: Inline | None = None
 
 
 @dataclass(frozen=True)
@@ -360,6 +403,9 @@ class ReadBatch(Request):
     offsets: U64Array
     sizes: U64Array
     stage: int | None = None  # same-host sessions: as ``Store.stage``
+    # True: answer with the bytes (``data`` in the result), at most
+    # INLINE_MAX of them; the network path's small reads.
+    inline: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -461,6 +507,9 @@ class Read(Request):
     offset: int
     nbytes: int
     stage: int | None = None  # same-host sessions: as ``Store.stage``
+    # True: answer with the bytes (``data`` in the result), at most
+    # INLINE_MAX of them; the network path's small reads.
+    inline: bool | None = None
 
 
 @dataclass(frozen=True)
