@@ -7,8 +7,6 @@ speak the protocol by hand.
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -66,11 +64,17 @@ async def test_inline_can_be_turned_off(daemon: DaemonProc,
 def _count_ucx(c: rpcbuf.RpcContext) -> list[str]:
     """The ops that go over the context's UCX path from now on, by name."""
     ucx, seen = c._paths.ucx, []
+
+    def counting(name: str):  # type: ignore[no-untyped-def]
+        op = getattr(ucx, name)
+
+        def counted(t):  # type: ignore[no-untyped-def]
+            seen.append(name)
+            return op(t)
+        return counted
+
     for name in ("send", "receive"):
-        def counted(t, _name=name, _op=getattr(ucx, name)):  # type: ignore[no-untyped-def]
-            seen.append(_name)
-            return _op(t)
-        setattr(ucx, name, counted)
+        setattr(ucx, name, counting(name))
     return seen
 
 
