@@ -41,6 +41,7 @@ from control.daemon.copypool import CopyPool
 from control.daemon.metrics import Metrics
 from control.daemon.modeldirs import ModelFiles
 from control.daemon.node import Limits
+from control.daemon.reader import serve_tcp, serve_unix
 from control.daemon.registry import Registry
 from control.daemon.session import READ_CHUNK, Session
 from control.wire import protocol as P
@@ -106,9 +107,9 @@ class Daemon:
         pid), None (no same-host path), "@name" (abstract) or a path."""
         self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
-        self._server = await asyncio.start_server(
-            self._on_connection, host, port, limit=READ_CHUNK, ssl=tls,
-            ssl_handshake_timeout=self.limits.hello_timeout if tls else None)
+        self._server = await serve_tcp(
+            self._on_connection, host, port, READ_CHUNK, tls,
+            self.limits.hello_timeout if tls else None)
         self.address = self._server.sockets[0].getsockname()[:2]
         if local_socket is not None:
             await self._start_local(local_socket)
@@ -127,8 +128,7 @@ class Daemon:
         except BaseException:
             sock.close()
             raise
-        self._local_server = await asyncio.start_unix_server(
-            self._on_connection, sock=sock, limit=READ_CHUNK)
+        self._local_server = await serve_unix(self._on_connection, sock, READ_CHUNK)
         if not name.startswith("@"):
             os.chmod(path, 0o666)  # tokens authenticate, as on TCP
         self.local_socket = name

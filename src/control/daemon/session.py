@@ -55,6 +55,7 @@ from control.daemon.handles import HandleChannel, same_process
 from control.daemon.node import Node
 from control.daemon.paths import DataPath, InlinePath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
+from control.daemon.reader import SessionReader
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
 from control.wire.auth import Grant, verify
@@ -71,6 +72,7 @@ from dataplane.ucx import NONCE_BYTES, DataEndpoint
 
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
+PUMP_FRAMES = 64  # requests one session dispatches per loop turn (then the others' turn)
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
 
@@ -107,6 +109,7 @@ class Session:
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
         self._closed = False
+        self._reader: SessionReader | None = None  # after hello: bytes come to _on_data
         # Until hello succeeds: small frames, one at a time, one deadline from now.
         self._decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
         self._hello_by = asyncio.get_running_loop().time() + daemon.limits.hello_timeout
@@ -268,6 +271,9 @@ class Session:
         decoder = self._decoder
         try:
             while not self._closed:
+                if self.tenant is not None and isinstance(self.reader, SessionReader):
+                    await self._run_handed(self.reader)
+                    return
                 if self.tenant is None:  # one deadline from accept, not per read
                     async with asyncio.timeout_at(self._hello_by):
                         data = await self.reader.read(READ_CHUNK)
@@ -299,6 +305,70 @@ class Session:
             log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
         except (ConnectionError, OSError):
             pass
+
+    async def _run_handed(self, reader: SessionReader) -> None:
+        """After hello: the reader hands each chunk to ``_pump`` as it
+        arrives (no reading task to wake: ``reader.py``); we wait for the end
+        of the connection (EOF, reset: the session closes either way)."""
+        self._reader = reader
+        try:
+            await reader.hand_to(self._pump)
+        finally:
+            self._reader = None
+
+    def _pump(self, data: bytes = b"") -> None:
+        """Frames as they arrive, dispatched at once, at most ``max_inflight``
+        tasks in flight: past that, reading pauses (the rest waits in the
+        decoder) until a task ends (``_run_task`` pumps again)."""
+        reader, decoder = self._reader, self._decoder
+        if reader is None or self._closed:
+            return
+        limit = self.daemon.limits.max_inflight
+        try:
+            budget = PUMP_FRAMES  # this loop turn's share: other sessions go next
+            while True:
+                slots = limit - len(self.tasks)
+                room = min(slots, budget)
+                if room <= 0:
+                    if data:
+                        decoder.feed(data, 0)  # kept, unparsed, for later
+                    reader.pause()
+                    if slots > 0:  # our turn is over, not our slots: go on next turn
+                        asyncio.get_running_loop().call_soon(self._pump)
+                    return  # else _run_task pumps when a slot comes free
+                msgs = decoder.feed(data, room)
+                data = b""
+                budget -= len(msgs)
+                for msg in msgs:
+                    self._dispatch(msg)
+                if decoder.error is not None:
+                    raise decoder.error
+                if len(msgs) < room or self._closed:
+                    break
+            reader.resume()
+            transport = self.writer.transport
+            if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+                # Answers pile up unread (past the transport's high-water
+                # mark, as a reading loop's drain() would see): read no more
+                # until they drain.
+                reader.pause()
+                asyncio.get_running_loop().create_task(self._resume_when_drained(reader))
+        except P.FrameError as exc:
+            log.warning("closing %s: %s", self.peer, exc)
+            self.send(P.error_response(None, exc))
+            self._flush()
+            with contextlib.suppress(Exception):
+                self.writer.close()
+        except Exception:  # a bug: this session ends, everyone else is served
+            log.exception("session %s: reading its requests failed", self.session_id)
+            self.abort("internal error")
+
+    async def _resume_when_drained(self, reader: SessionReader) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.drain()
+        if self._reader is reader and not self._closed:
+            reader.resume()
+            self._pump()
 
     def evict(self) -> None:
         """Dropped to make room for newer unauthenticated connections (see
@@ -425,6 +495,9 @@ class Session:
             if task is not None:
                 self.transfers.discard(task)
             self._slot.set()
+            if self._reader is not None and \
+                    len(self.tasks) == self.daemon.limits.max_inflight - 1:
+                asyncio.get_running_loop().call_soon(self._pump)  # a slot came free
 
     async def close(self, why: str) -> None:
         """Abort the data endpoint, wait for transfers, release session buffers."""
