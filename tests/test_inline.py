@@ -172,3 +172,34 @@ async def test_small_ops_are_audited_and_refused_on_attached_buffers(
         await c.release_buffer(bid)
     log = daemon.log()
     assert "op=store tenant=alice" in log and f"buffer={bid}" in log
+
+
+def test_requests_after_hello_are_read_as_they_come(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """After hello the session reads its frames as they arrive (no reading
+    task): split anywhere they still parse, and at ``--max-inflight`` tasks
+    it reads no further until one ends (a ping behind two waiting requests
+    is answered only after one of them)."""
+    from hardening.rawwire import frame
+
+    d = daemon_factory("--device", "cpu:16MiB", "--max-inflight", "2")
+    raw = _hello(d)
+    try:
+        pings = b"".join(frame({"op": "ping", "id": i}) for i in range(1, 21))
+        for i in range(0, len(pings), 7):  # 7-byte pieces: frames split at every place
+            raw.send(pings[i:i + 7])
+        got = sorted(raw.recv()["id"] for _ in range(20))  # type: ignore[index]
+        assert got == list(range(1, 21))
+        full = raw.call("request_buffer", size=16 << 20)
+        assert full["ok"], full
+        raw.send(b"".join(frame({"op": "request_buffer", "id": 100 + i, "size": 1 << 20,
+                                 "timeout": 1.0}) for i in range(3))
+                 + frame({"op": "ping", "id": 200}))
+        order = []
+        for _ in range(4):
+            msg = raw.recv()
+            assert msg is not None
+            order.append(msg["id"])
+        assert order.index(200) >= 1, order  # the ping waited for a slot
+        assert sorted(order) == [100, 101, 102, 200]
+    finally:
+        raw.sock.close()
