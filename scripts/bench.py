@@ -23,12 +23,14 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
   gets it by default).  Which
   path each got is printed, and a note under the table says so when the
   default one did not get the same-host path (its rows then measure UCX).
-  Plus a bare echo connection and a plain blocking socket to the reference
-  peer;
+  Plus bare echo connections (TCP, and a Unix socket for the same-host
+  context, whose control channel is one) and a plain blocking socket to the
+  reference peer;
 * a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
   its same-host socket left at ``auto``);
 * ``scripts/_bench_peer.py``, the reference peer: a msgpack echo server
-  using the daemon's framing (``control.protocol``), and a raw blocking TCP
+  using the daemon's framing (``control.protocol``), on TCP and on a Unix
+  socket in the run's temporary directory, and a raw blocking TCP
   socket server in its own thread (not asyncio) with its own preallocated
   buffer;
 * the raw ucxx reference, both ends in processes of their own
@@ -70,9 +72,10 @@ and the raw socket "send an 8-byte request, recv N bytes", and
 Control ops, on the default (same-host) context and then on the tcp one:
 ``request_buffer(4096)`` + ``release_buffer`` pairs one at a time against
 two sequential echos of the same two messages (same bytes on the wire, same
-framing, uvloop TCP to the echo server whichever path the context took),
-and pipelined with ``asyncio.gather`` of many workers against the same for
-echos.
+framing, uvloop to the echo server over the same kind of connection as the
+context's control channel: a Unix socket for the same-host context, TCP for
+the other), and pipelined with ``asyncio.gather`` of many workers against
+the same for echos.
 
 Batching, on each context (same-host, then tcp), after the peer's ucxx and
 echo connections are closed (the raw socket stays: its peer thread sleeps in
@@ -129,8 +132,9 @@ Goals (DESIGN.md "Performance goals"; a goal shows in the row it applies to):
 Output: one aligned table on stdout and every number (including each sample,
 in microseconds) as JSON at ``--json``: "paths" (which path each context
 got), "data" (per size and direction, keyed rpcbuf_tcp, rpcbuf_same_host,
-raw_ucxx, raw_socket, memcpy, raw_socket_rtt_40B), "control" and "batching"
-(each per path), "idle", "rows".
+raw_ucxx, raw_socket, memcpy, raw_socket_rtt_40B), "control" (each path's,
+with "echo_over": unix or tcp) and "batching" (each per path), "idle",
+"rows".
 Missing a goal does not change the exit status; errors do (SIGINT/SIGTERM:
 128 + signal).  The daemon and the peer are stopped with SIGTERM (bounded,
 then SIGKILL) however the run ends, and get SIGTERM from the kernel should
@@ -192,11 +196,12 @@ def path_name(ctx: rpcbuf.RpcContext) -> str:
 
 
 async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, echo_port: int,
-                  sock_port: int, plan: Plan,
+                  echo_unix: str, sock_port: int, plan: Plan,
                   sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     tcp: rpcbuf.RpcContext | None = None
     local: rpcbuf.RpcContext | None = None
     echo: EchoClient | None = None
+    unix_echo: EchoClient | None = None
     sock: SockPeer | None = None
     note_signals(asyncio.get_running_loop())
     out: dict[str, Any] = {}
@@ -225,14 +230,24 @@ async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, e
             progress("data ops: rpcbuf (tcp, same-host) vs raw ucxx, raw socket, memcpy ...")
             out["data"] = await bench_data(tcp, local, raw, sock, plan)
         if "control" in sections:
-            progress("control ops: rpcbuf (default path, then tcp) vs msgpack echo ...")
-            out["control"] = {"same_host": await bench_control(local, echo, plan),
-                              "tcp": await bench_control(tcp, echo, plan)}
-        # Done with the echo (closing it is just tidy; the raw ucxx pair is
+            # Each context against an echo over its own kind of connection: the
+            # same-host path's control channel is the daemon's Unix socket.
+            over = "unix" if local.same_host else "tcp"
+            if local.same_host:
+                unix_echo = await EchoClient.connect_unix(echo_unix)
+            progress(f"control ops: rpcbuf (default path, then tcp) vs msgpack echo "
+                     f"({over}, then tcp) ...")
+            out["control"] = {
+                "same_host": {**await bench_control(local, unix_echo or echo, plan),
+                              "echo_over": over},
+                "tcp": {**await bench_control(tcp, echo, plan), "echo_over": "tcp"}}
+        # Done with the echos (closing them is just tidy; the raw ucxx pair is
         # stopped between its rounds and ended by measure()).  The raw socket
         # stays: it is the batching reference.
-        echo.close()
-        echo = None
+        for client in (echo, unix_echo):
+            if client is not None:
+                client.close()
+        echo = unix_echo = None
         if "batching" in sections:
             progress(f"batching: {BATCH_TENSORS:,} x {size_name(BATCH_TENSOR_BYTES)} "
                      f"vs one {size_name(ONE_TENSOR_BYTES)} tensor and the raw socket ...")
@@ -252,8 +267,9 @@ async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, e
     finally:
         if sock is not None:
             sock.close()
-        if echo is not None:
-            echo.close()
+        for client in (echo, unix_echo):
+            if client is not None:
+                client.close()
         for ctx in (tcp, local):
             if ctx is not None:
                 with contextlib.suppress(Exception):
@@ -284,9 +300,10 @@ def measure(plan: Plan, tmp: Path,
                 progress(f"{name} exited {exits[f'{name}_exit']}; log tail:\n"
                          f"{exits[f'{name}_log']}")
 
+    echo_unix = str(tmp / "echo.sock")
     with interruptible(cleanup):
         peer = procs.spawn([sys.executable, str(benchkit.SCRIPTS / "_bench_peer.py"),
-                            "--ready-file", str(tmp / "peer.ready"),
+                            "--ready-file", str(tmp / "peer.ready"), "--echo-unix", echo_unix,
                             "--max-bytes", str(max(plan.iters))], peer_log)
         daemon.start()
         echo_port, sock_port = procs.wait_ready(
@@ -297,7 +314,7 @@ def measure(plan: Plan, tmp: Path,
                  f"echo={echo_port} socket={sock_port}, raw ucxx pair "
                  f"{'started' if raw is not None else 'not needed'}")
         results = uvloop.run(run_all(daemon.addr, daemon.token, daemon.pid, raw,
-                                     int(echo_port), int(sock_port), plan, sections))
+                                     int(echo_port), echo_unix, int(sock_port), plan, sections))
     return results, exits
 
 
