@@ -5,7 +5,9 @@ reference has processes of its own: ``_bench_rawucx.py``):
 
 * a bare msgpack echo server: length-prefixed frames in, the same frames out,
   parsed and re-encoded with ``control.protocol`` (as the daemon does), with
-  the daemon's read loop shape (read, decode, write each answer, drain).
+  the daemon's read loop shape (read, decode, write each answer, drain); on
+  TCP, and with ``--echo-unix PATH`` also on that Unix socket (the same-host
+  path's control channel is one: its echo must be one too).
 * a raw blocking TCP socket server, in its own thread (not asyncio; the
   socket calls release the GIL, and the event loop is idle meanwhile), with
   ``TCP_NODELAY`` and the kernel's default (autotuned) socket buffers.  Per
@@ -124,6 +126,9 @@ async def main(args: argparse.Namespace) -> None:
     threading.Thread(target=socket_server, args=(sock_listener, sock_buf), daemon=True,
                      name="raw-socket-accept").start()
     sock_port = sock_listener.getsockname()[1]
+    unix = None
+    if args.echo_unix:
+        unix = await asyncio.start_unix_server(echo, args.echo_unix, limit=READ_CHUNK)
     write_ready(args.ready_file, f"{echo_port} {sock_port}\n")
 
     stop = asyncio.Event()
@@ -135,6 +140,8 @@ async def main(args: argparse.Namespace) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
     server.close()
+    if unix is not None:
+        unix.close()
     with contextlib.suppress(OSError):
         sock_listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
     sock_listener.close()
@@ -145,6 +152,7 @@ def cli() -> None:
         description="bench.py's reference peer (echo, raw socket)")
     p.add_argument("--ready-file", required=True)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--echo-unix", help="also serve the echo on this Unix socket path")
     args = p.parse_args()
     import uvloop
 

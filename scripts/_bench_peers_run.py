@@ -34,7 +34,7 @@ from benchkit import procs
 class PeerConfig:
     key: str  # JSON key and table name
     peer: str  # which venv (_bench_peers_setup.PACKAGES)
-    label: str  # the table's words
+    label: str  # the table's words (NIXL always runs over UCX: "NIXL tcp" is NIXL/UCX tcp)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -43,10 +43,10 @@ CONFIGS = (
     PeerConfig("mooncake_tcp", "mooncake", "Mooncake TE tcp",
                {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "20000",
                 "MC_TCP_BIND_ADDRESS": "127.0.0.1"}),
-    PeerConfig("nixl_tcp", "nixl", "NIXL/UCX tcp", UCX_TCP),
-    PeerConfig("nixl_tcp_2m", "nixl", "NIXL/UCX tcp, 2 MiB segs",
+    PeerConfig("nixl_tcp", "nixl", "NIXL tcp", UCX_TCP),
+    PeerConfig("nixl_tcp_2m", "nixl", "NIXL tcp 2 MiB segs",
                {**UCX_TCP, "UCX_TCP_TX_SEG_SIZE": "2m", "UCX_TCP_RX_SEG_SIZE": "2m"}),
-    PeerConfig("nixl_shm", "nixl", "NIXL/UCX shm", {"UCX_TLS": "sm,self"}),
+    PeerConfig("nixl_shm", "nixl", "NIXL shm", {"UCX_TLS": "sm,self"}),
 )
 MODULES = {"mooncake": "_bench_peers_mooncake.py", "nixl": "_bench_peers_nixl.py"}
 

@@ -3,9 +3,10 @@
 ``_bench_peer.py`` serves two references in another process; these are
 their clients in the benchmark's process: ``SockPeer`` (a plain blocking
 TCP socket, the floor any transport must beat) and ``EchoClient`` (bare
-msgpack request/reply with the daemon's framing, the floor for control
-ops).  ``RawUcxx`` drives the raw ucxx reference, whose both ends are
-processes of their own (``_bench_rawucx.py``).  Plus ``memcpy_round``, the
+msgpack request/reply with the daemon's framing, over TCP or the peer's
+Unix socket: the floor for control ops).  ``RawUcxx`` drives the raw ucxx
+reference, whose both ends are processes of their own
+(``_bench_rawucx.py``).  Plus ``memcpy_round``, the
 in-process copy.  Each exposes rounds of the ``benchkit.timing`` kind: a
 count in, that many samples out, every buffer preallocated and pre-touched
 by the caller.
@@ -133,6 +134,12 @@ class EchoClient:
     @classmethod
     async def connect(cls, port: int) -> EchoClient:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        return cls(reader, writer)
+
+    @classmethod
+    async def connect_unix(cls, path: str) -> EchoClient:
+        """The same echo over the peer's Unix socket (``--echo-unix``)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), 10)
         return cls(reader, writer)
 
     async def _read_loop(self) -> None:

@@ -3,7 +3,8 @@ control ops against a bare echo, and the daemon's idle CPU.
 
 Run as ``.venv/bin/python scripts/bench.py [--json bench.json] [--quick]
 [--only data,control,batching,idle]`` (``make bench`` runs it whole;
-``--only`` runs those sections alone, for a quick look at one kind of row).
+``--only`` runs those sections alone, for a quick look at one kind of row);
+``--render bench.json`` prints a stored run's table again and measures nothing.
 
 The pieces: ``_bench_plan`` (how much, the sizes and goals), ``_bench_refs``
 (the references' clients), ``_bench_data`` (store/read and batching rows),
@@ -23,12 +24,14 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
   gets it by default).  Which
   path each got is printed, and a note under the table says so when the
   default one did not get the same-host path (its rows then measure UCX).
-  Plus a bare echo connection and a plain blocking socket to the reference
-  peer;
+  Plus bare echo connections (TCP, and a Unix socket for the same-host
+  context, whose control channel is one) and a plain blocking socket to the
+  reference peer;
 * a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
   its same-host socket left at ``auto``);
 * ``scripts/_bench_peer.py``, the reference peer: a msgpack echo server
-  using the daemon's framing (``control.protocol``), and a raw blocking TCP
+  using the daemon's framing (``control.protocol``), on TCP and on a Unix
+  socket in the run's temporary directory, and a raw blocking TCP
   socket server in its own thread (not asyncio) with its own preallocated
   buffer;
 * the raw ucxx reference, both ends in processes of their own
@@ -70,9 +73,10 @@ and the raw socket "send an 8-byte request, recv N bytes", and
 Control ops, on the default (same-host) context and then on the tcp one:
 ``request_buffer(4096)`` + ``release_buffer`` pairs one at a time against
 two sequential echos of the same two messages (same bytes on the wire, same
-framing, uvloop TCP to the echo server whichever path the context took),
-and pipelined with ``asyncio.gather`` of many workers against the same for
-echos.
+framing, uvloop to the echo server over the same kind of connection as the
+context's control channel: a Unix socket for the same-host context, TCP for
+the other), and pipelined with ``asyncio.gather`` of many workers against
+the same for echos.
 
 Batching, on each context (same-host, then tcp), after the peer's ucxx and
 echo connections are closed (the raw socket stays: its peer thread sleeps in
@@ -111,26 +115,41 @@ bytes / median.  Ratios are always rpcbuf / reference: for a latency or
 time row lower is better (goal "<="), for a throughput row higher is better
 (goal ">=").
 
-Goals (DESIGN.md "Performance goals"; a goal shows in the row it applies to):
+Goals (``_bench_plan``; each shows in the row it applies to, and a row with
+two goals is two rows).  The first round's (DESIGN.md "Performance goals"
+as it stood then; they still apply):
 
-* 64 MiB store and read over tcp: >= 0.9 x raw ucxx throughput (foundation)
-  and >= 1.5 x the raw blocking socket's;
+* 64 MiB store and read over tcp: >= 0.9 x raw ucxx throughput (foundation;
+  issue 15 repeats it) and >= 1.5 x the raw blocking socket's;
 * 64 MiB store and read, same-host: >= 0.6 x ``np.copyto`` throughput;
 * one 4 KiB store: p50 <= 2 x the raw socket's 40-byte round trip p50, on
   both paths (the same-host one is the default on this host);
 * request+release: pair p50 <= 2 x the bare echo p50 (a pair against a pair
   of echos, i.e. per op against one echo); pipelined on one connection
-  >= 20,000 ops/s (absolute; the ratio shown is against pipelined echos);
+  >= 20,000 ops/s (absolute);
 * 10,000 x 4 KiB ``store_tensors``: <= 3 x the time of one 40 MiB store
   (foundation) and >= 0.5 x the raw socket stream's throughput (store_batch
   and load_tensors show both ratios without a goal);
 * daemon idle: ~0 % CPU, met below 2 % of one core.
 
-Output: one aligned table on stdout and every number (including each sample,
-in microseconds) as JSON at ``--json``: "paths" (which path each context
-got), "data" (per size and direction, keyed rpcbuf_tcp, rpcbuf_same_host,
-raw_ucxx, raw_socket, memcpy, raw_socket_rtt_40B), "control" and "batching"
-(each per path), "idle", "rows".
+Issue 15's (performance round 2), marked "(15)" in the table; those that
+need a peer (Mooncake, NIXL) are ``bench_peers.py``'s, the load_model ones
+``bench_load.py``'s:
+
+* one 4 KiB store over tcp: p50 <= 1.5 x raw ucxx send+ack;
+* one 4 KiB store, same-host: p50 <= 0.5 x the tcp path's (the read's
+  ratio is shown without a goal), with the daemon's idle CPU still ~0 %;
+* 64 MiB store and read, same-host: >= 1.0 x ``np.copyto``;
+* pipelined request+release: >= 0.8 x pipelined echos over the same kind
+  of connection.
+
+Output: one aligned table on stdout (value, reference, ratio, goal, met;
+medians, within about 100 columns, the words its rows share in notes under
+it) and every number (including each sample, in microseconds) as JSON at
+``--json``: "paths" (which path each context got), "data" (per size and
+direction, keyed rpcbuf_tcp, rpcbuf_same_host, raw_ucxx, raw_socket,
+memcpy, raw_socket_rtt_40B), "control" (each path's, with "echo_over":
+unix or tcp) and "batching" (each per path), "idle", "rows".
 Missing a goal does not change the exit status; errors do (SIGINT/SIGTERM:
 128 + signal).  The daemon and the peer are stopped with SIGTERM (bounded,
 then SIGKILL) however the run ends, and get SIGTERM from the kernel should
@@ -153,6 +172,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -178,7 +198,7 @@ from _bench_plan import (  # noqa: E402
     Plan,
 )
 from _bench_refs import EchoClient, RawUcxx, SockPeer  # noqa: E402
-from _bench_rows import build_rows, render  # noqa: E402
+from _bench_rows import build_rows, notes, render  # noqa: E402
 from benchkit import procs, size_name  # noqa: E402
 from benchkit.interrupt import Interrupted, interruptible, note_signals  # noqa: E402
 from benchkit.report import machine_meta, progress_printer, write_json  # noqa: E402
@@ -192,11 +212,12 @@ def path_name(ctx: rpcbuf.RpcContext) -> str:
 
 
 async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, echo_port: int,
-                  sock_port: int, plan: Plan,
+                  echo_unix: str, sock_port: int, plan: Plan,
                   sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     tcp: rpcbuf.RpcContext | None = None
     local: rpcbuf.RpcContext | None = None
     echo: EchoClient | None = None
+    unix_echo: EchoClient | None = None
     sock: SockPeer | None = None
     note_signals(asyncio.get_running_loop())
     out: dict[str, Any] = {}
@@ -225,14 +246,24 @@ async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, e
             progress("data ops: rpcbuf (tcp, same-host) vs raw ucxx, raw socket, memcpy ...")
             out["data"] = await bench_data(tcp, local, raw, sock, plan)
         if "control" in sections:
-            progress("control ops: rpcbuf (default path, then tcp) vs msgpack echo ...")
-            out["control"] = {"same_host": await bench_control(local, echo, plan),
-                              "tcp": await bench_control(tcp, echo, plan)}
-        # Done with the echo (closing it is just tidy; the raw ucxx pair is
+            # Each context against an echo over its own kind of connection: the
+            # same-host path's control channel is the daemon's Unix socket.
+            over = "unix" if local.same_host else "tcp"
+            if local.same_host:
+                unix_echo = await EchoClient.connect_unix(echo_unix)
+            progress(f"control ops: rpcbuf (default path, then tcp) vs msgpack echo "
+                     f"({over}, then tcp) ...")
+            out["control"] = {
+                "same_host": {**await bench_control(local, unix_echo or echo, plan),
+                              "echo_over": over},
+                "tcp": {**await bench_control(tcp, echo, plan), "echo_over": "tcp"}}
+        # Done with the echos (closing them is just tidy; the raw ucxx pair is
         # stopped between its rounds and ended by measure()).  The raw socket
         # stays: it is the batching reference.
-        echo.close()
-        echo = None
+        for client in (echo, unix_echo):
+            if client is not None:
+                client.close()
+        echo = unix_echo = None
         if "batching" in sections:
             progress(f"batching: {BATCH_TENSORS:,} x {size_name(BATCH_TENSOR_BYTES)} "
                      f"vs one {size_name(ONE_TENSOR_BYTES)} tensor and the raw socket ...")
@@ -252,8 +283,9 @@ async def run_all(addr: str, token: str, daemon_pid: int, raw: RawUcxx | None, e
     finally:
         if sock is not None:
             sock.close()
-        if echo is not None:
-            echo.close()
+        for client in (echo, unix_echo):
+            if client is not None:
+                client.close()
         for ctx in (tcp, local):
             if ctx is not None:
                 with contextlib.suppress(Exception):
@@ -284,9 +316,10 @@ def measure(plan: Plan, tmp: Path,
                 progress(f"{name} exited {exits[f'{name}_exit']}; log tail:\n"
                          f"{exits[f'{name}_log']}")
 
+    echo_unix = str(tmp / "echo.sock")
     with interruptible(cleanup):
         peer = procs.spawn([sys.executable, str(benchkit.SCRIPTS / "_bench_peer.py"),
-                            "--ready-file", str(tmp / "peer.ready"),
+                            "--ready-file", str(tmp / "peer.ready"), "--echo-unix", echo_unix,
                             "--max-bytes", str(max(plan.iters))], peer_log)
         daemon.start()
         echo_port, sock_port = procs.wait_ready(
@@ -297,8 +330,31 @@ def measure(plan: Plan, tmp: Path,
                  f"echo={echo_port} socket={sock_port}, raw ucxx pair "
                  f"{'started' if raw is not None else 'not needed'}")
         results = uvloop.run(run_all(daemon.addr, daemon.token, daemon.pid, raw,
-                                     int(echo_port), int(sock_port), plan, sections))
+                                     int(echo_port), echo_unix, int(sock_port), plan, sections))
     return results, exits
+
+
+def print_path_note(results: dict[str, Any]) -> None:
+    if results.get("paths", {}).get("default") is False:
+        print("note: the default context did not get the same-host path: its rows "
+              "(\"same-host\") measure the UCX (tcp) path")
+
+
+def render_stored(path: str) -> int:
+    """``--render``: the table of a stored run, rebuilt from its numbers (an
+    older file's missing numbers drop their rows or read "not measured")."""
+    try:
+        with open(path) as f:
+            results = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"bench.py: --render {path}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(results, dict):
+        print(f"bench.py: --render {path}: not a bench.py JSON object", file=sys.stderr)
+        return 2
+    print(render(build_rows(results), notes(results)))
+    print_path_note(results)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="fewer iterations: a smoke run, about half a minute")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help="comma-separated sections to measure [%(default)s]")
+    p.add_argument("--render", metavar="JSON",
+                   help="print the table of a stored run (its --json file) and exit; "
+                        "measures nothing")
     args = p.parse_args(argv)
+    if args.render:
+        return render_stored(args.render)
     sections = tuple(s for s in SECTIONS if s in args.only.split(","))
     unknown = set(args.only.split(",")) - set(SECTIONS)
     if unknown or not sections:
@@ -326,10 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     after = cpu_split()
     wall = time.time() - started
     rows = build_rows(results)
-    print(render(rows))
-    if not results["paths"]["default"]:
-        print("note: the default context did not get the same-host path: its rows "
-              "(\"same-host\") measure the UCX (tcp) path")
+    print(render(rows, notes(results)))
+    print_path_note(results)
     others = None if before is None or after is None else (
         (after[0] - before[0] - (after[1] - before[1])) / wall)
     if others is not None and others > 0.25:

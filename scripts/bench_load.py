@@ -21,8 +21,11 @@ repetition.
   the same model again under the same name (*re-load, same name*), again
   under a new name while the first copy is held (*re-load, new name*), the
   same without the client's hash cache (*re-load, new name, no hash
-  cache*), then both unloaded.  Goals: first load >= 0.8 x the warm store;
-  re-loads <= 10 % of the first load's time and <= 1 % of its bytes.
+  cache*), then both unloaded.  Goals: first load >= 0.8 x the warm store
+  and (issue 15) >= 2.1 GB/s absolute, ten times llama.cpp ``rpc-server``'s
+  0.21 GB/s (the issue's figure; the issue names the 1 GiB model, so a
+  ``--quick`` run's 256 MiB says less); re-loads <= 10 % of the first load's
+  time and <= 1 % of its bytes.
 * **cold** (a fresh daemon per measurement, no ``--prefault``): the
   ``request_buffer`` of never-touched memory (which backs a new buffer's
   pages before it answers, ``control/daemon/prefault.py``) and the first
@@ -41,15 +44,15 @@ repetition.
   goal: aggregate >= 0.8 x the sum of the three nodes' single-store speeds.
   Skipped with a message when not root or when namespaces are unavailable.
 
-Output: an aligned table (value, reference, ratio, goal, met) on stdout and
-every sample as JSON.  Missing a goal does not change the exit status.
+Output: an aligned table (value, reference, ratio, goal, met; built by
+``_bench_load_rows``) on stdout and every sample as JSON.  Missing a goal
+does not change the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,10 +69,11 @@ import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 
 import rpcbuf  # noqa: E402
+from _bench_load_rows import build_rows, render  # noqa: E402
 from bench_dedup import write_model  # noqa: E402
 from benchkit import GiB, MiB  # noqa: E402
 from benchkit.procs import Daemon  # noqa: E402
-from benchkit.report import format_table, machine_meta, progress_printer, write_json  # noqa: E402
+from benchkit.report import machine_meta, progress_printer, write_json  # noqa: E402
 
 progress = progress_printer("bench_load")
 SECTIONS = ("one", "cold", "netns")
@@ -223,99 +227,6 @@ def section_netns(tmp: Path, model: Path, reps: int) -> dict[str, Any]:
 
     got: dict[str, Any] = json.loads(out.read_text())
     return got
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-
-    def add(what: str, value: str, ref: str, ratio: float | None, goal: str,
-            met: bool | None, **extra: Any) -> None:
-        rows.append({"what": what, "value": value, "reference": ref, "ratio": ratio,
-                     "goal": goal, "met": met, **extra})
-
-    def gbs(seconds: float, n: int = nbytes) -> str:
-        return f"{n / seconds / 1e9:.2f} GB/s"
-
-    one = res.get("one")
-    if one:
-        store = med(one["store"])
-        ratios = [s / f["seconds"] for s, f in zip(one["store"], one["first"], strict=True)]
-        first = med([f["seconds"] for f in one["first"]])
-        add("load_model, first (warm arena)", gbs(first), f"store_tensor {gbs(store)}",
-            med(ratios), ">= 0.8x", med(ratios) >= 0.8)
-        ck = med(one["store_checksum"])
-        ratios_ck = [s / f["seconds"] for s, f in zip(one["store_checksum"], one["first"],
-                                                       strict=True)]
-        add("load_model, first (warm arena)", gbs(first),
-            f"store_tensor verify=checksum {gbs(ck)}", med(ratios_ck), "-", None)
-        for key, label in (("same_name", "re-load, same name"),
-                           ("new_name", "re-load, new name"),
-                           ("new_name_no_hash_cache", "re-load, new name, no hash cache")):
-            t = [x["seconds"] / f["seconds"] for x, f in zip(one[key], one["first"],
-                                                              strict=True)]
-            b = [x["bytes_sent"] / max(1, f["bytes_sent"]) for x, f in zip(one[key],
-                                                                            one["first"],
-                                                                            strict=True)]
-            secs = med([x["seconds"] for x in one[key]])
-            add(f"{label}: time", f"{secs * 1e3:.0f} ms", f"first load {first * 1e3:.0f} ms",
-                med(t), "<= 0.10x", med(t) <= 0.10)
-            add(f"{label}: bytes", f"{med([x['bytes_sent'] for x in one[key]]) / MiB:.2f} MiB",
-                f"first load {nbytes / MiB:.0f} MiB", med(b), "<= 0.01x", med(b) <= 0.01)
-    cold = res.get("cold")
-    if cold:
-        r = [w / c for w, c in zip(cold["warm_store"], cold["cold_store"], strict=True)]
-        add("first store_tensor into a fresh daemon", gbs(med(cold["cold_store"])),
-            f"same buffer again {gbs(med(cold['warm_store']))}", med(r), "> 0.17x (1/6)",
-            med(r) > 1 / 6)
-        both = [q + c for q, c in zip(cold["request"], cold["cold_store"], strict=True)]
-        rb = [w / b for w, b in zip(cold["warm_store"], both, strict=True)]
-        add("request_buffer + first store, fresh daemon", gbs(med(both)),
-            f"same buffer again {gbs(med(cold['warm_store']))}", med(rb), "-", None,
-            request_seconds=med(cold["request"]))
-        if cold.get("prefault_start"):
-            add("--prefault: arena backed at start (background)",
-                f"{med(cold['prefault_start']):.2f} s", f"a {cold['arena'][0] / GiB:.0f} GiB arena",
-                None, "-", None)
-            ra = [w / a for w, a in zip(cold["warm_store"], cold["after_prefault_store"],
-                                        strict=True)]
-            add("first store after --prefault finished", gbs(med(cold["after_prefault_store"])),
-                f"same buffer again {gbs(med(cold['warm_store']))}", med(ra), "-", None)
-        if one:
-            secs = med([x["seconds"] for x in cold["cold_load"]])
-            store = med(one["store"])
-            add("load_model into a fresh daemon", gbs(secs),
-                f"warm store_tensor {gbs(store)}", store / secs, "-", None)
-    net = res.get("netns")
-    if net:
-        if "skipped" in net:
-            add("load_model, 3 nodes (netns, tcp)", "skipped", net["skipped"], None, ">= 0.8x",
-                None)
-        else:
-            agg = [n / s for n, s in zip([net["bytes"]] * len(net["load"]), net["load"],
-                                         strict=True)]
-            sums = net["sum_single"]
-            r = [a / s for a, s in zip(agg, sums, strict=True)]
-            add("load_model, 3 nodes (netns, tcp), aggregate", f"{med(agg) / 1e9:.2f} GB/s",
-                f"sum of single stores {med(sums) / 1e9:.2f} GB/s", med(r), ">= 0.8x",
-                med(r) >= 0.8)
-            serial = [net["bytes"] / sum(one) for one in net["single"]]
-            rs = [a / s for a, s in zip(agg, serial, strict=True)]
-            add("load_model, 3 nodes (netns, tcp), aggregate", f"{med(agg) / 1e9:.2f} GB/s",
-                f"the three stores one after another {med(serial) / 1e9:.2f} GB/s", med(rs),
-                "-", None)
-    return rows
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    head = ["what", "value", "reference", "ratio", "goal", "met"]
-    lines = [[r["what"], r["value"], r["reference"],
-              "-" if r["ratio"] is None else f"{r['ratio']:.3f}x", r["goal"],
-              "-" if r["met"] is None else ("yes" if r["met"] else "NO")] for r in rows]
-    return format_table(head, lines, right={1, 3})
 
 
 async def run(tmp: Path, model: Path, data: np.ndarray, reps: int,

@@ -1,9 +1,11 @@
 """rpcbuf against its peers (Mooncake's transfer engine, NIXL) and the raw references, one run.
 
 Run as ``make bench-peers`` (or ``.venv/bin/python scripts/bench_peers.py
-[--json bench_peers.json] [--quick] [--no-install] [--reinstall]``).  It
-prints one table of rpcbuf / peer ratios and writes every sample and
-summary as JSON.  Never part of ``make test``.
+[--json bench_peers.json] [--quick] [--no-install] [--reinstall]``;
+``--render bench_peers.json`` prints a stored run's tables again and
+measures nothing).  It prints a table of rpcbuf / peer ratios, then a short
+one of the goals (below), and writes every sample and summary, and the goal
+rows ("goals"), as JSON.  Never part of ``make test``.
 
 The peers (``_bench_peers_setup``): ``mooncake-transfer-engine-non-cuda``
 and ``nixl`` from PyPI, each in its own virtualenv under ``.peers/``
@@ -37,6 +39,20 @@ times across runs.  A peer that fails to install or run is a table line
 with the reason; the exit status is non-zero only when rpcbuf's own side
 fails.  Every child process is bounded in time and stopped however the run
 ends.
+
+Goals (issue 15, performance round 2; ``_bench_peers_table.GOALS``), each a
+row with rpcbuf's value, the reference's, the ratio, the goal and whether it
+is met, or "not measured" and why (a peer that failed or is missing):
+
+* 4 KiB write+ack p50 over tcp: <= Mooncake TE's, and <= 1.5 x raw ucxx;
+  same-host: <= 0.5 x rpcbuf over tcp;
+* 64 MiB write over tcp: >= 0.9 x raw ucxx, >= 2 x Mooncake TE, >= 2 x NIXL
+  tcp (both NIXL tcp configurations); same-host: >= 1.0 x ``np.copyto``;
+* 10,000 x 4 KiB ``store_tensors`` over tcp: <= 0.33 x NIXL tcp's batch
+  time (both configurations); same-host: <= NIXL shm's.
+
+``bench.py`` has the goals it can measure without a peer, ``bench_load.py``
+the ``load_model`` ones.
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ ucx.apply_defaults()  # rpcbuf's UCX defaults, for us and the daemon (the peers 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -67,7 +84,7 @@ from _bench_peers_child import REGION, PeerPlan  # noqa: E402
 from _bench_peers_ours import measure, nbytes_of  # noqa: E402
 from _bench_peers_run import CONFIGS, run_config  # noqa: E402
 from _bench_peers_setup import PACKAGES, PeerEnv, ensure  # noqa: E402
-from _bench_peers_table import render  # noqa: E402
+from _bench_peers_table import goals_json, render  # noqa: E402
 from _bench_refs import RawUcxx  # noqa: E402
 from benchkit import procs  # noqa: E402
 from benchkit.interrupt import Interrupted, interruptible, note_signals  # noqa: E402
@@ -156,6 +173,24 @@ def summaries(samples: dict[str, Any], peers: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def render_stored(path: str) -> int:
+    """``--render``: the tables of a stored run, rebuilt from its numbers."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"bench_peers.py: --render {path}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(report, dict):
+        print(f"bench_peers.py: --render {path}: not a bench_peers.py JSON object",
+              file=sys.stderr)
+        return 2
+    print(render(report))
+    for note in report.get("notes") or []:
+        print(note)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--json", default="bench_peers.json", help="write every number here "
@@ -164,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-install", action="store_true",
                    help="use the peers' venvs as they are; a missing one is reported")
     p.add_argument("--reinstall", action="store_true", help="make the peers' venvs afresh")
+    p.add_argument("--render", metavar="JSON",
+                   help="print the tables of a stored run (its --json file) and exit; "
+                        "measures and installs nothing")
     args = p.parse_args(argv)
+    if args.render:
+        return render_stored(args.render)
     plan = QUICK if args.quick else FULL
     started = time.time()
     envs = {pkg.name: ensure(pkg, install=not args.no_install, reinstall=args.reinstall,
@@ -188,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "peers": {k: {kk: vv for kk, vv in v.items()} for k, v in peers.items()},
         "notes": notes,
     }
+    report["goals"] = goals_json(report)
     print(render(report))
     for note in notes:
         print(note)
