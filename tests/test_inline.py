@@ -203,3 +203,20 @@ def test_requests_after_hello_are_read_as_they_come(daemon_factory) -> None:  # 
         assert sorted(order) == [100, 101, 102, 200]
     finally:
         raw.sock.close()
+
+
+async def test_a_small_frame_limit_lowers_inline_max(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """``--max-frame`` below 64 KiB: the daemon offers only what its frames
+    hold, and a store bigger than that goes over UCX, not into a frame it
+    would refuse."""
+    d = daemon_factory("--device", "cpu:16MiB", "--max-frame", "16KiB")
+    async with d.connect(same_host=False) as c:
+        assert c.hello["inline_max"] == P.inline_max(16 << 10) == (16 << 10) - P.INLINE_ROOM
+        over_ucx = _count_ucx(c)
+        bid = await c.request_buffer(1 << 20)
+        for n in (4096, 15 << 10, 32 << 10):
+            data = np.full(n, n % 251, np.uint8)
+            await c.store_tensor(bid, data)
+            assert np.array_equal(await c.read_buffer(bid, 0, n), data)
+        assert over_ucx == ["send", "receive"]  # only the 32 KiB one
+        assert P.inline_max(100) == 0

@@ -171,6 +171,7 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
     # A daemon older than the field carries no bytes in frames (0).
     inline = _int(msg, "inline_max", "inline_max", 0, P.INLINE_MAX) \
         if "inline_max" in msg else 0
+    inline = min(inline, P.inline_max(frame))  # a frame must hold it, whatever was said
     return HelloAnswer(
         session_id=ids[0], tenant=ids[1], node_id=ids[2], version=version, bind_nonce=nonce,
         ucx_port=port, max_inflight=inflight, max_frame=frame,

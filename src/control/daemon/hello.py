@@ -51,7 +51,7 @@ def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
         "same_host": handles_nonce is not None,
         # Stores and reads up to this many bytes may carry their bytes in
         # their frames (``Store.data``, ``Read.inline``) instead of UCX.
-        "inline_max": P.INLINE_MAX,
+        "inline_max": P.inline_max(node.limits.max_frame),
     }
     if handles_nonce is not None:
         result["handles_nonce"] = handles_nonce

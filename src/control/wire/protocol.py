@@ -71,6 +71,13 @@ U64Array = NewType("U64Array", bytes)  # packed little-endian uint64s (offsets, 
 # answer): at most INLINE_MAX bytes.
 Inline = NewType("Inline", bytes)
 INLINE_MAX = 64 << 10
+INLINE_ROOM = 1 << 10  # a frame's bytes besides its payload, at most (the fields)
+
+
+def inline_max(max_frame: int) -> int:
+    """The most bytes a store or read may carry in its frame under a frame
+    limit of ``max_frame`` (0: none)."""
+    return max(0, min(INLINE_MAX, max_frame - INLINE_ROOM))
 # Checked forms of plain types (to type checkers they are the plain type):
 BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
 Shape = Annotated[list[int], "shape"]  # <= MAX_NDIM dims, product < 2**63
