@@ -16,12 +16,15 @@ repetition.
   up first: one store and one load of each kind before timing): per
   repetition, one ``store_tensor`` of the whole array into a warm buffer
   (``verify=None``: the reference; ``verify="checksum"`` too, shown), then
-  ``load_model`` with an empty client hash cache into memory the arena has
-  touched before (*first load*: every byte read, hashed, sent, verified),
-  the same model again under the same name (*re-load, same name*), again
-  under a new name while the first copy is held (*re-load, new name*), the
-  same without the client's hash cache (*re-load, new name, no hash
-  cache*), then both unloaded.  Goals: first load >= 0.8 x the warm store;
+  ``load_model`` with an empty client hash cache (*first load*: the slot
+  buffer requested, which backs its fresh memory, ``prefault.py``; every
+  byte read, hashed, sent, verified), the same model again under the same
+  name (*re-load, same name*), again under a new name while the first copy
+  is held (*re-load, new name*), the same without the client's hash cache
+  (*re-load, new name, no hash cache*), and, as a breakdown, the new-name
+  re-load and the first load into a slot buffer requested just before
+  (which the load reuses: the load's time without backing fresh memory,
+  the request timed apart).  Goals: first load >= 0.8 x the warm store;
   re-loads <= 10 % of the first load's time and <= 1 % of its bytes.
 * **cold** (a fresh daemon per measurement, no ``--prefault``): the
   ``request_buffer`` of never-touched memory (which backs a new buffer's
@@ -108,6 +111,20 @@ class Client:
     async def unload(self, name: str) -> None:
         await rpcbuf.unload_model(self.cluster, name)
 
+    async def slot_size(self, name: str) -> int:
+        """The size of the (one) slot buffer a load of ``name`` made."""
+        return next(int(b["size"]) for b in await self.ctx.list_buffers()
+                    if b["name"] == f"{name}/slot0")
+
+    async def load_requested(self, name: str, size: int) -> dict[str, Any]:
+        """``load`` into the slot buffer requested (and so pre-faulted) first,
+        which the load reuses: the load without backing fresh memory; the
+        request's seconds apart."""
+        t = time.perf_counter()
+        await self.ctx.request_buffer(size, name=f"{name}/slot0")
+        request = time.perf_counter() - t
+        return {**await self.load(name), "request_seconds": request}
+
 
 async def store_time(ctx: rpcbuf.RpcContext, bid: str, data: np.ndarray,
                      verify: str | None = None) -> float:
@@ -130,12 +147,13 @@ async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int) -> di
             await ctx.store_tensor(bid, data)
             c.fresh_hash_cache()
             await c.load("m")
+            slot = await c.slot_size("m")
             await c.load("m2")
             await c.unload("m2")
             await c.unload("m")
             rows: dict[str, list[Any]] = {k: [] for k in (
                 "store", "store_checksum", "first", "same_name", "new_name",
-                "new_name_no_hash_cache")}
+                "new_name_no_hash_cache", "first_requested", "new_name_requested")}
             for r in range(reps):
                 rows["store"].append(await store_time(ctx, bid, data))
                 rows["store_checksum"].append(await store_time(ctx, bid, data, "checksum"))
@@ -146,6 +164,11 @@ async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int) -> di
                 await c.unload("m2")
                 rows["new_name_no_hash_cache"].append(await c.load("m2", hash_cache=False))
                 await c.unload("m2")
+                rows["new_name_requested"].append(await c.load_requested("m2", slot))
+                await c.unload("m2")
+                await c.unload("m")
+                c.fresh_hash_cache()
+                rows["first_requested"].append(await c.load_requested("m", slot))
                 await c.unload("m")
                 progress(f"one: repetition {r + 1}/{reps}: store {rows['store'][-1]:.3f} s, "
                          f"first load {rows['first'][-1]['seconds']:.3f} s, same name "
@@ -245,26 +268,39 @@ def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
         store = med(one["store"])
         ratios = [s / f["seconds"] for s, f in zip(one["store"], one["first"], strict=True)]
         first = med([f["seconds"] for f in one["first"]])
-        add("load_model, first (warm arena)", gbs(first), f"store_tensor {gbs(store)}",
+        add("load_model, first", gbs(first), f"store_tensor {gbs(store)}",
             med(ratios), ">= 0.8x", med(ratios) >= 0.8)
         ck = med(one["store_checksum"])
         ratios_ck = [s / f["seconds"] for s, f in zip(one["store_checksum"], one["first"],
                                                        strict=True)]
-        add("load_model, first (warm arena)", gbs(first),
+        add("load_model, first", gbs(first),
             f"store_tensor verify=checksum {gbs(ck)}", med(ratios_ck), "-", None)
+        if one.get("first_requested"):
+            req = one["first_requested"]
+            r_req = [s / f["seconds"] for s, f in zip(one["store"], req, strict=True)]
+            add("load_model, first, slot buffer requested before (not timed: "
+                f"{med([f['request_seconds'] for f in req]) * 1e3:.0f} ms)",
+                gbs(med([f["seconds"] for f in req])), f"store_tensor {gbs(store)}",
+                med(r_req), "-", None)
         for key, label in (("same_name", "re-load, same name"),
                            ("new_name", "re-load, new name"),
-                           ("new_name_no_hash_cache", "re-load, new name, no hash cache")):
+                           ("new_name_no_hash_cache", "re-load, new name, no hash cache"),
+                           ("new_name_requested",
+                            "re-load, new name, slot buffer requested before")):
+            if not one.get(key):
+                continue
             t = [x["seconds"] / f["seconds"] for x, f in zip(one[key], one["first"],
                                                               strict=True)]
             b = [x["bytes_sent"] / max(1, f["bytes_sent"]) for x, f in zip(one[key],
                                                                             one["first"],
                                                                             strict=True)]
             secs = med([x["seconds"] for x in one[key]])
+            goal = key != "new_name_requested"  # a breakdown, not what the goal measures
             add(f"{label}: time", f"{secs * 1e3:.0f} ms", f"first load {first * 1e3:.0f} ms",
-                med(t), "<= 0.10x", med(t) <= 0.10)
+                med(t), "<= 0.10x" if goal else "-", med(t) <= 0.10 if goal else None)
             add(f"{label}: bytes", f"{med([x['bytes_sent'] for x in one[key]]) / MiB:.2f} MiB",
-                f"first load {nbytes / MiB:.0f} MiB", med(b), "<= 0.01x", med(b) <= 0.01)
+                f"first load {nbytes / MiB:.0f} MiB", med(b), "<= 0.01x" if goal else "-",
+                med(b) <= 0.01 if goal else None)
     cold = res.get("cold")
     if cold:
         r = [w / c for w, c in zip(cold["warm_store"], cold["cold_store"], strict=True)]
