@@ -286,11 +286,11 @@ def test_load_rows_absolute_goal() -> None:
     absolute = [r for r in rows if r["goal"] == ">= 10x = 2.1 GB/s (15)"]
     assert len(absolute) == 1 and absolute[0]["met"] is True  # 2.39 GB/s
     assert absolute[0]["ratio"] == pytest.approx(gib / 0.45 / 1e9 / 0.21)
-    relative = [r for r in rows if r["what"] == "load_model, first (warm arena)"
+    relative = [r for r in rows if r["what"] == "load_model, first"
                 and r["goal"] == ">= 0.8x"]
     assert relative[0]["met"] is True  # 0.4 / 0.45 = 0.89
     one["first"] = [{"seconds": 0.6, "bytes_sent": gib}]  # 1.79 GB/s, 0.67x
     rows = load_rows.build_rows({"one": one}, gib)
-    assert [r["met"] for r in rows if r["what"] == "load_model, first (warm arena)"
+    assert [r["met"] for r in rows if r["what"] == "load_model, first"
             and r["goal"] != "-"] == [False, False]
     assert ">= 10x = 2.1 GB/s (15)" in load_rows.render(rows)

@@ -209,6 +209,61 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         await rpcbuf.unload_model(cluster, "hc")
 
 
+async def test_tensors_are_hashed_while_the_buffers_are_requested(
+        clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client hashes ahead while the nodes answer its requests (a node
+    backs new memory first): the requests here wait until every tensor was
+    hashed, and the upload then hashes none again; when the requests answer
+    at once, the upload hashes what was not reached, each tensor once."""
+    import asyncio
+    import contextlib
+
+    from control.client.model import loader
+    from models import llama_tensors, write_safetensors
+
+    monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
+    hashed: list[str] = []
+    during: list[list[str]] = []
+    loop = asyncio.get_running_loop()
+    all_hashed = asyncio.Event()
+
+    def counting(arrays: dict[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+        hashed.extend(arrays)
+        if len(hashed) >= len(model):
+            loop.call_soon_threadsafe(all_hashed.set)
+        return content_hashes(arrays)
+
+    real = loader.place_and_acquire
+
+    async def slow_requests(*a: object, **k: object) -> object:
+        with contextlib.suppress(TimeoutError):  # a node backing fresh memory
+            await asyncio.wait_for(all_hashed.wait(), 10)
+        during.append(list(hashed))
+        return await real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "content_hashes", counting)
+    monkeypatch.setattr(loader, "place_and_acquire", slow_requests)
+    model = llama_tensors(3)
+    path = write_safetensors(tmp_path / "m.safetensors", model)
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token("ahead")) as cluster:
+        res = await rpcbuf.load_model(cluster, path, name="ahead", progress=False,
+                                      hash_cache=False)
+        assert sorted(during[0]) == sorted(model)  # all of it while the requests waited
+        assert sorted(hashed) == sorted(model)  # and nothing hashed again
+        assert res.bytes_sent == res.bytes_total
+        ctx = cluster[clean_pool.addr]
+        back = await ctx.load_tensors((await ctx.list_buffers())[0]["buffer_id"])
+        for name, arr in model.items():
+            np.testing.assert_array_equal(back[name], arr)
+        await rpcbuf.unload_model(cluster, "ahead")
+        monkeypatch.setattr(loader, "place_and_acquire", real)  # answered at once
+        hashed.clear()
+        await rpcbuf.load_model(cluster, path, name="ahead", progress=False,
+                                hash_cache=False)
+        assert sorted(hashed) == sorted(model)  # ahead or by the upload, each once
+        await rpcbuf.unload_model(cluster, "ahead")
+
+
 def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
     from control.daemon import config
     from control.daemon.main import build_parser

@@ -61,37 +61,83 @@ async def test_populate_covers_the_range_in_chunks_and_skips_small_ones() -> Non
     arena = SlowArena()
     n = 2 * prefault.CHUNK + 4096
     assert await prefault.populate(arena, 1000, n) == n
-    assert arena.calls == [(1000, prefault.CHUNK), (1000 + prefault.CHUNK, prefault.CHUNK),
-                           (1000 + 2 * prefault.CHUNK, 4096)]
+    assert sorted(arena.calls) == [(1000, prefault.CHUNK),
+                                   (1000 + prefault.CHUNK, prefault.CHUNK),
+                                   (1000 + 2 * prefault.CHUNK, 4096)]
     assert await prefault.populate(arena, 0, prefault.MIN_BYTES - 1) == 0
     assert await prefault.populate(object(), 0, 1 << 30) == 0  # a GPU arena: no such method
     assert len(arena.calls) == 3
 
 
+def test_one_worker_per_cpu_at_most_threads_never_more_than_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefault.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert prefault.workers(16 * prefault.CHUNK) == 2
+    assert prefault.workers(prefault.CHUNK) == 1
+    monkeypatch.setattr(prefault.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert prefault.workers(16 * prefault.CHUNK) == prefault.THREADS
+
+
+async def test_the_chunks_are_populated_in_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers: two chunks are in the kernel at once (each waits for
+    the other to arrive), every chunk exactly once."""
+    monkeypatch.setattr(prefault, "workers", lambda nbytes: 2)
+    both = threading.Barrier(2, timeout=5)
+
+    first = iter(range(2))
+
+    class Meeting(SlowArena):
+        def prefault_range(self, offset: int, nbytes: int) -> bool:
+            if next(first, None) is not None:  # the first two calls (GIL-atomic)
+                both.wait()  # BrokenBarrierError after 5 s if serial
+            return super().prefault_range(offset, nbytes)
+
+    arena = Meeting()
+    assert await prefault.populate(arena, 0, 6 * prefault.CHUNK) == 6 * prefault.CHUNK
+    assert sorted(arena.calls) == [(i * prefault.CHUNK, prefault.CHUNK) for i in range(6)]
+
+
 async def test_populate_stops_at_its_budget() -> None:
     arena = SlowArena(delay=0.05)
     done = await prefault.populate(arena, 0, 100 * prefault.CHUNK, budget=0.12)
-    assert 0 < done < 100 * prefault.CHUNK and len(arena.calls) <= 4
+    assert 0 < done < 100 * prefault.CHUNK
+    assert len(arena.calls) <= 4 * prefault.workers(100 * prefault.CHUNK)
 
 
 async def test_a_failing_kernel_call_is_logged_not_raised(caplog: pytest.LogCaptureFixture
                                                           ) -> None:
-    assert await prefault.populate(SlowArena(fail=True), 0, prefault.CHUNK) == 0
+    assert await prefault.populate(SlowArena(fail=True), 0, 4 * prefault.CHUNK) == 0
     assert "pre-faulting a new buffer failed" in caplog.text
 
 
-async def test_a_cancelled_populate_waits_for_its_chunk_then_stops() -> None:
+async def test_a_kernel_without_populate_stops_every_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefault, "workers", lambda nbytes: 2)
+
+    class Unsupported(SlowArena):
+        def prefault_range(self, offset: int, nbytes: int) -> bool:
+            self.calls.append((offset, nbytes))
+            return False
+
+    arena = Unsupported()
+    assert await prefault.populate(arena, 0, 50 * prefault.CHUNK) == 0
+    assert len(arena.calls) <= 2  # one attempt per worker, then all stop
+
+
+async def test_a_cancelled_populate_waits_for_its_chunks_then_stops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefault, "workers", lambda nbytes: 2)
     hold = threading.Event()
     arena = SlowArena(hold=hold)
     task = asyncio.ensure_future(prefault.populate(arena, 0, 10 * prefault.CHUNK))
     await asyncio.to_thread(arena.inside.wait, 5)
     task.cancel()
     await asyncio.sleep(0.05)
-    assert not task.done()  # still waiting for the chunk in the worker
+    assert not task.done()  # still waiting for the chunks in the workers
     hold.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert len(arena.calls) == 1  # nothing after the cancel
+    assert len(arena.calls) <= 2  # each worker's current chunk, nothing after the cancel
 
 
 def test_wanted_only_for_big_host_buffers() -> None:

@@ -9,7 +9,9 @@
    ``calculate_buffer_size(..., headroom=0)`` on that slot's device; a buffer
    of that name that already holds part of this slot's plan is reused (a
    re-load, or a retry after a failure, then fills it in place); if any
-   request fails, the buffers just created are released and nothing is sent;
+   request fails, the buffers just created are released and nothing is sent.
+   Meanwhile a worker thread hashes the tensors the hash cache does not know
+   (``_HashAhead``: a node backs a new buffer's memory before it answers);
 3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
    thread reads and hashes the next batch, each tensor once, while this one
    travels), place it with ``store_tensors_dedup`` (the node places what
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -148,6 +151,9 @@ class _KnownHashes:
         file, offset = self.model.where(spec.name)
         return self.fkeys[file], tensor_key(spec.name, offset, spec.nbytes)
 
+    def knows(self, spec: TensorSpec) -> bool:
+        return self.cache.get(*self._key(spec)) is not None
+
     def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
         out = {}
         for s in batch:
@@ -173,16 +179,64 @@ class _KnownHashes:
             self.cache.save()
 
 
-def _read(model: ModelFile, batch: list[TensorSpec], known: _KnownHashes | None = None
+def _read(model: ModelFile, batch: list[TensorSpec], known: _KnownHashes | None = None,
+          ahead: dict[str, tuple[int, int]] | None = None
           ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
     """The batch's arrays (memory-map views: nothing is read yet) and their
-    hashes, computed only for the tensors the hash cache does not know."""
+    hashes, computed only for the tensors neither ``ahead`` (``_HashAhead``)
+    nor the hash cache knows."""
     arrays = model.read([s.name for s in batch])
-    cached = known.lookup(batch) if known is not None else {}
-    fresh = content_hashes({n: a for n, a in arrays.items() if n not in cached})
-    if known is not None and fresh:
-        known.record(batch, fresh)
-    return arrays, {**cached, **fresh}
+    early = {n: ahead[n] for n in arrays if n in ahead} if ahead else {}
+    cached = known.lookup([s for s in batch if s.name not in early]) \
+        if known is not None else {}
+    fresh = content_hashes({n: a for n, a in arrays.items()
+                            if n not in cached and n not in early})
+    if known is not None and (fresh or early):
+        known.record(batch, {**early, **fresh})
+    return arrays, {**cached, **early, **fresh}
+
+
+class _HashAhead:
+    """Hashes the model's tensors, in file order, in a worker thread while
+    the nodes answer the buffer requests: a new buffer's fresh memory is
+    backed before its request is answered (0.6-1 s per GiB on the 2-core
+    VM), time in which this client would otherwise wait idle and then hash
+    during the transfer, where both cores are busy.  ``stop`` ends it at
+    its next tensor, so the upload waits for at most one tensor's hash;
+    what it has not reached is hashed by the upload's read-ahead as before.
+    Tensors the hash cache knows are skipped."""
+
+    def __init__(self, model: ModelFile, known: _KnownHashes | None) -> None:
+        self.hashes: dict[str, tuple[int, int]] = {}
+        self._model, self._known = model, known
+        self._stop = threading.Event()
+        self._job = asyncio.ensure_future(asyncio.to_thread(self._run))
+
+    def _run(self) -> None:
+        known = self._known
+        for group in _batches(self._model.tensors, DEFAULT_BATCH):
+            todo = [s.name for s in group if known is None or not known.knows(s)]
+            for n, a in (self._model.read(todo) if todo else {}).items():
+                if self._stop.is_set():
+                    return
+                self.hashes.update(content_hashes({n: a}))
+
+    async def stop(self) -> dict[str, tuple[int, int]]:
+        """Stop at the next tensor and wait for that (even when cancelled:
+        the thread reads the model's mapping, which the caller closes after);
+        the hashes so far."""
+        self._stop.set()
+        cancelled = False
+        while not self._job.done():
+            try:
+                await asyncio.wait([self._job])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        if not self._job.cancelled():
+            self._job.exception()  # a file that vanished: the upload will say so
+        return self.hashes
 
 
 @dataclass
@@ -269,14 +323,19 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
             known = await asyncio.to_thread(_KnownHashes, model)
         except OSError:
             known = None  # cannot stat the files: hash them
+    hashing = _HashAhead(model, known)
     try:
-        plan, existing, jobs = await place_and_acquire(
-            cluster, name, [(t.name, t.nbytes) for t in model.tensors], model.by_name.__getitem__,
-            MD.encode(model.format, model.metadata), placement)
+        try:
+            plan, existing, jobs = await place_and_acquire(
+                cluster, name, [(t.name, t.nbytes) for t in model.tensors],
+                model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement)
+        finally:
+            ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
         bar = start_progress(jobs, stats, progress, on_progress)
         try:
-            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known)
+            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known,
+                          ahead)
         finally:
             bar.close()
         if known is not None:
@@ -396,7 +455,8 @@ async def _release_created(cluster: Cluster, jobs: list[_SlotJob]) -> dict[str, 
 
 async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                   stats: dict[str, NodeStats], bar: _Progress, batch_bytes: int,
-                  dedup: bool, t0: float, known: _KnownHashes | None = None) -> None:
+                  dedup: bool, t0: float, known: _KnownHashes | None = None,
+                  ahead: dict[str, tuple[int, int]] | None = None) -> None:
     failed = asyncio.Event()  # the other slots stop at their next batch
 
     async def one(j: _SlotJob) -> None:
@@ -424,20 +484,20 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
 
         # Batch k+1 is read and hashed (a worker thread) and sent while batch k's
         # answer is still on its way: the node verifies k while k+1 travels.
-        ahead: asyncio.Future[Any] | None = None
+        reading: asyncio.Future[Any] | None = None
         sending: deque[asyncio.Future[None]] = deque()
         try:
             for k, batch in enumerate(batches):
                 if failed.is_set():
                     return
-                if ahead is None:
-                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model, batch,
-                                                                    known))
-                arrays, hashes = await ahead
-                ahead = None
+                if reading is None:
+                    reading = asyncio.ensure_future(asyncio.to_thread(_read, model, batch,
+                                                                      known, ahead))
+                arrays, hashes = await reading
+                reading = None
                 if k + 1 < len(batches):
-                    ahead = asyncio.ensure_future(asyncio.to_thread(_read, model,
-                                                                    batches[k + 1], known))
+                    reading = asyncio.ensure_future(asyncio.to_thread(
+                        _read, model, batches[k + 1], known, ahead))
                 sums.update({n: h[1] for n, h in hashes.items()})
                 sending.append(asyncio.ensure_future(store(arrays, hashes)))
                 del arrays, hashes
@@ -452,7 +512,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
             failed.set()
             raise
         finally:
-            left = [f for f in (ahead, *sending) if f is not None]
+            left = [f for f in (reading, *sending) if f is not None]
             for f in left:
                 f.cancel()
             if left:  # collected, so no error of theirs goes unretrieved
