@@ -122,16 +122,47 @@ class Area:
 class _Cursor:
     """Where the next byte of a sequence of pieces is."""
 
-    __slots__ = ("done", "offset", "pieces")
+    __slots__ = ("_ends", "done", "offset", "pieces")
 
     def __init__(self, pieces: Sequence[np.ndarray]) -> None:
         self.pieces, self.done, self.offset = pieces, 0, 0
+        self._ends: np.ndarray | None = None  # cumulative sizes, for runs of whole pieces
+
+    def _whole(self, room: int) -> int:
+        """How many whole pieces from ``done`` on fit in ``room`` bytes (0
+        unless they are flat uint8 arrays, which one ``np.concatenate`` can
+        join straight into the slot)."""
+        if self._ends is None:
+            pieces = self.pieces
+            if len(pieces) < 8 or not all(p.dtype == np.uint8 and p.ndim == 1 for p in pieces):
+                self._ends = np.empty(0, dtype=np.int64)
+            else:
+                self._ends = np.cumsum([p.nbytes for p in pieces], dtype=np.int64)
+        ends = self._ends
+        if not len(ends):
+            return 0
+        base = int(ends[self.done - 1]) if self.done else 0
+        return int(np.searchsorted(ends, base + room, side="right")) - self.done
 
     def copy(self, slot: np.ndarray, into_slot: bool) -> None:
         """Fill ``slot`` from the pieces (``into_slot``) or the pieces from it."""
         at, n = 0, slot.nbytes
         pieces = self.pieces
         while at < n:
+            if into_slot and not self.offset:
+                # Many small pieces (a batch of small tensors): those that fit
+                # whole go in with one C call, not one Python step each.
+                k = self._whole(n - at)
+                if k > 1:
+                    first, ends = self.done, self._ends
+                    assert ends is not None
+                    total = int(ends[first + k - 1]) - (int(ends[first - 1]) if first else 0)
+                    np.concatenate(pieces[first:first + k], out=slot[at:at + total])
+                    at += total
+                    self.done = first + k
+                    while self.done < len(pieces) and not pieces[self.done].nbytes:
+                        self.done += 1
+                    continue
             piece = pieces[self.done]
             take = min(piece.nbytes - self.offset, n - at)
             if into_slot:
