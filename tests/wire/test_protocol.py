@@ -190,3 +190,25 @@ def test_one_message_at_a_time_under_a_limit_that_changes() -> None:
     strict = P.FrameDecoder(P.HELLO_MAX_FRAME, why=" before hello")
     with pytest.raises(P.FrameError, match="before hello"):
         strict.feed(big)
+
+
+@pytest.mark.parametrize("names", [
+    ["a", 7], ["a", None], ["ok", "line\nbreak"], ["esc\x1b[31m"], ["x" * (P.MAX_STR + 1)],
+    [b"bytes"], "not a list",
+])
+def test_string_lists_are_checked_item_by_item(names: object) -> None:
+    """Names and dtypes of a big batch (checked in C calls: one join, one
+    printability test, one max length): any non-string, non-printable or
+    overlong item refuses the request."""
+    msg = {"op": "store_batch", "id": 1, "buffer_id": "b1", "offsets": b"", "sizes": b"",
+           "names": names}
+    with pytest.raises(P.RequestError):
+        P.parse_request(msg)
+
+
+def test_string_lists_that_are_fine_pass() -> None:
+    names = ["layers.0.w", "é-ünïcode", "x" * P.MAX_STR, ""]
+    msg = {"op": "store_batch", "id": 1, "buffer_id": "b1", "offsets": b"", "sizes": b"",
+           "names": names}
+    _, req = P.parse_request(msg)
+    assert req.names == names  # type: ignore[attr-defined]

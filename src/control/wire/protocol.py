@@ -163,9 +163,13 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
                 raise BadRequest(f"{op}: {name} must hold source types ([A-Za-z0-9_], 1 to "
                                  f"{MAX_SOURCE_TYPE} characters) or nulls")
             return value
-        if inner_tp is str:  # fast path: names and dtypes of big batches
-            if not all(isinstance(v, str) and len(v) <= MAX_STR and v.isprintable()
-                       for v in value):
+        if inner_tp is str:  # fast path: names and dtypes of big batches, in C calls
+            try:
+                joined = "".join(value)  # TypeError unless every item is a str
+            except TypeError:
+                joined = None
+            if joined is None or not joined.isprintable() or (
+                    value and max(map(len, value)) > MAX_STR):
                 raise BadRequest(f"{op}: {name} must hold printable strings of at most "
                                  f"{MAX_STR} characters")
             return value
