@@ -93,13 +93,13 @@ def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
         add("request_buffer + first store, fresh daemon", gbs(med(both)),
             f"same buffer again {gbs(med(cold['warm_store']))}", med(rb), "-", None,
             request_seconds=med(cold["request"]))
-        if cold.get("prefault_start"):
-            add("--prefault: arena backed at start (background)",
-                f"{med(cold['prefault_start']):.2f} s", f"a {cold['arena'][0] / GiB:.0f} GiB arena",
+        if cold.get("prefault_request"):
+            add("--prefault: request_buffer (backs the new buffer)",
+                f"{med(cold['prefault_request']):.2f} s", f"{nbytes / GiB:g} GiB buffer",
                 None, "-", None)
             ra = [w / a for w, a in zip(cold["warm_store"], cold["after_prefault_store"],
                                         strict=True)]
-            add("first store after --prefault finished", gbs(med(cold["after_prefault_store"])),
+            add("first store, --prefault daemon", gbs(med(cold["after_prefault_store"])),
                 f"same buffer again {gbs(med(cold['warm_store']))}", med(ra), "-", None)
         if one:
             secs = med([x["seconds"] for x in cold["cold_load"]])

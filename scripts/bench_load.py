@@ -35,8 +35,9 @@ repetition.
   ``store_tensor`` into it, against a second store into the same, now warm,
   buffer of the same daemon (goal: the first store not below 1/6 of warm);
   ``load_model`` into a fresh daemon against the warm store of *one*; and a
-  daemon started with ``--prefault``: how long backing its arena took (its
-  log line) and a store once it is done.  A fresh daemon often gets memory
+  daemon started with ``--prefault``: its ``request_buffer`` (which backs
+  the new buffer, whatever its size) and the first store into it.  A fresh
+  daemon often gets memory
   another process just freed, which faults in faster than memory nobody
   touched for a while: the first repetition is usually the coldest (the
   JSON keeps each).
@@ -186,7 +187,7 @@ async def section_cold(tmp: Path, model: Path, data: np.ndarray, reps: int) -> d
     nbytes = int(data.nbytes)
     arena = 1 << max(24, (2 * nbytes - 1).bit_length())
     out: dict[str, list[Any]] = {"request": [], "cold_store": [], "warm_store": [],
-                                 "cold_load": [], "prefault_start": [],
+                                 "cold_load": [], "prefault_request": [],
                                  "after_prefault_store": [], "arena": [arena]}
     for r in range(reps):
         with Daemon(tmp / f"cold-store-{r}", "--device", f"cpu:{arena}") as daemon:
@@ -202,32 +203,19 @@ async def section_cold(tmp: Path, model: Path, data: np.ndarray, reps: int) -> d
                 c = Client(cluster, model, tmp)
                 c.fresh_hash_cache()
                 out["cold_load"].append(await c.load("m"))
-        # --prefault: the whole arena backed at start, in a background thread
-        with Daemon(tmp / f"prefault-{r}", "--device", f"cpu:{arena}", "--prefault",
-                    log_level="INFO") as daemon:
-            out["prefault_start"].append(prefault_seconds(daemon.log, 120.0))
+        # --prefault: every new buffer backed before request_buffer answers
+        # (per-buffer memory: nothing is backed at start any more)
+        with Daemon(tmp / f"prefault-{r}", "--device", f"cpu:{arena}", "--prefault") as daemon:
             async with rpcbuf.connect(daemon.addr, token=daemon.token, timeout=120) as ctx:
+                t = time.perf_counter()
                 bid = await ctx.request_buffer(nbytes)
+                out["prefault_request"].append(time.perf_counter() - t)
                 out["after_prefault_store"].append(await store_time(ctx, bid, data))
         progress(f"cold: repetition {r + 1}/{reps}: request {out['request'][-1]:.3f} s, first "
                  f"store {out['cold_store'][-1]:.3f} s, second {out['warm_store'][-1]:.3f} s, "
-                 f"cold load {out['cold_load'][-1]['seconds']:.3f} s, --prefault "
-                 f"{out['prefault_start'][-1]:.2f} s at start")
+                 f"cold load {out['cold_load'][-1]['seconds']:.3f} s, --prefault request "
+                 f"{out['prefault_request'][-1]:.3f} s")
     return out
-
-
-def prefault_seconds(log: Path, timeout: float) -> float:
-    """How long ``--prefault`` took, from the daemon's log line (waited for)."""
-    import re
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"--prefault: \S+: \d+ bytes resident in ([0-9.]+) s",
-                      log.read_text(errors="replace"))
-        if m:
-            return float(m.group(1))
-        time.sleep(0.05)
-    return float("nan")
 
 
 def section_netns(tmp: Path, model: Path, reps: int) -> dict[str, Any]:
