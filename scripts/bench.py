@@ -172,7 +172,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
@@ -201,7 +200,7 @@ from _bench_refs import EchoClient, RawUcxx, SockPeer  # noqa: E402
 from _bench_rows import build_rows, notes, render  # noqa: E402
 from benchkit import procs, size_name  # noqa: E402
 from benchkit.interrupt import Interrupted, interruptible, note_signals  # noqa: E402
-from benchkit.report import machine_meta, progress_printer, write_json  # noqa: E402
+from benchkit.report import machine_meta, progress_printer, read_stored, write_json  # noqa: E402
 from benchkit.timing import cpu_split  # noqa: E402
 
 progress = progress_printer("bench")
@@ -343,14 +342,8 @@ def print_path_note(results: dict[str, Any]) -> None:
 def render_stored(path: str) -> int:
     """``--render``: the table of a stored run, rebuilt from its numbers (an
     older file's missing numbers drop their rows or read "not measured")."""
-    try:
-        with open(path) as f:
-            results = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"bench.py: --render {path}: {exc}", file=sys.stderr)
-        return 2
-    if not isinstance(results, dict):
-        print(f"bench.py: --render {path}: not a bench.py JSON object", file=sys.stderr)
+    results = read_stored(path, "bench.py")
+    if results is None:
         return 2
     print(render(build_rows(results), notes(results)))
     print_path_note(results)

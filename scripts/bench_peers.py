@@ -68,7 +68,6 @@ ucx.apply_defaults()  # rpcbuf's UCX defaults, for us and the daemon (the peers 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -88,7 +87,7 @@ from _bench_peers_table import goals_json, render  # noqa: E402
 from _bench_refs import RawUcxx  # noqa: E402
 from benchkit import procs  # noqa: E402
 from benchkit.interrupt import Interrupted, interruptible, note_signals  # noqa: E402
-from benchkit.report import machine_meta, progress_printer, write_json  # noqa: E402
+from benchkit.report import machine_meta, progress_printer, read_stored, write_json  # noqa: E402
 from benchkit.timing import summarize  # noqa: E402
 
 progress = progress_printer("bench_peers")
@@ -175,15 +174,8 @@ def summaries(samples: dict[str, Any], peers: dict[str, Any]) -> dict[str, Any]:
 
 def render_stored(path: str) -> int:
     """``--render``: the tables of a stored run, rebuilt from its numbers."""
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"bench_peers.py: --render {path}: {exc}", file=sys.stderr)
-        return 2
-    if not isinstance(report, dict):
-        print(f"bench_peers.py: --render {path}: not a bench_peers.py JSON object",
-              file=sys.stderr)
+    report = read_stored(path, "bench_peers.py")
+    if report is None:
         return 2
     print(render(report))
     for note in report.get("notes") or []:

@@ -59,3 +59,21 @@ def progress_printer(script: str) -> Callable[[str], None]:
     def progress(msg: str) -> None:
         print(f"[{script}] {msg}", file=sys.stderr, flush=True)
     return progress
+
+
+def read_stored(path: str, script: str) -> dict[str, Any] | None:
+    """A stored run's JSON object (``--render``), or None with the reason
+    printed to stderr (``script``: who says so)."""
+    import json
+    import sys
+
+    try:
+        with open(path) as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"{script}: --render {path}: {exc}", file=sys.stderr)
+        return None
+    if not isinstance(stored, dict):
+        print(f"{script}: --render {path}: not a {script} JSON object", file=sys.stderr)
+        return None
+    return stored

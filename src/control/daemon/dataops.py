@@ -100,15 +100,12 @@ class DataOps:
         now has nothing in flight, so a refusal drains nothing."""
         if req.wire_dtype is not None:
             return None
-        path = self._ops.path(req)
-        items = Items.one(req.offset, req.nbytes, req.stage)
-        if not path.now(items):
+        found = self._now_target(req)
+        if found is None:
             return None
-        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
-        check_range(buf, req.offset, req.nbytes)
+        path, items, buf = found
         if req.verify == "checksum" and req.checksum is None:
             raise BadRequest("verify='checksum' needs the client's checksum")
-        path.check(buf)
         region = Region(buf.pool.arena, buf.offset)
 
         def now() -> dict[str, Any]:
@@ -118,6 +115,18 @@ class DataOps:
         return self._pipe.run_now(Plan(
             "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, now=now,
             nbytes=req.nbytes, counter="bytes_stored"))
+
+    def _now_target(self, req: P.Store | P.Read) -> tuple[DataPath, Items, Buffer] | None:
+        """The path, items and buffer (looked up, range and path checked) of
+        a plain store or read whose bytes need no waiting; None otherwise."""
+        path = self._ops.path(req)
+        items = Items.one(req.offset, req.nbytes, req.stage)
+        if not path.now(items):
+            return None
+        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
+        check_range(buf, req.offset, req.nbytes)
+        path.check(buf)
+        return path, items, buf
 
     def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
         """After the bytes landed (range still locked): verify."""
@@ -248,13 +257,10 @@ class DataOps:
 
     def read_now(self, req: P.Read) -> dict[str, Any] | None:
         """``read`` served synchronously where nothing waits (see ``store_now``)."""
-        path = self._ops.path(req)
-        items = Items.one(req.offset, req.nbytes, req.stage)
-        if not path.now(items):
+        found = self._now_target(req)
+        if found is None:
             return None
-        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
-        check_range(buf, req.offset, req.nbytes)
-        path.check(buf)
+        path, items, buf = found
         region = Region(buf.pool.arena, buf.offset)
 
         def now() -> dict[str, Any]:

@@ -253,9 +253,7 @@ class StagedPath:
         self._ring_busy = False
 
     def check(self, buf: Buffer) -> None:
-        if getattr(buf.pool.arena, "address", None) is None:
-            raise BadRequest(f"the same-host path serves host buffers; {buf.buffer_id} is on "
-                             f"{buf.pool.key}: use the UCX path", {"reason": "device_memory"})
+        host_only(buf, "the same-host path serves host buffers")
 
     def messages(self, items: Items) -> int:
         return 0
@@ -371,9 +369,7 @@ class InlinePath:
         self._out: bytes | None = None
 
     def check(self, buf: Buffer) -> None:
-        if getattr(buf.pool.arena, "address", None) is None:
-            raise BadRequest(f"bytes in a frame are for host buffers; {buf.buffer_id} is on "
-                             f"{buf.pool.key}: use UCX", {"reason": "device_memory"})
+        host_only(buf, "bytes in a frame are for host buffers")
 
     def messages(self, items: Items) -> int:
         return 0
@@ -412,6 +408,13 @@ class InlinePath:
 
     async def drain(self, req_id: int, items: Items) -> None:
         pass  # the bytes came in the request's frame: nothing to swallow
+
+
+def host_only(buf: Buffer, why: str) -> None:
+    """BAD_REQUEST ``device_memory`` (the client then uses UCX) for a device buffer."""
+    if getattr(buf.pool.arena, "address", None) is None:
+        raise BadRequest(f"{why}; {buf.buffer_id} is on {buf.pool.key}: use the UCX path",
+                         {"reason": "device_memory"})
 
 
 async def outlast(fut: asyncio.Future[Any], stopping: Callable[[], bool]) -> None:
