@@ -220,3 +220,27 @@ async def test_a_small_frame_limit_lowers_inline_max(daemon_factory) -> None:  #
             assert np.array_equal(await c.read_buffer(bid, 0, n), data)
         assert over_ucx == ["send", "receive"]  # only the 32 KiB one
         assert P.inline_max(100) == 0
+
+
+def test_a_bad_inline_store_behind_a_task_is_refused_before_its_lock(
+        daemon: DaemonProc) -> None:
+    """Behind an earlier task the store runs as a task itself: its byte
+    count is still checked before anything is locked, and nothing changes."""
+    from hardening.rawwire import frame
+
+    raw = _hello(daemon)
+    try:
+        bid = raw.call("request_buffer", size=8192)["result"]["buffer_id"]
+        assert raw.call("store", buffer_id=bid, offset=0, nbytes=4, data=b"good")["ok"]
+        raw.send(frame({"op": "clear_buffer", "id": 500, "buffer_id": bid, "offset": 4096,
+                        "nbytes": 4096, "value": 3})
+                 + frame({"op": "store", "id": 501, "buffer_id": bid, "offset": 0,
+                          "nbytes": 4, "data": b"bad"}))
+        answers = {m["id"]: m for m in (raw.recv(), raw.recv()) if m is not None}
+        assert answers[500]["ok"]
+        assert answers[501]["error"]["code"] == "BAD_REQUEST", answers[501]
+        got = raw.call("read", buffer_id=bid, offset=0, nbytes=4, inline=True)
+        assert got["result"]["data"] == b"good"
+        assert raw.call("release", buffer_id=bid)["ok"]
+    finally:
+        raw.sock.close()

@@ -70,6 +70,10 @@ class DataOps:
             if req.wire_dtype is not None:
                 check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
             path.check(buf)
+            # What the path can tell before anything is locked (a bad stage,
+            # a frame's byte count): refused here, it leaves no trace.
+            wire = req.nbytes // 2 if req.wire_dtype is not None else req.nbytes
+            path.now(Items.one(req.offset, wire, req.stage))
         except RpcBufError:
             if req.nbytes:
                 await path.drain(call.req_id, Items.one(req.offset, req.nbytes))
@@ -242,6 +246,7 @@ class DataOps:
         path.check(buf)
         region, items = Region(buf.pool.arena, buf.offset), \
             Items.one(req.offset, req.nbytes, req.stage)
+        path.now(items)  # a bad stage or an over-long inline read: refused before the lock
         answer = {"nbytes": req.nbytes}
 
         def move() -> Any:
