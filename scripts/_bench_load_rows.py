@@ -95,7 +95,7 @@ def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
             request_seconds=med(cold["request"]))
         if cold.get("prefault_request"):
             add("--prefault: request_buffer (backs the new buffer)",
-                f"{med(cold['prefault_request']):.2f} s", f"{nbytes / GiB:g} GiB buffer",
+                f"{med(cold['prefault_request']):.2f} s", f"{nbytes / MiB:.0f} MiB buffer",
                 None, "-", None)
             ra = [w / a for w, a in zip(cold["warm_store"], cold["after_prefault_store"],
                                         strict=True)]
