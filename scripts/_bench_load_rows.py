@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchkit import GiB, MiB
+from benchkit import MiB
 from benchkit.report import format_table
 
 LOAD_GBPS_GOAL = 2.1  # issue 15: load_model of 1 GiB onto one node over tcp, GB/s
