@@ -128,3 +128,18 @@ def write_quantized_gguf(path: Path, seed: int = 3) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def corrupt_tensor(path: Path, tensor: str) -> None:
+    """Flip one byte of ``tensor``'s data in the model file at ``path`` (its
+    sixth: a flip always changes it, whatever the byte was)."""
+    from control.client.model.modelfile import open_model
+
+    model = open_model(path)
+    _, at = model.where(tensor)
+    model.close()
+    with open(path, "r+b") as f:
+        f.seek(at + 5)
+        byte = f.read(1)
+        f.seek(at + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -24,7 +24,7 @@ import pytest
 from conftest import ROOT
 from control.client.model import metadata as MD
 from control.client.model.modelfile import open_model
-from models import llama_tensors, write_safetensors
+from models import corrupt_tensor, llama_tensors, write_safetensors
 from netns import NetnsCluster, plan, remove_leftovers, setup, teardown, unavailable
 
 VICTIM = "model.layers.2.mlp.down_proj.weight"
@@ -48,7 +48,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsClust
         if i < 2:
             shutil.copy(model, models / "llama.safetensors")
         if i == 1:
-            _corrupt(models / "llama.safetensors", VICTIM)
+            corrupt_tensor(models / "llama.safetensors", VICTIM)
     try:
         setup(cluster)
         for h in cluster.hosts:
@@ -58,15 +58,6 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsClust
         yield cluster, model
     finally:
         teardown(cluster)
-
-
-def _corrupt(path: Path, tensor: str) -> None:
-    m = open_model(path)
-    _, at = m.where(tensor)
-    m.close()
-    with open(path, "r+b") as f:
-        f.seek(at + 100)
-        f.write(b"\x00\x01\x02\x03")
 
 
 def cli(c: NetnsCluster, *args: str) -> subprocess.CompletedProcess[str]:

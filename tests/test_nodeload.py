@@ -29,7 +29,7 @@ from control.client.model.hashfile import MAX_BYTES, describe, manifest_path
 from control.client.model.modelfile import open_model
 from control.daemon import logs
 from control.wire import protocol as P
-from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
+from models import corrupt_tensor, gguf_tensors, llama_tensors, write_gguf, write_safetensors
 
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 FAKE_CUPY = Path(__file__).parent / "fakecupy"
@@ -48,17 +48,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc,
                      "--audit-log", str(tmp / "audit.log"))
     yield d, models, local
     assert d.stop() == 0, d.log()
-
-
-def corrupt(path: Path, tensor: str) -> None:
-    model = open_model(path)
-    _, at = model.where(tensor)
-    model.close()
-    with open(path, "r+b") as f:
-        f.seek(at + 5)
-        byte = f.read(1)
-        f.seek(at + 5)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 async def free(d: DaemonProc) -> int:
@@ -170,7 +159,7 @@ async def test_a_corrupt_copy_fails_naming_the_tensor_and_leaves_nothing(
         node: tuple[DaemonProc, Path, Path]) -> None:
     d, models, local = node
     shutil.copy(local / "tiny.safetensors", models / "bad.safetensors")
-    corrupt(models / "bad.safetensors", VICTIM)
+    corrupt_tensor(models / "bad.safetensors", VICTIM)
     start = await free(d)
     async with rpcbuf.Cluster.connect(d.addr, d.token("alice"), timeout=10) as cluster:
         with pytest.raises(rpcbuf.ClusterError) as info:
