@@ -386,8 +386,7 @@ class InlinePath:
     def move_now(self, out: bool, region: Region, items: Items) -> None:
         pieces = [region.view(off, n) for off, n, _, _ in items.runs() if n]
         if out:
-            self._out = b"".join(p.tobytes() for p in pieces) if len(pieces) != 1 \
-                else pieces[0].tobytes()
+            self._out = b"".join(p.tobytes() for p in pieces)  # one piece: no extra copy
         else:
             assert self._data is not None
             staging.scatter(np.frombuffer(self._data, dtype=np.uint8), pieces)
