@@ -9,10 +9,13 @@ line of defence, even though the daemon checks them before any transfer.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,8 +49,23 @@ class HostArena:
     maps each memfd read-write and then seals it read-only (``shm``): every
     handle it ever gives away is read-only by construction, while its own
     mapping, made before the seal, keeps writing.  Memory outside any buffer
-    is unbacked anonymous memory.  Offsets and block sizes are multiples of
-    ``granularity`` (the page size), which the allocator is told."""
+    is unbacked anonymous memory, or a *kept* block (``keep``).  Offsets and
+    block sizes are multiples of ``granularity`` (the page size), which the
+    allocator is told.
+
+    Kept blocks: backing a block costs four system calls and, for a large
+    one, the kernel's page faults (about 1 s per GiB on the development VM),
+    and unbacking it two calls and the unmapping (0.3 s per GiB).  So a
+    freed block whose memfd never left the daemon (never ``export``-ed: no
+    reader can hold its fd) stays mapped where it was, up to ``keep`` bytes
+    of them, and is zeroed: blocks up to ``ZERO_NOW`` at once, larger ones by
+    one background thread, ``ZERO_CHUNK`` at a time under the block's lock.
+    A ``back`` of exactly that block (same offset and size: what the
+    allocators hand out again for the same request) takes it over when it
+    is all zero; any other ``back`` overlapping a kept block, one not yet
+    zeroed, and the least recently kept ones beyond ``keep`` go back to
+    unbacked memory as before.  Nothing another tenant wrote survives into
+    a kept block's next buffer, and no old handle reaches it."""
 
     device_type = "CPU"
     granularity = shm.PAGE
@@ -65,15 +83,43 @@ class HostArena:
         self._bytes = self._mem.data  # a memoryview: slicing it is cheaper than numpy views
         self.address = int(self._mem.ctypes.data)
         self._fds: dict[int, tuple[int, int]] = {}  # offset -> (memfd, nbytes)
+        self._exported: set[int] = set()  # offsets of live blocks whose memfd left the daemon
+        self.keep = 0  # bytes of freed, never-exported blocks kept backed (the daemon sets it)
+        self._kept: dict[int, Zeroing] = {}  # offset -> kept block, least recently kept first
+        self._zeroing: dict[int, Zeroing] = {}  # live blocks taken over before they were zeroed
+        self._kept_at: list[int] = []  # their offsets, sorted (kept blocks never overlap)
+        self.kept_bytes = 0
+        self.reused = 0  # backs served by a kept block
+        self._zeroer: _Zeroer | None = None
 
-    def back(self, offset: int, nbytes: int) -> None:
+    def back(self, offset: int, nbytes: int) -> Zeroing | None:
         """Give ``[offset, offset + nbytes)`` (a fresh block) its own memfd,
-        mapped here read-write, then sealed read-only for everyone else."""
+        mapped here read-write, then sealed read-only for everyone else; or
+        the kept memfd of exactly that block.  None: its bytes are all zero
+        now.  A ``Zeroing``: a kept block still being zeroed, which nothing
+        may read or write before its ``then`` callback (the caller locks the
+        buffer until then: ``Registry``)."""
         g = self.granularity
         if offset % g or nbytes % g or nbytes <= 0 or offset + nbytes > len(self._map):
             raise ValueError(f"[{offset}, +{nbytes}) is not whole pages of this arena")
         if offset in self._fds:
             raise RuntimeError(f"block {offset} is backed already")  # a bug: say so
+        if self._kept:
+            kept = self._kept.get(offset)
+            if kept is not None and kept.nbytes == nbytes:
+                return self._take(offset, kept)
+            self._drop_overlapping(offset, nbytes)
+        try:
+            fd = self._new_memfd(offset, nbytes)
+        except OSError:
+            if not self._kept:
+                raise
+            self._drop_all()  # no memory or no fds left: what is kept goes first
+            fd = self._new_memfd(offset, nbytes)
+        self._fds[offset] = (fd, nbytes)
+        return None
+
+    def _new_memfd(self, offset: int, nbytes: int) -> int:
         fd = shm.memfd(nbytes, "rpcbuf-buffer")
         try:
             shm.map_fixed(self.address + offset, nbytes, fd)
@@ -82,24 +128,90 @@ class HostArena:
             os.close(fd)
             shm.map_anonymous(self.address + offset, nbytes)
             raise
-        self._fds[offset] = (fd, nbytes)
+        return fd
 
     def unback(self, offset: int, nbytes: int) -> None:
-        """The block goes back to unbacked anonymous memory; its memfd's pages
-        are freed once no reader maps them any more."""
+        """The block goes back to unbacked anonymous memory, its memfd's pages
+        freed once no reader maps them any more; or, never exported and
+        within ``keep``, it is kept for the next ``back`` of the same block,
+        zeroed first (see the class docstring)."""
         fd, backed = self._fds[offset]
         if backed != nbytes:
             raise RuntimeError(f"block {offset} was backed with {backed} bytes, not {nbytes}")
         del self._fds[offset]
-        shm.map_anonymous(self.address + offset, nbytes)
-        os.close(fd)
+        exported = offset in self._exported
+        self._exported.discard(offset)
+        zeroing = self._zeroing.pop(offset, None)
+        if zeroing is not None:  # freed before it was zeroed for its buffer: stop that
+            with zeroing.lock:
+                zeroing.stopped = True
+        if exported or nbytes > self.keep:
+            shm.map_anonymous(self.address + offset, nbytes)
+            os.close(fd)
+            return
+        while self._kept and (self.kept_bytes + nbytes > self.keep
+                              or len(self._kept) >= MAX_KEPT):
+            old = next(iter(self._kept))  # the least recently kept
+            self._drop(old, self._kept[old])
+        kept = Zeroing(fd, nbytes)
+        self._kept[offset] = kept
+        bisect.insort(self._kept_at, offset)
+        self.kept_bytes += nbytes
+        if nbytes <= ZERO_NOW:
+            ctypes.memset(self.address + offset, 0, nbytes)
+            kept.clean = True
+        else:
+            if self._zeroer is None:
+                self._zeroer = _Zeroer()
+            self._zeroer.put(self.address + offset, kept)
+
+    def _take(self, offset: int, kept: Zeroing) -> Zeroing | None:
+        """The kept block at ``offset`` becomes a buffer's again: None if it
+        is all zero, else its ``Zeroing`` (the zeroer goes on with it)."""
+        del self._kept[offset]
+        del self._kept_at[bisect.bisect_left(self._kept_at, offset)]
+        self.kept_bytes -= kept.nbytes
+        self._fds[offset] = (kept.fd, kept.nbytes)
+        self.reused += 1
+        with kept.lock:
+            if kept.clean:
+                return None
+            self._zeroing[offset] = kept
+            return kept
+
+    def _drop(self, offset: int, kept: Zeroing) -> None:
+        """The kept block goes back to unbacked memory (after the zeroer's
+        current chunk of it, if any)."""
+        with kept.lock:
+            kept.stopped = True
+        del self._kept[offset]
+        del self._kept_at[bisect.bisect_left(self._kept_at, offset)]
+        self.kept_bytes -= kept.nbytes
+        shm.map_anonymous(self.address + offset, kept.nbytes)
+        os.close(kept.fd)
+
+    def _drop_overlapping(self, offset: int, nbytes: int) -> None:
+        at = self._kept_at
+        i = bisect.bisect_left(at, offset + nbytes)  # the kept blocks starting below the end
+        while i > 0:
+            start = at[i - 1]
+            kept = self._kept[start]
+            if start + kept.nbytes <= offset:
+                break  # sorted and disjoint: the ones further down end below it too
+            self._drop(start, kept)
+            i -= 1
+
+    def _drop_all(self) -> None:
+        for offset in list(self._kept):
+            self._drop(offset, self._kept[offset])
 
     def export(self, offset: int, nbytes: int) -> int:
         """A new read-only fd of the buffer at ``offset`` (exactly its block);
-        the caller closes it."""
+        the caller closes it.  From then on its memfd is never kept."""
         got = self._fds.get(offset)
         if got is None or got[1] != nbytes:
             raise ValueError(f"[{offset}, +{nbytes}) is not one backed block")
+        self._exported.add(offset)
         return shm.read_only_fd(got[0])
 
     @property
@@ -149,6 +261,70 @@ class HostArena:
                 return False
             raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
         return True
+
+
+ZERO_NOW = 1 << 20  # kept blocks up to this size are zeroed in ``unback`` (about 0.1 ms)
+ZERO_CHUNK = 4 << 20  # larger ones in the background, this much at a time per lock hold
+MAX_KEPT = 4096  # kept blocks at most (each holds an fd)
+
+
+class Zeroing:
+    """A kept block (a freed block's memfd, still mapped) and how far it is
+    zeroed.  ``lock`` is held while the zeroer writes a chunk of it;
+    ``stopped`` (set under it) means the zeroer must not write it again;
+    ``clean``: all of it is zero."""
+
+    __slots__ = ("_then", "clean", "fd", "lock", "nbytes", "stopped")
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd, self.nbytes = fd, nbytes
+        self.clean = self.stopped = False
+        self.lock = threading.Lock()
+        self._then: Callable[[], None] | None = None
+
+    def then(self, done: Callable[[], None]) -> None:
+        """Call ``done`` once the block is all zero: now, or from the
+        zeroer's thread.  Never called for a block freed meanwhile."""
+        with self.lock:
+            if not self.clean:
+                self._then = done
+                return
+        done()
+
+    def _finished(self) -> None:
+        with self.lock:
+            if self.stopped:
+                return
+            self.clean = True
+            done, self._then = self._then, None
+        if done is not None:
+            done()
+
+
+class _Zeroer:
+    """One daemon thread zeroing large kept blocks in the order they were
+    kept (``ctypes.memset`` releases the GIL)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, Zeroing]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="rpcbuf-zeroer", daemon=True).start()
+
+    def put(self, addr: int, kept: Zeroing) -> None:
+        self._queue.put((addr, kept))
+
+    def _run(self) -> None:
+        while True:
+            addr, kept = self._queue.get()
+            at = 0
+            while at < kept.nbytes:
+                n = min(ZERO_CHUNK, kept.nbytes - at)
+                with kept.lock:
+                    if kept.stopped:
+                        break
+                    ctypes.memset(addr + at, 0, n)
+                at += n
+            else:
+                kept._finished()
 
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in 3.13

@@ -158,3 +158,43 @@ def test_each_buffer_gets_its_own_memory_and_a_failed_backing_leaves_nothing() -
     pool.arena.back = real  # type: ignore[method-assign]
     reg.release(small)
     assert pool.arena.backed == 0 and pool.allocator.stats().used == 0
+
+
+async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept block still being zeroed (``HostArena.back`` answers a
+    ``Zeroing``): the new buffer is locked exclusively before anyone can
+    name it, so every read and write waits; the lock goes and
+    ``buf.zeroed`` is done once the zeroer has finished."""
+    import asyncio
+
+    from dataplane import arena as A
+
+    monkeypatch.setattr(A, "ZERO_NOW", 4096)
+    reg, pool = make()
+    pool.arena.keep = 8 * MIB
+    queued: list[tuple[int, A.Zeroing]] = []
+
+    class Held:
+        def put(self, addr: int, kept: A.Zeroing) -> None:
+            queued.append((addr, kept))
+
+    pool.arena._zeroer = Held()  # type: ignore[attr-defined]
+    a = reg.try_allocate("alice", pool, 2 * MIB, name="secret")
+    assert a is not None and a.zeroed is None and a.locks.idle  # fresh memory: nothing held
+    pool.arena.view(a.offset, a.alloc_size)[:] = 0x5A
+    reg.release(a)
+    b = reg.try_allocate("bob", pool, 2 * MIB, name="mine")
+    assert b is not None and b.offset == a.offset and pool.arena.reused == 1
+    assert b.zeroed is not None and not b.zeroed.done()
+    grant = b.locks.acquire([(0, 1)], False)  # a read of bob's new buffer: must wait
+    assert not grant.granted
+    real = A._Zeroer()
+    for item in queued:
+        real.put(*item)
+    await asyncio.wait_for(asyncio.shield(b.zeroed), 10)
+    assert grant.granted  # the zeroing lock went, the read goes on
+    assert not pool.arena.view(b.offset, b.alloc_size).any()
+    b.locks.release(grant)
+    assert b.locks.idle
+    reg.release(b)

@@ -6,6 +6,7 @@ Plain data; the rules that change them are ``registry.Registry``'s.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class Buffer:
     # true until then (content.py).  Whoever hands out a way to write it
     # behind the daemon's back (a writable mapping) must set this False first.
     trusted: bool = True
+    # Set while its block, kept from an earlier buffer, is still being zeroed
+    # (``registry._lock_until_zeroed``): done once it is; its range lock is
+    # held until then.
+    zeroed: asyncio.Future[None] | None = None
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

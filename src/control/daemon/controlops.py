@@ -61,12 +61,14 @@ class ControlOps:
 
     @staticmethod
     def ready_now(buf: Buffer) -> bool:
-        """Whether ``buf`` can be answered at once: nothing to pre-fault."""
-        return not prefault.wanted(buf.pool.arena, buf.size)
+        """Whether ``buf`` can be answered at once: nothing to pre-fault or
+        zero."""
+        return buf.zeroed is None and not prefault.wanted(buf.pool.arena, buf.size)
 
     async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
         """``granted`` once the new buffer's pages are backed with memory
-        (``prefault.populate``), so its first store runs at full speed.  The
+        (``prefault.populate``), so its first store runs at full speed, or,
+        on a kept block, once it is zeroed (``buf.zeroed``).  The
         buffer is pinned meanwhile.  It was granted before the wait, so a
         request that ends first (the client gone) leaves it as a lost answer
         would: audited, a session-scoped one going with its session, a named
@@ -74,7 +76,10 @@ class ControlOps:
         if not call.held.keep(buf):
             raise NotFound(f"no buffer {buf.buffer_id!r}")  # released by name meanwhile
         try:
-            await prefault.populate(buf.pool.arena, buf.offset, buf.size)
+            if buf.zeroed is not None:  # a kept block: backed, being zeroed (registry)
+                await asyncio.shield(buf.zeroed)
+            else:
+                await prefault.populate(buf.pool.arena, buf.offset, buf.size)
         finally:
             meta = self.granted(buf)
         if buf.released:

@@ -215,12 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
                      "--registry-password-file or $RPCBUF_REGISTRY_PASSWORD)")
     reg.add_argument("--registry-password-file", metavar="FILE",
                      help="the etcd user's password, the file's first line")
+    p.add_argument("--keep-freed", type=_size_or_zero, default=None, metavar="SIZE",
+                   help="keep up to this much released host memory backed (zeroed) for the "
+                        "next buffer of the same block, instead of giving it back to the "
+                        "system; 0: never [a quarter of each host arena]")
     p.add_argument("--prefault", action="store_true",
                    help="back every new host buffer with memory before request_buffer "
                         "answers, whatever its size (without it: buffers of 8 MiB or more), "
                         "so first writes into it do not page-fault")
     return p
 
+
+
+def _size_or_zero(text: str) -> int:
+    """A size (``parse_size``), or 0."""
+    return 0 if text.strip() == "0" else parse_size(text)
 
 GPU_KINDS = ("cuda", "gpu")
 
@@ -347,6 +356,8 @@ async def serve(args: argparse.Namespace) -> int:
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
         if hasattr(arena, "prefault_range"):
             arena.prefault = bool(args.prefault)
+        if hasattr(arena, "keep"):  # released, never-exported memfds kept zeroed (arena.py)
+            arena.keep = arena.size // 4 if args.keep_freed is None else args.keep_freed
     pools = [Pool.create(a, args.allocator) for a in arenas]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)

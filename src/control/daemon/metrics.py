@@ -222,7 +222,12 @@ class _StateCollector(Collector):
             ("largest_free_bytes", "Largest block that can be allocated now"),
             ("buffers", "Buffers held"),
             ("waiters", "Requests waiting for memory"),
+            ("kept_bytes", "Released host memory kept backed, zeroed, for the next buffer "
+                           "of the same block (--keep-freed)"),
         )}
+        reused = CounterMetricFamily("rpcbuf_pool_reused_blocks",
+                                     "New buffers given a kept block (no fresh memory)",
+                                     labels=["device"])
         for key, pool in reg.pools.items():
             st = pool.allocator.stats()
             pools["size_bytes"].add_metric([key], st.total)
@@ -230,7 +235,10 @@ class _StateCollector(Collector):
             pools["largest_free_bytes"].add_metric([key], st.largest_free)
             pools["buffers"].add_metric([key], st.count)
             pools["waiters"].add_metric([key], reg.waiting(pool))
+            pools["kept_bytes"].add_metric([key], getattr(pool.arena, "kept_bytes", 0))
+            reused.add_metric([key], getattr(pool.arena, "reused", 0))
         yield from pools.values()
+        yield reused
         buffers = GaugeMetricFamily("rpcbuf_tenant_buffers", "Buffers held by a tenant",
                                     labels=["tenant"])
         held = GaugeMetricFamily("rpcbuf_tenant_bytes", "Bytes held by a tenant on a device",

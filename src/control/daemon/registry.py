@@ -29,6 +29,7 @@ before a batch changes anything (``charge_entries``).
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import logging
@@ -186,9 +187,10 @@ class Registry:
             return None
         alloc_size = pool.allocator.block_size(size)
         back = getattr(pool.arena, "back", None)
+        zeroing = None
         if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
             try:
-                back(offset, alloc_size)
+                zeroing = back(offset, alloc_size)
             except (OSError, CudaError) as exc:  # no memory, no fds left: nothing changed
                 pool.allocator.free(offset)
                 log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
@@ -204,6 +206,8 @@ class Registry:
             session_id=session_id if name is None and ttl is None else None,
             ttl=ttl, created_at=now, expires_at=None if ttl is None else now + ttl,
         )
+        if zeroing is not None:
+            _lock_until_zeroed(buf, zeroing)
         self._buffers[buf.buffer_id] = buf
         pool.owners[offset] = buf
         if name is not None:
@@ -450,3 +454,27 @@ class Registry:
         (tenant, device)."""
         return {"buffers": {t: n for t, n in self._tenant_count.items() if n},
                 "bytes": {k: n for k, n in self._tenant_bytes.items() if n}}
+
+
+def _lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
+    """A new buffer on a kept block that is not all zero yet
+    (``HostArena.back``): all of it locked exclusively, before anyone can
+    name it, until the arena's zeroer is done; ``buf.zeroed`` is done then.
+    Whatever reads or writes it meanwhile (``Pipeline.lock``) waits."""
+    grant = buf.locks.acquire([(0, buf.alloc_size)], True)  # a new buffer: granted at once
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    buf.zeroed = done
+
+    def release() -> None:
+        buf.locks.release(grant)
+        if not done.done():
+            done.set_result(None)
+
+    def from_zeroer() -> None:
+        try:
+            loop.call_soon_threadsafe(release)
+        except RuntimeError:  # the loop is closed: the daemon is going away
+            pass
+
+    zeroing.then(from_zeroer)

@@ -1,0 +1,198 @@
+"""Kept blocks: a freed, never-exported block's memfd stays mapped for the
+next buffer of the same block, and is all zero before anyone gets it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from dataplane import arena as A
+from dataplane.arena import HostArena, Zeroing
+
+PAGE = mmap.PAGESIZE
+
+
+def _memfd_maps(arena: HostArena) -> list[str]:
+    lo, hi = arena.address, arena.address + arena.size
+    out = []
+    for line in open("/proc/self/maps").read().splitlines():
+        a, b = (int(x, 16) for x in line.split()[0].split("-"))
+        if a < hi and b > lo and "memfd:rpcbuf-buffer" in line:
+            out.append(line)
+    return out
+
+
+def _inode(arena: HostArena, offset: int) -> str:
+    addr = arena.address + offset
+    for line in _memfd_maps(arena):
+        a, b = (int(x, 16) for x in line.split()[0].split("-"))
+        if a <= addr < b:
+            return line.split()[4]
+    raise AssertionError(f"nothing mapped at {offset}")
+
+
+class HeldZeroer:
+    """The background zeroer, held: what it was given waits for ``run``."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, Zeroing]] = []
+
+    def put(self, addr: int, kept: Zeroing) -> None:
+        self.items.append((addr, kept))
+
+    def run(self) -> None:
+        real = A._Zeroer()
+        for item in self.items:
+            real.put(*item)
+
+
+def _wait_clean(z: Zeroing, timeout: float = 10.0) -> None:
+    done = threading.Event()
+    z.then(done.set)
+    assert done.wait(timeout), "the zeroer never finished"
+
+
+def test_a_freed_block_is_kept_zeroed_and_taken_over_by_the_same_block() -> None:
+    arena = HostArena(64 * PAGE)
+    arena.keep = 16 * PAGE
+    assert arena.back(8 * PAGE, 8 * PAGE) is None
+    inode = _inode(arena, 8 * PAGE)
+    arena.view(8 * PAGE, 8 * PAGE)[:] = 0xAB  # one tenant's bytes
+    arena.unback(8 * PAGE, 8 * PAGE)
+    assert arena.backed == 0 and arena.kept_bytes == 8 * PAGE
+    assert len(_memfd_maps(arena)) == 1  # still mapped: that is the point
+    assert not arena.view(8 * PAGE, 8 * PAGE).any()  # zeroed already (small: at once)
+    assert arena.back(8 * PAGE, 8 * PAGE) is None  # all zero: no wait
+    assert arena.reused == 1 and arena.kept_bytes == 0 and arena.backed == 1
+    assert _inode(arena, 8 * PAGE) == inode  # the same memfd, no new one
+    assert not arena.view(8 * PAGE, 8 * PAGE).any()  # the next tenant sees zeros
+    arena.unback(8 * PAGE, 8 * PAGE)
+
+
+def test_an_exported_block_is_never_kept_and_its_old_handle_sees_nothing_new() -> None:
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    arena.back(0, 4 * PAGE)
+    arena.view(0, 4 * PAGE)[:] = 1
+    fd = arena.export(0, 4 * PAGE)  # a reader keeps its fd (and maps it later)
+    try:
+        arena.unback(0, 4 * PAGE)
+        assert arena.kept_bytes == 0 and not _memfd_maps(arena)
+        arena.back(0, 4 * PAGE)
+        assert arena.reused == 0
+        arena.view(0, 4 * PAGE)[:] = 2  # the next tenant's bytes
+        old = mmap.mmap(fd, 4 * PAGE, mmap.MAP_SHARED, mmap.PROT_READ)
+        assert set(old[:]) == {1}  # the old handle reaches only the old bytes
+        old.close()
+        arena.unback(0, 4 * PAGE)
+    finally:
+        os.close(fd)
+
+
+def test_any_other_block_overlapping_a_kept_one_drops_it() -> None:
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    for off in (0, 8 * PAGE, 16 * PAGE):
+        arena.back(off, 8 * PAGE)
+        arena.view(off, 8 * PAGE)[:] = 5
+    for off in (0, 8 * PAGE, 16 * PAGE):
+        arena.unback(off, 8 * PAGE)
+    assert arena.kept_bytes == 24 * PAGE
+    arena.back(4 * PAGE, 8 * PAGE)  # straddles the first two: both go, the third stays
+    assert arena.reused == 0 and arena.kept_bytes == 8 * PAGE
+    assert not arena.view(0, 24 * PAGE).any()
+    arena.back(0, 4 * PAGE)  # the dropped range is plain free memory now
+    arena.back(16 * PAGE, 8 * PAGE)  # the third: taken over
+    assert arena.reused == 1 and arena.kept_bytes == 0
+    assert len(_memfd_maps(arena)) == 3
+
+
+def test_keep_is_a_bound_and_the_least_recently_kept_go_first() -> None:
+    arena = HostArena(64 * PAGE)
+    arena.keep = 8 * PAGE
+    for off in (0, 8 * PAGE):
+        arena.back(off, 8 * PAGE)
+    arena.back(16 * PAGE, 16 * PAGE)
+    arena.unback(0, 8 * PAGE)
+    arena.unback(8 * PAGE, 8 * PAGE)  # the first one makes room for it
+    arena.unback(16 * PAGE, 16 * PAGE)  # larger than keep: not kept at all
+    assert arena.kept_bytes == 8 * PAGE and len(_memfd_maps(arena)) == 1
+    arena.back(0, 8 * PAGE)
+    assert arena.reused == 0  # it was dropped
+    arena.back(8 * PAGE, 8 * PAGE)
+    assert arena.reused == 1
+    arena.keep = 0
+    arena.unback(0, 8 * PAGE)
+    arena.unback(8 * PAGE, 8 * PAGE)
+    assert not _memfd_maps(arena) and arena.kept_bytes == 0
+
+
+def test_a_large_block_is_zeroed_in_the_background_before_it_is_usable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    monkeypatch.setattr(A, "ZERO_CHUNK", 2 * PAGE)
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    held = HeldZeroer()
+    arena._zeroer = held  # type: ignore[assignment]
+    arena.back(0, 16 * PAGE)
+    arena.view(0, 16 * PAGE)[:] = 0xCD
+    arena.unback(0, 16 * PAGE)
+    z = arena.back(0, 16 * PAGE)  # taken over before it was zeroed
+    assert isinstance(z, Zeroing) and not z.clean and arena.reused == 1
+    assert arena.view(0, 16 * PAGE).all()  # still the old bytes: the caller must wait
+    held.run()
+    _wait_clean(z)
+    assert not arena.view(0, 16 * PAGE).any()
+    z.then(lambda: None)  # once clean, a late ``then`` runs at once
+    arena.unback(0, 16 * PAGE)
+
+
+def test_a_block_freed_again_before_it_was_zeroed_is_never_written_by_the_old_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    held = HeldZeroer()
+    arena._zeroer = held  # type: ignore[assignment]
+    arena.back(0, 16 * PAGE)
+    arena.unback(0, 16 * PAGE)
+    z = arena.back(0, 16 * PAGE)
+    assert isinstance(z, Zeroing)
+    called: list[Any] = []
+    z.then(lambda: called.append(1))
+    arena.unback(0, 16 * PAGE)  # freed again: its zeroing stops, it is kept dirty again
+    arena.back(0, 8 * PAGE)  # another block over it: the kept one is dropped
+    arena.view(0, 8 * PAGE)[:] = 7  # a new buffer's bytes
+    held.run()  # both stale jobs run now: neither may write a byte
+    for _, kept in held.items:
+        with kept.lock:
+            assert kept.stopped
+    import time
+    time.sleep(0.2)
+    assert (arena.view(0, 8 * PAGE) == 7).all() and not called
+    arena.unback(0, 8 * PAGE)
+
+
+def test_many_kept_blocks_come_and_go_without_leaking_fds() -> None:
+    arena = HostArena(256 * PAGE)
+    arena.keep = 128 * PAGE
+    before = len(os.listdir("/proc/self/fd"))
+    for r in range(10):
+        size = (r // 2 % 3 + 1) * PAGE * 4  # two rounds a size: reuse, then overlaps
+        n = 256 * PAGE // size
+        for i in range(n):
+            arena.back(i * size, size)
+            arena.view(i * size, size)[:] = r + 1
+        for i in range(n):
+            arena.unback(i * size, size)
+        assert arena.kept_bytes <= arena.keep
+    assert arena.reused > 0
+    assert not arena.view(0, arena.size).any()
+    arena.keep = 0
+    arena._drop_all()
+    assert len(os.listdir("/proc/self/fd")) == before
