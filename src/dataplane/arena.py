@@ -91,6 +91,8 @@ class HostArena:
         self.kept_bytes = 0
         self.reused = 0  # backs served by a kept block
         self._zeroer: _Zeroer | None = None
+        self._holders: dict[int, int] = {}  # memfd -> blocks mapping it, for shared memfds
+        self._borrowed: set[int] = set()  # blocks mapping another block's memfd (``share``)
 
     def back(self, offset: int, nbytes: int) -> Zeroing | None:
         """Give ``[offset, offset + nbytes)`` (a fresh block) its own memfd,
@@ -145,6 +147,16 @@ class HostArena:
         if zeroing is not None:  # freed before it was zeroed for its buffer: stop that
             with zeroing.lock:
                 zeroing.stopped = True
+        self._borrowed.discard(offset)
+        holders = self._holders.get(fd)
+        if holders is not None:  # a shared memfd is never kept; closed with its last block
+            shm.map_anonymous(self.address + offset, nbytes)
+            if holders > 1:
+                self._holders[fd] = holders - 1
+            else:
+                del self._holders[fd]
+                os.close(fd)
+            return
         if exported or nbytes > self.keep:
             shm.map_anonymous(self.address + offset, nbytes)
             os.close(fd)
@@ -205,6 +217,70 @@ class HostArena:
         for offset in list(self._kept):
             self._drop(offset, self._kept[offset])
 
+    def share(self, src: int, dst: int, nbytes: int) -> None:
+        """Back the free block ``[dst, dst + nbytes)`` with the memfd of the
+        backed block at ``src`` (a clone: the same pages, no copy).  The
+        memfd is sealed, so the mapping at ``dst`` is private: were it ever
+        written before ``own``, the write would stay in this process's
+        copy of the page and never reach ``src`` (a safety net; the daemon
+        calls ``own`` before any write, see ``needs_own``)."""
+        got = self._fds.get(src)
+        if got is None or got[1] != nbytes:
+            raise ValueError(f"[{src}, +{nbytes}) is not one backed block")
+        if dst in self._fds or dst % self.granularity or dst + nbytes > len(self._map):
+            raise ValueError(f"[{dst}, +{nbytes}) is not a free block of this arena")
+        if self._kept:
+            self._drop_overlapping(dst, nbytes)
+        fd = got[0]
+        shm.map_private(self.address + dst, nbytes, fd)
+        self._fds[dst] = (fd, nbytes)
+        self._holders[fd] = self._holders.get(fd, 1) + 1
+        self._borrowed.add(dst)
+
+    def needs_own(self, offset: int) -> bool:
+        """Whether the block at ``offset`` must get memory of its own
+        (``own``) before it is written: it maps another block's memfd, or
+        another block maps its own."""
+        if offset in self._borrowed:
+            return True
+        got = self._fds.get(offset)
+        return got is not None and self._holders.get(got[0], 1) > 1
+
+    def copy_out(self, offset: int, nbytes: int) -> int:
+        """A new sealed memfd holding the block's bytes, mapped at its place
+        (``own``'s first half: safe in a worker thread while the caller keeps
+        the block from being written or freed); ``adopt`` it next."""
+        got = self._fds.get(offset)
+        if got is None or got[1] != nbytes:
+            raise ValueError(f"[{offset}, +{nbytes}) is not one backed block")
+        fd = shm.memfd(nbytes, "rpcbuf-buffer")
+        try:
+            src = self._bytes[offset:offset + nbytes]
+            at = 0
+            while at < nbytes:  # the kernel copies from our mapping into the new file
+                at += os.pwrite(fd, src[at:at + COPY_CHUNK], at)
+            shm.map_fixed(self.address + offset, nbytes, fd)
+            shm.seal_read_only(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def adopt(self, offset: int, fd: int) -> None:
+        """The block at ``offset`` now has the memfd ``fd`` (``copy_out``'s)
+        of its own; the memfd it shared is closed with its last block."""
+        old, nbytes = self._fds[offset]
+        self._fds[offset] = (fd, nbytes)
+        self._borrowed.discard(offset)
+        holders = self._holders.get(old, 1)
+        if holders > 2:
+            self._holders[old] = holders - 1
+        elif holders == 2:
+            self._holders[old] = 1  # one block left: it still closes it at ``unback``
+        else:
+            self._holders.pop(old, None)
+            os.close(old)
+
     def export(self, offset: int, nbytes: int) -> int:
         """A new read-only fd of the buffer at ``offset`` (exactly its block);
         the caller closes it.  From then on its memfd is never kept."""
@@ -263,7 +339,8 @@ class HostArena:
         return True
 
 
-ZERO_NOW = 1 << 20  # kept blocks up to this size are zeroed in ``unback`` (about 0.1 ms)
+COPY_CHUNK = 64 << 20  # ``copy_out`` writes this much per system call
+ZERO_NOW = 8 << 20  # kept blocks up to this size are zeroed in ``unback`` (about 1 ms)
 ZERO_CHUNK = 4 << 20  # larger ones in the background, this much at a time per lock hold
 MAX_KEPT = 4096  # kept blocks at most (each holds an fd)
 

@@ -109,6 +109,16 @@ def map_fixed(addr: int, nbytes: int, fd: int) -> None:
         raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
 
 
+def map_private(addr: int, nbytes: int, fd: int) -> None:
+    """Map ``fd`` private (copy-on-write) at exactly ``addr``: reads see the
+    file's pages, a write would copy the page into this process only.  The
+    one writable mapping a sealed memfd still allows."""
+    got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_PRIVATE | MAP_FIXED, fd, 0), "mmap(MAP_FIXED|MAP_PRIVATE)")
+    if got != addr:
+        raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+
+
 def map_anonymous(addr: int, nbytes: int) -> None:
     """Fresh, unbacked anonymous memory at exactly ``addr`` (what a buffer's
     range goes back to when it is freed: its old pages are dropped here)."""

@@ -156,6 +156,7 @@ def test_every_op_round_trips() -> None:
                             "checksum", ["a", "b"], ["<f4", "<i8"], [[2], [1]]),
                P.ReadBatch("b", P.pack_u64([0]), P.pack_u64([4])), P.OpenBuffer("n"),
                P.ClearBuffer("b", 7, 1, 2), P.CopyBuffer("a", 1, "b", 2, 3),
+               P.CloneBuffer("a", "n", 5.0),
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
                P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),

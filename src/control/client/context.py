@@ -240,6 +240,20 @@ class RpcContext:
         self._note(parsed)
         return parsed.buffer_id
 
+    async def clone_buffer(self, src_id: str, name: str | None = None,
+                           ttl: float | None = None) -> str:
+        """A new buffer on the same node with ``src_id``'s size, bytes and
+        manifest, made without copying: the two share memory until either is
+        written (that write first copies the buffer, on the daemon). Named,
+        leased or, with neither, session-scoped, like ``request_buffer``.
+        Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
+        QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
+        self._check_open()
+        meta = await self._call(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
+        parsed = parse_meta(meta, "clone_buffer answer")
+        self._note(parsed)
+        return parsed.buffer_id
+
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]:
         """The buffer's metadata; ``tensors=False`` leaves out the manifest's

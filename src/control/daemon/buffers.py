@@ -79,6 +79,9 @@ class Buffer:
     # (``registry._lock_until_zeroed``): done once it is; its range lock is
     # held until then.
     zeroed: asyncio.Future[None] | None = None
+    # While it is being given memory of its own (``Pipeline.own``: it shared
+    # memory with a clone): the one copy every writer waits for.
+    owning: asyncio.Future[None] | None = None
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

@@ -209,19 +209,28 @@ class ContentIndex:
 
     # -- queries ----------------------------------------------------------------
 
-    def lookup(self, tenant: str, digest: int, nbytes: int, checksum: int) -> Location | None:
-        """A live place holding this tenant's bytes with that hash, size and checksum."""
+    def lookup(self, tenant: str, digest: int, nbytes: int, checksum: int,
+               at: tuple[Buffer, int] | None = None) -> Location | None:
+        """A live place holding this tenant's bytes with that hash, size and
+        checksum: the one at ``at`` (buffer, offset: where they are wanted)
+        if that is one of them, so bytes already in place are not copied."""
         self.counters["lookups"] += 1
         locs = self._tenants.get(tenant, {}).get(digest)
         if not locs:
             return None
+        found = None
         for loc in list(locs):
             if loc.buf.released or not loc.buf.trusted:
                 self._remove(loc)
             elif loc.nbytes == nbytes and loc.checksum == checksum:
-                self.counters["hits"] += 1
-                return loc
-        return None
+                if at is None or (loc.buf is at[0] and loc.offset == at[1]):
+                    found = loc
+                    break
+                if found is None:
+                    found = loc
+        if found is not None:
+            self.counters["hits"] += 1
+        return found
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` is still indexed (nothing wrote its bytes since)."""
@@ -259,6 +268,18 @@ class ContentIndex:
         if self._adds % SWEEP_EVERY == 0:
             self.sweep()
         return loc
+
+    def clone(self, src: Buffer, dst: Buffer) -> int:
+        """``dst`` holds ``src``'s bytes at the same offsets (a clone, made
+        while ``src`` is locked shared): index them there too.  The count."""
+        entries = self._buffers.get(src.buffer_id)
+        if entries is None:
+            return 0
+        n = 0
+        for loc in list(entries.locs):
+            if self.add(dst, loc.offset, loc.nbytes, loc.digest, loc.checksum) is not None:
+                n += 1
+        return n
 
     def forget(self, buf: Buffer, ranges: list[tuple[int, int]]) -> int:
         """These ranges of ``buf`` are about to be written: drop the entries

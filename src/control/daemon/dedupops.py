@@ -60,7 +60,7 @@ from control.daemon.pipeline import (
 )
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
-from control.wire.errors import BadRequest
+from control.wire.errors import BadRequest, NotFound, UnsupportedDevice
 from dataplane.arena import copy_between
 from dataplane.checksum import digest128, digests
 
@@ -91,7 +91,7 @@ class DedupOps:
         plan: list[tuple[int, Location | None]] = []  # (item, source or None = disk cache)
         for i, (size, csum, digest) in enumerate(zip(sizes.tolist(), sums.tolist(), keys,
                                                      strict=True)):
-            loc = index.lookup(tenant, digest, size, csum)
+            loc = index.lookup(tenant, digest, size, csum, (buf, int(offsets[i])))
             if loc is not None:
                 plan.append((i, loc))
             elif cache is not None and cache.has(tenant, digest, size):
@@ -160,6 +160,8 @@ class DedupOps:
             trusted.update(i for i, loc in plan if loc is not None and i not in kept
                            and index.holds(loc))
             moved = int(sum(int(sizes[i]) for i, _ in plan if i not in kept))
+            if moved:  # a clone gets memory of its own before it is written
+                await self._pipe.own(buf)
             await maybe_in_thread(moved, place)
 
         async def after() -> dict[str, Any]:
@@ -183,6 +185,49 @@ class DedupOps:
         job = Plan("dedup_store", buf, [hull], exclusive=True, sources=sources, forget=False,
                    move=move, after=after, nbytes=0, counter="bytes_deduped")
         return await self._pipe.run(call, job)
+
+    async def clone(self, call: Call, req: P.CloneBuffer) -> dict[str, Any]:
+        """``clone_buffer``: a new buffer (``req.name``, ``req.ttl``; else
+        session-scoped) with the source's size, bytes and manifest, mapping
+        the source's memory (``Registry.clone``): no copy, no fresh pages,
+        nothing hashed.  The source is locked shared meanwhile, so its bytes
+        are the ones indexed; its index entries are the clone's too (the
+        same bytes).  Either buffer gets memory of its own before its first
+        write (``Pipeline.own``).  Host buffers only; OUT_OF_MEMORY when no
+        block is free now (no waiting), the tenant's quota and names as for
+        ``request_buffer``."""
+        src = call.held.get(req.src_id)  # pinned before the first await
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        if not hasattr(src.pool.arena, "share"):
+            raise UnsupportedDevice(f"buffers on {src.pool.key} cannot be cloned; "
+                                    "request one and copy_buffer")
+        await self._index_deferred(self._ops.owner, call.held)
+        registry = self._ops.registry
+        grants = await self._pipe.lock(call.held, src, [(0, src.alloc_size)], False,
+                                       forget=False)
+        try:
+            if src.released:
+                raise NotFound(f"no buffer {src.buffer_id!r}")
+            new = registry.clone(src, name=req.name, ttl=req.ttl,
+                                 session_id=self._ops.session_id)
+            if new is None:
+                raise registry.out_of_memory(src.pool, src.size)
+            try:
+                registry.charge_entries(new, len(src.tensors))
+            except BaseException:
+                registry.release(new)  # over quota with its manifest: as if never made
+                raise
+            new.tensors = {k: dict(v) for k, v in src.tensors.items()}
+            new.tensors_end, new.trusted = src.tensors_end, src.trusted
+            new.manifest_version = 1 if new.tensors else 0
+            self._content.clone(src, new)
+        finally:
+            unlock(grants)
+        if new.expires_at is not None:
+            self._ops.schedule_expiry()
+        self._ops.audit("clone_buffer", new, 0, new.size, note=f"from {src.buffer_id}")
+        return new.meta()
 
     async def index_pending(self, held: Held) -> None:
         """Index what this session's tenant stored since its last dedup query

@@ -186,7 +186,8 @@ class FileOps:
 
         async def move() -> None:
             for i in range(items.n):  # in place and unwritten since it was verified
-                loc = index.lookup(tenant, items.digests[i], int(sizes[i]), items.checksums[i])
+                loc = index.lookup(tenant, items.digests[i], int(sizes[i]), items.checksums[i],
+                                   (buf, int(offsets[i])))
                 if loc is not None and loc.buf is buf and loc.offset == int(offsets[i]) \
                         and index.holds(loc):
                     kept.append(i)
@@ -195,6 +196,7 @@ class FileOps:
             index.forget(buf, [(int(offsets[i]), int(offsets[i] + sizes[i])) for i in todo])
             if not todo:  # all in place: no trip to a thread
                 return
+            await self._pipe.own(buf)  # a clone gets memory of its own before it is written
             reads = [Item(int(items.file_offsets[i]), int(sizes[i]), buf.offset + int(offsets[i]),
                           items.digests[i], items.checksums[i]) for i in todo]
             out, error = await self._in_thread(files, _read, f.fd, arena, reads, deadline,

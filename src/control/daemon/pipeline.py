@@ -50,7 +50,7 @@ from control.daemon.locks import Grant
 from control.daemon.paths import DataPath
 from control.daemon.registry import Buffer, Registry
 from control.wire import protocol as P
-from control.wire.errors import BadRequest, Busy, NotFound, OutOfRange
+from control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
 from control.wire.units import THREAD_BYTES
 
 Range = tuple[int, int]
@@ -70,6 +70,7 @@ class Ops(Protocol):
     def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
               note: str = "") -> None: ...
     def abort(self, why: str) -> None: ...
+    def schedule_expiry(self) -> None: ...  # a buffer with a lease was made
 
 
 class Held:
@@ -172,6 +173,9 @@ class Pipeline:
         buf = plan.buf
         if buf.released:
             raise NotFound(f"no buffer {buf.buffer_id!r}")
+        if plan.exclusive and getattr(
+                buf.pool.arena, "needs_own", _never)(buf.offset):
+            return None  # it needs memory of its own first (``own``): a task's work
         grant = buf.locks.acquire(plan.ranges, plan.exclusive)
         if not grant.granted:
             buf.locks.release(grant)  # withdrawn: as if never asked
@@ -208,7 +212,10 @@ class Pipeline:
         inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
         pinned before the first await.  A buffer released since it was looked
         up (or while we wait) is NOT_FOUND: its memory is only pinned, and the
-        work would be lost.  Unlock with ``unlock``."""
+        work would be lost.  A buffer locked exclusively gets memory of its
+        own first if it shares some (``own``); an op that passes
+        ``forget=False`` decides what it writes once locked, forgets it
+        itself, and calls ``own`` before it writes.  Unlock with ``unlock``."""
         if not sources:  # the common case: one buffer
             groups = [(buf, ranges, exclusive)]
         else:
@@ -240,10 +247,48 @@ class Pipeline:
                     if b.released:  # released while we waited: its memory is only pinned
                         raise NotFound(f"no buffer {b.buffer_id!r}")
                 self._granted(b, rngs, excl, forget)
+            if forget:  # a writer: a buffer sharing memory (a clone) gets its own first
+                for b, _, excl in groups:
+                    if excl:
+                        await self.own(b)
         except BaseException:
             unlock(grants)
             raise
         return grants
+
+    async def own(self, buf: Buffer) -> None:
+        """Before the first write into ``buf``: if it shares memory with
+        another buffer (``clone_buffer``), give it memory of its own holding
+        the same bytes (a copy in a worker thread), once, however many
+        writers ask at the same time (they all wait for the one copy)."""
+        needs = getattr(buf.pool.arena, "needs_own", None)
+        if needs is None or not needs(buf.offset):
+            return
+        task = buf.owning
+        if task is None:
+            task = buf.owning = asyncio.ensure_future(_own(self._ops.registry, buf))
+        await asyncio.shield(task)
+
+
+def _never(offset: int) -> bool:
+    return False
+
+
+async def _own(registry: Registry, buf: Buffer) -> None:
+    """``Pipeline.own``'s one copy.  Pinned meanwhile: the block stays this
+    buffer's even if every request that asked for it is gone."""
+    registry.pin(buf)
+    try:
+        arena: Any = buf.pool.arena  # a HostArena: only it shares (``needs_own``)
+        try:
+            fd = await asyncio.to_thread(arena.copy_out, buf.offset, buf.alloc_size)
+        except OSError as exc:
+            raise OutOfMemory(f"cannot give buffer {buf.buffer_id} memory of its own: "
+                              f"{exc.strerror or exc}", {"reason": "backing"}) from None
+        arena.adopt(buf.offset, fd)
+    finally:
+        buf.owning = None
+        registry.unpin(buf)
 
 
 def unlock(grants: list[tuple[Buffer, Grant]]) -> None:

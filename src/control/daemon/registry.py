@@ -30,6 +30,7 @@ before a batch changes anything (``charge_entries``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -180,13 +181,27 @@ class Registry:
         w = queues.oldest()
         return w if w is not None and time.monotonic() - w.since >= AGING else None
 
+    def clone(self, src: Buffer, *, name: str | None = None, ttl: float | None = None,
+              session_id: str | None = None) -> Buffer | None:
+        """A new buffer of ``src``'s tenant, size and device whose block maps
+        ``src``'s memory (``HostArena.share``: no copy, no fresh pages; each
+        gets memory of its own before its first write, ``Pipeline``); None
+        when no block is free now.  Quota and names as ``try_allocate``.
+        The caller copies the manifest (``dataops.clone``)."""
+        pool = src.pool
+        self._validate(src.tenant, pool, src.size, name)
+        return self._allocate(src.tenant, pool, src.size, name, ttl, session_id, like=src)
+
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
-                  ttl: float | None, session_id: str | None) -> Buffer | None:
+                  ttl: float | None, session_id: str | None,
+                  like: Buffer | None = None) -> Buffer | None:
         offset = pool.allocator.allocate(size)
         if offset is None:
             return None
         alloc_size = pool.allocator.block_size(size)
         back = getattr(pool.arena, "back", None)
+        if like is not None:
+            back = functools.partial(_share, pool.arena, like)
         zeroing = None
         if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
             try:
@@ -478,3 +493,10 @@ def _lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
             pass
 
     zeroing.then(from_zeroer)
+
+
+def _share(arena: Any, src: Buffer, offset: int, nbytes: int) -> None:
+    """``back`` for a clone of ``src``: map its memory at ``offset``."""
+    if nbytes != src.alloc_size:
+        raise RuntimeError(f"a clone of {src.alloc_size} bytes got a block of {nbytes}")
+    arena.share(src.offset, offset, nbytes)

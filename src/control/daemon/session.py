@@ -141,6 +141,7 @@ class Session:
             P.ClearBuffer: (data.clear, True),
             P.CopyBuffer: (data.copy, True),
             P.DedupStore: (dedup.dedup_store, True),
+            P.CloneBuffer: (dedup.clone, True),
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
             P.LoadFile: (files.load_file, True),
@@ -542,6 +543,9 @@ class Session:
         log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
 
     # -- ops --------------------------------------------------------------------
+
+    def schedule_expiry(self) -> None:
+        self.daemon.schedule_expiry()
 
     def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
               note: str = "") -> None:

@@ -512,6 +512,17 @@ class CopyBuffer(Request):
 
 
 @dataclass(frozen=True)
+class CloneBuffer(Request):
+    """A new buffer with ``src_id``'s size, bytes and manifest, sharing its
+    memory until either is written (host buffers)."""
+
+    op: ClassVar[str] = "clone_buffer"
+    src_id: BufferId
+    name: str | None = None
+    ttl: float | None = None
+
+
+@dataclass(frozen=True)
 class Read(Request):
     op: ClassVar[str] = "read"
     buffer_id: BufferId
@@ -589,7 +600,8 @@ OPS: dict[str, type[Request]] = {
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
-        ClearBuffer, CopyBuffer, DedupStore, BindHandles, Attach, Detach, LoadFile,
+        ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
+        LoadFile,
     )
 }
 

@@ -60,7 +60,14 @@ from control.client.tensors import (
     manifest_columns,
     plan_layout,
 )
-from control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
+from control.wire.errors import (
+    BadRequest,
+    NotFound,
+    OutOfMemory,
+    RpcBufError,
+    UnsupportedDevice,
+    VerifyFailed,
+)
 from control.wire.manifest import Source, align, source_columns
 from dataplane.checksum import checksum
 
@@ -246,6 +253,7 @@ class _SlotJob:
     buffer_name: str
     buffer_id: str = ""
     created: bool = False
+    cloned: bool = False  # made by ``clone_buffer`` from a buffer that held this plan
     metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
 
 
@@ -328,7 +336,8 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
         try:
             plan, existing, jobs = await place_and_acquire(
                 cluster, name, [(t.name, t.nbytes) for t in model.tensors],
-                model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement)
+                model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement,
+                known)
         finally:
             ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
@@ -349,7 +358,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
 
 async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
                             spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
-                            placement: str | None
+                            placement: str | None, known: _KnownHashes | None = None
                             ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
                                        list[_SlotJob]]:
     """Step 1 of a load, an upload's or a node-local one alike: the placement
@@ -362,7 +371,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     jobs = [_SlotJob(p, [spec_of(n) for n in p.tensors], buffer_name(name, p.slot.slot))
             for p in plan.slots]
     _carry_metadata(jobs, blob)
-    await _acquire(cluster, jobs, existing, name)
+    await _acquire(cluster, jobs, existing, name, known)
     return plan, existing, jobs
 
 
@@ -381,9 +390,9 @@ def described(jobs: list[_SlotJob]) -> list[dict[str, Any]]:
     """What a load result says of each buffer."""
     return [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
              "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
-             "reused": not j.created, **{k: v for k, v in j.plan.describe().items()
-                                         if k in ("prolog", "epilog", "layers", "tensors",
-                                                  "nbytes")}} for j in jobs]
+             "reused": not j.created, "cloned": j.cloned,
+             **{k: v for k, v in j.plan.describe().items()
+                if k in ("prolog", "epilog", "layers", "tensors", "nbytes")}} for j in jobs]
 
 
 def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]]],
@@ -401,9 +410,14 @@ def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any
 
 
 async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
-                   existing: dict[str, list[dict[str, Any]]], name: str) -> None:
-    """Reuse or request each slot's buffer; on any failure release what was
-    created and raise ``ClusterError``."""
+                   existing: dict[str, list[dict[str, Any]]], name: str,
+                   known: _KnownHashes | None = None) -> None:
+    """Reuse, clone or request each slot's buffer; on any failure release
+    what was created and raise ``ClusterError``.  A clone (``clone_buffer``:
+    no copy, no fresh memory) when the node holds, under another name, a
+    buffer whose manifest is exactly this slot's plan with the checksums the
+    hash cache (``known``) has for these tensors; the upload then finds
+    every tensor in place (and verifies that it is, by its hashes)."""
     errors: dict[str, RpcBufError] = {}
     for j in jobs:
         slot = j.plan.slot
@@ -424,6 +438,15 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                     j.buffer_id = str(old["buffer_id"])
                     continue
                 await ctx.release_buffer(str(old["buffer_id"]))  # another layout: replace it
+            src = None if known is None else _clone_source(existing.get(slot.endpoint, []), j,
+                                                           need, known)
+            if src is not None:
+                try:
+                    j.buffer_id = await ctx.clone_buffer(src, name=j.buffer_name)
+                    j.created = j.cloned = True
+                    continue
+                except (NotFound, OutOfMemory, UnsupportedDevice):
+                    pass  # released meanwhile, no block free, a GPU: request one instead
             j.buffer_id = await ctx.request_buffer(need, device_type=slot.device_type,
                                                    device=slot.device, name=j.buffer_name)
             j.created = True
@@ -433,6 +456,35 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
     if errors:
         cleaned = await _release_created(cluster, jobs)
         raise ClusterError.of("requesting buffers", errors, cleaned=cleaned)
+
+
+def _clone_source(bufs: list[dict[str, Any]], job: _SlotJob, need: int,
+                  known: _KnownHashes) -> str | None:
+    """A buffer of ``bufs`` (one node's listing, manifests included) that
+    holds exactly ``job``'s plan: the same tensor names at the same offsets
+    and sizes with the checksums the hash cache has for them, and the
+    metadata where this slot carries it; None when any hash is unknown."""
+    slot = job.plan.slot
+    hashes = known.lookup(job.specs)
+    if len(hashes) != len(job.specs):
+        return None
+    offsets = plan_layout({sp.name: sp for sp in job.specs}, {}, start=0)
+    want = {sp.name: (offsets[sp.name], sp.nbytes, hashes[sp.name][1]) for sp in job.specs}
+    if job.metadata is not None:
+        end = max((offsets[sp.name] + sp.nbytes for sp in job.specs), default=0)
+        want[MD.META_TENSOR] = (align(end, ALIGN), int(job.metadata.nbytes),
+                                checksum(job.metadata))
+    for b in bufs:
+        held = b.get("tensors") or {}
+        if (b.get("device_type") != slot.device_type or b.get("device") != slot.device
+                or int(b.get("size", 0)) < need or len(held) != len(want)
+                or b.get("name") == job.buffer_name):
+            continue
+        if all((e := held.get(n)) is not None and (e.get("offset"), e.get("nbytes"),
+                                                   e.get("checksum")) == w
+               for n, w in want.items()):
+            return str(b["buffer_id"])
+    return None
 
 
 async def _release_created(cluster: Cluster, jobs: list[_SlotJob]) -> dict[str, list[str]]:
