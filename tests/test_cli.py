@@ -60,8 +60,8 @@ def test_put_ls_get_release_round_trip(cli_daemon: DaemonProc, tmp_path: Path) -
     table = rpcbuf(cli_daemon, "ls")
     assert table.returncode == 0 and buffer_id in table.stdout and "tensors" in table.stdout
 
-    for ref, out in ((buffer_id, "by_id.npy"), ("w", "by_name.npy")):
-        got = rpcbuf(cli_daemon, "get", ref, "--out", str(tmp_path / out))
+    for ref, out, flag in ((buffer_id, "by_id.npy", "--out"), ("w", "by_name.npy", "-o")):
+        got = rpcbuf(cli_daemon, "get", ref, flag, str(tmp_path / out))
         assert got.returncode == 0, got.stderr
         back = np.load(tmp_path / out)
         assert back.dtype == arr.dtype and back.shape == arr.shape

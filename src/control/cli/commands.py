@@ -59,7 +59,7 @@ def register_operator_commands(sub: Any,
                          epilog="example: rpcbuf get x   (writes ./x.npy; --out picks the "
                                 "file, --force overwrites)")
     get.add_argument("buffer", metavar="ID|NAME")
-    get.add_argument("--out", metavar="FILE.npy", help="where to write [./ID|NAME.npy]")
+    get.add_argument("-o", "--out", metavar="FILE.npy", help="where to write [./ID|NAME.npy]")
     get.add_argument("--force", action="store_true", help="overwrite FILE.npy if it exists")
     client_flags(get)
     bn = sub.add_parser("bench", help="quick store/read throughput and latency",
