@@ -163,6 +163,34 @@ class BuddyAllocator:
         self._used += 1 << order
         return offset
 
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Take the block of ``size`` at exactly ``offset`` if it is free
+        (inside a free block, which is split down to it); False otherwise.
+        How the registry prefers a block whose memory is kept backed."""
+        order = self._order_for(size)
+        if order > self.max_order or offset < 0 or offset % (1 << order):
+            return False
+        for k in range(order, self.max_order + 1):
+            start = offset & ~((1 << k) - 1)
+            if start in self._free[k]:
+                break
+            if start in self._allocated:
+                return False
+        else:
+            return False
+        self._free[k].remove(start)
+        while k > order:  # split, keeping the half that holds ``offset``
+            k -= 1
+            half = 1 << k
+            if offset >= start + half:
+                self._free[k].add(start)
+                start += half
+            else:
+                self._free[k].add(start + half)
+        self._allocated[offset] = order
+        self._used += 1 << order
+        return True
+
     def free(self, offset: int) -> int:
         """Free the block at ``offset``; return its size. Raises on a bad free."""
         order = self._allocated.pop(offset, None)

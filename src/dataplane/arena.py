@@ -88,6 +88,7 @@ class HostArena:
         self._kept: dict[int, Zeroing] = {}  # offset -> kept block, least recently kept first
         self._zeroing: dict[int, Zeroing] = {}  # live blocks taken over before they were zeroed
         self._kept_at: list[int] = []  # their offsets, sorted (kept blocks never overlap)
+        self._kept_sized: dict[int, dict[int, None]] = {}  # size -> offsets, oldest first
         self.kept_bytes = 0
         self.reused = 0  # backs served by a kept block
         self._zeroer: _Zeroer | None = None
@@ -168,6 +169,7 @@ class HostArena:
         kept = Zeroing(fd, nbytes)
         self._kept[offset] = kept
         bisect.insort(self._kept_at, offset)
+        self._kept_sized.setdefault(nbytes, {})[offset] = None
         self.kept_bytes += nbytes
         if nbytes <= ZERO_NOW:
             ctypes.memset(self.address + offset, 0, nbytes)
@@ -180,9 +182,7 @@ class HostArena:
     def _take(self, offset: int, kept: Zeroing) -> Zeroing | None:
         """The kept block at ``offset`` becomes a buffer's again: None if it
         is all zero, else its ``Zeroing`` (the zeroer goes on with it)."""
-        del self._kept[offset]
-        del self._kept_at[bisect.bisect_left(self._kept_at, offset)]
-        self.kept_bytes -= kept.nbytes
+        self._unkeep(offset, kept)
         self._fds[offset] = (kept.fd, kept.nbytes)
         self.reused += 1
         with kept.lock:
@@ -196,11 +196,24 @@ class HostArena:
         current chunk of it, if any)."""
         with kept.lock:
             kept.stopped = True
-        del self._kept[offset]
-        del self._kept_at[bisect.bisect_left(self._kept_at, offset)]
-        self.kept_bytes -= kept.nbytes
+        self._unkeep(offset, kept)
         shm.map_anonymous(self.address + offset, kept.nbytes)
         os.close(kept.fd)
+
+    def _unkeep(self, offset: int, kept: Zeroing) -> None:
+        del self._kept[offset]
+        del self._kept_at[bisect.bisect_left(self._kept_at, offset)]
+        sized = self._kept_sized[kept.nbytes]
+        del sized[offset]
+        if not sized:
+            del self._kept_sized[kept.nbytes]
+        self.kept_bytes -= kept.nbytes
+
+    def kept_block(self, nbytes: int) -> int | None:
+        """The most recently kept block of exactly ``nbytes`` (for the
+        allocator to hand out first: ``Registry``), or None."""
+        sized = self._kept_sized.get(nbytes)
+        return next(reversed(sized)) if sized else None
 
     def _drop_overlapping(self, offset: int, nbytes: int) -> None:
         at = self._kept_at

@@ -198,3 +198,22 @@ async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
     b.locks.release(grant)
     assert b.locks.idle
     reg.release(b)
+
+
+def test_a_kept_block_is_handed_out_before_other_free_blocks() -> None:
+    """Of the free blocks of a size, the one whose memory is kept (the
+    last freed) goes first; the buddy allocator's own pick after these
+    frees (and merges) would be another (3 MiB: the test fails without
+    the preference)."""
+    reg, pool = make()
+    pool.arena.keep = MIB  # room for one kept block
+    bufs = [reg.try_allocate("alice", pool, MIB) for _ in range(8)]
+    assert [b.offset for b in bufs if b] == [i * MIB for i in range(8)]
+    for i in (5, 3, 4, 1):
+        reg.release(bufs[i])  # each kept, dropping the one before
+    assert pool.arena.kept_block(MIB) == MIB
+    again = reg.try_allocate("bob", pool, MIB)
+    assert again is not None and again.offset == MIB and pool.arena.reused == 1
+    for b in (bufs[0], bufs[2], bufs[6], bufs[7], again):
+        reg.release(b)
+    pool.allocator.check_invariants()

@@ -117,6 +117,28 @@ class BuddyMachine(AllocatorMachine):
     def make(self, size: int, data: st.DataObject) -> Allocator:
         return BuddyAllocator(size)
 
+    @precondition(lambda self: hasattr(self, "alloc"))
+    @rule(size=st.integers(1, 1 << 16), at=st.integers(0, 1 << 22))
+    def allocate_at(self, size: int, at: int) -> None:
+        """Taking a given block: exactly it when it is free (not
+        overlapping anything live), else False with nothing changed."""
+        a: BuddyAllocator = self.alloc  # type: ignore[assignment]
+        n = a.block_size(size)
+        at = at // n * n  # a block's own alignment
+        before = a.stats()
+        free = at + n <= a.total and all(
+            at + n <= o or o + a.block_size(s) <= at for o, s in self.live.items())
+        got = a.allocate_at(at, size)
+        if n > a.max_size or at + n > a.total:
+            assert not got
+        else:
+            assert got == free, (at, n, sorted(self.live.items()))
+        if got:
+            self.live[at] = size
+            assert a.stats().used == before.used + n
+        else:
+            assert a.stats() == before
+
 
 class LinearMachine(AllocatorMachine):
     def make(self, size: int, data: st.DataObject) -> Allocator:

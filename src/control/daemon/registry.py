@@ -195,7 +195,9 @@ class Registry:
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   ttl: float | None, session_id: str | None,
                   like: Buffer | None = None) -> Buffer | None:
-        offset = pool.allocator.allocate(size)
+        offset = _kept_block(pool, size) if like is None else None
+        if offset is None:
+            offset = pool.allocator.allocate(size)
         if offset is None:
             return None
         alloc_size = pool.allocator.block_size(size)
@@ -500,3 +502,16 @@ def _share(arena: Any, src: Buffer, offset: int, nbytes: int) -> None:
     if nbytes != src.alloc_size:
         raise RuntimeError(f"a clone of {src.alloc_size} bytes got a block of {nbytes}")
     arena.share(src.offset, offset, nbytes)
+
+
+def _kept_block(pool: Pool, size: int) -> int | None:
+    """A free block whose memory the arena keeps backed (``HostArena.keep``),
+    taken from the allocator, when it can take a given block; else None."""
+    at = getattr(pool.allocator, "allocate_at", None)
+    kept = getattr(pool.arena, "kept_block", None)
+    if at is None or kept is None:
+        return None
+    offset = kept(pool.allocator.block_size(size))
+    if offset is None or not at(offset, size):
+        return None
+    return int(offset)
