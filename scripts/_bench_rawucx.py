@@ -16,7 +16,10 @@ for a reference it is the fastest progress there is).  Since both ends then
 keep a core busy, the parent (``RawUcxx`` in ``_bench_refs``) keeps them
 stopped (SIGSTOP) except while one of their rounds runs.
 
-``server``: a ucxx listener with one preallocated, pre-touched buffer; per
+``server``: a ucxx listener with one preallocated, pre-touched buffer
+(``--memory``: anonymous numpy memory, the default and the strongest
+measured; or the daemon's kind, a sealed memfd mapped in place; or
+anonymous without huge pages: ``receive_buffer``); per
 endpoint it receives a 24-byte header ``[mode, nbytes, iters]`` and runs
 that many exchanges: store: recv ``nbytes``, send a 1-byte ack; read: recv
 an 8-byte request, send ``nbytes``.  ``client``: connects, then obeys one
@@ -98,11 +101,53 @@ async def serve(ep: Any, buf: np.ndarray,
         pass
 
 
+MEMORY = ("anon", "nohuge", "memfd")
+MADV_NOHUGEPAGE = 15  # linux/mman.h
+
+
+def receive_buffer(nbytes: int, memory: str) -> tuple[np.ndarray, Any]:
+    """The server's buffer, pre-touched, and what keeps its memory alive.
+
+    ``anon``: a numpy array (anonymous memory; numpy asks for transparent
+    huge pages for large arrays, ``MADV_HUGEPAGE``, so with THP in
+    ``madvise`` or ``always`` mode it gets 2 MiB pages).  ``nohuge``: the
+    same with ``MADV_NOHUGEPAGE`` (4 KiB pages).  ``memfd``: a memfd mapped
+    shared at a fixed address inside a reserved anonymous range, then sealed
+    read-only, as ``dataplane.arena.HostArena.back`` does for every buffer
+    (shmem pages: 4 KiB unless ``shmem_enabled`` allows huge ones)."""
+    if memory == "anon":
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf.fill(0xA5)  # every page touched before anything is timed
+        return buf, None
+    import ctypes
+    import mmap
+
+    from dataplane import shm
+
+    span = -(-nbytes // shm.PAGE) * shm.PAGE
+    region = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                       | shm.MAP_NORESERVE)
+    buf = np.frombuffer(region, dtype=np.uint8, count=nbytes)
+    addr = int(buf.ctypes.data)
+    keep: list[Any] = [region]
+    if memory == "nohuge":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(addr, span, MADV_NOHUGEPAGE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_NOHUGEPAGE)")
+    else:
+        fd = shm.memfd(span, "rawucx-buffer")
+        shm.map_fixed(addr, span, fd)
+        shm.seal_read_only(fd)
+        keep.append(fd)
+    buf.fill(0xA5)
+    return buf, keep
+
+
 async def server_main(args: argparse.Namespace) -> None:
     ucxx, busy = load(args.progress)
 
-    buf = np.empty(args.max_bytes, dtype=np.uint8)
-    buf.fill(0xA5)  # every page touched before anything is timed
+    buf, _keep = receive_buffer(args.max_bytes, args.memory)
     async def on_endpoint(ep: Any) -> None:  # a coroutine function: ucxx awaits it
         await serve(ep, buf, busy)
 
@@ -166,6 +211,8 @@ def cli() -> None:
                    help="event loop of this end [%(default)s: measured the stronger here]")
     p.add_argument("--progress", choices=("stock", "adaptive"), default="stock",
                    help="ucxx's own progress, or rpcbuf's AdaptiveProgress [%(default)s]")
+    p.add_argument("--memory", choices=MEMORY, default="anon",
+                   help="server: what its buffer is (receive_buffer) [%(default)s]")
     args = p.parse_args()
     main = server_main(args) if args.role == "server" else client_main(args)
     if args.loop == "uvloop":

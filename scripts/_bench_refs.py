@@ -187,12 +187,12 @@ class RawUcxx:
 
     @classmethod
     def start(cls, tmp: Path, max_bytes: int, loop: str = "asyncio", progress: str = "stock",
-              timeout: float = 120.0) -> RawUcxx:
+              timeout: float = 120.0, memory: str = "anon") -> RawUcxx:
         """Start the pair (raises RuntimeError, with a log's tail, if either fails)."""
         script = str(benchkit.SCRIPTS / "_bench_rawucx.py")
         slog, clog = tmp / "rawucx-server.log", tmp / "rawucx-client.log"
         how = ["--loop", loop, "--progress", progress]
-        server = procs.spawn([sys.executable, script, "server", *how,
+        server = procs.spawn([sys.executable, script, "server", *how, "--memory", memory,
                               "--ready-file", str(tmp / "rawucx-server.ready"),
                               "--max-bytes", str(max_bytes)], slog)
         client: subprocess.Popen[bytes] | None = None
