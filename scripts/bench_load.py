@@ -17,10 +17,13 @@ repetition.
   repetition, one ``store_tensor`` of the whole array into a warm buffer
   (``verify=None``: the reference; ``verify="checksum"`` too, shown), then
   ``load_model`` with an empty client hash cache (*first load*: the slot
-  buffer requested, which backs its fresh memory, ``prefault.py``; every
-  byte read, hashed, sent, verified), the same model again under the same
-  name (*re-load, same name*), again under a new name while the first copy
-  is held (*re-load, new name*), the same without the client's hash cache
+  buffer requested, on the block the previous repetition's load released,
+  which the daemon kept backed and zeroed, ``--keep-freed``, so it backs no
+  fresh memory; *cold* below measures fresh memory; every byte read,
+  hashed, sent, verified), the same model again under the same name
+  (*re-load, same name*), again under a new name while the first copy is
+  held (*re-load, new name*: a ``clone_buffer`` of the first copy, since the
+  hash cache knows every tensor), the same without the client's hash cache
   (*re-load, new name, no hash cache*), and, as a breakdown, the new-name
   re-load and the first load into a slot buffer requested just before
   (which the load reuses: the load's time without backing fresh memory,
