@@ -195,8 +195,20 @@ async def test_load_model_under_a_new_name_clones(
         assert set(memfd_inodes(clean_pool)) == inodes  # no new memory
         again = await load("m2")  # a re-load of the clone, in place: still shared
         assert again.bytes_sent == 0 and set(memfd_inodes(clean_pool)) == inodes
-        plain = await load("m3", hash_cache=False)  # no hashes known: no clone (copied)
-        assert plain.bytes_sent == 0 and not plain.buffers[0]["cloned"]
+        plain = await load("m3", hash_cache=False)  # the file hashed first, then cloned
+        assert plain.bytes_sent == 0 and plain.buffers[0]["cloned"]
+        # the same names, shapes and layout, other bytes (a fine-tune): never a clone
+        other = {n: (a + 1).astype(a.dtype) for n, a in tensors.items()}
+        other_path = write_safetensors(tmp_path / "tuned.safetensors", other)
+        for cache in (True, False):
+            tuned = await rpcbuf.load_model(cluster, other_path, name=f"tuned{cache}",
+                                            progress=False, hash_cache=cache)
+            assert not tuned.buffers[0]["cloned"] and tuned.bytes_sent == tuned.bytes_total
+            buf = next(b for b in await ctx.list_buffers() if b["name"] == f"tuned{cache}/slot0")
+            back = await ctx.load_tensors(str(buf["buffer_id"]))
+            for n, arr in other.items():
+                np.testing.assert_array_equal(back[n].view(np.uint8), arr.view(np.uint8))
+            await rpcbuf.unload_model(cluster, f"tuned{cache}")
         # a write into m after the clone: m2 keeps the model
         m_buf = next(b for b in await ctx.list_buffers() if b["name"] == "m/slot0")
         entry = m_buf["tensors"]["model.layers.1.mlp.up_proj.weight"]

@@ -228,6 +228,12 @@ class _HashAhead:
                     return
                 self.hashes.update(content_hashes({n: a}))
 
+    async def finish(self) -> dict[str, tuple[int, int]]:
+        """Wait until every tensor is hashed (a clone is decided by them);
+        the hashes.  A file error ends it early: what it has."""
+        await asyncio.wait([self._job])
+        return self.hashes
+
     async def stop(self) -> dict[str, tuple[int, int]]:
         """Stop at the next tensor and wait for that (even when cancelled:
         the thread reads the model's mapping, which the caller closes after);
@@ -337,7 +343,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
             plan, existing, jobs = await place_and_acquire(
                 cluster, name, [(t.name, t.nbytes) for t in model.tensors],
                 model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement,
-                known)
+                known, hashing if dedup else None)
         finally:
             ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
@@ -358,7 +364,8 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
 
 async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
                             spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
-                            placement: str | None, known: _KnownHashes | None = None
+                            placement: str | None, known: _KnownHashes | None = None,
+                            hashing: _HashAhead | None = None
                             ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
                                        list[_SlotJob]]:
     """Step 1 of a load, an upload's or a node-local one alike: the placement
@@ -371,7 +378,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     jobs = [_SlotJob(p, [spec_of(n) for n in p.tensors], buffer_name(name, p.slot.slot))
             for p in plan.slots]
     _carry_metadata(jobs, blob)
-    await _acquire(cluster, jobs, existing, name, known)
+    await _acquire(cluster, jobs, existing, name, known, hashing)
     return plan, existing, jobs
 
 
@@ -411,13 +418,16 @@ def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any
 
 async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                    existing: dict[str, list[dict[str, Any]]], name: str,
-                   known: _KnownHashes | None = None) -> None:
+                   known: _KnownHashes | None = None,
+                   hashing: _HashAhead | None = None) -> None:
     """Reuse, clone or request each slot's buffer; on any failure release
     what was created and raise ``ClusterError``.  A clone (``clone_buffer``:
     no copy, no fresh memory) when the node holds, under another name, a
-    buffer whose manifest is exactly this slot's plan with the checksums the
-    hash cache (``known``) has for these tensors; the upload then finds
-    every tensor in place (and verifies that it is, by its hashes)."""
+    buffer whose manifest is exactly this slot's plan with these tensors'
+    checksums (from the hash cache, ``known``; else, when such a buffer is
+    there, from ``hashing`` once it has hashed the whole file); the upload
+    then finds every tensor in place (and verifies that it is, by its
+    hashes)."""
     errors: dict[str, RpcBufError] = {}
     for j in jobs:
         slot = j.plan.slot
@@ -438,8 +448,13 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                     j.buffer_id = str(old["buffer_id"])
                     continue
                 await ctx.release_buffer(str(old["buffer_id"]))  # another layout: replace it
-            src = None if known is None else _clone_source(existing.get(slot.endpoint, []), j,
-                                                           need, known)
+            src = None
+            layout, candidates = _clone_candidates(existing.get(slot.endpoint, []), j, need)
+            if candidates:  # laid out as this slot: a clone if the content is the same
+                hashes = known.lookup(j.specs) if known is not None else {}
+                if len(hashes) < len(j.specs) and hashing is not None:
+                    hashes = {**await hashing.finish(), **hashes}  # hash the file first
+                src = _clone_source(j, layout, candidates, hashes)
             if src is not None:
                 try:
                     j.buffer_id = await ctx.clone_buffer(src, name=j.buffer_name)
@@ -458,31 +473,44 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
         raise ClusterError.of("requesting buffers", errors, cleaned=cleaned)
 
 
-def _clone_source(bufs: list[dict[str, Any]], job: _SlotJob, need: int,
-                  known: _KnownHashes) -> str | None:
-    """A buffer of ``bufs`` (one node's listing, manifests included) that
-    holds exactly ``job``'s plan: the same tensor names at the same offsets
-    and sizes with the checksums the hash cache has for them, and the
-    metadata where this slot carries it; None when any hash is unknown."""
+def _clone_candidates(bufs: list[dict[str, Any]], job: _SlotJob,
+                      need: int) -> tuple[dict[str, tuple[int, int]], list[dict[str, Any]]]:
+    """This slot's plan as ``{tensor: (offset, nbytes)}`` (the metadata
+    tensor too where it carries it), and the buffers of ``bufs`` (one node's
+    listing, manifests included) laid out exactly so: a clone of one holds
+    this slot if its checksums are the tensors' too (``_clone_source``)."""
     slot = job.plan.slot
-    hashes = known.lookup(job.specs)
-    if len(hashes) != len(job.specs):
-        return None
     offsets = plan_layout({sp.name: sp for sp in job.specs}, {}, start=0)
-    want = {sp.name: (offsets[sp.name], sp.nbytes, hashes[sp.name][1]) for sp in job.specs}
+    layout = {sp.name: (offsets[sp.name], sp.nbytes) for sp in job.specs}
     if job.metadata is not None:
         end = max((offsets[sp.name] + sp.nbytes for sp in job.specs), default=0)
-        want[MD.META_TENSOR] = (align(end, ALIGN), int(job.metadata.nbytes),
-                                checksum(job.metadata))
+        layout[MD.META_TENSOR] = (align(end, ALIGN), int(job.metadata.nbytes))
+    out = []
     for b in bufs:
         held = b.get("tensors") or {}
         if (b.get("device_type") != slot.device_type or b.get("device") != slot.device
-                or int(b.get("size", 0)) < need or len(held) != len(want)
+                or int(b.get("size", 0)) < need or len(held) != len(layout)
                 or b.get("name") == job.buffer_name):
             continue
-        if all((e := held.get(n)) is not None and (e.get("offset"), e.get("nbytes"),
-                                                   e.get("checksum")) == w
-               for n, w in want.items()):
+        if all((e := held.get(n)) is not None and (e.get("offset"), e.get("nbytes")) == w
+               for n, w in layout.items()):
+            out.append(b)
+    return layout, out
+
+
+def _clone_source(job: _SlotJob, layout: dict[str, tuple[int, int]],
+                  candidates: list[dict[str, Any]],
+                  hashes: dict[str, tuple[int, int]]) -> str | None:
+    """The first candidate whose manifest has every tensor's checksum as
+    ``hashes`` says (and the metadata's); None when any hash is unknown."""
+    sums = {n: h[1] for n, h in hashes.items()}
+    if job.metadata is not None:
+        sums[MD.META_TENSOR] = checksum(job.metadata)
+    if any(n not in sums for n in layout):
+        return None
+    for b in candidates:
+        held = b["tensors"]
+        if all(held[n].get("checksum") == sums[n] for n in layout):
             return str(b["buffer_id"])
     return None
 
