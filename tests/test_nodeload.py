@@ -92,6 +92,15 @@ async def test_a_node_reads_verifies_and_reloads_in_place(
         node_stats = again.to_json()["nodes"][d.addr]
         assert node_stats["bytes_read_locally"] == 0 and node_stats["bytes_in_place"] == total
         assert again.buffers[0]["buffer_id"] == bid and again.buffers[0]["reused"]
+        twin = await rpcbuf.load_model(cluster, local / "tiny.safetensors", source="node",
+                                       node_path="tiny.safetensors", name="twin",
+                                       progress=False)  # another name: a clone, nothing read
+        twin_stats = twin.to_json()["nodes"][d.addr]
+        assert twin.buffers[0]["cloned"] and twin_stats["bytes_read_locally"] == 0
+        got = await ctx.load_tensors(twin.buffers[0]["buffer_id"])
+        for n, a in want.items():
+            assert np.array_equal(got[n], a), n
+        await rpcbuf.unload_model(cluster, "twin")
         await rpcbuf.unload_model(cluster, "tiny")
     assert await free(d) == start
 

@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -252,6 +252,13 @@ class _HashAhead:
         return self.hashes
 
 
+class Hashes(Protocol):
+    """Tensors' hashes known before anything is read: the hash cache
+    (``_KnownHashes``), a node-local load's hash manifest."""
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]: ...
+
+
 @dataclass
 class _SlotJob:
     plan: PL.SlotPlan
@@ -364,7 +371,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
 
 async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
                             spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
-                            placement: str | None, known: _KnownHashes | None = None,
+                            placement: str | None, known: Hashes | None = None,
                             hashing: _HashAhead | None = None
                             ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
                                        list[_SlotJob]]:
@@ -418,7 +425,7 @@ def _as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any
 
 async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                    existing: dict[str, list[dict[str, Any]]], name: str,
-                   known: _KnownHashes | None = None,
+                   known: Hashes | None = None,
                    hashing: _HashAhead | None = None) -> None:
     """Reuse, clone or request each slot's buffer; on any failure release
     what was created and raise ``ClusterError``.  A clone (``clone_buffer``:

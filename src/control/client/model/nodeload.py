@@ -151,7 +151,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     tensors = {t.name: (k, t) for k, t in hm.tensors}
     plan, existing, jobs = await place_and_acquire(
         cluster, name, [(t.name, t.nbytes) for _, t in hm.tensors],
-        lambda n: _spec(*tensors[n]), hm.blob(), placement)
+        lambda n: _spec(*tensors[n]), hm.blob(), placement, _ManifestHashes(hm))
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
     bar = start_progress(jobs, stats, progress, on_progress)
     try:
@@ -162,6 +162,17 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     return NodeLoadResult(name, str(local), hm.format, plan, dict(stats), described(jobs),
                           time.perf_counter() - t0, node_path=node_path, hashes=hm.source,
                           bytes_hashed=hm.hashed)
+
+
+class _ManifestHashes:
+    """The hash manifest's hashes, as the loader looks them up (a node that
+    holds this model under another name gets a clone: ``loader._acquire``)."""
+
+    def __init__(self, hm: HashedModel) -> None:
+        self._by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        return {s.name: self._by_name[s.name] for s in batch if s.name in self._by_name}
 
 
 def _spec(k: int, t: HashedTensor) -> TensorSpec:
