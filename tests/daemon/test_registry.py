@@ -173,11 +173,11 @@ async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
     monkeypatch.setattr(A, "ZERO_NOW", 4096)
     reg, pool = make()
     pool.arena.keep = 8 * MIB
-    queued: list[tuple[int, A.Zeroing]] = []
+    queued: list[tuple[int, A.Zeroing, object]] = []
 
     class Held:
-        def put(self, addr: int, kept: A.Zeroing) -> None:
-            queued.append((addr, kept))
+        def put(self, addr: int, kept: A.Zeroing, owner: object = None) -> None:
+            queued.append((addr, kept, owner))
 
     pool.arena._zeroer = Held()  # type: ignore[attr-defined]
     a = reg.try_allocate("alice", pool, 2 * MIB, name="secret")
