@@ -353,3 +353,31 @@ async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_wi
     rig.registry.release(clone)
     rig.registry.release(src)
     assert arena.backed == 0 and rig.pool.allocator.stats().used == 0
+
+
+async def test_an_own_whose_writer_and_buffer_went_before_it_started_leaves_nothing(
+) -> None:
+    """``own`` pins the buffer for its copy in the same step as it starts
+    it: a writer cancelled at once, with the buffer released meanwhile,
+    must not leave a copy task that fails on a freed buffer (its error
+    never retrieved, ``owning`` stuck on it)."""
+    rig = Rig()
+    src = rig.buffer(4096)
+    pipeline = Pipeline(rig.session)
+    call = rig.call()
+    meta = await run(call, DedupOps(rig.session, pipeline).clone(
+        call, P.CloneBuffer(src_id=src.buffer_id)))
+    held = Held(rig.registry, TENANT)
+    clone = held.get(meta["buffer_id"])
+    writer = asyncio.ensure_future(pipeline.own(clone))
+    await asyncio.sleep(0)  # own ran: its copy is a task now, not started yet
+    task = clone.owning
+    assert task is not None and not task.done()
+    writer.cancel()
+    rig.registry.release(clone)
+    held.release()  # the writer's request ends: its pin goes
+    await asyncio.wait([task], timeout=10)
+    assert task.done() and task.exception() is None and clone.owning is None
+    assert clone.freed and clone.pins == 0  # freed once the copy let go of it
+    rig.registry.release(src)
+    assert rig.pool.arena.backed == 0 and rig.pool.allocator.stats().used == 0
