@@ -61,11 +61,13 @@ class HostArena:
     of them, and is zeroed: blocks up to ``ZERO_NOW`` at once, larger ones by
     one background thread, ``ZERO_CHUNK`` at a time under the block's lock.
     A ``back`` of exactly that block (same offset and size: what the
-    allocators hand out again for the same request) takes it over when it
-    is all zero; any other ``back`` overlapping a kept block, one not yet
-    zeroed, and the least recently kept ones beyond ``keep`` go back to
-    unbacked memory as before.  Nothing another tenant wrote survives into
-    a kept block's next buffer, and no old handle reaches it."""
+    allocators hand out again for the same request) takes it over: at once
+    when it is all zero, else with its ``Zeroing`` (the zeroer goes on; the
+    caller keeps the new buffer locked until it is done).  Any other
+    ``back`` or ``share`` overlapping a kept block, and the least recently
+    kept ones beyond ``keep``, send it back to unbacked memory as before.
+    Nothing another tenant wrote survives into a kept block's next buffer,
+    and no old handle reaches it."""
 
     device_type = "CPU"
     granularity = shm.PAGE
