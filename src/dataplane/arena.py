@@ -61,11 +61,13 @@ class HostArena:
     of them, and is zeroed: blocks up to ``ZERO_NOW`` at once, larger ones by
     one background thread, ``ZERO_CHUNK`` at a time under the block's lock.
     A ``back`` of exactly that block (same offset and size: what the
-    allocators hand out again for the same request) takes it over when it
-    is all zero; any other ``back`` overlapping a kept block, one not yet
-    zeroed, and the least recently kept ones beyond ``keep`` go back to
-    unbacked memory as before.  Nothing another tenant wrote survives into
-    a kept block's next buffer, and no old handle reaches it."""
+    allocators hand out again for the same request) takes it over: at once
+    when it is all zero, else with its ``Zeroing`` (the zeroer goes on; the
+    caller keeps the new buffer locked until it is done).  Any other
+    ``back`` or ``share`` overlapping a kept block, and the least recently
+    kept ones beyond ``keep``, send it back to unbacked memory as before.
+    Nothing another tenant wrote survives into a kept block's next buffer,
+    and no old handle reaches it."""
 
     device_type = "CPU"
     granularity = shm.PAGE
@@ -177,7 +179,7 @@ class HostArena:
         else:
             if self._zeroer is None:
                 self._zeroer = _Zeroer()
-            self._zeroer.put(self.address + offset, kept)
+            self._zeroer.put(self.address + offset, kept, self)
 
     def _take(self, offset: int, kept: Zeroing) -> Zeroing | None:
         """The kept block at ``offset`` becomes a buffer's again: None if it
@@ -393,18 +395,21 @@ class Zeroing:
 
 class _Zeroer:
     """One daemon thread zeroing large kept blocks in the order they were
-    kept (``ctypes.memset`` releases the GIL)."""
+    kept (``ctypes.memset`` releases the GIL).  Each job holds its arena
+    (``owner``) until it is done: an arena dropped meanwhile (the daemon's,
+    when ``serve`` returns) is unmapped only after the zeroer's last write
+    into it, never under it."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, Zeroing]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Zeroing, object]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="rpcbuf-zeroer", daemon=True).start()
 
-    def put(self, addr: int, kept: Zeroing) -> None:
-        self._queue.put((addr, kept))
+    def put(self, addr: int, kept: Zeroing, owner: object = None) -> None:
+        self._queue.put((addr, kept, owner))
 
     def _run(self) -> None:
         while True:
-            addr, kept = self._queue.get()
+            addr, kept, owner = self._queue.get()
             at = 0
             while at < kept.nbytes:
                 n = min(ZERO_CHUNK, kept.nbytes - at)
@@ -415,6 +420,7 @@ class _Zeroer:
                 at += n
             else:
                 kept._finished()
+            del owner  # the arena may go now (not held while the queue is empty)
 
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in 3.13

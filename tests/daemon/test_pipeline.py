@@ -274,3 +274,110 @@ async def test_copy_and_clear_run_the_same_steps() -> None:
     assert rig.bytes_of(dst, 100, 16) == b"\x00" * 8 + b"\x07" * 8
     assert [a[0] for a in rig.session.audits] == ["copy", "clear"]
     assert src.pins == dst.pins == 0 and src.locks.idle and dst.locks.idle
+
+
+async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer into a clone starts its ``own`` (the copy outlives it) and
+    goes away, so its exclusive lock goes while the copy still runs; a
+    local reader that attaches the clone then must get the memfd the clone
+    ends with, not the one it shares with its source: after the copy the
+    source no longer shares that one, is written in place, and the
+    attached clone's bytes would change under its reader."""
+    import mmap
+    import os
+    import threading
+
+    from control.daemon.attachops import AttachOps
+
+    rig = Rig()
+    arena = rig.pool.arena
+    n = 64 * 1024
+    src = rig.buffer(n)
+    arena.view(src.offset, n)[:] = 1
+    pipeline = Pipeline(rig.session)
+    call = rig.call()
+    meta = await run(call, DedupOps(rig.session, pipeline).clone(
+        call, P.CloneBuffer(src_id=src.buffer_id)))
+    clone = rig.registry.get(TENANT, meta["buffer_id"])
+    gate = threading.Event()
+    real = arena.copy_out
+
+    def slow(offset: int, nbytes: int) -> int:
+        assert gate.wait(10)
+        return real(offset, nbytes)
+
+    monkeypatch.setattr(arena, "copy_out", slow)
+    call = rig.call()
+    rig.path.sent[call.req_id] = b"\x02" * 100
+    store = asyncio.ensure_future(run(call, rig.ops.store(call, P.Store(clone.buffer_id, 0,
+                                                                        100))))
+    for _ in range(200):
+        if clone.owning is not None:
+            break
+        await asyncio.sleep(0.005)
+    assert clone.owning is not None
+    store.cancel()  # its client went away: the lock goes, the copy goes on
+    with pytest.raises(asyncio.CancelledError):
+        await store
+    assert clone.locks.idle
+
+    class Channel:
+        def __init__(self) -> None:
+            self.fds: list[int] = []
+
+        async def send(self, req_id: int, size: int, fd: int) -> None:
+            self.fds.append(os.dup(fd))
+
+    channel = Channel()
+    rig.session.handles = channel  # type: ignore[attr-defined]
+    attach = AttachOps(rig.session, pipeline)  # type: ignore[arg-type]
+    call = rig.call()
+    task = asyncio.ensure_future(run(call, attach.attach(call, P.Attach(clone.buffer_id))))
+    await asyncio.sleep(0.05)
+    gate.set()
+    await asyncio.wait_for(task, 10)
+    for _ in range(400):
+        if clone.owning is None:
+            break
+        await asyncio.sleep(0.005)
+    assert clone.owning is None
+    call = rig.call()
+    rig.path.sent[call.req_id] = b"\x03" * n  # the source is written
+    await run(call, rig.ops.store(call, P.Store(src.buffer_id, 0, n)))
+    assert rig.bytes_of(src, 0, 4) == b"\x03" * 4
+    with mmap.mmap(channel.fds[0], n, prot=mmap.PROT_READ) as seen:
+        assert seen[:n] == b"\x01" * n  # what the attached clone held, unchanged
+    os.close(channel.fds[0])
+    attach.detach(P.Detach(clone.buffer_id))
+    rig.registry.release(clone)
+    rig.registry.release(src)
+    assert arena.backed == 0 and rig.pool.allocator.stats().used == 0
+
+
+async def test_an_own_whose_writer_and_buffer_went_before_it_started_leaves_nothing(
+) -> None:
+    """``own`` pins the buffer for its copy in the same step as it starts
+    it: a writer cancelled at once, with the buffer released meanwhile,
+    must not leave a copy task that fails on a freed buffer (its error
+    never retrieved, ``owning`` stuck on it)."""
+    rig = Rig()
+    src = rig.buffer(4096)
+    pipeline = Pipeline(rig.session)
+    call = rig.call()
+    meta = await run(call, DedupOps(rig.session, pipeline).clone(
+        call, P.CloneBuffer(src_id=src.buffer_id)))
+    held = Held(rig.registry, TENANT)
+    clone = held.get(meta["buffer_id"])
+    writer = asyncio.ensure_future(pipeline.own(clone))
+    await asyncio.sleep(0)  # own ran: its copy is a task now, not started yet
+    task = clone.owning
+    assert task is not None and not task.done()
+    writer.cancel()
+    rig.registry.release(clone)
+    held.release()  # the writer's request ends: its pin goes
+    await asyncio.wait([task], timeout=10)
+    assert task.done() and task.exception() is None and clone.owning is None
+    assert clone.freed and clone.pins == 0  # freed once the copy let go of it
+    rig.registry.release(src)
+    assert rig.pool.arena.backed == 0 and rig.pool.allocator.stats().used == 0

@@ -173,11 +173,11 @@ async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
     monkeypatch.setattr(A, "ZERO_NOW", 4096)
     reg, pool = make()
     pool.arena.keep = 8 * MIB
-    queued: list[tuple[int, A.Zeroing]] = []
+    queued: list[tuple[int, A.Zeroing, object]] = []
 
     class Held:
-        def put(self, addr: int, kept: A.Zeroing) -> None:
-            queued.append((addr, kept))
+        def put(self, addr: int, kept: A.Zeroing, owner: object = None) -> None:
+            queued.append((addr, kept, owner))
 
     pool.arena._zeroer = Held()  # type: ignore[attr-defined]
     a = reg.try_allocate("alice", pool, 2 * MIB, name="secret")
@@ -217,3 +217,44 @@ def test_a_kept_block_is_handed_out_before_other_free_blocks() -> None:
     for b in (bufs[0], bufs[2], bufs[6], bufs[7], again):
         reg.release(b)
     pool.allocator.check_invariants()
+
+
+def test_a_clone_counts_waiting_bytes_and_passes_nobody_a_request_could_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Registry.clone`` is "quota and names as ``try_allocate``": the
+    tenant's waiting bytes count against its quota, a tenant with requests
+    waiting is served in order (a clone does not jump its own queue), and
+    an aged oldest waiter is passed by nobody, a clone neither (None: the
+    op answers OUT_OF_MEMORY, it never waits)."""
+    reg, pool = make(8 * MIB, default_quota=Quota(bytes_per_device=4 * MIB))
+    src = reg.try_allocate("alice", pool, 2 * MIB)
+    assert src is not None
+    got: list[tuple[str, object]] = []
+    w = waiter(reg, pool, "alice", 2 * MIB, got)  # 2 MiB held + 2 MiB waiting: her quota
+    with pytest.raises(QuotaExceeded):
+        reg.try_allocate("alice", pool, 2 * MIB)
+    with pytest.raises(QuotaExceeded):
+        reg.clone(src)  # 2 MiB more would pass it, the waiting bytes counted
+    reg.cancel(w)
+    reg.release(src)
+    assert pool.allocator.stats().used == 0 and not got
+
+    reg, pool = make(8 * MIB)
+    src = reg.try_allocate("alice", pool, MIB)
+    assert src is not None
+    w = waiter(reg, pool, "alice", MIB, got)
+    assert reg.try_allocate("alice", pool, MIB) is None  # her requests go in order
+    assert reg.clone(src) is None
+    reg.cancel(w)
+    reg.release(src)
+
+    reg, pool = make(8 * MIB)
+    hog = reg.try_allocate("hog", pool, 4 * MIB)
+    src = reg.try_allocate("bob", pool, MIB)
+    assert hog is not None and src is not None
+    waiter(reg, pool, "alice", 8 * MIB, got)
+    now = time.monotonic()
+    monkeypatch.setattr(R.time, "monotonic", lambda: now + R.AGING + 1)
+    assert reg.try_allocate("bob", pool, MIB) is None  # aged head: bob waits
+    assert reg.clone(src) is None  # and his clone does not pass it either
+    assert pool.allocator.stats().used == 5 * MIB and pool.arena.backed == 2

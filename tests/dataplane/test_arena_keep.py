@@ -39,10 +39,10 @@ class HeldZeroer:
     """The background zeroer, held: what it was given waits for ``run``."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, Zeroing]] = []
+        self.items: list[tuple[int, Zeroing, object]] = []
 
-    def put(self, addr: int, kept: Zeroing) -> None:
-        self.items.append((addr, kept))
+    def put(self, addr: int, kept: Zeroing, owner: object = None) -> None:
+        self.items.append((addr, kept, owner))
 
     def run(self) -> None:
         real = A._Zeroer()
@@ -169,7 +169,7 @@ def test_a_block_freed_again_before_it_was_zeroed_is_never_written_by_the_old_jo
     arena.back(0, 8 * PAGE)  # another block over it: the kept one is dropped
     arena.view(0, 8 * PAGE)[:] = 7  # a new buffer's bytes
     held.run()  # both stale jobs run now: neither may write a byte
-    for _, kept in held.items:
+    for _, kept, _ in held.items:
         with kept.lock:
             assert kept.stopped
     import time
@@ -196,3 +196,34 @@ def test_many_kept_blocks_come_and_go_without_leaking_fds() -> None:
     arena.keep = 0
     arena._drop_all()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_arena_dropped_while_its_zeroer_runs_is_not_written_after_unmapping() -> None:
+    """The zeroer holds the arena (its mapping) until each block is done: an
+    arena dropped while a large kept block is still being zeroed (the
+    daemon's arenas go when ``serve`` returns, right after the last
+    session's buffers were released) must not have the zeroer write into
+    unmapped memory (it crashed the process: SIGSEGV)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import gc, time
+        from dataplane.arena import HostArena
+        MIB = 1 << 20
+        a = HostArena(512 * MIB)
+        a.keep = 512 * MIB
+        a.back(0, 256 * MIB)
+        a.view(0, 256 * MIB)[:] = 7
+        a.unback(0, 256 * MIB)  # kept, zeroed in the background from now on
+        del a
+        gc.collect()
+        time.sleep(1.0)  # the zeroer goes on meanwhile
+        print("survived")
+    """)
+    src = os.path.join(os.path.dirname(A.__file__), "..")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr)

@@ -10,7 +10,10 @@ channel (``handles.py``), and makes the buffer *attached*:
 * stores, clears and copies into it are BUSY (``pipeline.Pipeline.lock``
   checks under the range lock), so bytes a reader maps never change under it;
 * attach itself takes a shared lock of the whole buffer, so it waits for
-  writes in flight and never hands out a half-written buffer.
+  writes in flight and never hands out a half-written buffer; and for a
+  copy of its own still being made (``Pipeline.own`` of a clone, which
+  outlives a writer that went away): the memfd handed out is the one the
+  buffer ends with, never one its clone or source goes on writing.
 
 Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
 attachments end with it, however it ends (the client killed: its socket
@@ -19,6 +22,7 @@ closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, Protocol
@@ -72,6 +76,8 @@ class AttachOps:
                                 {"limit": "attachments"})
         grants = await self._pipe.lock(call.held, buf, [(0, buf.size)], False, forget=False)
         try:
+            if buf.owning is not None:  # a copy of its own (``Pipeline.own``) that outlived
+                await asyncio.wait([buf.owning])  # its writer: hand out the memfd it ends with
             if buf.released:
                 raise NotFound(f"no buffer {buf.buffer_id!r}")
             try:

@@ -266,7 +266,9 @@ class Pipeline:
             return
         task = buf.owning
         if task is None:
-            task = buf.owning = asyncio.ensure_future(_own(self._ops.registry, buf))
+            registry = self._ops.registry
+            registry.pin(buf)  # now, while the caller's pin holds: ``_own`` unpins it
+            task = buf.owning = asyncio.ensure_future(_own(registry, buf))
         await asyncio.shield(task)
 
 
@@ -275,9 +277,10 @@ def _never(offset: int) -> bool:
 
 
 async def _own(registry: Registry, buf: Buffer) -> None:
-    """``Pipeline.own``'s one copy.  Pinned meanwhile: the block stays this
-    buffer's even if every request that asked for it is gone."""
-    registry.pin(buf)
+    """``Pipeline.own``'s one copy.  Pinned meanwhile (by ``own``, before
+    this task was made: a task starts later, when the writer that asked may
+    be gone and the buffer freed): the block stays this buffer's even if
+    every request that asked for it is gone."""
     try:
         arena: Any = buf.pool.arena  # a HostArena: only it shares (``needs_own``)
         try:

@@ -186,10 +186,17 @@ class Registry:
         """A new buffer of ``src``'s tenant, size and device whose block maps
         ``src``'s memory (``HostArena.share``: no copy, no fresh pages; each
         gets memory of its own before its first write, ``Pipeline``); None
-        when no block is free now.  Quota and names as ``try_allocate``.
-        The caller copies the manifest (``dataops.clone``)."""
+        when no block is free now, or when a request would have to wait
+        (``try_allocate``'s rule: the tenant's own waiters go first, nobody
+        passes an aged oldest waiter; a clone never waits).  Quota (waiting
+        bytes counted) and names as ``try_allocate``.  The caller copies the
+        manifest (``dataops.clone``)."""
         pool = src.pool
-        self._validate(src.tenant, pool, src.size, name)
+        queues = self._waiters[pool.key]
+        self._validate(src.tenant, pool, src.size, name,
+                       self._tenant_waiting.get((src.tenant, pool.key), 0))
+        if queues and (src.tenant in queues.by_tenant or self._aged(queues) is not None):
+            return None
         return self._allocate(src.tenant, pool, src.size, name, ttl, session_id, like=src)
 
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
