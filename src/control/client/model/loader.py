@@ -494,14 +494,17 @@ def _clone_candidates(bufs: list[dict[str, Any]], job: _SlotJob,
         layout[MD.META_TENSOR] = (align(end, ALIGN), int(job.metadata.nbytes))
     out = []
     for b in bufs:
-        held = b.get("tensors") or {}
-        if (b.get("device_type") != slot.device_type or b.get("device") != slot.device
-                or int(b.get("size", 0)) < need or len(held) != len(layout)
-                or b.get("name") == job.buffer_name):
-            continue
-        if all((e := held.get(n)) is not None and (e.get("offset"), e.get("nbytes")) == w
-               for n, w in layout.items()):
-            out.append(b)
+        try:
+            held = b.get("tensors") or {}
+            if (b.get("device_type") != slot.device_type or b.get("device") != slot.device
+                    or int(b.get("size", 0)) < need or len(held) != len(layout)
+                    or b.get("name") == job.buffer_name):
+                continue
+            if all(isinstance(e := held.get(n), dict) and (e.get("offset"), e.get("nbytes")) == w
+                   for n, w in layout.items()) and isinstance(b.get("buffer_id"), str):
+                out.append(b)
+        except (AttributeError, TypeError, ValueError):
+            continue  # a listing no daemon of ours sends: not a candidate
     return layout, out
 
 
