@@ -143,3 +143,11 @@ def corrupt_tensor(path: Path, tensor: str) -> None:
         byte = f.read(1)
         f.seek(at + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def cached_model(tmp_path: Path, monkeypatch: object) -> tuple[dict[str, np.ndarray], Path]:
+    """A 3-layer model file in ``tmp_path`` and a client hash cache of the
+    test's own (``RPCBUF_CACHE_DIR``): what the re-load tests start from."""
+    monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))  # type: ignore[attr-defined]
+    tensors = llama_tensors(3)
+    return tensors, write_safetensors(tmp_path / "m.safetensors", tensors)

@@ -18,7 +18,7 @@ import pytest
 import rpcbuf
 from conftest import DaemonProc
 from control.wire import protocol as P
-from models import llama_tensors, write_safetensors
+from models import cached_model, write_safetensors
 from test_reload import WRITERS, model, upload
 
 pytestmark = pytest.mark.both_paths
@@ -178,9 +178,7 @@ async def test_bad_clones_are_refused_and_leave_nothing(daemon_factory) -> None:
 
 async def test_load_model_under_a_new_name_clones(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
-    tensors = llama_tensors(3)
-    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    tensors, path = cached_model(tmp_path, monkeypatch)
     async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token("clone")) as cluster:
         ctx = cluster[clean_pool.addr]
 

@@ -22,7 +22,7 @@ import pytest
 import rpcbuf
 from conftest import DaemonProc
 from control.daemon.content import WRITE_LOG
-from models import llama_tensors, write_safetensors
+from models import cached_model
 
 pytestmark = pytest.mark.both_paths
 
@@ -209,9 +209,7 @@ async def test_a_swap_inside_one_buffer_verifies_what_it_overwrote(
 
 async def test_load_model_reloads_send_nothing_hash_nothing_until_a_write(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
-    tensors = llama_tensors(3)
-    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    tensors, path = cached_model(tmp_path, monkeypatch)
     async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token("reload")) as cluster:
         ctx = cluster[clean_pool.addr]
 

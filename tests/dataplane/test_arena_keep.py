@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 import pytest
+from test_arena import _maps_of
 
 from dataplane import arena as A
 from dataplane.arena import HostArena, Zeroing
@@ -17,13 +18,7 @@ PAGE = mmap.PAGESIZE
 
 
 def _memfd_maps(arena: HostArena) -> list[str]:
-    lo, hi = arena.address, arena.address + arena.size
-    out = []
-    for line in open("/proc/self/maps").read().splitlines():
-        a, b = (int(x, 16) for x in line.split()[0].split("-"))
-        if a < hi and b > lo and "memfd:rpcbuf-buffer" in line:
-            out.append(line)
-    return out
+    return [m for m in _maps_of(arena) if "memfd:rpcbuf-buffer" in m]
 
 
 def _inode(arena: HostArena, offset: int) -> str:
