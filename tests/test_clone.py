@@ -218,3 +218,28 @@ async def test_load_model_under_a_new_name_clones(
                 np.testing.assert_array_equal(back[n].view(np.uint8), arr.view(np.uint8))
         for name in ("m", "m2", "m3"):
             await rpcbuf.unload_model(cluster, name)
+
+
+async def test_a_clone_of_a_buffer_the_index_forgot_still_reloads_in_place(
+        ctx: rpcbuf.RpcContext, clean_pool: DaemonProc) -> None:
+    """More live copies of a tensor than the index keeps places for
+    (``MAX_LOCATIONS``): the oldest buffer's entries go, and a clone of it
+    has none. A dedup re-load of that clone still finds every tensor in
+    place (it maps the source's memory at the same offsets) instead of
+    copying it from another copy, which would give it memory of its own."""
+    from control.daemon.content import MAX_LOCATIONS
+
+    m = model()
+    a, layout, _ = await upload(ctx, m)
+    await ctx.store_tensors_dedup(await ctx.clone_buffer(a), m, offsets=layout)  # indexes a
+    others = [await ctx.clone_buffer(a) for _ in range(MAX_LOCATIONS)]  # a's places go
+    c = await ctx.clone_buffer(a)
+    inodes = Counter(memfd_inodes(clean_pool))
+    again = await ctx.store_tensors_dedup(c, m, offsets=layout)
+    assert again["sent"] == 0 and again["placed"] == len(m)
+    assert Counter(memfd_inodes(clean_pool)) == inodes  # no copy: c still maps a's memfd
+    back = await ctx.load_tensors(c)
+    for n, arr in m.items():
+        np.testing.assert_array_equal(back[n], arr)
+    for bid in (a, c, *others):
+        await ctx.release_buffer(bid)

@@ -261,6 +261,13 @@ class HostArena:
         got = self._fds.get(offset)
         return got is not None and self._holders.get(got[0], 1) > 1
 
+    def same_memory(self, a: int, b: int) -> bool:
+        """Whether the blocks at ``a`` and ``b`` map the same memfd (a clone
+        and its source, neither written since: the same bytes at the same
+        offsets)."""
+        fa, fb = self._fds.get(a), self._fds.get(b)
+        return fa is not None and fb is not None and fa[0] == fb[0]
+
     def copy_out(self, offset: int, nbytes: int) -> int:
         """A new sealed memfd holding the block's bytes, mapped at its place
         (``own``'s first half: safe in a worker thread while the caller keeps

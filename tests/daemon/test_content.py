@@ -168,3 +168,24 @@ def test_one_tenant_never_indexes_anothers_batches() -> None:
     rig.stored(buf, ITEMS)
     assert rig.index.index_deferred("mallory") == []
     assert len(rig.index) == 0 and rig.index.stats()["deferred"] == 1
+
+
+def test_places_of_released_buffers_go_before_live_ones() -> None:
+    """Past ``MAX_LOCATIONS`` places of one hash, the index drops places in
+    released buffers first; only with none left does the oldest live one go."""
+    rig = Rig()
+    rig.pool.arena.keep = 0
+    bufs = [rig.buffer() for _ in range(C.MAX_LOCATIONS)]
+    for b in bufs:
+        rig.index.add(b, 0, 100, 7, 1)
+    for b in bufs[1:4]:
+        rig.registry.release(b)
+    newer = rig.buffer()
+    rig.index.add(newer, 0, 100, 7, 1)
+    places = {loc.buf.buffer_id for loc in rig.index._tenants[TENANT][7]}
+    assert bufs[0].buffer_id in places and newer.buffer_id in places
+    assert not places & {b.buffer_id for b in bufs[1:4]}
+    for _ in range(4):  # now all live: each new one drops the oldest
+        rig.index.add(rig.buffer(), 0, 100, 7, 1)
+    places = {loc.buf.buffer_id for loc in rig.index._tenants[TENANT][7]}
+    assert bufs[0].buffer_id not in places and len(places) == C.MAX_LOCATIONS

@@ -192,20 +192,27 @@ def result_table(r: LoadResult, wide: bool = False) -> Any:
     (for a node-local load: what each node read from its disk)."""
     if isinstance(r, NodeLoadResult):
         return _node_table(r, wide)
-    rows = [[addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
+    rows = [[addr, _names(r, n.buffers), str(n.tensors), format_size(n.bytes_total),
              format_size(n.bytes_sent), format_size(n.bytes_placed), f"{n.seconds:.2f}"]
             for addr, n in r.nodes.items() if n.tensors]
     return tables.fit(
         f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s "
         f"(placement {r.placement.spec})",
         [tables.Col("node", key=True), tables.Col("buffers", key=True, wrap=True),
-         tables.Col("tensors", right=True, drop=3), tables.Col("bytes", right=True),
-         tables.Col("sent", right=True, drop=2), tables.Col("deduped", right=True, drop=1),
+         tables.Col("tensors", right=True, drop=2), tables.Col("bytes", right=True),
+         tables.Col("sent", right=True, drop=3), tables.Col("deduped", right=True, drop=1),
          tables.Col("seconds", right=True, drop=4)], rows, wide=wide)
 
 
+def _names(r: LoadResult, names: list[str]) -> str:
+    """A node's buffers, each one made by ``clone_buffer`` (a re-load under
+    a new name: no copy) marked so."""
+    cloned = {b["name"] for b in r.buffers if b.get("cloned")}
+    return ", ".join(f"{n} (clone)" if n in cloned else n for n in names)
+
+
 def _node_table(r: NodeLoadResult, wide: bool) -> Any:
-    rows = [[addr, ", ".join(n.buffers), str(n.tensors), format_size(n.bytes_total),
+    rows = [[addr, _names(r, n.buffers), str(n.tensors), format_size(n.bytes_total),
              format_size(getattr(n, "bytes_read", 0)),
              format_size(getattr(n, "bytes_in_place", 0)), f"{n.seconds:.2f}"]
             for addr, n in r.nodes.items() if n.tensors]

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rpcbuf.daemon")
 SWEEP_EVERY = 1024
-MAX_LOCATIONS = 4  # places remembered per (tenant, hash): a few copies suffice
+MAX_LOCATIONS = 16  # places remembered per (tenant, hash): a few copies (and clones) suffice
 MAX_DEFERRED = 10_000  # stored batches per tenant waiting to be indexed
 WRITE_LOG = 32  # writes remembered per buffer that has deferred entries
 MAX_LOGGED = 4096  # buffers with a write log; past it the oldest log is dropped
@@ -232,6 +232,19 @@ class ContentIndex:
             self.counters["hits"] += 1
         return found
 
+    def in_place(self, loc: Location, buf: Buffer, offset: int) -> bool:
+        """Whether ``buf`` holds ``loc``'s bytes at ``offset`` without any
+        work: ``loc`` is that very place, or the same place of a buffer that
+        shares ``buf``'s memory (a clone and its source, neither written
+        since: ``HostArena.same_memory``), and ``loc`` is still indexed."""
+        if loc.offset != offset or not self.holds(loc):
+            return False
+        if loc.buf is buf:
+            return True
+        same = getattr(buf.pool.arena, "same_memory", None)
+        return (same is not None and loc.buf.pool is buf.pool
+                and bool(same(loc.buf.offset, buf.offset)))
+
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` is still indexed (nothing wrote its bytes since)."""
         entries = self._buffers.get(loc.buf.buffer_id)
@@ -262,8 +275,10 @@ class ContentIndex:
         entries.locs.insert(j, loc)
         locs = self._tenants.setdefault(buf.tenant, {}).setdefault(digest, [])
         locs.append(loc)
-        if len(locs) > MAX_LOCATIONS:
-            self._remove(locs[0])
+        if len(locs) > MAX_LOCATIONS:  # the places of released buffers go first
+            dead = [x for x in locs if x.buf.released or not x.buf.trusted]
+            for x in dead or locs[:1]:
+                self._remove(x)
         self._adds += 1
         if self._adds % SWEEP_EVERY == 0:
             self.sweep()

@@ -153,8 +153,8 @@ class DedupOps:
             # entries it covers (before a byte moves), then copy.  A source still
             # indexed after that is untouched by this op and locked shared: its
             # copy is what was hashed (trusted); the others are hashed as they land.
-            kept.update(i for i, loc in plan if loc is not None and loc.buf is buf
-                        and loc.offset == int(offsets[i]) and index.holds(loc))
+            kept.update(i for i, loc in plan
+                        if loc is not None and index.in_place(loc, buf, int(offsets[i])))
             index.forget(buf, [(int(offsets[i]), int(offsets[i] + sizes[i]))
                                for i, _ in plan if i not in kept])
             trusted.update(i for i, loc in plan if loc is not None and i not in kept

@@ -182,15 +182,17 @@ class FileOps:
         index, tenant, arena = self._ops.content, self._ops.owner, buf.pool.arena
         offsets, sizes, names = items.offsets, items.sizes, items.cols.names
         kept: list[int] = []
+        borrowed: set[int] = set()
         got = Outcome()
 
         async def move() -> None:
             for i in range(items.n):  # in place and unwritten since it was verified
                 loc = index.lookup(tenant, items.digests[i], int(sizes[i]), items.checksums[i],
                                    (buf, int(offsets[i])))
-                if loc is not None and loc.buf is buf and loc.offset == int(offsets[i]) \
-                        and index.holds(loc):
+                if loc is not None and index.in_place(loc, buf, int(offsets[i])):
                     kept.append(i)
+                    if loc.buf is not buf:  # its clone's entry: index it here too
+                        borrowed.add(i)
             keep = set(kept)
             todo = [i for i in items.file_order if i not in keep]
             index.forget(buf, [(int(offsets[i]), int(offsets[i] + sizes[i])) for i in todo])
@@ -217,7 +219,7 @@ class FileOps:
             if items.n:
                 M.record(self._ops.registry, buf, entries, items.hull)
                 for i in range(items.n):
-                    if sizes[i] and i not in kept:
+                    if sizes[i] and (i not in kept or i in borrowed):
                         loc = index.add(buf, int(offsets[i]), int(sizes[i]), items.digests[i],
                                         items.checksums[i])
                         if loc is not None:

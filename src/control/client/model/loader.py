@@ -518,7 +518,7 @@ def _clone_source(job: _SlotJob, layout: dict[str, tuple[int, int]],
         sums[MD.META_TENSOR] = checksum(job.metadata)
     if any(n not in sums for n in layout):
         return None
-    for b in candidates:
+    for b in reversed(candidates):  # the newest first: the likeliest still indexed there
         held = b["tensors"]
         if all(held[n].get("checksum") == sums[n] for n in layout):
             return str(b["buffer_id"])
