@@ -94,6 +94,7 @@ class HostArena:
         self.kept_bytes = 0
         self.reused = 0  # backs served by a kept block
         self._zeroer: _Zeroer | None = None
+        self._resident: set[int] = set()  # live blocks taken over from kept ones: all backed
         self._holders: dict[int, int] = {}  # memfd -> blocks mapping it, for shared memfds
         self._borrowed: set[int] = set()  # blocks mapping another block's memfd (``share``)
 
@@ -144,6 +145,7 @@ class HostArena:
         if backed != nbytes:
             raise RuntimeError(f"block {offset} was backed with {backed} bytes, not {nbytes}")
         del self._fds[offset]
+        self._resident.discard(offset)
         exported = offset in self._exported
         self._exported.discard(offset)
         zeroing = self._zeroing.pop(offset, None)
@@ -186,6 +188,7 @@ class HostArena:
         is all zero, else its ``Zeroing`` (the zeroer goes on with it)."""
         self._unkeep(offset, kept)
         self._fds[offset] = (kept.fd, kept.nbytes)
+        self._resident.add(offset)
         self.reused += 1
         with kept.lock:
             if kept.clean:
@@ -210,6 +213,13 @@ class HostArena:
         if not sized:
             del self._kept_sized[kept.nbytes]
         self.kept_bytes -= kept.nbytes
+
+    def resident(self, offset: int) -> bool:
+        """Whether the live block at ``offset`` is backed already, every page
+        (a kept block taken over: its zeroing touched them all), so there is
+        nothing to pre-fault (``MADV_POPULATE_WRITE`` still walks every page:
+        64-126 ms per GiB here)."""
+        return offset in self._resident
 
     def kept_block(self, nbytes: int) -> int | None:
         """The most recently kept block of exactly ``nbytes`` (for the

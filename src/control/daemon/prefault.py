@@ -12,8 +12,9 @@ granted instead: ``populate`` runs ``HostArena.prefault_range``
 (``MADV_POPULATE_WRITE``: no byte changes) in worker threads, one per CPU
 (``workers``), ``CHUNK`` at a time, and ``request_buffer`` answers when it
 is done; the first store then runs at warm speed.  The request pays what the store would have, no
-more (pages already resident cost a page-table walk, about 0.3 ms per GiB
-here).
+more.  A block kept from an earlier buffer (``HostArena.resident``: zeroed,
+so every page backed) is not populated again: that walk alone is 64-126 ms
+per GiB here.
 
 Bounded: buffers under ``MIN_BYTES`` are answered at once (their faults
 are cheap), unless the daemon runs with ``--prefault``; at most ``BUDGET``
