@@ -269,11 +269,17 @@ class Pipeline:
             registry = self._ops.registry
             registry.pin(buf)  # now, while the caller's pin holds: ``_own`` unpins it
             task = buf.owning = asyncio.ensure_future(_own(registry, buf))
+            task.add_done_callback(_retrieved)  # a failure nobody waits for any more
         await asyncio.shield(task)
 
 
 def _never(offset: int) -> bool:
     return False
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # its waiters got it; asyncio must not log it as lost
 
 
 async def _own(registry: Registry, buf: Buffer) -> None:
