@@ -153,14 +153,9 @@ class HostArena:
             with zeroing.lock:
                 zeroing.stopped = True
         self._borrowed.discard(offset)
-        holders = self._holders.get(fd)
-        if holders is not None:  # a shared memfd is never kept; closed with its last block
+        if fd in self._holders:  # a shared memfd is never kept; closed with its last block
             shm.map_anonymous(self.address + offset, nbytes)
-            if holders > 1:
-                self._holders[fd] = holders - 1
-            else:
-                del self._holders[fd]
-                os.close(fd)
+            self._let_go(fd)
             return
         if exported or nbytes > self.keep:
             shm.map_anonymous(self.address + offset, nbytes)
@@ -304,14 +299,18 @@ class HostArena:
         old, nbytes = self._fds[offset]
         self._fds[offset] = (fd, nbytes)
         self._borrowed.discard(offset)
-        holders = self._holders.get(old, 1)
-        if holders > 2:
-            self._holders[old] = holders - 1
-        elif holders == 2:
-            self._holders[old] = 1  # one block left: it still closes it at ``unback``
+        self._let_go(old)
+
+    def _let_go(self, fd: int) -> None:
+        """One block no longer maps the shared memfd ``fd``: closed with the
+        last (a last one left keeps its count of 1, so that its ``unback``
+        closes it too and never keeps it)."""
+        holders = self._holders.get(fd, 1)
+        if holders > 1:
+            self._holders[fd] = holders - 1
         else:
-            self._holders.pop(old, None)
-            os.close(old)
+            self._holders.pop(fd, None)
+            os.close(fd)
 
     def export(self, offset: int, nbytes: int) -> int:
         """A new read-only fd of the buffer at ``offset`` (exactly its block);
