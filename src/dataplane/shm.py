@@ -100,33 +100,33 @@ def _checked(addr: int | None, what: str) -> int:
     return int(addr)
 
 
+def _map_at(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
+    """``mmap`` read-write at exactly ``addr`` (``MAP_FIXED``: whatever was
+    mapped there is replaced), through libc's ``mmap``."""
+    got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags | MAP_FIXED,
+                         fd, 0), what)
+    if got != addr:  # MAP_FIXED never moves it; a libc that did would be a bug
+        raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+
+
 def map_fixed(addr: int, nbytes: int, fd: int) -> None:
     """Map ``fd`` read-write and shared at exactly ``addr`` (inside a range
     this process reserved; whatever was mapped there is replaced)."""
-    got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_SHARED | MAP_FIXED, fd, 0), "mmap(MAP_FIXED)")
-    if got != addr:  # MAP_FIXED never moves it; a libc that did would be a bug
-        raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+    _map_at(addr, nbytes, mmap.MAP_SHARED, fd, "mmap(MAP_FIXED)")
 
 
 def map_private(addr: int, nbytes: int, fd: int) -> None:
     """Map ``fd`` private (copy-on-write) at exactly ``addr``: reads see the
     file's pages, a write would copy the page into this process only.  The
     one writable mapping a sealed memfd still allows."""
-    got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_PRIVATE | MAP_FIXED, fd, 0), "mmap(MAP_FIXED|MAP_PRIVATE)")
-    if got != addr:
-        raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+    _map_at(addr, nbytes, mmap.MAP_PRIVATE, fd, "mmap(MAP_FIXED|MAP_PRIVATE)")
 
 
 def map_anonymous(addr: int, nbytes: int) -> None:
     """Fresh, unbacked anonymous memory at exactly ``addr`` (what a buffer's
     range goes back to when it is freed: its old pages are dropped here)."""
-    got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                         -1, 0), "mmap(MAP_FIXED|MAP_ANONYMOUS)")
-    if got != addr:
-        raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+    _map_at(addr, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1,
+            "mmap(MAP_FIXED|MAP_ANONYMOUS)")
 
 
 MAP_FIXED = 0x10
