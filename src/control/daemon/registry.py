@@ -163,18 +163,20 @@ class Registry:
                 "device": pool.key}
 
     def try_allocate(self, tenant: str, pool: Pool, size: int, *, name: str | None = None,
-                     ttl: float | None = None, session_id: str | None = None) -> Buffer | None:
+                     ttl: float | None = None, session_id: str | None = None,
+                     like: Buffer | None = None) -> Buffer | None:
         """Allocate now, or return None when the caller must wait: the pool
         has no block for it, this tenant already has requests waiting there
         (a tenant's requests are served in order), or the device's oldest
         waiter has waited past ``AGING`` (nobody passes it now).  Raises on
-        bad input and when the tenant's quota would be exceeded."""
+        bad input and when the tenant's quota would be exceeded.  ``like``:
+        the block maps that buffer's memory instead of its own (``clone``)."""
         queues = self._waiters[pool.key]
         self._validate(tenant, pool, size, name,
                        self._tenant_waiting.get((tenant, pool.key), 0))
         if queues and (tenant in queues.by_tenant or self._aged(queues) is not None):
             return None
-        return self._allocate(tenant, pool, size, name, ttl, session_id)
+        return self._allocate(tenant, pool, size, name, ttl, session_id, like)
 
     @staticmethod
     def _aged(queues: Queues) -> Waiter | None:
@@ -185,19 +187,12 @@ class Registry:
               session_id: str | None = None) -> Buffer | None:
         """A new buffer of ``src``'s tenant, size and device whose block maps
         ``src``'s memory (``HostArena.share``: no copy, no fresh pages; each
-        gets memory of its own before its first write, ``Pipeline``); None
-        when no block is free now, or when a request would have to wait
-        (``try_allocate``'s rule: the tenant's own waiters go first, nobody
-        passes an aged oldest waiter; a clone never waits).  Quota (waiting
-        bytes counted) and names as ``try_allocate``.  The caller copies the
-        manifest (``dataops.clone``)."""
-        pool = src.pool
-        queues = self._waiters[pool.key]
-        self._validate(src.tenant, pool, src.size, name,
-                       self._tenant_waiting.get((src.tenant, pool.key), 0))
-        if queues and (src.tenant in queues.by_tenant or self._aged(queues) is not None):
-            return None
-        return self._allocate(src.tenant, pool, src.size, name, ttl, session_id, like=src)
+        gets memory of its own before its first write, ``Pipeline``): a
+        ``try_allocate`` like any other (quota with waiting bytes, names, the
+        queues' rule), whose None the caller answers at once (a clone never
+        waits).  The caller copies the manifest (``dedupops.clone``)."""
+        return self.try_allocate(src.tenant, src.pool, src.size, name=name, ttl=ttl,
+                                 session_id=session_id, like=src)
 
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   ttl: float | None, session_id: str | None,
