@@ -28,12 +28,6 @@ RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
 
 
-def _resident(buf: Buffer) -> bool:
-    """Whether ``buf``'s block is backed already (a kept one): no pre-fault."""
-    resident = getattr(buf.pool.arena, "resident", None)
-    return resident is not None and bool(resident(buf.offset))
-
-
 class Owner(Protocol):
     """What the control ops see of their session."""
 
@@ -69,8 +63,7 @@ class ControlOps:
     def ready_now(buf: Buffer) -> bool:
         """Whether ``buf`` can be answered at once: nothing to pre-fault or
         zero."""
-        return buf.zeroed is None and (_resident(buf) or not prefault.wanted(buf.pool.arena,
-                                                                             buf.size))
+        return buf.zeroed is None and not prefault.wanted(buf.pool.arena, buf.size, buf.offset)
 
     async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
         """``granted`` once the new buffer's pages are backed with memory
@@ -85,7 +78,7 @@ class ControlOps:
         try:
             if buf.zeroed is not None:  # a kept block: backed, being zeroed (registry)
                 await asyncio.shield(buf.zeroed)
-            elif not _resident(buf):
+            else:  # nothing to do for a block kept backed (``prefault.wanted``)
                 await prefault.populate(buf.pool.arena, buf.offset, buf.size)
         finally:
             meta = self.granted(buf)

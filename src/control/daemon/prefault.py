@@ -42,11 +42,16 @@ BUDGET = 5.0  # seconds per request
 THREADS = 4  # the most workers one request uses
 
 
-def wanted(arena: Any, nbytes: int) -> bool:
-    """Whether a new buffer of ``nbytes`` in ``arena`` is worth populating
-    (``--prefault``, ``arena.prefault``: every one)."""
-    return hasattr(arena, "prefault_range") and (
-        nbytes >= MIN_BYTES or bool(getattr(arena, "prefault", False)))
+def wanted(arena: Any, nbytes: int, offset: int | None = None) -> bool:
+    """Whether a new buffer of ``nbytes`` in ``arena`` (at ``offset``, when
+    known) is worth populating (``--prefault``, ``arena.prefault``: every
+    one), which a block kept backed (``HostArena.resident``) never is."""
+    if not hasattr(arena, "prefault_range"):
+        return False
+    resident = getattr(arena, "resident", None)
+    if offset is not None and resident is not None and resident(offset):
+        return False
+    return nbytes >= MIN_BYTES or bool(getattr(arena, "prefault", False))
 
 
 class _Chunks:
@@ -100,7 +105,7 @@ async def populate(arena: Any, offset: int, nbytes: int, budget: float = BUDGET)
     worker threads (``workers``; see the module docstring); returns the
     bytes populated.  A failure of the kernel call is logged, never raised:
     it only costs speed later."""
-    if not wanted(arena, nbytes):
+    if not wanted(arena, nbytes, offset):
         return 0
     stop = threading.Event()
     chunks, deadline = _Chunks(nbytes), time.monotonic() + budget
