@@ -487,11 +487,10 @@ def _clone_candidates(bufs: list[dict[str, Any]], job: _SlotJob,
     listing, manifests included) laid out exactly so: a clone of one holds
     this slot if its checksums are the tensors' too (``_clone_source``)."""
     slot = job.plan.slot
-    offsets = plan_layout({sp.name: sp for sp in job.specs}, {}, start=0)
+    offsets = slot_offsets(job)
     layout = {sp.name: (offsets[sp.name], sp.nbytes) for sp in job.specs}
     if job.metadata is not None:
-        end = max((offsets[sp.name] + sp.nbytes for sp in job.specs), default=0)
-        layout[MD.META_TENSOR] = (align(end, ALIGN), int(job.metadata.nbytes))
+        layout[MD.META_TENSOR] = (_metadata_offset(job, offsets), int(job.metadata.nbytes))
     out = []
     for b in bufs:
         try:
@@ -552,7 +551,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
     async def one(j: _SlotJob) -> None:
         ctx = cluster[j.plan.slot.endpoint]
         node = stats[j.plan.slot.endpoint]
-        offsets = plan_layout({sp.name: sp for sp in j.specs}, {}, start=0)  # back to back
+        offsets = slot_offsets(j)
         sums: dict[str, int] = {}
         batches = list(_batches(j.specs, batch_bytes))
 
@@ -655,6 +654,17 @@ def _carry_metadata(jobs: list[_SlotJob], blob: np.ndarray) -> None:
             j.metadata = blob
 
 
+def slot_offsets(job: _SlotJob) -> dict[str, int]:
+    """Where each of the slot's tensors lies in its buffer: back to back, in
+    plan order (an upload and a node-local load lay a slot out alike)."""
+    return plan_layout({sp.name: sp for sp in job.specs}, {}, start=0)
+
+
+def _metadata_offset(job: _SlotJob, offsets: dict[str, int]) -> int:
+    """Where the metadata tensor goes: aligned, right after the slot's tensors."""
+    return align(max((offsets[sp.name] + sp.nbytes for sp in job.specs), default=0), ALIGN)
+
+
 def _metadata_bytes(job: _SlotJob) -> int:
     return 0 if job.metadata is None else align(job.metadata.nbytes, ALIGN)
 
@@ -678,9 +688,8 @@ async def _store_metadata(ctx: RpcContext, job: _SlotJob, offsets: dict[str, int
     ``sums`` for the manifest check."""
     if job.metadata is None:
         return
-    end = max((offsets[s.name] + s.nbytes for s in job.specs), default=0)
     await ctx.store_tensors_dedup(job.buffer_id, {MD.META_TENSOR: job.metadata},
-                                  {MD.META_TENSOR: align(end, ALIGN)}, "checksum")
+                                  {MD.META_TENSOR: _metadata_offset(job, offsets)}, "checksum")
     sums[MD.META_TENSOR] = checksum(job.metadata)
 
 

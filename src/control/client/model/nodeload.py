@@ -57,10 +57,10 @@ from control.client.model.loader import (
     described,
     each_slot,
     place_and_acquire,
+    slot_offsets,
     start_progress,
 )
 from control.client.model.modelfile import TensorSpec
-from control.client.tensors import plan_layout
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
@@ -207,7 +207,7 @@ async def _read_on_nodes(cluster: Cluster, jobs: list[_SlotJob],
     async def one(j: _SlotJob) -> None:
         ctx = cluster[j.plan.slot.endpoint]
         node = stats[j.plan.slot.endpoint]
-        offsets = plan_layout({s.name: s for s in j.specs}, {}, start=0)  # as an upload
+        offsets = slot_offsets(j)  # as an upload
         slots = asyncio.Semaphore(IN_FLIGHT)
 
         async def batch(k: int, items: list[FileTensor]) -> None:
