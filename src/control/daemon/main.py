@@ -64,6 +64,11 @@ def _metrics_addr(text: str) -> tuple[str, int]:
     return _host_port(text, 9700)
 
 
+def _size_or_zero(text: str) -> int:
+    """A size (``parse_size``), or 0."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -225,11 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "so first writes into it do not page-fault")
     return p
 
-
-
-def _size_or_zero(text: str) -> int:
-    """A size (``parse_size``), or 0."""
-    return 0 if text.strip() == "0" else parse_size(text)
 
 GPU_KINDS = ("cuda", "gpu")
 
