@@ -17,6 +17,18 @@ user restricted (``tcp`` in CI, say) gains ``cuda_copy,cuda_ipc`` (without
 them UCX cannot move device memory at all).  An unset ``UCX_TLS`` means all
 transports, which includes both.  Every value the user set is kept.
 
+The process-wide context is built here, not by ucxx: ucxx's own turns on
+UCP RMA and active messages, and over tcp UCP emulates put/get with active
+messages that read and write whatever address the peer names (the tcp
+remote key is empty; nothing checks a registration).  A peer that merely
+reaches the UCX port could then read and write any byte of the process,
+the node's signing keys included.  ``FEATURES`` is all rpcbuf uses: tagged
+messages, wakeup (blocking progress) and streams (ucxx's endpoint handshake,
+``exchange_peer_info``).  Without RMA, AM and atomics the worker installs no
+handler for those messages, so a peer's put or get never completes; the
+context's features are checked once it exists and a context with any of
+them on is refused (``UnsafeContext``).
+
 Both sides of a connection bind their UCX endpoint to an authenticated control
 session with a small handshake on the reserved tag ``BIND_TAG``: the client
 sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
@@ -34,11 +46,18 @@ from typing import Any
 
 UCX_DEFAULTS: dict[str, str] = {
     "UCXPY_PROGRESS_MODE": "blocking",
-    "UCX_RNDV_SCHEME": "put_zcopy",
+    "UCX_RNDV_SCHEME": "auto",
     "UCX_TCP_TX_SEG_SIZE": "2m",
     "UCX_TCP_RX_SEG_SIZE": "2m",
     "UCX_RNDV_FRAG_MEM_TYPE": "host",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+# Set whatever the user's environment says (see ``FEATURES`` below): UCX's tcp
+# transport writes an incoming PUT to the address its header names, checked
+# against nothing, and a peer's UCP uses it whenever this side advertises it.
+UCX_FORCED: dict[str, str] = {
+    "UCX_TCP_PUT_ENABLE": "n",
 }
 
 CUDA_DEFAULTS: dict[str, str] = {
@@ -52,6 +71,14 @@ BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
 NONCE_BYTES = 16
 
 _ucxx: Any = None
+
+FEATURES = ("TAG", "WAKEUP", "STREAM")
+FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
+
+
+class UnsafeContext(RuntimeError):
+    """The UCX context has a feature on that lets a peer reach this process's
+    memory (RMA, atomics or active messages)."""
 
 
 def cuda_wanted(env: Any = None) -> bool:
@@ -102,6 +129,11 @@ def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) 
                 target["UCX_TLS"] = tls
     for key, value in UCX_DEFAULTS.items():
         target.setdefault(key, value)
+    for key, value in UCX_FORCED.items():
+        if target.get(key, value) != value:
+            _log.warning("%s=%s ignored: rpcbuf runs with %s (a peer could write any address "
+                         "of this process)", key, target[key], value)
+        target[key] = value
     return dict(target)
 
 
@@ -113,8 +145,65 @@ def ucxx() -> Any:
         import ucxx as _mod
 
         _install_adaptive_progress()
+        _install_context(_mod)
         _ucxx = _mod
     return _ucxx
+
+
+def _install_context(mod: Any) -> None:
+    """Make ucxx's one process-wide context ours, with ``FEATURES`` only.
+
+    ``ApplicationContext.__init__`` builds ``UCXContext(config)`` with UCX's
+    default features (RMA and AM among them) and takes no flags, so this is
+    its body with the context made first.  Installed as ``ucxx.core._ctx``
+    before any ucxx call creates the default one."""
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib_async import application_context as ac
+
+    class Context(ac.ApplicationContext):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.notifier_thread_q = None
+            self.notifier_thread = None
+            self.progress_mode = None  # each of these three reads ucxx's env variable
+            self.enable_delayed_submission = None
+            self.enable_python_future = None
+            self.connect_timeout = float(os.environ.get("UCXPY_CONNECT_TIMEOUT", 5))
+            self.context = ucx_api.UCXContext(
+                {}, feature_flags=tuple(getattr(ucx_api.Feature, f) for f in FEATURES))
+            check_features(self.context)
+            self.worker = ucx_api.UCXWorker(
+                self.context, enable_delayed_submission=self.enable_delayed_submission,
+                enable_python_future=self.enable_python_future)
+            self.start_notifier_thread()
+            weakref.finalize(self, ac.clear_progress_tasks)
+            self.continuous_ucx_progress()
+
+    core = mod.core
+    if core._ctx is not None:
+        check_features(core._ctx.context)
+        return
+    core._ctx = Context()
+
+
+def check_features(context: Any) -> None:
+    """Raise ``UnsafeContext`` unless ``context`` has none of
+    ``FORBIDDEN_FEATURES`` on."""
+    import ucxx._lib.libucxx as ucx_api
+
+    flags = int(context.feature_flags)
+    on = [f for f in FORBIDDEN_FEATURES if flags & getattr(ucx_api.Feature, f).value]
+    if on:
+        raise UnsafeContext(
+            f"the UCX context has {', '.join(on)} on: a peer could read and write this "
+            "process's memory; rpcbuf needs only " + ", ".join(FEATURES))
+
+
+def features() -> list[str]:
+    """The features of this process's UCX context, by name (for stats/doctor)."""
+    import ucxx._lib.libucxx as ucx_api
+
+    flags = int(ucxx().core._get_ctx().context.feature_flags)
+    return [f.name for f in ucx_api.Feature if flags & f.value]
 
 
 _PROGRESS: dict[asyncio.AbstractEventLoop, Any] = {}

@@ -1,0 +1,110 @@
+"""The UCX port is a second door into the daemon: a peer that never says
+hello must not reach its memory.  ucxx's default context turns on UCP RMA,
+which over tcp is emulated with active messages that read and write any
+address the peer names (the tcp remote key is empty).  A small C peer built
+against the wheel's own libucp tries ``ucp_get_nbx`` and ``ucp_put_nbx`` at
+the address of a tenant's stored bytes, found through ``/proc/PID/mem``.
+Both must fail and the bytes must stay."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DaemonProc
+
+NATIVE = Path(__file__).parent / "native"
+
+
+def _libucx() -> Path | None:
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    return root if (root / "include" / "ucp" / "api" / "ucp.h").exists() else None
+
+
+@pytest.fixture(scope="module")
+def rma_peer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    lib = _libucx()
+    if cc is None:
+        pytest.skip("no C compiler here: the UCP attacker is a C program")
+    if lib is None:
+        pytest.skip("the libucx wheel ships no UCP headers here")
+    out = tmp_path_factory.mktemp("native") / "ucp_rma_peer"
+    subprocess.run([cc, "-O1", "-o", str(out), str(NATIVE / "ucp_rma_peer.c"),
+                    f"-I{lib / 'include'}", f"-L{lib / 'lib'}", "-lucp", "-lucs",
+                    f"-Wl,-rpath,{lib / 'lib'}"], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _find(pid: int, pattern: bytes) -> int | None:
+    """The address of ``pattern`` in the pool: a writable memfd mapping of
+    process ``pid`` (a buffer's pages; copies in transit buffers come and go)."""
+    maps = [m for m in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/memfd:" in m]
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for line in maps:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) rw", line)
+            if m is None:
+                continue
+            lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+            step = 8 << 20
+            for at in range(lo, hi, step):
+                try:
+                    mem.seek(at)
+                    chunk = mem.read(min(step + len(pattern), hi - at))
+                except OSError:
+                    break
+                i = chunk.find(pattern)
+                if i >= 0:
+                    return at + i
+    return None
+
+
+def _peek(pid: int, addr: int, n: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        mem.seek(addr)
+        return mem.read(n)
+
+
+def _attack(peer: Path, d: DaemonProc, addr: int, n: int, *op: str) -> str:
+    env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo",
+           "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    run = subprocess.run([str(peer), "127.0.0.1", str(d.ucx_port), hex(addr), str(n), *op],
+                         capture_output=True, text=True, timeout=60, env=env)
+    return run.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/mem")
+async def test_unauthenticated_peer_cannot_get_or_put_daemon_memory(
+        daemon_factory, rma_peer: Path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:64MiB", "--keep-freed", "0")
+    secret = np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8)
+    async with d.connect("alice", same_host=False) as ctx:
+        buf = await ctx.request_buffer(size=1 << 20, name="victim")
+        await ctx.store_tensor(buf, secret)
+        addr = _find(d.proc.pid, secret.tobytes())
+        assert addr is not None, "the test could not find the tenant's bytes in the daemon"
+
+        got = _attack(rma_peer, d, addr, 64, "get")
+        assert not got.startswith("get ok " + secret[:64].tobytes().hex()), got
+        assert got.startswith("get failed"), got
+
+        # The peer's own verdict on a put is not the test: over tcp a flush
+        # completes once the bytes left, handled or not.  The bytes are.
+        put = _attack(rma_peer, d, addr, 64, "put", "0x41")
+        assert put.startswith(("put ok", "put failed")), put
+        assert _peek(d.proc.pid, addr, 64) == secret[:64].tobytes()
+        back = await ctx.read_buffer(buf, offset=0, nbytes=secret.nbytes)
+        assert bytes(back) == secret.tobytes()
+        await ctx.release_buffer(buf)
+    assert d.proc.poll() is None, "the attack killed the daemon"
