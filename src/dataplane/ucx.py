@@ -160,7 +160,7 @@ def _install_context(mod: Any) -> None:
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib_async import application_context as ac
 
-    class Context(ac.ApplicationContext):  # type: ignore[misc]
+    class Context(ac.ApplicationContext):
         def __init__(self) -> None:
             self.notifier_thread_q = None
             self.notifier_thread = None

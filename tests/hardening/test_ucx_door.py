@@ -108,3 +108,21 @@ async def test_unauthenticated_peer_cannot_get_or_put_daemon_memory(
         assert bytes(back) == secret.tobytes()
         await ctx.release_buffer(buf)
     assert d.proc.poll() is None, "the attack killed the daemon"
+
+
+async def test_data_plane_listens_on_the_listen_host_only(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """With ``--listen 127.0.0.1`` and no UCX_NET_DEVICES, UCX's tcp transport
+    used every interface, each with a listening socket of its own.  Now only
+    the interface of the listen host; ``stats`` (and doctor) list every socket.
+    ucxx's listener itself takes no address (ucxx 0.52): its port is the one
+    wildcard left, and stats says so."""
+    d = daemon_factory("--device", "cpu:16MiB", env={"UCX_NET_DEVICES": ""})
+    async with d.connect("alice", same_host=False) as ctx:
+        st = await ctx.stats()
+    listening = st["listening"]
+    port = d.addr.rsplit(":", 1)[1]
+    assert f"127.0.0.1:{port}" in listening
+    others = [a for a in listening if not a.endswith(f":{d.ucx_port}")]
+    assert len(others) >= 2, listening  # control + UCX's own tcp port
+    assert all(a.startswith("127.0.0.1:") for a in others), listening
+    assert "UCX_NET_DEVICES=lo" in d.log()

@@ -119,6 +119,13 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                      "on the node",
                      {"ucx_tls": tls, "rdma_devices": rdma, "node_ucx_tls": node_tls,
                       "node_rdma_devices": node_rdma}))
+    listening = [str(a) for a in st.get("listening") or []]
+    wild = [a for a in listening if a.startswith(("0.0.0.0:", "[::]:"))]
+    out.append(Check("listening", "warn" if wild else "ok",
+                     f"the node listens on {' '.join(listening) or '(not told)'}" + (
+                         f"; {' '.join(wild)} on every interface (ucxx's listener takes no "
+                         "address: firewall it off untrusted networks)" if wild else ""),
+                     {"listening": listening, "ucx_features": st.get("ucx_features")}))
     devices = await ctx.list_devices()
     host = [d for d in devices if d.get("device_type", "CPU") == "CPU"] or devices
     await _round_trips(ctx, out, max((int(d["largest_free"]) for d in host), default=0))

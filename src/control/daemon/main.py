@@ -41,7 +41,7 @@ from control.wire.membership import (
     parse_registry,
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
-from dataplane import ucx
+from dataplane import sockets, ucx
 from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
 
@@ -58,6 +58,10 @@ def _host_port(text: str, default_port: int) -> tuple[str, int]:
 
 def _listen(text: str) -> tuple[str, int]:
     return _host_port(text, 7700)
+
+
+def _ucx_listen(text: str) -> tuple[str, int]:
+    return _host_port(text, 7701)
 
 
 def _metrics_addr(text: str) -> tuple[str, int]:
@@ -131,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(port 0 picks a free one) [127.0.0.1:7700]")
     p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
                    "[%(default)s]")
+    p.add_argument("--ucx-listen", type=_ucx_listen, default=None, metavar="HOST:PORT",
+                   help="the UCX data plane's address: UCX's tcp transport uses only the "
+                   "interface that holds HOST (UCX_NET_DEVICES, unless set), and the listener "
+                   "takes PORT [the --listen host, --ucx-port]")
     p.add_argument("--local-socket", default="auto", metavar="auto|none|@NAME|PATH",
                    help="the same-host path: a Unix control socket through which clients "
                         "on this host reconnect to, share memory with the daemon by "
@@ -335,6 +343,22 @@ def _announcer(args: argparse.Namespace, daemon: Daemon) -> Announcer | None:
                      ttl=args.registry_ttl)
 
 
+def _ucx_interface(host: str) -> None:
+    """Keep UCX's tcp transport on the interface that holds ``host``: UCX
+    opens a listening socket on every interface it uses (UCX_NET_DEVICES,
+    all by default), so a daemon told to listen on 127.0.0.1 exposed its
+    data plane on every network it was on.  A user's UCX_NET_DEVICES wins."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return
+    name = sockets.interface_of(host)
+    if name is None:
+        log.warning("UCX uses every network interface: %s names none of this host's IPv4 "
+                    "addresses (set UCX_NET_DEVICES, or --ucx-listen HOST:PORT)", host)
+        return
+    os.environ["UCX_NET_DEVICES"] = name
+    log.info("UCX_NET_DEVICES=%s (the interface of %s)", name, host)
+
+
 def raise_fd_limit() -> None:
     """Open files up to the hard limit: each host buffer holds a memfd."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -348,6 +372,8 @@ async def serve(args: argparse.Namespace) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
     tls = _tls(args)
+    ucx_host, ucx_port = args.ucx_listen or (args.listen[0], args.ucx_port)
+    _ucx_interface(ucx_host)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
@@ -383,7 +409,9 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
     local = None if args.local_socket == "none" else args.local_socket
-    await daemon.start(host, port, args.ucx_port, tls=tls, local_socket=local)
+    await daemon.start(host, port, ucx_port, tls=tls, local_socket=local)
+    log.info("listening sockets (TCP, this process, UCX's own included): %s",
+             " ".join(sockets.listening()) or "none seen")
     # Everything imported and built so far lives as long as the daemon: keep it
     # out of every collection, and collect young objects less often (a
     # 10,000-tensor manifest makes ~10,000 dicts at once; the default threshold
