@@ -8,7 +8,7 @@ busy, sleep on epoll otherwise) under uvloop.  That made the reference as
 slow as rpcbuf's progress engine wherever the engine is the limit, so the
 ratio said little.  Here each end imports ``ucxx`` itself (never
 ``dataplane.ucx.ucxx()``), with the tuned environment the issue names
-(``UCXPY_PROGRESS_MODE=blocking``, ``UCX_RNDV_SCHEME=put_zcopy``, 2 MiB tcp
+(``UCXPY_PROGRESS_MODE=blocking``, ``UCX_RNDV_SCHEME=auto``, 2 MiB tcp
 segments: ``dataplane.ucx.UCX_DEFAULTS``, set only where unset), so ucxx's
 stock blocking mode runs, which after its first event keeps polling (the
 ucxx 0.52 behaviour ``AdaptiveProgress`` exists to avoid in a daemon;

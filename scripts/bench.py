@@ -44,7 +44,7 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
 
 Every process gets the same UCX settings: ``UCX_TLS=tcp``,
 ``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.UCX_DEFAULTS`` (blocking
-progress, put_zcopy rendezvous, 2 MiB tcp segments), each only where the
+progress, auto rendezvous, 2 MiB tcp segments), each only where the
 environment does not already set it.  So raw ucxx runs with the fastest
 settings found (DESIGN.md "Facts measured here"), as the goal demands.
 Why the reference is built this way (it used to be a client in this process,
@@ -166,7 +166,7 @@ benchkit.loopback_ucx_env()
 
 from dataplane import ucx  # noqa: E402
 
-ucx.apply_defaults()  # blocking progress, put_zcopy, 2 MiB segments: for us and our children
+ucx.apply_defaults()  # blocking progress, auto rendezvous, 2 MiB segments, tcp PUT off: for us and our children
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -25,7 +25,7 @@ the client under uvloop, one context on the UCX path over loopback tcp
 (``same_host=False``) and one default context (the same-host path),
 beside the raw ucxx reference in
 two processes of its own (``_bench_rawucx.py``: ucxx's blocking progress,
-put_zcopy rendezvous, 2 MiB tcp segments) and ``np.copyto``.
+auto rendezvous, 2 MiB tcp segments, tcp PUT off) and ``np.copyto``.
 
 Measured on every side: a 4 KiB write and its acknowledgement (p50), 1 MiB
 and 64 MiB writes (GB/s at the median), and 10,000 x 4 KiB in one batch

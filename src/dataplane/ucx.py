@@ -3,10 +3,11 @@ context, listeners, endpoints, and the translation of UCX's exceptions.
 
 Defaults (each overridable by the user's own environment variable, because we
 only ``setdefault``): blocking progress (no busy polling: an idle daemon uses
-no CPU; lowest small-message latency measured here), one-sided ``put_zcopy``
-rendezvous and 2 MiB TCP segments (together 3-6x faster than ucxx's defaults
-over tcp in the brief's measurements), and host bounce buffers for
-rendezvous fragments (ucxx's own default, ``cuda``, needs a GPU).
+no CPU; lowest small-message latency measured here), ``auto`` rendezvous
+(``put_zcopy`` was faster over tcp but needs the tcp PUT that ``UCX_FORCED``
+turns off) and 2 MiB TCP segments, and host bounce buffers for rendezvous
+fragments (ucxx's own default, ``cuda``, needs a GPU).  ``UCX_FORCED`` is set
+whatever the environment says.
 
 With CUDA memory in use (a daemon with a ``cuda:N`` arena; a client whose
 process already imported CuPy or a CUDA-enabled torch, or that sets

