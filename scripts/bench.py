@@ -166,7 +166,7 @@ benchkit.loopback_ucx_env()
 
 from dataplane import ucx  # noqa: E402
 
-ucx.apply_defaults()  # blocking progress, auto rendezvous, 2 MiB segments, tcp PUT off: for us and our children
+ucx.apply_defaults()  # blocking progress, auto rendezvous, tcp PUT off: us and our children
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
