@@ -142,3 +142,19 @@ async def test_ucx_endpoints_that_never_bind_are_capped(daemon_factory) -> None:
         for ep in eps:
             ep.abort()
 
+
+
+async def test_control_listener_has_a_deep_backlog(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """asyncio's default backlog (100) let one process flooding connects push
+    legitimate connects into SYN retries (~2 s each, 1 in 6 timed out).  The
+    kernel shows a listener's backlog as its Send-Q (``ss -ltn``)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        pytest.skip("no ss (iproute2) here to read the listen backlog")
+    d = daemon_factory("--device", "cpu:1MiB")
+    port = d.addr.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True,
+                         timeout=10, check=True).stdout.split()
+    assert int(out[2]) >= 1024, out

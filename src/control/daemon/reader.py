@@ -97,16 +97,24 @@ def _factory(handler: Handler, limit: int) -> Callable[[], asyncio.StreamReaderP
     return make
 
 
+# asyncio's default listen backlog is 100: one process flooding connects from
+# one address filled it, and legitimate SYNs were dropped and retried by the
+# kernel after 1 s and 3 s (connects took ~2 s, 1 in 6 timed out).  The kernel
+# caps this at net.core.somaxconn (4096 on current kernels).
+BACKLOG = 4096
+
+
 async def serve_tcp(handler: Handler, host: str, port: int, limit: int,
                     tls: ssl.SSLContext | None, handshake_timeout: float | None
                     ) -> asyncio.Server:
     """``asyncio.start_server``, with a ``SessionReader`` per connection."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(_factory(handler, limit), host, port, ssl=tls,
-                                    ssl_handshake_timeout=handshake_timeout)
+                                    ssl_handshake_timeout=handshake_timeout,
+                                    backlog=BACKLOG)
 
 
 async def serve_unix(handler: Handler, sock: socket.socket, limit: int) -> Any:
     """``asyncio.start_unix_server`` on a bound socket, likewise."""
     loop = asyncio.get_running_loop()
-    return await loop.create_unix_server(_factory(handler, limit), sock=sock)
+    return await loop.create_unix_server(_factory(handler, limit), sock=sock, backlog=BACKLOG)
