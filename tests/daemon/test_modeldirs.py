@@ -188,3 +188,73 @@ def test_a_changed_file_is_walked_again(tmp_path: Path) -> None:
     f = files.open("m.safetensors")
     assert set(files.layout(f)) == {"b"} and set(first) == {"a"}
     os.close(f.fd)
+
+
+def big_metadata_gguf(path: Path, strings: int) -> Path:
+    """A GGUF whose key/values (a vocabulary of ``strings`` tokens) take the
+    walk a while: long enough for a truncation to land inside it."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i:07d}" for i in range(strings)])
+    w.add_tensor("a.weight", np.zeros(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# The walk is cut short by a truncation mid-way: at its third read (the
+# second window of the key/values) when it reads with pread, or after 50 ms
+# (a walk through a memory map makes no reads to hook, and takes seconds).
+_TRUNCATE_DURING_WALK = """
+import os, sys, threading
+from control.daemon.modeldirs import ModelFiles
+from control.wire.errors import BadRequest
+path = os.path.join(sys.argv[1], "big.gguf")
+files = ModelFiles([sys.argv[1]])
+f = files.open("big.gguf")
+reads, pread = [], os.pread
+def cutting(fd, n, offset):
+    reads.append(offset)
+    if len(reads) == 3:
+        os.truncate(path, 4096)
+    return pread(fd, n, offset)
+os.pread = cutting
+threading.Timer(0.05, os.truncate, (path, 4096)).start()
+try:
+    files.layout(f)
+    print("WHOLE", reads)
+except BadRequest as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_a_file_truncated_during_the_walk_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """The header is read with pread, never through a memory map a truncation
+    turns into SIGBUS (which killed the daemon, and every tenant's session)."""
+    import subprocess
+    import sys
+
+    big_metadata_gguf(tmp_path / "big.gguf", 1 << 20)  # 16 MiB of key/values
+    run = subprocess.run([sys.executable, "-c", _TRUNCATE_DURING_WALK, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.startswith("REFUSED"), run.stdout
+    assert "'big.gguf' on this node is not a valid" in run.stdout
+    assert "shrank" in run.stdout, run.stdout
+
+
+def test_a_file_shorter_than_when_it_was_opened_is_refused(tmp_path: Path) -> None:
+    """Truncated between the open (its size) and the walk: the header's
+    reads come back short, and that is said, naming the file."""
+    path = write_gguf(tmp_path / "m.gguf", gguf_tensors(2))
+    files = ModelFiles([str(tmp_path)])
+    f = files.open("m.gguf")
+    try:
+        os.truncate(path, 200)
+        with pytest.raises(BadRequest, match=r"'m\.gguf' on this node .*shrank"):
+            files.layout(f)
+    finally:
+        os.close(f.fd)

@@ -28,13 +28,13 @@ none of the directories is NOT_FOUND, naming the file.  ``ModelFiles`` also
 owns the threads that open and read the files (``copypool.CopyPool``: a file
 system may block a read for as long as it likes, so never on the event loop,
 at most one load per tenant at a time) and a small cache of the files'
-tensor layouts (their headers, walked by ``wire/modelcheck.py``), keyed by
-the file's identity (device, inode, size, mtime, ctime).
+tensor layouts (their headers, read with ``pread`` and walked by
+``wire/modelcheck.py``, in a pool thread), keyed by the file's identity
+(device, inode, size, mtime, ctime).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import threading
@@ -184,7 +184,7 @@ class ModelFiles:
                 return got
         try:
             got = _ranges(f.fd, f.size)
-        except (Malformed, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        except Malformed as exc:
             raise BadRequest(f"{f.name!r} on this node is not a valid safetensors or GGUF "
                              f"file: {exc}", {"path": f.name}) from None
         with self._lock:
@@ -195,9 +195,11 @@ class ModelFiles:
 
 
 def _ranges(fd: int, size: int) -> Ranges:
+    """The layout of the opened file of ``size`` bytes (its size when it was
+    opened), read with ``pread`` on the checked descriptor: never a memory
+    map, which a publisher truncating the file turns into SIGBUS."""
     if os.pread(fd, 4, 0) == b"GGUF":
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
-            return gguf_ranges(data)
+        return gguf_ranges(lambda offset, n: os.pread(fd, n, offset), size)
     n = safetensors_length(os.pread(fd, 8, 0), size)
     raw = os.pread(fd, n, 8)
     if len(raw) != n:
