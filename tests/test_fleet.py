@@ -314,3 +314,45 @@ async def test_etcd_user_and_password(
                                   registry=EtcdOptions(timeout=1.0))
     finally:
         server.stop()
+
+
+async def test_two_daemons_on_one_host_both_register(
+        daemon_factory: Any, etcd: Etcd, secret: Path) -> None:
+    """No --node-id: each daemon is ``host:port`` of its listener, so two
+    on one host are two nodes (both took the host name and wrote one key)."""
+    import socket
+
+    nodes = [daemon_factory("--secret-file", str(secret), "--registry", etcd.url,
+                            "--cluster", "pair", "--registry-ttl", str(TTL),
+                            "--device", "cpu:64MiB") for _ in range(2)]
+    await auntil("both registered", lambda: _count(etcd, "pair", 2))
+    listed = members(etcd, "pair")
+    host = socket.gethostname()
+    assert sorted(listed) == sorted(f"{host}:{n.addr.rpartition(':')[2]}" for n in nodes)
+    assert {r.address for r in listed.values()} == {n.addr for n in nodes}
+
+
+async def test_a_second_daemon_with_the_same_node_id_is_refused_loudly(
+        daemon_factory: Any, etcd: Etcd, secret: Path, token: str) -> None:
+    """The key is written only if absent or on the writer's own lease: the
+    second daemon logs why it is not registered, serves on, never overwrites
+    the first's record, and registers once the first has gone."""
+    first = start_node(daemon_factory, etcd, secret, "twins", "twin")
+    await auntil("first registered", lambda: _count(etcd, "twins", 1))
+    second = start_node(daemon_factory, etcd, secret, "twins", "twin")
+    until("the second says it is refused", lambda: "is taken" in second.log())
+    line = next(x for x in second.log().splitlines() if "is taken" in x)
+    assert "ERROR" in line and first.addr in line and "--node-id" in line, line
+    for _ in range(3 * TTL):  # past several of the second's retries and rewrites
+        assert members(etcd, "twins")["twin"].address == first.addr
+        await asyncio.sleep(0.5)
+    async with rpcbuf.connect(second.addr, token=token, timeout=30) as c:  # serving, unlisted
+        assert await c.list_devices()
+    first.stop()
+    await auntil("the second takes the id over",
+                 lambda: _listed_at(etcd, "twins", "twin", second.addr))
+
+
+async def _listed_at(etcd: Etcd, cluster: str, node: str, addr: str) -> bool:
+    rec = members(etcd, cluster).get(node)
+    return rec is not None and rec.address == addr

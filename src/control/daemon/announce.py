@@ -17,10 +17,20 @@ etcd answers again.  While registered it ticks every ``TICK`` seconds:
 - a refresh answered with TTL 0 (the lease expired meanwhile: a long
   partition) makes it register again at once.
 
-``stop()`` (SIGTERM, before draining) cancels the task and deletes the key
-and revokes the lease, bounded by the same timeout: a client stops choosing
-this node before its sessions end.  A crash leaves the key to the lease,
-which expires ``ttl`` seconds after the last refresh.
+Every write of the key is a transaction (``Etcd.put_if_free``): it writes
+only if the key is absent or on this daemon's own lease, never over another
+daemon's record.  A key held by another lease (a second daemon given the
+same ``--node-id``, or this daemon's previous run whose lease has not yet
+run out) is ``Taken``: logged once at ERROR with who holds it, the daemon
+serves on unregistered and tries again with the backoff, so it registers
+once the holder has gone (a restart within the TTL registers a TTL later,
+where exiting would have made a restart loop of it).
+
+``stop()`` (SIGTERM, before draining) cancels the task, deletes the key
+(if it is still on its lease) and revokes the lease, bounded by the same
+timeout: a client stops choosing this node before its sessions end.  A
+crash leaves the key to the lease, which expires ``ttl`` seconds after the
+last refresh.
 
 The record holds the node's own figures only (``wire/membership.py``): no
 tenant, buffer or model name ever goes into etcd.
@@ -40,7 +50,14 @@ from typing import Any, Protocol
 
 from control.fleet.etcd import Etcd, EtcdUnavailable
 from control.wire import protocol as P
-from control.wire.membership import DEFAULT_TTL, DeviceFigures, NodeRecord, node_key
+from control.wire.membership import (
+    DEFAULT_TTL,
+    DeviceFigures,
+    NodeRecord,
+    RecordError,
+    node_key,
+    parse_record,
+)
 
 log = logging.getLogger("rpcbuf.daemon.announce")
 TICK = 1.0  # s: how often figures are compared (and at most how often they are written)
@@ -53,6 +70,10 @@ def rpcbuf_version() -> str:
         return importlib.metadata.version("rpcbuf")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+class Taken(Exception):
+    """The node's key is held by another lease; the message says by whom."""
 
 
 class Owner(Protocol):
@@ -117,7 +138,7 @@ class Announcer:
         lease, self._lease = self._lease, None
         if self.registered and lease is not None:
             try:
-                await self.etcd.delete(self.key)
+                await self.etcd.delete_if_held(self.key, lease)
                 await self.etcd.revoke(lease)
                 log.info("registry: %s deleted", self.key)
             except EtcdUnavailable as exc:
@@ -128,32 +149,56 @@ class Announcer:
 
     async def _run(self) -> None:
         wait = BACKOFF[0]
-        failing = False
+        failing: type[Exception] | None = None  # what the last try failed with
         while True:
             try:
                 await self._register()
-                failing = False
+                failing = None
                 wait = BACKOFF[0]
                 await self._keep()
-                continue  # the lease was lost: register again at once
+                continue  # the lease was lost, or the key taken: register again at once
             except EtcdUnavailable as exc:
-                if self.registered or not failing:
+                if self.registered or failing is not EtcdUnavailable:
                     log.warning("registry: %s; serving on, retrying with backoff", exc)
                 self.registered = False
-                failing = True
+                failing = EtcdUnavailable
+            except Taken as exc:
+                if failing is not Taken:
+                    log.error("registry: %s; serving on unregistered (clients of the "
+                              "registry do not see this daemon), retrying with backoff",
+                              exc)
+                self.registered = False
+                failing = Taken
             await asyncio.sleep(wait * random.uniform(0.8, 1.2))
             wait = min(wait * 2, BACKOFF[1])
 
     async def _register(self) -> None:
-        self._lease = await self.etcd.grant(self.ttl)
-        await self._put(self.record())
+        """A new lease, and the key on it if it is free or on the old one
+        (etcd was away, the old lease may live on).  Raises ``Taken``
+        (the new lease revoked), ``EtcdUnavailable``."""
+        old, self._lease = self._lease, await self.etcd.grant(self.ttl)
+        try:
+            await self._put(self.record(), mine=old)
+        except Taken:
+            lease, self._lease = self._lease, old
+            await self.etcd.revoke(lease)
+            raise
+        if old is not None and old != self._lease:
+            await self.etcd.revoke(old)  # its key is on the new lease now
         self.registered = True
         self.registrations += 1
         log.info("registry: registered %s at %s (lease %x, ttl %d s)", self.key,
                  self.address(), self._lease, self.ttl)
 
-    async def _put(self, rec: NodeRecord) -> None:
-        await self.etcd.put(self.key, rec.encode(), self._lease)
+    async def _put(self, rec: NodeRecord, mine: int | None) -> None:
+        """Write the record on our lease if the key is free or on ``mine``.
+        Raises ``Taken``, ``EtcdUnavailable``."""
+        assert self._lease is not None
+        holder = await self.etcd.put_if_free(self.key, rec.encode(), self._lease, mine)
+        if holder is not None:
+            raise Taken(f"node id {self.owner.node_id!r} is taken: {self.key} is held by "
+                        f"{_holder(holder, self.key)}; give each daemon its own --node-id "
+                        "(the default, host:port, is)")
         self.writes += 1
         self._written = rec
         self._written_at = time.monotonic()
@@ -177,4 +222,23 @@ class Announcer:
                     return
             rec = self.record()
             if not rec.same_figures(self._written) or now - self._written_at >= self.refresh:
-                await self._put(rec)
+                try:
+                    await self._put(rec, mine=self._lease)
+                except Taken as exc:  # our lease ran out and another took the key
+                    log.error("registry: %s", exc)
+                    self.registered = False
+                    return
+
+
+def _holder(value: bytes, key: str) -> str:
+    """Who holds the key, for the log: the registry is written by others, so
+    only what a valid record says (its fields are checked), else that it is
+    none."""
+    if not value:
+        return "another lease (the key went meanwhile)"
+    try:
+        rec = parse_record(value, key)
+    except RecordError:
+        return "another writer (its value is no valid node record)"
+    return f"the daemon at {rec.address!r} (ucx port {rec.ucx_port}, up since " \
+           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(rec.started_at))})"

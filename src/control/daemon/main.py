@@ -19,7 +19,6 @@ import logging
 import os
 import resource
 import signal
-import socket
 import ssl
 import sys
 from typing import Any
@@ -38,6 +37,7 @@ from control.wire.membership import (
     DEFAULT_TTL,
     RecordError,
     check_name,
+    check_node_id,
     parse_registry,
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
@@ -86,6 +86,13 @@ def _positive_int(text: str) -> int:
 def _registry(text: str) -> str:
     try:
         return str(parse_registry(text))
+    except RecordError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _node_id(text: str) -> str:
+    try:
+        return check_node_id("--node-id", text)
     except RecordError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -186,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline of one data transfer, e.g. 300s [%(default)s]")
     p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
                    help="how long SIGTERM waits for in-flight transfers [%(default)s]")
-    p.add_argument("--node-id", default=socket.gethostname())
+    p.add_argument("--node-id", type=_node_id, default=None,
+                   help="this daemon's name in hello, stats and the registry; unique in its "
+                        "cluster [this host's name and the --listen port: HOST:PORT]")
     p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -393,7 +402,7 @@ async def serve(args: argparse.Namespace) -> int:
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
                     copy_threads=args.copy_threads)
-    daemon = Daemon(registry, keys, node_id=args.node_id, limits=limits,
+    daemon = Daemon(registry, keys, node_id=args.node_id or "", limits=limits,
                     model_files=model_files)
     if model_files is not None:
         log.info("node-local loads may read %s",

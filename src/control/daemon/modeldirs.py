@@ -23,18 +23,20 @@ name or the file system says.  In order, all before a byte is read:
    resolved path names now.
 
 Refusals are FORBIDDEN (outside, escaping, not a regular file, unreadable,
-or no ``--model-dir`` at all) and say only what the tenant named; a file in
+changed while it was resolved or opened, or no ``--model-dir`` at all) and
+say only what the tenant named (every ``OSError`` on the way becomes one:
+its own message would name the directory); a file in
 none of the directories is NOT_FOUND, naming the file.  ``ModelFiles`` also
 owns the threads that open and read the files (``copypool.CopyPool``: a file
 system may block a read for as long as it likes, so never on the event loop,
 at most one load per tenant at a time) and a small cache of the files'
-tensor layouts (their headers, walked by ``wire/modelcheck.py``), keyed by
-the file's identity (device, inode, size, mtime, ctime).
+tensor layouts (their headers, read with ``pread`` and walked by
+``wire/modelcheck.py``, in a pool thread), keyed by the file's identity
+(device, inode, size, mtime, ctime).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import threading
@@ -116,7 +118,10 @@ class ModelFiles:
         """Open the model file ``name`` for reading, confined as the module
         says.  Raises FORBIDDEN, NOT_FOUND."""
         for path in self.candidates(name):
-            real = os.path.realpath(path)
+            try:
+                real = os.path.realpath(path)
+            except OSError:  # a link on the way became a file between its lstat and readlink
+                raise _changed(name) from None
             if not self._within(real):
                 raise Forbidden(f"{name!r} leads outside this node's model directories "
                                 "(a symlink out of them)",
@@ -127,9 +132,12 @@ class ModelFiles:
                 continue
             except OSError as exc:  # ELOOP: a symlink appeared; EACCES; EISDIR ...
                 raise Forbidden(f"{name!r} cannot be opened on this node: "
-                                f"{exc.strerror or exc}", {"path": name}) from None
+                                f"{exc.strerror or type(exc).__name__}", {"path": name}) from None
             try:
                 return self._check(fd, name, real)
+            except OSError:  # the re-check's stat: the path is gone or another file now
+                os.close(fd)
+                raise _changed(name) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -184,7 +192,7 @@ class ModelFiles:
                 return got
         try:
             got = _ranges(f.fd, f.size)
-        except (Malformed, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        except Malformed as exc:
             raise BadRequest(f"{f.name!r} on this node is not a valid safetensors or GGUF "
                              f"file: {exc}", {"path": f.name}) from None
         with self._lock:
@@ -194,10 +202,20 @@ class ModelFiles:
         return got
 
 
+def _changed(name: str) -> Forbidden:
+    """The refusal of a file whose path changed while it was resolved or
+    opened: it names what the tenant asked for, never the directory (the
+    OSError's own message holds the absolute path)."""
+    return Forbidden(f"{name!r} changed on this node while it was opened (try again)",
+                     {"path": name, "reason": "changed_while_opened"})
+
+
 def _ranges(fd: int, size: int) -> Ranges:
+    """The layout of the opened file of ``size`` bytes (its size when it was
+    opened), read with ``pread`` on the checked descriptor: never a memory
+    map, which a publisher truncating the file turns into SIGBUS."""
     if os.pread(fd, 4, 0) == b"GGUF":
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
-            return gguf_ranges(data)
+        return gguf_ranges(lambda offset, n: os.pread(fd, n, offset), size)
     n = safetensors_length(os.pread(fd, 8, 0), size)
     raw = os.pread(fd, n, 8)
     if len(raw) != n:

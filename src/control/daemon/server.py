@@ -60,8 +60,9 @@ class Daemon:
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
                  limits: Limits | None = None,
                  model_files: ModelFiles | None = None) -> None:
-        """``model_files``: the ``--model-dir`` directories node-local loads
-        may read (None: such loads are refused)."""
+        """``node_id``: "" for ``default_node_id`` of the listener, once it
+        listens; ``model_files``: the ``--model-dir`` directories node-local
+        loads may read (None: such loads are refused)."""
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
@@ -111,10 +112,12 @@ class Daemon:
             self._on_connection, host, port, READ_CHUNK, tls,
             self.limits.hello_timeout if tls else None)
         self.address = self._server.sockets[0].getsockname()[:2]
+        if not self.node_id:  # before the first await: no hello goes out without it
+            self.node_id = default_node_id(self.address[1])
         if local_socket is not None:
             await self._start_local(local_socket)
-        log.info("listening control=%s:%d ucx=%d devices=%s", self.address[0],
-                 self.address[1], self.ucx_port, ",".join(self.registry.pools))
+        log.info("listening control=%s:%d ucx=%d devices=%s node=%s", self.address[0],
+                 self.address[1], self.ucx_port, ",".join(self.registry.pools), self.node_id)
 
     async def _start_local(self, name: str) -> None:
         if name == "auto":
@@ -321,3 +324,11 @@ def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
         return "uid", shm.peer_cred(sock)[1]
     peer = writer.get_extra_info("peername")
     return "ip", peer[0] if isinstance(peer, tuple) else peer
+
+
+def default_node_id(port: int) -> str:
+    """``host:port``: this host's name and the control listener's port.
+    Unique per daemon on a host (two cannot listen on one port) and the same
+    across restarts (a restarted daemon takes its own id back), with nothing
+    to persist; the host name alone made two daemons on a host one node."""
+    return f"{socket.gethostname()[:120]}:{port}"

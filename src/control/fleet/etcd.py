@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import aetcd
 import grpc
-from aetcd import rpc, utils, watcher
+from aetcd import rpc, transactions, utils, watcher
 
 from control.wire.membership import RegistryAddress
 
@@ -200,9 +200,33 @@ class Etcd:
             await c.put(key.encode(), value, lease=lease_id)
         await self.call("put", put)
 
-    async def delete(self, key: str) -> None:
+    async def put_if_free(self, key: str, value: bytes, lease_id: int,
+                          mine: int | None = None) -> bytes | None:
+        """Put ``key`` on ``lease_id`` only if it is absent or held by the
+        lease ``mine`` (each an etcd transaction: never a blind overwrite of
+        another writer's key).  None once written; else the value there now
+        (whoever holds the key; empty if it vanished meanwhile)."""
+        async def put(c: aetcd.Client) -> bytes | None:
+            t, k = c.transactions, key.encode()
+            held = await c.transaction(
+                compare=[_Lease(k) == mine] if mine else [t.create(k) == 0],
+                success=[t.put(k, value, lease=lease_id)], failure=[t.get(k)])
+            if not held[0] and mine:
+                held = await c.transaction(compare=[t.create(k) == 0],
+                                           success=[t.put(k, value, lease=lease_id)],
+                                           failure=[t.get(k)])
+            if held[0]:
+                return None
+            rows = held[1][0] if held[1] else []
+            return bytes(rows[0][0]) if rows else b""
+        return await self.call("put", put)
+
+    async def delete_if_held(self, key: str, lease_id: int) -> None:
+        """Delete ``key`` if it is on ``lease_id`` (not a key another took)."""
         async def delete(c: aetcd.Client) -> None:
-            await c.delete(key.encode())
+            k = key.encode()
+            await c.transaction(compare=[_Lease(k) == lease_id],
+                                success=[c.transactions.delete(k)], failure=[])
         await self.call("delete", delete)
 
     async def revoke(self, lease_id: int) -> None:
@@ -246,6 +270,14 @@ class Etcd:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
                 async with asyncio.timeout(self.options.timeout):
                     await client._watcher.cancel(watch_id)
+
+
+class _Lease(transactions.BaseCompare):
+    """Compare a key's lease (etcd has the target; aetcd 1.0 has no class for it)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = rpc.Compare.LEASE
+        compare.lease = self.value
 
 
 def _why(exc: BaseException | None) -> str:

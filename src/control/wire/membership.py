@@ -32,7 +32,8 @@ MAX_DEVICES = 64
 MAX_TEXT = 256
 MAX_INT = (1 << 63) - 1
 MAX_ENDPOINTS = 16  # etcd members in one registry address
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")  # cluster names and node ids
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")  # cluster names
+NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}")  # also a default "host:port"
 DEFAULT_CLUSTER = "default"
 DEFAULT_TTL = 5  # s: the lease of a node's key (a crashed node goes this long after)
 
@@ -85,13 +86,20 @@ def check_name(what: str, name: str) -> str:
     return name
 
 
+def check_node_id(what: str, node_id: str) -> str:
+    if not NODE_ID_RE.fullmatch(node_id):
+        raise RecordError(f"{what} {node_id!r}: letters, digits and _.@:- only (at most 128, "
+                          "starting with a letter or digit)")
+    return node_id
+
+
 def prefix(cluster: str) -> str:
     """The key prefix under which ``cluster``'s nodes register."""
     return f"{KEY_ROOT}{check_name('cluster', cluster)}/nodes/"
 
 
 def node_key(cluster: str, node_id: str) -> str:
-    return prefix(cluster) + check_name("node id", node_id)
+    return prefix(cluster) + check_node_id("node id", node_id)
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ def parse_record(raw: bytes, key: str | None = None) -> NodeRecord:
         raise RecordError("record is not JSON") from None
     if not isinstance(obj, dict):
         raise RecordError("record is not a JSON object")
-    node_id = check_name("record node id", _text(obj, "node_id"))
+    node_id = check_node_id("record node id", _text(obj, "node_id"))
     if key is not None and key.rpartition("/")[2] != node_id:
         raise RecordError(f"record for {node_id!r} under the key {key!r}")
     address = _text(obj, "address")

@@ -14,10 +14,17 @@ and the lie (the caller names the file: one ``BadRequest``); only a header
 that passed goes on to the format's own package (``gguf.GGUFReader``,
 ``safetensors.safe_open``).
 
-No I/O here: the walks take the file's bytes (a memory map, the header's
-bytes) and its size, so the client (``client/model/modelcheck.py``, which
-opens the model it uploads) and the daemon (``daemon/fileops.py``, which
-opens a file of its ``--model-dir`` through its own checks) share them.
+No I/O here: the walks take the header's bytes, or (GGUF, whose header
+length is known only once it is walked) a function that reads the file
+(its ``os.pread``), and the file's size, so the client
+(``client/model/modelcheck.py``, which opens the model it uploads) and the
+daemon (``daemon/modeldirs.py``, which opens a file of its ``--model-dir``
+through its own checks) share them.  Never a memory map: whoever can write
+the file can truncate it during the walk, and a read of a mapped page past
+the new end is SIGBUS, which killed the daemon; a ``pread`` that comes back
+short is a ``Malformed`` ("the file shrank").  The GGUF walk reads a window
+(``_WINDOW``) at a time, so it reads at most ``MAX_METADATA_BYTES`` plus
+``MAX_TENSOR_INFO_BYTES`` (and a window) of any file.
 Both also learn where each tensor's bytes lie in the file
 (``gguf_ranges``, ``safetensors_ranges``): the daemon loads only whole
 tensors of a file, at exactly those ranges.
@@ -33,7 +40,11 @@ tensors of a file, at exactly those ranges.
   before anything is read: at most ``MAX_METADATA_KEYS`` keys,
   ``MAX_METADATA_ITEMS`` values (array items counted one by one) and
   ``MAX_METADATA_BYTES`` bytes of key/value section, so an array of 10^7
-  entries or a 2 GiB string (a sparse file) is refused at its length.
+  entries or a 2 GiB string (a sparse file) is refused at its length; and
+  at most ``MAX_TENSORS`` tensors in ``MAX_TENSOR_INFO_BYTES`` of tensor
+  infos.  The daemon needs only the ranges (``gguf_ranges``): it walks past
+  the values at their lengths without building them (a 24 MB vocabulary
+  cost it 3.2 s of CPU when it was decoded).
 - safetensors: the 8-byte header length (within the file and
   ``ST_MAX_HEADER``), nesting (at most 3 levels: the header is a flat
   object of flat objects whose only arrays hold numbers), then the JSON and
@@ -52,7 +63,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,6 +81,11 @@ MAX_NAME = P.MAX_STR  # bytes of a tensor name (the wire takes at most this many
 MAX_METADATA_KEYS = 1 << 16
 MAX_METADATA_ITEMS = 1 << 21  # keys and values, array items counted one by one
 MAX_METADATA_BYTES = 32 << 20  # of the file: GGUF's key/value section, __metadata__'s text
+# GGUF's tensor infos: real files list a few thousand (a name, a shape, a
+# type, an offset: about 100 bytes each).
+MAX_TENSORS = 1 << 20
+MAX_TENSOR_INFO_BYTES = 64 << 20
+_WINDOW = 1 << 20  # bytes of a GGUF header read at once
 
 # GGUF value types: fixed-size scalars by type number; 8 is STRING, 9 ARRAY.
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -95,16 +111,24 @@ class Malformed(Exception):
 Ranges = dict[str, tuple[int, int]]  # tensor name -> [start, stop) in the file
 
 
-class _Cursor:
-    """Reads a GGUF header from a memory map, refusing any read past its end."""
+Read = Callable[[int, int], bytes]  # (offset, n) -> the file's bytes there, at most n
 
-    def __init__(self, data: Any, order: str) -> None:
-        self.data = data
-        self.size = len(data)
+
+class _Cursor:
+    """Reads a GGUF header through ``read`` (a file's ``pread``), a window
+    at a time, refusing any read past the file's end or its bound; a read
+    that comes back short means the file shrank meanwhile."""
+
+    def __init__(self, read: Read, size: int, order: str, keep: bool) -> None:
+        self._read = read
+        self.size = size
         self.pos = 0
         self.order = order
+        self.keep = keep  # build the metadata values (else only walk past them)
         self.bound: tuple[int, str] | None = None  # (end, why): no read may pass it
         self.items = MAX_METADATA_ITEMS  # metadata values still allowed
+        self._window = b""
+        self._at = 0  # where the window starts in the file
 
     def left(self) -> int:
         return self.size - self.pos
@@ -119,17 +143,36 @@ class _Cursor:
 
     def take(self, n: int, what: str) -> bytes:
         start = self.pos
-        self.skip(n, what)
-        return self.data[start:self.pos]
+        self.skip(n, what)  # checked against the file and the bound before any read
+        i = start - self._at
+        if i < 0 or i + n > len(self._window):
+            self._at, i = start, 0
+            self._window = self._read(start, min(max(n, _WINDOW), self.size - start))
+            if len(self._window) < n:
+                raise Malformed(f"the file shrank while its header was read (at byte "
+                                 f"{start + len(self._window)}, {self.size} bytes before)")
+        return self._window[i:i + n]
 
     def uint(self, width: int, what: str) -> int:
-        start = self.pos
-        self.skip(width, what)
         fmt = {4: "I", 8: "Q"}[width]
-        return int(struct.unpack_from(self.order + fmt, self.data, start)[0])
+        return int(struct.unpack(self.order + fmt, self.take(width, what))[0])
 
     def string(self, what: str) -> bytes:
         return self.take(self.uint(8, f"length of {what}"), what)
+
+    def skip_strings(self, n: int, what: str) -> None:
+        """Walk past ``n`` strings at their lengths (what ``gguf_ranges`` does
+        with a vocabulary: a million of them, so no call or message per item
+        where the length is already in the window)."""
+        code = struct.Struct(self.order + "Q")
+        for _ in range(n):
+            i = self.pos - self._at
+            if 0 <= i and i + 8 <= len(self._window):
+                (length,) = code.unpack_from(self._window, i)
+                self.skip(8, what)
+            else:
+                length = self.uint(8, what)
+            self.skip(length, what)
 
     def count(self, n: int, least: int, what: str) -> None:
         """``n`` items of at least ``least`` bytes each must fit in what is left."""
@@ -145,19 +188,25 @@ class _Cursor:
         self.items -= n
 
 
-def gguf_ranges(data: Any) -> Ranges:
-    """Where each tensor's bytes lie in a GGUF file (``gguf_walk``)."""
-    return gguf_walk(data)[0]
+def gguf_ranges(read: Read, size: int) -> Ranges:
+    """Where each tensor's bytes lie in a GGUF file (``gguf_walk``), its
+    key/values walked past but not built (a vocabulary of 10^6 strings is
+    skipped at their lengths, never decoded)."""
+    return _walk(_Cursor(read, size, "<", keep=False))[0]
 
 
-def gguf_walk(data: Any) -> tuple[Ranges, dict[str, Any]]:
-    """Walk a GGUF file's whole header (``data``: the file's bytes, e.g. a
-    memory map) against its size: where each tensor's bytes lie, and the
-    key/values as plain Python (see the module docstring).  Raises
-    ``Malformed`` saying what is wrong first."""
+def gguf_walk(read: Read, size: int) -> tuple[Ranges, dict[str, Any]]:
+    """Walk a GGUF file's whole header (``read``: its ``pread``, never a
+    memory map, which a truncation of the file turns into SIGBUS) against
+    its ``size``: where each tensor's bytes lie, and the key/values as plain
+    Python (see the module docstring).  Raises ``Malformed`` saying what is
+    wrong first (a file that shrank while it was read, too)."""
+    return _walk(_Cursor(read, size, "<", keep=True))
+
+
+def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
     from gguf.constants import GGML_QUANT_SIZES
 
-    cur = _Cursor(data, "<")
     if cur.take(4, "magic") != b"GGUF":
         raise Malformed("no GGUF magic")
     version = cur.uint(4, "version")
@@ -172,6 +221,8 @@ def gguf_walk(data: Any) -> tuple[Ranges, dict[str, Any]]:
     cur.count(n_tensors, _MIN_TENSOR_INFO, f"{n_tensors} tensors")
     if n_kv > MAX_METADATA_KEYS:
         raise Malformed(f"{n_kv} metadata entries (rpcbuf reads at most {MAX_METADATA_KEYS})")
+    if n_tensors > MAX_TENSORS:
+        raise Malformed(f"{n_tensors} tensors (rpcbuf reads at most {MAX_TENSORS})")
     cur.bound = (cur.pos + MAX_METADATA_BYTES, f"passes the {MAX_METADATA_BYTES} bytes of "
                                                "metadata rpcbuf reads")
     alignment = 32
@@ -191,7 +242,8 @@ def gguf_walk(data: Any) -> tuple[Ranges, dict[str, Any]]:
                 raise Malformed(f"alignment {alignment} is not a power of two")
             continue
         meta[text] = _gguf_value(cur, vtype, _short(key), 0)
-    cur.bound = None
+    cur.bound = (cur.pos + MAX_TENSOR_INFO_BYTES, f"passes the {MAX_TENSOR_INFO_BYTES} bytes "
+                                                  "of tensor infos rpcbuf reads")
     quant = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
     infos: list[tuple[str, int, int]] = []  # name, offset, bytes
     raws: list[bytes] = []
@@ -225,6 +277,7 @@ def gguf_walk(data: Any) -> tuple[Ranges, dict[str, Any]]:
         if offset % alignment:
             raise Malformed(f"tensor {name}: offset {offset} is not aligned to {alignment}")
         infos.append((name, offset, elements // block * type_size))
+    cur.bound = None
     start = cur.pos + -cur.pos % alignment
     out: Ranges = {}
     for (name, offset, nbytes), raw in zip(infos, raws, strict=True):
@@ -239,10 +292,14 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
     """One metadata value, read as plain Python; every length is checked
     (against the file, the metadata's bounds) before its bytes are read."""
     size = _GGUF_SCALARS.get(vtype)
+    if size is not None and not cur.keep:
+        return cur.skip(size, f"value of {key}")
     if size is not None:
         raw = cur.take(size, f"value of {key}")
         value = struct.unpack(cur.order + _GGUF_CODES[vtype], raw)[0]
         return value != 0 if vtype == _BOOL else value
+    if vtype == _STRING and not cur.keep:
+        return cur.skip(cur.uint(8, f"length of string of {key}"), f"string of {key}")
     if vtype == _STRING:
         return cur.string(f"string of {key}").decode("utf-8", "replace")
     if vtype == _ARRAY:
@@ -255,11 +312,20 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
         least = _GGUF_SCALARS.get(itype) or (8 if itype == _STRING else 4 + 8)
         cur.count(n, least, f"{key}: array of {n} items")
         cur.values(n, f"{key}: array of {n} items")
+        if itype in _GGUF_SCALARS and not cur.keep:
+            return cur.skip(n * least, f"items of {key}")
         if itype in _GGUF_SCALARS:
             raw = cur.take(n * least, f"items of {key}")
             items = np.frombuffer(raw, dtype=cur.order + _GGUF_CODES[itype])
             return (items != 0).tolist() if itype == _BOOL else items.tolist()
         # bounded: n items of >= 8 bytes fit in the file, n values in the budget
+        if not cur.keep and itype == _STRING:
+            cur.skip_strings(n, f"a string of {key}")
+            return None
+        if not cur.keep:
+            for _ in range(n):
+                _gguf_value(cur, itype, key, depth + 1)
+            return None
         return [_gguf_value(cur, itype, key, depth + 1) for _ in range(n)]
     raise Malformed(f"{key} has unknown value type {vtype}")
 

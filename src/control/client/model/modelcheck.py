@@ -8,7 +8,6 @@ bounds (``MAX_METADATA_*``)."""
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,9 +35,10 @@ def check_gguf(path: Path) -> dict[str, Any]:
     key/values as plain Python.  Raises BAD_REQUEST naming the file and the
     first thing wrong with it."""
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return gguf_walk(data)[1]
-    except (Malformed, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            return gguf_walk(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size)[1]
+    except Malformed as exc:
         raise BadRequest(f"{path}: not a valid GGUF file: {exc}", {"file": str(path)}) from None
 
 
