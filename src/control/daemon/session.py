@@ -664,7 +664,7 @@ class Session:
         self.handles = channel
         limits, tenant = self.daemon.limits, self.owner
         self.same_host = StagedPath(
-            channel.area, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
+            channel.staging, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
             stop=self.copy_stop, expired=self._transfer_expired,
             stopped=lambda: self.daemon.stopped)
         task = asyncio.get_running_loop().create_task(self._send_staging(channel))
