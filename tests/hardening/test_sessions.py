@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -65,3 +67,42 @@ async def test_closed_sessions_leave_no_staging_behind_without_gc(daemon_factory
         await asyncio.gather(*(one() for _ in range(10)))
     assert await _held_settles(pid) == (0, 0)
     assert await wait_free(d, start) == start
+
+
+STORER = """
+import asyncio, gc, sys, time, numpy as np, rpcbuf
+async def main():
+    async with rpcbuf.connect(sys.argv[1], token=sys.argv[2]) as c:
+        assert c.same_host
+        bid = await c.request_buffer(64 << 20)
+        data = np.ones(64 << 20, np.uint8)
+        stores, deadline = 0, time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:  # through the ring, back to back
+                await c.store_tensor(bid, data)
+                stores += 1
+        except rpcbuf.RpcBufError as exc:
+            print("ended", stores, type(exc).__name__, flush=True)
+try:
+    asyncio.run(main())
+except rpcbuf.RpcBufError:
+    pass  # closing a context whose session ended may say so again
+gc.collect()  # a future dropped with its exception unread complains here at the latest
+"""
+
+
+def test_a_store_cut_short_by_its_session_ending_prints_nothing(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon ends the session (its token expires) while the client's
+    thread streams a store through the ring: the store fails with an error,
+    and no 'Future exception was never retrieved' (or any traceback) is
+    printed."""
+    d: DaemonProc = daemon_factory("--device", "cpu:256MiB")
+    env = {**os.environ, "PYTHONPATH": "src", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    for ttl in (2.0, 3.0):  # a store is under way when the session ends, most times
+        p = subprocess.run([sys.executable, "-c", STORER, d.addr, d.token("bob", ttl=ttl)],
+                           capture_output=True, text=True, env=env, timeout=90)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.startswith("ended"), (p.stdout, p.stderr)
+        assert int(p.stdout.split()[1]) > 0
+        assert "never retrieved" not in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr
