@@ -14,7 +14,9 @@ import time
 import numpy as np
 import pytest
 
+import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
+from dataplane import staging
 
 STAGING = "memfd:rpcbuf-staging"
 
@@ -106,3 +108,64 @@ def test_a_store_cut_short_by_its_session_ending_prints_nothing(daemon_factory) 
         assert int(p.stdout.split()[1]) > 0
         assert "never retrieved" not in p.stderr, p.stderr
         assert "Traceback" not in p.stderr, p.stderr
+
+
+def _shmem_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+async def test_one_tenant_cannot_take_every_session(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d: DaemonProc = daemon_factory("--device", "cpu:64MiB", "--max-sessions", "12",
+                                   "--max-sessions-per-tenant", "3")
+    held = [await d.connect("greedy").__aenter__() for _ in range(3)]
+    try:
+        with pytest.raises(rpcbuf.QuotaExceeded) as info:
+            await d.connect("greedy")
+        assert info.value.details == {"limit": "max_sessions_per_tenant",
+                                      "max_sessions_per_tenant": 3, "sessions": 3}
+        async with d.connect("other") as other:  # another tenant still gets in
+            assert await other.ping()
+        await held.pop().close()
+        async with d.connect("greedy") as again:  # room again once one left
+            assert await again.ping()
+    finally:
+        for c in held:
+            await c.close()
+    assert "tenant 'greedy' has 3 sessions on this node" in d.log()
+
+
+async def test_staging_is_charged_to_its_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A same-host session's staging area counts against its tenant's quota
+    while the session lives; a tenant whose quota cannot spare it gets the
+    network path, and its sessions make the daemon hold no staging memory."""
+    d: DaemonProc = daemon_factory("--device", "cpu:64MiB", "--quota", "tiny:64KiB:1",
+                                   "--quota", "carol:16MiB:-")
+    pid = d.proc.pid
+    async with d.connect("carol") as c:
+        assert c.same_host
+        assert (await c.stats())["bytes"] == {"cpu:0": staging.SIZE}
+        with pytest.raises(rpcbuf.QuotaExceeded):
+            await c.request_buffer(16 << 20)  # the staging area holds part of carol's 16 MiB
+        bid = await c.request_buffer(8 << 20)
+        await c.store_tensor(bid, np.ones(8 << 20, np.uint8))
+        await c.release_buffer(bid)
+    async with d.connect("carol", same_host=False) as c:
+        assert (await c.stats())["bytes"] == {"cpu:0": 0}  # back once the session ended
+
+    before = _shmem_kib()
+    tiny = []
+    for _ in range(20):
+        c = await d.connect("tiny").__aenter__()
+        tiny.append(c)
+        assert not c.same_host and "quota" in c.hello["same_host_why"]
+    try:
+        assert _staging_held(pid) == (0, 0)
+        with pytest.raises(rpcbuf.BadRequest, match="quota"):
+            await d.connect("tiny", same_host=True)
+        # Host Shmem is shared with everything else on the machine: only a
+        # loose bound (20 staging areas touched would be 125 MiB).
+        assert _shmem_kib() - before < 32 << 10
+    finally:
+        for c in tiny:
+            await c.close()

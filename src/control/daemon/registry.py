@@ -396,6 +396,28 @@ class Registry:
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + more * ENTRY_BYTES
         buf.entries_charged = count
 
+    def host_pool(self) -> Pool | None:
+        """The first host-memory pool (what memory that is no buffer, such as
+        a session's staging area, is charged on); None on a GPU-only node."""
+        return next((p for p in self.pools.values() if p.key.startswith("cpu:")), None)
+
+    def charge(self, tenant: str, pool: Pool, nbytes: int) -> None:
+        """Count ``nbytes`` of memory that is no buffer of the tenant's (a
+        same-host session's staging area) against its bytes on ``pool``
+        until ``uncharge``; QUOTA_EXCEEDED, changing nothing, past its quota."""
+        key = (tenant, pool.key)
+        self._check_quota(tenant, pool, 0, self._tenant_waiting.get(key, 0), alloc=nbytes,
+                          new_buffer=False)
+        self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + nbytes
+
+    def uncharge(self, tenant: str, pool: Pool, nbytes: int) -> None:
+        key = (tenant, pool.key)
+        left = self._tenant_bytes.get(key, 0) - nbytes
+        if left < 0:
+            raise RuntimeError(f"uncharge of {nbytes} bytes {tenant!r} was not charged")  # a bug
+        self._tenant_bytes[key] = left
+        self._grant(pool)  # its waiters may fit its quota now
+
     def renew(self, buf: Buffer, ttl: float | None) -> None:
         ttl = buf.ttl if ttl is None else ttl
         if ttl is None:
