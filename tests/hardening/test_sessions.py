@@ -169,3 +169,47 @@ async def test_staging_is_charged_to_its_tenant(daemon_factory) -> None:  # type
     finally:
         for c in tiny:
             await c.close()
+
+
+def _dup_of_attached(address: int) -> int:
+    """A new fd of the memfd mapped at ``address`` in this process (what a
+    reader that keeps a ``dup`` of its attach handle holds)."""
+    with open("/proc/self/maps") as f:
+        span = next(line.split()[0] for line in f if int(line.split("-")[0], 16) == address)
+    return os.open(f"/proc/self/map_files/{span}", os.O_RDONLY)
+
+
+async def test_attached_memory_stays_charged_while_the_session_lives(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Request, store, attach, keep a dup of the handle, detach, release: the
+    released block is still pinned by the dup, so it stays charged to its
+    tenant until the session ends, and the quota bounds what a live session
+    can pin this way (it was 19x the quota)."""
+    d: DaemonProc = daemon_factory("--device", "cpu:256MiB", "--quota", "mallory:24MiB:-")
+    quota, block = 24 << 20, 8 << 20
+    kept: list[int] = []
+    before = _shmem_kib()
+    try:
+        async with d.connect("mallory") as c:
+            assert c.same_host
+            room = quota - staging.SIZE  # the session's staging area is charged too
+            rounds = 0
+            with pytest.raises(rpcbuf.QuotaExceeded):
+                for _ in range(40):
+                    bid = await c.request_buffer(block)
+                    await c.store_tensor(bid, np.ones(block, np.uint8))
+                    async with c.attach(bid) as view:
+                        kept.append(_dup_of_attached(view.address))
+                    await c.release_buffer(bid)
+                    rounds += 1
+            assert rounds == room // block
+            assert (await c.stats())["bytes"] == {"cpu:0": staging.SIZE + rounds * block}
+            grown = _shmem_kib() - before
+        async with d.connect("mallory", same_host=False) as c:
+            assert (await c.stats())["bytes"] == {"cpu:0": 0}  # the session ended: uncharged
+            await c.release_buffer(await c.request_buffer(block))
+    finally:
+        for fd in kept:
+            os.close(fd)
+    # Loose (the host's Shmem moves with everything else on it): what 40
+    # rounds pinned before was 320 MiB.
+    assert grown < 96 << 10, grown

@@ -377,7 +377,10 @@ class Registry:
             unback(buf.offset, buf.alloc_size)
         pool.allocator.free(buf.offset)
         key = (buf.tenant, pool.key)
-        self._tenant_bytes[key] -= buf.alloc_size + buf.entries_charged * ENTRY_BYTES
+        # A block handed out by fd stays charged while a session that got it
+        # lives (``unexport``): a dup of the fd still pins its pages.
+        kept = buf.alloc_size if buf.exported_to else 0
+        self._tenant_bytes[key] -= buf.alloc_size - kept + buf.entries_charged * ENTRY_BYTES
         buf.entries_charged = 0
         self._tenant_count[buf.tenant] -= 1
         self._grant(pool)
@@ -395,6 +398,19 @@ class Registry:
         key = (buf.tenant, buf.pool.key)
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + more * ENTRY_BYTES
         buf.entries_charged = count
+
+    def export(self, buf: Buffer) -> None:
+        """A session is handed an fd of ``buf``'s memory (once per session)."""
+        buf.exported_to += 1
+
+    def unexport(self, buf: Buffer) -> None:
+        """That session ended: a freed block it pinned is no longer charged
+        (what a dup kept past this still pins is not counted: docs/security.md)."""
+        if buf.exported_to <= 0:
+            raise RuntimeError(f"unexport of {buf.buffer_id} that was not exported")  # a bug
+        buf.exported_to -= 1
+        if buf.freed and not buf.exported_to:
+            self.uncharge(buf.tenant, buf.pool, buf.alloc_size)
 
     def host_pool(self) -> Pool | None:
         """The first host-memory pool (what memory that is no buffer, such as
