@@ -75,12 +75,21 @@ class DaemonProc:
         return self.proc.returncode
 
 
+# The daemon with the garbage collector off from its first line (``gc.freeze``
+# and ``set_threshold`` in main leave it off): what proves that nothing the
+# daemon releases waits for a collection (STYLE.md, "nothing rests on the
+# garbage collector").
+GC_DISABLED = ("-c", "import gc, sys; gc.disable(); from control.daemon.main import main; "
+                     "sys.exit(main(sys.argv[1:]))")
+
+
 def start_daemon(tmp: Path, *flags: str, wait: float = 30,
-                 env: dict[str, str] | None = None) -> DaemonProc:
+                 env: dict[str, str] | None = None, gc_disabled: bool = False) -> DaemonProc:
     tmp.mkdir(parents=True, exist_ok=True)
     secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
     load_or_create_secret(secret)
-    args = [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0", "--ucx-port", "0",
+    launch = GC_DISABLED if gc_disabled else ("-m", "control.daemon")
+    args = [sys.executable, *launch, "--listen", "127.0.0.1:0", "--ucx-port", "0",
             "--secret-file", str(secret), "--ready-file", str(ready), *flags]
     if not any(f == "--device" for f in flags):
         args += ["--device", "cpu:512MiB"]
@@ -152,8 +161,10 @@ def _set_same_host(value: str | None) -> None:
 def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     started: list[DaemonProc] = []
 
-    def factory(*flags: str, env: dict[str, str] | None = None) -> DaemonProc:
-        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags, env=env)
+    def factory(*flags: str, env: dict[str, str] | None = None,
+                gc_disabled: bool = False) -> DaemonProc:
+        d = start_daemon(tmp_path_factory.mktemp("rpcbufd"), *flags, env=env,
+                         gc_disabled=gc_disabled)
         started.append(d)
         return d
 

@@ -150,7 +150,8 @@ async def test_an_attached_clone_keeps_its_bytes_when_the_source_is_written(
 
 async def test_bad_clones_are_refused_and_leave_nothing(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory("--device", "cpu:16MiB", "--quota", "carol:10MiB:4")
-    async with d.connect("carol") as c, d.connect("dave") as other:
+    # (on the network path: a same-host session's staging area counts against the quota)
+    async with d.connect("carol", same_host=False) as c, d.connect("dave") as other:
         a = await c.request_buffer(4 * MIB, name="a")
         with pytest.raises(rpcbuf.NotFound):
             await other.clone_buffer(a)  # another tenant's buffer: not there for it

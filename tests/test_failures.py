@@ -192,7 +192,10 @@ async def test_bad_requests_keep_the_connection(clean_pool) -> None:  # type: ig
 async def test_quotas(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory("--device", "cpu:64MiB", "--quota", "carol:1MiB:3",
                        "--default-quota", "*:8MiB:-")
-    async with d.connect("carol") as carol, d.connect("dave") as dave:
+    # dave on the network path: a same-host session's staging area would take
+    # 6 MiB of his 8 (carol's 1 MiB cannot spare it: she gets the network path)
+    async with d.connect("carol") as carol, d.connect("dave", same_host=False) as dave:
+        assert not carol.same_host
         a = await carol.request_buffer(512 << 10)
         with pytest.raises(rpcbuf.QuotaExceeded) as info:
             await carol.request_buffer(600 << 10)  # rounds to 1 MiB: over 1 MiB in total

@@ -13,6 +13,9 @@ same-host path stands on (``docs/dataplane.md``), with no policy.
 * ``read_only_fd(fd)``: a new, read-only open file description of the same
   memfd (``/proc/self/fd``), the handle that leaves the daemon: it cannot be
   truncated or written even before seals are considered.
+* ``map_shared``/``unmap``: a file mapped read-write wherever the kernel
+  puts it, unmapped when its owner says so -- not when the garbage collector
+  gets to a Python ``mmap`` (which also keeps a ``dup`` of the fd open).
 * ``map_fixed``/``map_anonymous``: put a file (or fresh anonymous memory)
   at an exact address inside a range this process reserved (``MAP_FIXED``),
   through libc's ``mmap`` -- the symbol UCX's memory hooks watch, so a
@@ -51,6 +54,9 @@ _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
 _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                   ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 SYS_futex = 202 if os.uname().machine == "x86_64" else 98  # x86_64; aarch64 (asm-generic)
@@ -107,6 +113,21 @@ def _map_at(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
                          fd, 0), what)
     if got != addr:  # MAP_FIXED never moves it; a libc that did would be a bug
         raise OSError(errno.EINVAL, f"mmap placed {got:#x}, not {addr:#x}")
+
+
+def map_shared(fd: int, nbytes: int) -> int:
+    """Map ``fd`` read-write and shared wherever the kernel puts it; its
+    address.  Nothing unmaps it but ``unmap``: the mapping keeps the file
+    (and its pages) until then, whatever becomes of ``fd``."""
+    return _checked(_mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
+                          fd, 0), "mmap")
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    """Unmap what ``map_shared`` mapped: any access to it after this faults."""
+    if _munmap(addr, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap: {os.strerror(err)}")
 
 
 def map_fixed(addr: int, nbytes: int, fd: int) -> None:

@@ -29,6 +29,7 @@ deadline, its own op).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,13 @@ class Area:
         self.bytes = np.frombuffer(memory, dtype=np.uint8, count=SIZE)
         self._words = np.frombuffer(memory, dtype=np.uint32, count=HEADER // 4)
         self.address = address
+
+    def retire(self) -> None:
+        """The memory goes away (``Shared``): from now on the slots are
+        empty and the counters private, so a stale use copies nothing
+        rather than touching an unmapped page."""
+        self.bytes = np.zeros(0, dtype=np.uint8)
+        self._words = np.zeros(HEADER // 4, dtype=np.uint32)
 
     def small(self, slot: int, nbytes: int) -> np.ndarray:
         if not 0 <= slot < SMALL_SLOTS or not 0 <= nbytes <= SMALL:
@@ -117,6 +125,49 @@ class Area:
             self.put(PRODUCED if produce else CONSUMED, k + 1)
             if landed is not None:
                 landed(cursor.done)
+
+
+class Shared:
+    """The daemon's mapping of a staging area, and its owner's say over when
+    it goes.  Mapped by ``shm.map_shared`` (no Python ``mmap``, which would
+    keep a ``dup`` of the memfd and unmap only when collected): ``close``
+    unmaps it at once, or, while copies run in it (a ring op's thread stops
+    within a chunk once told, ``Area.wait``), when the last of them lets
+    go -- never under a running copy, never later.  Call from one thread
+    (the event loop's): a copy thread's end is reported there
+    (``let_go`` from its future's callback)."""
+
+    def __init__(self, fd: int) -> None:
+        self.address = shm.map_shared(fd, SIZE)
+        self.area = Area((ctypes.c_uint8 * SIZE).from_address(self.address), self.address)
+        self._holds = 0
+        self.closed = False  # no new holds; unmapped once ``_holds`` is 0
+        self.mapped = True
+
+    def hold(self) -> None:
+        """A copy starts using the area (``let_go`` when it returned)."""
+        if self.closed:
+            raise Stopped("the staging area is closed")
+        self._holds += 1
+
+    def let_go(self) -> None:
+        self._holds -= 1
+        if self.closed and not self._holds:
+            self._unmap()
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self._holds:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self.mapped:
+            self.mapped = False
+            self.area.retire()
+            shm.unmap(self.address, SIZE)
 
 
 class _Cursor:

@@ -188,6 +188,10 @@ class StagedPath:
                     deadline = time.monotonic() + self._timeout
                     pump = asyncio.get_running_loop().run_in_executor(
                         None, area.pump, pieces, produce, refused.is_set, deadline)
+                    # Its Stopped is read below only when the daemon's answer
+                    # was a success; read it here always (a refused or lost
+                    # op stops it too), or it is printed when the future goes.
+                    pump.add_done_callback(_read_exception)
                 try:
                     answer = await caller.answer(req_id, fut, req.op, left)
                 finally:
@@ -245,6 +249,12 @@ class InlinePath:
                                  f"{got}")
         piece[:] = np.frombuffer(data, dtype=np.uint8)
         return result
+
+
+def _read_exception(fut: asyncio.Future[Any]) -> None:
+    """Mark ``fut``'s exception as retrieved (whoever needs it reads it again)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _refused(fut: asyncio.Future[dict[str, Any]]) -> bool:

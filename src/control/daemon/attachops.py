@@ -18,6 +18,12 @@ channel (``handles.py``), and makes the buffer *attached*:
 Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
 attachments end with it, however it ends (the client killed: its socket
 closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
+
+The daemon cannot know when a reader closes a ``dup`` of its handle, which
+pins the block's pages after detach and release: so a buffer handed out
+stays charged to its tenant, freed or not, until the session it was handed
+to ends (``Registry.export``), and the quota bounds what a live session can
+pin that way.  What a process keeps after its session ended is not counted.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ class AttachOps:
     def __init__(self, owner: Owner, pipeline: Pipeline) -> None:
         self._owner, self._pipe = owner, pipeline
         self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
+        # Buffers this session was handed an fd of, attached or not any more:
+        # charged to their tenant until the session ends (``Registry.export``).
+        self._exported: dict[str, Buffer] = {}
 
     async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
         owner = self._owner
@@ -87,6 +96,9 @@ class AttachOps:
                                         f"{exc}") from None
             try:
                 self._take(buf)  # before the record leaves: a detach may follow at once
+                if buf.buffer_id not in self._exported:  # the fd may arrive, sent or not
+                    self._owner.registry.export(buf)
+                    self._exported[buf.buffer_id] = buf
                 try:
                     await channel.send(call.req_id, buf.alloc_size, fd)
                 except (OSError, TimeoutError) as exc:
@@ -111,11 +123,15 @@ class AttachOps:
         return {"attached": buf.attached}
 
     def detach_all(self) -> None:
-        """The session ends: every attachment with it."""
+        """The session ends: every attachment with it, and the charge for
+        memory its client may still hold a dup of."""
         for buf, count in list(self._attached.values()):
             for _ in range(count):
                 self._drop(buf)
             self._owner.audit("detach", buf, 0, buf.size, note="session closed")
+        exported, self._exported = self._exported, {}
+        for buf in exported.values():
+            self._owner.registry.unexport(buf)
 
     def _take(self, buf: Buffer) -> None:
         self._owner.registry.pin(buf)

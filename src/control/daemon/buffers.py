@@ -67,6 +67,10 @@ class Buffer:
     locks: RangeLocks = field(default_factory=RangeLocks)
     pins: int = 0
     attached: int = 0  # open attachments (each also holds a pin): writes are BUSY
+    # Live sessions that were handed an fd of its memory (attach): a reader
+    # may keep a dup of it past detach and release, so its block stays
+    # charged to its tenant, freed or not, until the last of them ends.
+    exported_to: int = 0
     released: bool = False
     freed: bool = False  # its block went back to the allocator: never again
     entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)

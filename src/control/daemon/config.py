@@ -34,6 +34,7 @@ SECTIONED: dict[tuple[str, str], str] = {
     ("limits", "max_frame"): "max_frame",
     ("limits", "max_inflight"): "max_inflight",
     ("limits", "max_sessions"): "max_sessions",
+    ("limits", "max_sessions_per_tenant"): "max_sessions_per_tenant",
     ("limits", "hello_timeout"): "hello_timeout",
     ("limits", "max_unauthenticated"): "max_unauthenticated",
     ("limits", "max_unauthenticated_per_source"): "max_unauthenticated_per_source",

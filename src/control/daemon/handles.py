@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import socket
-
-import numpy as np
 
 from dataplane import shm, staging
 
@@ -45,16 +42,14 @@ class HandleChannel:
         fd = shm.memfd(staging.SIZE, "rpcbuf-staging")
         try:
             shm.seal_size(fd)  # it can never shrink under our mapping: no SIGBUS here
-            self._map = mmap.mmap(fd, staging.SIZE, mmap.MAP_SHARED,
-                                  mmap.PROT_READ | mmap.PROT_WRITE)
+            # Copies that still run hold the area (and so the mapping) until
+            # they return: it is unmapped when the last of them lets go after
+            # ``close``, never before, and never left for a collection.
+            self.staging = staging.Shared(fd)
         except BaseException:
             os.close(fd)
             raise
         self._staging_fd: int | None = fd
-        address = int(np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data)
-        # Copies that still run hold the area (and so the mapping) until they
-        # return: it is unmapped when the last of them lets go, never before.
-        self.area = staging.Area(self._map, address)
         self.closed = False
 
     async def start(self) -> None:
@@ -81,6 +76,7 @@ class HandleChannel:
         if self._staging_fd is not None:
             os.close(self._staging_fd)
             self._staging_fd = None
+        self.staging.close()
 
 
 def same_process(a: socket.socket, b: socket.socket) -> bool:

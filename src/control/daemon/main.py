@@ -174,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,
                    help="authenticated control connections served at once; a hello beyond "
                         "it is refused with QUOTA_EXCEEDED [%(default)s]")
+    p.add_argument("--max-sessions-per-tenant", type=_positive_int,
+                   default=Limits.max_sessions_per_tenant,
+                   help="authenticated sessions one tenant may have at once (of "
+                        "--max-sessions); a hello beyond it is refused with QUOTA_EXCEEDED "
+                        "[%(default)s]")
     p.add_argument("--hello-timeout", type=parse_duration, default=Limits.hello_timeout,
                    help="a connection must have said hello this long after it was accepted, "
                         "or it is closed (one deadline, however it trickles) [%(default)s]")
@@ -398,7 +403,9 @@ async def serve(args: argparse.Namespace) -> int:
     registry = Registry(pools, dict(args.quota), default)
     limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
                     transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
-                    max_sessions=args.max_sessions, hello_timeout=args.hello_timeout,
+                    max_sessions=args.max_sessions,
+                    max_sessions_per_tenant=args.max_sessions_per_tenant,
+                    hello_timeout=args.hello_timeout,
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
                     copy_threads=args.copy_threads)

@@ -32,6 +32,9 @@ class Limits:
     drain_timeout: float = 30.0
     hello_timeout: float = 10.0  # from accept to a successful hello, one deadline
     max_sessions: int = 1024  # authenticated control connections
+    # One tenant's share of them: a host's workers (8 GPUs x 8 processes)
+    # fit, and it takes 16 tenants at their cap to fill the node.
+    max_sessions_per_tenant: int = 64
     # Connections before their hello, and UCX endpoints before they bind
     # (each its own count): at the bound the oldest goes (see admission.py).
     max_unauthenticated: int = 512

@@ -243,12 +243,15 @@ class StagedPath:
     answer_first = False
     lands_in_parts = True
 
-    def __init__(self, area: staging.Area, copies: CopyPool, tenant: str, *, timeout: float,
-                 stop: threading.Event, expired: Callable[[], None],
+    def __init__(self, shared: staging.Shared, copies: CopyPool, tenant: str, *,
+                 timeout: float, stop: threading.Event, expired: Callable[[], None],
                  stopped: Callable[[], bool]) -> None:
-        """``stop``: set when the session closes (ring copies stop within a
-        chunk); ``stopped``: the daemon no longer serves."""
-        self.area, self._copies, self._tenant, self._timeout = area, copies, tenant, timeout
+        """``shared``: the session's staging area (its owner, the handle
+        channel, unmaps it; a ring copy holds it while it runs); ``stop``:
+        set when the session closes (ring copies stop within a chunk);
+        ``stopped``: the daemon no longer serves."""
+        self._shared, self.area = shared, shared.area
+        self._copies, self._tenant, self._timeout = copies, tenant, timeout
         self._stop, self._expired, self._stopped = stop, expired, stopped
         self._ring_busy = False
 
@@ -277,7 +280,7 @@ class StagedPath:
         stage = items.stage
         if stage is None:
             raise BadRequest("a same-host request names its staging slot (stage)")
-        if self._stop.is_set():
+        if self._stop.is_set() or self._shared.closed:
             raise ConnectionLost("the session is closing")
         if stage == staging.RING:
             return False
@@ -338,9 +341,15 @@ class StagedPath:
                 landed(runs[told[0]][2], runs[done - 1][3])
                 told[0] = done
 
-        pool = self._copies
-        job = pool.submit(self._tenant, self.area.pump, pieces, out, stopped, deadline,
-                          landed_runs if landed is not None else None)
+        pool, shared = self._copies, self._shared
+        shared.hold()  # the mapping stays until the copy returned (or never started)
+        try:
+            job = pool.submit(self._tenant, self.area.pump, pieces, out, stopped, deadline,
+                              landed_runs if landed is not None else None)
+        except BaseException:
+            shared.let_go()
+            raise
+        job.future.add_done_callback(lambda _: shared.let_go())
         try:
             await transfer_all([asyncio.shield(job.future)], timeout + 1.0, self._expired)
         except staging.Stopped as exc:

@@ -377,7 +377,10 @@ class Registry:
             unback(buf.offset, buf.alloc_size)
         pool.allocator.free(buf.offset)
         key = (buf.tenant, pool.key)
-        self._tenant_bytes[key] -= buf.alloc_size + buf.entries_charged * ENTRY_BYTES
+        # A block handed out by fd stays charged while a session that got it
+        # lives (``unexport``): a dup of the fd still pins its pages.
+        kept = buf.alloc_size if buf.exported_to else 0
+        self._tenant_bytes[key] -= buf.alloc_size - kept + buf.entries_charged * ENTRY_BYTES
         buf.entries_charged = 0
         self._tenant_count[buf.tenant] -= 1
         self._grant(pool)
@@ -395,6 +398,41 @@ class Registry:
         key = (buf.tenant, buf.pool.key)
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + more * ENTRY_BYTES
         buf.entries_charged = count
+
+    def export(self, buf: Buffer) -> None:
+        """A session is handed an fd of ``buf``'s memory (once per session)."""
+        buf.exported_to += 1
+
+    def unexport(self, buf: Buffer) -> None:
+        """That session ended: a freed block it pinned is no longer charged
+        (what a dup kept past this still pins is not counted: docs/security.md)."""
+        if buf.exported_to <= 0:
+            raise RuntimeError(f"unexport of {buf.buffer_id} that was not exported")  # a bug
+        buf.exported_to -= 1
+        if buf.freed and not buf.exported_to:
+            self.uncharge(buf.tenant, buf.pool, buf.alloc_size)
+
+    def host_pool(self) -> Pool | None:
+        """The first host-memory pool (what memory that is no buffer, such as
+        a session's staging area, is charged on); None on a GPU-only node."""
+        return next((p for p in self.pools.values() if p.key.startswith("cpu:")), None)
+
+    def charge(self, tenant: str, pool: Pool, nbytes: int) -> None:
+        """Count ``nbytes`` of memory that is no buffer of the tenant's (a
+        same-host session's staging area) against its bytes on ``pool``
+        until ``uncharge``; QUOTA_EXCEEDED, changing nothing, past its quota."""
+        key = (tenant, pool.key)
+        self._check_quota(tenant, pool, 0, self._tenant_waiting.get(key, 0), alloc=nbytes,
+                          new_buffer=False)
+        self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + nbytes
+
+    def uncharge(self, tenant: str, pool: Pool, nbytes: int) -> None:
+        key = (tenant, pool.key)
+        left = self._tenant_bytes.get(key, 0) - nbytes
+        if left < 0:
+            raise RuntimeError(f"uncharge of {nbytes} bytes {tenant!r} was not charged")  # a bug
+        self._tenant_bytes[key] = left
+        self._grant(pool)  # its waiters may fit its quota now
 
     def renew(self, buf: Buffer, ttl: float | None) -> None:
         ttl = buf.ttl if ttl is None else ttl

@@ -56,7 +56,7 @@ from control.daemon.node import Node
 from control.daemon.paths import DataPath, InlinePath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
 from control.daemon.reader import SessionReader
-from control.daemon.registry import Buffer
+from control.daemon.registry import Buffer, Pool
 from control.wire import protocol as P
 from control.wire.auth import Grant, verify
 from control.wire.errors import (
@@ -68,6 +68,7 @@ from control.wire.errors import (
     ShuttingDown,
     TokenExpired,
 )
+from dataplane import staging
 from dataplane.ucx import NONCE_BYTES, DataEndpoint
 
 log = logging.getLogger("rpcbuf.daemon")
@@ -101,6 +102,7 @@ class Session:
         self.same_host: StagedPath | None = None  # once the handle channel is bound
         self.handles: HandleChannel | None = None
         self.handles_nonce: bytes | None = None  # while a granted handle channel is awaited
+        self._staging_charge: Pool | None = None  # where the staging area is charged
         self.copy_stop = threading.Event()  # set when the session closes: copies stop
         self.peer = writer.get_extra_info("peername")
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
@@ -534,6 +536,9 @@ class Session:
             self.handles.close()
         if self.handles_nonce is not None:
             self.daemon.by_handles_nonce.pop(self.handles_nonce, None)
+        if self._staging_charge is not None and self.tenant is not None:
+            self.registry.uncharge(self.tenant, self._staging_charge, staging.SIZE)
+            self._staging_charge = None
         for buf in self.registry.session_closed(self.session_id):
             self.audit("release", buf, note="session closed")
         self.daemon.schedule_expiry()
@@ -592,8 +597,9 @@ class Session:
 
     def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
         """A Unix socket session may take over the slot of the TCP session it
-        replaces (which ends now); any other checks --max-sessions, and past
-        it gets a connection-level QUOTA_EXCEEDED and is closed."""
+        replaces (which ends now); any other checks --max-sessions and
+        --max-sessions-per-tenant, and past either gets a connection-level
+        QUOTA_EXCEEDED and is closed."""
         old = self.daemon.by_nonce.get(replaces) if replaces and self.unix else None
         if old is not None and old is not self and old.tenant == tenant:
             self.daemon.by_nonce.pop(old.nonce, None)
@@ -602,15 +608,32 @@ class Session:
             with contextlib.suppress(Exception):
                 old.writer.close()  # its run loop ends, close() cleans up
             return
+        error: QuotaExceeded | None
         if self.daemon.authenticated() >= self.daemon.limits.max_sessions:
-            error = self.daemon.too_many_sessions()
+            error, reason = self.daemon.too_many_sessions(), "max_sessions"
+        else:
+            error, reason = self._too_many_of(tenant), "max_sessions_per_tenant"
+        if error is not None:
             log.warning("refusing connection from %s: %s", self.peer or f"pid {self.peer_pid}",
                         error)
-            self.daemon.metrics.refused("max_sessions")
+            self.daemon.metrics.refused(reason)
             self.send(P.error_response(None, error))
             with contextlib.suppress(Exception):
                 self.writer.close()  # its hello is read: nothing unread to reset the frame
             raise error
+
+    def _too_many_of(self, tenant: str) -> QuotaExceeded | None:
+        """QUOTA_EXCEEDED when ``tenant`` holds its --max-sessions-per-tenant
+        already (so one tenant cannot take every session of the node)."""
+        limit = self.daemon.limits.max_sessions_per_tenant
+        held = sum(1 for s in self.daemon.sessions.values() if s.tenant == tenant)
+        if held < limit:
+            return None
+        return QuotaExceeded(
+            f"tenant {tenant!r} has {held} sessions on this node, at most {limit} at once; "
+            "close one or try again later",
+            {"limit": "max_sessions_per_tenant", "max_sessions_per_tenant": limit,
+             "sessions": held})
 
     def _same_host(self, req: P.Hello) -> tuple[bool, str]:
         """Grant the same-host path to a Unix socket session that asks for it
@@ -621,6 +644,16 @@ class Session:
             return False, ""
         if not self.unix:
             return False, "the same-host path needs the daemon's Unix socket"
+        # The staging area is the tenant's memory while the session lives: a
+        # tenant whose quota cannot spare it gets the network path instead.
+        pool = self.registry.host_pool()
+        if pool is not None:
+            assert self.tenant is not None
+            try:
+                self.registry.charge(self.tenant, pool, staging.SIZE)
+            except QuotaExceeded as exc:
+                return False, f"no room in this tenant's quota for its staging area: {exc}"
+            self._staging_charge = pool
         self.handles_nonce = os.urandom(NONCE_BYTES)
         self.daemon.by_handles_nonce[self.handles_nonce] = self
         return True, ""
@@ -664,7 +697,7 @@ class Session:
         self.handles = channel
         limits, tenant = self.daemon.limits, self.owner
         self.same_host = StagedPath(
-            channel.area, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
+            channel.staging, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
             stop=self.copy_stop, expired=self._transfer_expired,
             stopped=lambda: self.daemon.stopped)
         task = asyncio.get_running_loop().create_task(self._send_staging(channel))
