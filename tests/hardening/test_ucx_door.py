@@ -8,6 +8,7 @@ Both must fail and the bytes must stay."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -126,3 +127,43 @@ async def test_data_plane_listens_on_the_listen_host_only(daemon_factory) -> Non
     assert len(others) >= 2, listening  # control + UCX's own tcp port
     assert all(a.startswith("127.0.0.1:") for a in others), listening
     assert "UCX_NET_DEVICES=lo" in d.log()
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+async def test_messages_nobody_asked_for_are_dropped_not_kept(
+        daemon_factory, rma_peer: Path) -> None:  # type: ignore[no-untyped-def]
+    """A peer that never says hello sends tagged 8000-byte messages with tags
+    no request expects.  UCP kept them all, worker-wide, for ever (three
+    floods: three times the memory).  Now the janitor drops what is older
+    than the hello deadline: the memory is reused, not added to, and a
+    tenant's stores meanwhile are untouched."""
+    d = daemon_factory("--device", "cpu:64MiB", "--hello-timeout", "1s")
+    n, size = 6000, 8000
+    start = _rss(d.proc.pid)
+    grown = []
+    async with d.connect("alice", same_host=False) as ctx:
+        buf = await ctx.request_buffer(size=1 << 20)
+        data = np.arange(1 << 18, dtype=np.float32)
+        for _ in range(3):
+            out = _attack(rma_peer, d, n, size, "flood")
+            assert out == f"flood {n}", out
+            await ctx.store_tensor(buf, data, verify="checksum")
+            for _ in range(100):  # the janitor's rounds: a second or two each
+                st = await ctx.stats()
+                if st["ucx_unexpected_dropped"] >= n * (len(grown) + 1):
+                    break
+                await asyncio.sleep(0.1)
+            grown.append(_rss(d.proc.pid) - start)
+        assert st["ucx_unexpected_dropped"] == 3 * n, st
+        back = await ctx.read_buffer(buf, offset=0, nbytes=data.nbytes)
+        assert bytes(back) == data.tobytes()
+        await ctx.release_buffer(buf)
+    # One flood's worth is held at most (UCP's pools keep their size), never three.
+    assert grown[2] < grown[0] + n * size // 2, grown
+    assert "dropped 6000 UCX messages" in d.log()

@@ -183,6 +183,9 @@ class ControlOps:
                 # node-wide, but about no tenant: connections not yet authenticated
                 "unauthenticated": len(self._node.unauthenticated),
                 "pending_endpoints": len(self._node.pending_endpoints),
+                # node-wide: UCX messages no request asked for, dropped once old
+                "ucx_unexpected_dropped": self._node.janitor.dropped
+                if self._node.janitor is not None else None,
                 # how this node's data plane is set up (rpcbuf doctor shows it)
                 "ucx_tls": os.environ.get("UCX_TLS", ""),
                 "rdma_devices": rdma_devices(),

@@ -74,6 +74,12 @@ class Metrics:
         self._refused = Counter("rpcbuf_connections_refused",
                                 "Connections turned away, by reason", ["reason"],
                                 registry=self.registry)
+        self._unexpected = Counter("rpcbuf_ucx_unexpected_dropped",
+                                   "UCX messages no request asked for, dropped once old",
+                                   registry=self.registry)
+        self._unexpected_bytes = Counter("rpcbuf_ucx_unexpected_dropped_bytes",
+                                         "Bytes of the UCX messages no request asked for, "
+                                         "dropped once old", registry=self.registry)
         self.registry.register(_StateCollector(daemon))
         ProcessCollector(registry=self.registry)
         self._server: asyncio.AbstractServer | None = None
@@ -93,6 +99,10 @@ class Metrics:
             hist = ops.new_hist(op)
         hist[bisect_left(_BOUNDS, elapsed)] += 1  # the first bucket with elapsed <= le
         hist[-1] += elapsed
+
+    def unexpected_dropped(self, count: int, nbytes: int) -> None:
+        self._unexpected.inc(count)
+        self._unexpected_bytes.inc(nbytes)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(reason).inc()

@@ -21,7 +21,7 @@ from control.daemon.registry import Registry
 from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import QuotaExceeded
-from dataplane.ucx import DataEndpoint
+from dataplane.ucx import DataEndpoint, Janitor
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class Node(Protocol):
     limits: Limits
     unauthenticated: Pending[Any]
     pending_endpoints: Pending[DataEndpoint]
+    janitor: Janitor | None  # drops old UCX messages no request asked for
     copies: CopyPool  # same-host ring copies
     metrics: Metrics
     content: ContentIndex

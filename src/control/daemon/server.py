@@ -48,7 +48,14 @@ from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
 from dataplane import shm
-from dataplane.ucx import BIND_TAG, NONCE_BYTES, DataEndpoint, DataListener, TransferError
+from dataplane.ucx import (
+    BIND_TAG,
+    NONCE_BYTES,
+    DataEndpoint,
+    DataListener,
+    Janitor,
+    TransferError,
+)
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")
@@ -80,6 +87,7 @@ class Daemon:
         self.stopped = False  # shutdown is done: tasks left are cancelled and let go
         self._server: asyncio.AbstractServer | None = None
         self._listener: DataListener | None = None
+        self.janitor: Janitor | None = None
         self._local_server: asyncio.AbstractServer | None = None
         self.local_socket: str | None = None  # "@name" (abstract) or a path
         self._expiry_timer: asyncio.TimerHandle | None = None
@@ -108,6 +116,9 @@ class Daemon:
         pid), None (no same-host path), "@name" (abstract) or a path."""
         self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
+        self.janitor = Janitor(self.limits.hello_timeout, self.limits.transfer_timeout,
+                               self._claimable, self._dropped)
+        await self.janitor.start()
         self._server = await serve_tcp(
             self._on_connection, host, port, READ_CHUNK, tls,
             self.limits.hello_timeout if tls else None)
@@ -158,6 +169,8 @@ class Daemon:
                     os.unlink(self.local_socket)
         if self._listener is not None:
             self._listener.close()
+        if self.janitor is not None:
+            await self.janitor.stop()
         busy = [t for s in self.sessions.values() for t in s.transfers]
         if busy:
             log.info("waiting for %d in-flight transfers", len(busy))
@@ -279,6 +292,18 @@ class Daemon:
             pass
         finally:
             writer.close()
+
+    def _claimable(self, since: float) -> bool:
+        """Whether a session with a data endpoint has a request in flight
+        that was dispatched before ``since`` (monotonic): its payload may be
+        among the old unexpected messages (``Janitor``)."""
+        return any(s.ep is not None and s.oldest_request() < since
+                   for s in self.sessions.values())
+
+    def _dropped(self, count: int, nbytes: int) -> None:
+        self.metrics.unexpected_dropped(count, nbytes)
+        log.warning("dropped %d UCX messages (%d bytes) that no request asked for within "
+                    "%.0fs", count, nbytes, self.limits.hello_timeout)
 
     async def _on_endpoint(self, ep: DataEndpoint) -> None:
         # Until it binds, an endpoint is one of a bounded few (the oldest goes).

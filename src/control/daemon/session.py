@@ -108,6 +108,7 @@ class Session:
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         self.peer_pid = hello.peer_pid(writer) if self.unix else None
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.dispatched: dict[int, float] = {}  # req_id -> time.monotonic() at dispatch
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
         self._closed = False
@@ -457,6 +458,10 @@ class Session:
         self.daemon.metrics.observe(op.op, code, op.started)
         logs.finish(op, code, None if error is None else error.message)
 
+    def oldest_request(self) -> float:
+        """When the oldest request in flight was dispatched (monotonic); inf if none."""
+        return min(self.dispatched.values(), default=math.inf)
+
     def _spawn(self, req_id: int, req: P.Request, handler: Callable[..., Any]) -> None:
         op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
                                                  time.perf_counter(), req)
@@ -467,6 +472,7 @@ class Session:
             self._run_task(call, handler(call, req), op))
         self._unstarted += 1
         self.tasks[req_id] = task
+        self.dispatched[req_id] = time.monotonic()
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
@@ -495,6 +501,7 @@ class Session:
             call.held.release()
             self._finish(op, error)
             task = self.tasks.pop(req_id, None)
+            self.dispatched.pop(req_id, None)
             if task is not None:
                 self.transfers.discard(task)
             self._slot.set()
