@@ -177,7 +177,7 @@ class HostArena:
         self.kept_bytes += nbytes
         if nbytes <= ZERO_NOW:
             ctypes.memset(self.address + offset, 0, nbytes)
-            kept.clean = True
+            kept.at, kept.clean = nbytes, True
         else:
             if self._zeroer is None:
                 self._zeroer = _Zeroer()
@@ -338,6 +338,13 @@ class HostArena:
             raise ValueError(f"[{offset}, +{nbytes}) is not one backed block")
         self._exported.add(offset)
         return shm.read_only_fd(got[0])
+
+    @property
+    def zeroing_bytes(self) -> int:
+        """Bytes of kept blocks (taken over or not) not zeroed yet.  Safe
+        from another thread (the metrics'): each dict is copied in one step."""
+        blocks = [*list(self._kept.values()), *list(self._zeroing.values())]
+        return sum(z.nbytes - z.at for z in blocks if not z.clean and not z.stopped)
 
     @property
     def backed(self) -> int:
