@@ -59,11 +59,17 @@ class HostArena:
     freed block whose memfd never left the daemon (never ``export``-ed: no
     reader can hold its fd) stays mapped where it was, up to ``keep`` bytes
     of them, and is zeroed: blocks up to ``ZERO_NOW`` at once, larger ones by
-    one background thread, ``ZERO_CHUNK`` at a time under the block's lock.
+    one background thread, ``ZERO_CHUNK`` at a time under the block's lock,
+    in the order they were kept.
     A ``back`` of exactly that block (same offset and size: what the
     allocators hand out again for the same request) takes it over: at once
-    when it is all zero, else with its ``Zeroing`` (the zeroer goes on; the
-    caller keeps the new buffer locked until it is done).  Any other
+    when it is all zero, else with its ``Zeroing`` (the caller keeps the new
+    buffer locked until it is done).  The zeroer would reach a taken block
+    only after every block kept before it (15 released 64 MiB blocks kept
+    another tenant's request waiting 106-125 ms), so the taker zeroes the
+    rest itself (``zero_now``, in a worker thread of its tenant's share:
+    ``controlops``); its chunks and the zeroer's are claimed under the
+    block's lock, each written once.  Any other
     ``back`` or ``share`` overlapping a kept block, and the least recently
     kept ones beyond ``keep``, send it back to unbacked memory as before.
     Nothing another tenant wrote survives into a kept block's next buffer,
@@ -150,8 +156,7 @@ class HostArena:
         self._exported.discard(offset)
         zeroing = self._zeroing.pop(offset, None)
         if zeroing is not None:  # freed before it was zeroed for its buffer: stop that
-            with zeroing.lock:
-                zeroing.stopped = True
+            zeroing.stop()
         self._borrowed.discard(offset)
         if fd in self._holders:  # a shared memfd is never kept; closed with its last block
             shm.map_anonymous(self.address + offset, nbytes)
@@ -172,7 +177,7 @@ class HostArena:
         self.kept_bytes += nbytes
         if nbytes <= ZERO_NOW:
             ctypes.memset(self.address + offset, 0, nbytes)
-            kept.clean = True
+            kept.at, kept.clean = nbytes, True
         else:
             if self._zeroer is None:
                 self._zeroer = _Zeroer()
@@ -194,8 +199,7 @@ class HostArena:
     def _drop(self, offset: int, kept: Zeroing) -> None:
         """The kept block goes back to unbacked memory (after the zeroer's
         current chunk of it, if any)."""
-        with kept.lock:
-            kept.stopped = True
+        kept.stop()
         self._unkeep(offset, kept)
         shm.map_anonymous(self.address + offset, kept.nbytes)
         os.close(kept.fd)
@@ -208,6 +212,20 @@ class HostArena:
         if not sized:
             del self._kept_sized[kept.nbytes]
         self.kept_bytes -= kept.nbytes
+
+    def zero_now(self, offset: int) -> None:
+        """Zero what is left of the live block at ``offset`` (taken over
+        from a kept block before the zeroer got to it: ``back`` returned its
+        ``Zeroing``) in the calling thread, a worker's, and return when it
+        is all zero or was freed meanwhile (then nothing more is written).
+        Safe beside the zeroer: each chunk is claimed under the block's
+        lock.  Nothing to do for any other block.  The arena (``self``) is
+        held meanwhile, so its mapping outlives the writes."""
+        zeroing = self._zeroing.get(offset)  # one dict read: atomic beside the loop's changes
+        if zeroing is not None:
+            addr = self.address + offset
+            while zeroing.step(addr):
+                pass
 
     def resident(self, offset: int) -> bool:
         """Whether the live block at ``offset`` is backed already, every page
@@ -322,6 +340,13 @@ class HostArena:
         return shm.read_only_fd(got[0])
 
     @property
+    def zeroing_bytes(self) -> int:
+        """Bytes of kept blocks (taken over or not) not zeroed yet.  Safe
+        from another thread (the metrics'): each dict is copied in one step."""
+        blocks = [*list(self._kept.values()), *list(self._zeroing.values())]
+        return sum(z.nbytes - z.at for z in blocks if not z.clean and not z.stopped)
+
+    @property
     def backed(self) -> int:
         return len(self._fds)
 
@@ -378,32 +403,53 @@ MAX_KEPT = 4096  # kept blocks at most (each holds an fd)
 
 class Zeroing:
     """A kept block (a freed block's memfd, still mapped) and how far it is
-    zeroed.  ``lock`` is held while the zeroer writes a chunk of it;
-    ``stopped`` (set under it) means the zeroer must not write it again;
-    ``clean``: all of it is zero."""
+    zeroed (``at``: the bytes below are zero).  ``lock`` is held while a
+    chunk of it is written (``step``), by the zeroer or by the buffer's
+    requester (``HostArena.zero_now``); ``stopped`` (set under it) means
+    nobody may write it again; ``clean``: all of it is zero."""
 
-    __slots__ = ("_then", "clean", "fd", "lock", "nbytes", "stopped")
+    __slots__ = ("_then", "at", "clean", "fd", "lock", "nbytes", "stopped")
 
     def __init__(self, fd: int, nbytes: int) -> None:
         self.fd, self.nbytes = fd, nbytes
+        self.at = 0
         self.clean = self.stopped = False
         self.lock = threading.Lock()
         self._then: Callable[[], None] | None = None
 
     def then(self, done: Callable[[], None]) -> None:
-        """Call ``done`` once the block is all zero: now, or from the
-        zeroer's thread.  Never called for a block freed meanwhile."""
+        """Call ``done`` once, when the block is all zero or when it was
+        freed before (``stop``: no buffer waits for it any more, and its
+        waiter must not wait forever): now, or from the thread that wrote
+        its last chunk or stopped it."""
         with self.lock:
-            if not self.clean:
+            if not self.clean and not self.stopped:
                 self._then = done
                 return
         done()
 
-    def _finished(self) -> None:
+    def step(self, addr: int) -> bool:
+        """Zero the block's next ``ZERO_CHUNK`` (the block lies at ``addr``)
+        under the lock; False once nothing is left (all zero, or stopped)."""
         with self.lock:
-            if self.stopped:
-                return
+            if self.stopped or self.clean:
+                return False
+            n = min(ZERO_CHUNK, self.nbytes - self.at)
+            ctypes.memset(addr + self.at, 0, n)
+            self.at += n
+            if self.at < self.nbytes:
+                return True
             self.clean = True
+            done, self._then = self._then, None
+        if done is not None:
+            done()
+        return False
+
+    def stop(self) -> None:
+        """Nobody writes the block again (after a chunk being written now);
+        a ``then`` waiting for it is called."""
+        with self.lock:
+            self.stopped = True
             done, self._then = self._then, None
         if done is not None:
             done()
@@ -411,10 +457,11 @@ class Zeroing:
 
 class _Zeroer:
     """One daemon thread zeroing large kept blocks in the order they were
-    kept (``ctypes.memset`` releases the GIL).  Each job holds its arena
-    (``owner``) until it is done: an arena dropped meanwhile (the daemon's,
-    when ``serve`` returns) is unmapped only after the zeroer's last write
-    into it, never under it."""
+    kept (``ctypes.memset`` releases the GIL); a block whose requester
+    zeroed it meanwhile (``zero_now``) costs it one look.  Each job holds
+    its arena (``owner``) until it is done: an arena dropped meanwhile (the
+    daemon's, when ``serve`` returns) is unmapped only after the zeroer's
+    last write into it, never under it."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[int, Zeroing, object]] = queue.SimpleQueue()
@@ -426,16 +473,8 @@ class _Zeroer:
     def _run(self) -> None:
         while True:
             addr, kept, owner = self._queue.get()
-            at = 0
-            while at < kept.nbytes:
-                n = min(ZERO_CHUNK, kept.nbytes - at)
-                with kept.lock:
-                    if kept.stopped:
-                        break
-                    ctypes.memset(addr + at, 0, n)
-                at += n
-            else:
-                kept._finished()
+            while kept.step(addr):
+                pass
             del owner  # the arena may go now (not held while the queue is empty)
 
 

@@ -8,6 +8,7 @@ per op, verification, the answer before the bytes where the path says so."""
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import xxhash
 
 from control.daemon.content import ContentIndex
+from control.daemon.copypool import CopyPool
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
 from control.daemon.paths import DataPath, Items, Region
@@ -84,6 +86,7 @@ class FakeSession:
     def __init__(self, registry: Registry, path: MemPath) -> None:
         self.registry = registry
         self.content = ContentIndex()
+        self.daemon = types.SimpleNamespace(sweeps=CopyPool(2, name="test-sweep"))
         self.session_id = "s-test"
         self._path = path
         self.counts: dict[str, int] = {}

@@ -8,12 +8,31 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from control.daemon import prefault
+from control.daemon.copypool import CopyPool
 from dataplane.arena import HostArena
+
+_sweeps: list[CopyPool] = []
+
+
+@pytest.fixture(autouse=True)
+def sweeps() -> Iterator[CopyPool]:
+    """The daemon's fair pool for memory work, which ``populate`` runs on."""
+    pool = CopyPool(4, name="test-sweep")
+    _sweeps.append(pool)
+    yield pool
+    _sweeps.remove(pool)
+    pool.close()
+
+
+def populate(arena: Any, offset: int, nbytes: int, **kw: Any) -> Any:
+    return prefault.populate(arena, offset, nbytes, _sweeps[-1], "alice", **kw)
 
 
 def resident_kib() -> int:
@@ -60,12 +79,12 @@ class SlowArena:
 async def test_populate_covers_the_range_in_chunks_and_skips_small_ones() -> None:
     arena = SlowArena()
     n = 2 * prefault.CHUNK + 4096
-    assert await prefault.populate(arena, 1000, n) == n
+    assert await populate(arena, 1000, n) == n
     assert sorted(arena.calls) == [(1000, prefault.CHUNK),
                                    (1000 + prefault.CHUNK, prefault.CHUNK),
                                    (1000 + 2 * prefault.CHUNK, 4096)]
-    assert await prefault.populate(arena, 0, prefault.MIN_BYTES - 1) == 0
-    assert await prefault.populate(object(), 0, 1 << 30) == 0  # a GPU arena: no such method
+    assert await populate(arena, 0, prefault.MIN_BYTES - 1) == 0
+    assert await populate(object(), 0, 1 << 30) == 0  # a GPU arena: no such method
     assert len(arena.calls) == 3
 
 
@@ -93,20 +112,20 @@ async def test_the_chunks_are_populated_in_parallel(monkeypatch: pytest.MonkeyPa
             return super().prefault_range(offset, nbytes)
 
     arena = Meeting()
-    assert await prefault.populate(arena, 0, 6 * prefault.CHUNK) == 6 * prefault.CHUNK
+    assert await populate(arena, 0, 6 * prefault.CHUNK) == 6 * prefault.CHUNK
     assert sorted(arena.calls) == [(i * prefault.CHUNK, prefault.CHUNK) for i in range(6)]
 
 
 async def test_populate_stops_at_its_budget() -> None:
     arena = SlowArena(delay=0.05)
-    done = await prefault.populate(arena, 0, 100 * prefault.CHUNK, budget=0.12)
+    done = await populate(arena, 0, 100 * prefault.CHUNK, budget=0.12)
     assert 0 < done < 100 * prefault.CHUNK
     assert len(arena.calls) <= 4 * prefault.workers(100 * prefault.CHUNK)
 
 
 async def test_a_failing_kernel_call_is_logged_not_raised(caplog: pytest.LogCaptureFixture
                                                           ) -> None:
-    assert await prefault.populate(SlowArena(fail=True), 0, 4 * prefault.CHUNK) == 0
+    assert await populate(SlowArena(fail=True), 0, 4 * prefault.CHUNK) == 0
     assert "pre-faulting a new buffer failed" in caplog.text
 
 
@@ -120,7 +139,7 @@ async def test_a_kernel_without_populate_stops_every_worker(
             return False
 
     arena = Unsupported()
-    assert await prefault.populate(arena, 0, 50 * prefault.CHUNK) == 0
+    assert await populate(arena, 0, 50 * prefault.CHUNK) == 0
     assert len(arena.calls) <= 2  # one attempt per worker, then all stop
 
 
@@ -129,7 +148,7 @@ async def test_a_cancelled_populate_waits_for_its_chunks_then_stops(
     monkeypatch.setattr(prefault, "workers", lambda nbytes: 2)
     hold = threading.Event()
     arena = SlowArena(hold=hold)
-    task = asyncio.ensure_future(prefault.populate(arena, 0, 10 * prefault.CHUNK))
+    task = asyncio.ensure_future(populate(arena, 0, 10 * prefault.CHUNK))
     await asyncio.to_thread(arena.inside.wait, 5)
     task.cancel()
     await asyncio.sleep(0.05)

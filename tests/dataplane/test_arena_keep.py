@@ -169,8 +169,87 @@ def test_a_block_freed_again_before_it_was_zeroed_is_never_written_by_the_old_jo
             assert kept.stopped
     import time
     time.sleep(0.2)
-    assert (arena.view(0, 8 * PAGE) == 7).all() and not called
+    assert (arena.view(0, 8 * PAGE) == 7).all()
+    assert called == [1]  # its waiter was let go when it was freed, not left waiting
     arena.unback(0, 8 * PAGE)
+
+
+def test_a_waiter_on_a_block_freed_before_it_was_zeroed_is_let_go(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer on a kept block is locked until ``then``: a block freed
+    while it was still being zeroed must call it too (at once), or whatever
+    waits for that buffer waits forever."""
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    arena._zeroer = HeldZeroer()  # type: ignore[assignment]
+    arena.back(0, 16 * PAGE)
+    arena.unback(0, 16 * PAGE)
+    z = arena.back(0, 16 * PAGE)
+    assert isinstance(z, Zeroing)
+    called: list[int] = []
+    z.then(lambda: called.append(1))
+    assert not called
+    arena.unback(0, 16 * PAGE)  # released while still being zeroed
+    assert called == [1]
+    z.then(lambda: called.append(2))  # a late waiter: at once too
+    assert called == [1, 2]
+
+
+def test_the_block_a_request_takes_is_zeroed_on_demand_not_after_those_kept_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept blocks are zeroed in the order they were kept, and the one a
+    request takes is the most recently kept: the last in that order.  Its
+    requester zeroes it itself (``zero_now``), so it is all zero while every
+    block kept before it still waits for the (here held) zeroer."""
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    monkeypatch.setattr(A, "ZERO_CHUNK", 2 * PAGE)
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    held = HeldZeroer()
+    arena._zeroer = held  # type: ignore[assignment]
+    for i in range(4):
+        arena.back(i * 8 * PAGE, 8 * PAGE)
+        arena.view(i * 8 * PAGE, 8 * PAGE)[:] = 0xCD  # a tenant's bytes
+    for i in range(4):
+        arena.unback(i * 8 * PAGE, 8 * PAGE)
+    last = arena.kept_block(8 * PAGE)
+    assert last == 3 * 8 * PAGE and len(held.items) == 4  # queued last
+    z = arena.back(last, 8 * PAGE)
+    assert isinstance(z, Zeroing)
+    called: list[int] = []
+    z.then(lambda: called.append(1))
+    arena.zero_now(last)
+    assert z.clean and called == [1] and not arena.view(last, 8 * PAGE).any()
+    assert arena.view(0, 3 * 8 * PAGE).all()  # the others: not yet, and not needed
+    held.run()  # the zeroer reaches them, and finds the taken one done already
+    for i in range(3):
+        _wait_clean(held.items[i][1])
+    assert not arena.view(0, 4 * 8 * PAGE).any() and called == [1]
+    arena.zero_now(last)  # nothing left to do: no-op
+    arena.zero_now(0)  # not a taken block: no-op
+    arena.unback(last, 8 * PAGE)
+
+
+def test_zero_now_beside_the_zeroer_writes_each_chunk_once_and_finishes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    monkeypatch.setattr(A, "ZERO_CHUNK", PAGE)
+    arena = HostArena(256 * PAGE)
+    arena.keep = 256 * PAGE
+    arena.back(0, 128 * PAGE)
+    arena.view(0, 128 * PAGE)[:] = 0x5A
+    arena.unback(0, 128 * PAGE)  # the real zeroer starts on it
+    z = arena.back(0, 128 * PAGE)
+    if z is not None:  # the zeroer may have been quicker
+        workers = [threading.Thread(target=arena.zero_now, args=(0,)) for _ in range(3)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(10)
+        assert z.clean and z.at == 128 * PAGE
+    assert not arena.view(0, 128 * PAGE).any()
+    arena.unback(0, 128 * PAGE)
 
 
 def test_many_kept_blocks_come_and_go_without_leaking_fds() -> None:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from control.daemon.copypool import CopyPool
     from control.daemon.diskcache import DiskCache
     from control.daemon.registry import Buffer, Registry
 
@@ -358,9 +359,10 @@ class ContentIndex:
 
     # -- the disk cache, written in the background ----------------------------------
 
-    def keep_on_disk(self, registry: Registry, loc: Location) -> None:
-        """Copy ``loc``'s bytes into the disk cache in the background (the buffer
-        stays pinned until then, so its memory is not reused meanwhile)."""
+    def keep_on_disk(self, registry: Registry, sweeps: CopyPool, loc: Location) -> None:
+        """Copy ``loc``'s bytes into the disk cache in the background, as a
+        job of its tenant on ``sweeps`` (the buffer stays pinned until then,
+        so its memory is not reused meanwhile)."""
         cache = self.cache
         if cache is None or cache.has(loc.buf.tenant, loc.digest, loc.nbytes) \
                 or not cache.accepts(loc.nbytes):
@@ -371,8 +373,8 @@ class ContentIndex:
             try:
                 async with self._write_slots:
                     view = loc.buf.pool.arena.view(loc.buf.offset + loc.offset, loc.nbytes)
-                    await asyncio.to_thread(cache.write, loc.buf.tenant, loc.digest,
-                                            loc.checksum, view)
+                    await sweeps.run(loc.buf.tenant, cache.write, loc.buf.tenant, loc.digest,
+                                     loc.checksum, view)
             except Exception:  # the cache is best effort; a failed write loses nothing
                 log.exception("disk cache write failed")
             finally:

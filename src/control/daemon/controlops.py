@@ -12,6 +12,7 @@ through ``Owner`` and the daemon through ``node.Node``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any, Protocol
@@ -69,7 +70,7 @@ class ControlOps:
     async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
         """``granted`` once the new buffer's pages are backed with memory
         (``prefault.populate``), so its first store runs at full speed, or,
-        on a kept block, once it is zeroed (``buf.zeroed``).  The
+        on a kept block, once it is zeroed (``_zeroed``).  The
         buffer is pinned meanwhile.  It was granted before the wait, so a
         request that ends first (the client gone) leaves it as a lost answer
         would: audited, a session-scoped one going with its session, a named
@@ -78,14 +79,33 @@ class ControlOps:
             raise NotFound(f"no buffer {buf.buffer_id!r}")  # released by name meanwhile
         try:
             if buf.zeroed is not None:  # a kept block: backed, being zeroed (registry)
-                await asyncio.shield(buf.zeroed)
+                await self._zeroed(buf, buf.zeroed)
             else:  # nothing to do for a block kept backed (``prefault.wanted``)
-                await prefault.populate(buf.pool.arena, buf.offset, buf.size)
+                await prefault.populate(buf.pool.arena, buf.offset, buf.size,
+                                        self._node.sweeps, buf.tenant)
         finally:
             meta = self.granted(buf)
         if buf.released:
             raise NotFound(f"no buffer {buf.buffer_id!r}")
         return meta
+
+    async def _zeroed(self, buf: Buffer, zeroed: asyncio.Future[None]) -> None:
+        """Wait until ``buf``'s kept block is all zero, for at most
+        ``prefault.BUDGET``.  The arena's zeroer takes kept blocks in the
+        order they were kept, and this one, the most recently kept, would
+        come last: so the rest of it is zeroed now (``HostArena.zero_now``)
+        as a job of the buffer's tenant on the daemon's ``sweeps``, beside
+        the zeroer (each chunk is written once).  Past the deadline the
+        answer goes anyway: the buffer stays locked until its block is zero
+        (registry), so its first op waits for that, and nothing ever reads
+        the old bytes.  The zeroer finishes the block whatever becomes of
+        this job (nobody awaits it; one that starts late finds nothing to do)."""
+        zero_now = getattr(buf.pool.arena, "zero_now", None)
+        if zero_now is not None:
+            job = self._node.sweeps.submit(buf.tenant, zero_now, buf.offset)
+            job.future.add_done_callback(_retrieved)
+        with contextlib.suppress(TimeoutError):  # answered now, the block still locked
+            await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)
 
     async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
         """A request_buffer that could not be granted at once: queue (first
@@ -197,3 +217,8 @@ class ControlOps:
     def ping(self, req: P.Ping) -> dict[str, Any]:
         """The node's clock (``rpcbuf doctor`` compares it with the client's)."""
         return {"time": time.time()}
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # nobody awaits it: asyncio must not log it as lost

@@ -19,7 +19,19 @@ on a bounded set of threads of their own, where
 
 A copy not yet started when its caller gives up is dropped from the queue
 (``cancel``); one already running is never abandoned by the caller, whose
-range lock and pin must outlive it (see ``paths.StagedPath``).
+range lock and pin must outlive it (see ``paths.StagedPath``, ``run``).
+
+The daemon has two pools of this kind: ``copies`` for the ring copies above,
+which may stall on a client, and ``sweeps`` for bounded memory work done on
+a tenant's behalf (``Pipeline.in_thread``: large fills, local copies,
+widening, dedup placement and hashing, checksums; ``Pipeline.own``'s copy;
+pre-faulting; zeroing a kept block on demand; disk-cache writes).  That work
+used asyncio's default executor, first come first served: one tenant's flood
+of large copies and clears raised another's ``request_buffer`` median from
+0.8 to 9 ms.  Here each job is its tenant's, and the round-robin start and
+the share bound how long another tenant's queue can delay it: at most the
+jobs already running, then one turn.  The pools are apart so that stalled
+ring copies never hold up that work.
 
 Latency: handing a 4 KiB copy to a thread and back through the event loop
 (``call_soon_threadsafe``, then the future's callbacks) was measured here at
@@ -76,10 +88,12 @@ class _Worker:
 class CopyPool:
     """``threads`` copy threads; at most ``per_tenant`` busy for one tenant."""
 
-    def __init__(self, threads: int = 4, per_tenant: int | None = None) -> None:
+    def __init__(self, threads: int = 4, per_tenant: int | None = None,
+                 name: str = "rpcbuf-copy") -> None:
         if threads < 1:
             raise ValueError("a copy pool needs at least one thread")
         self.threads = threads
+        self.name = name  # its threads' names: NAME-0, NAME-1, ...
         self.per_tenant = max(1, threads // 2) if per_tenant is None else per_tenant
         self._cond = threading.Condition()
         self._waiting: OrderedDict[str, deque[Job]] = OrderedDict()  # round-robin order
@@ -105,6 +119,21 @@ class CopyPool:
                 self._start_worker()
             self._cond.notify()
         return job
+
+    async def run(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a thread, as ``tenant``'s job: its result (its
+        exception).  A caller cancelled before the job started drops it;
+        after, it waits for the job to end before it re-raises (what ``fn``
+        touches is the caller's pinned, locked memory)."""
+        job = self.submit(tenant, fn, *args)
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            if not self.cancel(job):
+                await asyncio.wait([job.future])
+                if not job.future.cancelled():
+                    job.future.exception()  # retrieved: the caller is gone
+            raise
 
     def wait(self, job: Job, timeout: float, alone: bool = True) -> bool:
         """Block (GIL released) up to ``timeout`` s for ``job`` (``alone``:
@@ -161,18 +190,25 @@ class CopyPool:
                     "copies_waiting": sum(len(q) for q in self._waiting.values())}
 
     def close(self) -> None:
-        """Start nothing more; threads exit once idle (they are daemon
+        """Start nothing more: jobs still waiting fail (RuntimeError), so
+        nobody awaits one forever; threads exit once idle (they are daemon
         threads: a stuck one does not hold up the process's exit)."""
         with self._cond:
             self._closed = True
+            left = [job for queue in self._waiting.values() for job in queue]
+            self._waiting.clear()
             self._cond.notify_all()
+        for job in left:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                job.loop.call_soon_threadsafe(_settle, job.future, None,
+                                              RuntimeError("the copy pool is closed"))
 
     # -- the threads' side ------------------------------------------------------------
 
     def _start_worker(self) -> None:  # under the lock
         worker = _Worker()
         worker.thread = threading.Thread(target=self._work, args=(worker,), daemon=True,
-                                         name=f"rpcbuf-copy-{len(self._workers)}")
+                                         name=f"{self.name}-{len(self._workers)}")
         self._workers.append(worker)
         self._live += 1
         worker.thread.start()

@@ -32,7 +32,6 @@ from control.daemon.pipeline import (
     check_items,
     check_range,
     hull,
-    maybe_in_thread,
 )
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
@@ -155,7 +154,7 @@ class DataOps:
         arena, half = buf.pool.arena, req.nbytes // 2
         wire = scratch(arena, half)
         await path.receive(req_id, Region(Scratch(wire)), Items.one(0, half, req.stage))
-        await maybe_in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
+        await self._pipe.in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
 
     async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
         path = self._ops.path(req)
@@ -209,9 +208,10 @@ class DataOps:
             if landing is not None:
                 got, manifest, digests = landing.sums, landing.entries(), landing.digests
             elif with_digests:
-                got, digests = await M.landed_digests(arena, at, sizes, nbytes)
+                got, digests = await self._pipe.in_thread(nbytes, M.range_digests, arena, at,
+                                                          sizes)
             elif hashing:
-                got = await M.landed_checksums(arena, at, sizes, nbytes)
+                got = await self._pipe.in_thread(nbytes, arena.checksums, at, sizes)
             if verify:
                 assert sums is not None and got is not None
                 bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
@@ -308,7 +308,7 @@ class DataOps:
 
         def move() -> Any:
             view = arena.view(buf.offset + req.offset, nbytes)
-            return maybe_in_thread(nbytes, fill, arena, view, req.value)
+            return self._pipe.in_thread(nbytes, fill, arena, view, req.value)
 
         return await self._pipe.run(call, Plan(
             "clear", buf, [(req.offset, req.offset + nbytes)], exclusive=True, move=move,
@@ -324,7 +324,7 @@ class DataOps:
                          dst.pool.arena, dst.offset + req.dst_offset, req.nbytes)
 
         def move() -> Any:
-            return maybe_in_thread(req.nbytes, do_copy)
+            return self._pipe.in_thread(req.nbytes, do_copy)
 
         return await self._pipe.run(call, Plan(
             "copy", dst, [(req.dst_offset, req.dst_offset + req.nbytes)], exclusive=True,

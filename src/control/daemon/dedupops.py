@@ -55,7 +55,6 @@ from control.daemon.pipeline import (
     Pipeline,
     Plan,
     check_items,
-    maybe_in_thread,
     unlock,
 )
 from control.daemon.registry import Buffer
@@ -162,7 +161,7 @@ class DedupOps:
             moved = int(sum(int(sizes[i]) for i, _ in plan if i not in kept))
             if moved:  # a clone gets memory of its own before it is written
                 await self._pipe.own(buf)
-            await maybe_in_thread(moved, place)
+            await self._pipe.in_thread(moved, place)
 
         async def after() -> dict[str, Any]:
             if done:
@@ -172,7 +171,7 @@ class DedupOps:
                     loc_new = index.add(buf, int(offsets[i]), int(sizes[i]), keys[i],
                                         int(sums[i]))
                     if loc_new is not None:
-                        index.keep_on_disk(self._ops.registry, loc_new)
+                        index.keep_on_disk(self._ops.registry, self._ops.daemon.sweeps, loc_new)
             job.nbytes = int(sum(int(sizes[i]) for i in done))
             job.note = (f"items={n} placed={len(done)} copied={how['copied']} "
                         f"in_place={how['in_place']} from_cache={how['from_cache']} "
@@ -255,7 +254,8 @@ class DedupOps:
                 sizes = np.array([e["nbytes"] for e in live.values()], np.int64)
                 self._ops.count("dedup_bytes_hashed", int(sizes.sum()))
                 if M.host_arena(arena):
-                    now, digs = await M.landed_digests(arena, offs, sizes, int(sizes.sum()))
+                    now, digs = await self._pipe.in_thread(int(sizes.sum()), M.range_digests,
+                                                           arena, offs, sizes)
                     same = [(n, d) for (n, e), c, d in zip(live.items(), now, digs,
                                                            strict=True) if c == e["checksum"]]
                     await self._index_now(buf, {n: live[n] for n, _ in same},
@@ -293,7 +293,7 @@ class DedupOps:
             def hash_all() -> list[int]:
                 return [digest128(arena.view(base + items[i][0], items[i][1])) for i in keep]
 
-            got = await maybe_in_thread(sum(items[i][1] for i in keep), hash_all)
+            got = await self._pipe.in_thread(sum(items[i][1] for i in keep), hash_all)
         else:
             got = [keys[i] for i in keep]
         index = self._content
@@ -301,4 +301,4 @@ class DedupOps:
             o, n, c = items[i]
             loc = index.add(buf, o, n, d, c)
             if loc is not None:
-                index.keep_on_disk(self._ops.registry, loc)
+                index.keep_on_disk(self._ops.registry, self._ops.daemon.sweeps, loc)

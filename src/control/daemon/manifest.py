@@ -6,15 +6,14 @@ merge rule) is ``control/wire/manifest.py``, shared with the client.
 manifest or the tenant's quota before any byte lands; ``record`` merges a
 batch's entries into the buffer's manifest (``buf.tensors``, entry dicts);
 ``drop_written`` drops the entries whose bytes a failed op overwrote;
-``landed_checksums``, ``landed_digests`` and ``Landing`` hash what arrived
-in the arena (``landed_digests``: the xxh3-64 and the xxh3-128 of each item
-in one pass over its bytes, for a host arena, so the content index gets the
-digests of exactly what landed without reading it again).
+``range_digests`` and ``Landing`` hash what arrived in the arena (the
+xxh3-64 and the xxh3-128 of each item in one pass over its bytes, for a host
+arena, so the content index gets the digests of exactly what landed without
+reading it again); the ops run them through ``Pipeline.in_thread``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +27,6 @@ from control.wire.manifest import (
     merge_entries,
     merge_plan,
 )
-from control.wire.units import THREAD_BYTES
 from dataplane.checksum import digests
 from dataplane.cuda_arena import is_device_arena
 
@@ -36,8 +34,7 @@ if TYPE_CHECKING:
     from control.daemon.registry import Buffer, Registry
     from dataplane.arena import Arena
 
-__all__ = ["Landing", "check", "drop_written", "landed_checksums", "landed_digests",
-           "plan_record", "record"]
+__all__ = ["Landing", "check", "drop_written", "plan_record", "range_digests", "record"]
 
 
 def plan_record(registry: Registry, buf: Buffer, names: list[str], offsets: np.ndarray,
@@ -89,16 +86,6 @@ def drop_written(registry: Registry, buf: Buffer, ranges: list[tuple[int, int]])
     return dropped
 
 
-async def landed_checksums(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
-                           nbytes: int) -> list[int]:
-    """xxh3-64 of each arena range: in a worker thread when they add up to
-    ``THREAD_BYTES`` or more (xxhash drops the GIL while it hashes a big
-    range), so the event loop serves on."""
-    if nbytes >= THREAD_BYTES:
-        return await asyncio.to_thread(arena.checksums, offsets, sizes)
-    return arena.checksums(offsets, sizes)
-
-
 def host_arena(arena: Arena) -> bool:
     """Whether ``arena`` is host memory (its views have the buffer protocol)."""
     return not is_device_arena(arena)
@@ -117,14 +104,6 @@ def range_digests(arena: Arena, offsets: np.ndarray, sizes: np.ndarray
     mem = memoryview(arena.view(0, arena.size))
     pairs = [digests(mem[a:b]) for a, b in zip(offs.tolist(), ends.tolist(), strict=True)]
     return [c for _, c in pairs], [d for d, _ in pairs]
-
-
-async def landed_digests(arena: Arena, offsets: np.ndarray, sizes: np.ndarray,
-                         nbytes: int) -> tuple[list[int], list[int]]:
-    """``range_digests``, in a worker thread from ``THREAD_BYTES`` on."""
-    if nbytes >= THREAD_BYTES:
-        return await asyncio.to_thread(range_digests, arena, offsets, sizes)
-    return range_digests(arena, offsets, sizes)
 
 
 class Landing:

@@ -234,6 +234,7 @@ class _StateCollector(Collector):
             ("waiters", "Requests waiting for memory"),
             ("kept_bytes", "Released host memory kept backed, zeroed, for the next buffer "
                            "of the same block (--keep-freed)"),
+            ("zeroing_bytes", "Kept host memory not zeroed yet (the zeroer's backlog)"),
         )}
         reused = CounterMetricFamily("rpcbuf_pool_reused_blocks",
                                      "New buffers given a kept block (no fresh memory)",
@@ -246,6 +247,7 @@ class _StateCollector(Collector):
             pools["buffers"].add_metric([key], st.count)
             pools["waiters"].add_metric([key], reg.waiting(pool))
             pools["kept_bytes"].add_metric([key], getattr(pool.arena, "kept_bytes", 0))
+            pools["zeroing_bytes"].add_metric([key], getattr(pool.arena, "zeroing_bytes", 0))
             reused.add_metric([key], getattr(pool.arena, "reused", 0))
         yield from pools.values()
         yield reused

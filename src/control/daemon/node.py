@@ -8,6 +8,7 @@ daemon owns its sessions without them importing it back (no cycle).
 
 from __future__ import annotations
 
+import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +41,9 @@ class Limits:
     max_unauthenticated: int = 512
     max_unauthenticated_per_source: int = 128  # control connections, per address (or uid)
     copy_threads: int = 4  # same-host copies (copypool.py): at most half for one tenant
+    # Bounded memory work for tenants (copypool.py, ``sweeps``): one per CPU,
+    # at least 4 (one tenant may use half: two, as pre-faulting does alone).
+    sweep_threads: int = max(4, min(16, os.cpu_count() or 1))
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -57,6 +61,7 @@ class Node(Protocol):
     pending_endpoints: Pending[DataEndpoint]
     janitor: Janitor | None  # drops old UCX messages no request asked for
     copies: CopyPool  # same-host ring copies
+    sweeps: CopyPool  # bounded memory work for tenants, shared fairly (copypool.py)
     metrics: Metrics
     content: ContentIndex
     model_files: ModelFiles | None  # --model-dir: what node-local loads may read

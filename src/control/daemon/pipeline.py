@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from control.daemon.content import ContentIndex
+from control.daemon.copypool import CopyPool
 from control.daemon.locks import Grant
 from control.daemon.paths import DataPath
 from control.daemon.registry import Buffer, Registry
@@ -56,6 +57,12 @@ from control.wire.units import THREAD_BYTES
 Range = tuple[int, int]
 
 
+class Workers(Protocol):
+    """What the data ops see of the daemon: its threads for memory work."""
+
+    sweeps: CopyPool  # shared fairly between tenants (copypool.py)
+
+
 class Ops(Protocol):
     """What the data ops see of their session."""
 
@@ -63,6 +70,8 @@ class Ops(Protocol):
     content: ContentIndex
     session_id: str
 
+    @property
+    def daemon(self) -> Workers: ...
     @property
     def owner(self) -> str: ...  # the session's tenant (the ops run after hello only)
     def path(self, req: P.Request) -> DataPath: ...
@@ -256,6 +265,17 @@ class Pipeline:
             raise
         return grants
 
+    async def in_thread(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a sweep of ``nbytes`` of memory: from ``THREAD_BYTES``
+        on, as the session's tenant's job on the daemon's ``sweeps`` threads
+        (NumPy and xxhash drop the GIL, so the event loop serves everyone
+        else meanwhile, and the pool's round-robin keeps one tenant's queue
+        of sweeps from delaying another's beyond its turn); smaller ones
+        inline, where a thread would cost more than the sweep."""
+        if nbytes >= THREAD_BYTES:
+            return await self._ops.daemon.sweeps.run(self._ops.owner, fn, *args)
+        return fn(*args)
+
     async def own(self, buf: Buffer) -> None:
         """Before the first write into ``buf``: if it shares memory with
         another buffer (``clone_buffer``), give it memory of its own holding
@@ -268,7 +288,8 @@ class Pipeline:
         if task is None:
             registry = self._ops.registry
             registry.pin(buf)  # now, while the caller's pin holds: ``_own`` unpins it
-            task = buf.owning = asyncio.ensure_future(_own(registry, buf))
+            task = buf.owning = asyncio.ensure_future(_own(registry, buf,
+                                                           self._ops.daemon.sweeps))
             task.add_done_callback(_retrieved)  # a failure nobody waits for any more
         await asyncio.shield(task)
 
@@ -282,15 +303,16 @@ def _retrieved(task: asyncio.Future[None]) -> None:
         task.exception()  # its waiters got it; asyncio must not log it as lost
 
 
-async def _own(registry: Registry, buf: Buffer) -> None:
-    """``Pipeline.own``'s one copy.  Pinned meanwhile (by ``own``, before
-    this task was made: a task starts later, when the writer that asked may
-    be gone and the buffer freed): the block stays this buffer's even if
-    every request that asked for it is gone."""
+async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
+    """``Pipeline.own``'s one copy, a job of the buffer's tenant on
+    ``sweeps``.  Pinned meanwhile (by ``own``, before this task was made: a
+    task starts later, when the writer that asked may be gone and the buffer
+    freed): the block stays this buffer's even if every request that asked
+    for it is gone."""
     try:
         arena: Any = buf.pool.arena  # a HostArena: only it shares (``needs_own``)
         try:
-            fd = await asyncio.to_thread(arena.copy_out, buf.offset, buf.alloc_size)
+            fd = await sweeps.run(buf.tenant, arena.copy_out, buf.offset, buf.alloc_size)
         except OSError as exc:
             raise OutOfMemory(f"cannot give buffer {buf.buffer_id} memory of its own: "
                               f"{exc.strerror or exc}", {"reason": "backing"}) from None
@@ -346,9 +368,3 @@ def hull(offsets: np.ndarray, sizes: np.ndarray) -> Range:
     return int(offsets.min()), int((offsets + sizes).max())
 
 
-async def maybe_in_thread(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """Big memory sweeps run in a worker thread (NumPy and xxhash drop the
-    GIL) so the event loop keeps serving everyone else."""
-    if nbytes >= THREAD_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)

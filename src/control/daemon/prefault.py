@@ -10,11 +10,12 @@ there (both cores are busy moving bytes, and the faults cost the same CPU
 wherever they are taken), so the pages are populated when the buffer is
 granted instead: ``populate`` runs ``HostArena.prefault_range``
 (``MADV_POPULATE_WRITE``: no byte changes) in worker threads, one per CPU
-(``workers``), ``CHUNK`` at a time, and ``request_buffer`` answers when it
-is done; the first store then runs at warm speed.  The request pays what the store would have, no
-more.  A block kept from an earlier buffer (``HostArena.resident``: zeroed,
-so every page backed) is not populated again: that walk alone is 64-126 ms
-per GiB here.
+(``workers``), ``CHUNK`` at a time, as jobs of the requester's tenant on
+the daemon's ``sweeps`` threads (``copypool``: fair between tenants), and
+``request_buffer`` answers when it is done; the first store then runs at
+warm speed.  The request pays what the store would have, no more.  A block
+kept from an earlier buffer (``HostArena.resident``: zeroed, so every page
+backed) is not populated again: that walk alone is 64-126 ms per GiB here.
 
 Bounded: buffers under ``MIN_BYTES`` are answered at once (their faults
 are cheap), unless the daemon runs with ``--prefault``; at most ``BUDGET``
@@ -34,6 +35,8 @@ import os
 import threading
 import time
 from typing import Any
+
+from control.daemon.copypool import CopyPool
 
 log = logging.getLogger("rpcbuf.daemon")
 MIN_BYTES = 8 << 20
@@ -100,17 +103,18 @@ def workers(nbytes: int) -> int:
     return max(1, min(THREADS, cpus, -(-nbytes // CHUNK)))
 
 
-async def populate(arena: Any, offset: int, nbytes: int, budget: float = BUDGET) -> int:
+async def populate(arena: Any, offset: int, nbytes: int, sweeps: CopyPool, tenant: str,
+                   budget: float = BUDGET) -> int:
     """Back ``[offset, offset + nbytes)`` of ``arena`` with memory, in
-    worker threads (``workers``; see the module docstring); returns the
-    bytes populated.  A failure of the kernel call is logged, never raised:
-    it only costs speed later."""
+    worker threads (``workers`` jobs of ``tenant`` on ``sweeps``; see the
+    module docstring); returns the bytes populated.  A failure of the
+    kernel call is logged, never raised: it only costs speed later."""
     if not wanted(arena, nbytes, offset):
         return 0
     stop = threading.Event()
     chunks, deadline = _Chunks(nbytes), time.monotonic() + budget
-    jobs = [asyncio.ensure_future(asyncio.to_thread(_run, arena.prefault_range, offset, chunks,
-                                                    stop, deadline))
+    jobs = [asyncio.ensure_future(sweeps.run(tenant, _run, arena.prefault_range, offset, chunks,
+                                             stop, deadline))
             for _ in range(workers(nbytes))]
     try:
         done = sum(await asyncio.shield(asyncio.gather(*jobs)))

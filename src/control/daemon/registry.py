@@ -516,7 +516,8 @@ class Registry:
 def _lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
     """A new buffer on a kept block that is not all zero yet
     (``HostArena.back``): all of it locked exclusively, before anyone can
-    name it, until the arena's zeroer is done; ``buf.zeroed`` is done then.
+    name it, until the block is zero (the arena's zeroer, or its requester:
+    ``controlops``), or freed meanwhile; ``buf.zeroed`` is done then.
     Whatever reads or writes it meanwhile (``Pipeline.lock``) waits."""
     grant = buf.locks.acquire([(0, buf.alloc_size)], True)  # a new buffer: granted at once
     loop = asyncio.get_running_loop()

@@ -82,6 +82,7 @@ class Daemon:
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
         self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
         self.copies = CopyPool(lim.copy_threads)
+        self.sweeps = CopyPool(lim.sweep_threads, name="rpcbuf-sweep")
         self.started_at = time.time()
         self.shutting_down = False
         self.stopped = False  # shutdown is done: tasks left are cancelled and let go
@@ -180,6 +181,8 @@ class Daemon:
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
         self.copies.close()
+        await self.content.aclose(self.limits.drain_timeout)  # its disk writes run on sweeps
+        self.sweeps.close()
         if self.model_files is not None:
             self.model_files.close()
         self.metrics.close()
