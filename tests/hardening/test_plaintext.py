@@ -67,6 +67,22 @@ async def test_plaintext_to_a_remote_address_is_refused_before_connecting(
     assert dials == []
 
 
+async def test_tls_that_does_not_verify_the_node_counts_as_plaintext(dials: list[Any]) -> None:
+    import ssl
+
+    lax = ssl.create_default_context()
+    lax.check_hostname = False  # any certificate from the CAs, for any name
+    blind = ssl.create_default_context()
+    blind.check_hostname = False
+    blind.verify_mode = ssl.CERT_NONE  # any certificate at all
+    for ctx in (lax, blind):
+        with pytest.raises(rpcbuf.BadRequest) as err:
+            await rpcbuf.connect("192.0.2.1:7700", token=TOKEN, timeout=30, tls=ctx)
+        _refused(err.value)
+        assert "does not verify" in err.value.message
+    assert dials == []
+
+
 async def test_insecure_lifts_the_refusal(dials: list[Any],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # Now it dials: the address is never routed, so TIMEOUT or CONNECTION_LOST.

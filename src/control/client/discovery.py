@@ -24,8 +24,11 @@ proved it is a node, by a TLS certificate that the cluster's CA (``tls=``,
 only to a loopback address, or when told ``insecure=True``.  After hello it
 checks that the node id the daemon names is the record's (``check_node``):
 a stale record, or a forged one pointing at another node, is refused.
-Without TLS off loopback (``insecure=True``), a forged record does get the
-token: that mode trusts the network and whoever can write the registry.
+The record names the address, so this holds only for a CA that signs
+nothing but the cluster's nodes (with public CAs, ``tls=True``, a forger
+names a host it has a certificate for).  Without TLS off loopback
+(``insecure=True``) a forged record does get the token: that mode trusts
+the network and whoever can write the registry.
 """
 
 from __future__ import annotations

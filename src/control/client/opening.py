@@ -14,7 +14,8 @@ The token is a bearer secret: whoever answers the hello gets it, and can
 replay it at every node that trusts its key.  So it goes only to a peer
 that proved who it is before hello: over TLS, a certificate that the
 trusted CAs signed for the host dialed (``tls_context``: ``tls=``, else
-``$RPCBUF_CA``); on a Unix socket, the peer check; over plain TCP, only to a
+``$RPCBUF_CA``; an SSLContext that checks less counts as plaintext); on a
+Unix socket, the peer check; over plain TCP, only to a
 loopback address (``is_loopback``), where the peer is this host.  Plain TCP
 to any other address is refused before anything is dialed
 (``InsecureTransport``) unless ``insecure=True`` (or ``$RPCBUF_INSECURE=1``)
@@ -112,9 +113,17 @@ def _with_ca(path: str, given: str) -> ssl.SSLContext:
                          {"reason": "bad_ca", "ca": path}) from None
 
 
-def _refuse_plaintext(addr: str, host: str) -> None:
+def _verifies(ctx: ssl.SSLContext | None) -> bool:
+    """Whether a handshake under ``ctx`` proves who the peer is: its chain
+    checked against the CAs, and its name against the host dialed."""
+    return ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+
+
+def _refuse_unproven(addr: str, host: str, tls: ssl.SSLContext | None) -> None:
+    how = "in plaintext" if tls is None else ("over TLS that does not verify the node "
+                                              "(CERT_NONE or check_hostname off)")
     raise InsecureTransport(
-        f"refusing to send the token in plaintext to {addr} (not a loopback address): "
+        f"refusing to send the token {how} to {addr} (not a loopback address): "
         "anyone on the path could read it, and whoever answers there would get it. Use "
         "TLS (the daemon's --tls-cert/--tls-key; here tls= a CA file, True or an "
         "ssl.SSLContext, or $RPCBUF_CA, or the CLI's --ca), or pass insecure=True (CLI "
@@ -169,9 +178,9 @@ async def open_session(addr: str, token: str, timeout: float | None,
     else:
         host, port = parse_addr(addr)
         tls_ctx = tls_context(tls)
-        if tls_ctx is None and not is_loopback(host) \
+        if not _verifies(tls_ctx) and not is_loopback(host) \
                 and not (insecure_default() if insecure is None else insecure):
-            _refuse_plaintext(addr, host)  # before anything is dialed
+            _refuse_unproven(addr, host, tls_ctx)  # before anything is dialed
         opened = await _open(addr, timeout, token, tcp=(host, port, tls_ctx))
         local = opened[1].local
         # Under TLS the same-host path only when asked for: it leaves TLS out.
