@@ -54,7 +54,9 @@ async def measure(c: netns.NetnsCluster, model: Path, tmp: Path, reps: int) -> d
     data = model_bytes(model)
     parts = np.array_split(data, 3)
     out: dict[str, Any] = {"bytes": int(data.nbytes), "single": [], "load": [], "per_node": []}
-    async with rpcbuf.Cluster.connect(c.endpoints, c.token, timeout=120) as cluster:
+    # Plain TCP to the namespaces' addresses: private veths (insecure=True).
+    async with rpcbuf.Cluster.connect(c.endpoints, c.token, timeout=120,
+                                      insecure=True) as cluster:
         ctxs = [cluster[h.addr] for h in c.hosts]
         bids = [await ctx.request_buffer(int(p.nbytes)) for ctx, p in zip(ctxs, parts,
                                                                            strict=True)]

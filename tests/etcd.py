@@ -138,27 +138,37 @@ class Etcd:
 def make_certs(where: Path) -> dict[str, Path] | None:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, as
     PEM files, made with the ``openssl`` command; None without it."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
+    if shutil.which("openssl") is None:
         return None
     where.mkdir(parents=True, exist_ok=True)
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
-
     ca, ca_key = where / "ca.pem", where / "ca-key.pem"
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-        "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "1",
-        "-subj", "/CN=rpcbuf test CA")
-    for stem, cn, usage in (("server", "127.0.0.1", "serverAuth"),
-                            ("client", "rpcbuf-node", "clientAuth")):
-        key, csr, cert = where / f"{stem}-key.pem", where / f"{stem}.csr", where / f"{stem}.pem"
-        ext = where / f"{stem}.ext"
-        ext.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
-        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
-        run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-            "-CAcreateserial", "-out", str(cert), "-days", "1", "-extfile", str(ext))
-    return {"ca": ca, "server_cert": where / "server.pem",
-            "server_key": where / "server-key.pem", "client_cert": where / "client.pem",
-            "client_key": where / "client-key.pem"}
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+             "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "1",
+             "-subj", "/CN=rpcbuf test CA")
+    certs = {"ca": ca, "ca_key": ca_key}
+    issue(certs, "server", "127.0.0.1", "IP:127.0.0.1,DNS:localhost", "serverAuth")
+    issue(certs, "client", "rpcbuf-node", "IP:127.0.0.1,DNS:localhost", "clientAuth")
+    return {**certs, "server_cert": where / "server.pem", "server_key": where / "server-key.pem",
+            "client_cert": where / "client.pem", "client_key": where / "client-key.pem"}
+
+
+def issue(certs: dict[str, Path], stem: str, cn: str, san: str,
+          usage: str = "serverAuth") -> tuple[Path, Path]:
+    """A certificate (and its key) signed by ``certs``' CA for ``san``
+    ("IP:...,DNS:..."), in the CA's directory: (cert, key)."""
+    where = certs["ca"].parent
+    key, csr, cert = where / f"{stem}-key.pem", where / f"{stem}.csr", where / f"{stem}.pem"
+    ext = where / f"{stem}.ext"
+    ext.write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(certs["ca"]), "-CAkey",
+             str(certs["ca_key"]), "-CAcreateserial", "-out", str(cert), "-days", "1",
+             "-extfile", str(ext))
+    return cert, key
+
+
+def _openssl(*args: str) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl is not None
+    subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)

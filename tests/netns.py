@@ -163,8 +163,10 @@ class NetnsCluster:
         return self._token
 
     def client_env(self) -> dict[str, str]:
-        """For client subprocesses in the root namespace: UCX over the veths."""
-        return {**os.environ, "UCX_TLS": "tcp",
+        """For client subprocesses in the root namespace: UCX over the veths,
+        and plain TCP to the namespaces' addresses (a private veth, not a
+        network anyone else is on: ``RPCBUF_INSECURE``)."""
+        return {**os.environ, "UCX_TLS": "tcp", "RPCBUF_INSECURE": "1",
                 "UCX_NET_DEVICES": ",".join(h.veth_root for h in self.hosts),
                 "UCX_WARN_UNUSED_ENV_VARS": "n", "COLUMNS": "200"}
 

@@ -3,8 +3,9 @@
 lease, ``rpcbuf nodes`` lists them, a SIGKILLed node disappears within its
 TTL + 1 s, an open ``Cluster`` sees a node join, a load by free memory skips
 a node that just died, daemons ride out an etcd restart and register again,
-an entry whose node id is not the answering daemon's is refused, and etcd
-over TLS with client certificates and with a user and password works.
+an entry whose node id is not the answering daemon's is refused, a forged
+entry pointing at a listener that cannot prove it is a node gets no token,
+and etcd over TLS with client certificates and with a user and password works.
 
 Every wait is a poll with a deadline (``until``); TTLs are 2 s.
 """
@@ -15,6 +16,7 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.etcd import Etcd, etcd_binary, make_certs
+from tests.etcd import Etcd, etcd_binary, issue, make_certs
 from tests.models import llama_tensors, write_safetensors
 
 import rpcbuf
@@ -356,3 +358,119 @@ async def test_a_second_daemon_with_the_same_node_id_is_refused_loudly(
 async def _listed_at(etcd: Etcd, cluster: str, node: str, addr: str) -> bool:
     rec = members(etcd, cluster).get(node)
     return rec is not None and rec.address == addr
+
+
+class Thief:
+    """A listener a forged registry entry points at: it keeps every byte the
+    client sends it (decrypted, when it speaks TLS) and hangs up after a
+    moment.  ``ssl``: the certificate it presents (None: plain TCP)."""
+
+    def __init__(self, ctx: ssl.SSLContext | None) -> None:
+        self.ctx = ctx
+        self.got = bytearray()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ctx)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(1.0):
+                while chunk := await reader.read(65536):
+                    self.got += chunk
+        except (TimeoutError, OSError):
+            pass
+        writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+def _presenting(cert: Path, key: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
+async def test_a_forged_entry_gets_no_token(
+        daemon_factory: Any, etcd: Etcd, secret: Path, token: str,
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    certs = make_certs(tmp_path_factory.mktemp("node-certs"))
+    foreign = make_certs(tmp_path_factory.mktemp("foreign-certs"))
+    if certs is None or foreign is None:
+        pytest.skip("no openssl to make test certificates")
+    real = start_node(daemon_factory, etcd, secret, "forged", "f0", "--tls-cert",
+                      str(certs["server_cert"]), "--tls-key", str(certs["server_key"]))
+    await auntil("registered", lambda: _count(etcd, "forged", 1))
+    rec = members(etcd, "forged")["f0"]
+    elsewhere = issue(certs, "elsewhere", "elsewhere.invalid", "DNS:elsewhere.invalid")
+    thieves = {  # node id -> the listener its forged entry names
+        "evil-plain": Thief(None),  # plain TCP
+        "evil-foreign": Thief(_presenting(foreign["server_cert"], foreign["server_key"])),
+        "evil-misnamed": Thief(_presenting(*elsewhere)),  # our CA's, for another name
+    }
+    addrs = {}
+    try:
+        for node_id, thief in thieves.items():
+            addrs[node_id] = await thief.start()
+            forged = NodeRecord(node_id, addrs[node_id], rec.ucx_port, rec.version,
+                                rec.protocol, rec.started_at, time.time(), rec.devices)
+            etcd.ctl("put", node_key("forged", node_id), forged.encode().decode())
+        assert sorted(members(etcd, "forged")) == ["evil-foreign", "evil-misnamed",
+                                                   "evil-plain", "f0"]
+        monkeypatch.setenv("RPCBUF_CA", str(certs["ca"]))  # the cluster's CA
+        failed: rpcbuf.ClusterError | None = None
+        cluster: Cluster | None = None
+        try:
+            cluster = await Cluster.connect(etcd.url, token, cluster="forged", timeout=5)
+        except rpcbuf.ClusterError as exc:
+            failed = exc
+        _nothing_stolen(thieves, token)
+        assert cluster is not None, failed
+        async with cluster:
+            assert [r.node_id for r in cluster.records.values()] == ["f0"]
+            _refused(cluster.errors, addrs)
+            ctx = cluster[real.addr]  # the real node, its certificate signed by the CA
+            buf = await ctx.request_buffer(4096)
+            data = bytes(range(256)) * 16
+            await ctx.store_tensor(buf, data, verify="checksum")
+            assert bytes(await ctx.read_buffer(buf, 0, 4096)) == data
+            await ctx.release_buffer(buf)
+        # The CA given as an argument, not from the environment: the same.
+        monkeypatch.delenv("RPCBUF_CA")
+        async with Cluster.connect(etcd.url, token, cluster="forged", timeout=5,
+                                   tls=certs["ca"]) as cluster:
+            assert [r.node_id for r in cluster.records.values()] == ["f0"]
+            _refused(cluster.errors, addrs)
+        # And the CLI, with --ca.
+        out = await asyncio.to_thread(cli, "devices", "--registry", etcd.url, "--cluster",
+                                      "forged", "--ca", str(certs["ca"]), "--json",
+                                      token=token)
+        assert out.returncode == 0, out  # the entries left out are not nodes of the cluster
+        assert list(json.loads(out.stdout)) == [real.addr], out.stdout
+        _nothing_stolen(thieves, token)
+    finally:
+        for node_id, thief in thieves.items():
+            etcd.ctl("del", node_key("forged", node_id))
+            await thief.close()
+
+
+def _nothing_stolen(thieves: dict[str, Thief], token: str) -> None:
+    signature = token.rpartition(".")[2].encode()
+    for node_id, thief in thieves.items():
+        assert token.encode() not in thief.got and signature not in thief.got, \
+            f"{node_id}'s listener received the token"
+
+
+def _refused(errors: dict[str, rpcbuf.RpcBufError], addrs: dict[str, str]) -> None:
+    for node_id, addr in addrs.items():
+        err = errors[addr]
+        assert isinstance(err, rpcbuf.ConnectionLost), (node_id, err)
+        assert err.details.get("reason") == "tls", err
+        assert "the token was not sent" in err.message, err
+    assert "hung up during the handshake" in errors[addrs["evil-plain"]].message
+    assert "CERTIFICATE_VERIFY_FAILED" in errors[addrs["evil-foreign"]].message
+    assert "mismatch" in errors[addrs["evil-misnamed"]].message

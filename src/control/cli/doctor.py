@@ -2,9 +2,10 @@
 
 Per node, in order, each check ``ok``, ``warn`` or ``fail`` with one
 sentence: the node is reachable; TLS (whether the token travels in the
-clear); the token is accepted (tenant, expiry); the protocol versions; which
-data path this client gets and why; the UCX transports on this side (and
-whether RDMA devices exist); a 4 KiB and a 64 MiB round trip with their
+clear, and whether the node proves itself before it gets it); the token is
+accepted (tenant, expiry); the protocol versions; which data path this
+client gets and why; the UCX transports on this side (and whether RDMA
+devices exist); a 4 KiB and a 64 MiB round trip with their
 figures; free memory per device; and the clock skew against the node (token
 expiry is judged by the node's clock).  A check that cannot run because an
 earlier one failed is not run.  Exit 0 when no check failed (warnings
@@ -14,7 +15,6 @@ allowed), 1 otherwise; ``--json`` gives the same as objects.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from control.cli.errors import ago, sentence
+from control.client.opening import insecure_default, is_loopback, tls_context
 from control.wire import protocol as P
 from control.wire.errors import RpcBufError
 from control.wire.units import format_size, split_host_port
@@ -39,17 +40,10 @@ class Check:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
-def _loopback(host: str) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-async def check_node(addr: str, token: str, timeout: float) -> list[Check]:
-    """Every check against one node, stopping where the next cannot run."""
+async def check_node(addr: str, token: str, timeout: float,
+                     dial: dict[str, Any] | None = None) -> list[Check]:
+    """Every check against one node, stopping where the next cannot run;
+    ``dial``: ``connect``'s ``tls`` and ``insecure``."""
     import rpcbuf
 
     out: list[Check] = []
@@ -66,16 +60,27 @@ async def check_node(addr: str, token: str, timeout: float) -> list[Check]:
     ms = (time.perf_counter() - t0) * 1e3
     out.append(Check("reachable", "ok", f"{addr} accepts connections ({ms:.1f} ms)",
                      {"connect_ms": ms}))
-    if _loopback(host):
-        out.append(Check("tls", "ok", "plain TCP on loopback (nothing leaves this host)"))
-    else:
-        out.append(Check("tls", "warn", "the control channel is plain TCP: the token travels "
-                         "in the clear; run the daemon with --tls-cert/--tls-key off a trusted "
-                         "network (docs/security.md)"))
+    dial = dial or {}
     try:
-        ctx = await rpcbuf.connect(addr, token=token, timeout=timeout)
+        tls = tls_context(dial.get("tls"))
     except RpcBufError as exc:
-        out.append(Check("token", "fail", sentence(addr, exc)))
+        out.append(Check("tls", "fail", sentence(addr, exc)))
+        return out
+    insecure = insecure_default() if dial.get("insecure") is None else dial["insecure"]
+    if tls is not None:
+        out.append(Check("tls", "ok", "TLS: the node must present a certificate for "
+                         f"{host} from the CA this client trusts before it gets the token"))
+    elif is_loopback(host):
+        out.append(Check("tls", "ok", "plain TCP on loopback (nothing leaves this host)"))
+    elif insecure:
+        out.append(Check("tls", "warn", "the control channel is plain TCP (--insecure): the "
+                         "token travels in the clear to whoever answers; run the daemon with "
+                         "--tls-cert/--tls-key and pass --ca (docs/security.md)"))
+    try:
+        ctx = await rpcbuf.connect(addr, token=token, timeout=timeout, **dial)
+    except RpcBufError as exc:  # refused before the token went out: a TLS failure
+        tls_why = exc.details.get("reason") in ("insecure_transport", "tls")
+        out.append(Check("tls" if tls_why else "token", "fail", sentence(addr, exc)))
         return out
     try:
         await _with_session(ctx, addr, out)
@@ -105,7 +110,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                          "your arrays and its memory)"))
     else:
         why = hello.get("same_host_why")
-        local = "local" in hello or _loopback(split_host_port(addr, 7700)[0])
+        local = "local" in hello or is_loopback(split_host_port(addr, 7700)[0])
         msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
         out.append(Check("data path", "warn" if local and why else "ok", msg))
     tls = os.environ.get("UCX_TLS", "") or "(UCX's choice)"
@@ -189,8 +194,9 @@ async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
                          {"store_s": store, "read_s": read, "bytes": size}))
 
 
-async def doctor(endpoints: list[str], token: str, timeout: float) -> dict[str, list[Check]]:
-    results = await asyncio.gather(*(check_node(a, token, timeout) for a in endpoints))
+async def doctor(endpoints: list[str], token: str, timeout: float,
+                 dial: dict[str, Any] | None = None) -> dict[str, list[Check]]:
+    results = await asyncio.gather(*(check_node(a, token, timeout, dial) for a in endpoints))
     return dict(zip(endpoints, results, strict=True))
 
 

@@ -70,6 +70,12 @@ def sentence(addr: str, exc: RpcBufError, now: float | None = None) -> str:
 def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
     now = time.time() if now is None else now
     code, msg, details = exc.code, exc.message, exc.details
+    if details.get("reason") == "insecure_transport":
+        return (f"refusing to send the token in plaintext to {addr} (not a loopback "
+                "address): run the daemon with --tls-cert/--tls-key and pass --ca PEM (or "
+                "$RPCBUF_CA), or --insecure on a network you trust")
+    if code == "CONNECTION_LOST" and details.get("reason") == "tls":
+        return f"{addr}: {msg}: check --ca ($RPCBUF_CA) and the node's --tls-cert"
     if code == "CONNECTION_LOST" and msg.startswith("cannot reach"):
         cause = _os_cause(exc) or "no answer"
         return (f"cannot reach rpcbufd at {addr} ({cause}): is the daemon running? "

@@ -37,6 +37,23 @@ from control.wire.units import format_size
 SLOT_RE = re.compile(r"(.+)/slot(\d+)")
 
 
+def node_tls_flags(p: argparse.ArgumentParser) -> None:
+    """How a client command reaches the nodes (``rpcbuf.connect``'s ``tls``
+    and ``insecure``): the token goes only to a node that proved itself."""
+    p.add_argument("--ca", metavar="PEM", help="TLS to the nodes: each must present a "
+                   "certificate from this CA naming its address (else $RPCBUF_CA)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain TCP (the token in the clear) to nodes that are not on "
+                        "loopback: only on a network you trust (else $RPCBUF_INSECURE=1)")
+
+
+def dial_kw(args: argparse.Namespace) -> dict[str, Any]:
+    """``tls`` and ``insecure`` for ``connect`` / ``Cluster.connect`` (None:
+    their environment defaults, $RPCBUF_CA and $RPCBUF_INSECURE)."""
+    return {"tls": getattr(args, "ca", None) or None,
+            "insecure": True if getattr(args, "insecure", False) else None}
+
+
 def registry_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fleet registry")
     g.add_argument("--registry", metavar="etcd://HOST:PORT",
@@ -206,7 +223,7 @@ def _types_cell(types: dict[str, int], most: int = 3) -> str:
 
 async def _models(args: argparse.Namespace, target: Any, token: str) -> dict[str, Any]:
     async with Cluster.connect(target, token, timeout=args.timeout, partial=True,
-                               **connect_kw(args)) as cluster:
+                               **connect_kw(args), **dial_kw(args)) as cluster:
         return await cluster.each(lambda c: c.list_buffers())
 
 

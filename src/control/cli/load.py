@@ -157,7 +157,8 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
         # By free memory from a registry: its figures choose the nodes before
         # any is connected (slots then number those nodes' devices).
         kw["need"] = model.nbytes
-    async with Cluster.connect(endpoints, token, timeout=args.timeout, **kw) as cluster:
+    async with Cluster.connect(endpoints, token, timeout=args.timeout, **kw,
+                               **fleet.dial_kw(args)) as cluster:
         for why in cluster.warnings:
             print(f"rpcbuf: warning: {why}", file=sys.stderr)
         if args.cmd == "unload":

@@ -82,6 +82,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per daemon [10]")
     p.add_argument("--wide", action="store_true",
                    help="every table column, however wide the terminal")
+    fleet.node_tls_flags(p)
     fleet.registry_flags(p)
 
 
@@ -130,7 +131,8 @@ async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
     from control.client.cluster import Cluster
 
     async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
-                               partial=True, **fleet.connect_kw(args)) as cluster:
+                               partial=True, **fleet.connect_kw(args),
+                               **fleet.dial_kw(args)) as cluster:
         return await cluster.each(fn)
 
 
@@ -140,7 +142,8 @@ async def _devices(args: argparse.Namespace) -> int:
     from control.client.cluster import Cluster
 
     async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
-                               partial=True, **fleet.connect_kw(args)) as cluster:
+                               partial=True, **fleet.connect_kw(args),
+                               **fleet.dial_kw(args)) as cluster:
         got = await cluster.devices_by_node()
     failed = any(isinstance(r, RpcBufError) for r in got.values())
     if args.json:
@@ -169,7 +172,8 @@ def _doctor(args: argparse.Namespace) -> int:
     if fleet.registry_url(args) is not None:
         raise UsageError("rpcbuf doctor checks an endpoint list: give it --endpoint(s) "
                          "(rpcbuf nodes lists the registry's)")
-    results = asyncio.run(doctor.doctor(_endpoints(args), _token(args), args.timeout))
+    results = asyncio.run(doctor.doctor(_endpoints(args), _token(args), args.timeout,
+                                        fleet.dial_kw(args)))
     if args.json:
         print(json.dumps(doctor.as_json(results), indent=2, default=str))
     else:
@@ -225,7 +229,8 @@ async def _one_node(args: argparse.Namespace) -> int:
         arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
         name = cliops.default_name(args.file, args.name, args.ttl)
     try:
-        async with connect(_one_endpoint(args), _token(args), timeout=args.timeout) as ctx:
+        async with connect(_one_endpoint(args), _token(args), timeout=args.timeout,
+                           **fleet.dial_kw(args)) as ctx:
             if args.cmd == "put":
                 assert arr is not None
                 result: Any = await cliops.put(ctx, arr, name, args.ttl)

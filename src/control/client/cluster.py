@@ -17,10 +17,16 @@ nodes and ``cluster.errors`` says why the others are missing.
 From the fleet registry: ``Cluster.connect("etcd://h:2379", token=...)`` (or
 ``endpoints=None`` with ``$RPCBUF_REGISTRY``) reads the cluster's live
 members (``client/discovery.py``) and connects to them, in node-id order.
-The registry may list a node up to its lease's TTL after it died, so a
-listed node that cannot be reached, or whose ``hello`` names another node id
-than its entry (a stale or forged entry: ``StaleEntry``), is left out (it is
-in ``cluster.errors``); ``connect`` fails only when none is left.  ``need``
+Anyone who can write the registry's prefix can list an address of their
+own, so an entry proves nothing: each node is dialed exactly as
+``rpcbuf.connect`` dials it, and the token goes out only once the peer has
+proved it is a node (TLS: a certificate from the cluster's CA, ``tls=`` or
+``$RPCBUF_CA``, naming the address dialed; plain TCP only on loopback, or
+with ``insecure=True``).  The registry may list a node up to its lease's
+TTL after it died, so a listed node that cannot be reached or cannot prove
+itself, or whose ``hello`` names another node id than its entry (a stale
+entry, or a forged one naming another node: ``StaleEntry``), is left out
+(it is in ``cluster.errors``); ``connect`` fails only when none is left.  ``need``
 (bytes) chooses the nodes with the most free memory by the registry's
 figures before connecting, so placement by free memory connects only to
 those.  An unreachable registry raises ``RegistryUnavailable`` naming it,
@@ -33,6 +39,7 @@ so and the list is used.  ``cluster.members()`` is the membership now;
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -47,6 +54,7 @@ from control.client.discovery import (
     choose_by_free,
 )
 from control.client.model.placement import Slot
+from control.client.opening import TlsOption
 from control.fleet.etcd import EtcdOptions
 from control.wire.errors import BadRequest, RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
@@ -54,6 +62,7 @@ from control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
 log = logging.getLogger("rpcbuf.cluster")
 
 T = TypeVar("T")
+Dial = Callable[[str, str], Awaitable[RpcContext]]  # (address, token) -> a session
 
 
 class ClusterError(RpcBufError, wire=False):
@@ -124,7 +133,8 @@ class Cluster:
                 max_inflight: int | None = None, cluster: str = DEFAULT_CLUSTER,
                 registry: EtcdOptions | None = None,
                 fallback: str | Sequence[str] | None = None, need: int | None = None,
-                watch: bool = False) -> ClusterConnector:
+                watch: bool = False, tls: TlsOption = None,
+                insecure: bool | None = None) -> ClusterConnector:
         """Open a session with every node (in parallel).
 
         ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
@@ -134,22 +144,26 @@ class Cluster:
         BAD_REQUEST for a bad endpoint list.  ``endpoints`` "etcd://..."
         (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
         ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
-        ``need`` and ``watch`` as the module docstring says."""
+        ``need`` and ``watch`` as the module docstring says.  ``tls`` and
+        ``insecure`` are ``rpcbuf.connect``'s, for every node: a CA file
+        (or ``$RPCBUF_CA``) makes each node prove with a certificate from
+        that CA for the address dialed before it gets the token."""
         if endpoints is None:
             endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
             if not endpoints:
                 raise BadRequest("no endpoints given and $RPCBUF_REGISTRY is not set")
+        dial = functools.partial(RpcContext.connect, timeout=timeout,
+                                 max_inflight=max_inflight, tls=tls, insecure=insecure)
         if isinstance(endpoints, str) and is_registry(endpoints):
             url = endpoints.strip()
             return ClusterConnector(lambda: cls._open_registry(
-                url, token, timeout, max_inflight, cluster, registry, fallback, need, watch))
+                url, token, dial, cluster, registry, fallback, need, watch))
         addrs = parse_endpoints(endpoints)
-        return ClusterConnector(lambda: cls._open(addrs, token, timeout, partial, max_inflight))
+        return ClusterConnector(lambda: cls._open(addrs, token, dial, partial))
 
     @classmethod
-    async def _open_registry(cls, url: str, token: str | Mapping[str, str],
-                             timeout: float | None, max_inflight: int | None, cluster: str,
-                             options: EtcdOptions | None,
+    async def _open_registry(cls, url: str, token: str | Mapping[str, str], dial: Dial,
+                             cluster: str, options: EtcdOptions | None,
                              fallback: str | Sequence[str] | None, need: int | None,
                              watch: bool) -> Cluster:
         discovery = Discovery(url, cluster, options)
@@ -161,8 +175,7 @@ class Cluster:
                 raise
             why = f"{exc.message}; using the fallback list {fallback!r}"
             log.warning("%s", why)
-            listed = await cls._open(parse_endpoints(fallback), token, timeout, False,
-                                     max_inflight)
+            listed = await cls._open(parse_endpoints(fallback), token, dial, False)
             listed.warnings.append(why)
             return listed
         records = list(members.values())
@@ -189,8 +202,7 @@ class Cluster:
 
         async def one(recs: list[NodeRecord]) -> tuple[RpcContext, NodeRecord] | RpcBufError:
             try:
-                ctx = await RpcContext.connect(recs[0].address, tok(recs[0]), timeout,
-                                               max_inflight)
+                ctx = await dial(recs[0].address, tok(recs[0]))
             except RpcBufError as exc:
                 return exc
             match = next((r for r in recs if r.node_id == ctx.node_id), None)
@@ -238,9 +250,8 @@ class Cluster:
             yield change
 
     @classmethod
-    async def _open(cls, endpoints: list[str], token: str | Mapping[str, str],
-                    timeout: float | None, partial: bool,
-                    max_inflight: int | None) -> Cluster:
+    async def _open(cls, endpoints: list[str], token: str | Mapping[str, str], dial: Dial,
+                    partial: bool) -> Cluster:
         def tok(addr: str) -> str:
             if isinstance(token, str):
                 return token
@@ -250,7 +261,7 @@ class Cluster:
 
         async def one(addr: str) -> RpcContext | RpcBufError:
             try:
-                return await RpcContext.connect(addr, tok(addr), timeout, max_inflight)
+                return await dial(addr, tok(addr))
             except RpcBufError as exc:
                 return exc
 

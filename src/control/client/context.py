@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import ssl
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ from control.client.hello import HelloAnswer
 from control.client.opening import (
     DEFAULT_PORT,
     Opening,
+    TlsOption,
     check_unix_peer,
     open_session,
     parse_addr,
@@ -132,14 +132,14 @@ class RpcContext:
 
     @classmethod
     async def connect(cls, addr: str, token: str, timeout: float | None = 30.0,
-                      max_inflight: int | None = None,
-                      tls: bool | ssl.SSLContext | None = None,
-                      same_host: bool | None = None) -> RpcContext:
+                      max_inflight: int | None = None, tls: TlsOption = None,
+                      same_host: bool | None = None,
+                      insecure: bool | None = None) -> RpcContext:
         """``rpcbuf.connect``: every step (TCP, hello, the same-host switch,
         the UCX bind) within one ``timeout``, not one each."""
         try:
             async with asyncio.timeout(timeout):
-                opened = await open_session(addr, token, timeout, tls, same_host)
+                opened = await open_session(addr, token, timeout, tls, same_host, insecure)
                 ctx = cls(opened.conn, opened.hello, opened.raw, timeout, max_inflight,
                           ucx_host=opened.host, handles=opened.handles)
                 if not ctx.same_host:
@@ -624,17 +624,15 @@ class Connector(Opening[RpcContext]):
     """What ``connect()`` returns: ``await`` it, or use it with ``async with``."""
 
     def __init__(self, addr: str, token: str, timeout: float | None,
-                 max_inflight: int | None = None,
-                 tls: bool | ssl.SSLContext | None = None,
-                 same_host: bool | None = None) -> None:
+                 max_inflight: int | None = None, tls: TlsOption = None,
+                 same_host: bool | None = None, insecure: bool | None = None) -> None:
         super().__init__(lambda: RpcContext.connect(addr, token, timeout, max_inflight, tls,
-                                                    same_host))
+                                                    same_host, insecure))
 
 
 def connect(addr: str, token: str, timeout: float | None = 30.0,
-            max_inflight: int | None = None, *,
-            tls: bool | ssl.SSLContext | None = None,
-            same_host: bool | None = None) -> Connector:
+            max_inflight: int | None = None, *, tls: TlsOption = None,
+            same_host: bool | None = None, insecure: bool | None = None) -> Connector:
     """Open a session with the rpcbufd at ``addr`` ("host:port", or
     "unix:PATH" / "unix:@NAME" for the daemon's Unix socket).
 
@@ -647,15 +645,25 @@ def connect(addr: str, token: str, timeout: float | None = 30.0,
 
     ``timeout`` bounds each control call; ``max_inflight`` caps this client's
     requests on the wire (at most the daemon's limit): more calls wait their
-    turn instead of queueing without bound.  ``tls=True`` speaks TLS on the
-    control channel, verified against the system's CAs and the host name in
-    ``addr``; pass an ``ssl.SSLContext`` for your own CA or client certificate.
-    The data plane (UCX) is not encrypted by this; with TLS the same-host
-    path is used only when ``same_host=True`` (it leaves TLS out).
+    turn instead of queueing without bound.
+
+    ``tls`` puts the control channel (the token first) under TLS, the
+    daemon's certificate verified (its chain, and that it names the host in
+    ``addr``): ``True`` against the system's CAs, a CA file's path against
+    that CA, an ``ssl.SSLContext`` as it is (a client certificate too);
+    ``None`` (default) takes the CA file in ``$RPCBUF_CA`` when set, else
+    plain TCP; ``False`` plain TCP.  Plain TCP to an address that is not
+    loopback is refused before anything is dialed (BAD_REQUEST,
+    ``details["reason"] == "insecure_transport"``): the token would go in
+    the clear to whoever answers.  ``insecure=True`` (default
+    ``$RPCBUF_INSECURE``) allows it on a network you trust.  The data plane
+    (UCX) is not encrypted by this; with TLS the same-host path is used only
+    when ``same_host=True`` (it leaves TLS out).
     Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
-    handshake), TIMEOUT, QUOTA_EXCEEDED (the daemon's --max-sessions),
-    SHUTTING_DOWN."""
-    return Connector(addr, token, timeout, max_inflight, tls, same_host)
+    handshake: the token was not sent), TIMEOUT, QUOTA_EXCEEDED (the
+    daemon's --max-sessions), SHUTTING_DOWN, BAD_REQUEST (as above, or a CA
+    file that cannot be loaded)."""
+    return Connector(addr, token, timeout, max_inflight, tls, same_host, insecure)
 
 
 def create_rpc_context(server_addr: str, auth_token: str,

@@ -15,10 +15,20 @@ is away the snapshot stays as it was last read (``stale`` says so): rpcbuf
 cannot learn of a death it cannot hear about, but every data call to a dead
 node still fails on its own deadline.
 
-Before anything is sent to an advertised node, ``Cluster`` authenticates to
-it as usual and checks that the node id its ``hello`` names is the record's
-(``check_node``): a stale or forged record pointing at another daemon is
-refused.
+A record is a claim, not a proof: anyone who can write the prefix can
+publish one pointing at a listener of their own.  So ``Cluster`` dials an
+advertised node exactly as ``rpcbuf.connect`` dials any address
+(``opening.py``): the token goes out in ``hello`` only after the peer has
+proved it is a node, by a TLS certificate that the cluster's CA (``tls=``,
+``$RPCBUF_CA``) signed for the address in the record; plain TCP is used
+only to a loopback address, or when told ``insecure=True``.  After hello it
+checks that the node id the daemon names is the record's (``check_node``):
+a stale record, or a forged one pointing at another node, is refused.
+The record names the address, so this holds only for a CA that signs
+nothing but the cluster's nodes (with public CAs, ``tls=True``, a forger
+names a host it has a certificate for).  Without TLS off loopback
+(``insecure=True``) a forged record does get the token: that mode trusts
+the network and whoever can write the registry.
 """
 
 from __future__ import annotations

@@ -1,13 +1,26 @@
 """Opening a session: reach the daemon, say hello, maybe switch to its Unix socket.
 
 ``open_session`` does every step of ``rpcbuf.connect`` before the data path
-exists: dial TCP (optionally TLS) or the daemon's Unix socket, say hello
+exists: dial TCP (TLS, or plain TCP on loopback; see below) or the daemon's
+Unix socket, say hello
 (with the protocol versions this client speaks, see below), check the answer
 (``hello.parse_hello``), and, when the daemon is on this host, reconnect on
 its Unix socket to take the same-host path: a second connection there, from
 this process, becomes the session's handle channel (``handles.py``).  The
 peer of a Unix socket is checked (``check_unix_peer``) before the token is
 sent on it: the daemon may be an impostor there.
+
+The token is a bearer secret: whoever answers the hello gets it, and can
+replay it at every node that trusts its key.  So it goes only to a peer
+that proved who it is before hello: over TLS, a certificate that the
+trusted CAs signed for the host dialed (``tls_context``: ``tls=``, else
+``$RPCBUF_CA``; an SSLContext that checks less counts as plaintext); on a
+Unix socket, the peer check; over plain TCP, only to a
+loopback address (``is_loopback``), where the peer is this host.  Plain TCP
+to any other address is refused before anything is dialed
+(``InsecureTransport``) unless ``insecure=True`` (or ``$RPCBUF_INSECURE=1``)
+says the network is trusted.  A registry entry (``Cluster``) is dialed the
+same way, so a forged one gets nothing without the CA's signature.
 
 Versions: the hello says ``version`` (the newest we speak, all a version-1
 daemon reads) and ``versions: [oldest, newest]``; the daemon answers the
@@ -22,13 +35,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from control.client.connection import ControlConnection, result_of
 from control.client.handles import Handles
@@ -46,6 +60,75 @@ from dataplane import shm
 
 DEFAULT_PORT = 7700
 log = logging.getLogger("rpcbuf.client")
+
+# ``tls=``: True (the system's CAs), a CA file, an SSLContext (your own CA,
+# a client certificate), False (plain TCP), None ($RPCBUF_CA, else plain TCP).
+TlsOption: TypeAlias = bool | ssl.SSLContext | str | os.PathLike[str] | None
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class InsecureTransport(BadRequest):
+    """Plain TCP to an address that is not loopback: the token was not sent."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this host's loopback (127/8, ::1, localhost): a
+    literal, never resolved, so no name server can make it one."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def insecure_default() -> bool:
+    """``RPCBUF_INSECURE=1``: plain TCP off loopback is allowed (a trusted network)."""
+    return os.environ.get("RPCBUF_INSECURE", "").strip().lower() in _YES
+
+
+def tls_context(tls: TlsOption) -> ssl.SSLContext | None:
+    """The TLS context ``tls`` asks for (None: plain TCP).  Server
+    verification is always on (the default context: the chain and the host
+    name).  Raises BAD_REQUEST naming a CA file that cannot be loaded."""
+    if tls is None:
+        env = os.environ.get("RPCBUF_CA", "").strip()
+        if not env or env.lower() in _NO:
+            return None
+        return _with_ca(env, "$RPCBUF_CA")
+    if tls is True:
+        return ssl.create_default_context()
+    if tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    return _with_ca(os.fspath(tls), "tls")
+
+
+def _with_ca(path: str, given: str) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise BadRequest(f"{given}: cannot load the CA file {path!r}: {exc}",
+                         {"reason": "bad_ca", "ca": path}) from None
+
+
+def _verifies(ctx: ssl.SSLContext | None) -> bool:
+    """Whether a handshake under ``ctx`` proves who the peer is: its chain
+    checked against the CAs, and its name against the host dialed."""
+    return ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+
+
+def _refuse_unproven(addr: str, host: str, tls: ssl.SSLContext | None) -> None:
+    how = "in plaintext" if tls is None else ("over TLS that does not verify the node "
+                                              "(CERT_NONE or check_hostname off)")
+    raise InsecureTransport(
+        f"refusing to send the token {how} to {addr} (not a loopback address): "
+        "anyone on the path could read it, and whoever answers there would get it. Use "
+        "TLS (the daemon's --tls-cert/--tls-key; here tls= a CA file, True or an "
+        "ssl.SSLContext, or $RPCBUF_CA, or the CLI's --ca), or pass insecure=True (CLI "
+        "--insecure, $RPCBUF_INSECURE=1) on a network you trust",
+        {"reason": "insecure_transport", "host": host})
 
 
 def same_host_default() -> bool | None:
@@ -78,12 +161,15 @@ class Opened:
 
 
 async def open_session(addr: str, token: str, timeout: float | None,
-                       tls: bool | ssl.SSLContext | None, same_host: bool | None) -> Opened:
+                       tls: TlsOption, same_host: bool | None,
+                       insecure: bool | None = None) -> Opened:
     """Connect and say hello; on the daemon's host, switch to its Unix socket
     (``same_host``: None when possible, False never, True required).
-    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST, TIMEOUT,
-    QUOTA_EXCEEDED, SHUTTING_DOWN, BAD_REQUEST (a malformed hello, protocol
-    versions that do not meet, a required same-host path not available)."""
+    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (a failed TLS
+    handshake too), TIMEOUT, QUOTA_EXCEEDED, SHUTTING_DOWN, BAD_REQUEST (a
+    malformed hello, protocol versions that do not meet, a required
+    same-host path not available, a CA file that cannot be loaded, plain
+    TCP off loopback without ``insecure``: ``InsecureTransport``)."""
     if same_host is None:
         same_host = same_host_default()
     if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
@@ -91,7 +177,10 @@ async def open_session(addr: str, token: str, timeout: float | None,
         opened = await _open(addr, timeout, token, unix=path, handles=same_host is not False)
     else:
         host, port = parse_addr(addr)
-        tls_ctx = ssl.create_default_context() if tls is True else (tls or None)
+        tls_ctx = tls_context(tls)
+        if not _verifies(tls_ctx) and not is_loopback(host) \
+                and not (insecure_default() if insecure is None else insecure):
+            _refuse_unproven(addr, host, tls_ctx)  # before anything is dialed
         opened = await _open(addr, timeout, token, tcp=(host, port, tls_ctx))
         local = opened[1].local
         # Under TLS the same-host path only when asked for: it leaves TLS out.
@@ -171,7 +260,7 @@ async def _open(addr: str, timeout: float | None, token: str, *,
     except TimeoutError:
         raise Timeout(f"connecting to {addr} timed out") from None
     except OSError as exc:
-        raise ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}") from exc
+        raise _unreached(addr, tcp, exc) from exc
     hello = P.Hello(token=token, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
                     handles=True if handles and unix is not None else None, replaces=replaces)
     try:
@@ -195,6 +284,20 @@ async def _open(addr: str, timeout: float | None, token: str, *,
     except BaseException:
         conn.close()
         raise
+
+
+def _unreached(addr: str, tcp: tuple[str, int, ssl.SSLContext | None] | None,
+               exc: OSError) -> ConnectionLost:
+    """CONNECTION_LOST for a dial that failed; a failed TLS handshake says so
+    (``details["reason"] == "tls"``): the peer may be an impostor."""
+    if tcp is not None and tcp[2] is not None and isinstance(
+            exc, (ssl.SSLError, ConnectionResetError)):
+        why = exc if isinstance(exc, ssl.SSLError) else \
+            "the peer hung up during the handshake: does it speak TLS?"
+        return ConnectionLost(f"TLS with {addr} failed ({why}): the peer did not prove it is "
+                              f"the node (a certificate for {tcp[0]} signed by a CA this "
+                              "client trusts); the token was not sent", {"reason": "tls"})
+    return ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc or type(exc).__name__}")
 
 
 async def _bind(unix: str, daemon_pid: int, nonce: bytes, timeout: float | None
