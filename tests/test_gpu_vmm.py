@@ -1,6 +1,7 @@
 """GPU buffers on CUDA VMM on a real device (marked ``gpu``; skipped, with the
 reason, without CuPy, a CUDA device, cuda-bindings or VMM with POSIX-fd
-handles).  ``scripts/gpu_check.sh`` runs them: ``pytest -m gpu``.
+handles, or where the probe at arena creation fails).  ``scripts/gpu_check.sh``
+runs them first: ``pytest -m gpu``.
 
 One process (this one) holds a VMM arena, as the daemon does; the buffer's
 fd travels over a Unix socketpair (``socket.send_fds``) to a second process,
@@ -34,14 +35,19 @@ def cp() -> Any:
     from test_gpu import _cupy
 
     cupy = _cupy()
-    from dataplane.cuda_vmm import UnsupportedDevice, open_driver
+    from dataplane.cuda_arena import CudaArena
 
+    # What the daemon would pick: the device's attributes and the probe (one
+    # granule created, mapped, given access, exported and released).
+    probe = CudaArena(2 * MiB, 0, vmm=None)
     try:
-        why = open_driver(0).support.why_not
-    except UnsupportedDevice as exc:
-        why = str(exc)
-    if why:
-        pytest.skip(f"no CUDA VMM here: {why}")
+        if probe.backing != "vmm":
+            pytest.skip(f"no CUDA VMM here: {probe.backing_why}")
+        d = probe.describe()
+        print(f"\nCUDA VMM: granularity {d['granularity']}, FABRIC handles "
+              f"{d['fabric']}{'' if d['fabric'] else ' (' + d['fabric_why'] + ')'}")
+    finally:
+        probe.close()
     return cupy
 
 
