@@ -74,17 +74,38 @@ def test_cuda_ucx_defaults_respect_the_user() -> None:
     env: dict[str, str] = {"UCX_TLS": "tcp"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "tcp,cuda_copy,cuda_ipc"
-    assert env["UCX_RNDV_FRAG_MEM_TYPE"] == "cuda"
-    env = {"UCX_TLS": "rc,cuda_copy", "UCX_RNDV_FRAG_MEM_TYPE": "host"}
+    # Host bounce buffers stay (tcp stages device memory through them), and
+    # UCP picks the rendezvous scheme (put_zcopy excludes the staged ones).
+    assert env["UCX_RNDV_FRAG_MEM_TYPE"] == "host,cuda"
+    assert env["UCX_RNDV_SCHEME"] == "auto"
+    env = {"UCX_TLS": "rc,cuda_copy", "UCX_RNDV_FRAG_MEM_TYPE": "host",
+           "UCX_RNDV_SCHEME": "put_zcopy"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "rc,cuda_copy" and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
+    assert env["UCX_RNDV_SCHEME"] == "put_zcopy"
     env = {"UCX_TLS": "tcp", "RPCBUF_UCX_CUDA": "0"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "tcp" and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
+    assert env["UCX_RNDV_SCHEME"] == "put_zcopy"
     env = {}
     ucx.apply_defaults(env, cuda=False)
     assert "UCX_TLS" not in env and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
     assert ucx.with_cuda_tls("^ib") == "^ib" and ucx.with_cuda_tls("all") == "all"
+
+
+def test_ucx_reads_the_cuda_defaults_as_meant() -> None:
+    """The names and values are UCX's own: a context made under them shows
+    host and device bounce buffers and UCP's choice of scheme, and ucxx's
+    import (which sets ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` when it is unset)
+    leaves them alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_RNDV")}
+    env.update({"UCX_TLS": "tcp", "UCX_LOG_LEVEL": "error", "RPCBUF_UCX_CUDA": "1"})
+    code = ("from dataplane import ucx; ucx.ucxx(); from ucxx._lib import libucxx as u; "
+            "c = dict(u.UCXContext().config); print(c['RNDV_FRAG_MEM_TYPES'], c['RNDV_SCHEME'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["host,cuda", "auto"], res.stdout
 
 
 # -- the daemon without CuPy / without the device ---------------------------------------
