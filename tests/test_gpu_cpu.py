@@ -140,6 +140,27 @@ def test_missing_gpu_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_gpu_backing_switch(tmp_path: Path) -> None:
+    """``--gpu-backing vmm`` refuses to start where VMM cannot be had (no CUDA
+    driver here), with one line; ``cupy`` starts with the plain arena."""
+    env = {"PYTHONPATH": f"{FAKE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "RPCBUF_UCX_CUDA": "0"}
+    res = _daemon(tmp_path, "--device", "cuda:0:1MiB", "--gpu-backing", "vmm", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "cuda:0: CUDA VMM was asked for" in res.stderr and "Traceback" not in res.stderr
+    res = _daemon(tmp_path, "--device", "cuda:0:1MiB", "--gpu-backing", "mmap", env=env)
+    assert res.returncode == 2 and "invalid choice" in res.stderr
+
+
+async def test_gpu_backing_cupy_says_why(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    path = f"{FAKE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    d = daemon_factory("--device", "cuda:0:4MiB", "--gpu-backing", "cupy",
+                       env={"PYTHONPATH": path, "RPCBUF_UCX_CUDA": "0"})
+    async with d.connect() as c:
+        dev = {x["key"]: x for x in await c.list_devices()}["cuda:0"]
+        assert dev["backing"] == "cupy" and dev["backing_why"] == "VMM not asked for"
+
+
 # -- the protocol ----------------------------------------------------------------------
 
 
