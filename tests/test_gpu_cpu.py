@@ -233,6 +233,35 @@ async def test_dlpack_objects(ctx: rpcbuf.RpcContext) -> None:
         await ctx.release_buffer(buf)
 
 
+# -- device arrays in this process (a fake CuPy, tests/fakecupy) --------------------------
+
+
+def test_fake_device_arrays_take_the_device_path(fake_cupy) -> None:  # type: ignore[no-untyped-def]
+    arr = fake_cupy.asarray(np.arange(10, dtype=np.float32))
+    assert not isinstance(arr, np.ndarray) and is_cuda(arr)
+    view = as_bytes(arr)
+    assert isinstance(view, fake_cupy.ndarray) and view.nbytes == 40
+    assert D.devsum(np.arange(10, dtype=np.float32)) == D.host_devsum(arr.get())
+
+
+async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
+                                                fake_cupy) -> None:  # type: ignore[no-untyped-def]
+    """What the real API refuses, the fake makes the client refuse too: the
+    batch verbs take host arrays (tests/test_gpu.py once stored a CuPy array
+    with store_tensors and so could never reach its attach)."""
+    buf = await ctx.request_buffer(1 << 16)
+    try:
+        dev = fake_cupy.asarray(np.arange(1024, dtype=np.float32))
+        with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
+            await ctx.store_tensors(buf, {"w": dev})
+        with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
+            await ctx.store_batch(buf, [(0, np.zeros(8, np.uint8)), (64, dev)])
+        assert (await ctx.get_buffer_meta(buf))["tensors"] in ({}, [], None)  # no trace
+        await ctx.store_tensors(buf, {"w": dev.get()})  # the host copy is fine
+    finally:
+        await ctx.release_buffer(buf)
+
+
 # -- wire fp16 -------------------------------------------------------------------------
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +27,6 @@ from dataplane.cuda_vmm import CudaError, RealDriver, Support, UnsupportedDevice
 from dataplane.devsum import devsum
 
 G = 2 * MiB
-FAKECUPY = Path(__file__).resolve().parent.parent / "fakecupy"
 
 
 def backing(size: int = 64 * MiB, gpu: FakeGpu | None = None) -> tuple[VmmBacking, FakeDriver]:
@@ -404,20 +401,6 @@ def test_ledger_sizes() -> None:
 
 
 # -- the arena: which backing, and the VMM arena over the fake driver -----------------------------
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """tests/fakecupy as ``cupy`` for one test (a real CuPy is put back after)."""
-    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(FAKECUPY))
-    import cupy
-
-    assert "fakecupy" in cupy.__file__
-    yield cupy
-    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
-        del sys.modules[name]
 
 
 def test_the_cupy_backing_by_default(fake_cupy: Any) -> None:
