@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -218,3 +219,18 @@ def _hash_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("RPCBUF_CACHE_DIR", None)
     else:
         os.environ["RPCBUF_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """tests/fakecupy as ``cupy`` in this process for one test (a real CuPy
+    is put back after)."""
+    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "fakecupy"))
+    import cupy
+
+    assert "fakecupy" in cupy.__file__
+    yield cupy
+    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
+        del sys.modules[name]

@@ -168,17 +168,22 @@ async def test_torch_cuda_tensors(cp, gpu_daemon) -> None:  # type: ignore[no-un
 async def test_gpu_attach_is_zero_copy_and_busy(cp, gpu_daemon) -> None:  # type: ignore[no-untyped-def]
     """A GPU buffer attached through its CUDA VMM handle (read-only import):
     CuPy arrays over the daemon's allocation, stores BUSY, detach on close.
-    Needs the VMM backing (``describe()["backing"] == "vmm"``)."""
+    Needs the VMM backing (``describe()["backing"] == "vmm"``).  The named
+    tensor goes in by ``store_tensors`` from a host copy (the batch verbs take
+    host arrays: the manifest's checksum is computed on the host) and by
+    ``store_tensor`` from the device, over it."""
     async with gpu_daemon.connect() as c:
         devs = {d["key"]: d for d in await c.list_devices()}
         if devs["cuda:0"].get("backing") != "vmm":
             pytest.skip(f"no VMM backing: {devs['cuda:0'].get('backing_why')}")
         bid = await c.request_buffer(4 << 20, device_type="GPU", device=0)
         src = cp.arange(1 << 20, dtype=cp.float32)
-        await c.store_tensors(bid, {"w": src})
+        await c.store_tensors(bid, {"w": cp.asnumpy(src)})  # the manifest entry "w"
+        await c.store_tensor(bid, src[::-1].copy(), verify="checksum")  # device -> GPU buffer
         async with c.attach(bid) as view:
             w = view.tensors()["w"]
-            assert isinstance(w, cp.ndarray) and bool((w == src).all())
+            assert isinstance(w, cp.ndarray) and bool((w == src[::-1]).all())
+            assert int(w.data.ptr) == view.address  # over the mapping itself: no copy
             with pytest.raises(rpcbuf.Busy):
                 await c.store_tensor(bid, cp.zeros(8, cp.uint8))
             del w

@@ -74,17 +74,38 @@ def test_cuda_ucx_defaults_respect_the_user() -> None:
     env: dict[str, str] = {"UCX_TLS": "tcp"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "tcp,cuda_copy,cuda_ipc"
-    assert env["UCX_RNDV_FRAG_MEM_TYPE"] == "cuda"
-    env = {"UCX_TLS": "rc,cuda_copy", "UCX_RNDV_FRAG_MEM_TYPE": "host"}
+    # Host bounce buffers stay (tcp stages device memory through them), and
+    # UCP picks the rendezvous scheme (put_zcopy excludes the staged ones).
+    assert env["UCX_RNDV_FRAG_MEM_TYPE"] == "host,cuda"
+    assert env["UCX_RNDV_SCHEME"] == "auto"
+    env = {"UCX_TLS": "rc,cuda_copy", "UCX_RNDV_FRAG_MEM_TYPE": "host",
+           "UCX_RNDV_SCHEME": "put_zcopy"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "rc,cuda_copy" and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
+    assert env["UCX_RNDV_SCHEME"] == "put_zcopy"
     env = {"UCX_TLS": "tcp", "RPCBUF_UCX_CUDA": "0"}
     ucx.apply_defaults(env, cuda=True)
     assert env["UCX_TLS"] == "tcp" and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
+    assert env["UCX_RNDV_SCHEME"] == "put_zcopy"
     env = {}
     ucx.apply_defaults(env, cuda=False)
     assert "UCX_TLS" not in env and env["UCX_RNDV_FRAG_MEM_TYPE"] == "host"
     assert ucx.with_cuda_tls("^ib") == "^ib" and ucx.with_cuda_tls("all") == "all"
+
+
+def test_ucx_reads_the_cuda_defaults_as_meant() -> None:
+    """The names and values are UCX's own: a context made under them shows
+    host and device bounce buffers and UCP's choice of scheme, and ucxx's
+    import (which sets ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` when it is unset)
+    leaves them alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_RNDV")}
+    env.update({"UCX_TLS": "tcp", "UCX_LOG_LEVEL": "error", "RPCBUF_UCX_CUDA": "1"})
+    code = ("from dataplane import ucx; ucx.ucxx(); from ucxx._lib import libucxx as u; "
+            "c = dict(u.UCXContext().config); print(c['RNDV_FRAG_MEM_TYPES'], c['RNDV_SCHEME'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["host,cuda", "auto"], res.stdout
 
 
 # -- the daemon without CuPy / without the device ---------------------------------------
@@ -117,6 +138,27 @@ def test_missing_gpu_is_a_clear_error(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr
     assert "cuda:5" in res.stderr and "no such CUDA device" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_gpu_backing_switch(tmp_path: Path) -> None:
+    """``--gpu-backing vmm`` refuses to start where VMM cannot be had (no CUDA
+    driver here), with one line; ``cupy`` starts with the plain arena."""
+    env = {"PYTHONPATH": f"{FAKE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "RPCBUF_UCX_CUDA": "0"}
+    res = _daemon(tmp_path, "--device", "cuda:0:1MiB", "--gpu-backing", "vmm", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "cuda:0: CUDA VMM was asked for" in res.stderr and "Traceback" not in res.stderr
+    res = _daemon(tmp_path, "--device", "cuda:0:1MiB", "--gpu-backing", "mmap", env=env)
+    assert res.returncode == 2 and "invalid choice" in res.stderr
+
+
+async def test_gpu_backing_cupy_says_why(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    path = f"{FAKE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    d = daemon_factory("--device", "cuda:0:4MiB", "--gpu-backing", "cupy",
+                       env={"PYTHONPATH": path, "RPCBUF_UCX_CUDA": "0"})
+    async with d.connect() as c:
+        dev = {x["key"]: x for x in await c.list_devices()}["cuda:0"]
+        assert dev["backing"] == "cupy" and dev["backing_why"] == "VMM not asked for"
 
 
 # -- the protocol ----------------------------------------------------------------------
@@ -187,6 +229,35 @@ async def test_dlpack_objects(ctx: rpcbuf.RpcContext) -> None:
     try:
         await ctx.store_tensor(buf, OnlyDLPack(arr), verify="checksum")
         assert np.array_equal((await ctx.read_buffer(buf)).view(np.int32), arr)
+    finally:
+        await ctx.release_buffer(buf)
+
+
+# -- device arrays in this process (a fake CuPy, tests/fakecupy) --------------------------
+
+
+def test_fake_device_arrays_take_the_device_path(fake_cupy) -> None:  # type: ignore[no-untyped-def]
+    arr = fake_cupy.asarray(np.arange(10, dtype=np.float32))
+    assert not isinstance(arr, np.ndarray) and is_cuda(arr)
+    view = as_bytes(arr)
+    assert isinstance(view, fake_cupy.ndarray) and view.nbytes == 40
+    assert D.devsum(np.arange(10, dtype=np.float32)) == D.host_devsum(arr.get())
+
+
+async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
+                                                fake_cupy) -> None:  # type: ignore[no-untyped-def]
+    """What the real API refuses, the fake makes the client refuse too: the
+    batch verbs take host arrays (tests/test_gpu.py once stored a CuPy array
+    with store_tensors and so could never reach its attach)."""
+    buf = await ctx.request_buffer(1 << 16)
+    try:
+        dev = fake_cupy.asarray(np.arange(1024, dtype=np.float32))
+        with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
+            await ctx.store_tensors(buf, {"w": dev})
+        with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
+            await ctx.store_batch(buf, [(0, np.zeros(8, np.uint8)), (64, dev)])
+        assert (await ctx.get_buffer_meta(buf))["tensors"] in ({}, [], None)  # no trace
+        await ctx.store_tensors(buf, {"w": dev.get()})  # the host copy is fine
     finally:
         await ctx.release_buffer(buf)
 

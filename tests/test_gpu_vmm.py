@@ -1,6 +1,7 @@
 """GPU buffers on CUDA VMM on a real device (marked ``gpu``; skipped, with the
 reason, without CuPy, a CUDA device, cuda-bindings or VMM with POSIX-fd
-handles).  ``scripts/gpu_check.sh`` runs them: ``pytest -m gpu``.
+handles, or where the probe at arena creation fails).  ``scripts/gpu_check.sh``
+runs them first: ``pytest -m gpu``.
 
 One process (this one) holds a VMM arena, as the daemon does; the buffer's
 fd travels over a Unix socketpair (``socket.send_fds``) to a second process,
@@ -34,14 +35,20 @@ def cp() -> Any:
     from test_gpu import _cupy
 
     cupy = _cupy()
-    from dataplane.cuda_vmm import UnsupportedDevice, open_driver
+    from dataplane.cuda_arena import CudaArena
 
+    # What the daemon would pick: the device's attributes and the probe (one
+    # granule created, mapped, given access, exported and released).
+    probe = CudaArena(2 * MiB, 0, vmm=None)
     try:
-        why = open_driver(0).support.why_not
-    except UnsupportedDevice as exc:
-        why = str(exc)
-    if why:
-        pytest.skip(f"no CUDA VMM here: {why}")
+        if probe.backing != "vmm":
+            pytest.skip(f"no CUDA VMM here: {probe.backing_why}")
+        d = probe.describe()
+        record(vmm_fabric=d["fabric"], vmm_fabric_why=d.get("fabric_why", ""))
+        print(f"\nCUDA VMM: granularity {d['granularity']}, FABRIC handles "
+              f"{d['fabric']}{'' if d['fabric'] else ' (' + d['fabric_why'] + ')'}")
+    finally:
+        probe.close()
     return cupy
 
 
@@ -52,6 +59,22 @@ def arena(cp: Any) -> Iterator[Any]:
     a = CudaArena(1 << 30, 0, vmm=True)
     yield a
     a.close()
+
+
+def record(**figures: Any) -> None:
+    """Add ``figures`` to the JSON file ``$RPCBUF_GPU_FIGURES`` names, if it
+    does (scripts/gpu_check.sh puts them into its report, beside printing)."""
+    path = os.environ.get("RPCBUF_GPU_FIGURES")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            seen = json.load(f)
+    except (OSError, ValueError):
+        seen = {}
+    seen.update(figures)
+    with open(path, "w") as f:
+        json.dump(seen, f, indent=1, default=str)
 
 
 def pattern(cp: Any, nbytes: int, seed: int) -> Any:
@@ -126,6 +149,7 @@ def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
     g = arena.granularity
     rec = open_driver(0).granularity(recommended=True)
     print(f"\nVMM granularity: minimum {g}, recommended {rec}")
+    record(vmm_granularity=g, vmm_granularity_recommended=rec)
     d = arena.describe()
     assert d["backing"] == "vmm" and d["granularity"] == g and g % 4096 == 0
     from dataplane.cuda_arena import CudaArena
@@ -172,6 +196,7 @@ def test_write_through_a_read_only_import_fails(cp: Any, arena: Any) -> None:
         answer = {"write": "failed", "error": "the child died"}
     rc = child.close()
     print(f"\nwrite through a read-only import: {answer}, exit status {rc}")
+    record(vmm_read_only_write=answer, vmm_read_only_write_exit=rc)
     assert answer.get("write") == "failed" and rc != 0, answer
     assert arena.checksum(0, nbytes) == want  # unchanged, and this context still works
     arena.unback(0, nbytes)
@@ -198,6 +223,8 @@ def test_copy_bandwidth_into_an_imported_buffer(cp: Any, arena: Any) -> None:
     for name, dst in (("arena view", arena.view(0, nbytes)), ("plain", plain)):
         own[name] = copy_gbps(cp, src, dst, 20)
     assert device_devsum(arena.view(0, nbytes)) == device_devsum(src)
+    record(vmm_import_copy_gbps=got["import_gbps"], vmm_import_plain_gbps=got["plain_gbps"],
+           vmm_view_copy_gbps=own["arena view"], vmm_view_plain_gbps=own["plain"])
     print(f"\n256 MiB D2D copy, GB/s (median of 20): into an imported buffer "
           f"{got['import_gbps']:.0f} vs plain cupy {got['plain_gbps']:.0f} "
           f"(ratio {got['import_gbps'] / got['plain_gbps']:.2f}, other process); "
@@ -241,6 +268,10 @@ def test_back_unback_1000_buffers_leaks_nothing(cp: Any) -> None:
     finally:
         arena.close()
     free3, _ = drv.mem_info()
+    record(vmm_cycles=n, vmm_back_us=t_back * 1e6, vmm_unback_us=t_unback * 1e6,
+           vmm_free_before=free0, vmm_free_all_backed=free1, vmm_free_after_cycles=free2,
+           vmm_free_arena_closed=free3,
+           vmm_sizes_us={s >> 20: [b * 1e6, u * 1e6] for s, (b, u) in sizes.items()})
     print(f"\n{n} x {g}: back {t_back * 1e6:.0f} us, unback {t_unback * 1e6:.0f} us each; "
           f"free before {free0}, all backed {free1}, after {free2}, arena closed {free3}; "
           + "; ".join(f"{s >> 20} MiB back {b * 1e6:.0f} us unback {u * 1e6:.0f} us"

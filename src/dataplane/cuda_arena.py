@@ -21,9 +21,15 @@ Two backings, one interface (``granularity``, ``back``, ``unback``,
 * **cupy**: one ``cupy.empty(size, uint8)`` allocation, as before VMM; the
   granularity is 256, ``back``/``unback`` only keep the books, and
   ``export`` raises ``UnsupportedDevice``.  Used when asked for
-  (``vmm=False``, the default until the registry calls ``back``) and, with
-  ``vmm=None``, where the device or node lacks VMM or POSIX-fd handles
-  (``describe()["backing_why"]`` says why).
+  (``vmm=False``, the default until the registry calls ``back``; the
+  daemon's ``--gpu-backing cupy``) and, with ``vmm=None``, where the device
+  or node lacks VMM or POSIX-fd handles, or where the probe at creation
+  (``VmmBacking.probe``: one granule created, mapped, given access, exported
+  and released) fails (``describe()["backing_why"]`` says why).  CuPy's
+  memory comes from ``cudaMalloc``, which UCX's cuda_ipc shares by legacy IPC
+  handle; VMM memory it shares only when the allocations carry a FABRIC
+  handle (``describe()["fabric"]``, ``fabric_why``), else UCX stages device
+  transfers through cuda_copy.
 
 CuPy is imported only when a ``CudaArena`` is made, so a CPU-only node never
 needs it.  Every failure to make one (no CuPy, no such device, not enough
@@ -132,9 +138,16 @@ class CudaArena:
             why = str(exc)
         if not why:
             try:
-                return VmmBacking(drv, self.size)
+                backing = VmmBacking(drv, self.size)
             except CudaError as exc:  # the range cannot be reserved
                 why = f"cannot reserve {self.size} bytes of virtual addresses ({exc})"
+            else:
+                try:
+                    backing.probe()
+                    return backing
+                except CudaError as exc:  # e.g. cuMemCreate or the export refused
+                    undo(exc, backing.close)
+                    why = f"the VMM probe failed ({exc})"
         if required:
             raise DeviceUnavailable(f"{spec}: CUDA VMM was asked for, but {why}")
         self.backing_why = why
@@ -226,6 +239,10 @@ class CudaArena:
                                "backing": self.backing, "granularity": self.granularity}
         if self._vmm is None:
             out["backing_why"] = self.backing_why
+        else:
+            out["fabric"] = self._vmm.fabric
+            if not self._vmm.fabric:
+                out["fabric_why"] = self._vmm.fabric_why
         try:
             with self._dev:
                 free, total = self.xp.cuda.runtime.memGetInfo()

@@ -17,10 +17,19 @@ exporting a range that is not exactly one backed buffer) is a
 ``BackingError``: a bug in the caller, raised before any driver call.  A
 driver failure in the middle of ``back`` undoes what was done (nothing
 stays mapped or allocated) and raises the ``CudaError``.
+
+``probe`` runs once, when the arena is made: it creates one granule, maps
+it, sets its access, exports it and gives it back, so that a node where
+reading the device's attributes works but ``cuMemCreate`` or the export does
+not (a sandbox, a driver that refuses) falls back to a plain CuPy arena at
+start instead of failing every GPU ``request_buffer`` later.  It tries a
+FABRIC handle first (what UCX's cuda_ipc needs to share VMM memory) and
+keeps POSIX-fd-only allocations where that is refused.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from bisect import bisect_right, insort
 from collections.abc import Callable
@@ -128,6 +137,48 @@ class VmmBacking:
         self._handles: dict[int, int] = {}  # offset -> allocation handle
         self._lock = threading.Lock()
         self.closed = False
+        self.fabric = False  # allocations also get a FABRIC handle (``probe``)
+        self.fabric_why = "not probed"
+
+    def probe(self) -> None:
+        """Create, map, set access on, export and release one granule (at the
+        start of the range, before any buffer): with a FABRIC handle where the
+        device offers it (``fabric``; ``fabric_why`` says why not), else with
+        a POSIX fd only.  Raises ``CudaError`` when even that fails; nothing
+        stays allocated or mapped either way."""
+        with self._lock:
+            self._open()
+            if len(self.ledger):
+                raise BackingError("probe of an arena that has buffers")
+            if self.driver.support.fabric:
+                try:
+                    self._probe_once(fabric=True)
+                    self.fabric, self.fabric_why = True, ""
+                    return
+                except CudaError as exc:
+                    self.fabric_why = f"FABRIC handles refused ({exc})"
+            else:
+                self.fabric_why = "the device offers no FABRIC handles"
+            self._probe_once(fabric=False)
+
+    def _probe_once(self, *, fabric: bool) -> None:
+        d, g = self.driver, self.granularity
+        handle = d.create(g, fabric=fabric)
+        try:
+            map_with_access(d, self.base, g, handle, writable=True)
+        except BaseException as exc:
+            undo(exc, d.release, handle)
+            raise
+        try:
+            os.close(d.export(handle))
+            if fabric:
+                d.export_fabric(handle)
+        except BaseException as exc:
+            undo(exc, d.unmap, self.base, g)
+            undo(exc, d.release, handle)
+            raise
+        d.unmap(self.base, g)  # a failure here leaks one granule, and says so
+        d.release(handle)
 
     def back(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, offset+nbytes)`` its own read-write physical memory.
@@ -136,7 +187,7 @@ class VmmBacking:
         with self._lock:
             self._open()
             self.ledger.check_new(offset, nbytes)
-            handle = self.driver.create(nbytes)
+            handle = self.driver.create(nbytes, fabric=self.fabric)
             try:
                 map_with_access(self.driver, self.base + offset, nbytes, handle, writable=True)
             except BaseException as exc:

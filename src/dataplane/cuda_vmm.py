@@ -3,11 +3,17 @@
 GPU buffers that other processes on the node attach by handle need memory
 that CUDA can export: a physical allocation made with ``cuMemCreate`` and a
 POSIX-fd handle type, mapped into a virtual range reserved with
-``cuMemAddressReserve``.  ``Driver`` is the small protocol of those calls
-(one device per driver, sizes in bytes, handles and addresses as ints);
-``RealDriver`` implements it over ``cuda-bindings`` (``cuda.bindings.driver``),
-and unit tests implement it with a fake that records calls and enforces the
-rules (tests/dataplane/fakevmm.py).
+``cuMemAddressReserve``.  Where the device offers them, allocations also ask
+for a FABRIC handle (``create(..., fabric=True)``): UCX's cuda_ipc transport
+shares VMM memory only through a FABRIC handle (openucx
+``uct_cuda_ipc_mem_add_reg``: legacy-IPC memory, else VMM memory whose
+allowed handle types include FABRIC, else "no IPC"), so without one a
+device-to-device transfer into a VMM buffer is staged through cuda_copy.
+``Driver`` is the small protocol of those calls (one device per driver,
+sizes in bytes, handles and addresses as ints); ``RealDriver`` implements
+it over ``cuda-bindings`` (``cuda.bindings.driver``), and unit tests
+implement it with a fake that records calls and enforces the rules
+(tests/dataplane/fakevmm.py).
 
 Why cuda-bindings and not CuPy: CuPy's driver module
 (``cupy_backends.cuda.api.driver``) wraps contexts, modules, kernel launch
@@ -21,7 +27,9 @@ driver is opened.
 Every failed call is a ``CudaError`` naming the call and the ``CUresult``
 (``CUDA_ERROR_OUT_OF_MEMORY``, ...); a node where VMM cannot be used at all
 (no driver library, no bindings, a device without VMM or POSIX-fd handles)
-is an ``UnsupportedDevice`` whose message says which.
+is an ``UnsupportedDevice`` whose message says which.  ``cuInit`` returns
+its error (no device, a driver too old, a sandbox without one) rather than
+raising it: that, too, is an ``UnsupportedDevice``.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class Support:
     vmm: bool  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     posix_fd: bool  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
     gpudirect_rdma: bool = False  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    fabric: bool = False  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED
 
     @property
     def why_not(self) -> str:
@@ -72,7 +81,8 @@ class Driver(Protocol):
 
     def granularity(self, *, recommended: bool = False) -> int: ...
 
-    def create(self, nbytes: int) -> int: ...  # cuMemCreate, POSIX-fd handle type requested
+    def create(self, nbytes: int, *, fabric: bool = False) -> int: ...
+    # cuMemCreate: POSIX-fd handle type requested, and FABRIC too with ``fabric``
 
     def release(self, handle: int) -> None: ...  # cuMemRelease
 
@@ -87,6 +97,9 @@ class Driver(Protocol):
     def set_access(self, ptr: int, nbytes: int, *, writable: bool) -> None: ...  # cuMemSetAccess
 
     def export(self, handle: int) -> int: ...  # cuMemExportToShareableHandle: a new fd
+
+    def export_fabric(self, handle: int) -> None: ...
+    # cuMemExportToShareableHandle(FABRIC): only checked (the handle is UCX's business)
 
     def import_fd(self, fd: int) -> int: ...  # cuMemImportFromShareableHandle (fd stays open)
 
@@ -112,10 +125,11 @@ class RealDriver:
         self.device = device
         self._cu = cu = cu if cu is not None else _bindings()
         try:
-            cu.cuInit(0)  # raises, rather than returns, when there is no driver library
-        except Exception as exc:
-            raise UnsupportedDevice(f"no usable CUDA driver ({type(exc).__name__}: {exc})") \
-                from None
+            # Raises when there is no driver library; returns its error (no
+            # device, a driver too old for the bindings) otherwise.
+            self._call("cuInit", cu.cuInit, 0)
+        except CudaError as exc:
+            raise UnsupportedDevice(f"no usable CUDA driver ({exc})") from None
         self._dev = self._call("cuDeviceGet", cu.cuDeviceGet, device)
         self._ctx = self._call("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain, self._dev)
         attr = cu.CUdevice_attribute
@@ -124,16 +138,32 @@ class RealDriver:
             posix_fd=bool(self._attribute(
                 attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)),
             gpudirect_rdma=bool(self._attribute(
-                attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)))
-        self._posix = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)),
+            fabric=bool(self._attribute(attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)))
+        kinds = cu.CUmemAllocationHandleType
+        self._posix, self._fabric = (kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                     kinds.CU_MEM_HANDLE_TYPE_FABRIC)
+        self._prop = self._allocation_prop(fabric=False)
+        self._fabric_prop: Any = None
+        self._no_fabric = "the device offers no FABRIC handles"
+        if self.support.fabric:
+            try:
+                self._fabric_prop = self._allocation_prop(fabric=True)
+            except UnsupportedDevice as exc:
+                self._no_fabric = str(exc)
+
+    def _allocation_prop(self, *, fabric: bool) -> Any:
+        cu = self._cu
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
+        prop.location.id = self.device
         prop.requestedHandleTypes = self._posix
+        if fabric:
+            _request_also(prop, self._posix, self._fabric)
         if self.support.gpudirect_rdma:  # NICs may DMA into it (InfiniBand/RoCE GPUDirect)
             prop.allocFlags.gpuDirectRDMACapable = 1
-        self._prop = prop
+        return prop
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -168,8 +198,11 @@ class RealDriver:
         return int(self._in_ctx("cuMemGetAllocationGranularity",
                                 self._cu.cuMemGetAllocationGranularity, self._prop, flag))
 
-    def create(self, nbytes: int) -> int:
-        return int(self._in_ctx("cuMemCreate", self._cu.cuMemCreate, nbytes, self._prop, 0))
+    def create(self, nbytes: int, *, fabric: bool = False) -> int:
+        prop = self._fabric_prop if fabric else self._prop
+        if prop is None:
+            raise CudaError("cuMemCreate", "CUDA_ERROR_NOT_SUPPORTED", self._no_fabric)
+        return int(self._in_ctx("cuMemCreate", self._cu.cuMemCreate, nbytes, prop, 0))
 
     def release(self, handle: int) -> None:
         self._in_ctx("cuMemRelease", self._cu.cuMemRelease, handle)
@@ -200,6 +233,10 @@ class RealDriver:
         return int(self._in_ctx("cuMemExportToShareableHandle",
                                 self._cu.cuMemExportToShareableHandle, handle, self._posix, 0))
 
+    def export_fabric(self, handle: int) -> None:
+        self._in_ctx("cuMemExportToShareableHandle", self._cu.cuMemExportToShareableHandle,
+                     handle, self._fabric, 0)
+
     def import_fd(self, fd: int) -> int:
         # The bindings pass an int osHandle through as the pointer value, which
         # is what the C API wants for a POSIX fd: (void *)(uintptr_t)fd.
@@ -212,6 +249,21 @@ class RealDriver:
 
     def synchronize(self) -> None:
         self._in_ctx("cuCtxSynchronize", self._cu.cuCtxSynchronize)
+
+
+def _request_also(prop: Any, first: Any, also: Any) -> None:
+    """Make ``prop.requestedHandleTypes`` the bit mask ``first | also``.  The
+    C field is such a mask (``cuMemCreate`` takes POSIX_FILE_DESCRIPTOR |
+    FABRIC), but cuda-bindings' setter takes one enum member only (12.9:
+    "9 is not a valid CUmemAllocationHandleType"), so the mask is written
+    into the struct itself, once we have seen that the word there is the
+    field (it holds ``first``, set through the bindings)."""
+    import ctypes
+
+    field = ctypes.c_uint32.from_address(int(prop.getPtr()) + 4)  # after the type
+    if field.value != int(first):
+        raise UnsupportedDevice("cuda-bindings' CUmemAllocationProp has an unexpected layout")
+    field.value = int(first) | int(also)
 
 
 _drivers: dict[int, RealDriver] = {}

@@ -13,10 +13,18 @@ With CUDA memory in use (a daemon with a ``cuda:N`` arena; a client whose
 process already imported CuPy or a CUDA-enabled torch, or that sets
 ``RPCBUF_UCX_CUDA=1``; ``RPCBUF_UCX_CUDA=0`` forces host settings) the
 defaults change in this one place, ``CUDA_DEFAULTS``: rendezvous fragments in
-device memory (``UCX_RNDV_FRAG_MEM_TYPE=cuda``), and a ``UCX_TLS`` that the
-user restricted (``tcp`` in CI, say) gains ``cuda_copy,cuda_ipc`` (without
-them UCX cannot move device memory at all).  An unset ``UCX_TLS`` means all
-transports, which includes both.  Every value the user set is kept.
+host and device memory (``UCX_RNDV_FRAG_MEM_TYPE=host,cuda``: UCX 1.19+ reads
+this name as the list ``RNDV_FRAG_MEM_TYPES``, and it is the name ucxx looks
+for before it sets ``cuda`` alone, which would leave tcp no host bounce
+buffers to stage device memory through), UCP's own choice of rendezvous
+scheme (``UCX_RNDV_SCHEME=auto``: ``put_zcopy`` excludes the staged
+pipeline protocols that carry device memory where cuda_ipc cannot, e.g.
+over tcp or into VMM memory without a FABRIC handle, leaving "no protocol"
+or a slow path; it is process-wide, so host transfers of a CUDA process
+lose it too), and a ``UCX_TLS`` that the user restricted (``tcp`` in CI,
+say) gains ``cuda_copy,cuda_ipc`` (without them UCX cannot move device
+memory at all).  An unset ``UCX_TLS`` means all transports, which includes
+both.  Every value the user set is kept.
 
 The process-wide context is built here, not by ucxx: ucxx's own turns on
 UCP RMA and active messages, and over tcp UCP emulates put/get with active
@@ -65,7 +73,8 @@ UCX_FORCED: dict[str, str] = {
 }
 
 CUDA_DEFAULTS: dict[str, str] = {
-    "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
+    "UCX_RNDV_SCHEME": "auto",
+    "UCX_RNDV_FRAG_MEM_TYPE": "host,cuda",
 }
 CUDA_TLS = ("cuda_copy", "cuda_ipc")
 

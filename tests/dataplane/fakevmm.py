@@ -17,7 +17,13 @@ AssertionError: a test that sees one found a bug):
 * every fd it exported is closed by the caller (``check_clean``).
 
 ``fail(call)`` makes the next call of that kind fail with a ``CudaError``,
-like a driver running out of memory.  Memory contents are not simulated.
+like a driver running out of memory; ``refuse(call)`` makes every call of
+that kind fail, as a driver or a sandbox that lacks it does (gVisor without
+VMM export, a node without IMEX channels for FABRIC handles).  FABRIC handles
+exist only on a ``FakeGpu(fabric=True)``, as on real devices that say so
+(``Support.fabric``): asking for one elsewhere is ``CUDA_ERROR_NOT_SUPPORTED``,
+and exporting one from an allocation made without it
+``CUDA_ERROR_INVALID_VALUE``.  Memory contents are not simulated.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class RuleBroken(AssertionError):
 @dataclass
 class Allocation:
     nbytes: int
+    fabric: bool = False  # made with the FABRIC handle type requested too
     handles: int = 0  # live handles, every process together
     mappings: int = 0
 
@@ -49,6 +56,7 @@ class FakeGpu:
     allocations: dict[int, Allocation] = field(default_factory=dict)
     by_inode: dict[int, int] = field(default_factory=dict)  # exported memfd inode -> allocation
     next_id: int = 1
+    fabric: bool = False  # the device offers FABRIC handles
 
     @property
     def used(self) -> int:
@@ -68,7 +76,8 @@ class FakeDriver:
                  support: Support = FULL) -> None:
         self.gpu = gpu if gpu is not None else FakeGpu()
         self.device = device
-        self.support = support
+        self.support = support if not self.gpu.fabric else Support(
+            support.vmm, support.posix_fd, support.gpudirect_rdma, fabric=True)
         self.calls: list[tuple[object, ...]] = []
         self.handles: dict[int, int] = {}  # handle -> allocation id
         self.reservations: dict[int, int] = {}  # ptr -> nbytes
@@ -76,6 +85,7 @@ class FakeDriver:
         self.access: dict[int, str] = {}  # mapped ptr -> "r" or "rw"
         self.exported: list[tuple[int, int]] = []  # (fd, inode)
         self._failing: dict[str, tuple[int, str]] = {}
+        self._refused: dict[str, str] = {}
         self._next_handle = 1
         self._next_va = 0x7F00_0000_0000
 
@@ -84,6 +94,10 @@ class FakeDriver:
     def fail(self, call: str, name: str = "CUDA_ERROR_OUT_OF_MEMORY", after: int = 0) -> None:
         """Make the call ``call`` (e.g. ``"cuMemMap"``) fail once, ``after`` calls from now."""
         self._failing[call] = (after, name)
+
+    def refuse(self, call: str, name: str = "CUDA_ERROR_NOT_SUPPORTED") -> None:
+        """Make every call ``call`` fail from now on (a driver without it)."""
+        self._refused[call] = name
 
     def names(self) -> list[object]:
         return [c[0] for c in self.calls]
@@ -109,6 +123,8 @@ class FakeDriver:
 
     def _enter(self, call: str, *args: object) -> None:
         self.calls.append((call, *args))
+        if call in self._refused:
+            raise CudaError(call, self._refused[call])
         armed = self._failing.get(call)
         if armed is not None:
             after, name = armed
@@ -128,14 +144,16 @@ class FakeDriver:
         self._enter("cuMemGetAllocationGranularity", recommended)
         return self.gpu.recommended if recommended else self.gpu.granularity
 
-    def create(self, nbytes: int) -> int:
-        self._enter("cuMemCreate", nbytes)
+    def create(self, nbytes: int, *, fabric: bool = False) -> int:
+        self._enter("cuMemCreate", nbytes, fabric)
         self._aligned("cuMemCreate", nbytes)
+        if fabric and not self.gpu.fabric:
+            raise CudaError("cuMemCreate", "CUDA_ERROR_NOT_SUPPORTED")
         if self.gpu.used + nbytes > self.gpu.total:
             raise CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY")
         aid = self.gpu.next_id
         self.gpu.next_id += 1
-        self.gpu.allocations[aid] = Allocation(nbytes, handles=1)
+        self.gpu.allocations[aid] = Allocation(nbytes, fabric=fabric, handles=1)
         return self._new_handle(aid)
 
     def _new_handle(self, aid: int) -> int:
@@ -211,6 +229,13 @@ class FakeDriver:
         self.gpu.by_inode[ino] = self.handles[handle]
         self.exported.append((fd, ino))
         return fd
+
+    def export_fabric(self, handle: int) -> None:
+        self._enter("cuMemExportToShareableHandle(FABRIC)", handle)
+        if handle not in self.handles:
+            raise RuleBroken(f"export of a handle that is not held: {handle}")
+        if not self.gpu.allocations[self.handles[handle]].fabric:
+            raise CudaError("cuMemExportToShareableHandle", "CUDA_ERROR_INVALID_VALUE")
 
     def import_fd(self, fd: int) -> int:
         self._enter("cuMemImportFromShareableHandle", fd)

@@ -7,11 +7,10 @@ arguments it builds.  The same calls on a real GPU: tests/test_gpu_vmm.py."""
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,6 @@ from dataplane.cuda_vmm import CudaError, RealDriver, Support, UnsupportedDevice
 from dataplane.devsum import devsum
 
 G = 2 * MiB
-FAKECUPY = Path(__file__).resolve().parent.parent / "fakecupy"
 
 
 def backing(size: int = 64 * MiB, gpu: FakeGpu | None = None) -> tuple[VmmBacking, FakeDriver]:
@@ -405,20 +403,6 @@ def test_ledger_sizes() -> None:
 # -- the arena: which backing, and the VMM arena over the fake driver -----------------------------
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """tests/fakecupy as ``cupy`` for one test (a real CuPy is put back after)."""
-    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(FAKECUPY))
-    import cupy
-
-    assert "fakecupy" in cupy.__file__
-    yield cupy
-    for name in [n for n in sys.modules if n == "cupy" or n.startswith("cupy.")]:
-        del sys.modules[name]
-
-
 def test_the_cupy_backing_by_default(fake_cupy: Any) -> None:
     arena = cuda_arena.CudaArena(16 * MiB, 1)
     assert arena.backing == "cupy" and arena.granularity == 256
@@ -552,7 +536,7 @@ class FakeBindings:
     """``cuda.bindings.driver`` with the real enums and structs and fake
     functions that check what RealDriver passes them."""
 
-    def __init__(self, cu: Any, rdma: int = 0) -> None:
+    def __init__(self, cu: Any, rdma: int = 0, fabric: int = 0) -> None:
         self.real = cu
         for name in ("CUresult", "CUdevice_attribute", "CUmemAllocationHandleType",
                      "CUmemAllocationProp", "CUmemAllocationType", "CUmemLocationType",
@@ -561,8 +545,12 @@ class FakeBindings:
         a = cu.CUdevice_attribute
         self.attrs = {a.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: 1,
                       a.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: 1,
-                      a.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: rdma}
+                      a.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: rdma,
+                      a.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED: fabric}
         self.ok = cu.CUresult.CUDA_SUCCESS
+        self.init_result = self.ok
+        self.handle_types: list[int] = []
+        self.exported_kinds: list[Any] = []
         self.depth = 0
         self.calls: list[str] = []
         self.result = self.ok
@@ -578,12 +566,18 @@ class FakeBindings:
         assert prop.type == cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         assert prop.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         assert prop.location.id == 1
-        assert prop.requestedHandleTypes == \
-            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        # The C field, read raw: a mask (POSIX fd | FABRIC) has no enum member
+        # for the bindings' getter to return.
+        mask = ctypes.c_uint32.from_address(int(prop.getPtr()) + 4).value
+        kinds = cu.CUmemAllocationHandleType
+        posix, fabric = (int(kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                         int(kinds.CU_MEM_HANDLE_TYPE_FABRIC))
+        assert mask in (posix, posix | fabric), mask
+        self.handle_types.append(mask)
 
     def cuInit(self, flags: int) -> tuple[Any]:
         assert flags == 0
-        return (self.ok,)
+        return (self.init_result,)
 
     def cuDeviceGet(self, n: int) -> tuple[Any, Any]:
         return self.ok, self.real.CUdevice(n)
@@ -656,8 +650,11 @@ class FakeBindings:
                                      ) -> tuple[Any, int]:
         self._ctx("export")
         assert handle == 77 and flags == 0
-        assert kind == self.real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        return self.ok, 42
+        kinds = self.real.CUmemAllocationHandleType
+        assert kind in (kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        kinds.CU_MEM_HANDLE_TYPE_FABRIC)
+        self.exported_kinds.append(kind)
+        return self.ok, 42 if kind == kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR else b"f"
 
     def cuMemImportFromShareableHandle(self, fd: int, kind: Any) -> tuple[Any, Any]:
         self._ctx("import")
@@ -730,3 +727,113 @@ def test_real_driver_errors(bindings: Any) -> None:
     fake.cuInit = no_library  # type: ignore[method-assign]
     with pytest.raises(UnsupportedDevice, match=r"no usable CUDA driver.*libcuda"):
         RealDriver(1, cu=fake)
+
+
+def test_real_driver_checks_what_cuinit_returns(bindings: Any) -> None:
+    """cuInit returns its error (no device, a driver too old) rather than
+    raising it: the driver is unusable, and says why."""
+    fake = FakeBindings(bindings)
+    fake.init_result = bindings.CUresult.CUDA_ERROR_NO_DEVICE
+    with pytest.raises(UnsupportedDevice, match=r"no usable CUDA driver.*cuInit.*NO_DEVICE"):
+        RealDriver(1, cu=fake)
+
+
+@pytest.mark.parametrize("fabric", [0, 1])
+def test_real_driver_asks_for_fabric_handles_where_offered(bindings: Any, fabric: int) -> None:
+    fake = FakeBindings(bindings, fabric=fabric)
+    drv = RealDriver(1, cu=fake)
+    assert drv.support.fabric is bool(fabric)
+    kinds = bindings.CUmemAllocationHandleType
+    posix, fab = (int(kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                  int(kinds.CU_MEM_HANDLE_TYPE_FABRIC))
+    drv.create(G)
+    assert fake.handle_types == [posix]
+    if fabric:
+        drv.create(G, fabric=True)
+        assert fake.handle_types == [posix, posix | fab]  # both, as one mask
+        drv.export_fabric(77)
+        assert fake.exported_kinds == [kinds.CU_MEM_HANDLE_TYPE_FABRIC]
+    else:
+        with pytest.raises(CudaError, match=r"NOT_SUPPORTED.*no FABRIC"):
+            drv.create(G, fabric=True)
+    assert drv.export(77) == 42  # the attach's POSIX fd either way
+    assert fake.depth == 0
+
+
+# -- the probe at arena creation ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["cuMemCreate", "cuMemMap", "cuMemSetAccess",
+                                  "cuMemExportToShareableHandle"])
+def test_a_refused_probe_falls_back_to_cupy(fake_cupy: Any, call: str) -> None:
+    """A device whose attributes say VMM but whose driver refuses a step
+    (gVisor, say) gets a plain CuPy arena at start, not failing buffers."""
+    drv = FakeDriver()
+    drv.refuse(call)
+    arena = cuda_arena.CudaArena(16 * MiB, 0, vmm=None, driver=drv)
+    assert arena.backing == "cupy", arena.describe()
+    assert "VMM probe failed" in arena.backing_why and call in arena.backing_why
+    drv.check_clean()  # the probe's granule and the reserved range are given back
+    with pytest.raises(cuda_arena.DeviceUnavailable, match=f"asked for.*probe failed.*{call}"):
+        cuda_arena.CudaArena(16 * MiB, 0, vmm=True, driver=drv)
+    drv.check_clean()
+
+
+def test_the_probe_leaves_nothing_and_is_the_first_thing_done(vmm_arena: Any) -> None:
+    drv = vmm_arena.fake
+    assert drv.names()[:9] == [
+        "cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", "cuMemAddressReserve",
+        "cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemExportToShareableHandle",
+        "cuMemUnmap", "cuMemRelease"]
+    assert not drv.mappings and not drv.handles and drv.gpu.used == 0
+    assert not drv.open_exports()  # the probe's fd was closed
+
+
+def test_fabric_handles_where_the_device_offers_them(fake_cupy: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX's cuda_ipc shares VMM memory only by FABRIC handle: where the
+    device has them, every buffer's allocation asks for one too."""
+    monkeypatch.setattr(cuda_arena, "device_array",
+                        lambda cp, ptr, nbytes, device, owner: np.zeros(nbytes, np.uint8))
+    drv = FakeDriver(FakeGpu(fabric=True))
+    arena = cuda_arena.CudaArena(16 * MiB, 0, vmm=None, driver=drv)
+    assert arena.backing == "vmm" and arena.describe()["fabric"] is True
+    assert "fabric_why" not in arena.describe()
+    arena.back(0, G)
+    assert [a.fabric for a in drv.gpu.allocations.values()] == [True]
+    os.close(arena.export(0, G))  # the attach's POSIX fd still works
+    arena.close()
+    drv.check_clean()
+
+
+@pytest.mark.parametrize("fabric_gpu", [False, True])
+def test_vmm_without_fabric_says_why(fake_cupy: Any, monkeypatch: pytest.MonkeyPatch,
+                                     fabric_gpu: bool) -> None:
+    monkeypatch.setattr(cuda_arena, "device_array",
+                        lambda cp, ptr, nbytes, device, owner: np.zeros(nbytes, np.uint8))
+    drv = FakeDriver(FakeGpu(fabric=fabric_gpu))
+    if fabric_gpu:  # offered, but refused (a node without IMEX channels)
+        drv.refuse("cuMemExportToShareableHandle(FABRIC)", "CUDA_ERROR_NOT_PERMITTED")
+    arena = cuda_arena.CudaArena(16 * MiB, 0, vmm=None, driver=drv)
+    d = arena.describe()
+    assert d["backing"] == "vmm" and d["fabric"] is False
+    assert ("NOT_PERMITTED" if fabric_gpu else "offers no FABRIC") in d["fabric_why"]
+    arena.back(0, G)
+    assert [a.fabric for a in drv.gpu.allocations.values()] == [False]
+    arena.close()
+    drv.check_clean()
+
+
+def test_the_fake_refuses_as_the_driver_does() -> None:
+    drv = FakeDriver()
+    with pytest.raises(CudaError, match="NOT_SUPPORTED"):  # no FABRIC on this device
+        drv.create(G, fabric=True)
+    h = drv.create(G)
+    with pytest.raises(CudaError, match="INVALID_VALUE"):  # made without FABRIC
+        drv.export_fabric(h)
+    drv.refuse("cuMemExportToShareableHandle")
+    for _ in range(2):  # every time, not once
+        with pytest.raises(CudaError, match="NOT_SUPPORTED"):
+            drv.export(h)
+    drv.release(h)
+    drv.check_clean()

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from control.client.arrays import is_cuda
 from control.wire.errors import BadRequest
 from control.wire.manifest import ALIGN, ManifestTable, Packed, manifest_columns, np_dtype
 from control.wire.manifest import align as _align
@@ -65,8 +66,10 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
 
 
 def named_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """``{name: array}`` as NumPy arrays; BAD_REQUEST for a non-string name or
-    an array of Python objects."""
+    """``{name: array}`` as NumPy arrays; BAD_REQUEST for a non-string name,
+    an array of Python objects or one in GPU memory (the manifest's checksum
+    is the content's xxh3, computed here on the host: store GPU tensors with
+    ``store_tensor``)."""
     names, arrays = names_and_arrays(tensors)
     return dict(zip(names, arrays, strict=True))
 
@@ -78,8 +81,14 @@ def names_and_arrays(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.nda
     if not all(map(isinstance, names, itertools.repeat(str))):
         bad = next(n for n in names if not isinstance(n, str))
         raise BadRequest(f"tensor names must be strings, got {bad!r}")
-    arrays = values if all(map(isinstance, values, itertools.repeat(np.ndarray))) \
-        else [np.asarray(v) for v in values]
+    if all(map(isinstance, values, itertools.repeat(np.ndarray))):
+        arrays = values
+    else:
+        on_gpu = next((n for n, v in zip(names, values, strict=True) if is_cuda(v)), None)
+        if on_gpu is not None:  # np.asarray would raise TypeError (CuPy, torch) or copy
+            raise BadRequest(f"tensor {on_gpu!r} is in GPU memory: store_tensors takes host "
+                             "arrays; store GPU tensors with store_tensor")
+        arrays = [np.asarray(v) for v in values]
     if any(dt.hasobject for dt in set(map(_DTYPE, arrays))):
         bad = next(n for n, a in zip(names, arrays, strict=True) if a.dtype.hasobject)
         raise BadRequest(f"tensor {bad!r} holds Python objects")

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a device and its arena size, repeatable: cpu:SIZE (e.g. cpu:1GiB) "
                         "or cuda:N:SIZE (GPU N through CuPy, e.g. cuda:0:40GiB); "
                         "default cpu:1GiB")
+    p.add_argument("--gpu-backing", choices=GPU_BACKINGS, default="auto",
+                   help="GPU arenas' memory: vmm (a CUDA VMM allocation per buffer, which "
+                        "attach shares by handle; start fails where it cannot), cupy (one "
+                        "CuPy allocation: no attach, but UCX's cuda_ipc shares it by legacy "
+                        "IPC handle) or auto (vmm where the start-up probe works, else cupy) "
+                        "[%(default)s]")
     p.add_argument("--config", metavar="FILE.toml",
                    help="settings file (flags given here override it); SIGHUP re-reads its "
                         "quotas and log level")
@@ -254,12 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 GPU_KINDS = ("cuda", "gpu")
+# --gpu-backing -> CudaArena(vmm=...): None is VMM where the probe works, else CuPy
+GPU_BACKINGS: dict[str, bool | None] = {"auto": None, "vmm": True, "cupy": False}
 
 
-def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
-    """One arena per ``--device``.  A device that cannot be served (no CuPy,
-    no such GPU, not enough memory) raises ``DeviceUnavailable`` (a
-    ValueError: ``main`` prints it and exits 2) naming the device."""
+def make_arenas(devices: list[tuple[str, int, int]], gpu_backing: str = "auto") -> list[Any]:
+    """One arena per ``--device``, GPU ones backed as ``--gpu-backing`` says.
+    A device that cannot be served (no CuPy, no such GPU, not enough memory,
+    no VMM under ``vmm``) raises ``DeviceUnavailable`` (a ValueError:
+    ``main`` prints it and exits 2) naming the device."""
+    vmm = GPU_BACKINGS[gpu_backing]
     arenas: list[Any] = []
     for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
         if kind == "cpu":
@@ -268,7 +278,7 @@ def make_arenas(devices: list[tuple[str, int, int]]) -> list[Any]:
             from dataplane.cuda_arena import CudaArena, DeviceUnavailable
 
             try:
-                arenas.append(CudaArena(size, device=index, vmm=None))  # VMM where it can
+                arenas.append(CudaArena(size, device=index, vmm=vmm))
             except DeviceUnavailable as exc:
                 raise DeviceUnavailable(f"--device: {exc}") from None
         else:
@@ -392,7 +402,7 @@ async def serve(args: argparse.Namespace) -> int:
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
     model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
-    arenas = make_arenas(args.device)
+    arenas = make_arenas(args.device, args.gpu_backing)
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
         if hasattr(arena, "prefault_range"):
             arena.prefault = bool(args.prefault)
