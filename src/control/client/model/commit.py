@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from control.client.cluster import Cluster, ClusterError
-from control.client.model.record import LOAD_TENSOR, LoadRecord
+from control.client.model.record import COMMITTED, LOAD_TENSOR, LoadRecord, read_record
 from control.wire.errors import RpcBufError
 
 CLEANUP_TIMEOUT = 10.0  # seconds a failed load's cleanup waits on one node
@@ -34,12 +34,17 @@ class Job(Protocol):
     asking: bool  # its request or clone is on its way: the node may make it
     record: LoadRecord | None
     sums: dict[str, int]  # the verified checksums of its tensors
+    held: dict[str, Any] | None  # a reused or cloned buffer's manifest when acquired
+    expect: dict[str, int] | None  # every checksum, when known before the load
+    inherited: bool  # its committed record already says what this load puts there
 
     @property
     def endpoint(self) -> str: ...
 
     @property
     def record_offset(self) -> int: ...
+
+    def layout(self) -> dict[str, int]: ...
 
 
 J = TypeVar("J", bound=Job)
@@ -80,10 +85,57 @@ async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitabl
         raise ClusterError.of(what, errors, cleaned=cleaned)
 
 
+async def start(cluster: Cluster, jobs: list[J]) -> None:
+    """PutStart: every slot's planned record, before any byte of it changes.
+
+    Unless every slot's buffer (reused, or a clone) already holds, committed
+    by one load of these slots, exactly what this load puts there: the same
+    names at the same places with the checksums known before the load (the
+    hash cache, a hash manifest, or what decided a clone).  Then the load
+    writes no record (it will change nothing; and a record written into a
+    clone would make its shared memory a copy of its own)."""
+    if await _unchanged(cluster, jobs):
+        for j in jobs:
+            j.inherited = True
+        return
+    await write_records(cluster, jobs, "recording the load's plan")
+
+
+async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
+    loads, found = set(), []
+    for j in jobs:
+        held, want, rec = j.held, j.expect, j.record
+        if held is None or want is None or rec is None or LOAD_TENSOR not in held:
+            return False
+        layout = j.layout()
+        if any(not isinstance(e := held.get(n), dict) or e.get("checksum") != want.get(n)
+               or e.get("offset") != layout.get(n) for n in rec.names) \
+                or held[LOAD_TENSOR].get("offset") != j.record_offset:
+            return False
+        try:
+            old = await read_record(cluster[j.endpoint], j.buffer_id, held[LOAD_TENSOR])
+        except RpcBufError:
+            return False
+        if old.state != COMMITTED or (old.slots, old.slot, old.names) != \
+                (rec.slots, rec.slot, rec.names) \
+                or old.checksums != tuple(want[n] for n in rec.names):
+            return False
+        loads.add(old.load)
+        found.append(old)
+    if len(loads) != 1:
+        return False
+    for j, old in zip(jobs, found, strict=True):
+        j.record = old
+    return True
+
+
 async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
-    """Store every slot's load record as it stands (checksum-verified)."""
+    """Store every slot's load record as it stands (checksum-verified),
+    except where the record there already says so (``inherited``)."""
     async def one(j: J) -> None:
         assert j.record is not None
+        if j.inherited:
+            return
         await cluster[j.endpoint].store_tensors(
             j.buffer_id, {LOAD_TENSOR: j.record.encode()}, offset=j.record_offset,
             verify="checksum")
@@ -96,7 +148,8 @@ async def commit(cluster: Cluster, jobs: list[J]) -> None:
     once every slot of the load has verified its manifest."""
     for j in jobs:
         assert j.record is not None
-        j.record = j.record.committed(j.sums)
+        if not j.inherited:
+            j.record = j.record.committed(j.sums)
     await write_records(cluster, jobs, "committing the load")
 
 

@@ -274,6 +274,9 @@ class _SlotJob:
     metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
     record: LR.LoadRecord | None = None  # this slot's load record, planned (``commit``)
     sums: dict[str, int] = field(default_factory=dict)  # verified checksums, for the commit
+    held: dict[str, Any] | None = None  # a reused or cloned buffer's manifest when acquired
+    expect: dict[str, int] | None = None  # every checksum, when known before the load
+    inherited: bool = False  # its committed record already says what this load puts there
 
     @property
     def endpoint(self) -> str:
@@ -282,6 +285,13 @@ class _SlotJob:
     @property
     def record_offset(self) -> int:
         return _record_offset(self, slot_offsets(self))
+
+    def layout(self) -> dict[str, int]:
+        """Where each tensor of the slot goes, the metadata too."""
+        offsets = slot_offsets(self)
+        if self.metadata is not None:
+            offsets[MD.META_TENSOR] = _metadata_offset(self, offsets)
+        return offsets
 
 
 class _Progress:
@@ -413,8 +423,15 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
                            [s.name for s in j.specs] + sorted(_metadata_names(j)), load)
     try:
         await _acquire(cluster, jobs, existing, name, known, hashing)
-        # PutStart: every slot says what it will hold before any byte of it changes
-        await CM.write_records(cluster, jobs, "recording the load's plan")
+        for j in jobs:
+            got = known.lookup(j.specs) if known is not None else {}
+            if hashing is not None and j.cloned:
+                got = {**hashing.hashes, **got}  # a clone was decided by them
+            if all(s.name in got for s in j.specs):
+                j.expect = {s.name: got[s.name][1] for s in j.specs}
+                if j.metadata is not None:
+                    j.expect[MD.META_TENSOR] = checksum(j.metadata)
+        await CM.start(cluster, jobs)  # PutStart, before any byte of a slot changes
     except BaseException:
         await CM.abort(cluster, jobs, existing)
         raise
@@ -484,7 +501,7 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                 if held is None:  # a listing without manifests
                     held = (await ctx.get_buffer_meta(str(old["buffer_id"])))["tensors"]
                 if fits and set(held) <= planned:
-                    j.buffer_id = str(old["buffer_id"])
+                    j.buffer_id, j.held = str(old["buffer_id"]), dict(held)
                     continue
                 await ctx.release_buffer(str(old["buffer_id"]))  # another layout: replace it
             src = None
@@ -500,6 +517,7 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                     j.buffer_id = await ctx.clone_buffer(src, name=j.buffer_name)
                     j.created = j.cloned = True
                     j.asking = False
+                    j.held = next(b["tensors"] for b in candidates if b["buffer_id"] == src)
                     continue
                 except (NotFound, OutOfMemory, UnsupportedDevice):
                     pass  # released meanwhile, no block free, a GPU: request one instead
