@@ -12,6 +12,7 @@
    request fails, the buffers just created are released and nothing is sent.
    Meanwhile a worker thread hashes the tensors the hash cache does not know
    (``_HashAhead``: a node backs a new buffer's memory before it answers);
+   then every slot gets its planned load record (``commit.start``);
 3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
    thread reads and hashes the next batch, each tensor once, while this one
    travels), place it with ``store_tensors_dedup`` (the node places what
@@ -21,7 +22,9 @@
 4. store the file's own metadata (``metadata``: one tensor in the first slot
    buffer on each node) and record each tensor's source type and logical
    shape in the manifests (``TensorSpec.source``);
-5. check every slot's manifest against the checksums computed here.
+5. check every slot's manifest against the checksums computed here, and
+   only once every slot passed, commit the load (``commit.commit``): until
+   then the model is not complete (``record``).
 
 Named buffers outlive the client, so the model stays loaded after the CLI
 exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
@@ -29,7 +32,8 @@ exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
 If a node fails mid-upload the other slots stop at their next batch, the
 buffers this call created are released on every node that still answers,
 and ``ClusterError`` names the node(s) that failed.  Buffers it reused are
-kept: they hold verified tensors a retry will not send again.
+kept: they hold verified tensors a retry will not send again.  A cancelled
+load (Ctrl-C, SIGTERM in the CLI) releases the same way (``commit.abort``).
 """
 
 from __future__ import annotations
