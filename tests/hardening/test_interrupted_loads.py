@@ -141,7 +141,8 @@ async def test_a_crashed_loader_leaves_a_model_that_is_flagged_and_refused(
     assert got["problems"], got
     res = await asyncio.to_thread(cli, "models", "--endpoints", ";".join(endpoints(nodes)),
                                   "--token", token)
-    assert "crashed" in res.stdout and "no" in res.stdout, res.stdout
+    assert "crashed" in res.stdout, res.stdout
+    assert "model 'crashed' is incomplete" in res.stderr, res.stderr
     for addr in endpoints(nodes):
         info = await rpcbuf.model_info(cluster[addr], "crashed")
         assert info.complete is False and info.problems
@@ -168,6 +169,33 @@ async def test_a_finished_load_is_complete_and_a_reload_over_it_too(
         async with rpcbuf.attach_model(ctx, "whole") as m:
             assert "model.embed_tokens.weight" in m and "__rpcbuf_load__" not in m
     await rpcbuf.unload_model(cluster, "whole")
+
+
+async def test_an_interrupted_reload_over_a_complete_model_leaves_it_incomplete(
+        cluster: rpcbuf.Cluster, nodes: list[DaemonProc], small: Path,
+        tmp_path: Path) -> None:
+    """The re-load (other bytes, same names: a fine-tune) reuses the
+    model's buffers in place: its planned records replace the old commit
+    before any tensor changes, so the half-overwritten model is never
+    complete; the reused buffers stay (they hold verified tensors)."""
+    await rpcbuf.load_model(cluster, small, PLACEMENT, name="re", progress=False)
+    tuned = write_safetensors(tmp_path / "tuned.safetensors", llama_tensors(6, seed=5))
+    task: asyncio.Task[rpcbuf.LoadResult] | None = None
+
+    def cancel_soon(addr: str, done: int, total: int) -> None:
+        if task is not None:
+            task.cancel()
+
+    task = asyncio.ensure_future(rpcbuf.load_model(
+        cluster, tuned, PLACEMENT, name="re", progress=False, batch_bytes=16 << 10,
+        on_progress=cancel_soon))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for addr in endpoints(nodes):
+        info = await rpcbuf.model_info(cluster[addr], "re")
+        assert not info.complete and any("did not finish" in p for p in info.problems), \
+            info.problems
+    await rpcbuf.unload_model(cluster, "re")
 
 
 async def loading(cluster: rpcbuf.Cluster, name: str, timeout: float = 30.0) -> None:
