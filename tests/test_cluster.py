@@ -24,6 +24,7 @@ import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
 from control.client.model.metadata import META_TENSOR
 from control.client.model.modelfile import open_model
+from control.client.model.record import LOAD_TENSOR
 from models import (
     gguf_tensors,
     llama_tensors,
@@ -124,7 +125,8 @@ async def test_load_by_spec_reload_dedups_then_unload(cluster: rpcbuf.Cluster,
     for addr, bufs in (await cluster.list_buffers()).items():
         for meta in bufs:
             got.update(await cluster[addr].load_tensors(meta["buffer_id"]))  # checksums
-    assert set(got) == set(model) | {META_TENSOR}  # and the file's metadata, per node:
+    # and the file's metadata, per node, and each slot's load record:
+    assert set(got) == set(model) | {META_TENSOR, LOAD_TENSOR}
     for addr, slots in ((a, [0, 1]), (b, [2])):
         info = await rpcbuf.model_info(cluster[addr], "tiny")
         assert [s.slot for s in info.slots] == slots
@@ -142,8 +144,8 @@ async def test_load_by_spec_reload_dedups_then_unload(cluster: rpcbuf.Cluster,
     for name, arr in model.items():
         np.testing.assert_array_equal(got[name], arr)
     slot1 = (await cluster[a].open_buffer("tiny/slot1"))
-    assert sorted((await cluster[a].get_buffer_meta(slot1))["tensors"])[0].startswith(
-        "model.layers.4.")
+    assert sorted(set((await cluster[a].get_buffer_meta(slot1))["tensors"]) - {LOAD_TENSOR}
+                  )[0].startswith("model.layers.4.")
     again = await rpcbuf.load_model(cluster, path, "2:prolog,epilog;0:4;1:all", progress=False)
     assert again.bytes_sent == 0 and all(buf["reused"] for buf in again.buffers)
     assert again.nodes[a].bytes_placed == res.nodes[a].bytes_total

@@ -25,6 +25,7 @@ import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
 from control.client.fileload import FileTensor
 from control.client.model import metadata as MD
+from control.client.model import record as LR
 from control.client.model.hashfile import MAX_BYTES, describe, manifest_path
 from control.client.model.modelfile import open_model
 from control.daemon import logs
@@ -71,7 +72,7 @@ async def test_a_node_reads_verifies_and_reloads_in_place(
         assert out["bytes_sent"] == 0 and out["source"] == "node"
         bid = res.buffers[0]["buffer_id"]
         got = await ctx.load_tensors(bid)  # verified against the manifest's checksums
-        assert set(got) == set(want) | {MD.META_TENSOR}
+        assert set(got) == set(want) | {MD.META_TENSOR, LR.LOAD_TENSOR}
         for n, a in want.items():
             assert np.array_equal(got[n], a), n
         model = open_model(local / "tiny.safetensors")
@@ -79,8 +80,13 @@ async def test_a_node_reads_verifies_and_reloads_in_place(
         model.close()
         assert np.array_equal(got[MD.META_TENSOR], blob)  # the upload's metadata tensor
         after = await ctx.stats()
-        # No tensor byte of the file was sent: only rpcbuf's own metadata blob.
-        assert after["bytes_stored"] - before["bytes_stored"] == blob.nbytes < 1024
+        # No tensor byte of the file was sent: only rpcbuf's own metadata blob,
+        # and the load record, planned then committed.
+        rec = LR.decode(got[LR.LOAD_TENSOR].tobytes())
+        records = rec.encode().nbytes + LR.plan(rec.slots, rec.slot, rec.names,
+                                                rec.load).encode().nbytes
+        assert after["bytes_stored"] - before["bytes_stored"] == blob.nbytes + records
+        assert blob.nbytes + records < 4096
         assert after["bytes_loaded_local"] - before["bytes_loaded_local"] == total
         info = await rpcbuf.model_info(ctx, "tiny")
         assert (info.format, info.metadata) == ("safetensors", model.metadata)
@@ -156,6 +162,7 @@ async def test_a_fresh_node_load_records_what_an_upload_records(
         await rpcbuf.unload_model(cluster, "q")
         up = await rpcbuf.load_model(cluster, local / "q.gguf", progress=False)
         uploaded = (await ctx.get_buffer_meta(up.buffers[0]["buffer_id"]))["tensors"]
+        del loaded[LR.LOAD_TENSOR], uploaded[LR.LOAD_TENSOR]  # two loads: two ids
         assert loaded == uploaded and MD.META_TENSOR in loaded
         quant = [e for e in loaded.values() if e.get("source_type") == "Q8_0"]
         assert quant and all(list(e["logical_shape"]) != list(e["shape"]) for e in quant)
@@ -524,7 +531,7 @@ async def test_a_directory_of_shards_loads_shard_by_shard(
                                       source="node", node_path="sharded", progress=False)
         assert out.name == "sharded" and out.to_json()["hashes"] == "manifest"
         got = await cluster[d.addr].load_tensors(out.buffers[0]["buffer_id"])
-        assert set(got) == set(t) | {MD.META_TENSOR}
+        assert set(got) == set(t) | {MD.META_TENSOR, LR.LOAD_TENSOR}
         assert all(np.array_equal(got[n], t[n]) for n in t)
         model = open_model(local / "sharded")  # the manifest alone carried the metadata
         want = (model.format, model.metadata)

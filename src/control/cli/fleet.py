@@ -28,6 +28,7 @@ from control.cli.commands import bar
 from control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
 from control.client.cluster import Cluster
 from control.client.discovery import Discovery
+from control.client.model import record as LR
 from control.client.model.metadata import META_TENSOR
 from control.fleet.etcd import EtcdOptions
 from control.wire.errors import RpcBufError
@@ -167,17 +168,22 @@ def run_nodes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def group_models(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{endpoint: buffers or error}`` -> ``{model: {slots, nodes, bytes, tensors,
-    source_types, metadata, complete}}``.  ``tensors`` counts the model's
-    tensors (not its metadata tensor); ``source_types``: tensors per source
-    type (``Q8_0``, ``BF16``, ...; from the manifests, where recorded);
-    ``metadata``: some slot holds the file's metadata.  Complete: every node
-    answered and every slot buffer holds tensors (a slot buffer still being
-    uploaded, or emptied, holds none); ``None`` (unknown) when a node did not
-    answer."""
+def group_models(results: dict[str, Any],
+                 records: dict[str, dict[str, LR.Found]] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """``{endpoint: buffers or error}`` (and ``{endpoint: {buffer id: its load
+    record}}``) -> ``{model: {slots, nodes, bytes, tensors, source_types,
+    metadata, complete, problems}}``.  ``tensors`` counts the model's tensors
+    (not its metadata tensor); ``source_types``: tensors per source type
+    (``Q8_0``, ``BF16``, ...; from the manifests, where recorded);
+    ``metadata``: some slot holds the file's metadata.  Complete: every slot
+    buffer committed by one load, every slot of that load there, every
+    tensor it verified still in place (``record.problems``, which
+    ``problems`` lists); ``None`` (unknown) when a node did not answer and
+    what did answer shows no problem."""
     answered = all(not isinstance(r, RpcBufError) for r in results.values())
     out: dict[str, dict[str, Any]] = {}
+    found: dict[str, dict[int, tuple[LR.Found, dict[str, Any]]]] = {}
     for addr, bufs in results.items():
         if isinstance(bufs, RpcBufError):
             continue
@@ -187,7 +193,7 @@ def group_models(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 continue
             g = out.setdefault(m.group(1), {"slots": [], "nodes": [], "bytes": 0, "tensors": 0,
                                             "source_types": {}, "metadata": False,
-                                            "empty_slots": 0, "type_bytes": {}})
+                                            "type_bytes": {}})
             g["slots"].append(int(m.group(2)))
             if addr not in g["nodes"]:
                 g["nodes"].append(addr)
@@ -195,19 +201,21 @@ def group_models(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             entries = b.get("tensors") if isinstance(b.get("tensors"), dict) else {}
             has_meta = META_TENSOR in entries
             g["metadata"] |= has_meta
-            count = int(b.get("tensor_count", 0)) - has_meta
-            g["tensors"] += count
-            g["empty_slots"] += int(count == 0)
+            g["tensors"] += int(b.get("tensor_count", 0)) - has_meta \
+                - (LR.LOAD_TENSOR in entries)
+            rec = (records or {}).get(addr, {}).get(str(b.get("buffer_id")))
+            found.setdefault(m.group(1), {})[int(m.group(2))] = (rec, entries)
             for name, e in entries.items():
                 kind = e.get("source_type") if isinstance(e, dict) else None
-                if isinstance(kind, str) and name != META_TENSOR:
+                if isinstance(kind, str) and name not in (META_TENSOR, LR.LOAD_TENSOR):
                     g["source_types"][kind] = g["source_types"].get(kind, 0) + 1
                     nbytes = e.get("nbytes")
                     g["type_bytes"][kind] = g["type_bytes"].get(kind, 0) + \
                         (nbytes if isinstance(nbytes, int) else 0)
-    for g in out.values():
+    for name, g in out.items():
         g["slots"].sort()
-        g["complete"] = (g.pop("empty_slots") == 0) if answered else None
+        g["problems"] = LR.problems(found[name], every_node=answered)
+        g["complete"] = False if g["problems"] else (True if answered else None)
         by_bytes = g.pop("type_bytes")
         g["source_types"] = dict(sorted(g["source_types"].items(),
                                         key=lambda kv: (-by_bytes[kv[0]], kv[0])))
@@ -221,15 +229,26 @@ def _types_cell(types: dict[str, int], most: int = 3) -> str:
     return " ".join(names[:most]) + more or "-"
 
 
-async def _models(args: argparse.Namespace, target: Any, token: str) -> dict[str, Any]:
+async def _listing(ctx: Any) -> tuple[list[dict[str, Any]], dict[str, LR.Found]]:
+    """A node's buffers, and the load record of each model slot buffer there."""
+    bufs = await ctx.list_buffers()
+    slots = {str(b.get("buffer_id")): (str(b.get("buffer_id")), b["tensors"]) for b in bufs
+             if SLOT_RE.fullmatch(b.get("name") or "") and isinstance(b.get("tensors"), dict)}
+    return bufs, await LR.records(ctx, slots)
+
+
+async def _models(args: argparse.Namespace, target: Any, token: str
+                  ) -> tuple[dict[str, Any], dict[str, dict[str, LR.Found]]]:
     async with Cluster.connect(target, token, timeout=args.timeout, partial=True,
                                **connect_kw(args), **dial_kw(args)) as cluster:
-        return await cluster.each(lambda c: c.list_buffers())
+        got = await cluster.each(_listing)
+    return ({a: r if isinstance(r, RpcBufError) else r[0] for a, r in got.items()},
+            {a: r[1] for a, r in got.items() if not isinstance(r, RpcBufError)})
 
 
 def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
-    results = asyncio.run(_models(args, target, token))
-    models = group_models(results)
+    results, records = asyncio.run(_models(args, target, token))
+    models = group_models(results, records)
     failed = {a: e for a, e in results.items() if isinstance(e, RpcBufError)}
     if args.json:
         print(json.dumps({"models": models,
@@ -249,6 +268,9 @@ def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
     else:
         print("no models loaded for this tenant")
     if not args.json:
+        for name, g in models.items():
+            if g["problems"]:
+                print(f"rpcbuf: {LR.incomplete(name, g['problems']).message}", file=sys.stderr)
         for addr, exc in failed.items():
             print(f"rpcbuf: {sentence(addr, exc)}", file=sys.stderr)
     return EXIT_NODE if failed else EXIT_OK

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -88,6 +89,10 @@ def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token
     where = endpoints if isinstance(endpoints, str) else ";".join(endpoints)
     try:
         return asyncio.run(_run(args, endpoints, token))
+    except KeyboardInterrupt:  # asyncio.run cancelled _run, which cleaned up, then raised
+        return _interrupted(args, "SIGINT", EXIT_SIGINT)
+    except asyncio.CancelledError:  # the SIGTERM handler cancelled _run, likewise
+        return _interrupted(args, "SIGTERM", EXIT_SIGTERM)
     except BadRequest as exc:  # the model file, the placement: local problems
         _say(args, {"error": to_json(where, exc)}, f"rpcbuf: {exc.message}")
         return EXIT_USAGE
@@ -101,6 +106,19 @@ def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token
     except RpcBufError as exc:
         _say(args, {"error": to_json(where, exc)}, f"rpcbuf: {sentence(where, exc)}")
         return EXIT_NODE
+
+
+EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
+
+def _interrupted(args: argparse.Namespace, sig: str, code: int) -> int:
+    """One line, no traceback: a load that did not finish released what it
+    made (``commit.abort``) and left no model that looks complete."""
+    what = "the load did not finish and what it made was released" if args.cmd == "load" \
+        else "it may have released part of the model"
+    _say(args, {"error": {"code": "INTERRUPTED", "signal": sig, "message": what}},
+         f"rpcbuf: interrupted by {sig}: {what}")
+    return code
 
 
 def run_hash_command(args: argparse.Namespace) -> int:
@@ -137,6 +155,20 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 
 
 async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
+    # SIGTERM cancels the command as Ctrl-C does (asyncio.run's SIGINT
+    # handler), so a load's cleanup runs either way instead of the process
+    # dying with its buffers half-filled on the nodes.
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await _run_command(args, endpoints, token)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _run_command(args: argparse.Namespace, endpoints: str | list[str], token: str
+                       ) -> int:
     # A bad model file is refused before any connection: no node needs to be
     # up to learn that (and none is bothered).
     if args.cmd == "load" and args.from_node:

@@ -197,6 +197,8 @@ class StagedPath:
                 finally:
                     if pump is not None:
                         await asyncio.wait([pump])  # our thread is done with the arrays
+                        if pump.done() and not pump.cancelled():
+                            pump.exception()  # retrieved: a cancelled store stops it short
                 result = result_of(answer)  # the daemon's error, if it refused
                 if pump is not None:
                     pump.result()  # ours: it stopped short (deadline)

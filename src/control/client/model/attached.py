@@ -3,7 +3,8 @@ place, read-only, with what an inference engine needs to use it.
 
 It reads the model's description from the node (``info.model_info``: its
 slot buffers, each tensor's NumPy view dtype and shape, its source type and
-logical shape, the file's metadata), attaches every slot buffer
+logical shape, the file's metadata), refuses a model this node does not
+hold complete (``record``: a load interrupted or still running), attaches every slot buffer
 (``ctx.attach``: zero-copy, read-only; stores into them are BUSY while
 attached), and hands out each tensor as an array over the daemon's memory
 beside its ``TensorInfo``.  A GGUF Q8_0 matrix of logical shape (512, 256)
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from control.client.attach import Attachment, tensor_view
 from control.client.model.info import ModelInfo, TensorInfo, model_info
 from control.client.model.metadata import META_TENSOR
+from control.client.model.record import incomplete
 from control.client.opening import Opening
 
 if TYPE_CHECKING:
@@ -73,13 +75,17 @@ def attach_model(ctx: RpcContext, name: str) -> Opening[AttachedModel]:
     """Every tensor of model ``name`` that lives on ``ctx``'s node, zero-copy
     and read-only: ``async with rpcbuf.attach_model(ctx, "llama") as m:`` (or
     ``m = await ...`` and ``await m.close()``).  Needs the same-host path.
-    Raises NOT_FOUND (no such model on this node), BAD_REQUEST (not same
-    host, a bad answer), BUSY never (attach only reads)."""
+    Raises NOT_FOUND (no such model on this node; ``reason: incomplete``
+    for one whose load did not finish or whose tensors changed since, with
+    ``problems`` naming what is missing), BAD_REQUEST (not same host, a bad
+    answer), BUSY never (attach only reads)."""
     return Opening(lambda: _attach_model(ctx, name))
 
 
 async def _attach_model(ctx: RpcContext, name: str) -> AttachedModel:
     info = await model_info(ctx, name)
+    if not info.complete:  # an inference engine must never start on part of a model
+        raise incomplete(name, info.problems, f" on {ctx.node_id}")
     views: dict[str, Attachment] = {}
     try:
         for slot in info.slots:

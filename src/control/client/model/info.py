@@ -9,7 +9,10 @@ offset, nbytes) and what it is (the NumPy view's dtype and shape, and the
 file's ``source_type`` and ``logical_shape`` where recorded), and the
 metadata (one ``read_buffer`` of that tensor, its xxh3-64 compared with the
 manifest's, decoded within bounds).  That is what a zero-copy view of the model's buffers needs:
-name -> (buffer id, entry), and the metadata.
+name -> (buffer id, entry), and the metadata.  It also reads each slot's load
+record (``record``) and says whether this node's share is complete: every
+slot committed by one load, holding every tensor that load verified there
+(``complete``; ``problems`` names what is missing).
 
 The daemon's answers are checked here before anything is built on them
 (``parse_tensors``: sans-I/O): every entry's offset and size within its
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from control.client.answers import bad_answer, parse_meta
 from control.client.model import metadata as MD
+from control.client.model import record as LR
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
 from control.wire.manifest import np_dtype
@@ -91,12 +95,21 @@ class ModelInfo:
     # ``__metadata__`` strings ({} when the load stored none: an older rpcbuf).
     metadata: dict[str, Any] = field(default_factory=dict)
     format: str | None = None  # "gguf" or "safetensors"; None when no metadata was stored
+    # What keeps this node's share from being complete (``record.problems``):
+    # a load interrupted or still running, a tensor missing or changed.
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every slot here was committed by one load and holds what it verified."""
+        return not self.problems
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "node_id": self.node_id, "format": self.format,
                 "slots": [{"slot": s.slot, "buffer_id": s.buffer_id, "name": s.name,
                            "size": s.size, "device_type": s.device_type,
                            "device": s.device} for s in self.slots],
+                "complete": self.complete, "problems": self.problems,
                 "tensors": {n: {"slot": t.slot, "buffer_id": t.buffer_id, **t.entry}
                             for n, t in self.tensors.items()},
                 "metadata": self.metadata}
@@ -126,13 +139,18 @@ async def model_info(ctx: RpcContext, name: str) -> ModelInfo:
     slots: list[SlotBuffer] = []
     tensors: dict[str, TensorInfo] = {}
     meta_at: tuple[str, dict[str, Any]] | None = None
+    manifests: dict[int, tuple[str, dict[str, Any]]] = {}
     for slot, meta in sorted(found, key=lambda f: f[0]):
         if not isinstance(meta.get("tensors"), dict):  # a listing without manifests
             meta = await ctx.get_buffer_meta(str(meta.get("buffer_id")))
         parsed = parse_meta(meta, _ANSWER)
         slots.append(SlotBuffer(slot, parsed.buffer_id, str(meta.get("name")), parsed.size,
                                 parsed.device_type, parsed.device))
-        for t in parse_tensors(meta.get("tensors"), slot, parsed.buffer_id, parsed.size):
+        entries = parse_tensors(meta.get("tensors"), slot, parsed.buffer_id, parsed.size)
+        manifests[slot] = (parsed.buffer_id, {t.name: t.entry for t in entries})
+        for t in entries:
+            if t.name == LR.LOAD_TENSOR:
+                continue
             if t.name == MD.META_TENSOR:
                 if meta_at is None:
                     meta_at = (parsed.buffer_id, t.entry)
@@ -146,7 +164,10 @@ async def model_info(ctx: RpcContext, name: str) -> ModelInfo:
     metadata: dict[str, Any] = {}
     if meta_at is not None:
         fmt, metadata = await _read_metadata(ctx, *meta_at)
-    return ModelInfo(name, ctx.node_id, slots, tensors, metadata, fmt)
+    records = await LR.records(ctx, manifests)
+    problems = LR.problems({k: (records[k], m) for k, (_, m) in manifests.items()},
+                           every_node=False)
+    return ModelInfo(name, ctx.node_id, slots, tensors, metadata, fmt, problems)
 
 
 async def _read_metadata(ctx: RpcContext, buffer_id: str, entry: Mapping[str, Any]

@@ -12,6 +12,7 @@
    request fails, the buffers just created are released and nothing is sent.
    Meanwhile a worker thread hashes the tensors the hash cache does not know
    (``_HashAhead``: a node backs a new buffer's memory before it answers);
+   then every slot gets its planned load record (``commit.start``);
 3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
    thread reads and hashes the next batch, each tensor once, while this one
    travels), place it with ``store_tensors_dedup`` (the node places what
@@ -21,7 +22,9 @@
 4. store the file's own metadata (``metadata``: one tensor in the first slot
    buffer on each node) and record each tensor's source type and logical
    shape in the manifests (``TensorSpec.source``);
-5. check every slot's manifest against the checksums computed here.
+5. check every slot's manifest against the checksums computed here, and
+   only once every slot passed, commit the load (``commit.commit``): until
+   then the model is not complete (``record``).
 
 Named buffers outlive the client, so the model stays loaded after the CLI
 exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
@@ -29,7 +32,8 @@ exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
 If a node fails mid-upload the other slots stop at their next batch, the
 buffers this call created are released on every node that still answers,
 and ``ClusterError`` names the node(s) that failed.  Buffers it reused are
-kept: they hold verified tensors a retry will not send again.
+kept: they hold verified tensors a retry will not send again.  A cancelled
+load (Ctrl-C, SIGTERM in the CLI) releases the same way (``commit.abort``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -49,8 +53,10 @@ import numpy as np
 
 from control.client.cluster import Cluster, ClusterError
 from control.client.dedup import content_hashes
+from control.client.model import commit as CM
 from control.client.model import metadata as MD
 from control.client.model import placement as PL
+from control.client.model import record as LR
 from control.client.model.hashcache import HashCache, file_key, tensor_key
 from control.client.model.modelfile import ModelFile, TensorSpec, open_model
 from control.client.tensors import (
@@ -267,7 +273,29 @@ class _SlotJob:
     buffer_id: str = ""
     created: bool = False
     cloned: bool = False  # made by ``clone_buffer`` from a buffer that held this plan
+    released: bool = False  # created, then released by a failed load's cleanup
+    asking: bool = False  # its buffer's request or clone is on its way (the node may make it)
     metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
+    record: LR.LoadRecord | None = None  # this slot's load record, planned (``commit``)
+    sums: dict[str, int] = field(default_factory=dict)  # verified checksums, for the commit
+    held: dict[str, Any] | None = None  # a reused or cloned buffer's manifest when acquired
+    expect: dict[str, int] | None = None  # every checksum, when known before the load
+    inherited: bool = False  # its committed record already says what this load puts there
+
+    @property
+    def endpoint(self) -> str:
+        return self.plan.slot.endpoint
+
+    @property
+    def record_offset(self) -> int:
+        return _record_offset(self, slot_offsets(self))
+
+    def layout(self) -> dict[str, int]:
+        """Where each tensor of the slot goes, the metadata too."""
+        offsets = slot_offsets(self)
+        if self.metadata is not None:
+            offsets[MD.META_TENSOR] = _metadata_offset(self, offsets)
+        return offsets
 
 
 class _Progress:
@@ -354,15 +382,20 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
         finally:
             ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
-        bar = start_progress(jobs, stats, progress, on_progress)
         try:
-            await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known,
-                          ahead)
-        finally:
-            bar.close()
-        if known is not None:
-            await asyncio.to_thread(known.save)
-        await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+            bar = start_progress(jobs, stats, progress, on_progress)
+            try:
+                await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known,
+                              ahead)
+            finally:
+                bar.close()
+            if known is not None:
+                await asyncio.to_thread(known.save)
+            await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+            await CM.commit(cluster, jobs)  # PutEnd: only now is the model complete
+        except BaseException:
+            await CM.abort(cluster, jobs, existing)
+            raise
     finally:
         model.close()
     return LoadResult(name, str(path), model.format, plan, stats, described(jobs),
@@ -381,11 +414,31 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     slots = await cluster.slots()
     existing = await cluster.list_buffers()
     slots = _as_if_released(slots, existing, name)
-    plan = PL.plan(PL.Groups.of(sizes), _room_for_metadata(slots, blob), placement)
+    # room for a load record naming every tensor: any slot's is smaller
+    most = LR.room(LR.plan(range(len(slots)), 0, [n for n, _ in sizes] + [MD.META_TENSOR],
+                           LR.new_load_id()))
+    plan = PL.plan(PL.Groups.of(sizes), _room_for_metadata(slots, blob, most), placement)
     jobs = [_SlotJob(p, [spec_of(n) for n in p.tensors], buffer_name(name, p.slot.slot))
             for p in plan.slots]
     _carry_metadata(jobs, blob)
-    await _acquire(cluster, jobs, existing, name, known, hashing)
+    load, numbers = LR.new_load_id(), [p.slot.slot for p in plan.slots]
+    for j in jobs:
+        j.record = LR.plan(numbers, j.plan.slot.slot,
+                           [s.name for s in j.specs] + sorted(_metadata_names(j)), load)
+    try:
+        await _acquire(cluster, jobs, existing, name, known, hashing)
+        for j in jobs:
+            got = known.lookup(j.specs) if known is not None else {}
+            if hashing is not None and j.cloned:
+                got = {**hashing.hashes, **got}  # a clone was decided by them
+            if all(s.name in got for s in j.specs):
+                j.expect = {s.name: got[s.name][1] for s in j.specs}
+                if j.metadata is not None:
+                    j.expect[MD.META_TENSOR] = checksum(j.metadata)
+        await CM.start(cluster, jobs)  # PutStart, before any byte of a slot changes
+    except BaseException:
+        await CM.abort(cluster, jobs, existing)
+        raise
     return plan, existing, jobs
 
 
@@ -440,19 +493,19 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
         slot = j.plan.slot
         ctx = cluster[slot.endpoint]
         need = calculate_buffer_size([(s.shape, s.dtype) for s in j.specs], headroom=0.0) \
-            + _metadata_bytes(j)
+            + _metadata_bytes(j) + _record_bytes(j)
         old = next((b for b in existing.get(slot.endpoint, []) if b["name"] == j.buffer_name),
                    None)
         try:
             if old is not None:
-                planned = {s.name for s in j.specs} | _metadata_names(j)
+                planned = {s.name for s in j.specs} | _metadata_names(j) | {LR.LOAD_TENSOR}
                 fits = int(old["size"]) >= need and old["device_type"] == slot.device_type \
                     and old["device"] == slot.device
                 held = old.get("tensors")
                 if held is None:  # a listing without manifests
                     held = (await ctx.get_buffer_meta(str(old["buffer_id"])))["tensors"]
                 if fits and set(held) <= planned:
-                    j.buffer_id = str(old["buffer_id"])
+                    j.buffer_id, j.held = str(old["buffer_id"]), dict(held)
                     continue
                 await ctx.release_buffer(str(old["buffer_id"]))  # another layout: replace it
             src = None
@@ -462,21 +515,26 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                 if len(hashes) < len(j.specs) and hashing is not None:
                     hashes = {**await hashing.finish(), **hashes}  # hash the file first
                 src = _clone_source(j, layout, candidates, hashes)
+            j.asking = True
             if src is not None:
                 try:
                     j.buffer_id = await ctx.clone_buffer(src, name=j.buffer_name)
                     j.created = j.cloned = True
+                    j.asking = False
+                    j.held = next(b["tensors"] for b in candidates if b["buffer_id"] == src)
                     continue
                 except (NotFound, OutOfMemory, UnsupportedDevice):
                     pass  # released meanwhile, no block free, a GPU: request one instead
             j.buffer_id = await ctx.request_buffer(need, device_type=slot.device_type,
                                                    device=slot.device, name=j.buffer_name)
             j.created = True
+            j.asking = False
         except RpcBufError as exc:
+            j.asking = False
             errors[slot.endpoint] = exc
             break
     if errors:
-        cleaned = await _release_created(cluster, jobs)
+        cleaned = await CM.release_created(cluster, jobs)
         raise ClusterError.of("requesting buffers", errors, cleaned=cleaned)
 
 
@@ -494,7 +552,7 @@ def _clone_candidates(bufs: list[dict[str, Any]], job: _SlotJob,
     out = []
     for b in bufs:
         try:
-            held = b.get("tensors") or {}
+            held = {n: e for n, e in (b.get("tensors") or {}).items() if n != LR.LOAD_TENSOR}
             if (b.get("device_type") != slot.device_type or b.get("device") != slot.device
                     or int(b.get("size", 0)) < need or len(held) != len(layout)
                     or b.get("name") == job.buffer_name):
@@ -522,24 +580,6 @@ def _clone_source(job: _SlotJob, layout: dict[str, tuple[int, int]],
         if all(held[n].get("checksum") == sums[n] for n in layout):
             return str(b["buffer_id"])
     return None
-
-
-async def _release_created(cluster: Cluster, jobs: list[_SlotJob]) -> dict[str, list[str]]:
-    created = [j for j in jobs if j.created]
-
-    async def one(j: _SlotJob) -> str | None:
-        try:
-            await cluster[j.plan.slot.endpoint].release_buffer(j.buffer_id)
-            return j.buffer_name
-        except RpcBufError:
-            return None  # that node is gone or the buffer with it
-
-    names = await asyncio.gather(*(one(j) for j in created))
-    out: dict[str, list[str]] = {}
-    for j, n in zip(created, names, strict=True):
-        if n is not None:
-            out.setdefault(j.plan.slot.endpoint, []).append(n)
-    return out
 
 
 async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
@@ -596,6 +636,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
                 await sending.popleft()
             await _store_metadata(ctx, j, offsets, sums)
             await _check_manifest(ctx, j, sums)
+            j.sums = sums
             node.seconds = max(node.seconds, time.perf_counter() - t0)
         except BaseException:
             failed.set()
@@ -607,27 +648,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[_SlotJob],
             if left:  # collected, so no error of theirs goes unretrieved
                 await asyncio.gather(*left, return_exceptions=True)
 
-    await each_slot(cluster, jobs, one, "uploading the model")
-
-
-async def each_slot(cluster: Cluster, jobs: list[_SlotJob],
-                    one: Callable[[_SlotJob], Awaitable[None]], what: str) -> None:
-    """``one(job)`` for every slot at once; when any fails, the buffers this
-    load created are released, then a local problem (the file) is raised as
-    it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
-    results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
-    errors: dict[str, RpcBufError] = {}
-    other: BaseException | None = None
-    for j, r in zip(jobs, results, strict=True):
-        if isinstance(r, RpcBufError):
-            errors.setdefault(j.plan.slot.endpoint, r)
-        elif isinstance(r, BaseException) and other is None:
-            other = r  # a local problem (the file): clean up all the same
-    if errors or other is not None:
-        cleaned = await asyncio.shield(_release_created(cluster, jobs))
-        if other is not None:
-            raise other
-        raise ClusterError.of(what, errors, cleaned=cleaned)
+    await CM.each_slot(cluster, jobs, one, "uploading the model")
 
 
 # -- what the manifests say beyond the NumPy views: source types, the file's metadata --
@@ -669,14 +690,25 @@ def _metadata_bytes(job: _SlotJob) -> int:
     return 0 if job.metadata is None else align(job.metadata.nbytes, ALIGN)
 
 
+def _record_offset(job: _SlotJob, offsets: dict[str, int]) -> int:
+    """Where the load record goes (``commit``): after the tensors and the metadata."""
+    return _metadata_offset(job, offsets) + _metadata_bytes(job)
+
+
+def _record_bytes(job: _SlotJob) -> int:
+    return 0 if job.record is None else LR.room(job.record)
+
+
 def _metadata_names(job: _SlotJob) -> set[str]:
     return set() if job.metadata is None else {MD.META_TENSOR}
 
 
-def _room_for_metadata(slots: list[PL.Slot], blob: np.ndarray) -> list[PL.Slot]:
+def _room_for_metadata(slots: list[PL.Slot], blob: np.ndarray, record: int = 0
+                       ) -> list[PL.Slot]:
     """Slots as placement should see them: each less the metadata's aligned
-    bytes (any may be a node's first slot, which holds it)."""
-    less = align(blob.nbytes, ALIGN)
+    bytes (any may be a node's first slot, which holds it) and ``record``,
+    the room its load record needs at most."""
+    less = align(blob.nbytes, ALIGN) + record
     return [PL.Slot(s.slot, s.endpoint, s.device_type, s.device, max(0, s.free - less),
                     max(0, s.largest_free - less), s.allocator) for s in slots]
 

@@ -25,7 +25,9 @@ upload does (``loader.py``), except that no tensor crosses the network:
    from the driver (rpcbuf's own msgpack blob, not the file's bytes;
    deduplicated, so a re-load sends nothing; ``bytes_sent`` counts the
    file's tensors only, none);
-5. every slot's manifest is checked against the expected checksums.
+5. every slot's manifest is checked against the expected checksums;
+6. as for an upload, each slot's load record is planned before step 3 and
+   committed only after every slot passed step 5 (``commit``).
 
 A node whose copy differs (missing, another size, a tensor that does not
 match) fails its load with an error naming the file and the tensor; the
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from control.client.cluster import Cluster
 from control.client.fileload import FileTensor
+from control.client.model import commit as CM
 from control.client.model.hashfile import DIR_NAME, SUFFIX, HashedModel, HashedTensor, describe
 from control.client.model.loader import (
     LoadResult,
@@ -55,7 +58,6 @@ from control.client.model.loader import (
     _SlotJob,
     _store_metadata,
     described,
-    each_slot,
     place_and_acquire,
     slot_offsets,
     start_progress,
@@ -153,12 +155,18 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
         cluster, name, [(t.name, t.nbytes) for _, t in hm.tensors],
         lambda n: _spec(*tensors[n]), hm.blob(), placement, _ManifestHashes(hm))
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
-    bar = start_progress(jobs, stats, progress, on_progress)
     try:
-        await _read_on_nodes(cluster, jobs, tensors, hm, files, stats, bar, batch_bytes, t0)
-    finally:
-        bar.close()
-    await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+        bar = start_progress(jobs, stats, progress, on_progress)
+        try:
+            await _read_on_nodes(cluster, jobs, tensors, hm, files, stats, bar, batch_bytes,
+                                 t0)
+        finally:
+            bar.close()
+        await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+        await CM.commit(cluster, jobs)
+    except BaseException:
+        await CM.abort(cluster, jobs, existing)
+        raise
     return NodeLoadResult(name, str(local), hm.format, plan, dict(stats), described(jobs),
                           time.perf_counter() - t0, node_path=node_path, hashes=hm.source,
                           bytes_hashed=hm.hashed)
@@ -241,9 +249,10 @@ async def _read_on_nodes(cluster: Cluster, jobs: list[_SlotJob],
             failed.set()
             raise
         await _check_manifest(ctx, j, sums)
+        j.sums = sums
         node.seconds = max(node.seconds, time.perf_counter() - t0)
 
-    await each_slot(cluster, jobs, one, "loading from the nodes' own disks")
+    await CM.each_slot(cluster, jobs, one, "loading from the nodes' own disks")
 
 
 async def _load(ctx: RpcContext, buffer_id: str, path: str, size: int,
