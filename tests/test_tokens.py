@@ -135,3 +135,32 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert auth.load_keys(fresh).kids == ["2026-12"]
     assert jwt.get_unverified_header(res.stdout.strip())["kid"] == "2026-12"
+
+
+async def test_a_secret_file_that_is_not_utf8_keeps_the_running_keys(
+        daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 24, item 17: one Latin-1 byte in a comment made the whole file
+    one key ``default`` on SIGHUP, ending every session.  Now it is a
+    malformed file like any other: refused at start, the running keys kept
+    on SIGHUP."""
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB")
+    text = d.secret_file.read_text()
+    async with rpcbuf.connect(d.addr, token=d.token("alice", 3600), timeout=30) as c:
+        d.secret_file.write_bytes(b"# caf\xe9\n" + text.encode())
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "SIGHUP: keeping the running keys" not in (log := d.log()):
+            assert "SIGHUP: re-read" not in log, log  # the bug: it took the file as one key
+            assert time.monotonic() < deadline, log
+            await asyncio.sleep(0.05)
+        assert f"{d.secret_file}:1: " in log and "not UTF-8" in log
+        assert await c.ping() > 0  # the session and its key survived
+    proc = subprocess.Popen([sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
+                             "--ucx-port", "0", "--device", "cpu:4MiB",
+                             "--secret-file", str(d.secret_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and "not UTF-8" in err and "Traceback" not in err, err

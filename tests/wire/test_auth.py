@@ -203,7 +203,6 @@ def test_secret_files_with_several_keys(tmp_path: Path) -> None:
     assert parse_keys(f"{old}\n".encode()).keys == {"default": old.encode()}  # old format
     ring = parse_keys(f"# keys\n\n{old}\n  2026-07 {'b' * 64}  \n".encode())
     assert ring.kids == ["default", "2026-07"] and ring.newest == "2026-07"
-    assert parse_keys(b"\xff\xfe" + b"\x00" * 40).kids == ["default"]  # raw bytes: one key
     for bad, says in [("", "no key"), ("# only\n", "no key"), ("k short\n", "fewer"),
                       (f"k {old}\nk {old}\n", "twice"), (f"k {old} x\n", "KEY_ID SECRET"),
                       (f"-k {old}\n", "bad key id"), (f"{old}\n{old}\n", "twice")]:
@@ -216,3 +215,16 @@ def test_secret_files_with_several_keys(tmp_path: Path) -> None:
         load_or_create_secret(path)
     made = load_keys(tmp_path / "new", kid="2026-01")
     assert made.kids == ["2026-01"] and stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(("data", "line"), [
+    (b"\xff\xfe" + b"\x00" * 40, 1),  # raw bytes, no line at all
+    (b"# caf\xe9 keys\nk1 " + b"a" * 64 + b"\n", 1),  # one Latin-1 byte in a comment
+    (b"k1 " + b"a" * 64 + b"\nk2 " + b"b" * 63 + b"\x80\n", 2),  # in a secret
+], ids=["raw", "comment", "secret"])
+def test_a_secret_file_that_is_not_utf8_is_refused_naming_the_line(data: bytes,
+                                                                    line: int) -> None:
+    """Never silently one key ``default``: a SIGHUP would end every session
+    (issue 24, item 17); the daemon keeps its keys on a ValueError."""
+    with pytest.raises(ValueError, match=rf"^f:{line}: .*not UTF-8"):
+        parse_keys(data, "f")

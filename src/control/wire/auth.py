@@ -19,7 +19,7 @@ a forged token and a garbled one both fail ``AUTH_FAILED``, and only a genuine
 one can say ``TOKEN_EXPIRED``.
 
 The secret file holds one key per line, ``KEY_ID SECRET`` (``#`` comments and
-blank lines ignored); the last line signs new tokens.  A line with a bare
+blank lines ignored), UTF-8 text throughout; the last line signs new tokens.  A line with a bare
 secret is the key ``default``: the single-secret file of earlier releases is
 such a file.  Rotation is: add a line, SIGHUP the daemon, mint with the new
 key, delete the old line, SIGHUP again (sessions of the removed key end).
@@ -109,10 +109,14 @@ def parse_keys(data: bytes, where: str = "secret file") -> Keyring:
     """Parse a secret file's contents. Raises ValueError naming the line."""
     try:
         lines = data.decode().splitlines()
-    except UnicodeDecodeError:
-        # Raw random bytes (written by hand, not by us): the whole file is the
-        # one key, as it always was.
-        return Keyring.single(_long_enough(data.strip(), where))
+    except UnicodeDecodeError as exc:
+        # Refused like any other malformed file (SIGHUP keeps the running
+        # keys): taking the bytes as one key ``default`` would end every
+        # session over one Latin-1 byte in a comment.
+        n = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{where}:{n}: byte 0x{data[exc.start]:02x} is not UTF-8 text "
+                         "(a secret file holds 'KEY_ID SECRET' lines; write a binary "
+                         "secret as hex)") from None
     keys: dict[str, bytes] = {}
     for n, line in enumerate(lines, 1):
         words = line.split()
