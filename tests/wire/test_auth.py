@@ -79,7 +79,7 @@ def test_secret_file_created_private(tmp_path: Path) -> None:
         load_or_create_secret(tmp_path / "missing", create=False)
 
 
-# -- JWTs, keys, and the old format --------------------------------------------
+# -- JWTs and keys --------------------------------------------
 
 KEY2 = b"k" * 64
 RING = Keyring({"default": SECRET, "k2": KEY2})
@@ -185,17 +185,16 @@ def _legacy_token(secret: bytes, tenant: str, expires: int) -> str:
     return f"rpcbuf1.{_b64url(payload)}.{_b64url(mac)}"
 
 
-def test_old_format_tokens_still_accepted_with_the_default_key() -> None:
-    grant = verify(RING, _legacy_token(SECRET, "alice", 0))
-    assert (grant.tenant, grant.kid, grant.expires_at, grant.legacy) == (
-        "alice", "default", None, True)
-    assert verify_token(SECRET, _legacy_token(SECRET, "bob", int(time.time()) + 60)) == "bob"
-    with pytest.raises(TokenExpired):
-        verify(RING, _legacy_token(SECRET, "alice", int(time.time()) - 1))
-    with pytest.raises(AuthFailed):  # signed with the other key: old tokens know only default
-        verify(RING, _legacy_token(KEY2, "alice", 0))
-    with pytest.raises(AuthFailed, match="revoked"):  # default removed: old tokens die
-        verify(Keyring({"k2": KEY2}), _legacy_token(SECRET, "alice", 0))
+def test_old_format_tokens_are_refused() -> None:
+    """Issue 24, item 12: ``rpcbuf1.`` tokens skipped the tenant-name check
+    and ``exp=0`` never expired.  No release shipped them: a genuine one,
+    correctly signed with the default key, is refused like any garbled token."""
+    for token in (_legacy_token(SECRET, "alice", 0),
+                  _legacy_token(SECRET, "../etc", int(time.time()) + 60)):
+        with pytest.raises(AuthFailed, match=r"old-format \(rpcbuf1\.\) token.*token create"):
+            verify(RING, token)
+        with pytest.raises(AuthFailed):
+            verify_token(SECRET, token)
 
 
 def test_secret_files_with_several_keys(tmp_path: Path) -> None:

@@ -24,16 +24,13 @@ secret is the key ``default``: the single-secret file of earlier releases is
 such a file.  Rotation is: add a line, SIGHUP the daemon, mint with the new
 key, delete the old line, SIGHUP again (sessions of the removed key end).
 
-Old ``rpcbuf1.<payload>.<mac>`` tokens (HMAC-SHA256 over msgpack ``[tenant,
-expires_at, nonce]``) are still accepted for one release, checked with the
-``default`` key only; new ones are never made.
+The ``rpcbuf1.<payload>.<mac>`` tokens of development builds are refused
+(they skipped the tenant-name check, and ``exp=0`` never expired); the prefix
+is recognised only to say so.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -46,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-import msgpack
 
 from control.wire.errors import AuthFailed, TokenExpired
 
@@ -95,7 +91,6 @@ class Grant:
     expires_at: float | None
     kid: str
     key: bytes = field(repr=False)
-    legacy: bool = False
 
 
 def _ring(keys: Keyring | bytes) -> Keyring:
@@ -210,7 +205,8 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
         raise AuthFailed("malformed token")
     ring = _ring(keys)
     if token.startswith(LEGACY_PREFIX + "."):
-        return _verify_legacy(ring, token, now)
+        raise AuthFailed(f"an old-format ({LEGACY_PREFIX}.) token, no longer accepted: "
+                         "mint a new one with 'rpcbuf token create'")
     try:
         kid = jwt.get_unverified_header(token).get("kid", DEFAULT_KID)
     except Exception:  # whatever hostile JSON makes PyJWT raise, it is a bad token
@@ -251,32 +247,3 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
 def verify_token(keys: Keyring | bytes, token: str, now: float | None = None) -> str:
     """The tenant a token was made for; see ``verify``."""
     return verify(keys, token, now).tenant
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _verify_legacy(ring: Keyring, token: str, now: float | None) -> Grant:
-    """An ``rpcbuf1.`` token of earlier releases, against the ``default`` key."""
-    secret = ring.keys.get(DEFAULT_KID)
-    if secret is None:
-        raise AuthFailed(f"old-format ({LEGACY_PREFIX}) token, and this node has no "
-                         f"'{DEFAULT_KID}' key to check it with (revoked)")
-    try:
-        _prefix, payload_b64, mac_b64 = token.split(".")
-        payload, mac = _unb64(payload_b64), _unb64(mac_b64)
-    except (ValueError, AttributeError):
-        raise AuthFailed("malformed token") from None
-    expected = hmac.new(secret, payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, mac):
-        raise AuthFailed("token signature does not match this node's key")
-    try:
-        tenant, expires, _nonce = msgpack.unpackb(payload)
-    except Exception:
-        raise AuthFailed("malformed token payload") from None
-    if not isinstance(tenant, str) or not isinstance(expires, int):
-        raise AuthFailed("malformed token payload")
-    if expires and (now if now is not None else time.time()) >= expires:
-        raise TokenExpired("token expired", {"expired_at": expires})
-    return Grant(tenant, float(expires) if expires else None, DEFAULT_KID, secret, legacy=True)
