@@ -6,6 +6,7 @@ hello once: it never tries again "the old way" on an error's wording."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -90,7 +91,49 @@ async def test_client_and_daemon_speak_the_newest(daemon_factory) -> None:  # ty
         await c.release_buffer(buf)
 
 
-# -- a daemon of another version ------------------------------------------------------
+# -- an older daemon ------------------------------------------------------------------
+
+
+@pytest.fixture
+async def old_daemon() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    """A daemon as it was before versions: unknown fields and any version
+    but 1 are a bare BAD_REQUEST; the connection stays open, and a second
+    hello the old way would be served."""
+    hellos: list[dict[str, Any]] = []
+
+    async def handler(conn: Conn, req: dict[str, Any]) -> None:
+        if req["op"] != "hello":
+            conn.answer(req, {})
+            return
+        hellos.append(req)
+        fields = {k: v for k, v in req.items() if k not in ("op", "id")}
+        unknown = sorted(set(fields) - {"token", "version", "probe", "probe_addr", "replaces"})
+        if unknown:
+            error = BadRequest(f"hello: unknown field(s) {unknown}")
+        elif fields.get("version", 1) != 1:
+            error = BadRequest(f"protocol version {fields['version']} is not supported",
+                               {"supported": [1]})
+        else:
+            conn.answer(req, hello_answer(version=1, versions=..., checksum_kinds=...))
+            return
+        conn.send(P.error_response(req["id"], error))
+
+    fd = FakeDaemon(handler)
+    try:
+        yield await fd.start(), hellos
+    finally:
+        await fd.close()
+
+
+async def test_the_client_says_hello_once_and_never_the_old_way(
+        old_daemon: tuple[str, list[dict[str, Any]]]) -> None:
+    """The refusal is the daemon's, as it came: no second hello matched on
+    its wording, no session in version 1."""
+    addr, hellos = old_daemon
+    with pytest.raises(BadRequest, match="unknown field"):
+        await rpcbuf.connect(addr, token="t", timeout=5, same_host=False)
+    assert len(hellos) == 1
+    assert hellos[0]["versions"] == [P.PROTOCOL_MIN, P.PROTOCOL_VERSION]
 
 
 @pytest.mark.parametrize("version", [1, 2, 7, ...], ids=["v1", "v2", "v7", "none"])
