@@ -88,22 +88,27 @@ RING = Keyring({"default": SECRET, "k2": KEY2})
 def test_tokens_are_standard_jwts() -> None:
     tok = create_token(RING, "alice", ttl=60)  # the newest key signs
     assert jwt.get_unverified_header(tok) == {"alg": "HS256", "typ": "JWT", "kid": "k2"}
-    claims = jwt.decode(tok, KEY2, algorithms=["HS256"])  # any JWT library reads it
+    claims = jwt.decode(tok, KEY2, algorithms=["HS256"], audience="default")  # any library
     assert claims["sub"] == "alice" and claims["exp"] - time.time() <= 60
+    assert claims["aud"] == ["default"]
     grant = verify(RING, tok)
     assert (grant.tenant, grant.kid, grant.expires_at) == ("alice", "k2", claims["exp"])
     assert "k2" in repr(grant) and repr(KEY2)[2:10] not in repr(grant) + repr(RING)
     named = create_token(RING, "alice", kid="default")
     assert jwt.get_unverified_header(named)["kid"] == "default"
     assert verify(RING, named).expires_at is None  # ttl=None: never, and says so
-    assert jwt.decode(named, SECRET, algorithms=["HS256"])["never_expires"] is True
+    assert jwt.decode(named, SECRET, algorithms=["HS256"],
+                      audience="default")["never_expires"] is True
     with pytest.raises(ValueError, match="no key 'k3'"):
         create_token(RING, "alice", kid="k3")
 
 
 def _mint(claims: dict[str, object], key: bytes = SECRET, alg: str = "HS256",
           kid: str | None = "default") -> str:
-    return jwt.encode(claims, key, algorithm=alg, headers=None if kid is None else {"kid": kid})
+    """A token as an operator's own tool mints it (for cluster ``default``
+    unless ``claims`` say another ``aud``)."""
+    return jwt.encode({"aud": "default", **claims}, key, algorithm=alg,
+                      headers=None if kid is None else {"kid": kid})
 
 
 def test_jwts_minted_elsewhere() -> None:
@@ -126,14 +131,17 @@ def test_jwts_minted_elsewhere() -> None:
         verify(RING, _mint({"sub": "alice", "exp": int(time.time()) - 1}))
     for claim in ["exp", "nbf", "iat"]:  # hostile JSON numbers: a clear refusal, no crash
         for odd in ["Infinity", "NaN", "1e400", str(10**400), "-1e300"]:
-            body = f'{{"sub": "alice", "exp": {exp}, "{claim}": {odd}}}'  # the last exp wins
+            # the last exp wins
+            body = f'{{"sub": "alice", "aud": "default", "exp": {exp}, "{claim}": {odd}}}'
             try:
                 verify(RING, _raw_jwt({"alg": "HS256"}, body))
             except AuthFailed:
                 continue
             assert claim != "exp", odd  # an odd nbf in the past or iat (unchecked) is harmless
-    with pytest.raises(AuthFailed):  # another audience's token is not ours
+    with pytest.raises(AuthFailed, match="not for this node"):  # another cluster's
         verify(RING, _mint({"sub": "alice", "exp": exp, "aud": "elsewhere"}))
+    with pytest.raises(AuthFailed, match="no audience"):  # says nowhere: good nowhere
+        verify(RING, jwt.encode({"sub": "alice", "exp": exp}, SECRET, algorithm="HS256"))
 
 
 def test_only_hs256_with_a_known_key() -> None:
@@ -227,3 +235,40 @@ def test_a_secret_file_that_is_not_utf8_is_refused_naming_the_line(data: bytes,
     (issue 24, item 17); the daemon keeps its keys on a ValueError."""
     with pytest.raises(ValueError, match=rf"^f:{line}: .*not UTF-8"):
         parse_keys(data, "f")
+
+
+# -- audiences (issue 24, item 2) ------------------------------------------------
+
+
+def test_a_token_is_for_one_cluster_unless_it_names_more() -> None:
+    """A token stolen for one cluster cannot be replayed on another, even
+    where both clusters' nodes share the key."""
+    tok = create_token(RING, "alice", 60)  # every existing caller: cluster "default"
+    assert jwt.decode(tok, KEY2, algorithms=["HS256"], audience="default")["aud"] == ["default"]
+    assert verify(RING, tok).tenant == "alice"  # a node of cluster "default"
+    assert verify(RING, tok, cluster="default", node="n1").tenant == "alice"
+    with pytest.raises(AuthFailed, match=r"not for this node.*cluster 'prod'"):
+        verify(RING, tok, cluster="prod", node="n1")
+    both = create_token(RING, "alice", 60, clusters=["prod", "staging"])
+    assert verify(RING, both, cluster="prod", node="n1").tenant == "alice"
+    assert verify(RING, both, cluster="staging", node="n9").tenant == "alice"
+    with pytest.raises(AuthFailed, match="not for this node"):
+        verify(RING, both)  # cluster "default"
+
+
+def test_a_token_narrowed_to_nodes_works_on_those_only() -> None:
+    tok = create_token(RING, "alice", 60, clusters=["prod"], nodes=["n1", "n2"])
+    assert jwt.decode(tok, KEY2, algorithms=["HS256"],
+                      audience="prod/n1")["aud"] == ["prod/n1", "prod/n2"]
+    for node in ("n1", "n2"):
+        assert verify(RING, tok, cluster="prod", node=node).tenant == "alice"
+    for cluster, node in (("prod", "n3"), ("prod", None), ("staging", "n1")):
+        with pytest.raises(AuthFailed, match="not for this node"):
+            verify(RING, tok, cluster=cluster, node=node)
+
+
+def test_bad_audiences_are_refused_at_minting() -> None:
+    for clusters, nodes in ((["a/b"], []), ([""], []), ([], []), (["prod"], ["n 1"]),
+                            (["prod"], ["x" * 200])):
+        with pytest.raises(ValueError):
+            create_token(RING, "alice", 60, clusters=clusters, nodes=nodes)

@@ -2,7 +2,8 @@
 
 A token is a standard JSON Web Token, HS256-signed with one of the node's keys:
 header ``{"alg": "HS256", "typ": "JWT", "kid": KEY_ID}``, claims ``sub`` (the
-tenant), ``iat``, ``exp`` and ``jti`` (random, so two tokens never coincide).
+tenant), ``aud`` (where it is good, below), ``iat``, ``exp`` and ``jti``
+(random, so two tokens never coincide).
 A token that never expires has no ``exp`` and says so with
 ``"never_expires": true`` (``rpcbuf token create --ttl never``); one with
 neither is refused, so a token minted by hand without ``exp`` does not live
@@ -17,6 +18,16 @@ asymmetric algorithm whose "public key" would be our secret) and compares MACs
 in constant time (``hmac.compare_digest``), all before any claim is looked at:
 a forged token and a garbled one both fail ``AUTH_FAILED``, and only a genuine
 one can say ``TOKEN_EXPIRED``.
+
+The audience: ``aud`` lists clusters (``prod``: any node of that cluster)
+or nodes of one (``prod/n1``: that node only; ``/`` is in no cluster name
+or node id).  A node accepts a token whose ``aud`` names its cluster (the
+daemon's ``--cluster``) or itself in it; PyJWT does the matching
+(``audience=``).  So a token stolen for one cluster or node, by a fake node
+a forged registry entry pointed the client at, cannot be replayed on
+another, even where they share a key.  A token with no ``aud`` is good
+nowhere: ``rpcbuf token create`` always writes one (cluster ``default``
+unless told).
 
 The secret file holds one key per line, ``KEY_ID SECRET`` (``#`` comments and
 blank lines ignored), UTF-8 text throughout; the last line signs new tokens.  A line with a bare
@@ -37,7 +48,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,7 @@ from typing import Any
 import jwt
 
 from control.wire.errors import AuthFailed, TokenExpired
+from control.wire.membership import DEFAULT_CLUSTER, check_name
 
 log = logging.getLogger("rpcbuf.auth")
 LEGACY_PREFIX = "rpcbuf1"
@@ -177,20 +189,38 @@ def load_or_create_secret(path: str | os.PathLike[str], create: bool = True) -> 
 # -- tokens ----------------------------------------------------------------------
 
 
+def audience(clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+             nodes: Sequence[str] = ()) -> list[str]:
+    """The ``aud`` of a token for any node of ``clusters``, or (``nodes``)
+    only for those nodes of them.  Raises ValueError for a bad name."""
+    if not clusters:
+        raise ValueError("a token needs at least one cluster")
+    for c in clusters:
+        check_name("cluster", c)
+    for n in nodes:
+        check_name("node id", n)
+    return [f"{c}/{n}" for c in clusters for n in nodes] if nodes else list(clusters)
+
+
 def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
-                 kid: str | None = None) -> str:
+                 kid: str | None = None, clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+                 nodes: Sequence[str] = ()) -> str:
     """A token for ``tenant``, valid ``ttl`` seconds (None: it never expires),
-    signed with key ``kid`` (default: the newest).  Raises ValueError."""
+    signed with key ``kid`` (default: the newest), good on any node of
+    ``clusters`` or (``nodes``) only on those nodes of them (see
+    ``audience``).  Raises ValueError."""
     if not TENANT_RE.fullmatch(tenant):
         raise ValueError(
             f"bad tenant name {tenant!r}: letters, digits and _.@- only, at most 128 characters"
         )
+    aud = audience(clusters, nodes)
     ring = _ring(keys)
     kid = ring.newest if kid is None else kid
     if kid not in ring.keys:
         raise ValueError(f"no key {kid!r} in the secret file (it has: {', '.join(ring.kids)})")
     now = time.time()
-    claims: dict[str, Any] = {"sub": tenant, "iat": int(now), "jti": secrets.token_urlsafe(9)}
+    claims: dict[str, Any] = {"sub": tenant, "aud": aud, "iat": int(now),
+                              "jti": secrets.token_urlsafe(9)}
     if ttl is None:
         claims[NEVER] = True
     else:
@@ -198,9 +228,11 @@ def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
     return jwt.encode(claims, ring.keys[kid], algorithm=ALGORITHMS[0], headers={"kid": kid})
 
 
-def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant:
-    """Check a token against the node's keys.  Raises AuthFailed (forged,
-    garbled, unknown or revoked key, no tenant, no expiry) or TokenExpired."""
+def verify(keys: Keyring | bytes, token: str, now: float | None = None,
+           cluster: str = DEFAULT_CLUSTER, node: str | None = None) -> Grant:
+    """Check a token against the keys of node ``node`` of ``cluster``.
+    Raises AuthFailed (forged, garbled, unknown or revoked key, no tenant,
+    no expiry, no audience or another one) or TokenExpired."""
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
         raise AuthFailed("malformed token")
     ring = _ring(keys)
@@ -217,13 +249,23 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
         raise AuthFailed(f"token is signed with key {name}, which this node does not know "
                          "(unknown or revoked)")
     try:
-        claims = jwt.decode(token, secret, algorithms=ALGORITHMS, leeway=0, options={
-            "require": ["sub"],
+        claims = jwt.decode(token, secret, algorithms=ALGORITHMS, leeway=0, audience=[
+            cluster, *([f"{cluster}/{node}"] if node is not None else [])], options={
+            "require": ["sub", "aud"],
             "verify_exp": False,  # checked below, against ``now``
             "verify_iat": False,  # informational: a node's clock may lag the minter's
         })
     except jwt.InvalidSignatureError:
         raise AuthFailed("token signature does not match this node's key") from None
+    except jwt.MissingRequiredClaimError as exc:
+        if exc.claim != "aud":
+            raise AuthFailed(f"bad token: {exc}") from None
+        raise AuthFailed("token names no audience (aud), so no node takes it: mint it "
+                         "with 'rpcbuf token create --cluster NAME'") from None
+    except jwt.InvalidAudienceError:  # the signature held: the token is ours, not for here
+        where = f"cluster {cluster!r}" + ("" if node is None else f", node {node!r}")
+        raise AuthFailed(f"token is not for this node ({where}): its audience (aud) names "
+                         "other clusters or nodes") from None
     except jwt.PyJWTError as exc:  # a genuine token with a bad claim (nbf, aud, ...)
         raise AuthFailed(f"bad token: {exc}") from None
     except Exception:  # e.g. OverflowError from an nbf of Infinity, RecursionError
