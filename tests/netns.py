@@ -159,7 +159,8 @@ class NetnsCluster:
     @property
     def token(self) -> str:
         if not self._token:
-            self._token = create_token(load_or_create_secret(self.secret), self.tenant)
+            self._token = create_token(load_or_create_secret(self.secret), self.tenant,
+                                       clusters=["default", "netns"])  # test_netns_fleet
         return self._token
 
     def client_env(self) -> dict[str, str]:

@@ -80,7 +80,10 @@ def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def token(secret: Path) -> str:
-    return create_token(load_or_create_secret(secret), "alice")
+    """Good on every node of the clusters this file starts (a token's
+    audience names its clusters)."""
+    return create_token(load_or_create_secret(secret), "alice",
+                        clusters=["three", "load", "restart", "stale", "stale2", "tls", "auth"])
 
 
 def members(etcd: Etcd, cluster: str) -> dict[str, NodeRecord]:

@@ -187,28 +187,6 @@ async def test_a_corrupt_metadata_blob_from_the_daemon_is_a_bad_answer(
     await rpcbuf.unload_model(cluster, "corrupt")
 
 
-async def test_a_protocol_2_session_loads_without_source_types(
-        clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client capped at protocol 2 (as a daemon before 3 makes every session)
-    sends neither field: the load works, the entries hold none, the metadata
-    (an ordinary tensor) is there."""
-    monkeypatch.setattr(P, "PROTOCOL_VERSION", 2)
-    path = write_quantized_gguf(tmp_path / "v2.gguf")
-    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cluster:
-        ctx = cluster[clean_pool.addr]
-        assert ctx.protocol_version == 2
-        await rpcbuf.load_model(cluster, path, name="v2", progress=False)
-        info = await rpcbuf.model_info(ctx, "v2")
-        assert all(t.source_type is None and t.logical_shape is None
-                   for t in info.tensors.values())
-        assert info.metadata["general.name"] == "quant-test"
-        bid = await ctx.request_buffer(4096)
-        stored = await ctx.store_tensors(bid, {"a": np.ones(2)}, sources={"a": ("F64", (2,))})
-        assert "source_type" not in stored["a"]
-        await ctx.release_buffer(bid)
-        await rpcbuf.unload_model(cluster, "v2")
-
-
 def cli(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=60,

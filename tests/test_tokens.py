@@ -107,8 +107,9 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "alice")
     assert res.returncode == 0, res.stderr
     keys = auth.load_keys(secret)
-    claims = jwt.decode(res.stdout.strip(), keys.keys["default"], algorithms=["HS256"])
-    assert claims["sub"] == "alice"
+    claims = jwt.decode(res.stdout.strip(), keys.keys["default"], algorithms=["HS256"],
+                        audience="default")
+    assert claims["sub"] == "alice" and claims["aud"] == ["default"]  # cluster "default"
     assert abs(claims["exp"] - (time.time() + 24 * 3600)) < 60  # 24h unless said otherwise
     assert auth.verify(keys, res.stdout.strip()).expires_at == claims["exp"]
 
@@ -135,3 +136,73 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert auth.load_keys(fresh).kids == ["2026-12"]
     assert jwt.get_unverified_header(res.stdout.strip())["kid"] == "2026-12"
+
+
+async def test_a_secret_file_that_is_not_utf8_keeps_the_running_keys(
+        daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 24, item 17: one Latin-1 byte in a comment made the whole file
+    one key ``default`` on SIGHUP, ending every session.  Now it is a
+    malformed file like any other: refused at start, the running keys kept
+    on SIGHUP."""
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB")
+    text = d.secret_file.read_text()
+    async with rpcbuf.connect(d.addr, token=d.token("alice", 3600), timeout=30) as c:
+        d.secret_file.write_bytes(b"# caf\xe9\n" + text.encode())
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "SIGHUP: keeping the running keys" not in (log := d.log()):
+            assert "SIGHUP: re-read" not in log, log  # the bug: it took the file as one key
+            assert time.monotonic() < deadline, log
+            await asyncio.sleep(0.05)
+        assert f"{d.secret_file}:1: " in log and "not UTF-8" in log
+        assert await c.ping() > 0  # the session and its key survived
+    proc = subprocess.Popen([sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
+                             "--ucx-port", "0", "--device", "cpu:4MiB",
+                             "--secret-file", str(d.secret_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and "not UTF-8" in err and "Traceback" not in err, err
+
+
+def test_token_create_names_clusters_and_nodes(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    base = ["token", "create", "--secret-file", str(secret), "--tenant", "alice"]
+    res = _cli(*base, "--cluster", "prod,staging")
+    assert res.returncode == 0, res.stderr
+    claims = jwt.decode(res.stdout.strip(), options={"verify_signature": False})
+    assert claims["aud"] == ["prod", "staging"]
+    res = _cli(*base, "--cluster", "prod", "--node", "n1,n2")
+    assert res.returncode == 0, res.stderr
+    claims = jwt.decode(res.stdout.strip(), options={"verify_signature": False})
+    assert claims["aud"] == ["prod/n1", "prod/n2"]
+    for bad in (["--cluster", "a/b"], ["--cluster", ""], ["--node", "n 1"]):
+        res = _cli(*base, *bad)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "letters, digits" in res.stderr or "at least one" in res.stderr, res.stderr
+
+
+async def test_a_token_for_another_cluster_or_node_is_refused(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 24, item 2 (the token half): a token a fake node stole for one
+    cluster or node is refused on every other, AUTH_FAILED naming where it was."""
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--cluster", "prod",
+                                   "--node-id", "n1")
+    keys = auth.load_keys(d.secret_file)
+    for good in (["prod"], ["staging", "prod"]):
+        async with rpcbuf.connect(d.addr, token=auth.create_token(keys, "alice", 60,
+                                                                  clusters=good),
+                                  timeout=30) as c:
+            assert await c.ping() > 0
+    async with rpcbuf.connect(d.addr, token=auth.create_token(keys, "alice", 60,
+                                                              clusters=["prod"], nodes=["n1"]),
+                              timeout=30) as c:
+        assert await c.ping() > 0
+    for clusters, nodes in ((["default"], []), (["staging"], []), (["prod"], ["n2"]),
+                            (["staging"], ["n1"])):
+        token = auth.create_token(keys, "alice", 60, clusters=clusters, nodes=nodes)
+        with pytest.raises(rpcbuf.AuthFailed,
+                           match=r"not for this node \(cluster 'prod', node 'n1'\)"):
+            await rpcbuf.connect(d.addr, token=token, timeout=30)

@@ -24,9 +24,7 @@ def test_a_request_carries_source_types_and_logical_shapes_per_kind() -> None:
     assert P.parse_request(req.to_wire(5)) == (5, req)
 
 
-def test_an_older_protocol_gets_none_and_unknown_ones_are_left_out() -> None:
-    old = request("b", "m.gguf", 1024, [Q, F], described=False)
-    assert old.kind_source_types is None and old.kind_logical_shapes is None
+def test_unknown_ones_are_left_out() -> None:
     bare = request("b", "m.gguf", 1024, [FileTensor("f", "<f4", (4,), 0, 16, 0, 3, 9)])
     assert bare.kind_source_types is None and bare.kind_logical_shapes is None
 

@@ -86,7 +86,7 @@ class Raw:
 
 def hello(addr: str, token: str) -> Raw:
     raw = Raw(addr)
-    answer = raw.call("hello", token=token, version=1)
+    answer = raw.call("hello", token=token)  # the default version: the newest
     assert answer["ok"], answer
     return raw
 

@@ -96,7 +96,7 @@ def test_a_big_frame_before_hello_is_refused_at_once(daemon_factory) -> None:  #
     assert raw.drain_to_eof(3)
     raw.close()
     raw = Raw(d.addr, timeout=3)  # a hello of ordinary size still works, then big frames
-    assert raw.call("hello", token=d.token(), version=1)["ok"]
+    assert raw.call("hello", token=d.token())["ok"]
     big = raw.call("ping", pad="x" * 100_000)  # past the pre-hello limit: parsed, refused
     assert big["error"]["code"] == "BAD_REQUEST" and "pad" in big["error"]["message"]
     assert raw.call("ping")["ok"]

@@ -1,10 +1,8 @@
-"""Protocol versions: a client and a daemon of different versions agree on
-the newest version both speak, or refuse with one sentence naming both
-(``P.version_mismatch``), in both directions: a real daemon asked for
-versions it does not speak, and a fake version-1 daemon (it knows no
-``versions`` field and wants version 1 exactly, as the daemon did before
-negotiation) met by this client, which says hello again the old way when it
-still speaks 1 and refuses when it does not."""
+"""Protocol versions: a client and a daemon agree on the newest version both
+speak, or refuse with one sentence naming both (``P.version_mismatch``), in
+both directions.  Versions 1 and 2 are gone (issue 24, item 12): a real
+daemon refuses a hello of either with that sentence, and this client says
+hello once: it never tries again "the old way" on an error's wording."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from fakedaemon import Conn, FakeDaemon, hello_answer
 from rawwire import Raw
 
 import rpcbuf
-from control.client import batches
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
@@ -45,14 +42,6 @@ def test_hello_versions() -> None:
             P.hello_versions(P.Hello("t", versions=bad))
 
 
-def test_batches_state_their_checksum_kind_from_protocol_2() -> None:
-    items = [(0, np.ones(8, np.uint8))]
-    new, _ = batches.store_batch("b", items, "checksum", None, None, state_kind=True)
-    old, _ = batches.store_batch("b", items, "checksum", None, None, state_kind=False)
-    assert new.request(False).to_wire(1)["checksum_kind"] == "xxh3"
-    assert "checksum_kind" not in old.request(False).to_wire(1)  # a version-1 daemon refuses it
-
-
 # -- a real daemon ---------------------------------------------------------------------
 
 
@@ -63,11 +52,29 @@ def test_daemon_negotiates_or_names_both_ranges(daemon_factory) -> None:  # type
         msg = raw.call("hello", token=d.token(), version=9, versions=[8, 9])
         assert not msg["ok"] and msg["error"]["code"] == "BAD_REQUEST"
         assert msg["error"]["message"].startswith(
-            f"the node speaks protocol {P.PROTOCOL_MIN}..{P.PROTOCOL_VERSION}, this client "
-            "speaks 8..9")
+            f"the node speaks protocol {P.speaks(P.PROTOCOL_MIN, P.PROTOCOL_VERSION)}, "
+            "this client speaks 8..9")
         assert msg["error"]["details"]["reason"] == "protocol_version"
-        old = raw.call("hello", token=d.token(), version=1)  # a version-1 client: still served
-        assert old["ok"] and old["result"]["version"] == 1
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize(("fields", "speaks"), [
+    ({"version": 1}, "1"),  # a version-1 client: no ``versions``
+    ({"version": 2, "versions": [1, 2]}, "1..2"),
+], ids=["v1", "v2"])
+def test_daemon_refuses_versions_1_and_2_naming_both(  # type: ignore[no-untyped-def]
+        daemon_factory, fields: dict[str, Any], speaks: str) -> None:
+    d = daemon_factory("--device", "cpu:16MiB")
+    raw = Raw(d.addr)
+    try:
+        msg = raw.call("hello", token=d.token(), **fields)
+        assert not msg["ok"] and msg["error"]["code"] == "BAD_REQUEST", msg
+        assert msg["error"]["message"].startswith(
+            f"the node speaks protocol {P.speaks(P.PROTOCOL_MIN, P.PROTOCOL_VERSION)}, "
+            f"this client speaks {speaks}: "
+            "upgrade the older side"), msg
+        assert msg["error"]["details"]["reason"] == "protocol_version"
     finally:
         raw.close()
 
@@ -84,13 +91,14 @@ async def test_client_and_daemon_speak_the_newest(daemon_factory) -> None:  # ty
         await c.release_buffer(buf)
 
 
-# -- a version-1 daemon ------------------------------------------------------------------
+# -- an older daemon ------------------------------------------------------------------
 
 
 @pytest.fixture
 async def old_daemon() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     """A daemon as it was before versions: unknown fields and any version
-    but 1 are a bare BAD_REQUEST; the connection stays open."""
+    but 1 are a bare BAD_REQUEST; the connection stays open, and a second
+    hello the old way would be served."""
     hellos: list[dict[str, Any]] = []
 
     async def handler(conn: Conn, req: dict[str, Any]) -> None:
@@ -117,48 +125,32 @@ async def old_daemon() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         await fd.close()
 
 
-async def test_a_version_1_daemon_is_spoken_to_in_version_1(
+async def test_the_client_says_hello_once_and_never_the_old_way(
         old_daemon: tuple[str, list[dict[str, Any]]]) -> None:
+    """The refusal is the daemon's, as it came: no second hello matched on
+    its wording, no session in version 1."""
     addr, hellos = old_daemon
-    ctx = rpcbuf.RpcContext(*await _hello_only(addr))
-    assert ctx.protocol_version == 1
-    assert [h.get("versions") for h in hellos] == [[P.PROTOCOL_MIN, P.PROTOCOL_VERSION], None]
-    assert hellos[1]["version"] == 1
-    ctx.abort()
-
-
-async def test_a_client_past_version_1_refuses_naming_both(
-        old_daemon: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
-    addr, _ = old_daemon
-    monkeypatch.setattr(P, "PROTOCOL_MIN", 2)
-    monkeypatch.setattr(P, "PROTOCOL_VERSION", 3)
-    with pytest.raises(BadRequest) as info:
+    with pytest.raises(BadRequest, match="unknown field"):
         await rpcbuf.connect(addr, token="t", timeout=5, same_host=False)
-    assert info.value.message.startswith("the node speaks protocol 1, this client speaks 2..3")
-    assert info.value.details["reason"] == "protocol_version"
+    assert len(hellos) == 1
+    assert hellos[0]["versions"] == [P.PROTOCOL_MIN, P.PROTOCOL_VERSION]
 
 
-async def test_a_daemon_answering_a_version_we_do_not_speak_is_refused() -> None:
+@pytest.mark.parametrize("version", [1, 2, 7, ...], ids=["v1", "v2", "v7", "none"])
+async def test_a_daemon_answering_a_version_we_do_not_speak_is_refused(
+        version: Any) -> None:
     async def handler(conn: Conn, req: dict[str, Any]) -> None:
-        conn.answer(req, hello_answer(version=7))
+        conn.answer(req, hello_answer(version=version))
 
     fd = FakeDaemon(handler)
     addr = await fd.start()
     try:
         with pytest.raises(BadRequest) as info:
             await rpcbuf.connect(addr, token="t", timeout=5, same_host=False)
+        said = 0 if version is ... else version
         assert info.value.message.startswith(
-            f"the node speaks protocol 7, this client speaks "
-            f"{P.PROTOCOL_MIN}..{P.PROTOCOL_VERSION}")
+            f"the node speaks protocol {said}, this client speaks "
+            f"{P.speaks(P.PROTOCOL_MIN, P.PROTOCOL_VERSION)}")
         assert info.value.details["field"] == "version"
     finally:
         await fd.close()
-
-
-async def _hello_only(addr: str) -> tuple[Any, ...]:
-    """Open a session without binding UCX (the fake has no UCX listener):
-    what ``RpcContext`` is made of."""
-    from control.client.opening import open_session
-
-    opened = await open_session(addr, "t", 5, None, False)
-    return opened.conn, opened.hello, opened.raw, 5.0

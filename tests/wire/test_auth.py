@@ -79,7 +79,7 @@ def test_secret_file_created_private(tmp_path: Path) -> None:
         load_or_create_secret(tmp_path / "missing", create=False)
 
 
-# -- JWTs, keys, and the old format --------------------------------------------
+# -- JWTs and keys --------------------------------------------
 
 KEY2 = b"k" * 64
 RING = Keyring({"default": SECRET, "k2": KEY2})
@@ -88,22 +88,27 @@ RING = Keyring({"default": SECRET, "k2": KEY2})
 def test_tokens_are_standard_jwts() -> None:
     tok = create_token(RING, "alice", ttl=60)  # the newest key signs
     assert jwt.get_unverified_header(tok) == {"alg": "HS256", "typ": "JWT", "kid": "k2"}
-    claims = jwt.decode(tok, KEY2, algorithms=["HS256"])  # any JWT library reads it
+    claims = jwt.decode(tok, KEY2, algorithms=["HS256"], audience="default")  # any library
     assert claims["sub"] == "alice" and claims["exp"] - time.time() <= 60
+    assert claims["aud"] == ["default"]
     grant = verify(RING, tok)
     assert (grant.tenant, grant.kid, grant.expires_at) == ("alice", "k2", claims["exp"])
     assert "k2" in repr(grant) and repr(KEY2)[2:10] not in repr(grant) + repr(RING)
     named = create_token(RING, "alice", kid="default")
     assert jwt.get_unverified_header(named)["kid"] == "default"
     assert verify(RING, named).expires_at is None  # ttl=None: never, and says so
-    assert jwt.decode(named, SECRET, algorithms=["HS256"])["never_expires"] is True
+    assert jwt.decode(named, SECRET, algorithms=["HS256"],
+                      audience="default")["never_expires"] is True
     with pytest.raises(ValueError, match="no key 'k3'"):
         create_token(RING, "alice", kid="k3")
 
 
 def _mint(claims: dict[str, object], key: bytes = SECRET, alg: str = "HS256",
           kid: str | None = "default") -> str:
-    return jwt.encode(claims, key, algorithm=alg, headers=None if kid is None else {"kid": kid})
+    """A token as an operator's own tool mints it (for cluster ``default``
+    unless ``claims`` say another ``aud``)."""
+    return jwt.encode({"aud": "default", **claims}, key, algorithm=alg,
+                      headers=None if kid is None else {"kid": kid})
 
 
 def test_jwts_minted_elsewhere() -> None:
@@ -126,14 +131,17 @@ def test_jwts_minted_elsewhere() -> None:
         verify(RING, _mint({"sub": "alice", "exp": int(time.time()) - 1}))
     for claim in ["exp", "nbf", "iat"]:  # hostile JSON numbers: a clear refusal, no crash
         for odd in ["Infinity", "NaN", "1e400", str(10**400), "-1e300"]:
-            body = f'{{"sub": "alice", "exp": {exp}, "{claim}": {odd}}}'  # the last exp wins
+            # the last exp wins
+            body = f'{{"sub": "alice", "aud": "default", "exp": {exp}, "{claim}": {odd}}}'
             try:
                 verify(RING, _raw_jwt({"alg": "HS256"}, body))
             except AuthFailed:
                 continue
             assert claim != "exp", odd  # an odd nbf in the past or iat (unchecked) is harmless
-    with pytest.raises(AuthFailed):  # another audience's token is not ours
+    with pytest.raises(AuthFailed, match="not for this node"):  # another cluster's
         verify(RING, _mint({"sub": "alice", "exp": exp, "aud": "elsewhere"}))
+    with pytest.raises(AuthFailed, match="no audience"):  # says nowhere: good nowhere
+        verify(RING, jwt.encode({"sub": "alice", "exp": exp}, SECRET, algorithm="HS256"))
 
 
 def test_only_hs256_with_a_known_key() -> None:
@@ -185,17 +193,16 @@ def _legacy_token(secret: bytes, tenant: str, expires: int) -> str:
     return f"rpcbuf1.{_b64url(payload)}.{_b64url(mac)}"
 
 
-def test_old_format_tokens_still_accepted_with_the_default_key() -> None:
-    grant = verify(RING, _legacy_token(SECRET, "alice", 0))
-    assert (grant.tenant, grant.kid, grant.expires_at, grant.legacy) == (
-        "alice", "default", None, True)
-    assert verify_token(SECRET, _legacy_token(SECRET, "bob", int(time.time()) + 60)) == "bob"
-    with pytest.raises(TokenExpired):
-        verify(RING, _legacy_token(SECRET, "alice", int(time.time()) - 1))
-    with pytest.raises(AuthFailed):  # signed with the other key: old tokens know only default
-        verify(RING, _legacy_token(KEY2, "alice", 0))
-    with pytest.raises(AuthFailed, match="revoked"):  # default removed: old tokens die
-        verify(Keyring({"k2": KEY2}), _legacy_token(SECRET, "alice", 0))
+def test_old_format_tokens_are_refused() -> None:
+    """Issue 24, item 12: ``rpcbuf1.`` tokens skipped the tenant-name check
+    and ``exp=0`` never expired.  No release shipped them: a genuine one,
+    correctly signed with the default key, is refused like any garbled token."""
+    for token in (_legacy_token(SECRET, "alice", 0),
+                  _legacy_token(SECRET, "../etc", int(time.time()) + 60)):
+        with pytest.raises(AuthFailed, match=r"old-format \(rpcbuf1\.\) token.*token create"):
+            verify(RING, token)
+        with pytest.raises(AuthFailed):
+            verify_token(SECRET, token)
 
 
 def test_secret_files_with_several_keys(tmp_path: Path) -> None:
@@ -203,7 +210,6 @@ def test_secret_files_with_several_keys(tmp_path: Path) -> None:
     assert parse_keys(f"{old}\n".encode()).keys == {"default": old.encode()}  # old format
     ring = parse_keys(f"# keys\n\n{old}\n  2026-07 {'b' * 64}  \n".encode())
     assert ring.kids == ["default", "2026-07"] and ring.newest == "2026-07"
-    assert parse_keys(b"\xff\xfe" + b"\x00" * 40).kids == ["default"]  # raw bytes: one key
     for bad, says in [("", "no key"), ("# only\n", "no key"), ("k short\n", "fewer"),
                       (f"k {old}\nk {old}\n", "twice"), (f"k {old} x\n", "KEY_ID SECRET"),
                       (f"-k {old}\n", "bad key id"), (f"{old}\n{old}\n", "twice")]:
@@ -216,3 +222,62 @@ def test_secret_files_with_several_keys(tmp_path: Path) -> None:
         load_or_create_secret(path)
     made = load_keys(tmp_path / "new", kid="2026-01")
     assert made.kids == ["2026-01"] and stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(("data", "line"), [
+    (b"\xff\xfe" + b"\x00" * 40, 1),  # raw bytes, no line at all
+    (b"# caf\xe9 keys\nk1 " + b"a" * 64 + b"\n", 1),  # one Latin-1 byte in a comment
+    (b"k1 " + b"a" * 64 + b"\nk2 " + b"b" * 63 + b"\x80\n", 2),  # in a secret
+], ids=["raw", "comment", "secret"])
+def test_a_secret_file_that_is_not_utf8_is_refused_naming_the_line(data: bytes,
+                                                                    line: int) -> None:
+    """Never silently one key ``default``: a SIGHUP would end every session
+    (issue 24, item 17); the daemon keeps its keys on a ValueError."""
+    with pytest.raises(ValueError, match=rf"^f:{line}: .*not UTF-8"):
+        parse_keys(data, "f")
+
+
+# -- audiences (issue 24, item 2) ------------------------------------------------
+
+
+def test_a_token_is_for_one_cluster_unless_it_names_more() -> None:
+    """A token stolen for one cluster cannot be replayed on another, even
+    where both clusters' nodes share the key."""
+    tok = create_token(RING, "alice", 60)  # every existing caller: cluster "default"
+    assert jwt.decode(tok, KEY2, algorithms=["HS256"], audience="default")["aud"] == ["default"]
+    assert verify(RING, tok).tenant == "alice"  # a node of cluster "default"
+    assert verify(RING, tok, cluster="default", node="n1").tenant == "alice"
+    with pytest.raises(AuthFailed, match=r"not for this node.*cluster 'prod'"):
+        verify(RING, tok, cluster="prod", node="n1")
+    both = create_token(RING, "alice", 60, clusters=["prod", "staging"])
+    assert verify(RING, both, cluster="prod", node="n1").tenant == "alice"
+    assert verify(RING, both, cluster="staging", node="n9").tenant == "alice"
+    with pytest.raises(AuthFailed, match="not for this node"):
+        verify(RING, both)  # cluster "default"
+
+
+def test_a_token_narrowed_to_nodes_works_on_those_only() -> None:
+    tok = create_token(RING, "alice", 60, clusters=["prod"], nodes=["n1", "n2"])
+    assert jwt.decode(tok, KEY2, algorithms=["HS256"],
+                      audience="prod/n1")["aud"] == ["prod/n1", "prod/n2"]
+    for node in ("n1", "n2"):
+        assert verify(RING, tok, cluster="prod", node=node).tenant == "alice"
+    for cluster, node in (("prod", "n3"), ("prod", None), ("staging", "n1")):
+        with pytest.raises(AuthFailed, match="not for this node"):
+            verify(RING, tok, cluster=cluster, node=node)
+
+
+def test_a_token_can_name_a_default_node_id() -> None:
+    """A daemon's default node id is ``host:port`` (two daemons on one host
+    are two nodes): a token narrowed to one must be possible to mint."""
+    tok = create_token(RING, "alice", 60, nodes=["gpu7:7700"])
+    assert verify(RING, tok, cluster="default", node="gpu7:7700").tenant == "alice"
+    with pytest.raises(AuthFailed, match="not for this node"):
+        verify(RING, tok, cluster="default", node="gpu7:7701")
+
+
+def test_bad_audiences_are_refused_at_minting() -> None:
+    for clusters, nodes in ((["a/b"], []), ([""], []), ([], []), (["prod"], ["n 1"]),
+                            (["prod"], ["x" * 200])):
+        with pytest.raises(ValueError):
+            create_token(RING, "alice", 60, clusters=clusters, nodes=nodes)

@@ -189,8 +189,6 @@ def test_packed_carries_them_per_kind_and_only_when_described() -> None:
     fields = p.fields()
     assert fields["kind_source_types"] == p.sources
     assert fields["kind_logical_shapes"] == [None if s is None else list(s) for s in p.logicals]
-    old = p.fields(described=False)  # to a daemon before protocol 3
-    assert "kind_source_types" not in old and "kind_logical_shapes" not in old
     assert "kind_source_types" not in plain.fields()
     taken = p.take(np.array([2, 0, 1]))
     assert taken.names == ["s", "q", "r"] and taken.sources == p.sources

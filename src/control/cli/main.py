@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from control.cli import commands as cliops
@@ -26,6 +27,7 @@ from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence,
 from control.cli.load import register_load_commands, run_hash_command, run_load_command
 from control.wire.auth import DEFAULT_KID, create_token, load_keys
 from control.wire.errors import RpcBufError
+from control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
 from control.wire.units import format_size, parse_duration
 
 DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
@@ -46,6 +48,20 @@ def _token_ttl(text: str) -> float | None:
     if ttl <= 0:
         raise argparse.ArgumentTypeError(f"--ttl {text!r} must be positive (or never)")
     return ttl
+
+
+def _names(text: str, check: Callable[[str, str], str] = check_name) -> list[str]:
+    """``--cluster`` of ``token create``: NAME[,NAME...]."""
+    names = [n.strip() for n in text.split(",")]
+    try:
+        return [check("name", n) for n in names]
+    except RecordError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _node_ids(text: str) -> list[str]:
+    """``--node`` of ``token create``: ID[,ID...] (a default id is ``host:port``)."""
+    return _names(text, check_node_id)
 
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
@@ -106,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "expires [24h]")
     tc.add_argument("--kid", help="sign with this key of the secret file (the one created, if "
                     "the file is missing) [the file's last key]")
+    tc.add_argument("--cluster", type=_names, default=[DEFAULT_CLUSTER], metavar="NAME[,NAME]",
+                    help="the token's audience: good on any node of these clusters (each "
+                         "daemon's --cluster), refused on every other [default]")
+    tc.add_argument("--node", type=_node_ids, default=[], metavar="ID[,ID]",
+                    help="narrow the audience to these node ids (each daemon's --node-id) of "
+                         "those clusters [any node]")
 
     dv = sub.add_parser("devices", help="list every node's devices and free memory",
                         epilog='example: rpcbuf devices --endpoints "10.0.0.5:7700;10.0.0.6:7700"')
@@ -258,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "token":
             keys = load_keys(args.secret_file, kid=args.kid or DEFAULT_KID)
-            print(create_token(keys, args.tenant, args.ttl, kid=args.kid))
+            print(create_token(keys, args.tenant, args.ttl, kid=args.kid,
+                               clusters=args.cluster, nodes=args.node))
             return 0
         if args.cmd == "devices":
             return asyncio.run(_devices(args))

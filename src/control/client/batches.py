@@ -40,13 +40,11 @@ Manifest = tuple[list[str], list[str], list[list[int]]] | Packed
 
 def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None,
                 manifest: Manifest | None, manifest_version: int | None,
-                state_kind: bool, described: bool = False,
                 checksums: Sequence[int] | None = None,
                 ) -> tuple[Transfer, Callable[[dict[str, Any]], dict[str, Any]]]:
     """The transfer of a ``store_batch`` and what puts its answer in the
-    caller's order.  ``state_kind``: the request states its checksum kind
-    (protocol 2); ``described``: it carries the manifest's source types and
-    logical shapes, if any (protocol 3); ``checksums``: the items' xxh3-64,
+    caller's order; the request states its checksum kind and carries the
+    manifest's source types and logical shapes, if any.  ``checksums``: the items' xxh3-64,
     index-aligned, when the caller computed them already (else, with
     ``verify``, they are computed here).  Raises BAD_REQUEST."""
     if verify not in (None, "checksum"):
@@ -88,9 +86,9 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
     req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
                        sizes=P.pack_u64(sizes), checksums=sums,
                        verify=verify,  # type: ignore[arg-type]
-                       checksum_kind="xxh3" if sums is not None and state_kind else None,
+                       checksum_kind="xxh3" if sums is not None else None,
                        manifest_version=manifest_version,
-                       **(packed.fields(described) if packed is not None else {}))
+                       **(packed.fields() if packed is not None else {}))
 
     def request(stage: int | None) -> P.Request:
         return req if stage is None else dataclasses.replace(req, stage=stage)

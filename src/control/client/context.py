@@ -54,7 +54,7 @@ from control.client.opening import (
     parse_addr,
     same_host_default,
 )
-from control.client.tensorops import DESCRIBED, TensorOps
+from control.client.tensorops import TensorOps
 from control.client.tensors import ManifestTable, Packed
 from control.wire import protocol as P
 from control.wire.errors import (
@@ -477,8 +477,6 @@ class RpcContext:
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
         self._check_open()
         t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
-                                          state_kind=self.protocol_version >= 2,
-                                          described=self.protocol_version >= DESCRIBED,
                                           checksums=checksums)
         return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
 
@@ -558,8 +556,7 @@ class RpcContext:
         differs: its size, a tensor's place or hash; the message names the
         file and the tensor), TIMEOUT, BAD_REQUEST."""
         self._check_open()
-        req = fileload.request(buffer_id, path, file_size, tensors,
-                               described=self.protocol_version >= DESCRIBED)
+        req = fileload.request(buffer_id, path, file_size, tensors)
         result = await self._call(req, self.transfer_timeout if timeout is None else timeout)
         self._tensors.manifests.pop(buffer_id, None)  # the manifest changed on the node
         return result
@@ -588,9 +585,6 @@ class _DedupNeeds:
 
     def check_open(self) -> None:
         self._ctx._check_open()
-
-    def described(self) -> bool:
-        return self._ctx.protocol_version >= DESCRIBED
 
     async def call(self, req: P.Request) -> dict[str, Any]:
         return await self._ctx._call(req)

@@ -51,9 +51,6 @@ class DedupNeeds(Protocol):
 
     def check_open(self) -> None: ...
 
-    def described(self) -> bool:
-        """Whether the daemon records source types and logical shapes (protocol 3)."""
-
     async def call(self, req: P.Request) -> dict[str, Any]: ...
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
@@ -81,8 +78,6 @@ class DedupOps:
         ctx = self._ctx
         ctx.check_open()
         arrays = named_arrays(tensors)
-        if not ctx.described():
-            sources = None  # a daemon before protocol 3 records no source types
         if offsets is None:
             existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)

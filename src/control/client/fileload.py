@@ -43,11 +43,11 @@ class FileTensor:
 
 
 def request(buffer_id: str, path: str, file_size: int,
-            tensors: Sequence[FileTensor], described: bool = True) -> P.LoadFile:
+            tensors: Sequence[FileTensor]) -> P.LoadFile:
     """One ``load_file`` request for ``tensors`` (any order: sorted here by
-    buffer offset, as the daemon wants them); ``described``: with their
-    source types and logical shapes (protocol 3 on).  Raises BAD_REQUEST for
-    more tensors than one request may carry."""
+    buffer offset, as the daemon wants them), with their source types and
+    logical shapes.  Raises BAD_REQUEST for more tensors than one request
+    may carry."""
     if len(tensors) > P.MAX_ITEMS // 2:
         raise BadRequest(f"one load_file carries at most {P.MAX_ITEMS // 2} tensors, "
                          f"got {len(tensors)}")
@@ -58,7 +58,7 @@ def request(buffer_id: str, path: str, file_size: int,
     packed = Packed.of_columns([t.name for t in items], [t.dtype for t in items],
                                [t.shape for t in items],
                                [t.source_type for t in items],
-                               [t.logical_shape for t in items]).fields(described)
+                               [t.logical_shape for t in items]).fields()
     return P.LoadFile(
         buffer_id=buffer_id, path=path, file_size=file_size,
         file_offsets=P.pack_u64([t.file_offset for t in items]),

@@ -12,10 +12,9 @@ so the checks are testable on their own and the same for TCP and Unix
 sockets.
 
 The protocol version is checked here too: the daemon answers the version it
-chose from the client's range (``P.negotiate``); one outside that range is
-refused with the sentence ``P.version_mismatch`` makes (both ranges named).
-A version-1 daemon says nothing of ``checksum_kinds``: each device's kind is
-then what that protocol defined, devsum on a GPU and xxh3 on the host.
+chose from the client's range (``P.negotiate``); one outside that range, or
+none, is refused with the sentence ``P.version_mismatch`` makes (both ranges
+named).  There is no fallback to an older version.
 """
 
 from __future__ import annotations
@@ -108,7 +107,7 @@ def check_hello(msg: dict[str, Any], unix: bool) -> dict[str, Any]:
 
 def _version(msg: dict[str, Any]) -> int:
     mine = (P.PROTOCOL_MIN, P.PROTOCOL_VERSION)
-    version = msg.get("version", 1)  # a daemon older than the field speaks 1
+    version = msg.get("version")
     if type(version) is not int or not mine[0] <= version <= mine[1]:
         node = (version, version) if type(version) is int else (0, 0)
         err = P.version_mismatch(node, mine)

@@ -22,12 +22,10 @@ to any other address is refused before anything is dialed
 says the network is trusted.  A registry entry (``Cluster``) is dialed the
 same way, so a forged one gets nothing without the CA's signature.
 
-Versions: the hello says ``version`` (the newest we speak, all a version-1
-daemon reads) and ``versions: [oldest, newest]``; the daemon answers the
-newest both speak, or BAD_REQUEST naming both ranges.  A version-1 daemon
-knows no ``versions`` and refuses the field with a bare BAD_REQUEST: if this
-client still speaks 1 it says hello again the old way on the same
-connection, else it raises the same sentence a new daemon would.
+Versions: the hello says ``versions: [oldest, newest]``; the daemon answers
+the newest both speak, or BAD_REQUEST naming both ranges.  The hello is said
+once: a refusal is raised as it came, never answered by a second hello "the
+old way" chosen from the wording of an error.
 """
 
 from __future__ import annotations
@@ -205,30 +203,13 @@ async def open_session(addr: str, token: str, timeout: float | None,
 _Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any], Handles | None]
 
 
-def _old_node(exc: BadRequest) -> bool:
-    """Whether a refused hello is a version-1 daemon's: it refuses the
-    ``versions`` field it does not know, or our newest version, bare."""
-    return exc.details.get("reason") != "protocol_version" and (
-        "versions" in exc.message or "protocol version" in exc.message)
-
-
 async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None
                  ) -> dict[str, Any]:
-    """Say hello (within ``timeout``); on a version-1 daemon's refusal, again
-    as version 1 when we speak it.  Raises BAD_REQUEST naming both versions."""
-    mine = (P.PROTOCOL_MIN, P.PROTOCOL_VERSION)
-    for old in (False, True):
-        fut = conn.submit(conn.next_id(), req)
-        try:
-            async with asyncio.timeout(timeout):
-                return result_of(await fut)
-        except BadRequest as exc:
-            if old or not _old_node(exc):
-                raise
-            if mine[0] > 1:
-                raise P.version_mismatch((1, 1), mine) from None
-            req = P.Hello(token=req.token, version=1, replaces=req.replaces)
-    raise AssertionError("unreachable")
+    """Say hello (within ``timeout``).  Raises what the daemon refused it
+    with (BAD_REQUEST naming both versions, AUTH_FAILED, ...)."""
+    fut = conn.submit(conn.next_id(), req)
+    async with asyncio.timeout(timeout):
+        return result_of(await fut)
 
 
 async def _open(addr: str, timeout: float | None, token: str, *,

@@ -39,8 +39,6 @@ from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
 from control.wire.manifest import Source, source_columns
 
-DESCRIBED = 3  # the protocol version from which manifests record source types
-
 
 @dataclass
 class _Manifest:
@@ -58,8 +56,6 @@ class _Manifest:
 
 class BatchOps(Protocol):
     """What the named-tensor layer needs of a context."""
-
-    protocol_version: int  # the session's (source types are recorded from DESCRIBED on)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]: ...
@@ -90,7 +86,7 @@ class TensorOps:
         the offsets against the cached manifest, store, merge the cache."""
         names, arrays = names_and_arrays(tensors)
         packed = Packed.of_arrays(names, arrays)
-        if sources and self._ops.protocol_version >= DESCRIBED:
+        if sources:
             packed = packed.described(*source_columns(names, sources))
         sizes = packed.item_nbytes()
         for attempt in (0, 1):

@@ -236,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--advertise", metavar="HOST:PORT",
                      help="the control address clients should dial [the --listen address]")
     reg.add_argument("--cluster", default=DEFAULT_CLUSTER, type=_cluster_name,
-                     help="the cluster (key prefix) to register under [%(default)s]")
+                     help="the cluster this node is of: the key prefix it registers "
+                          "under, and what a token's audience must name (or this node "
+                          "in it; docs/tokens.md) [%(default)s]")
     reg.add_argument("--registry-ttl", type=_positive_int, default=DEFAULT_TTL, metavar="S",
                      help="seconds of the lease: a crashed node disappears this long after "
                           "[%(default)s]")
@@ -419,8 +421,8 @@ async def serve(args: argparse.Namespace) -> int:
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
                     copy_threads=args.copy_threads)
-    daemon = Daemon(registry, keys, node_id=args.node_id or "", limits=limits,
-                    model_files=model_files)
+    daemon = Daemon(registry, keys, node_id=args.node_id or "", cluster=args.cluster,
+                    limits=limits, model_files=model_files)
     if model_files is not None:
         log.info("node-local loads may read %s",
                  ", ".join(d.real for d in model_files.dirs))

@@ -56,6 +56,7 @@ class Node(Protocol):
     registry: Registry
     keys: Keyring
     node_id: str
+    cluster: str  # --cluster: what a token's audience must name
     limits: Limits
     unauthenticated: Pending[Any]
     pending_endpoints: Pending[DataEndpoint]

@@ -47,6 +47,7 @@ from control.daemon.session import READ_CHUNK, Session
 from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
+from control.wire.membership import DEFAULT_CLUSTER
 from dataplane import shm
 from dataplane.ucx import (
     BIND_TAG,
@@ -65,14 +66,17 @@ class Daemon:
     """One node's daemon: serves ``registry`` to the holders of ``keys``."""
 
     def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
-                 limits: Limits | None = None,
+                 cluster: str = DEFAULT_CLUSTER, limits: Limits | None = None,
                  model_files: ModelFiles | None = None) -> None:
         """``node_id``: "" for ``default_node_id`` of the listener, once it
-        listens; ``model_files``: the ``--model-dir`` directories node-local
-        loads may read (None: such loads are refused)."""
+        listens; ``cluster``: the one this node is of (``--cluster``), which a
+        token's audience must name (or this node in it); ``model_files``: the
+        ``--model-dir`` directories node-local loads may read (None: such
+        loads are refused)."""
         self.registry = registry
         self.keys = keys
         self.node_id = node_id
+        self.cluster = cluster
         self.limits = limits or Limits()
         self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
         self.by_nonce: dict[bytes, Session] = {}

@@ -585,7 +585,8 @@ class Session:
         if self.tenant is not None:
             raise BadRequest("hello was already said on this connection")
         version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
-        grant = verify(self.daemon.keys, req.token)
+        grant = verify(self.daemon.keys, req.token, cluster=self.daemon.cluster,
+                       node=self.daemon.node_id)
         tenant = grant.tenant
         self._take_slot(tenant, req.replaces)
         self.tenant, self.grant = tenant, grant

@@ -2,7 +2,8 @@
 
 A token is a standard JSON Web Token, HS256-signed with one of the node's keys:
 header ``{"alg": "HS256", "typ": "JWT", "kid": KEY_ID}``, claims ``sub`` (the
-tenant), ``iat``, ``exp`` and ``jti`` (random, so two tokens never coincide).
+tenant), ``aud`` (where it is good, below), ``iat``, ``exp`` and ``jti``
+(random, so two tokens never coincide).
 A token that never expires has no ``exp`` and says so with
 ``"never_expires": true`` (``rpcbuf token create --ttl never``); one with
 neither is refused, so a token minted by hand without ``exp`` does not live
@@ -18,37 +19,44 @@ in constant time (``hmac.compare_digest``), all before any claim is looked at:
 a forged token and a garbled one both fail ``AUTH_FAILED``, and only a genuine
 one can say ``TOKEN_EXPIRED``.
 
+The audience: ``aud`` lists clusters (``prod``: any node of that cluster)
+or nodes of one (``prod/n1``: that node only; ``/`` is in no cluster name
+or node id).  A node accepts a token whose ``aud`` names its cluster (the
+daemon's ``--cluster``) or itself in it; PyJWT does the matching
+(``audience=``).  So a token stolen for one cluster or node, by a fake node
+a forged registry entry pointed the client at, cannot be replayed on
+another, even where they share a key.  A token with no ``aud`` is good
+nowhere: ``rpcbuf token create`` always writes one (cluster ``default``
+unless told).
+
 The secret file holds one key per line, ``KEY_ID SECRET`` (``#`` comments and
-blank lines ignored); the last line signs new tokens.  A line with a bare
+blank lines ignored), UTF-8 text throughout; the last line signs new tokens.  A line with a bare
 secret is the key ``default``: the single-secret file of earlier releases is
 such a file.  Rotation is: add a line, SIGHUP the daemon, mint with the new
 key, delete the old line, SIGHUP again (sessions of the removed key end).
 
-Old ``rpcbuf1.<payload>.<mac>`` tokens (HMAC-SHA256 over msgpack ``[tenant,
-expires_at, nonce]``) are still accepted for one release, checked with the
-``default`` key only; new ones are never made.
+The ``rpcbuf1.<payload>.<mac>`` tokens of development builds are refused
+(they skipped the tenant-name check, and ``exp=0`` never expired); the prefix
+is recognised only to say so.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import logging
 import os
 import re
 import secrets
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jwt
-import msgpack
 
 from control.wire.errors import AuthFailed, TokenExpired
+from control.wire.membership import DEFAULT_CLUSTER, check_name, check_node_id
 
 log = logging.getLogger("rpcbuf.auth")
 LEGACY_PREFIX = "rpcbuf1"
@@ -95,7 +103,6 @@ class Grant:
     expires_at: float | None
     kid: str
     key: bytes = field(repr=False)
-    legacy: bool = False
 
 
 def _ring(keys: Keyring | bytes) -> Keyring:
@@ -109,10 +116,14 @@ def parse_keys(data: bytes, where: str = "secret file") -> Keyring:
     """Parse a secret file's contents. Raises ValueError naming the line."""
     try:
         lines = data.decode().splitlines()
-    except UnicodeDecodeError:
-        # Raw random bytes (written by hand, not by us): the whole file is the
-        # one key, as it always was.
-        return Keyring.single(_long_enough(data.strip(), where))
+    except UnicodeDecodeError as exc:
+        # Refused like any other malformed file (SIGHUP keeps the running
+        # keys): taking the bytes as one key ``default`` would end every
+        # session over one Latin-1 byte in a comment.
+        n = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{where}:{n}: byte 0x{data[exc.start]:02x} is not UTF-8 text "
+                         "(a secret file holds 'KEY_ID SECRET' lines; write a binary "
+                         "secret as hex)") from None
     keys: dict[str, bytes] = {}
     for n, line in enumerate(lines, 1):
         words = line.split()
@@ -178,20 +189,38 @@ def load_or_create_secret(path: str | os.PathLike[str], create: bool = True) -> 
 # -- tokens ----------------------------------------------------------------------
 
 
+def audience(clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+             nodes: Sequence[str] = ()) -> list[str]:
+    """The ``aud`` of a token for any node of ``clusters``, or (``nodes``)
+    only for those nodes of them.  Raises ValueError for a bad name."""
+    if not clusters:
+        raise ValueError("a token needs at least one cluster")
+    for c in clusters:
+        check_name("cluster", c)
+    for n in nodes:
+        check_node_id("node id", n)
+    return [f"{c}/{n}" for c in clusters for n in nodes] if nodes else list(clusters)
+
+
 def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
-                 kid: str | None = None) -> str:
+                 kid: str | None = None, clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+                 nodes: Sequence[str] = ()) -> str:
     """A token for ``tenant``, valid ``ttl`` seconds (None: it never expires),
-    signed with key ``kid`` (default: the newest).  Raises ValueError."""
+    signed with key ``kid`` (default: the newest), good on any node of
+    ``clusters`` or (``nodes``) only on those nodes of them (see
+    ``audience``).  Raises ValueError."""
     if not TENANT_RE.fullmatch(tenant):
         raise ValueError(
             f"bad tenant name {tenant!r}: letters, digits and _.@- only, at most 128 characters"
         )
+    aud = audience(clusters, nodes)
     ring = _ring(keys)
     kid = ring.newest if kid is None else kid
     if kid not in ring.keys:
         raise ValueError(f"no key {kid!r} in the secret file (it has: {', '.join(ring.kids)})")
     now = time.time()
-    claims: dict[str, Any] = {"sub": tenant, "iat": int(now), "jti": secrets.token_urlsafe(9)}
+    claims: dict[str, Any] = {"sub": tenant, "aud": aud, "iat": int(now),
+                              "jti": secrets.token_urlsafe(9)}
     if ttl is None:
         claims[NEVER] = True
     else:
@@ -199,14 +228,17 @@ def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
     return jwt.encode(claims, ring.keys[kid], algorithm=ALGORITHMS[0], headers={"kid": kid})
 
 
-def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant:
-    """Check a token against the node's keys.  Raises AuthFailed (forged,
-    garbled, unknown or revoked key, no tenant, no expiry) or TokenExpired."""
+def verify(keys: Keyring | bytes, token: str, now: float | None = None,
+           cluster: str = DEFAULT_CLUSTER, node: str | None = None) -> Grant:
+    """Check a token against the keys of node ``node`` of ``cluster``.
+    Raises AuthFailed (forged, garbled, unknown or revoked key, no tenant,
+    no expiry, no audience or another one) or TokenExpired."""
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
         raise AuthFailed("malformed token")
     ring = _ring(keys)
     if token.startswith(LEGACY_PREFIX + "."):
-        return _verify_legacy(ring, token, now)
+        raise AuthFailed(f"an old-format ({LEGACY_PREFIX}.) token, no longer accepted: "
+                         "mint a new one with 'rpcbuf token create'")
     try:
         kid = jwt.get_unverified_header(token).get("kid", DEFAULT_KID)
     except Exception:  # whatever hostile JSON makes PyJWT raise, it is a bad token
@@ -217,13 +249,23 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
         raise AuthFailed(f"token is signed with key {name}, which this node does not know "
                          "(unknown or revoked)")
     try:
-        claims = jwt.decode(token, secret, algorithms=ALGORITHMS, leeway=0, options={
-            "require": ["sub"],
+        claims = jwt.decode(token, secret, algorithms=ALGORITHMS, leeway=0, audience=[
+            cluster, *([f"{cluster}/{node}"] if node is not None else [])], options={
+            "require": ["sub", "aud"],
             "verify_exp": False,  # checked below, against ``now``
             "verify_iat": False,  # informational: a node's clock may lag the minter's
         })
     except jwt.InvalidSignatureError:
         raise AuthFailed("token signature does not match this node's key") from None
+    except jwt.MissingRequiredClaimError as exc:
+        if exc.claim != "aud":
+            raise AuthFailed(f"bad token: {exc}") from None
+        raise AuthFailed("token names no audience (aud), so no node takes it: mint it "
+                         "with 'rpcbuf token create --cluster NAME'") from None
+    except jwt.InvalidAudienceError:  # the signature held: the token is ours, not for here
+        where = f"cluster {cluster!r}" + ("" if node is None else f", node {node!r}")
+        raise AuthFailed(f"token is not for this node ({where}): its audience (aud) names "
+                         "other clusters or nodes") from None
     except jwt.PyJWTError as exc:  # a genuine token with a bad claim (nbf, aud, ...)
         raise AuthFailed(f"bad token: {exc}") from None
     except Exception:  # e.g. OverflowError from an nbf of Infinity, RecursionError
@@ -247,32 +289,3 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None) -> Grant
 def verify_token(keys: Keyring | bytes, token: str, now: float | None = None) -> str:
     """The tenant a token was made for; see ``verify``."""
     return verify(keys, token, now).tenant
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _verify_legacy(ring: Keyring, token: str, now: float | None) -> Grant:
-    """An ``rpcbuf1.`` token of earlier releases, against the ``default`` key."""
-    secret = ring.keys.get(DEFAULT_KID)
-    if secret is None:
-        raise AuthFailed(f"old-format ({LEGACY_PREFIX}) token, and this node has no "
-                         f"'{DEFAULT_KID}' key to check it with (revoked)")
-    try:
-        _prefix, payload_b64, mac_b64 = token.split(".")
-        payload, mac = _unb64(payload_b64), _unb64(mac_b64)
-    except (ValueError, AttributeError):
-        raise AuthFailed("malformed token") from None
-    expected = hmac.new(secret, payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, mac):
-        raise AuthFailed("token signature does not match this node's key")
-    try:
-        tenant, expires, _nonce = msgpack.unpackb(payload)
-    except Exception:
-        raise AuthFailed("malformed token payload") from None
-    if not isinstance(tenant, str) or not isinstance(expires, int):
-        raise AuthFailed("malformed token payload")
-    if expires and (now if now is not None else time.time()) >= expires:
-        raise TokenExpired("token expired", {"expired_at": expires})
-    return Grant(tenant, float(expires) if expires else None, DEFAULT_KID, secret, legacy=True)

@@ -244,17 +244,16 @@ class Packed:
                       self.shapes, self.kind_nbytes, sources=self.sources,
                       logicals=self.logicals)
 
-    def fields(self, described: bool = True) -> dict[str, Any]:
-        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table);
-        ``described``: with the source types and logical shapes, if any
-        (protocol 3: a daemon before it knows no such fields)."""
+    def fields(self) -> dict[str, Any]:
+        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table), with
+        the source types and logical shapes, if any."""
         out: dict[str, Any] = {
                "names": self.names,
                "kinds": P.pack_u64(self.kinds) if len(self.dtypes) != 1 else None,
                "kind_dtypes": self.dtypes, "kind_shapes": [list(s) for s in self.shapes]}
-        if described and self.sources is not None:
+        if self.sources is not None:
             out["kind_source_types"] = self.sources
-        if described and self.logicals is not None:
+        if self.logicals is not None:
             out["kind_logical_shapes"] = [None if s is None else list(s) for s in self.logicals]
         return out
 

@@ -48,13 +48,13 @@ from control.wire.frames import (
 )
 
 # The protocol versions this code speaks, oldest to newest (see ``negotiate``).
-# 2: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
-# ``store_batch`` may state its ``checksum_kind``.  3: the same-host path
-# shares memory by handle (``handles``, ``bind_handles``, ``stage``,
-# ``attach``/``detach``, the BUSY code) instead of copying client memory;
-# ``store_batch`` and ``dedup_store`` may give each tensor's source type and
-# logical shape (``source_types``/``logical_shapes``, or per kind).
-PROTOCOL_MIN = 1
+# 3: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
+# the same-host path shares memory by handle (``handles``, ``bind_handles``,
+# ``stage``, ``attach``/``detach``, the BUSY code); ``store_batch`` and
+# ``dedup_store`` may give each tensor's source type and logical shape.
+# Versions 1 and 2 (development builds, never released) are refused by both
+# sides with ``version_mismatch``: there is no fallback to them.
+PROTOCOL_MIN = 3
 PROTOCOL_VERSION = 3
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
 MAX_INT = (1 << 63) - 1
@@ -313,11 +313,11 @@ def _hints(cls: type) -> dict[str, Any]:
 class Hello(Request):
     op: ClassVar[str] = "hello"
     token: str
-    # The newest version the client speaks (all a version-1 daemon reads);
-    # ``versions`` below: [oldest, newest] it speaks (version 2 on), see ``negotiate``.
+    # ``versions`` below: [oldest, newest] the client speaks (see ``negotiate``).
+    # ``version`` (a client before ``versions`` said only its one version)
+    # and protocol 2's same-host ``probe`` are read only so that such a client
+    # is refused by its version, in one sentence, not by an unknown field.
     version: int = PROTOCOL_VERSION
-    # Protocol 2's same-host probe: accepted from old clients and ignored
-    # (the same-host path no longer reads client memory; see ``handles``).
     probe: bytes | None = None
     probe_addr: int | None = None
     # The bind nonce of this client's TCP session that this Unix socket
@@ -654,8 +654,9 @@ def version_mismatch(node: tuple[int, int], client: tuple[int, int]) -> BadReque
 
 def hello_versions(req: Hello) -> tuple[int, int]:
     """The [oldest, newest] versions a hello says its client speaks: its
-    ``versions``, or (a version-1 client) just its ``version``.  Raises
-    BAD_REQUEST for a malformed range."""
+    ``versions``, or (a client from before the field, refused by
+    ``negotiate``) just its ``version``.  Raises BAD_REQUEST for a malformed
+    range."""
     if req.versions is None:
         return req.version, req.version
     if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
