@@ -83,7 +83,8 @@ def token(secret: Path) -> str:
     """Good on every node of the clusters this file starts (a token's
     audience names its clusters)."""
     return create_token(load_or_create_secret(secret), "alice",
-                        clusters=["three", "load", "restart", "stale", "stale2", "tls", "auth"])
+                        clusters=["three", "load", "restart", "stale", "stale2", "tls", "auth",
+                                  "twins", "forged"])
 
 
 def members(etcd: Etcd, cluster: str) -> dict[str, NodeRecord]:
