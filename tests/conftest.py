@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +180,22 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
 @pytest.fixture(scope="session")
 def daemon(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
     return daemon_factory("--device", "cpu:768MiB", "--transfer-timeout", "60s")  # type: ignore[no-any-return]
+
+
+def metrics_url(d: DaemonProc) -> str:
+    """The ``--metrics`` address a daemon logged at start."""
+    found = re.search(r"metrics at (http://[\d.]+:\d+/metrics)", d.log())
+    assert found, d.log()
+    return found.group(1)
+
+
+def pool_gauge(url: str, name: str) -> int:
+    """``rpcbuf_pool_NAME`` (or ``..._total``) of device cpu:0, read from ``url``."""
+    with urllib.request.urlopen(url, timeout=10) as res:
+        text = res.read().decode()
+    found = re.search(rf'^rpcbuf_pool_{name}(?:_total)?\{{device="cpu:0"\}} (\S+)$', text, re.M)
+    assert found, text
+    return int(float(found.group(1)))
 
 
 async def pool_free(d: DaemonProc) -> int:

@@ -6,32 +6,17 @@ real bytes over both data paths."""
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
 
 import rpcbuf
+from conftest import metrics_url, pool_gauge
 
 pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 
 MIB = 1 << 20
-
-
-def _reused(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=10) as res:
-        text = res.read().decode()
-    found = re.search(r'^rpcbuf_pool_reused_blocks_total\{device="cpu:0"\} (\S+)$', text, re.M)
-    assert found, text
-    return int(float(found.group(1)))
-
-
-def _metrics_url(d: Any) -> str:
-    found = re.search(r"metrics at (http://[\d.]+:\d+/metrics)", d.log())
-    assert found, d.log()
-    return found.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +27,8 @@ def keeping(daemon_factory):  # type: ignore[no-untyped-def]
 async def _secret_then_fresh(d: Any, size: int) -> tuple[np.ndarray, int]:
     """alice fills a buffer with her bytes and releases it; bob asks for the
     same size at once: bob's whole buffer as read back, and the reuse count."""
-    url = _metrics_url(d)
-    before = _reused(url)
+    url = metrics_url(d)
+    before = pool_gauge(url, "reused_blocks")
     async with d.connect("alice") as a, d.connect("bob") as b:
         bid = await a.request_buffer(size, name="secret")
         await a.store_tensor(bid, np.full(size, 0xA5, np.uint8))
@@ -51,7 +36,7 @@ async def _secret_then_fresh(d: Any, size: int) -> tuple[np.ndarray, int]:
         mine = await b.request_buffer(size, name="mine")
         got = await b.read_buffer(mine, 0, size)
         await b.release_buffer(mine)
-    return np.frombuffer(got, np.uint8), _reused(url) - before
+    return np.frombuffer(got, np.uint8), pool_gauge(url, "reused_blocks") - before
 
 
 @pytest.mark.parametrize("size", [4096, 3 * MIB, 48 * MIB], ids=["4KiB", "3MiB", "48MiB"])
@@ -95,7 +80,7 @@ async def test_keep_freed_0_keeps_nothing(daemon_factory) -> None:  # type: igno
 
 
 async def test_an_attached_block_is_never_kept(keeping) -> None:  # type: ignore[no-untyped-def]
-    url = _metrics_url(keeping)
+    url = metrics_url(keeping)
     async with keeping.connect("alice") as a:
         if not a.same_host:
             pytest.skip("attach needs the same-host path")
@@ -103,9 +88,10 @@ async def test_an_attached_block_is_never_kept(keeping) -> None:  # type: ignore
         await a.store_tensor(bid, np.full(MIB, 7, np.uint8))
         async with a.attach(bid) as view:
             assert (view.array(0, 16) == 7).all()
-        before = _reused(url)
+        before = pool_gauge(url, "reused_blocks")
         await a.release_buffer(bid)
         again = await a.request_buffer(MIB)
-        assert _reused(url) == before  # its memfd left the daemon once: a fresh one
+        # its memfd left the daemon once: a fresh one
+        assert pool_gauge(url, "reused_blocks") == before
         assert not np.frombuffer(await a.read_buffer(again, 0, MIB), np.uint8).any()
         await a.release_buffer(again)

@@ -10,44 +10,30 @@ still to be zeroed when the answer came, never how long anything took."""
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 from typing import Any
 
 import numpy as np
+
+from conftest import metrics_url, pool_gauge
 
 MIB = 1 << 20
 BLOCK = 32 * MIB
 BLOCKS = 24  # 768 MiB for the zeroer: far more than one block's worth
 
 
-def _gauge(url: str, name: str) -> int:
-    with urllib.request.urlopen(url, timeout=10) as res:
-        text = res.read().decode()
-    found = re.search(rf'^rpcbuf_pool_{name}(?:_total)?\{{device="cpu:0"\}} (\S+)$', text, re.M)
-    assert found, text
-    return int(float(found.group(1)))
-
-
-def _metrics_url(d: Any) -> str:
-    found = re.search(r"metrics at (http://[\d.]+:\d+/metrics)", d.log())
-    assert found, d.log()
-    return found.group(1)
-
-
 async def test_a_request_is_not_served_after_every_kept_block_released_before_its_own(
         daemon_factory: Any) -> None:
     d = daemon_factory("--device", "cpu:1GiB", "--keep-freed", "1GiB",
                        "--metrics", "127.0.0.1:0")
-    url = _metrics_url(d)
+    url = metrics_url(d)
     async with d.connect("alice") as a, d.connect("bob") as b:
         ids = [await a.request_buffer(BLOCK) for _ in range(BLOCKS)]
         await asyncio.gather(*(a.clear_buffer(i, 0xA5) for i in ids))  # alice's bytes
         await asyncio.gather(*(a.release_buffer(i) for i in ids))  # all kept, to be zeroed
-        reused = _gauge(url, "reused_blocks")
+        reused = pool_gauge(url, "reused_blocks")
         mine = await b.request_buffer(BLOCK)
-        left = _gauge(url, "zeroing_bytes")  # what the zeroer had still to do then
-        assert _gauge(url, "reused_blocks") == reused + 1  # bob got a kept block
+        left = pool_gauge(url, "zeroing_bytes")  # what the zeroer had still to do then
+        assert pool_gauge(url, "reused_blocks") == reused + 1  # bob got a kept block
         # Before the fix bob's block, last in the zeroer's order, was zero only
         # once every other block was: nothing was left when he was answered.
         assert left > 0, "bob was answered only after every released block was zeroed"
@@ -55,7 +41,7 @@ async def test_a_request_is_not_served_after_every_kept_block_released_before_it
         assert not got.any()  # none of alice's bytes
         await b.release_buffer(mine)
     for _ in range(200):  # bounded: the zeroer gets through the rest
-        if _gauge(url, "zeroing_bytes") == 0:
+        if pool_gauge(url, "zeroing_bytes") == 0:
             break
         await asyncio.sleep(0.05)
-    assert _gauge(url, "zeroing_bytes") == 0
+    assert pool_gauge(url, "zeroing_bytes") == 0
