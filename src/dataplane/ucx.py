@@ -571,6 +571,7 @@ class Janitor:
         self._claimable = claimable or (lambda since: False)
         self._on_drop = on_drop or (lambda count, nbytes: None)
         self._ep: Any = None
+        self._scratch: Any = None
         self._task: asyncio.Task[None] | None = None
         self.dropped = self.dropped_bytes = 0
         self.rounds = 0
@@ -636,7 +637,9 @@ class Janitor:
         from ucxx.types import Tag, TagMask
 
         worker = ucxx().core._get_ctx().worker
-        scratch = Array(np.zeros(1, dtype=np.uint8))
+        if self._scratch is None:  # one for good: a receive that outlives its wait may write it
+            self._scratch = Array(np.zeros(1, dtype=np.uint8))
+        scratch = self._scratch
         count = nbytes = 0
         while True:
             for _ in range(256):  # then let the loop breathe
@@ -646,7 +649,9 @@ class Janitor:
                 tag = int(got.sender_tag.value)
                 req = worker.tag_recv_with_handle(scratch, got)
                 with contextlib.suppress(Exception), busy():
-                    await req.wait()  # truncated, as meant: what matters is that it is gone
+                    # Truncated, as meant: what matters is that it left the queue.  An
+                    # eager message ends at once; a rendezvous one once its sender hears.
+                    await asyncio.wait_for(req.wait(), 5.0)
                 if tag == sentinel:
                     return count, nbytes
                 count += 1

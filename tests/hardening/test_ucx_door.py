@@ -167,3 +167,28 @@ async def test_messages_nobody_asked_for_are_dropped_not_kept(
     # One flood's worth is held at most (UCP's pools keep their size), never three.
     assert grown[2] < grown[0] + n * size // 2, grown
     assert "dropped 6000 UCX messages" in d.log()
+
+
+async def test_a_tenant_waiting_for_memory_does_not_hold_off_the_sweep(
+        daemon_factory, rma_peer: Path) -> None:  # type: ignore[no-untyped-def]
+    """The sweep spares old messages only while a network store has not
+    posted its receives.  A request that carries no payload (a request_buffer
+    waiting for memory, up to its own timeout) held it off for the whole
+    --transfer-timeout, keeping an unauthenticated flood that long."""
+    d = daemon_factory("--device", "cpu:16MiB", "--hello-timeout", "1s",
+                       "--transfer-timeout", "300s")
+    async with d.connect("alice", same_host=False) as ctx:
+        held = await ctx.request_buffer(size=16 << 20)
+        waiting = asyncio.create_task(ctx.request_buffer(size=16 << 20, timeout=60))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        out = _attack(rma_peer, d, 2000, 8000, "flood")
+        assert out == "flood 2000", out
+        for _ in range(150):  # two or three 1 s rounds, not 300 s
+            if (await ctx.stats())["ucx_unexpected_dropped"] >= 2000:
+                break
+            await asyncio.sleep(0.1)
+        assert (await ctx.stats())["ucx_unexpected_dropped"] == 2000
+        assert not waiting.done()
+        await ctx.release_buffer(held)
+        await ctx.release_buffer(await waiting)

@@ -179,9 +179,12 @@ class Announcer:
         old, self._lease = self._lease, await self.etcd.grant(self.ttl)
         try:
             await self._put(self.record(), mine=old)
-        except Taken:
+        except (Taken, EtcdUnavailable):
+            # Keep the old lease: it may still hold our key, and a retry that
+            # compared against the new, empty one would call our own key taken.
             lease, self._lease = self._lease, old
-            await self.etcd.revoke(lease)
+            with contextlib.suppress(EtcdUnavailable):
+                await self.etcd.revoke(lease)
             raise
         if old is not None and old != self._lease:
             await self.etcd.revoke(old)  # its key is on the new lease now

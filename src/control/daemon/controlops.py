@@ -23,7 +23,7 @@ from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, RpcBufError
-from dataplane import sockets, ucx
+from dataplane import ucx
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -209,7 +209,7 @@ class ControlOps:
                 # how this node's data plane is set up (rpcbuf doctor shows it)
                 "ucx_tls": os.environ.get("UCX_TLS", ""),
                 "rdma_devices": rdma_devices(),
-                "listening": sockets.listening(),
+                "listening": self._node.listening,
                 "ucx_features": ucx.features(),
                 **counters, "expired_total": self._registry.expired_of(tenant),
                 **self._registry.stats(tenant)}

@@ -130,9 +130,10 @@ class CopyPool:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             if not self.cancel(job):
+                # Retrieved whenever it ends: the caller is gone, and a second
+                # cancellation may cut the wait below short.
+                job.future.add_done_callback(_retrieve)
                 await asyncio.wait([job.future])
-                if not job.future.cancelled():
-                    job.future.exception()  # retrieved: the caller is gone
             raise
 
     def wait(self, job: Job, timeout: float, alone: bool = True) -> bool:
@@ -267,3 +268,8 @@ def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) 
         fut.set_exception(error)
     else:
         fut.set_result(result)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -439,7 +439,7 @@ async def serve(args: argparse.Namespace) -> int:
     local = None if args.local_socket == "none" else args.local_socket
     await daemon.start(host, port, ucx_port, tls=tls, local_socket=local)
     log.info("listening sockets (TCP, this process, UCX's own included): %s",
-             " ".join(sockets.listening()) or "none seen")
+             " ".join(daemon.listening) or "none seen")
     # Everything imported and built so far lives as long as the daemon: keep it
     # out of every collection, and collect young objects less often (a
     # 10,000-tensor manifest makes ~10,000 dicts at once; the default threshold

@@ -61,6 +61,7 @@ class Node(Protocol):
     unauthenticated: Pending[Any]
     pending_endpoints: Pending[DataEndpoint]
     janitor: Janitor | None  # drops old UCX messages no request asked for
+    listening: list[str]  # every TCP socket the daemon listens on (read at start)
     copies: CopyPool  # same-host ring copies
     sweeps: CopyPool  # bounded memory work for tenants, shared fairly (copypool.py)
     metrics: Metrics

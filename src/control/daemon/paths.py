@@ -170,8 +170,10 @@ class UcxPath:
     answer_first = True
     lands_in_parts = False
 
-    def __init__(self, ep: DataEndpoint, timeout: float, expired: Callable[[], None]) -> None:
+    def __init__(self, ep: DataEndpoint, timeout: float, expired: Callable[[], None],
+                 posted: Callable[[int], None] = lambda req_id: None) -> None:
         self.ep, self._timeout, self._expired = ep, timeout, expired
+        self._posted = posted  # request ``req_id``'s receives are posted (the janitor's)
 
     def check(self, buf: Buffer) -> None:
         pass
@@ -191,6 +193,7 @@ class UcxPath:
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None:
         ep = self.ep
+        self._posted(req_id)
         try:
             await transfer_all([ep.recv(region.view(off, n), run_tag(req_id, i))
                                 for i, (off, n, _, _) in enumerate(items.runs()) if n],
@@ -213,6 +216,7 @@ class UcxPath:
     async def drain(self, req_id: int, items: Items) -> None:
         # The client sends only non-empty runs: a 1-byte receive for an empty
         # one would wait for a message that never comes (until the deadline).
+        self._posted(req_id)
         tags = [run_tag(req_id, i) for i, r in enumerate(items.runs()) if r[1]]
         if not tags:
             return

@@ -48,7 +48,7 @@ from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
 from control.wire.membership import DEFAULT_CLUSTER
-from dataplane import shm
+from dataplane import shm, sockets
 from dataplane.ucx import (
     BIND_TAG,
     NONCE_BYTES,
@@ -93,6 +93,7 @@ class Daemon:
         self._server: asyncio.AbstractServer | None = None
         self._listener: DataListener | None = None
         self.janitor: Janitor | None = None
+        self.listening: list[str] = []  # every TCP socket this process listens on
         self._local_server: asyncio.AbstractServer | None = None
         self.local_socket: str | None = None  # "@name" (abstract) or a path
         self._expiry_timer: asyncio.TimerHandle | None = None
@@ -132,6 +133,9 @@ class Daemon:
             self.node_id = default_node_id(self.address[1])
         if local_socket is not None:
             await self._start_local(local_socket)
+        # Read once (one readlink per open fd, one memfd per buffer: 200 ms
+        # at 20,000 buffers); what listens does not change after this.
+        self.listening = sockets.listening()
         log.info("listening control=%s:%d ucx=%d devices=%s node=%s", self.address[0],
                  self.address[1], self.ucx_port, ",".join(self.registry.pools), self.node_id)
 
@@ -301,11 +305,9 @@ class Daemon:
             writer.close()
 
     def _claimable(self, since: float) -> bool:
-        """Whether a session with a data endpoint has a request in flight
-        that was dispatched before ``since`` (monotonic): its payload may be
-        among the old unexpected messages (``Janitor``)."""
-        return any(s.ep is not None and s.oldest_request() < since
-                   for s in self.sessions.values())
+        """Whether a session with a data endpoint may own an unexpected
+        message older than ``since`` (``Session.may_claim``, ``Janitor``)."""
+        return any(s.ep is not None and s.may_claim(since) for s in self.sessions.values())
 
     def _dropped(self, count: int, nbytes: int) -> None:
         self.metrics.unexpected_dropped(count, nbytes)

@@ -78,6 +78,12 @@ ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborte
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
 
 
+def _carries_payload(req: P.Request) -> bool:
+    """Whether ``req`` comes with UCX messages of its own (a network store)."""
+    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore)) and \
+        getattr(req, "stage", None) is None and getattr(req, "data", None) is None
+
+
 class Session:
     """One control connection: its tenant, its data paths, its requests."""
 
@@ -108,7 +114,13 @@ class Session:
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
         self.peer_pid = hello.peer_pid(writer) if self.unix else None
         self.tasks: dict[int, asyncio.Task[None]] = {}
-        self.dispatched: dict[int, float] = {}  # req_id -> time.monotonic() at dispatch
+        # Stores whose UCX payload may be waiting unexpected (their receives not
+        # posted yet): req_id -> time.monotonic() at dispatch.  The janitor
+        # (``Daemon._claimable``) spares old unexpected messages while one is
+        # older than its sentinel, or while the reader is paused (frames not
+        # yet dispatched may have sent payloads already).
+        self.unposted: dict[int, float] = {}
+        self.paused = False
         self.transfers: set[asyncio.Task[None]] = set()
         self._slot = asyncio.Event()
         self._closed = False
@@ -212,7 +224,8 @@ class Session:
             ep.abort()
             return
         self.ep = ep
-        self.ucx = UcxPath(ep, self.daemon.limits.transfer_timeout, self._transfer_expired)
+        self.ucx = UcxPath(ep, self.daemon.limits.transfer_timeout, self._transfer_expired,
+                           self._posted)
         log.debug("session %s bound its data endpoint", self.session_id)
 
     # -- what the ops see (pipeline.Ops, controlops.Owner) ------------------------------
@@ -294,7 +307,11 @@ class Session:
                         self._dispatch(msg)
                         while len(self.tasks) >= limits.max_inflight:  # back-pressure
                             self._slot.clear()
-                            await self._slot.wait()
+                            self.paused = True
+                            try:
+                                await self._slot.wait()
+                            finally:
+                                self.paused = False
                     if decoder.error is not None:
                         raise decoder.error
                     if not (one and msgs) or self._closed:
@@ -458,9 +475,14 @@ class Session:
         self.daemon.metrics.observe(op.op, code, op.started)
         logs.finish(op, code, None if error is None else error.message)
 
-    def oldest_request(self) -> float:
-        """When the oldest request in flight was dispatched (monotonic); inf if none."""
-        return min(self.dispatched.values(), default=math.inf)
+    def _posted(self, req_id: int) -> None:
+        self.unposted.pop(req_id, None)
+
+    def may_claim(self, since: float) -> bool:
+        """Whether an unexpected UCX message older than ``since`` (monotonic)
+        may be a payload of ours: a store dispatched before then has not
+        posted its receives, or the reader is paused with frames undecoded."""
+        return self.paused or min(self.unposted.values(), default=math.inf) < since
 
     def _spawn(self, req_id: int, req: P.Request, handler: Callable[..., Any]) -> None:
         op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
@@ -472,7 +494,8 @@ class Session:
             self._run_task(call, handler(call, req), op))
         self._unstarted += 1
         self.tasks[req_id] = task
-        self.dispatched[req_id] = time.monotonic()
+        if self.ep is not None and _carries_payload(req):
+            self.unposted[req_id] = time.monotonic()
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
@@ -501,7 +524,7 @@ class Session:
             call.held.release()
             self._finish(op, error)
             task = self.tasks.pop(req_id, None)
-            self.dispatched.pop(req_id, None)
+            self.unposted.pop(req_id, None)
             if task is not None:
                 self.transfers.discard(task)
             self._slot.set()
