@@ -68,3 +68,17 @@ def test_each_way_a_model_is_incomplete_is_named() -> None:
     err = LR.incomplete("m", LR.problems(lacking, True))
     assert err.code == "NOT_FOUND" and err.details["reason"] == "incomplete"
     assert "lm_head.weight" in err.message
+
+
+def test_a_record_nested_to_blow_up_is_refused_at_once() -> None:
+    """msgpack bounds each object, not the nesting: a malicious daemon's
+    record whose names are 200 lists of 100,001 empty lists each (20 MB)
+    passed every bound and cost 2.4 GB and 17 s to build before decode
+    refused it.  One map and two lists is all a record has."""
+    inner = b"\xdd" + (100_001).to_bytes(4, "big") + b"\x90" * 100_001
+    names = b"\xdd" + (200).to_bytes(4, "big") + inner * 200
+    raw = b"\x87" + b"".join(msgpack.packb(x) for x in [
+        "rpcbuf_model_load", 1, "load", "x", "state", "planned", "slots", [0], "slot", 0,
+        "checksums", None, "names"]) + names
+    with pytest.raises(rpcbuf.RpcBufError, match="two lists"):
+        LR.decode(raw)

@@ -7,8 +7,9 @@ whoever answers there.  The refusal comes before any connection is opened
 (checked by watching the event loop's ``create_connection``), so it is a
 BAD_REQUEST at once, never a timeout.  ``insecure=True`` /
 ``$RPCBUF_INSECURE=1`` / ``--insecure`` lifts it; TLS (``tls=``,
-``$RPCBUF_CA``, ``--ca``) is the fix.  192.0.2.0/24 and 2001:db8::/32 are
-documentation ranges that are never routed, and ``.invalid`` never resolves.
+``$RPCBUF_CA``, ``--ca``) is the fix.  Nothing here is sent off this host:
+the remote addresses are refused before any dial, and where a test lets one
+through (``insecure``) the ``dials`` spy records it and refuses it itself.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 import rpcbuf
+from control.client.opening import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOTE = ["192.0.2.1:7700", "[2001:db8::1]:7700", "rpcbuf-test.invalid:7700", "0.0.0.0:7700"]
@@ -39,6 +41,8 @@ async def dials(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[Any]]:
 
     async def spy(*args: Any, **kw: Any) -> Any:
         seen.append(args[1:3])
+        if not is_loopback(str(args[1])):  # recorded, never sent: tests reach loopback only
+            raise ConnectionRefusedError(111, "not dialed by the test")
         return await real(*args, **kw)
 
     monkeypatch.setattr(loop, "create_connection", spy)
@@ -85,7 +89,7 @@ async def test_tls_that_does_not_verify_the_node_counts_as_plaintext(dials: list
 
 async def test_insecure_lifts_the_refusal(dials: list[Any],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # Now it dials: the address is never routed, so TIMEOUT or CONNECTION_LOST.
+    # Now it dials (the spy records the dial and refuses it: no packet leaves).
     with pytest.raises((rpcbuf.Timeout, rpcbuf.ConnectionLost)):
         await rpcbuf.connect("192.0.2.1:7700", token=TOKEN, timeout=0.3, insecure=True)
     assert dials == [("192.0.2.1", 7700)]
@@ -116,7 +120,7 @@ async def test_a_ca_file_that_cannot_be_loaded_is_a_clear_error(
 
 
 def test_what_counts_as_loopback() -> None:
-    from control.client.opening import is_loopback
+
 
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost", "LOCALHOST"):
         assert is_loopback(host), host
@@ -138,7 +142,17 @@ def test_the_cli_refuses_and_says_how_to_fix_it() -> None:
     assert out.returncode == 1, out
     assert "--insecure" in out.stderr and "--ca" in out.stderr, out.stderr
     assert "[BAD_REQUEST]" in out.stderr and "Traceback" not in out.stderr, out.stderr
-    # --insecure: it dials (and gets no answer from a documentation address).
-    out = _cli("devices", "--endpoint", "192.0.2.1:7700", "--timeout", "0.3", "--insecure")
+    # --insecure: it dials.  0.0.0.0 is no loopback literal, yet Linux
+    # connects it to this host (port 1: refused), so no packet leaves.
+    out = _cli("devices", "--endpoint", "0.0.0.0:1", "--timeout", "5", "--insecure")
     assert out.returncode == 1, out
     assert "BAD_REQUEST" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+async def test_plaintext_localhost_is_dialed_as_the_loopback_literal(dials: list[Any]) -> None:
+    """``localhost`` is exempt as loopback, but resolving it asks NSS (a
+    hosts file, DNS), which could point it off the host with the token
+    following in plaintext: the client dials 127.0.0.1 itself."""
+    with pytest.raises(rpcbuf.ConnectionLost):
+        await rpcbuf.connect("localhost:1", token=TOKEN, timeout=5)
+    assert dials == [("127.0.0.1", 1)]

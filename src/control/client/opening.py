@@ -71,7 +71,8 @@ class InsecureTransport(BadRequest):
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this host's loopback (127/8, ::1, localhost): a
-    literal, never resolved, so no name server can make it one."""
+    literal, never resolved, so no name server can make it one (a plaintext
+    ``localhost`` is dialed as 127.0.0.1, see ``open_session``)."""
     if host.lower() == "localhost":
         return True
     try:
@@ -179,6 +180,8 @@ async def open_session(addr: str, token: str, timeout: float | None,
         if not _verifies(tls_ctx) and not is_loopback(host) \
                 and not (insecure_default() if insecure is None else insecure):
             _refuse_unproven(addr, host, tls_ctx)  # before anything is dialed
+        if host.lower() == "localhost" and not _verifies(tls_ctx):
+            host = "127.0.0.1"  # the name, resolved, could point anywhere: dial the literal
         opened = await _open(addr, timeout, token, tcp=(host, port, tls_ctx))
         local = opened[1].local
         # Under TLS the same-host path only when asked for: it leaves TLS out.

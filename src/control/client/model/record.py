@@ -107,11 +107,28 @@ def decode(raw: bytes) -> LoadRecord:
     the shape ``encode`` makes."""
     if len(raw) > MAX_RECORD:
         raise bad_answer(_ANSWER, "load", f"is {len(raw)} bytes (at most {MAX_RECORD})")
+    # msgpack bounds each object, not the nesting: a list of 100,001-item
+    # lists of empty lists (one byte each) passes them all and cost 2.4 GB and
+    # 17 s to build.  A record has one map and two lists: count as they are made.
+    made = [0, 0]
+
+    def _list(items: list[Any]) -> list[Any]:
+        made[0] += 1
+        if made[0] > 2:
+            raise ValueError("more than the record's two lists")
+        return items
+
+    def _map(pairs: dict[str, Any]) -> dict[str, Any]:
+        made[1] += 1
+        if made[1] > 1:
+            raise ValueError("more than the record's one map")
+        return pairs
+
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True,
                               max_str_len=4 * P.MAX_STR, max_bin_len=8 * P.MAX_ITEMS,
                               max_array_len=P.MAX_ITEMS + 1, max_map_len=len(_KEYS),
-                              max_ext_len=0)
+                              max_ext_len=0, list_hook=_list, object_hook=_map)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise bad_answer(_ANSWER, "load", f"is not msgpack within bounds: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != _KEYS or obj["rpcbuf_model_load"] != VERSION:
