@@ -204,7 +204,10 @@ def group_models(results: dict[str, Any],
             g["tensors"] += int(b.get("tensor_count", 0)) - has_meta \
                 - (LR.LOAD_TENSOR in entries)
             rec = (records or {}).get(addr, {}).get(str(b.get("buffer_id")))
-            found.setdefault(m.group(1), {})[int(m.group(2))] = (rec, entries)
+            slot = int(m.group(2))
+            if slot in found.setdefault(m.group(1), {}):  # one slot on two nodes
+                g.setdefault("held_twice", set()).add(slot)
+            found[m.group(1)][slot] = (rec, entries)
             for name, e in entries.items():
                 kind = e.get("source_type") if isinstance(e, dict) else None
                 if isinstance(kind, str) and name not in (META_TENSOR, LR.LOAD_TENSOR):
@@ -214,7 +217,11 @@ def group_models(results: dict[str, Any],
                         (nbytes if isinstance(nbytes, int) else 0)
     for name, g in out.items():
         g["slots"].sort()
-        g["problems"] = LR.problems(found[name], every_node=answered)
+        # A slot held on two nodes (a load left one out, a per-node load): which
+        # copy is the model is not for this listing to guess.
+        twice = sorted(g.pop("held_twice", ()))
+        g["problems"] = [f"slot {n} is held on more than one node" for n in twice] + \
+            LR.problems(found[name], every_node=answered)
         g["complete"] = False if g["problems"] else (True if answered else None)
         by_bytes = g.pop("type_bytes")
         g["source_types"] = dict(sorted(g["source_types"].items(),
