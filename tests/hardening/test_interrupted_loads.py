@@ -210,11 +210,18 @@ async def loading(cluster: rpcbuf.Cluster, name: str, timeout: float = 30.0) -> 
     raise AssertionError("the load never started")
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code,again", [(signal.SIGINT, 130, None),
+                                            (signal.SIGTERM, 143, None),
+                                            (signal.SIGINT, 130, signal.SIGINT),
+                                            (signal.SIGINT, 130, signal.SIGTERM)])
 async def test_rpcbuf_load_interrupted_by_a_signal_cleans_up_and_says_one_line(
         cluster: rpcbuf.Cluster, nodes: list[DaemonProc], big: Path, sig: int,
-        code: int) -> None:
-    name = f"sig{int(sig)}"
+        code: int, again: int | None) -> None:
+    """``again``: a second signal while the cleanup runs (an impatient
+    Ctrl-C) does not cut it short; seen: a second Ctrl-C raised
+    KeyboardInterrupt out of the loop, its buffers stayed, yet the CLI said
+    they were released."""
+    name = f"sig{int(sig)}-{int(again or 0)}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "control.cli", "load", str(big), "--endpoints",
          ";".join(endpoints(nodes)), "--token", nodes[0].token(TENANT), "--name", name,
@@ -223,6 +230,9 @@ async def test_rpcbuf_load_interrupted_by_a_signal_cleans_up_and_says_one_line(
     try:
         await loading(cluster, name)
         proc.send_signal(sig)
+        if again is not None:
+            await asyncio.sleep(0.01)
+            proc.send_signal(again)
         out, err = await asyncio.to_thread(proc.communicate, timeout=60)
     finally:
         if proc.poll() is None:

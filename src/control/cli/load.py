@@ -89,10 +89,8 @@ def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token
     where = endpoints if isinstance(endpoints, str) else ";".join(endpoints)
     try:
         return asyncio.run(_run(args, endpoints, token))
-    except KeyboardInterrupt:  # asyncio.run cancelled _run, which cleaned up, then raised
+    except KeyboardInterrupt:  # before _run's own handlers were in place
         return _interrupted(args, "SIGINT", EXIT_SIGINT)
-    except asyncio.CancelledError:  # the SIGTERM handler cancelled _run, likewise
-        return _interrupted(args, "SIGTERM", EXIT_SIGTERM)
     except BadRequest as exc:  # the model file, the placement: local problems
         _say(args, {"error": to_json(where, exc)}, f"rpcbuf: {exc.message}")
         return EXIT_USAGE
@@ -155,16 +153,33 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 
 
 async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
-    # SIGTERM cancels the command as Ctrl-C does (asyncio.run's SIGINT
-    # handler), so a load's cleanup runs either way instead of the process
-    # dying with its buffers half-filled on the nodes.
+    # SIGINT and SIGTERM cancel the command once, so a load's cleanup runs
+    # (``commit.abort``) instead of the process dying with its buffers
+    # half-filled on the nodes.  A second signal does not cut the cleanup
+    # short (it is bounded: ``commit.settle``); asyncio.run's own SIGINT
+    # handler raised KeyboardInterrupt out of the loop on a second Ctrl-C.
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     assert task is not None
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    got: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not got:
+            got.append(sig)
+            task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         return await _run_command(args, endpoints, token)
+    except asyncio.CancelledError:
+        if not got:
+            raise
+        return _interrupted(args, got[0].name, 128 + got[0])
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+            if got:  # interrupted: the process is on its way out with its code
+                signal.signal(sig, signal.SIG_IGN)
 
 
 async def _run_command(args: argparse.Namespace, endpoints: str | list[str], token: str
