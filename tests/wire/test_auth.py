@@ -281,3 +281,12 @@ def test_bad_audiences_are_refused_at_minting() -> None:
                             (["prod"], ["x" * 200])):
         with pytest.raises(ValueError):
             create_token(RING, "alice", 60, clusters=clusters, nodes=nodes)
+
+
+def test_a_token_too_big_for_any_hello_is_not_minted() -> None:
+    """Every --cluster x --node pair is an audience: 200 nodes made a token
+    no node accepts (hello frames are 4 KiB before authentication)."""
+    nodes = [f"gpu{i}.example:7700" for i in range(200)]
+    with pytest.raises(ValueError, match="name fewer nodes"):
+        create_token(RING, "alice", 60, nodes=nodes)
+    assert len(create_token(RING, "alice", 60, nodes=nodes[:8])) <= 3072

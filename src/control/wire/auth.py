@@ -65,6 +65,7 @@ DEFAULT_KID = "default"
 ALGORITHMS = ["HS256"]  # the only one decode accepts: no "none", no key confusion
 NEVER = "never_expires"
 MAX_TOKEN = 4096  # characters; ours are ~200
+MINT_MAX = 3072  # what create_token makes at most: the hello that carries it fits 4 KiB
 MAX_EXP = 2**40  # seconds since 1970 (year 36812): beyond, or NaN, is not a date
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
 KID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
@@ -225,7 +226,11 @@ def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
         claims[NEVER] = True
     else:
         claims["exp"] = int(now + ttl)
-    return jwt.encode(claims, ring.keys[kid], algorithm=ALGORITHMS[0], headers={"kid": kid})
+    token = jwt.encode(claims, ring.keys[kid], algorithm=ALGORITHMS[0], headers={"kid": kid})
+    if len(token) > MINT_MAX:  # every node would refuse it (hello's frame, MAX_TOKEN)
+        raise ValueError(f"the token would be {len(token)} characters (at most {MINT_MAX}): "
+                         f"its audience names {len(aud)} cluster/node pairs; name fewer nodes")
+    return token
 
 
 def verify(keys: Keyring | bytes, token: str, now: float | None = None,
