@@ -156,3 +156,12 @@ async def test_plaintext_localhost_is_dialed_as_the_loopback_literal(dials: list
     with pytest.raises(rpcbuf.ConnectionLost):
         await rpcbuf.connect("localhost:1", token=TOKEN, timeout=5)
     assert dials == [("127.0.0.1", 1)]
+
+
+async def test_a_registry_with_public_cas_only_is_refused(dials: list[Any]) -> None:
+    """From a registry, whoever may write it names the address: with every
+    public CA trusted (tls=True), a forged entry naming a host its writer has
+    a public certificate for gets the token.  The cluster's own CA is needed."""
+    with pytest.raises(rpcbuf.BadRequest, match="cluster's own CA"):
+        await rpcbuf.Cluster.connect("etcd://127.0.0.1:1", TOKEN, tls=True, timeout=1)
+    assert dials == []

@@ -147,7 +147,9 @@ class Cluster:
         ``need`` and ``watch`` as the module docstring says.  ``tls`` and
         ``insecure`` are ``rpcbuf.connect``'s, for every node: a CA file
         (or ``$RPCBUF_CA``) makes each node prove with a certificate from
-        that CA for the address dialed before it gets the token."""
+        that CA for the address dialed before it gets the token; from a
+        registry, ``tls=True`` (the system's public CAs) is BAD_REQUEST: a
+        forged entry could name a host its writer has a public certificate for."""
         if endpoints is None:
             endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
             if not endpoints:
@@ -155,6 +157,13 @@ class Cluster:
         dial = functools.partial(RpcContext.connect, timeout=timeout,
                                  max_inflight=max_inflight, tls=tls, insecure=insecure)
         if isinstance(endpoints, str) and is_registry(endpoints):
+            if tls is True:
+                # Whoever may write the registry names the address: with every
+                # public CA trusted, a certificate for a name of theirs passes.
+                raise BadRequest("a registry's nodes must prove themselves with the "
+                                 "cluster's own CA: pass tls='ca.pem' (or $RPCBUF_CA, an "
+                                 "ssl.SSLContext), not tls=True (every public CA)",
+                                 {"reason": "insecure_transport"})
             url = endpoints.strip()
             return ClusterConnector(lambda: cls._open_registry(
                 url, token, dial, cluster, registry, fallback, need, watch))
