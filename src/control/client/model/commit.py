@@ -31,7 +31,7 @@ class Job(Protocol):
     buffer_name: str
     created: bool  # this load made the buffer (request or clone)
     released: bool  # ... and released it again
-    asking: bool  # its request or clone is on its way: the node may make it
+    making: asyncio.Future[str] | None  # its request or clone, while on its way
     record: LoadRecord | None
     sums: dict[str, int]  # the verified checksums of its tensors
     held: dict[str, Any] | None  # a reused or cloned buffer's manifest when acquired
@@ -177,24 +177,20 @@ async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str
 async def abort(cluster: Cluster, jobs: list[J],
                 existing: dict[str, list[dict[str, Any]]]) -> None:
     """Release what a failed or interrupted load created, even when
-    cancelled meanwhile (a second Ctrl-C): the buffers it made, and a buffer
-    of a slot whose request was still on its way (the node may have made it
-    after the cancel: found by name, if it is there by now).  Buffers it
-    reused keep their planned record: incomplete until a load finishes."""
-    await settle(_abort(cluster, jobs, existing))
+    cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
+    request or clone still on its way has ended (``loader._make`` records
+    the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
+    given up, and what it made, if anything, holds no committed record).
+    Buffers it reused keep their planned record: incomplete until a load
+    finishes.  ``existing``: the listing taken before the load (unused: a
+    buffer is released by the id this load got, never found by name)."""
+    await settle(_abort(cluster, jobs))
 
 
-async def _abort(cluster: Cluster, jobs: list[J],
-                 existing: dict[str, list[dict[str, Any]]]) -> None:
+async def _abort(cluster: Cluster, jobs: list[J]) -> None:
+    pending = [j.making for j in jobs if j.making is not None and not j.making.done()]
+    if pending:
+        _, late = await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT)
+        for f in late:
+            f.cancel()
     await release_created(cluster, jobs)
-    known = {str(b.get("buffer_id")) for bufs in existing.values() for b in bufs}
-    pending = [j for j in jobs if j.asking]
-    for addr in {j.endpoint for j in pending}:
-        names = {j.buffer_name for j in pending if j.endpoint == addr}
-        try:
-            for b in await cluster[addr].list_buffers(timeout=CLEANUP_TIMEOUT):
-                if b.get("name") in names and str(b.get("buffer_id")) not in known:
-                    await cluster[addr].release_buffer(str(b["buffer_id"]),
-                                                       timeout=CLEANUP_TIMEOUT)
-        except RpcBufError:
-            pass  # that node is gone, or the buffer with it

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -274,7 +274,9 @@ class _SlotJob:
     created: bool = False
     cloned: bool = False  # made by ``clone_buffer`` from a buffer that held this plan
     released: bool = False  # created, then released by a failed load's cleanup
-    asking: bool = False  # its buffer's request or clone is on its way (the node may make it)
+    # Its buffer's request or clone while on its way: it runs to its end even
+    # when the load is cancelled meanwhile, and records what it made (``_make``).
+    making: asyncio.Future[str] | None = None
     metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
     record: LR.LoadRecord | None = None  # this slot's load record, planned (``commit``)
     sums: dict[str, int] = field(default_factory=dict)  # verified checksums, for the commit
@@ -515,27 +517,39 @@ async def _acquire(cluster: Cluster, jobs: list[_SlotJob],
                 if len(hashes) < len(j.specs) and hashing is not None:
                     hashes = {**await hashing.finish(), **hashes}  # hash the file first
                 src = _clone_source(j, layout, candidates, hashes)
-            j.asking = True
             if src is not None:
                 try:
-                    j.buffer_id = await ctx.clone_buffer(src, name=j.buffer_name)
-                    j.created = j.cloned = True
-                    j.asking = False
+                    await _make(j, ctx.clone_buffer(src, name=j.buffer_name), cloned=True)
                     j.held = next(b["tensors"] for b in candidates if b["buffer_id"] == src)
                     continue
                 except (NotFound, OutOfMemory, UnsupportedDevice):
                     pass  # released meanwhile, no block free, a GPU: request one instead
-            j.buffer_id = await ctx.request_buffer(need, device_type=slot.device_type,
-                                                   device=slot.device, name=j.buffer_name)
-            j.created = True
-            j.asking = False
+            await _make(j, ctx.request_buffer(need, device_type=slot.device_type,
+                                              device=slot.device, name=j.buffer_name))
         except RpcBufError as exc:
-            j.asking = False
             errors[slot.endpoint] = exc
             break
     if errors:
         cleaned = await CM.release_created(cluster, jobs)
         raise ClusterError.of("requesting buffers", errors, cleaned=cleaned)
+
+
+async def _make(j: _SlotJob, making: Awaitable[str], cloned: bool = False) -> None:
+    """Await ``making`` (the request or clone of ``j``'s buffer), shielded: if
+    the load is cancelled meanwhile it still runs to its end, and the id it
+    answers is recorded in ``j`` (``created``), so the cleanup releases
+    exactly the buffer this load made, never another loader's of that name
+    (``commit.abort`` waits for it first)."""
+    fut = j.making = asyncio.ensure_future(making)
+
+    def made(f: asyncio.Future[str]) -> None:
+        j.making = None
+        if not f.cancelled() and f.exception() is None:
+            j.buffer_id, j.created = f.result(), True
+            j.cloned = j.cloned or cloned
+
+    fut.add_done_callback(made)
+    await asyncio.shield(fut)
 
 
 def _clone_candidates(bufs: list[dict[str, Any]], job: _SlotJob,
