@@ -249,3 +249,32 @@ async def test_attach_model_gives_every_tensor_in_place_with_its_source_type(
     with pytest.raises(rpcbuf.NotFound):
         await rpcbuf.attach_model(ctx, "no-such-model")
     await rpcbuf.unload_model(cluster, "quant")
+
+
+async def test_attach_model_refuses_a_model_that_changed_between_its_check_and_attach(
+        cluster: rpcbuf.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attach_model checked the model complete, then attached slot by slot:
+    a load over it (here: a tensor rewritten) could begin in between, and
+    the engine got a half-overwritten model.  Attached, the buffers refuse
+    writes; the model is checked again then, and refused if it changed."""
+    path = write_quantized_gguf(tmp_path / "race.gguf")
+    await rpcbuf.load_model(cluster, path, name="race", progress=False)
+    ctx = cluster[cluster.endpoints[0]]
+    if not ctx.same_host:
+        pytest.skip("attach needs the same-host path")
+    info = await rpcbuf.model_info(ctx, "race")
+    victim = next(t for t in info.tensors.values() if t.nbytes >= 4)
+    real = ctx.attach
+
+    async def attach_after_a_write(buffer_id: str, *a: object, **kw: object) -> object:
+        if buffer_id == victim.buffer_id:  # another loader, between the check and here
+            await ctx.store_tensors(buffer_id, {victim.name: np.full(victim.nbytes, 7, np.uint8)})
+        return await real(buffer_id, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ctx, "attach", attach_after_a_write)
+    with pytest.raises(rpcbuf.NotFound) as err:
+        await rpcbuf.attach_model(ctx, "race")
+    assert err.value.details.get("reason") == "incomplete", err.value
+    monkeypatch.undo()
+    await ctx.clear_buffer(victim.buffer_id, 0)  # detached again: writable
+    await rpcbuf.unload_model(cluster, "race")

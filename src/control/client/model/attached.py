@@ -90,8 +90,22 @@ async def _attach_model(ctx: RpcContext, name: str) -> AttachedModel:
     try:
         for slot in info.slots:
             views[slot.buffer_id] = await ctx.attach(slot.buffer_id)
+        # Attached, its buffers refuse writes (BUSY); before, a load over the
+        # model may have begun between the check above and the attaches.
+        again = await model_info(ctx, name)
+        if not again.complete or _state(again) != _state(info):
+            raise incomplete(name, again.problems or [
+                "it changed while it was being attached (a load over it began)"],
+                f" on {ctx.node_id}")
         return AttachedModel(info, views)
     except BaseException:
         for view in views.values():
             await view.close()
         raise
+
+
+def _state(info: ModelInfo) -> tuple[Any, ...]:
+    """What must not change between the check and the attaches."""
+    return (tuple(s.buffer_id for s in info.slots),
+            tuple((n, t.buffer_id, t.offset, t.nbytes, t.checksum)
+                  for n, t in info.tensors.items()))
