@@ -72,9 +72,16 @@ class DaemonProc:
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"daemon did not stop within {timeout}s") from None
+                # PYTHONFAULTHANDLER (start_daemon) writes every thread's stack
+                # to the log on SIGABRT: where it hung, for whoever reads this.
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                raise AssertionError(f"daemon did not stop within {timeout}s; its log ends:\n"
+                                     + self.log()[-6000:]) from None
         return self.proc.returncode
 
 
@@ -98,7 +105,7 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30,
         args += ["--device", "cpu:512MiB"]
     with open(logf, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=None if env is None else {**os.environ, **env})
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
     deadline = time.monotonic() + wait
     while not (ready.exists() and ready.read_text().endswith("\n")):
         if proc.poll() is not None or time.monotonic() > deadline:
