@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
+import re
 import time
 import weakref
 from pathlib import Path
@@ -659,3 +661,47 @@ class Janitor:
                 count += 1
                 nbytes += int(got.length)
             await asyncio.sleep(0)
+
+
+_RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)")
+
+
+def library() -> dict[str, Any]:
+    """Which UCX this process runs on and what it can do, for ``stats`` and
+    ``rpcbuf doctor``: ``path`` of the libucp it loaded (from
+    ``/proc/self/maps``: what is mapped, not what was asked for), its
+    ``version``, the transport ``modules`` beside it (``ib`` means built with
+    verbs, ``rdmacm``, ``cuda``), and the ``resources`` (transport/device)
+    this process's context found; ``error``: why UCX would not start here
+    (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
+    no RDMA."""
+    error = None
+    try:
+        ucxx()
+    except Exception as exc:  # what UCX says, for doctor to show: not a crash
+        error = f"{type(exc).__name__}: {exc}"
+    path = None
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/libucp.so" in line:
+                path = line.split()[-1]
+                break
+    version = None
+    if path is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            fn = ctypes.CDLL(path).ucp_get_version_string
+            fn.restype = ctypes.c_char_p
+            version = fn().decode()
+    modules: list[str] = []
+    if path is not None:
+        with contextlib.suppress(OSError):
+            names = os.listdir(os.path.join(os.path.dirname(path), "ucx"))
+            modules = sorted({m.group(1) for n in names
+                              if (m := re.fullmatch(r"libuct_(\w+)\.so(?:\.\d+)*", n))})
+    resources: list[str] = []
+    if error is None:
+        info = ucxx().core._get_ctx().context.info
+        resources = list(dict.fromkeys(m.group(1) for m in _RESOURCE.finditer(info)))[:64]
+    return {"path": path, "version": version, "modules": modules, "verbs": "ib" in modules,
+            "rdmacm": "rdmacm" in modules, "cuda": "cuda" in modules, "resources": resources,
+            "error": error}

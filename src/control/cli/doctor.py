@@ -27,6 +27,7 @@ from control.client.opening import insecure_default, is_loopback, tls_context
 from control.wire import protocol as P
 from control.wire.errors import RpcBufError
 from control.wire.units import format_size, split_host_port
+from dataplane import ucx
 from dataplane.ucx import rdma_devices
 
 BIG = 64 << 20
@@ -124,6 +125,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                      "on the node",
                      {"ucx_tls": tls, "rdma_devices": rdma, "node_ucx_tls": node_tls,
                       "node_rdma_devices": node_rdma}))
+    out.extend(ucx_checks(ucx.library(), st.get("ucx"), rdma, node_rdma))
     listening = [str(a) for a in st.get("listening") or []]
     wild = [a for a in listening if a.startswith(("0.0.0.0:", "[::]:"))]
     out.append(Check("listening", "warn" if wild else "ok",
@@ -224,3 +226,45 @@ def as_json(results: dict[str, list[Check]]) -> dict[str, Any]:
 
 def failed(results: dict[str, list[Check]]) -> bool:
     return any(c.status == "fail" for checks in results.values() for c in checks)
+
+
+def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
+               node_rdma: list[str]) -> list[Check]:
+    """What UCX each side really runs on (``ucx.library``): its path,
+    version and whether it can do RDMA at all, and a warning where it
+    cannot use what the host has, or where ``UCX_NET_DEVICES`` names a
+    device it does not see.  ``node``: the node's ``stats()["ucx"]``."""
+    out: list[Check] = []
+    for side, lib, devs in (("here", here, rdma), ("node", node, node_rdma)):
+        if not isinstance(lib, dict):
+            out.append(Check(f"ucx {side}", "warn", "the node does not say which UCX it runs"))
+            continue
+        built = ", ".join(f"{k} {'yes' if lib.get(k) else 'no'}"
+                          for k in ("verbs", "rdmacm", "cuda"))
+        msg = f"UCX {lib.get('version') or '?'} ({built}) at {lib.get('path') or '?'}"
+        if not lib.get("verbs"):
+            msg += ": no RDMA with this build"
+        status = "ok"
+        if lib.get("error"):
+            out.append(Check(f"ucx {side}", "fail", f"UCX does not start: {lib['error']} "
+                             f"(check UCX_NET_DEVICES and UCX_TLS); {msg}", {"ucx": lib}))
+            continue
+        if devs and not lib.get("verbs"):
+            status = "warn"
+            msg += (f"; RDMA devices {', '.join(devs)} are there, but this UCX was built "
+                    "without verbs (the pip wheel is): see docs/dataplane.md")
+        out.append(Check(f"ucx {side}", status, msg, {"ucx": lib}))
+    wanted = [d.strip() for d in os.environ.get("UCX_NET_DEVICES", "").split(",") if d.strip()]
+    seen = {r.split("/", 1)[1] for r in here.get("resources") or [] if "/" in r}
+    missing = [d for d in wanted if d != "all" and d not in seen]
+    if missing:
+        out.append(Check("ucx devices", "warn",
+                         f"UCX_NET_DEVICES names {', '.join(missing)}, which this UCX does not "
+                         f"see (it sees {', '.join(sorted(seen)) or 'none'})"))
+    tls = [t.strip() for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()]
+    if rdma and tls and all(t in ("tcp", "self", "sm", "posix", "sysv", "cma") or
+                            t.startswith("cuda") for t in tls):
+        out.append(Check("ucx transports", "warn",
+                         f"UCX_TLS={','.join(tls)} leaves RDMA out although this host has "
+                         f"{', '.join(rdma)}"))
+    return out

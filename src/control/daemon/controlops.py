@@ -210,6 +210,7 @@ class ControlOps:
                 "ucx_tls": os.environ.get("UCX_TLS", ""),
                 "rdma_devices": rdma_devices(),
                 "listening": self._node.listening,
+                "ucx": self._node.ucx_library,
                 "ucx_features": ucx.features(),
                 **counters, "expired_total": self._registry.expired_of(tenant),
                 **self._registry.stats(tenant)}

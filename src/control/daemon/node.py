@@ -62,6 +62,7 @@ class Node(Protocol):
     pending_endpoints: Pending[DataEndpoint]
     janitor: Janitor | None  # drops old UCX messages no request asked for
     listening: list[str]  # every TCP socket the daemon listens on (read at start)
+    ucx_library: dict[str, Any]  # which UCX the daemon runs on (``ucx.library``, at start)
     copies: CopyPool  # same-host ring copies
     sweeps: CopyPool  # bounded memory work for tenants, shared fairly (copypool.py)
     metrics: Metrics

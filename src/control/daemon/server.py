@@ -57,6 +57,7 @@ from dataplane.ucx import (
     Janitor,
     TransferError,
 )
+from dataplane.ucx import library as ucx_library
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")
@@ -94,6 +95,7 @@ class Daemon:
         self._listener: DataListener | None = None
         self.janitor: Janitor | None = None
         self.listening: list[str] = []  # every TCP socket this process listens on
+        self.ucx_library: dict[str, Any] = {}  # which UCX this process runs on
         self._local_server: asyncio.AbstractServer | None = None
         self.local_socket: str | None = None  # "@name" (abstract) or a path
         self._expiry_timer: asyncio.TimerHandle | None = None
@@ -136,6 +138,11 @@ class Daemon:
         # Read once (one readlink per open fd, one memfd per buffer: 200 ms
         # at 20,000 buffers); what listens does not change after this.
         self.listening = sockets.listening()
+        self.ucx_library = ucx_library()
+        lib = self.ucx_library
+        log.info("UCX %s at %s: modules %s; verbs %s; resources %s", lib["version"],
+                 lib["path"], ",".join(lib["modules"]) or "-",
+                 "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
         log.info("listening control=%s:%d ucx=%d devices=%s node=%s", self.address[0],
                  self.address[1], self.ucx_port, ",".join(self.registry.pools), self.node_id)
 
