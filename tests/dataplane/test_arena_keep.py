@@ -45,6 +45,32 @@ class HeldZeroer:
             real.put(*item)
 
 
+def _held_arena(monkeypatch: pytest.MonkeyPatch, chunk: int | None = None
+                ) -> tuple[HostArena, HeldZeroer]:
+    """A 64-page arena that keeps everything, with small on-demand zeroing
+    (``chunk``: the zeroer's chunk too) and its zeroer held."""
+    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
+    if chunk is not None:
+        monkeypatch.setattr(A, "ZERO_CHUNK", chunk)
+    arena = HostArena(64 * PAGE)
+    arena.keep = 64 * PAGE
+    held = HeldZeroer()
+    arena._zeroer = held  # type: ignore[assignment]
+    return arena, held
+
+
+def _taken_again(arena: HostArena, fill: int | None = None) -> Zeroing:
+    """A 16-page block backed (written with ``fill``), released (kept) and
+    taken over again before the held zeroer ran: its ``Zeroing``."""
+    arena.back(0, 16 * PAGE)
+    if fill is not None:
+        arena.view(0, 16 * PAGE)[:] = fill
+    arena.unback(0, 16 * PAGE)
+    z = arena.back(0, 16 * PAGE)
+    assert isinstance(z, Zeroing)
+    return z
+
+
 def _wait_clean(z: Zeroing, timeout: float = 10.0) -> None:
     done = threading.Event()
     z.then(done.set)
@@ -128,17 +154,9 @@ def test_keep_is_a_bound_and_the_least_recently_kept_go_first() -> None:
 
 def test_a_large_block_is_zeroed_in_the_background_before_it_is_usable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
-    monkeypatch.setattr(A, "ZERO_CHUNK", 2 * PAGE)
-    arena = HostArena(64 * PAGE)
-    arena.keep = 64 * PAGE
-    held = HeldZeroer()
-    arena._zeroer = held  # type: ignore[assignment]
-    arena.back(0, 16 * PAGE)
-    arena.view(0, 16 * PAGE)[:] = 0xCD
-    arena.unback(0, 16 * PAGE)
-    z = arena.back(0, 16 * PAGE)  # taken over before it was zeroed
-    assert isinstance(z, Zeroing) and not z.clean and arena.reused == 1
+    arena, held = _held_arena(monkeypatch, chunk=2 * PAGE)
+    z = _taken_again(arena, fill=0xCD)  # taken over before it was zeroed
+    assert not z.clean and arena.reused == 1
     assert arena.view(0, 16 * PAGE).all()  # still the old bytes: the caller must wait
     held.run()
     _wait_clean(z)
@@ -149,15 +167,8 @@ def test_a_large_block_is_zeroed_in_the_background_before_it_is_usable(
 
 def test_a_block_freed_again_before_it_was_zeroed_is_never_written_by_the_old_job(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
-    arena = HostArena(64 * PAGE)
-    arena.keep = 64 * PAGE
-    held = HeldZeroer()
-    arena._zeroer = held  # type: ignore[assignment]
-    arena.back(0, 16 * PAGE)
-    arena.unback(0, 16 * PAGE)
-    z = arena.back(0, 16 * PAGE)
-    assert isinstance(z, Zeroing)
+    arena, held = _held_arena(monkeypatch)
+    z = _taken_again(arena)
     called: list[Any] = []
     z.then(lambda: called.append(1))
     arena.unback(0, 16 * PAGE)  # freed again: its zeroing stops, it is kept dirty again
@@ -179,14 +190,8 @@ def test_a_waiter_on_a_block_freed_before_it_was_zeroed_is_let_go(
     """The buffer on a kept block is locked until ``then``: a block freed
     while it was still being zeroed must call it too (at once), or whatever
     waits for that buffer waits forever."""
-    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
-    arena = HostArena(64 * PAGE)
-    arena.keep = 64 * PAGE
-    arena._zeroer = HeldZeroer()  # type: ignore[assignment]
-    arena.back(0, 16 * PAGE)
-    arena.unback(0, 16 * PAGE)
-    z = arena.back(0, 16 * PAGE)
-    assert isinstance(z, Zeroing)
+    arena, _ = _held_arena(monkeypatch)
+    z = _taken_again(arena)
     called: list[int] = []
     z.then(lambda: called.append(1))
     assert not called
@@ -202,12 +207,7 @@ def test_the_block_a_request_takes_is_zeroed_on_demand_not_after_those_kept_befo
     request takes is the most recently kept: the last in that order.  Its
     requester zeroes it itself (``zero_now``), so it is all zero while every
     block kept before it still waits for the (here held) zeroer."""
-    monkeypatch.setattr(A, "ZERO_NOW", PAGE)
-    monkeypatch.setattr(A, "ZERO_CHUNK", 2 * PAGE)
-    arena = HostArena(64 * PAGE)
-    arena.keep = 64 * PAGE
-    held = HeldZeroer()
-    arena._zeroer = held  # type: ignore[assignment]
+    arena, held = _held_arena(monkeypatch, chunk=2 * PAGE)
     for i in range(4):
         arena.back(i * 8 * PAGE, 8 * PAGE)
         arena.view(i * 8 * PAGE, 8 * PAGE)[:] = 0xCD  # a tenant's bytes

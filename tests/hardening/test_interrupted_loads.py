@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -82,6 +82,28 @@ async def assert_clean(c: rpcbuf.Cluster, free: list[int], timeout: float = 10.0
     assert now == free, "memory leaked"
 
 
+async def load_cancelled(cluster: rpcbuf.Cluster, path: Path, name: str,
+                         when: Callable[[str, int, int], bool]) -> bool:
+    """Load ``path`` as ``name`` and cancel the load at the first progress
+    report ``when(addr, done, total)`` holds for; whether it was (the load
+    must end cancelled)."""
+    task: asyncio.Task[rpcbuf.LoadResult] | None = None
+    hit = False
+
+    def report(addr: str, done: int, total: int) -> None:
+        nonlocal hit
+        if task is not None and not hit and when(addr, done, total):
+            hit = True
+            task.cancel()
+
+    task = asyncio.ensure_future(rpcbuf.load_model(
+        cluster, path, PLACEMENT, name=name, progress=False, batch_bytes=16 << 10,
+        on_progress=report))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return hit
+
+
 def cli_env() -> dict[str, str]:
     return {**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT / "src")}
 
@@ -94,19 +116,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 async def test_a_load_cancelled_after_its_first_slot_landed_leaves_nothing(
         cluster: rpcbuf.Cluster, nodes: list[DaemonProc], small: Path) -> None:
     a = nodes[0].addr
-    task: asyncio.Task[rpcbuf.LoadResult] | None = None
-    landed = []
-
-    def cancel_when_a_landed(addr: str, done: int, total: int) -> None:
-        if addr == a and done == total and task is not None:
-            landed.append(done)
-            task.cancel()
-
-    task = asyncio.ensure_future(rpcbuf.load_model(
-        cluster, small, PLACEMENT, name="cancelled", progress=False, batch_bytes=16 << 10,
-        on_progress=cancel_when_a_landed))
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    landed = await load_cancelled(cluster, small, "cancelled",
+                                  lambda addr, done, total: addr == a and done == total)
     assert landed, "the load ended before node A's slot landed"
     # the fixture checks that nothing is left and the memory is back
 
@@ -180,17 +191,7 @@ async def test_an_interrupted_reload_over_a_complete_model_leaves_it_incomplete(
     complete; the reused buffers stay (they hold verified tensors)."""
     await rpcbuf.load_model(cluster, small, PLACEMENT, name="re", progress=False)
     tuned = write_safetensors(tmp_path / "tuned.safetensors", llama_tensors(6, seed=5))
-    task: asyncio.Task[rpcbuf.LoadResult] | None = None
-
-    def cancel_soon(addr: str, done: int, total: int) -> None:
-        if task is not None:
-            task.cancel()
-
-    task = asyncio.ensure_future(rpcbuf.load_model(
-        cluster, tuned, PLACEMENT, name="re", progress=False, batch_bytes=16 << 10,
-        on_progress=cancel_soon))
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await load_cancelled(cluster, tuned, "re", lambda addr, done, total: True)
     for addr in endpoints(nodes):
         info = await rpcbuf.model_info(cluster[addr], "re")
         assert not info.complete and any("did not finish" in p for p in info.problems), \
