@@ -67,6 +67,7 @@ async def test_the_node_says_which_ucx_it_runs(daemon_factory: Any) -> None:
     async with d.connect("alice", same_host=False) as ctx:
         lib = (await ctx.stats())["ucx"]
     assert lib["path"] and lib["version"] and isinstance(lib["resources"], list)
+    assert sorted(lib["features"]) == sorted(ucx.FEATURES)  # the daemon: no RMA, AM, AMO
     assert f"UCX {lib['version']} at {lib['path']}" in d.log()
 
 

@@ -575,8 +575,7 @@ class Janitor:
         self._ep: Any = None
         self._scratch: Any = None
         self._task: asyncio.Task[None] | None = None
-        self.dropped = self.dropped_bytes = 0
-        self.rounds = 0
+        self.dropped = 0  # messages dropped so far (``stats``)
 
     async def start(self) -> bool:
         """Connect to our own worker and start; False (logged) if UCX
@@ -628,10 +627,8 @@ class Janitor:
             except Exception:  # a bug: say so, keep the daemon serving, try next round
                 _log.exception("UCX janitor: a sweep failed")
                 continue
-            self.rounds += 1
             if count:
                 self.dropped += count
-                self.dropped_bytes += nbytes
                 self._on_drop(count, nbytes)
 
     async def sweep(self, sentinel: int) -> tuple[int, int]:
@@ -672,7 +669,8 @@ def library() -> dict[str, Any]:
     ``/proc/self/maps``: what is mapped, not what was asked for), its
     ``version``, the transport ``modules`` beside it (``ib`` means built with
     verbs, ``rdmacm``, ``cuda``), and the ``resources`` (transport/device)
-    this process's context found; ``error``: why UCX would not start here
+    this process's context found, its ``features`` (``FEATURES``);
+    ``error``: why UCX would not start here
     (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
     no RDMA."""
     error = None
@@ -704,4 +702,4 @@ def library() -> dict[str, Any]:
         resources = list(dict.fromkeys(m.group(1) for m in _RESOURCE.finditer(info)))[:64]
     return {"path": path, "version": version, "modules": modules, "verbs": "ib" in modules,
             "rdmacm": "rdmacm" in modules, "cuda": "cuda" in modules, "resources": resources,
-            "error": error}
+            "features": features() if error is None else [], "error": error}

@@ -132,7 +132,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                      f"the node listens on {' '.join(listening) or '(not told)'}" + (
                          f"; {' '.join(wild)} on every interface (ucxx's listener takes no "
                          "address: firewall it off untrusted networks)" if wild else ""),
-                     {"listening": listening, "ucx_features": st.get("ucx_features")}))
+                     {"listening": listening}))
     devices = await ctx.list_devices()
     host = [d for d in devices if d.get("device_type", "CPU") == "CPU"] or devices
     await _round_trips(ctx, out, max((int(d["largest_free"]) for d in host), default=0))

@@ -23,7 +23,6 @@ from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, RpcBufError
-from dataplane import ucx
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -211,7 +210,6 @@ class ControlOps:
                 "rdma_devices": rdma_devices(),
                 "listening": self._node.listening,
                 "ucx": self._node.ucx_library,
-                "ucx_features": ucx.features(),
                 **counters, "expired_total": self._registry.expired_of(tenant),
                 **self._registry.stats(tenant)}
 
