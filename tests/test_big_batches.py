@@ -131,7 +131,7 @@ async def test_thousands_of_tensors_of_many_kinds_round_trip(ctx: rpcbuf.RpcCont
     assert len(written) == len(tensors)
     for attempt in range(2):  # from the cache, then as another client would
         if attempt:
-            ctx._manifests.clear()
+            ctx._tensors.manifests.clear()
         back = await ctx.load_tensors(bid)
         assert list(back) == list(tensors)
         for name, a in tensors.items():

@@ -40,7 +40,7 @@ async def test_loopback_client_gets_the_same_host_path(daemon: DaemonProc) -> No
     start = await pool_free(daemon)
     async with daemon.connect() as fast, daemon.connect(same_host=False) as net:
         assert fast.same_host and not net.same_host
-        assert fast._ep is None  # no UCX endpoint until a GPU array needs one
+        assert fast._paths.ucx.ep is None  # no UCX endpoint until a GPU array needs one
         rng = np.random.default_rng(2)
         bid = await fast.request_buffer(8 << 20)
         for n in (1, 4096, staging.SMALL, staging.SMALL + 1, staging.RING_CHUNK,

@@ -76,8 +76,8 @@ import asyncio, gc, sys, time, numpy as np, rpcbuf
 async def main():
     async with rpcbuf.connect(sys.argv[1], token=sys.argv[2]) as c:
         assert c.same_host
-        bid = await c.request_buffer(64 << 20)
-        data = np.ones(64 << 20, np.uint8)
+        bid = await c.request_buffer(16 << 20)  # a ring op (> SMALL), quick under load
+        data = np.ones(16 << 20, np.uint8)
         stores, deadline = 0, time.monotonic() + 30
         try:
             while time.monotonic() < deadline:  # through the ring, back to back

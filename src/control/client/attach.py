@@ -25,7 +25,7 @@ import math
 import mmap
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -131,22 +131,26 @@ class Attachment:
         await self.close()
 
 
+class _Sent:
+    """An attach's answer, and its request id: what its handle comes under."""
+
+    req_id = 0
+
+    async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                  answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        self.req_id = req_id
+        return result_of(await answer())
+
+
 async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
                           timeout: float | None,
                           send_detach: Callable[[str], Any]) -> Attachment:
     """``attach`` over the control connection, its handle from the handle
     channel, checked (``check_read_only``; a GPU handle is imported read-only)
     and mapped.  Anything wrong after the daemon said yes detaches again."""
-    req = P.Attach(buffer_id=buffer_id)
-    conn = caller.conn
-    left = await caller.take_slot(req.op, None)
-    try:
-        req_id = conn.next_id()
-        fut = conn.submit(req_id, req)
-        meta = result_of(await caller.answer(req_id, fut, req.op, left))
-    finally:
-        caller.release_slot()
-    nbytes, fd = await handles.fd_for(req_id, timeout)
+    sent = _Sent()
+    meta = await caller.call(P.Attach(buffer_id=buffer_id), moves=sent)
+    nbytes, fd = await handles.fd_for(sent.req_id, timeout)
     detach = detacher(asyncio.get_running_loop(), send_detach)
     try:
         size, alloc = meta.get("size"), meta.get("alloc_size")

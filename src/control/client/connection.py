@@ -5,15 +5,17 @@ futures resolved in ``data_received`` itself (no reader task, so one
 event-loop wake-up less per answer than with streams).  Many tasks may share
 one connection: every call gets its own request id and answers are matched
 by id.  When the daemon goes away every pending call fails with
-``CONNECTION_LOST`` (or the daemon's own reason: TOKEN_EXPIRED, AUTH_FAILED),
-and arrays the daemon may still copy into or out of (``hold``) stay
-referenced for a grace period (``orphan``).
+``CONNECTION_LOST`` (or the daemon's own reason: TOKEN_EXPIRED, AUTH_FAILED);
+arrays UCX may still touch after we stopped waiting stay referenced for a
+grace period (``orphan``).
 
-``Caller`` sits on top: a semaphore sized by the daemon's ``max_inflight``
-gives back-pressure instead of unbounded queues, and every wait of a call
-(the wait for an in-flight slot included) is inside the call's timeout, so a
-daemon that never answers cannot make a call hang.  The data paths
-(``datapath.py``) use the same slot, submit and answer steps.
+``Caller`` sits on top, with the one call sequence every request takes (take
+an in-flight slot, a request id, submit, the answer, give the slot back): a
+semaphore sized by the daemon's ``max_inflight`` gives back-pressure instead
+of unbounded queues, and every wait of a call (the wait for an in-flight
+slot included) is inside the call's timeout, so a daemon that never answers
+cannot make a call hang.  A data op's bytes move beside its answer: its
+``Moves`` (``datapath.py``) says how.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from control.wire import protocol as P
 from control.wire.errors import (
@@ -50,7 +52,6 @@ class ControlConnection(asyncio.Protocol):
         self._decoder = P.FrameDecoder(max_frame)
         self._max_frame = max_frame
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._held: dict[int, Any] = {}  # request id -> arrays the daemon may copy into/from
         self.orphan_grace = ORPHAN_GRACE  # RpcContext: at least the daemon's transfer deadline
         self._ids = itertools.count(1)
         self._lost: RpcBufError | None = None
@@ -105,11 +106,6 @@ class ControlConnection(asyncio.Protocol):
     def forget(self, req_id: int) -> None:
         self._pending.pop(req_id, None)
 
-    def hold(self, req_id: int, arrays: Any) -> None:
-        """Keep ``arrays`` alive until request ``req_id`` is answered: the
-        daemon copies into or out of them until then (same-host path)."""
-        self._held[req_id] = arrays
-
     # -- asyncio.Protocol ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,8 +132,6 @@ class ControlConnection(asyncio.Protocol):
             self.close()  # the daemon waits for us to go
             return
         fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
-        if self._held and isinstance(req_id, int):
-            self._held.pop(req_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
@@ -157,17 +151,22 @@ class ControlConnection(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(self.lost_error())
         self._pending.clear()
-        if self._held:
-            # The daemon stops copying within moments of losing the session, but
-            # we cannot hear when: keep the arrays alive a while before freeing.
-            held = list(self._held.values())
-            self._held.clear()
-            self.orphan(held)
 
     def close(self) -> None:
         self._fail_all(ConnectionLost("connection closed"))
         if self._transport is not None:
             self._transport.close()
+
+
+class Moves(Protocol):
+    """How a data op's bytes travel beside its answer (``Caller.call``)."""
+
+    async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                  answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Move the bytes of request ``req_id`` (submitted: ``fut`` is its
+        answer's future) and return its result; ``answer()`` is that
+        answer, within the call's timeout (await it once)."""
+        ...
 
 
 class Caller:
@@ -183,18 +182,18 @@ class Caller:
         self._slots = asyncio.Semaphore(max_inflight)
 
     async def call(self, req: P.Request, timeout: float | None = None,
-                   hold: Sequence[Any] | None = None) -> dict[str, Any]:
-        """Send ``req`` and return its result.  ``hold``: arrays the daemon
-        copies from or into (same host), referenced until it answers even if
-        we stop waiting.  Raises what the daemon answers, TIMEOUT,
+                   moves: Moves | None = None) -> dict[str, Any]:
+        """Send ``req`` and return its result: the one call sequence.
+        ``moves``: how the op's bytes travel beside its answer (a data op's
+        path, ``datapath.py``).  Raises what the daemon answers, TIMEOUT,
         CONNECTION_LOST."""
         left = await self.take_slot(req.op, timeout)
         try:
             req_id = self.conn.next_id()
             fut = self.conn.submit(req_id, req)
-            if hold is not None:
-                self.conn.hold(req_id, hold)
-            return result_of(await self.answer(req_id, fut, req.op, left))
+            if moves is None:
+                return result_of(await self.answer(req_id, fut, req.op, left))
+            return await moves.run(req_id, fut, lambda: self.answer(req_id, fut, req.op, left))
         finally:
             self._slots.release()
 
@@ -216,9 +215,6 @@ class Caller:
             raise Timeout(f"{op} got no in-flight slot within {timeout}s (all "
                           f"{self.max_inflight} are waiting for answers)") from None
         return max(0.0, timeout - (loop.time() - start))
-
-    def release_slot(self) -> None:
-        self._slots.release()
 
     async def answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]], op: str,
                      timeout: float | None = None) -> dict[str, Any]:

@@ -67,7 +67,6 @@ from control.wire.errors import (
 )
 from control.wire.gpuops import check_wire_dtype
 from control.wire.manifest import ManifestColumns, Source
-from dataplane import ucx
 from dataplane.checksum import checksum
 from dataplane.devsum import devsum
 
@@ -118,15 +117,6 @@ class RpcContext:
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = self._paths.ucx.abort
-
-    @property
-    def _ep(self) -> ucx.DataEndpoint | None:
-        """The UCX endpoint (None until first needed on a same-host session)."""
-        return self._paths.ucx.ep
-
-    @property
-    def _manifests(self) -> dict[str, Any]:
-        return self._tensors.manifests
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -462,10 +452,11 @@ class RpcContext:
                           manifest_version: int | None = None,
                           checksums: Sequence[int] | None = None) -> dict[str, Any]:
         """Store many ``(offset, array)`` items of one buffer in one control
-        round trip; the daemon copies them straight from the arrays (same
-        host), or touching small items travel as one UCX message each run;
-        either way they land straight in their slices.  ``manifest`` = (names, dtypes,
-        shapes), index-aligned with ``items``, is recorded on the daemon;
+        round trip: on the same-host path they are copied through the
+        session's staging area, over UCX touching items travel as one
+        message per run; either way they land straight in their slices.
+        ``manifest`` = (names, dtypes, shapes), index-aligned with
+        ``items``, is recorded on the daemon;
         with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
         ``manifest_changed``, before any byte lands) if the manifest changed.
         With ``verify="checksum"``, ``checksums`` (index-aligned with
@@ -630,9 +621,9 @@ def connect(addr: str, token: str, timeout: float | None = 30.0,
     """Open a session with the rpcbufd at ``addr`` ("host:port", or
     "unix:PATH" / "unix:@NAME" for the daemon's Unix socket).
 
-    On the daemon's own host the session takes the same-host path (the daemon
-    copies host arrays straight from and into this process; see
-    docs/performance.md): ``same_host=None`` (default; env
+    On the daemon's own host the session takes the same-host path (host
+    arrays are copied through shared memory the daemon made, with no network
+    stack between; see docs/performance.md): ``same_host=None`` (default; env
     ``RPCBUF_SAME_HOST``) takes it when it can, ``False`` never (UCX over the
     network stack), ``True`` requires it (BAD_REQUEST saying why if not).
     ``ctx.same_host`` tells which path the context got.

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from control.client.connection import Caller, result_of
+from control.ucx_errors import ucx_errors
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
 from control.wire.runs import run_tag
@@ -168,7 +169,7 @@ class StagedPath:
         if not self.ring_ok:
             raise ConnectionLost("the staging ring was retired")  # DataPaths picks UCX first
         await self._ring.acquire()
-        area, caller, conn = self.area, self._caller, self._conn
+        area, caller = self.area, self._caller
         retire = True
         try:
             area.reset()
@@ -176,45 +177,57 @@ class StagedPath:
             if produce and one:  # one chunk: in place before the request, no thread
                 staging.gather(pieces, area.chunk(0))
                 area.put(staging.PRODUCED, 1)
-            req = t.request(staging.RING)
-            left = await caller.take_slot(req.op, None)
-            try:
-                req_id = conn.next_id()
-                fut = conn.submit(req_id, req)
-                refused = threading.Event()
-                fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
-                pump: asyncio.Future[None] | None = None
-                if not (produce and one):
-                    deadline = time.monotonic() + self._timeout
-                    pump = asyncio.get_running_loop().run_in_executor(
-                        None, area.pump, pieces, produce, refused.is_set, deadline)
-                    # Its Stopped is read below only when the daemon's answer
-                    # was a success; read it here always (a refused or lost
-                    # op stops it too), or it is printed when the future goes.
-                    pump.add_done_callback(_read_exception)
-                try:
-                    answer = await caller.answer(req_id, fut, req.op, left)
-                finally:
-                    if pump is not None:
-                        await asyncio.wait([pump])  # our thread is done with the arrays
-                        if pump.done() and not pump.cancelled():
-                            pump.exception()  # retrieved: a cancelled store stops it short
-                result = result_of(answer)  # the daemon's error, if it refused
-                if pump is not None:
-                    pump.result()  # ours: it stopped short (deadline)
-                retire = False
-                return result
-            except RpcBufError as exc:
-                retire = isinstance(exc, Timeout)
-                raise
-            except staging.Stopped as exc:
-                raise ConnectionLost(f"same-host transfer stopped: {exc}") from exc
-            finally:
-                caller.release_slot()
+            result = await caller.call(t.request(staging.RING),
+                                       moves=_Ring(area, pieces, produce and one, produce,
+                                                   self._timeout))
+            retire = False
+            return result
+        except RpcBufError as exc:
+            retire = isinstance(exc, Timeout)
+            raise
+        except staging.Stopped as exc:  # the ring may be mid-copy: retired
+            raise ConnectionLost(f"same-host transfer stopped: {exc}") from exc
         finally:
             if retire:
                 self.ring_ok = False
             self._ring.release()
+
+
+class _Ring:
+    """The bytes of a big same-host op beside its answer: unless they are
+    in the ring already (one chunk, stored), our thread fills the ring
+    (store) or empties it (read) as the daemon copies, and stops early only
+    when the answer is an error."""
+
+    def __init__(self, area: staging.Area, pieces: list[np.ndarray], placed: bool,
+                 produce: bool, timeout: float) -> None:
+        self._area, self._pieces, self._placed = area, pieces, placed
+        self._produce, self._timeout = produce, timeout
+
+    async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                  answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        refused = threading.Event()
+        fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
+        pump: asyncio.Future[None] | None = None
+        if not self._placed:
+            deadline = time.monotonic() + self._timeout
+            pump = asyncio.get_running_loop().run_in_executor(
+                None, self._area.pump, self._pieces, self._produce, refused.is_set, deadline)
+            # Its Stopped is read below only when the daemon's answer was a
+            # success; read it here always (a refused or lost op stops it
+            # too), or it is printed when the future goes.
+            pump.add_done_callback(_read_exception)
+        try:
+            msg = await answer()
+        finally:
+            if pump is not None:
+                await asyncio.wait([pump])  # our thread is done with the arrays
+                if pump.done() and not pump.cancelled():
+                    pump.exception()  # retrieved: a cancelled store stops it short
+        result = result_of(msg)  # the daemon's error, if it refused
+        if pump is not None:
+            pump.result()  # ours: it stopped short (deadline): staging.Stopped
+        return result
 
 
 class InlinePath:
@@ -311,47 +324,18 @@ class UcxPath:
         at once, while the daemon checks the request (one round trip)."""
         payloads = t.messages()
         ep = await self.endpoint() if payloads else None
-        req, caller = t.request(None), self._caller
-        left = await caller.take_slot(req.op, None)
-        try:
-            req_id = self._conn.next_id()
-            fut = self._conn.submit(req_id, req)
-            sent: BaseException | None = None
-            try:
-                if ep is not None:
-                    await self._transfer([ep.send(p, run_tag(req_id, i))
-                                          for i, p in enumerate(payloads) if p.nbytes], payloads)
-            except ucx.TransferError as exc:
-                sent = exc
-            result = result_of(await caller.answer(req_id, fut, req.op, left))
-            if sent is not None:
-                raise ConnectionLost(f"payload send failed: {sent}") from sent
-            return result
-        finally:
-            caller.release_slot()
+        return await self._caller.call(t.request(None), moves=_UcxMoves(self, ep, payloads,
+                                                                        out=True))
 
     async def receive(self, t: Transfer) -> dict[str, Any]:
         """A read-like request: once the daemon says yes, run ``i`` is received
         straight into ``messages()[i]``; on an error answer nothing was sent."""
         targets = t.messages()
         ep = await self.endpoint() if targets else None
-        req, caller = t.request(None), self._caller
-        left = await caller.take_slot(req.op, None)
-        try:
-            req_id = self._conn.next_id()
-            fut = self._conn.submit(req_id, req)
-            result = result_of(await caller.answer(req_id, fut, req.op, left))
-            try:
-                if ep is not None:
-                    await self._transfer([ep.recv(b, run_tag(req_id, i))
-                                          for i, b in enumerate(targets) if b.nbytes], targets)
-            except ucx.TransferError as exc:
-                raise ConnectionLost(f"{req.op} transfer failed: {exc}") from exc
-            return result
-        finally:
-            caller.release_slot()
+        return await self._caller.call(t.request(None), moves=_UcxMoves(self, ep, targets,
+                                                                        out=False))
 
-    async def _transfer(self, coros: Sequence[Awaitable[None]], arrays: Sequence[Any]) -> None:
+    async def transfer(self, coros: Sequence[Awaitable[None]], arrays: Sequence[Any]) -> None:
         """UCX transfers under the daemon's transfer deadline, all awaited even
         when one fails (UCX may touch the arrays until each ends).  Past the
         deadline the context is aborted (``on_expired``: UCX lets go of the
@@ -366,6 +350,39 @@ class UcxPath:
         except ucx.Abandoned:
             self._conn.orphan(list(arrays))
             raise
+
+
+class _UcxMoves:
+    """A UCX op's messages beside its answer: a store's go out at once (a
+    failure is raised after the answer: the daemon's word comes first); a
+    read's are received once the daemon said yes."""
+
+    def __init__(self, path: UcxPath, ep: ucx.DataEndpoint | None, arrays: list[Any],
+                 out: bool) -> None:
+        self._path, self._ep, self._arrays, self._out = path, ep, arrays, out
+
+    async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                  answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        ep, arrays = self._ep, self._arrays
+        if not self._out:
+            result = result_of(await answer())
+            if ep is not None:
+                with ucx_errors("read transfer"):
+                    await self._path.transfer([ep.recv(b, run_tag(req_id, i))
+                                               for i, b in enumerate(arrays) if b.nbytes], arrays)
+            return result
+        failed: ConnectionLost | None = None
+        if ep is not None:
+            try:
+                with ucx_errors("payload send"):
+                    await self._path.transfer([ep.send(p, run_tag(req_id, i))
+                                               for i, p in enumerate(arrays) if p.nbytes], arrays)
+            except ConnectionLost as exc:
+                failed = exc
+        result = result_of(await answer())
+        if failed is not None:
+            raise failed
+        return result
 
 
 class DataPaths:
@@ -417,10 +434,8 @@ async def bind_ucx(host: str, port: int, nonce: bytes, timeout: float | None,
     within ``timeout``, and at once CONNECTION_LOST when ``lost`` (the
     control connection) ends first."""
     limit = timeout if timeout else 30.0
-    try:
+    with ucx_errors(f"UCX connection to {host}"):
         ep = await ucx.connect(host, port, timeout=limit)
-    except ucx.TransferError as exc:
-        raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
     expired = False
 
     def expire() -> None:

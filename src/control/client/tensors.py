@@ -236,16 +236,6 @@ def bulk_views(blocks: Sequence[np.ndarray], which: np.ndarray, rel: np.ndarray,
     return out
 
 
-def _np_dtype(name: str) -> np.dtype[Any]:
-    dt = _DTYPES.get(name)
-    if dt is None:
-        dt = _DTYPES[name] = np.dtype(name)
-    return dt
-
-
-_DTYPES: dict[str, np.dtype[Any]] = {}
-
-
 class LazyDtypes(Sequence[np.dtype[Any]]):
     """``np.dtype`` of a manifest's dtype strings, made when first used."""
 

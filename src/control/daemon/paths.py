@@ -35,11 +35,12 @@ import numpy as np
 
 from control.daemon.copypool import CopyPool
 from control.daemon.registry import Buffer
+from control.ucx_errors import ucx_errors
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost
 from control.wire.runs import plan_runs, run_tag
 from dataplane import staging
-from dataplane.ucx import DataEndpoint, TransferError, Truncated, transfer_all
+from dataplane.ucx import DataEndpoint, TransferError, transfer_all
 
 log = logging.getLogger("rpcbuf.daemon")
 Run = tuple[int, int, int, int]  # offset in the region, nbytes, first item, stop item
@@ -194,24 +195,21 @@ class UcxPath:
                       landed: Landed | None = None) -> None:
         ep = self.ep
         self._posted(req_id)
-        try:
+        with ucx_errors("store transfer", truncated="payload is larger than announced"):
             await transfer_all([ep.recv(region.view(off, n), run_tag(req_id, i))
                                 for i, (off, n, _, _) in enumerate(items.runs()) if n],
                                self._timeout, self._expired)
-        except Truncated as exc:
-            raise BadRequest("payload is larger than announced") from exc
-        except TransferError as exc:
-            raise ConnectionLost(f"store transfer failed: {exc}") from exc
 
     async def send(self, req_id: int, region: Region, items: Items) -> None:
         ep = self.ep
         try:
-            await transfer_all([ep.send(region.view(off, n), run_tag(req_id, i))
-                                for i, (off, n, _, _) in enumerate(items.runs()) if n],
-                               self._timeout, self._expired)
-        except TransferError as exc:
+            with ucx_errors("read transfer"):
+                await transfer_all([ep.send(region.view(off, n), run_tag(req_id, i))
+                                    for i, (off, n, _, _) in enumerate(items.runs()) if n],
+                                   self._timeout, self._expired)
+        except ConnectionLost as exc:
             log.warning("read transfer of request %d failed: %s", req_id, exc)
-            raise ConnectionLost(f"read transfer failed: {exc}") from exc
+            raise
 
     async def drain(self, req_id: int, items: Items) -> None:
         # The client sends only non-empty runs: a 1-byte receive for an empty
