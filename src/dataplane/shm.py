@@ -183,19 +183,21 @@ async def asend_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int
                     timeout: float) -> None:
     """``send_fds`` on a non-blocking socket, waiting (at most ``timeout``)
     while the peer does not read."""
+    # No asyncio.timeout: the daemon runs this in a request's first step,
+    # where (on Python 3.11) there is no current task (control/daemon/eager.py).
     loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout):
-        while True:
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            send_fds(sock, tag, value, fds)
+            return
+        except BlockingIOError:
+            fut = loop.create_future()
+            loop.add_writer(sock.fileno(), fut.set_result, None)
             try:
-                send_fds(sock, tag, value, fds)
-                return
-            except BlockingIOError:
-                fut = loop.create_future()
-                loop.add_writer(sock.fileno(), fut.set_result, None)
-                try:
-                    await fut
-                finally:
-                    loop.remove_writer(sock.fileno())
+                await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+            finally:
+                loop.remove_writer(sock.fileno())
 
 
 def recv_record(sock: socket.socket, max_fds: int = 1) -> tuple[int, int, list[int]] | None:

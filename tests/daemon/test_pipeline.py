@@ -53,11 +53,8 @@ class MemPath:
     def messages(self, items: Items) -> int:
         return len(items.runs())
 
-    def now(self, items: Items) -> bool:
-        return False  # every transfer is awaited (through the gate)
-
-    def move_now(self, out: bool, region: Region, items: Items) -> None:
-        raise AssertionError("now() is False")
+    def admit(self, items: Items) -> None:
+        pass  # every transfer is awaited (through the gate)
 
     def carried(self) -> dict[str, Any]:
         return {}

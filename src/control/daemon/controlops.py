@@ -106,6 +106,18 @@ class ControlOps:
         with contextlib.suppress(TimeoutError):  # answered now, the block still locked
             await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)
 
+    async def request(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
+        """``request_buffer``: granted at once when the memory is there and
+        ready (no wait: answered in its first step), after its pages are
+        backed or zeroed (``granted_ready``), or once memory comes free
+        (``wait_for_memory``)."""
+        buf = self.try_request(req)
+        if buf is None:
+            return await self.wait_for_memory(call, req)
+        if self.ready_now(buf):
+            return self.granted(buf)
+        return await self.granted_ready(call, buf)
+
     async def wait_for_memory(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
         """A request_buffer that could not be granted at once: queue (first
         come, first served) for at most ``req.timeout``; OUT_OF_MEMORY."""

@@ -6,7 +6,9 @@ lock, how to move the bytes and what to check afterwards; the pipeline runs
 the steps (pins, locks, the transfer, verification, counters, audit, the
 answer) once for all of them, over the session's ``DataPath`` (UCX or same
 host, ``paths.py``).  A plain store or read is a batch of one item
-(``Items.one``: one run, tag = request id).
+(``Items.one``: one run, tag = request id).  Every op is one ``async def``;
+one that never waits (a small same-host or inline op on a free range) ends
+in its first step, with no task (the session starts ops ``eager``ly).
 
 Validation happens before anything is locked.  A refused store drains what
 the client already sent (``DataPath.drain``: 1-byte receives, one per run)
@@ -72,7 +74,8 @@ class DataOps:
             # What the path can tell before anything is locked (a bad stage,
             # a frame's byte count): refused here, it leaves no trace.
             wire = req.nbytes // 2 if req.wire_dtype is not None else req.nbytes
-            path.now(Items.one(req.offset, wire, req.stage))
+            items = Items.one(req.offset, wire, req.stage)
+            path.admit(items)
         except RpcBufError:
             if req.nbytes:
                 await path.drain(call.req_id, Items.one(req.offset, req.nbytes))
@@ -82,8 +85,7 @@ class DataOps:
             def move() -> Any:
                 return self._receive_f16(path, call.req_id, buf, req)
         else:
-            region, items = Region(buf.pool.arena, buf.offset), \
-                Items.one(req.offset, req.nbytes, req.stage)
+            region = Region(buf.pool.arena, buf.offset)
 
             def move() -> Any:
                 return path.receive(call.req_id, region, items)
@@ -95,41 +97,6 @@ class DataOps:
             "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, move=move,
             nbytes=req.nbytes, counter="bytes_stored", after=after,
             note=f"wire={req.wire_dtype}" if req.wire_dtype else ""))
-
-    def store_now(self, req: P.Store) -> dict[str, Any] | None:
-        """``store`` served synchronously where nothing waits (a small
-        same-host op whose range is free: ``Pipeline.run_now``); ``None``,
-        with nothing done, when it must run as a task.  A path that moves
-        now has nothing in flight, so a refusal drains nothing."""
-        if req.wire_dtype is not None:
-            return None
-        found = self._now_target(req)
-        if found is None:
-            return None
-        path, items, buf = found
-        if req.verify == "checksum" and req.checksum is None:
-            raise BadRequest("verify='checksum' needs the client's checksum")
-        region = Region(buf.pool.arena, buf.offset)
-
-        def now() -> dict[str, Any]:
-            path.move_now(False, region, items)
-            return self._stored(req, buf)
-
-        return self._pipe.run_now(Plan(
-            "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, now=now,
-            nbytes=req.nbytes, counter="bytes_stored"))
-
-    def _now_target(self, req: P.Store | P.Read) -> tuple[DataPath, Items, Buffer] | None:
-        """The path, items and buffer (looked up, range and path checked) of
-        a plain store or read whose bytes need no waiting; None otherwise."""
-        path = self._ops.path(req)
-        items = Items.one(req.offset, req.nbytes, req.stage)
-        if not path.now(items):
-            return None
-        buf = self._ops.registry.get(self._ops.owner, req.buffer_id)
-        check_range(buf, req.offset, req.nbytes)
-        path.check(buf)
-        return path, items, buf
 
     def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
         """After the bytes landed (range still locked): verify."""
@@ -241,12 +208,12 @@ class DataOps:
 
     async def read(self, call: Call, req: P.Read) -> dict[str, Any]:
         path = self._ops.path(req)
+        items = Items.one(req.offset, req.nbytes, req.stage)
+        path.admit(items)  # a bad stage or an over-long inline read, whatever the buffer
         buf = call.held.get(req.buffer_id)
         check_range(buf, req.offset, req.nbytes)
         path.check(buf)
-        region, items = Region(buf.pool.arena, buf.offset), \
-            Items.one(req.offset, req.nbytes, req.stage)
-        path.now(items)  # a bad stage or an over-long inline read: refused before the lock
+        region = Region(buf.pool.arena, buf.offset)
         answer = {"nbytes": req.nbytes}
 
         def move() -> Any:
@@ -259,22 +226,6 @@ class DataOps:
             "read", buf, [(req.offset, req.offset + req.nbytes)], exclusive=False, move=move,
             nbytes=req.nbytes, counter="bytes_read", after=after,
             early=answer if path.answer_first else None))
-
-    def read_now(self, req: P.Read) -> dict[str, Any] | None:
-        """``read`` served synchronously where nothing waits (see ``store_now``)."""
-        found = self._now_target(req)
-        if found is None:
-            return None
-        path, items, buf = found
-        region = Region(buf.pool.arena, buf.offset)
-
-        def now() -> dict[str, Any]:
-            path.move_now(True, region, items)
-            return {"nbytes": req.nbytes, **path.carried()}
-
-        return self._pipe.run_now(Plan(
-            "read", buf, [(req.offset, req.offset + req.nbytes)], exclusive=False, now=now,
-            nbytes=req.nbytes, counter="bytes_read"))
 
     async def read_batch(self, call: Call, req: P.ReadBatch) -> dict[str, Any]:
         offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)

@@ -138,13 +138,15 @@ class DataPath(Protocol):
     7. ``drain``: swallow what the client already sent for a store that is
        refused (UCX: 1-byte receives, one per non-empty run) so it never
        hangs and nothing is parked; nothing to do where nothing was sent.
-    8. ``now(items)``: whether the transfer can be done synchronously, with
-       no waiting (same host: a small slot's copy, daemon memory only), by
-       ``move_now(out, region, items)``; False where it must be awaited (UCX,
-       the ring). A plain store or read that can go now is served without a
-       task (``Pipeline.run_now``): the 4 KiB path's largest saving.
+    8. ``admit(items)``: refuse (BAD_REQUEST, before anything is locked)
+       items this path cannot carry (a bad staging slot, a frame whose byte
+       count is not the request's).
     9. ``carried()``: what a read's answer carries besides its result (the
        inline path: the bytes, ``data``); ``{}`` where they travel apart.
+    A move that needs no waiting (a small slot's copy, an inline frame's)
+    is done without awaiting anything, so the op ends in its first step
+    and the session answers it with no task (``eager.py``): the 4 KiB
+    path's largest saving.
     10. Tests: the pipeline's unit tests (``tests/test_pipeline.py``) run over
        an in-memory path; add the new one to the integration fixtures.
     """
@@ -155,8 +157,7 @@ class DataPath(Protocol):
 
     def check(self, buf: Buffer) -> None: ...
     def messages(self, items: Items) -> int: ...
-    def now(self, items: Items) -> bool: ...
-    def move_now(self, out: bool, region: Region, items: Items) -> None: ...
+    def admit(self, items: Items) -> None: ...
     def carried(self) -> dict[str, Any]: ...
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None: ...
@@ -182,14 +183,11 @@ class UcxPath:
     def messages(self, items: Items) -> int:
         return len(items.runs())  # as the client plans them (an empty run sends nothing)
 
-    def now(self, items: Items) -> bool:
-        return False  # a message is awaited
+    def admit(self, items: Items) -> None:
+        pass  # what arrives is checked against the posted receives (Truncated)
 
     def carried(self) -> dict[str, Any]:
         return {}
-
-    def move_now(self, out: bool, region: Region, items: Items) -> None:
-        raise AssertionError("UCX transfers are awaited (now() is False)")
 
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None:
@@ -276,9 +274,13 @@ class StagedPath:
     def _pieces(self, region: Region, items: Items) -> list[np.ndarray]:
         return [region.view(off, n) for off, n, _, _ in items.runs() if n]
 
-    def now(self, items: Items) -> bool:
-        """Whether ``items`` go now (a small slot, ``move_now``) rather than
-        through the ring (a task); a bad stage is BAD_REQUEST."""
+    def admit(self, items: Items) -> None:
+        """A bad stage is BAD_REQUEST (see ``_small``)."""
+        self._small(items)
+
+    def _small(self, items: Items) -> bool:
+        """Whether ``items`` go through a small slot (copied right away,
+        ``_move``) rather than the ring; a bad stage is BAD_REQUEST."""
         stage = items.stage
         if stage is None:
             raise BadRequest("a same-host request names its staging slot (stage)")
@@ -297,7 +299,7 @@ class StagedPath:
     def carried(self) -> dict[str, Any]:
         return {}
 
-    def move_now(self, out: bool, region: Region, items: Items) -> None:
+    def _move(self, out: bool, region: Region, items: Items) -> None:
         """A small op's copy (``out``: region -> staging, a read), on the
         loop: it is a memcpy of daemon memory, nothing can block it."""
         slot = self.area.small(items.stage or 0, items.nbytes)
@@ -310,8 +312,8 @@ class StagedPath:
     async def _copy(self, out: bool, region: Region, items: Items,
                     landed: Landed | None = None) -> None:
         """``out``: region -> staging (a read); else staging -> region."""
-        if self.now(items):
-            self.move_now(out, region, items)
+        if self._small(items):
+            self._move(out, region, items)
             if landed is not None:
                 landed(0, len(items))
             return
@@ -385,16 +387,15 @@ class InlinePath:
     def messages(self, items: Items) -> int:
         return 0
 
-    def now(self, items: Items) -> bool:
+    def admit(self, items: Items) -> None:
         if items.nbytes > P.INLINE_MAX:
             raise BadRequest(f"at most {P.INLINE_MAX} bytes travel in a frame, not "
                              f"{items.nbytes}")
         if self._data is not None and len(self._data) != items.nbytes:
             raise BadRequest(f"the frame carries {len(self._data)} bytes for a store of "
                              f"{items.nbytes}")
-        return True
 
-    def move_now(self, out: bool, region: Region, items: Items) -> None:
+    def _move(self, out: bool, region: Region, items: Items) -> None:
         pieces = [region.view(off, n) for off, n, _, _ in items.runs() if n]
         if out:
             self._out = b"".join(p.tobytes() for p in pieces)  # one piece: no extra copy
@@ -407,14 +408,14 @@ class InlinePath:
 
     async def receive(self, req_id: int, region: Region, items: Items,
                       landed: Landed | None = None) -> None:
-        self.now(items)
-        self.move_now(False, region, items)
+        self.admit(items)
+        self._move(False, region, items)
         if landed is not None:
             landed(0, len(items))
 
     async def send(self, req_id: int, region: Region, items: Items) -> None:
-        self.now(items)
-        self.move_now(True, region, items)
+        self.admit(items)
+        self._move(True, region, items)
 
     async def drain(self, req_id: int, items: Items) -> None:
         pass  # the bytes came in the request's frame: nothing to swallow

@@ -22,11 +22,10 @@ counter to bump and what the audit record says.  ``Pipeline.run`` then
    audit record; the session answers with what ``run`` returns (once: an op
    answered first is not answered again).
 
-``Pipeline.run_now`` runs the same steps synchronously, without a task, for
-a plan whose move needs no waiting (``Plan.now``: a same-host small-slot
-copy) and whose lock is free at once; a plan that would wait is left
-untouched (``None``: run it as a task). Nothing awaits in between, so the
-buffer needs no pin.
+``run`` awaits only what must be waited for (a lock another request holds,
+a transfer, a sweep on a worker thread); a plan that waits for nothing (a
+free range, a same-host small-slot or inline copy) runs to its end in one
+step, and the session then answers it with no task (``eager.py``).
 
 Pins by construction: an async handler never looks a buffer up itself; it
 gets it from ``Held.get``, which pins it in the same step as the lookup, and
@@ -135,11 +134,10 @@ class Plan:
     """One data op after validation, as data (see the module's steps)."""
 
     __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "move",
-                 "nbytes", "note", "now", "offset", "op", "ranges", "sources")
+                 "nbytes", "note", "offset", "op", "ranges", "sources")
 
     def __init__(self, op: str, buf: Buffer, ranges: list[Range], *, exclusive: bool,
-                 move: Callable[[], Awaitable[None]] | None = None, nbytes: int,
-                 now: Callable[[], dict[str, Any] | None] | None = None,
+                 move: Callable[[], Awaitable[None]], nbytes: int,
                  offset: int | None = None,
                  counter: str | None = None, note: str = "",
                  answer: dict[str, Any] | None = None,
@@ -149,7 +147,6 @@ class Plan:
                  forget: bool = True) -> None:
         self.op, self.buf, self.ranges, self.exclusive = op, buf, ranges, exclusive
         self.move, self.nbytes, self.counter, self.note = move, nbytes, counter, note
-        self.now = now  # run_now: the move and its checks in one call, returning the answer
         self.offset = ranges[0][0] if offset is None else offset  # what the audit says
         self.answer, self.after, self.early = answer, after, early
         self.sources, self.forget = sources, forget
@@ -167,33 +164,10 @@ class Pipeline:
         try:
             if plan.early is not None:
                 call.answer_first(plan.early)
-            assert plan.move is not None, "a plan run as a task moves with an awaitable"
             await plan.move()
             result = plan.answer if plan.after is None else await plan.after()
         finally:
             unlock(grants)
-        return self._done(plan, result)
-
-    def run_now(self, plan: Plan) -> dict[str, Any] | None:
-        """``plan`` (one buffer, ``plan.now`` set) run to its end now, or
-        ``None`` with nothing done when its lock is not free at once (FCFS:
-        it then queues as a task)."""
-        assert plan.now is not None and not plan.sources
-        buf = plan.buf
-        if buf.released:
-            raise NotFound(f"no buffer {buf.buffer_id!r}")
-        if plan.exclusive and getattr(
-                buf.pool.arena, "needs_own", _never)(buf.offset):
-            return None  # it needs memory of its own first (``own``): a task's work
-        grant = buf.locks.acquire(plan.ranges, plan.exclusive)
-        if not grant.granted:
-            buf.locks.release(grant)  # withdrawn: as if never asked
-            return None
-        try:
-            self._granted(buf, plan.ranges, plan.exclusive, plan.forget)
-            result = plan.now()
-        finally:
-            buf.locks.release(grant)
         return self._done(plan, result)
 
     def _done(self, plan: Plan, result: dict[str, Any] | None) -> dict[str, Any]:
@@ -292,10 +266,6 @@ class Pipeline:
                                                            self._ops.daemon.sweeps))
             task.add_done_callback(_retrieved)  # a failure nobody waits for any more
         await asyncio.shield(task)
-
-
-def _never(offset: int) -> bool:
-    return False
 
 
 def _retrieved(task: asyncio.Future[None]) -> None:

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from control.daemon import hello, logs
+from control.daemon import eager, hello, logs
 from control.daemon.attachops import AttachOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
@@ -136,9 +136,9 @@ class Session:
         files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
-        # The one dispatch table: op -> (handler, runs as a task).  Quick ops
-        # answer inline; ops that may wait (memory, locks, transfers) are tasks,
-        # unless their ``now`` (below) can serve them without waiting.
+        # The one dispatch table: op -> (handler, may wait).  Quick ops answer
+        # inline; ops that may wait (memory, locks, transfers) are coroutines,
+        # started at once and made tasks only if they do wait (``eager``).
         self._ops: dict[type, tuple[Callable[..., Any], bool]] = {
             P.GetBufferMeta: (control.meta, False),
             P.OpenBuffer: (control.open, False),
@@ -148,7 +148,7 @@ class Session:
             P.ListBuffers: (control.list_buffers, False),
             P.Stats: (control.stats, False),
             P.Ping: (control.ping, False),
-            P.RequestBuffer: (control.wait_for_memory, True),
+            P.RequestBuffer: (control.request, True),
             P.Store: (data.store, True),
             P.Read: (data.read, True),
             P.StoreBatch: (data.store_batch, True),
@@ -160,16 +160,6 @@ class Session:
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
             P.LoadFile: (files.load_file, True),
-        }
-        # Task ops that may be served at once: the answer, or None (nothing
-        # done: spawn the task).  A small same-host store or read, or one
-        # carrying its bytes (no task, no pin: nothing awaits).  Never while
-        # a task spawned earlier has not started (its lock not yet asked
-        # for): requests take their locks in the order they came.
-        self._unstarted = 0
-        self._now: dict[type, Callable[[Any], dict[str, Any] | None]] = {
-            P.Store: data.store_now,
-            P.Read: data.read_now,
         }
 
     def abort(self, why: str) -> None:
@@ -429,26 +419,11 @@ class Session:
                 raise self._why_over()
             if self.daemon.shutting_down:
                 raise ShuttingDown("daemon is stopping; no new requests")
-            handler, is_task = self._ops[type(req)]
-            if not is_task:
+            handler, may_wait = self._ops[type(req)]
+            if may_wait:
+                self._start(req_id, req, handler, op)
+            else:
                 self._answer(req_id, op, handler(req))
-                return
-            now = self._now.get(type(req)) if not self._unstarted else None
-            if now is not None:
-                result = now(req)
-                if result is not None:
-                    self._answer(req_id, op, result)
-                    return
-            elif isinstance(req, P.RequestBuffer):
-                buf = self.control.try_request(req)
-                if buf is not None:
-                    if self.control.ready_now(buf):
-                        self._answer(req_id, op, self.control.granted(buf))
-                    else:  # its pages are backed first, in a worker thread
-                        self._spawn(req_id, req,
-                                    lambda call, _, buf=buf: self.control.granted_ready(call, buf))
-                    return
-            self._spawn(req_id, req, handler)
         except RpcBufError as exc:
             self._answer(req_id, op, exc)
         finally:
@@ -484,18 +459,19 @@ class Session:
         posted its receives, or the reader is paused with frames undecoded."""
         return self.paused or min(self.unposted.values(), default=math.inf) < since
 
-    def _spawn(self, req_id: int, req: P.Request, handler: Callable[..., Any]) -> None:
-        op = logs.CURRENT.get() or logs.OpRecord(req.op, self.tenant, self.session_id,
-                                                 time.perf_counter(), req)
+    def _start(self, req_id: int, req: P.Request, handler: Callable[..., Any],
+               op: logs.OpRecord) -> None:
+        """Run an op that may wait: at once, to its end if nothing waits
+        (answered in this loop turn, no task), else on as a task (``eager``)."""
         assert self.tenant is not None
         held = Held(self.registry, self.tenant)  # what the handler looks up stays pinned
         call = Call(req_id, held, self._reply)
-        task = asyncio.get_running_loop().create_task(
-            self._run_task(call, handler(call, req), op))
-        self._unstarted += 1
-        self.tasks[req_id] = task
         if self.ep is not None and _carries_payload(req):
             self.unposted[req_id] = time.monotonic()
+        task = eager.start(self._run_task(call, handler(call, req), op))
+        if task is None:
+            return  # answered and finished in its first step
+        self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
@@ -503,7 +479,6 @@ class Session:
         """A task's request, answered once: with what its op returns or
         raises, unless the op answered first (a UCX read: then a failure of
         its transfer is only recorded)."""
-        self._unstarted -= 1  # its lock is asked for in this first step
         logs.CURRENT.set(op)  # this task's own context: its audit records land on op
         req_id = call.req_id
         result: dict[str, Any] | RpcBufError
@@ -525,12 +500,12 @@ class Session:
             self._finish(op, error)
             task = self.tasks.pop(req_id, None)
             self.unposted.pop(req_id, None)
-            if task is not None:
+            if task is not None:  # (None: it ended in its first step, never a task)
                 self.transfers.discard(task)
-            self._slot.set()
-            if self._reader is not None and \
-                    len(self.tasks) == self.daemon.limits.max_inflight - 1:
-                asyncio.get_running_loop().call_soon(self._pump)  # a slot came free
+                self._slot.set()
+                if self._reader is not None and \
+                        len(self.tasks) == self.daemon.limits.max_inflight - 1:
+                    asyncio.get_running_loop().call_soon(self._pump)  # a slot came free
 
     async def close(self, why: str) -> None:
         """Abort the data endpoint, wait for transfers, release session buffers."""
