@@ -178,8 +178,7 @@ class StagedPath:
                 staging.gather(pieces, area.chunk(0))
                 area.put(staging.PRODUCED, 1)
             result = await caller.call(t.request(staging.RING),
-                                       moves=_Ring(area, pieces, produce and one, produce,
-                                                   self._timeout))
+                                       moves=_Ring(area, pieces, one, produce, self._timeout))
             retire = False
             return result
         except RpcBufError as exc:
@@ -194,14 +193,16 @@ class StagedPath:
 
 
 class _Ring:
-    """The bytes of a big same-host op beside its answer: unless they are
-    in the ring already (one chunk, stored), our thread fills the ring
-    (store) or empties it (read) as the daemon copies, and stops early only
-    when the answer is an error."""
+    """The bytes of a big same-host op beside its answer.  One chunk
+    (``one``) needs no thread: a store's is in the ring before the request
+    goes, a read's is copied out once the daemon answered (it answers when
+    it is done with the ring).  Otherwise our thread fills the ring (store)
+    or empties it (read) as the daemon copies, and stops early only when
+    the answer is an error."""
 
-    def __init__(self, area: staging.Area, pieces: list[np.ndarray], placed: bool,
+    def __init__(self, area: staging.Area, pieces: list[np.ndarray], one: bool,
                  produce: bool, timeout: float) -> None:
-        self._area, self._pieces, self._placed = area, pieces, placed
+        self._area, self._pieces, self._one = area, pieces, one
         self._produce, self._timeout = produce, timeout
 
     async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
@@ -209,7 +210,7 @@ class _Ring:
         refused = threading.Event()
         fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
         pump: asyncio.Future[None] | None = None
-        if not self._placed:
+        if not self._one:
             deadline = time.monotonic() + self._timeout
             pump = asyncio.get_running_loop().run_in_executor(
                 None, self._area.pump, self._pieces, self._produce, refused.is_set, deadline)
@@ -227,6 +228,9 @@ class _Ring:
         result = result_of(msg)  # the daemon's error, if it refused
         if pump is not None:
             pump.result()  # ours: it stopped short (deadline): staging.Stopped
+        elif not self._produce:  # one chunk, read: the daemon is done with the ring
+            staging.scatter(self._area.chunk(0)[:sum(p.nbytes for p in self._pieces)],
+                            self._pieces)
         return result
 
 

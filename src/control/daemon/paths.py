@@ -234,7 +234,9 @@ class StagedPath:
     producing or consuming only stalls its own op, until the deadline).
 
     A small op (``stage`` = a small slot, at most ``staging.SMALL`` bytes)
-    is copied right here on the loop: it is a ``memcpy`` of daemon memory.
+    is copied right here on the loop: it is a ``memcpy`` of daemon memory;
+    so is a ring op of one chunk whose bytes are there (a store the client
+    put in place first) or are taken after the answer (a read).
     A ring op (``stage == staging.RING``) streams chunk by chunk on the copy
     threads (``copypool.py``: bounded, fair between tenants), the client
     copying the next chunk while we copy this one.  Host memory only."""
@@ -320,6 +322,21 @@ class StagedPath:
         if self._ring_busy:
             raise BadRequest("this session's staging ring is in use by another request",
                              {"reason": "ring_busy"})
+        if items.nbytes <= staging.RING_CHUNK and (out or self.area.get(staging.PRODUCED)):
+            # One chunk, there already (a store: the client put it in place
+            # before asking) or taken after our answer (a read): copied here
+            # on the loop like a small slot, a memcpy of our own memory below
+            # THREAD_BYTES, where a copy thread's hand-off would cost more.
+            chunk, pieces = self.area.chunk(0)[:items.nbytes], self._pieces(region, items)
+            if out:
+                staging.gather(pieces, chunk)
+                self.area.put(staging.PRODUCED, 1)
+            else:
+                staging.scatter(chunk, pieces)
+                self.area.put(staging.CONSUMED, 1)
+            if landed is not None:
+                landed(0, len(items))
+            return
         self._ring_busy = True
         try:
             await self._ring(out, region, items, landed)
