@@ -246,8 +246,10 @@ def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
             msg += ": no RDMA with this build"
         status = "ok"
         if lib.get("error"):
-            out.append(Check(f"ucx {side}", "fail", f"UCX does not start: {lib['error']} "
-                             f"(check UCX_NET_DEVICES and UCX_TLS); {msg}", {"ucx": lib}))
+            hint = "" if str(lib["error"]).startswith("UnusableUCX") else \
+                " (check UCX_NET_DEVICES and UCX_TLS)"
+            out.append(Check(f"ucx {side}", "fail", f"UCX does not start: {lib['error']}{hint}; "
+                             f"{msg}", {"ucx": lib}))
             continue
         if devs and not lib.get("verbs"):
             status = "warn"
@@ -257,7 +259,7 @@ def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
     wanted = [d.strip() for d in os.environ.get("UCX_NET_DEVICES", "").split(",") if d.strip()]
     seen = {r.split("/", 1)[1] for r in here.get("resources") or [] if "/" in r}
     missing = [d for d in wanted if d != "all" and d not in seen]
-    if missing:
+    if missing and not here.get("error"):  # a UCX that did not start sees nothing: said above
         out.append(Check("ucx devices", "warn",
                          f"UCX_NET_DEVICES names {', '.join(missing)}, which this UCX does not "
                          f"see (it sees {', '.join(sorted(seen)) or 'none'})"))

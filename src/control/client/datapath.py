@@ -407,6 +407,13 @@ class DataPaths:
         return await (self.ucx.receive(t) if receive else self.ucx.send(t))
 
 
+class UcxUnusable(RpcBufError, wire=False):
+    """This process cannot use the UCX library ``RPCBUF_UCX`` chose (too
+    old, not there, mixed with another): the UCX data path cannot start."""
+
+    code = "UCX_UNUSABLE"
+
+
 def _ignore(buffer_id: str) -> None:
     pass
 
@@ -419,6 +426,8 @@ async def bind_ucx(host: str, port: int, nonce: bytes, timeout: float | None,
     limit = timeout if timeout else 30.0
     try:
         ep = await ucx.connect(host, port, timeout=limit)
+    except ucx.UnusableUCX as exc:
+        raise UcxUnusable(str(exc)) from None
     except ucx.TransferError as exc:
         raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
     expired = False

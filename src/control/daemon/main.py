@@ -401,6 +401,9 @@ async def serve(args: argparse.Namespace) -> int:
     ucx_host, ucx_port = args.ucx_listen or (args.listen[0], args.ucx_port)
     _ucx_interface(ucx_host)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
+    # RPCBUF_UCX's library, loaded (or refused: UnusableUCX) before any arena
+    # exists, so that every remap of one goes through its UCM (dataplane/shm.py)
+    ucx.ucxx()
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
     model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
@@ -487,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return uvloop.run(serve(args))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ucx.UnusableUCX) as exc:
         print(f"rpcbufd: {exc}", file=sys.stderr)
         return 2
 
