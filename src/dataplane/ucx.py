@@ -166,8 +166,10 @@ def ucxx() -> Any:
         _install_adaptive_progress()
         _install_context(_mod)
         _ucxx = _mod
-        _log.info("UCX %s at %s (%s=%s)", _mod.__ucx_version__, ucxlib.check_single(),
-                  ucxlib.ENV, ucxlib.choice())
+        lib = library()
+        _log.info("UCX %s at %s (%s=%s): modules %s; verbs %s; resources %s", lib["version"],
+                  lib["path"], ucxlib.ENV, ucxlib.choice(), ",".join(lib["modules"]) or "-",
+                  "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
     return _ucxx
 
 

@@ -179,3 +179,23 @@ def select(env: Any = None) -> None:
         return
     load(env)
     libucx.load_library = lambda: list(_loaded)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dataplane.ucxlib [CHOICE]``: whether rpcbuf can run on
+    that UCX (default ``$RPCBUF_UCX``), in one line; exit 1 if not (.ci/run)."""
+    args = sys.argv[1:] if argv is None else argv
+    env = {ENV: args[0]} if args else None
+    try:
+        load(env)
+    except UnusableUCX as exc:
+        print(f"unusable: {exc}")
+        return 1
+    fn = _loaded[-1].ucp_get_version_string
+    fn.restype = ctypes.c_char_p
+    print(f"usable: UCX {fn().decode(errors='replace')} at {check_single()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
