@@ -4,6 +4,7 @@ doctor`` makes of them (``cli.doctor.ucx_checks``, a pure function)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -195,3 +196,72 @@ def test_a_client_refuses_at_connect_a_ucx_it_cannot_use(daemon_factory: Any,
     assert got.returncode == 0, got.stderr[-3000:]
     assert got.stdout.startswith("refused: UCX_UNUSABLE: RPCBUF_UCX=") and \
         "no libucp.so.0 in" in got.stdout
+
+
+def _copy_of_the_wheel(to: Path) -> Path:
+    """A UCX install of its own at ``to`` (a copy of the wheel's libraries:
+    a "site build" that every machine running these tests has)."""
+    src = ucxlib.lib_dir("wheel")
+    if src is None:
+        pytest.skip("no libucx wheel to copy")
+    (to / "lib" / "ucx").mkdir(parents=True)
+    for name in (*ucxlib.LIBS, "libucm.so.0"):
+        (to / "lib" / name).write_bytes(Path(src, name).read_bytes())
+    for mod in Path(src, "ucx").glob("libuct_*.so.0"):  # the wheel's RPATH has $ORIGIN
+        (to / "lib" / "ucx" / mod.name).write_bytes(mod.read_bytes())
+    return to
+
+
+CLIENT_ON = textwrap.dedent("""
+    import asyncio, json, sys
+    import numpy as np
+    import rpcbuf
+    from dataplane import ucx
+
+    async def main():
+        async with rpcbuf.connect(sys.argv[1], token=sys.argv[2], timeout=30,
+                                  same_host=False) as ctx:
+            buf = await ctx.request_buffer(1 << 20)
+            data = np.arange(1 << 20, dtype=np.uint8)
+            await ctx.store_tensor(buf, data)
+            ok = bool((await ctx.read_buffer(buf) == data).all())
+            await ctx.release_buffer(buf)
+            node = (await ctx.stats())["ucx"]["path"]
+        print(json.dumps({"ok": ok, "here": ucx.library()["path"], "node": node}))
+
+    asyncio.run(main())
+""")
+
+
+def test_rpcbuf_ucx_naming_an_install_is_what_both_sides_load_and_run_on(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """Seen: RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true left the wheel's libucp
+    mapped; RPCBUF_UCX takes effect on the daemon and the client."""
+    site = _copy_of_the_wheel(tmp_path / "site")
+    env = {"RPCBUF_UCX": str(site)}
+    d = daemon_factory("--device", "cpu:16MiB", env=env)
+    got = subprocess.run([sys.executable, "-c", CLIENT_ON, d.addr, d.token()],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-3000:]
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["ok"]
+    assert out["here"].startswith(f"{site}/lib/libucp.so") and \
+        out["node"].startswith(f"{site}/lib/libucp.so")
+    assert f"at {site}/lib/libucp.so.0 (RPCBUF_UCX={site})" in d.log()
+
+
+def test_two_ucx_installs_in_one_process_are_refused(tmp_path: Path) -> None:
+    site = _copy_of_the_wheel(tmp_path / "site")
+    code = textwrap.dedent(f"""
+        import ctypes
+        from dataplane import ucxlib
+        ctypes.CDLL({str(Path(ucxlib.lib_dir("wheel") or "", "libucs.so.0"))!r})
+        try:
+            ucxlib.select({{"RPCBUF_UCX": {str(site)!r}}})
+        except ucxlib.UnusableUCX as exc:
+            print("refused:", exc)
+    """)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.startswith("refused: two UCX installs are loaded in this process")
