@@ -79,12 +79,20 @@ async def test_the_node_says_which_ucx_it_runs(daemon_factory: Any) -> None:
     assert f"UCX {lib['version']} at {lib['path']}" in d.log()
 
 
-def test_a_ucx_that_does_not_start_is_a_failure_naming_why() -> None:
+def test_a_ucx_that_does_not_start_is_a_failure_naming_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Seen: UCX_NET_DEVICES=mlx5_0:1 where UCX has no such device made
     doctor itself crash with UCXXNoDeviceError; it is a FAIL with UCX's word."""
     broken = {**WHEEL, "resources": [], "error": "UCXXNoDeviceError: No such device"}
     got = _by_name(ucx_checks(broken, WHEEL, [], []))
     assert got["ucx here"].status == "fail" and "No such device" in got["ucx here"].message
+    refused = {**SYSTEM, "resources": [], "error": "UnusableUCX: UCX 1.13.1 at /usr/lib is too old"}
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    got = _by_name(ucx_checks(refused, WHEEL, [], []))
+    assert got["ucx here"].status == "fail" and "too old" in got["ucx here"].message
+    assert "verbs yes" in got["ucx here"].message and "1.13.1" in got["ucx here"].message
+    assert "check UCX_NET_DEVICES" not in got["ucx here"].message  # not the reason here
+    assert "ucx devices" not in got  # a UCX that did not start sees no device: said once
 
 
 def test_the_minimum_ucx_version_is_1_19_and_older_ones_are_refused_with_a_sentence() -> None:
@@ -265,3 +273,20 @@ def test_two_ucx_installs_in_one_process_are_refused(tmp_path: Path) -> None:
                          timeout=60)
     assert got.returncode == 0, got.stderr[-3000:]
     assert got.stdout.startswith("refused: two UCX installs are loaded in this process")
+
+
+def test_doctor_on_a_refused_ucx_shows_that_ucx_not_a_token_failure(daemon_factory: Any,
+                                                                    tmp_path: Path) -> None:
+    """Seen: on the UCX path the refusal came out as `FAIL token ... [UCX_UNUSABLE]`."""
+    d = daemon_factory("--device", "cpu:16MiB")
+    env = {**os.environ, "RPCBUF_UCX": str(tmp_path / "none"), "RPCBUF_SAME_HOST": "0"}
+    got = subprocess.run([sys.executable, "-m", "control.cli", "doctor", "--endpoints", d.addr,
+                          "--token", d.token()], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 1, got.stdout + got.stderr[-3000:]
+    lines = [line.split() for line in got.stdout.splitlines() if line[:2] == "  "]
+    checks = {words[1]: words[0] for words in lines if len(words) > 1 and
+              words[0] in ("ok", "warn", "FAIL")}
+    assert checks.get("token") is None and checks.get("transports") == "ok"
+    assert "FAIL  ucx here           UCX does not start: UnusableUCX: RPCBUF_UCX=" in got.stdout
+    assert "check UCX_NET_DEVICES" not in got.stdout and "ucx devices" not in checks

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from control.cli.errors import ago, sentence
+from control.client.datapath import UcxUnusable
 from control.client.opening import insecure_default, is_loopback, tls_context
 from control.wire import protocol as P
 from control.wire.errors import RpcBufError
@@ -79,6 +80,13 @@ async def check_node(addr: str, token: str, timeout: float,
                          "--tls-cert/--tls-key and pass --ca (docs/security.md)"))
     try:
         ctx = await rpcbuf.connect(addr, token=token, timeout=timeout, **dial)
+    except UcxUnusable:  # this side's UCX (RPCBUF_UCX) was refused: show what it is
+        rdma = rdma_devices()
+        out.append(Check("transports", "ok", f"RDMA devices: {', '.join(rdma) or 'none'} here",
+                         {"rdma_devices": rdma}))
+        out.extend(c for c in ucx_checks(ucx.library(), None, rdma, [])
+                   if c.check == "ucx here")
+        return out
     except RpcBufError as exc:  # refused before the token went out: a TLS failure
         tls_why = exc.details.get("reason") in ("insecure_transport", "tls")
         out.append(Check("tls" if tls_why else "token", "fail", sentence(addr, exc)))
