@@ -130,7 +130,7 @@ def test_this_process_runs_on_the_ucx_rpcbuf_ucx_chose() -> None:
     if chosen == "wheel":
         assert "/libucx/lib" in where
     elif chosen != "system":
-        assert where == ucxlib.lib_dir(chosen)
+        assert where == os.path.realpath(ucxlib.lib_dir(chosen) or "")
 
 
 def _daemon_argv(tmp: Path) -> list[str]:
@@ -290,3 +290,22 @@ def test_doctor_on_a_refused_ucx_shows_that_ucx_not_a_token_failure(daemon_facto
     assert checks.get("token") is None and checks.get("transports") == "ok"
     assert "FAIL  ucx here           UCX does not start: UnusableUCX: RPCBUF_UCX=" in got.stdout
     assert "check UCX_NET_DEVICES" not in got.stdout and "ucx devices" not in checks
+
+
+def test_ucxx_imported_on_another_ucx_before_rpcbuf_chose_is_refused(tmp_path: Path) -> None:
+    site = _copy_of_the_wheel(tmp_path / "site")
+    code = textwrap.dedent(f"""
+        import ucxx  # the wheel's UCX, before rpcbuf could choose
+        from dataplane import ucxlib
+        try:
+            ucxlib.select({{"RPCBUF_UCX": {str(site)!r}}})
+        except ucxlib.UnusableUCX as exc:
+            print("refused:", exc)
+        ucxlib.select({{"RPCBUF_UCX": "wheel"}})  # what it did load: fine
+        print("wheel: fine")
+    """)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.startswith("refused: ucxx was imported before rpcbuf and loaded the UCX")
+    assert got.stdout.rstrip().endswith("wheel: fine")

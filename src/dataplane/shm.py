@@ -64,6 +64,12 @@ _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, 
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+SYS_futex = 202 if os.uname().machine == "x86_64" else 98  # x86_64; aarch64 (asm-generic)
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
+MAP_FAILED = ctypes.c_void_p(-1).value
+
 ucm_path: str | None = None  # the libucm that ``_mmap``/``_munmap`` go through (``use_ucm``)
 
 
@@ -78,11 +84,6 @@ def use_ucm(path: str) -> None:
     mm.restype, mm.argtypes = _mmap.restype, _mmap.argtypes
     mu.restype, mu.argtypes = _munmap.restype, _munmap.argtypes
     _mmap, _munmap, ucm_path = mm, mu, path
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
-SYS_futex = 202 if os.uname().machine == "x86_64" else 98  # x86_64; aarch64 (asm-generic)
-FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Timespec(ctypes.Structure):

@@ -168,8 +168,14 @@ def select(env: Any = None) -> None:
     """Make ``import ucxx`` load the UCX that ``RPCBUF_UCX`` chooses (call
     before it); ``UnusableUCX`` if that UCX is refused.  ucxx imported
     already: what it loaded is checked, as nothing can change it now."""
-    if "ucxx" in sys.modules:
-        check_single()
+    if "ucxx" in sys.modules and not _loaded:
+        chosen = choice(env)
+        where = check_single()
+        want = lib_dir(chosen) if chosen != "system" else None
+        if where and want and os.path.realpath(want) != where:
+            raise UnusableUCX(f"ucxx was imported before rpcbuf and loaded the UCX at {where}, "
+                              f"not {ENV}={chosen}: import rpcbuf (or call "
+                              "dataplane.ucxlib.select()) before ucxx")
         _route_remaps()
         return
     try:
