@@ -127,6 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_paths: run the test on the same-host and the UCX "
                                        "data path (--data-path picks one)")
+    config.addinivalue_line("markers", "ucx_path: tests of the UCX library itself (which one "
+                                       "loads, its memory events): .ci/run runs them again, with "
+                                       "the both_paths tests, on a system UCX")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

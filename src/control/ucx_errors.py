@@ -7,7 +7,9 @@ wait in ``ucx_errors`` (in the manner of httpcore's ``map_exceptions``):
 * ``Truncated`` (a peer sent more than was announced) is the peer's fault:
   BAD_REQUEST, where ``truncated`` says what it means there;
 * every other ``TransferError`` (the endpoint broke, the peer vanished, we
-  stopped waiting) is CONNECTION_LOST, naming ``what`` failed.
+  stopped waiting) is CONNECTION_LOST, naming ``what`` failed;
+* ``UnusableUCX`` (the UCX that ``RPCBUF_UCX`` chose cannot be loaded or is
+  too old, ``dataplane/ucxlib.py``) is UCX_UNUSABLE, its sentence as it is.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from control.wire.errors import BadRequest, ConnectionLost
-from dataplane.ucx import TransferError, Truncated
+from control.wire.errors import BadRequest, ConnectionLost, UcxUnusable
+from dataplane.ucx import TransferError, Truncated, UnusableUCX
 
 
 @contextlib.contextmanager
@@ -30,3 +32,5 @@ def ucx_errors(what: str, truncated: str | None = None) -> Iterator[None]:
         raise BadRequest(truncated) from exc
     except TransferError as exc:
         raise ConnectionLost(f"{what} failed: {exc}") from exc
+    except UnusableUCX as exc:
+        raise UcxUnusable(str(exc)) from None

@@ -17,9 +17,16 @@ same-host path stands on (``docs/dataplane.md``), with no policy.
   puts it, unmapped when its owner says so -- not when the garbage collector
   gets to a Python ``mmap`` (which also keeps a ``dup`` of the fd open).
 * ``map_fixed``/``map_anonymous``: put a file (or fresh anonymous memory)
-  at an exact address inside a range this process reserved (``MAP_FIXED``),
-  through libc's ``mmap`` -- the symbol UCX's memory hooks watch, so a
-  registration cache learns that the pages changed.
+  at an exact address inside a range this process reserved (``MAP_FIXED``).
+  Once UCX is loaded (``use_ucm``, called by ``ucxlib``) every mapping and
+  unmapping here goes through UCM's ``ucm_mmap``/``ucm_munmap``: they call
+  the kernel and tell UCX's registration cache (``UCM_EVENT_VM_UNMAPPED``,
+  before the old pages go) that the range changed, so a registration of a
+  buffer's old pages is never used for its new ones.  libc's ``mmap`` alone
+  is seen by UCM only in its default ``bistro`` hook mode (libc's code
+  patched); in ``reloc`` mode (``UCX_MEM_MMAP_HOOK_MODE=reloc``, or a
+  platform without bistro) UCM patches call sites in loaded libraries, and
+  a ctypes call to libc's ``mmap`` passes by it: measured, no event.
 * ``send_fds``/``recv_record``: a fixed-size record with file descriptors
   attached (``SCM_RIGHTS``) over a Unix stream socket.
 * ``futex_wait``/``futex_wake``: sleep until a 32-bit word in shared memory
@@ -62,6 +69,21 @@ _syscall.restype = ctypes.c_long
 SYS_futex = 202 if os.uname().machine == "x86_64" else 98  # x86_64; aarch64 (asm-generic)
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not _PRIVATE: the word is shared between processes
 MAP_FAILED = ctypes.c_void_p(-1).value
+
+ucm_path: str | None = None  # the libucm that ``_mmap``/``_munmap`` go through (``use_ucm``)
+
+
+def use_ucm(path: str) -> None:
+    """Map and unmap through the libucm at ``path`` (the one UCX in this
+    process uses) from now on: ``ucm_mmap``/``ucm_munmap`` have libc's
+    signatures, call the original functions and dispatch UCM's memory events
+    (see the module docstring).  Nothing before UCX loaded can be registered."""
+    global _mmap, _munmap, ucm_path
+    lib = ctypes.CDLL(path, use_errno=True)
+    mm, mu = lib.ucm_mmap, lib.ucm_munmap
+    mm.restype, mm.argtypes = _mmap.restype, _mmap.argtypes
+    mu.restype, mu.argtypes = _munmap.restype, _munmap.argtypes
+    _mmap, _munmap, ucm_path = mm, mu, path
 
 
 class _Timespec(ctypes.Structure):
@@ -108,7 +130,7 @@ def _checked(addr: int | None, what: str) -> int:
 
 def _map_at(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
     """``mmap`` read-write at exactly ``addr`` (``MAP_FIXED``: whatever was
-    mapped there is replaced), through libc's ``mmap``."""
+    mapped there is replaced), through UCM once UCX is loaded (``use_ucm``)."""
     got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags | MAP_FIXED,
                          fd, 0), what)
     if got != addr:  # MAP_FIXED never moves it; a libc that did would be a bug

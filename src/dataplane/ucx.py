@@ -58,6 +58,9 @@ from typing import Any
 
 import numpy as np
 
+from dataplane import ucxlib
+from dataplane.ucxlib import UnusableUCX as UnusableUCX
+
 UCX_DEFAULTS: dict[str, str] = {
     "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_RNDV_SCHEME": "auto",
@@ -157,11 +160,16 @@ def ucxx() -> Any:
     global _ucxx
     if _ucxx is None:
         apply_defaults()
+        ucxlib.select()  # RPCBUF_UCX's library, or UnusableUCX before ucxx loads any
         import ucxx as _mod
 
         _install_adaptive_progress()
         _install_context(_mod)
         _ucxx = _mod
+        lib = library()
+        _log.info("UCX %s at %s (%s=%s): modules %s; verbs %s; resources %s", lib["version"],
+                  lib["path"], ucxlib.ENV, ucxlib.choice(), ",".join(lib["modules"]) or "-",
+                  "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
     return _ucxx
 
 
@@ -526,10 +534,11 @@ class DataListener:
 
 
 async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
+    mod = ucxx()  # UnusableUCX as itself: no endpoint error
     try:
         async with asyncio.timeout(timeout):
             with busy():
-                ep = await ucxx().create_endpoint(host, port)
+                ep = await mod.create_endpoint(host, port)
     except TimeoutError as exc:
         raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
     except Exception as exc:

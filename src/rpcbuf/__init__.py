@@ -26,6 +26,7 @@ from control.wire.errors import (
     ShuttingDown,
     Timeout,
     TokenExpired,
+    UcxUnusable,
     UnsupportedDevice,
     VerifyFailed,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "TensorInfo",
     "Timeout",
     "TokenExpired",
+    "UcxUnusable",
     "UnsupportedDevice",
     "VerifyFailed",
     "attach_model",

@@ -25,7 +25,7 @@ import numpy as np
 from control.cli.errors import ago, sentence
 from control.client.opening import insecure_default, is_loopback, tls_context
 from control.wire import protocol as P
-from control.wire.errors import RpcBufError
+from control.wire.errors import RpcBufError, UcxUnusable
 from control.wire.units import format_size, split_host_port
 from dataplane import ucx
 from dataplane.ucx import rdma_devices
@@ -79,6 +79,13 @@ async def check_node(addr: str, token: str, timeout: float,
                          "--tls-cert/--tls-key and pass --ca (docs/security.md)"))
     try:
         ctx = await rpcbuf.connect(addr, token=token, timeout=timeout, **dial)
+    except UcxUnusable:  # this side's UCX (RPCBUF_UCX) was refused: show what it is
+        rdma = rdma_devices()
+        out.append(Check("transports", "ok", f"RDMA devices: {', '.join(rdma) or 'none'} here",
+                         {"rdma_devices": rdma}))
+        out.extend(c for c in ucx_checks(ucx.library(), None, rdma, [])
+                   if c.check == "ucx here")
+        return out
     except RpcBufError as exc:  # refused before the token went out: a TLS failure
         tls_why = exc.details.get("reason") in ("insecure_transport", "tls")
         out.append(Check("tls" if tls_why else "token", "fail", sentence(addr, exc)))
@@ -246,8 +253,10 @@ def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
             msg += ": no RDMA with this build"
         status = "ok"
         if lib.get("error"):
-            out.append(Check(f"ucx {side}", "fail", f"UCX does not start: {lib['error']} "
-                             f"(check UCX_NET_DEVICES and UCX_TLS); {msg}", {"ucx": lib}))
+            hint = "" if str(lib["error"]).startswith("UnusableUCX") else \
+                " (check UCX_NET_DEVICES and UCX_TLS)"
+            out.append(Check(f"ucx {side}", "fail", f"UCX does not start: {lib['error']}{hint}; "
+                             f"{msg}", {"ucx": lib}))
             continue
         if devs and not lib.get("verbs"):
             status = "warn"
@@ -257,7 +266,7 @@ def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
     wanted = [d.strip() for d in os.environ.get("UCX_NET_DEVICES", "").split(",") if d.strip()]
     seen = {r.split("/", 1)[1] for r in here.get("resources") or [] if "/" in r}
     missing = [d for d in wanted if d != "all" and d not in seen]
-    if missing:
+    if missing and not here.get("error"):  # a UCX that did not start sees nothing: said above
         out.append(Check("ucx devices", "warn",
                          f"UCX_NET_DEVICES names {', '.join(missing)}, which this UCX does not "
                          f"see (it sees {', '.join(sorted(seen)) or 'none'})"))

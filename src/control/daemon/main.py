@@ -41,7 +41,7 @@ from control.wire.membership import (
     parse_registry,
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
-from dataplane import sockets, ucx
+from dataplane import sockets, ucx, ucxlib
 from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
 
@@ -401,6 +401,9 @@ async def serve(args: argparse.Namespace) -> int:
     ucx_host, ucx_port = args.ucx_listen or (args.listen[0], args.ucx_port)
     _ucx_interface(ucx_host)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
+    # RPCBUF_UCX's library, loaded (or refused: UnusableUCX) before anything is
+    # set up; its context is made later, as before (Daemon.start)
+    ucxlib.select()
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
     model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
@@ -487,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return uvloop.run(serve(args))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ucx.UnusableUCX) as exc:
         print(f"rpcbufd: {exc}", file=sys.stderr)
         return 2
 

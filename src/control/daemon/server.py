@@ -138,11 +138,7 @@ class Daemon:
         # Read once (one readlink per open fd, one memfd per buffer: 200 ms
         # at 20,000 buffers); what listens does not change after this.
         self.listening = sockets.listening()
-        self.ucx_library = ucx_library()
-        lib = self.ucx_library
-        log.info("UCX %s at %s: modules %s; verbs %s; resources %s", lib["version"],
-                 lib["path"], ",".join(lib["modules"]) or "-",
-                 "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
+        self.ucx_library = ucx_library()  # logged when UCX loaded (ucx.ucxx)
         log.info("listening control=%s:%d ucx=%d devices=%s node=%s", self.address[0],
                  self.address[1], self.ucx_port, ",".join(self.registry.pools), self.node_id)
 

@@ -107,6 +107,13 @@ class ConnectionLost(RpcBufError):
     code = "CONNECTION_LOST"
 
 
+class UcxUnusable(RpcBufError, wire=False):
+    """This process cannot use the UCX library ``RPCBUF_UCX`` chose (too
+    old, not there, mixed with another): the UCX data path cannot start."""
+
+    code = "UCX_UNUSABLE"
+
+
 def error_from_wire(err: Any) -> RpcBufError:
     """Rebuild an exception from a wire ``{code, message, details}`` map."""
     if not isinstance(err, dict):
