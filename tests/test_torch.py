@@ -1,0 +1,163 @@
+"""PyTorch as a client (issue 28): every verb takes every torch dtype a model
+file can hold (bfloat16 and the float8s, which NumPy lacks, among them), and
+gives them back as torch tensors when asked (``framework="torch"``).  Real
+torch tensors, a real daemon.  Without torch these tests skip, saying why
+(``.ci/run`` installs torch==2.13.0 where its CPU wheel lies on the disk)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from conftest import DaemonProc
+from control.client import arrays
+from control.client.arrays import as_bytes
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (.ci/run installs torch==2.13.0 where its CPU "
+                    "wheel is on the machine's disk; elsewhere: pip install torch)")
+
+TENANT = "torch"
+# Every dtype a safetensors file can hold that torch has (safetensors.torch's table).
+DTYPES = [name for name in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8", "bool", "complex64") if hasattr(torch, name)]
+
+
+def sample(name: str, shape: tuple[int, ...] = (5, 7), seed: int = 0) -> Any:
+    """A tensor of dtype ``name`` with varied values (random bits for the
+    float8s, so NaN patterns are in there too: compare bits, not values)."""
+    dt = getattr(torch, name)
+    g = torch.Generator().manual_seed(seed)
+    if dt == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dt.is_complex:
+        return torch.randn(shape, dtype=dt, generator=g)
+    if dt.is_floating_point and dt.itemsize >= 2:
+        return (torch.randn(shape, generator=g) * 100).to(dt)
+    bits = torch.randint(0, 256, (*shape, dt.itemsize), dtype=torch.uint8, generator=g)
+    return bits.view(dt).reshape(shape)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit for bit, with dtype and shape."""
+    return bool(a.dtype == b.dtype and a.shape == b.shape
+                and as_bytes(a.contiguous()).tobytes() == as_bytes(b.contiguous()).tobytes())
+
+
+@pytest.fixture
+async def tctx(clean_pool: DaemonProc) -> AsyncIterator[rpcbuf.RpcContext]:
+    async with clean_pool.connect(TENANT) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_host_array_is_a_view_with_the_file_dtype_name(name: str) -> None:
+    """The one conversion every verb uses: no copy, and for a dtype NumPy
+    lacks the bits in an integer of its width plus the safetensors name."""
+    t = sample(name)
+    arr, source = arrays.host_array(t)
+    assert isinstance(arr, np.ndarray) and arr.shape == tuple(t.shape)
+    assert arr.ctypes.data == t.data_ptr() and arr.nbytes == t.nbytes
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz"):
+        assert source is not None and arr.dtype.kind == "u"
+    else:
+        assert source is None and arr.dtype == t.numpy().dtype
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_a_dtype_no_model_file_holds_is_a_clear_error() -> None:
+    half_complex = torch.zeros(3, dtype=torch.complex64).to(torch.complex32) \
+        if hasattr(torch, "complex32") else None
+    if half_complex is None:
+        pytest.skip("this torch has no complex32")
+    with pytest.raises(rpcbuf.BadRequest, match="complex32"):
+        arrays.host_array(half_complex)
+
+
+async def test_store_tensors_takes_every_dtype_and_load_tensors_gives_it_back(
+        tctx: rpcbuf.RpcContext) -> None:
+    """Issue 28 item 8: ``store_tensors({"bf": bf16})`` raised torch's bare
+    ``TypeError: Got unsupported ScalarType BFloat16``."""
+    tensors = {f"t.{n}": sample(n, seed=i) for i, n in enumerate(DTYPES)}
+    tensors["strided"] = sample("bfloat16", (6, 4)).t()  # non-contiguous: copied once
+    buf = await tctx.request_buffer(rpcbuf.calculate_buffer_size(tensors))
+    try:
+        written = await tctx.store_tensors(buf, tensors, verify="checksum")
+        assert written["t.bfloat16"]["source_type"] == "BF16"
+        assert written["t.bfloat16"]["dtype"] == "<u2"
+        back = await tctx.load_tensors(buf, framework="torch")
+        assert set(back) == set(tensors)
+        for k, t in tensors.items():
+            assert same(back[k], t), k
+        raw = await tctx.load_tensors(buf, ["t.bfloat16"])  # NumPy: the bits
+        assert raw["t.bfloat16"].dtype == np.uint16
+        with pytest.raises(rpcbuf.BadRequest, match="framework"):
+            await tctx.load_tensors(buf, framework="jax")
+    finally:
+        await tctx.release_buffer(buf)
+
+
+async def test_store_tensors_dedup_takes_every_dtype(tctx: rpcbuf.RpcContext) -> None:
+    tensors = {n: sample(n, seed=7) for n in DTYPES}
+    size = rpcbuf.calculate_buffer_size(tensors)
+    a, b = await tctx.request_buffer(size), await tctx.request_buffer(size)
+    try:
+        first = await tctx.store_tensors_dedup(a, tensors)
+        assert first["tensors"] == len(DTYPES)
+        again = await tctx.store_tensors_dedup(b, tensors)  # all placed from a's copy
+        assert again["sent"] == 0
+        back = await tctx.load_tensors(b, framework="torch")
+        for k, t in tensors.items():
+            assert same(back[k], t), k
+    finally:
+        await tctx.release_buffer(a)
+        await tctx.release_buffer(b)
+
+
+@pytest.mark.parametrize("name", DTYPES)
+async def test_store_tensor_batches_and_reads_take_every_dtype(
+        tctx: rpcbuf.RpcContext, name: str) -> None:
+    t = sample(name, (9, 3), seed=3)
+    buf = await tctx.request_buffer(4096)
+    try:
+        await tctx.store_tensor(buf, t, verify="checksum")
+        out = torch.empty_like(t)
+        assert await tctx.read_buffer(buf, out=out) is out and same(out, t)
+        await tctx.store_batch(buf, [(1024, t), (2048, t[1:])], verify="checksum")
+        blocks = await tctx.read_batch(buf, [(1024, t.nbytes), (2048, t[1:].nbytes)])
+        assert blocks[0].tobytes() == as_bytes(t).tobytes()
+        assert blocks[1].tobytes() == as_bytes(t[1:]).tobytes()
+        assert await tctx.verify_write(buf, 1024, t)
+    finally:
+        await tctx.release_buffer(buf)
+
+
+async def test_a_saved_safetensors_of_every_dtype_loads_and_comes_back_as_torch(
+        clean_pool: DaemonProc, tmp_path: Path) -> None:
+    """``safetensors.torch.save_file`` of every dtype, ``load_model``, then
+    the tensors again through ``load_tensors(framework="torch")``."""
+    from safetensors.torch import save_file
+
+    tensors = {f"w.{n}": sample(n, (4, 6), seed=i) for i, n in enumerate(DTYPES)}
+    path = tmp_path / "all.safetensors"
+    save_file(tensors, str(path))
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cl:
+        await rpcbuf.load_model(cl, path, name="all-dtypes", progress=False)
+        try:
+            ctx = cl[cl.endpoints[0]]
+            info = await rpcbuf.model_info(ctx, "all-dtypes")
+            got: dict[str, Any] = {}
+            for bid in {t.buffer_id for t in info.tensors.values()}:
+                got |= await ctx.load_tensors(bid, framework="torch")
+            for k, t in tensors.items():
+                assert same(got[k], t), k
+        finally:
+            await rpcbuf.unload_model(cl, "all-dtypes")
