@@ -161,3 +161,109 @@ async def test_a_saved_safetensors_of_every_dtype_loads_and_comes_back_as_torch(
                 assert same(got[k], t), k
         finally:
             await rpcbuf.unload_model(cl, "all-dtypes")
+
+
+# -- attach_model(framework="torch") (item 9) -------------------------------------------
+
+
+class TinyNet(torch.nn.Module):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16, dtype=torch.bfloat16)
+        self.proj = torch.nn.Linear(16, 8, dtype=torch.bfloat16)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, ids: Any) -> Any:
+        return self.head(self.proj(self.emb(ids)).float())
+
+
+async def _loaded_tiny_net(cl: rpcbuf.Cluster, tmp_path: Path, name: str) -> TinyNet:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    net = TinyNet().eval()
+    save_file(net.state_dict(), str(tmp_path / f"{name}.safetensors"))
+    await rpcbuf.load_model(cl, tmp_path / f"{name}.safetensors", name=name, progress=False)
+    return net
+
+
+async def test_attach_model_torch_gives_read_only_tensors_on_the_pages(
+        clean_pool: DaemonProc, tmp_path: Path) -> None:
+    """Issue 28 item 9: ``torch.from_numpy(model[name])`` warned that the
+    array is not writable (an error here: filterwarnings=error).  The torch
+    form is the file's dtype, on the attached pages (no copy), and a module
+    built on the meta device takes them with ``load_state_dict(assign=True)``."""
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cl:
+        net = await _loaded_tiny_net(cl, tmp_path, "tiny-net")
+        ctx = cl[cl.endpoints[0]]
+        try:
+            if not ctx.same_host:
+                pytest.skip("attach needs the same-host path")
+            with pytest.raises(rpcbuf.BadRequest, match="framework"):
+                await rpcbuf.attach_model(ctx, "tiny-net", framework="tf")
+            async with rpcbuf.attach_model(ctx, "tiny-net", framework="torch") as model:
+                assert set(model) == set(net.state_dict())  # no reserved entry
+                w = model["emb.weight"]
+                assert isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
+                assert torch.equal(w, net.emb.weight)
+                # on the attached mapping of its slot buffer: no copy
+                where = model.info["emb.weight"]
+                pages = model._views[where.buffer_id].array()
+                assert w.data_ptr() == pages.ctypes.data + where.offset
+                assert not pages.flags.writeable
+                with torch.device("meta"):
+                    worker = TinyNet()
+                worker.load_state_dict(dict(model), assign=True)
+                assert worker.emb.weight.data_ptr() == w.data_ptr()
+                ids = torch.tensor([[1, 5, 31], [0, 2, 7]])
+                with torch.inference_mode():
+                    assert torch.equal(worker(ids), net(ids))
+                with pytest.raises(rpcbuf.Busy):  # the daemon refuses writes meanwhile
+                    await ctx.clear_buffer(model.info["emb.weight"].buffer_id)
+                kept = model["head.bias"]
+            assert torch.equal(kept, net.head.bias)  # a tensor kept keeps its attachment
+            del kept, w, worker
+        finally:
+            await rpcbuf.unload_model(cl, "tiny-net")
+
+
+WRITER = """
+import asyncio, sys, rpcbuf
+async def main():
+    async with rpcbuf.connect(sys.argv[1], token=sys.argv[2]) as c:
+        async with rpcbuf.attach_model(c, sys.argv[3], framework="torch") as m:
+            print("attached", flush=True)
+            m["head.bias"].add_(1.0)  # the pages are PROT_READ: the kernel refuses
+            print("wrote", flush=True)
+asyncio.run(main())
+"""
+
+
+async def test_a_write_through_an_attached_torch_tensor_is_refused(
+        clean_pool: DaemonProc, tmp_path: Path) -> None:
+    """Torch has no read-only tensors; the pages are mapped read-only, so a
+    write kills the writer (SIGSEGV) and the model stays as loaded."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cl:
+        net = await _loaded_tiny_net(cl, tmp_path, "tiny-ro")
+        ctx = cl[cl.endpoints[0]]
+        try:
+            if not ctx.same_host:
+                pytest.skip("attach needs the same-host path")
+            env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+            env.pop("PYTHONFAULTHANDLER", None)
+            p = subprocess.run([sys.executable, "-c", WRITER, clean_pool.addr,
+                                clean_pool.token(TENANT), "tiny-ro"],
+                               capture_output=True, text=True, env=env, timeout=90)
+            assert p.stdout.startswith("attached") and "wrote" not in p.stdout, p.stderr
+            assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr[-2000:])
+            info = await rpcbuf.model_info(ctx, "tiny-ro")
+            bias = info.tensors["head.bias"]
+            got = await ctx.load_tensors(bias.buffer_id, ["head.bias"], framework="torch")
+            assert torch.equal(got["head.bias"], net.head.bias)
+        finally:
+            await rpcbuf.unload_model(cl, "tiny-ro")
