@@ -267,3 +267,63 @@ async def test_a_write_through_an_attached_torch_tensor_is_refused(
             assert torch.equal(got["head.bias"], net.head.bias)
         finally:
             await rpcbuf.unload_model(cl, "tiny-ro")
+
+
+# -- a real inference library on rpcbuf weights (item 10) -------------------------------
+
+
+async def test_a_transformers_model_runs_on_attached_weights(
+        clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small Llama from a config (no download), saved as safetensors,
+    ``rpcbuf load``-ed with the CLI, attached as torch tensors and made the
+    parameters of a meta-device model: its forward pass equals the
+    original's, bit for bit, and its weights are the attached pages."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (the 'torch-test' extra; "
+                               ".ci/run installs it beside torch)")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    original.save_pretrained(tmp_path / "tiny-llama")
+    env = {**os.environ, "RPCBUF_ENDPOINTS": clean_pool.addr,
+           "RPCBUF_TOKEN": clean_pool.token(TENANT), "COLUMNS": "120"}
+    res = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "control.cli", "load",
+                         str(tmp_path / "tiny-llama" / "model.safetensors"),
+                         "--name", "tiny-llama"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cl:
+        ctx = cl[cl.endpoints[0]]
+        try:
+            if not ctx.same_host:
+                pytest.skip("attach needs the same-host path")
+            ids = torch.tensor([[1, 17, 4, 99, 23, 5, 64, 2]])
+            with torch.inference_mode():
+                want = original(ids).logits
+            async with rpcbuf.attach_model(ctx, "tiny-llama", framework="torch") as weights:
+                with torch.device("meta"):
+                    net = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+                net.load_state_dict(dict(weights), assign=True)
+                # buffers the module makes itself are not in the file: made
+                # as the original's were (on the CPU, then cast with it)
+                net.model.rotary_emb = type(original.model.rotary_emb)(config=cfg).to(
+                    torch.bfloat16)
+                net.eval()
+                emb = net.model.embed_tokens.weight
+                assert emb.data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+                with torch.inference_mode():
+                    got = net(ids).logits
+                assert got.dtype == want.dtype and torch.equal(got, want)
+                del net, emb
+        finally:
+            await rpcbuf.unload_model(cl, "tiny-llama")

@@ -34,7 +34,7 @@ from control.client.connection import Caller, result_of
 from control.client.handles import Handles, check_read_only
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost
-from control.wire.manifest import np_dtype
+from control.wire.manifest import RESERVED, np_dtype
 
 
 class Attachment:
@@ -107,14 +107,16 @@ class Attachment:
         return base[offset:offset + nbytes]
 
     def tensors(self) -> dict[str, Any]:
-        """The manifest's tensors (as of attach), by name, with their dtypes
+        """The manifest's tensors (as of attach; not the model loader's
+        reserved entries, see ``load_tensors``), by name, with their dtypes
         and shapes, over the buffer's pages: read-only NumPy arrays (host),
         CuPy arrays (GPU: CuPy has no read-only flag; the import is
         read-only, a write faults)."""
         base = self._live()
         out: dict[str, Any] = {}
         for name, e in self.tensors_meta.items():
-            out[name] = tensor_view(base, e, self.size)
+            if name not in RESERVED:
+                out[name] = tensor_view(base, e, self.size)
         return out
 
     async def close(self) -> None:

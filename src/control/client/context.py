@@ -516,7 +516,9 @@ class RpcContext:
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
                            verify: bool = True, framework: str = "numpy") -> dict[str, Any]:
-        """``{name: array}`` with the stored dtype and shape, in one batch.
+        """``{name: array}`` with the stored dtype and shape, in one batch:
+        of ``names``, or of every tensor but the model loader's own entries
+        (``__rpcbuf_metadata__``, ``__rpcbuf_load__``: given when named).
 
         With ``verify`` each tensor's xxh3 is compared with the manifest.
         ``framework="torch"`` gives torch tensors over the same memory (no

@@ -147,9 +147,9 @@ class TensorOps:
         """``RpcContext.load_tensors`` (its docstring is the contract)."""
         check_framework(framework)
         table = await self.manifest_of(buffer_id)
-        if names is None:
-            wanted = list(table.names)
-            rows = np.arange(len(wanted), dtype=np.intp)
+        if names is None:  # the tensors, not the loader's reserved entries
+            rows = table.visible_rows()
+            wanted = [table.names[i] for i in rows.tolist()]
         else:
             wanted = list(names)
             rows = table.rows(wanted)
