@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 from control.client.arrays import check_framework, torch_view
 from control.client.attach import Attachment, tensor_view
 from control.client.model.info import ModelInfo, TensorInfo, model_info
-from control.client.model.metadata import META_TENSOR
 from control.client.model.record import incomplete
 from control.client.opening import Opening
+from control.wire.manifest import RESERVED
 
 if TYPE_CHECKING:
     from control.client.context import RpcContext
@@ -51,7 +51,7 @@ class AttachedModel(Mapping[str, Any]):
         self.metadata: dict[str, Any] = info.metadata
         self.format = info.format
         self.info: dict[str, TensorInfo] = {
-            k: v for k, v in info.tensors.items() if k != META_TENSOR}
+            k: v for k, v in info.tensors.items() if k not in RESERVED}
         self.framework = framework
         self._views = views
         self._arrays: dict[str, Any] | None = {}
