@@ -327,3 +327,27 @@ async def test_a_transformers_model_runs_on_attached_weights(
                 del net, emb
         finally:
             await rpcbuf.unload_model(cl, "tiny-llama")
+
+
+async def test_an_attached_buffer_gives_its_tensors_as_torch(tctx: rpcbuf.RpcContext) -> None:
+    """``ctx.attach(buf).tensors(framework="torch")``: what ``store_tensors``
+    stored, in its own dtype, over the attached pages."""
+    if not tctx.same_host:
+        pytest.skip("attach needs the same-host path")
+    tensors = {n: sample(n, seed=11) for n in ("bfloat16", "float8_e4m3fn", "float32")
+               if n in DTYPES}
+    buf = await tctx.request_buffer(rpcbuf.calculate_buffer_size(tensors))
+    try:
+        await tctx.store_tensors(buf, tensors)
+        async with tctx.attach(buf) as view:
+            got = view.tensors(framework="torch")
+            for k, t in tensors.items():
+                assert same(got[k], t), k
+            pages = view.array()
+            entry = (await tctx.get_buffer_meta(buf))["tensors"]["bfloat16"]
+            assert got["bfloat16"].data_ptr() == pages.ctypes.data + entry["offset"]
+            with pytest.raises(rpcbuf.BadRequest, match="framework"):
+                view.tensors(framework="cupy")
+            del got
+    finally:
+        await tctx.release_buffer(buf)
