@@ -351,3 +351,37 @@ async def test_an_attached_buffer_gives_its_tensors_as_torch(tctx: rpcbuf.RpcCon
             del got
     finally:
         await tctx.release_buffer(buf)
+
+
+async def test_a_gguf_bf16_tensor_attaches_as_bfloat16(clean_pool: DaemonProc,
+                                                       tmp_path: Path) -> None:
+    """GGUF's BF16 tensors arrive as uint8 rows (two bytes an element, the
+    reader's form for a type NumPy lacks); the torch form is bfloat16 of the
+    logical shape.  A Q8_0 matrix stays its uint8 rows (no torch dtype)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    want = sample("bfloat16", (8, 6), seed=4)
+    q8 = gguf.quants.quantize(np.random.default_rng(0).standard_normal(
+        (4, 32), dtype=np.float32), Q.Q8_0)
+    path = tmp_path / "bf.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_tensor("blk.0.w", want.view(torch.uint16).numpy(), raw_dtype=Q.BF16)
+    w.add_tensor("blk.0.q", q8, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token(TENANT)) as cl:
+        await rpcbuf.load_model(cl, path, name="gguf-bf", progress=False)
+        ctx = cl[cl.endpoints[0]]
+        try:
+            if not ctx.same_host:
+                pytest.skip("attach needs the same-host path")
+            async with rpcbuf.attach_model(ctx, "gguf-bf", framework="torch") as model:
+                assert same(model["blk.0.w"], want)
+                assert model["blk.0.q"].dtype == torch.uint8
+                assert model["blk.0.q"].shape == q8.shape
+                assert model["blk.0.q"].numpy().tobytes() == q8.tobytes()
+        finally:
+            await rpcbuf.unload_model(cl, "gguf-bf")
