@@ -385,3 +385,12 @@ async def test_a_gguf_bf16_tensor_attaches_as_bfloat16(clean_pool: DaemonProc,
                 assert model["blk.0.q"].numpy().tobytes() == q8.tobytes()
         finally:
             await rpcbuf.unload_model(cl, "gguf-bf")
+
+
+def test_a_tensor_off_the_host_or_sparse_is_a_clear_error() -> None:
+    with pytest.raises(rpcbuf.BadRequest, match="meta"):
+        arrays.host_array(torch.empty(3, device="meta"))
+    with pytest.raises(rpcbuf.BadRequest, match="to_dense"):
+        arrays.host_array(torch.eye(3).to_sparse())
+    got, _ = arrays.host_array(torch.tensor([1 + 2j], dtype=torch.complex64).conj())
+    assert got.tolist() == [1 - 2j]  # a lazy conjugate is made real (one copy)

@@ -75,15 +75,21 @@ def host_array(obj: Any) -> tuple[np.ndarray, str | None]:
     """A NumPy array over ``obj``'s host memory (no copy for a NumPy array or
     a CPU torch tensor) and, for a torch dtype NumPy lacks, the safetensors
     name of it (the array is then its bits: ``uint16`` for bfloat16, ``uint8``
-    for a float8).  BAD_REQUEST for a torch dtype no model file holds
-    (complex32, the packed float4s)."""
+    for a float8).  BAD_REQUEST for a tensor off the host (GPU, meta), a
+    sparse one, or a torch dtype no model file holds (complex32, the packed
+    float4s)."""
     if isinstance(obj, np.ndarray):
         return obj, None
     if not _torch_tensor(obj):
         return np.asarray(obj), None
     import torch
 
-    t = obj.detach().resolve_conj().resolve_neg()
+    t = obj.detach()
+    if t.device.type != "cpu":
+        raise BadRequest(f"this tensor is on {t.device}, not in host memory")
+    if t.layout != torch.strided:
+        raise BadRequest(f"this tensor is {t.layout} (convert it first: .to_dense())")
+    t = t.resolve_conj().resolve_neg()
     name = str(t.dtype).removeprefix("torch.")
     source = TORCH_BITS.get(name)
     if source is not None:

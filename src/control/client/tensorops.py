@@ -166,7 +166,8 @@ class TensorOps:
                 raise VerifyFailed(f"{len(bad)} tensor(s) do not match their manifest checksum",
                                    {"tensors": [wanted[i] for i in bad[:20].tolist()]})
         if framework == "torch":
-            arrays = [torch_view(a, table.sources[k] if table.sources else None)
+            srcs, logs = table.sources, table.logicals
+            arrays = [torch_view(a, srcs[k] if srcs else None, logs[k] if logs else None)
                       for a, k in zip(arrays, table.kinds[rows].tolist(), strict=True)]
         return dict(zip(wanted, arrays, strict=True))
 
