@@ -125,7 +125,10 @@ async def test_load_by_spec_reload_dedups_then_unload(cluster: rpcbuf.Cluster,
     for addr, bufs in (await cluster.list_buffers()).items():
         for meta in bufs:
             got.update(await cluster[addr].load_tensors(meta["buffer_id"]))  # checksums
-    # and the file's metadata, per node, and each slot's load record:
+            # and, by name, the file's metadata (per node) and each slot's load record
+            held = set((await cluster[addr].get_buffer_meta(meta["buffer_id"]))["tensors"])
+            got.update(await cluster[addr].load_tensors(
+                meta["buffer_id"], sorted(held & {META_TENSOR, LOAD_TENSOR})))
     assert set(got) == set(model) | {META_TENSOR, LOAD_TENSOR}
     for addr, slots in ((a, [0, 1]), (b, [2])):
         info = await rpcbuf.model_info(cluster[addr], "tiny")

@@ -278,3 +278,30 @@ async def test_attach_model_refuses_a_model_that_changed_between_its_check_and_a
     monkeypatch.undo()
     await ctx.clear_buffer(victim.buffer_id, 0)  # detached again: writable
     await rpcbuf.unload_model(cluster, "race")
+
+
+async def test_reserved_entries_are_hidden_from_ls_and_load_tensors(
+        cluster: rpcbuf.Cluster, clean_pool: DaemonProc, tmp_path: Path) -> None:
+    """Issue 28 item 6: the loader's own entries (``__rpcbuf_metadata__``,
+    ``__rpcbuf_load__``) leaked out: ``ls`` counted them and ``load_tensors``
+    returned them among the file's tensors.  Hidden unless asked for by name."""
+    path, _ = bf16_safetensors(tmp_path / "hidden.safetensors", {"format": "pt"})
+    await rpcbuf.load_model(cluster, path, name="hidden", progress=False)
+    ctx = cluster[cluster.endpoints[0]]
+    file_names = {"model.embed_tokens.weight", "lm_head.weight"}
+    slot = await ctx.open_buffer("hidden/slot0")
+    meta = await ctx.get_buffer_meta(slot)
+    assert {META_TENSOR, "__rpcbuf_load__"} <= set(meta["tensors"])  # the manifest has all
+    assert set(await ctx.load_tensors(slot)) == file_names
+    asked = await ctx.load_tensors(slot, [META_TENSOR])  # by name: given
+    assert asked[META_TENSOR].dtype == np.uint8
+    if ctx.same_host:
+        async with ctx.attach(slot) as view:
+            assert set(view.tensors()) == file_names
+    res = await asyncio.to_thread(cli, "ls", "--endpoint", clean_pool.addr, "--token",
+                                  clean_pool.token(TENANT), "--json")
+    assert res.returncode == 0, res.stderr
+    listed = json.loads(res.stdout)
+    rows = [b for bs in listed.values() for b in bs if b["name"] == "hidden/slot0"]
+    assert [b["tensors"] for b in rows] == [len(file_names)], listed
+    await rpcbuf.unload_model(cluster, "hidden")

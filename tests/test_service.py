@@ -348,3 +348,55 @@ async def test_tls_control_channel(daemon_factory, tmp_path: Path) -> None:  # t
         assert await c.ping()  # and the daemon keeps serving
     assert d.stop() == 0
 
+
+
+async def test_dedup_store_audit_records_name_device_and_bytes(daemon_factory,  # type: ignore[no-untyped-def]
+                                                               tmp_path: Path) -> None:
+    """Issue 28 item 15: a ``dedup_store`` that placed nothing (no tensor
+    held yet: the first upload) was audited from its request, with
+    ``"device": null, "bytes": null``.  Every dedup_store record names the
+    buffer's device and the bytes it placed."""
+    audit = tmp_path / "audit.log"
+    d = daemon_factory("--device", "cpu:16MiB", "--audit-log", str(audit))
+    rng = np.random.default_rng(5)
+    tensors = {f"t{i}": rng.integers(0, 255, 3000, np.uint8) for i in range(3)}
+    async with d.connect("alice") as c:
+        first, second = await c.request_buffer(65536), await c.request_buffer(65536)
+        sent = await c.store_tensors_dedup(first, tensors)  # nothing held: all sent
+        again = await c.store_tensors_dedup(second, tensors)  # all placed from first
+        assert (sent["placed"], again["placed"]) == (0, 3)
+        await c.release_buffer(first)
+        await c.release_buffer(second)
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        records = [json.loads(x) for x in audit.read_text().splitlines()]
+        dedups = [r for r in records if r["op"] == "dedup_store"]
+        if len(dedups) >= 2 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert {r["buffer"] for r in dedups} == {first, second}, dedups
+    for r in dedups:
+        assert r["device"] == "cpu:0" and isinstance(r["bytes"], int), r
+        assert r["code"] == "OK"
+    assert sorted(r["bytes"] for r in dedups) == [0, 9000]
+
+
+async def test_a_connection_that_never_says_hello_is_logged_as_such(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28 item 15: ``rpcbuf doctor`` first opens and closes a bare TCP
+    connection (is anything listening?); the daemon logged its end as
+    ``session ... tenant=None closed``.  It says what it was."""
+    d = daemon_factory("--device", "cpu:16MiB")
+    host, port = d.addr.rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))  # what doctor's probe does
+    writer.close()
+    await writer.wait_closed()
+    for _ in range(200):  # the daemon logs it as the connection ends
+        if "before saying hello" in d.log():
+            break
+        await asyncio.sleep(0.05)
+    log = d.log()
+    assert "tenant=None" not in log, log
+    line = next(x for x in log.splitlines() if "before saying hello" in x)
+    assert re.search(r"connection s-\S+ from 127\.0\.0\.1:\d+ closed before saying hello",
+                     line), line  # who it was

@@ -106,7 +106,7 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
         out.append({"buffer_id": b["buffer_id"], "name": b["name"], "size": b["size"],
                     "device": f"{b['device_type']}:{b['device']}",
                     "ttl_left": None if exp is None else max(0.0, exp - now),
-                    "tensors": b.get("tensor_count", 0),
+                    "tensors": b.get("tensor_count", 0) - b.get("reserved_count", 0),
                     "session_scoped": b.get("session_scoped", False)})
     return out
 

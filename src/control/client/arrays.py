@@ -7,6 +7,15 @@ exposing ``__cuda_array_interface__`` (Numba, JAX on GPU, ...) or DLPack
 (``__dlpack__``/``__dlpack_device__``).  Device memory is handed to UCX as a
 CuPy array (ucxx takes ``__cuda_array_interface__`` buffers).
 
+PyTorch's dtypes that NumPy lacks (bfloat16, the float8s) are seen as their
+bits, an unsigned integer of the same width, beside the safetensors name of
+their dtype (``BF16``, ``F8_E4M3``, ...): ``host_array`` is the one place a
+torch tensor becomes a NumPy array, for every verb, and a manifest records
+that name as the tensor's source type, as the model loader does for a BF16
+file tensor.  ``torch_view`` is the way back: a tensor over the same memory
+(DLPack, which carries a read-only array without torch's "not writable"
+warning), of the dtype the source type names.
+
 Streams: the producer's pending work must be finished before UCX touches the
 memory.  ``cupy.from_dlpack``/``cupy.asarray`` make CuPy's current stream wait
 for the producer's stream (the DLPack / CUDA array interface stream
@@ -16,6 +25,7 @@ only after every kernel that wrote the tensor has finished.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -53,6 +63,74 @@ def dtype_name(obj: Any) -> str:
     return str(getattr(obj, "dtype", "uint8")).removeprefix("torch.")
 
 
+# torch dtype -> the safetensors name of it, for the dtypes NumPy has none for.
+TORCH_BITS = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+              "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+              "float8_e8m0fnu": "F8_E8M0"}
+_TORCH_OF = {v: k for k, v in TORCH_BITS.items()}
+FRAMEWORKS = ("numpy", "torch")
+
+
+def host_array(obj: Any) -> tuple[np.ndarray, str | None]:
+    """A NumPy array over ``obj``'s host memory (no copy for a NumPy array or
+    a CPU torch tensor) and, for a torch dtype NumPy lacks, the safetensors
+    name of it (the array is then its bits: ``uint16`` for bfloat16, ``uint8``
+    for a float8).  BAD_REQUEST for a tensor off the host (GPU, meta), a
+    sparse one, or a torch dtype no model file holds (complex32, the packed
+    float4s)."""
+    if isinstance(obj, np.ndarray):
+        return obj, None
+    if not _torch_tensor(obj):
+        return np.asarray(obj), None
+    import torch
+
+    t = obj.detach()
+    if t.device.type != "cpu":
+        raise BadRequest(f"this tensor is on {t.device}, not in host memory")
+    if t.layout != torch.strided:
+        raise BadRequest(f"this tensor is {t.layout} (convert it first: .to_dense())")
+    t = t.resolve_conj().resolve_neg()
+    name = str(t.dtype).removeprefix("torch.")
+    source = TORCH_BITS.get(name)
+    if source is not None:
+        bits = {1: torch.uint8, 2: torch.uint16}[t.element_size()]
+        return t.view(bits).numpy(), source
+    try:
+        return t.numpy(), None
+    except TypeError:  # torch's own "Got unsupported ScalarType ..."
+        raise BadRequest(f"torch.{name} tensors are not supported: no model file holds "
+                         "them (convert first, e.g. .to(torch.float32))") from None
+
+
+def check_framework(framework: str) -> None:
+    if framework not in FRAMEWORKS:
+        raise BadRequest(f"framework must be one of {list(FRAMEWORKS)}, got {framework!r}")
+    if framework == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise BadRequest("framework='torch' needs PyTorch (pip install torch)") from None
+
+
+def torch_view(array: Any, source_type: str | None = None,
+               logical_shape: Any = None) -> Any:
+    """A torch tensor over ``array``'s memory (NumPy or CuPy; no copy, and
+    no warning for a read-only one), of the dtype ``source_type`` names
+    where NumPy had none (``BF16`` bits become bfloat16), shaped as
+    ``logical_shape`` when that is the same elements."""
+    import torch
+
+    t = torch.from_dlpack(array)
+    target = _TORCH_OF.get(source_type or "")
+    dt = getattr(torch, target, None) if target else None
+    if dt is not None and t.dtype != dt and not t.dtype.is_floating_point:
+        t = t.view(dt)
+    if logical_shape is not None and tuple(t.shape) != tuple(logical_shape) \
+            and t.numel() == math.prod(logical_shape):
+        t = t.reshape(tuple(logical_shape))
+    return t
+
+
 def _cupy() -> Any:
     try:
         import cupy
@@ -81,7 +159,7 @@ def host_bytes(array: Any, writable: bool = False) -> np.ndarray:
     if isinstance(array, np.ndarray):
         arr = array
     elif _torch_tensor(array):
-        arr = _torch_u8(array, writable).numpy()
+        arr = host_array(array)[0]
     elif hasattr(array, "__dlpack__") and not _has_buffer(array):
         try:
             arr = np.from_dlpack(array)

@@ -30,11 +30,12 @@ from typing import Any
 
 import numpy as np
 
+from control.client.arrays import check_framework, torch_view
 from control.client.connection import Caller, result_of
 from control.client.handles import Handles, check_read_only
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, ConnectionLost
-from control.wire.manifest import np_dtype
+from control.wire.manifest import RESERVED, np_dtype
 
 
 class Attachment:
@@ -106,15 +107,22 @@ class Attachment:
             raise BadRequest(f"[{offset}, +{nbytes}) is outside the buffer of {self.size} bytes")
         return base[offset:offset + nbytes]
 
-    def tensors(self) -> dict[str, Any]:
-        """The manifest's tensors (as of attach), by name, with their dtypes
+    def tensors(self, framework: str = "numpy") -> dict[str, Any]:
+        """The manifest's tensors (as of attach; not the model loader's
+        reserved entries, see ``load_tensors``), by name, with their dtypes
         and shapes, over the buffer's pages: read-only NumPy arrays (host),
         CuPy arrays (GPU: CuPy has no read-only flag; the import is
-        read-only, a write faults)."""
+        read-only, a write faults); ``framework="torch"``: torch tensors over
+        the same pages, of the dtype each was stored with (``torch_view``; a
+        write through one faults too).  BAD_REQUEST for another framework."""
+        check_framework(framework)
         base = self._live()
         out: dict[str, Any] = {}
         for name, e in self.tensors_meta.items():
-            out[name] = tensor_view(base, e, self.size)
+            if name not in RESERVED:
+                arr = tensor_view(base, e, self.size)
+                out[name] = arr if framework == "numpy" else torch_view(
+                    arr, e.get("source_type"), e.get("logical_shape"))
         return out
 
     async def close(self) -> None:

@@ -506,12 +506,19 @@ class RpcContext:
         return await self._tensors.store_tensors(buffer_id, tensors, offset, verify, sources)
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
-                           verify: bool = True) -> dict[str, np.ndarray]:
-        """``{name: array}`` with the stored dtype and shape, in one batch.
+                           verify: bool = True, framework: str = "numpy") -> dict[str, Any]:
+        """``{name: array}`` with the stored dtype and shape, in one batch:
+        of ``names``, or of every tensor but the model loader's own entries
+        (``__rpcbuf_metadata__``, ``__rpcbuf_load__``: given when named).
 
         With ``verify`` each tensor's xxh3 is compared with the manifest.
-        Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED."""
-        return await self._tensors.load_tensors(buffer_id, names, verify)
+        ``framework="torch"`` gives torch tensors over the same memory (no
+        copy), each of the dtype it was stored with: a bfloat16 or float8
+        tensor, which NumPy has no dtype for, is its bits in the NumPy form
+        (``uint16``/``uint8``, the entry's ``source_type`` says ``BF16``...).
+        Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED,
+        BAD_REQUEST (an unknown framework, or torch not installed)."""
+        return await self._tensors.load_tensors(buffer_id, names, verify, framework)
 
     async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
                                   offsets: Mapping[str, int] | None = None,

@@ -29,6 +29,7 @@ from control.client.tensors import (
     manifest_columns,
     named_arrays,
     plan_layout,
+    with_bits,
 )
 from control.wire import protocol as P
 from control.wire.manifest import ManifestColumns, Source, source_columns
@@ -77,7 +78,8 @@ class DedupOps:
         ask the daemon to place what it holds, send the rest."""
         ctx = self._ctx
         ctx.check_open()
-        arrays = named_arrays(tensors)
+        arrays, bits = named_arrays(tensors)
+        sources = with_bits(sources, bits)
         if offsets is None:
             existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from control.client.answers import bad_answer
+from control.client.arrays import check_framework, torch_view
 from control.client.tensors import (
     XXH3,
     Items,
@@ -34,6 +35,7 @@ from control.client.tensors import (
     offset_order,
     plan_offsets,
     plan_spans,
+    with_bits,
 )
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
@@ -84,7 +86,8 @@ class TensorOps:
                             sources: Mapping[str, Source] | None = None) -> ManifestTable:
         """``RpcContext.store_tensors`` (its docstring is the contract): plan
         the offsets against the cached manifest, store, merge the cache."""
-        names, arrays = names_and_arrays(tensors)
+        names, arrays, bits = names_and_arrays(tensors)
+        sources = with_bits(sources, bits)
         packed = Packed.of_arrays(names, arrays)
         if sources:
             packed = packed.described(*source_columns(names, sources))
@@ -140,15 +143,13 @@ class TensorOps:
             else ManifestTable.of_entries(meta.get("tensors") or {})
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
-                           verify: bool = True) -> dict[str, np.ndarray]:
-        """``{name: array}`` with the stored dtype and shape, in one batch.
-
-        With ``verify`` each tensor's xxh3 is compared with the manifest.
-        Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED."""
+                           verify: bool = True, framework: str = "numpy") -> dict[str, Any]:
+        """``RpcContext.load_tensors`` (its docstring is the contract)."""
+        check_framework(framework)
         table = await self.manifest_of(buffer_id)
-        if names is None:
-            wanted = list(table.names)
-            rows = np.arange(len(wanted), dtype=np.intp)
+        if names is None:  # the tensors, not the loader's reserved entries
+            rows = table.visible_rows()
+            wanted = [table.names[i] for i in rows.tolist()]
         else:
             wanted = list(names)
             rows = table.rows(wanted)
@@ -164,6 +165,10 @@ class TensorOps:
             if len(bad):
                 raise VerifyFailed(f"{len(bad)} tensor(s) do not match their manifest checksum",
                                    {"tensors": [wanted[i] for i in bad[:20].tolist()]})
+        if framework == "torch":
+            srcs, logs = table.sources, table.logicals
+            arrays = [torch_view(a, srcs[k] if srcs else None, logs[k] if logs else None)
+                      for a, k in zip(arrays, table.kinds[rows].tolist(), strict=True)]
         return dict(zip(wanted, arrays, strict=True))
 
     async def _read_tensors(self, buffer_id: str, table: ManifestTable,

@@ -33,9 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from control.client.arrays import is_cuda
+from control.client.arrays import host_array, is_cuda
 from control.wire.errors import BadRequest
-from control.wire.manifest import ALIGN, ManifestTable, Packed, manifest_columns, np_dtype
+from control.wire.manifest import (
+    ALIGN,
+    ManifestTable,
+    Packed,
+    Source,
+    manifest_columns,
+    np_dtype,
+)
 from control.wire.manifest import align as _align
 from dataplane.checksum import xxh3
 
@@ -65,19 +72,23 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
     return _align(int(total * (1.0 + headroom)), align)
 
 
-def named_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """``{name: array}`` as NumPy arrays; BAD_REQUEST for a non-string name,
-    an array of Python objects or one in GPU memory (the manifest's checksum
-    is the content's xxh3, computed here on the host: store GPU tensors with
-    ``store_tensor``)."""
-    names, arrays = names_and_arrays(tensors)
-    return dict(zip(names, arrays, strict=True))
+def named_arrays(tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Source]]:
+    """``{name: array}`` as NumPy arrays, and the source of each that is the
+    bits of a torch dtype NumPy lacks (``host_array``); BAD_REQUEST for a
+    non-string name, an array of Python objects or one in GPU memory (the
+    manifest's checksum is the content's xxh3, computed here on the host:
+    store GPU tensors with ``store_tensor``)."""
+    names, arrays, bits = names_and_arrays(tensors)
+    return dict(zip(names, arrays, strict=True)), bits
 
 
-def names_and_arrays(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.ndarray]]:
-    """(names, NumPy arrays) of ``tensors``, checked as ``named_arrays`` says."""
+def names_and_arrays(tensors: Mapping[str, Any]
+                     ) -> tuple[list[str], list[np.ndarray], dict[str, Source]]:
+    """(names, NumPy arrays, sources of the torch bits) of ``tensors``,
+    checked as ``named_arrays`` says."""
     names = list(tensors)
     values = list(tensors.values())
+    bits: dict[str, Source] = {}
     if not all(map(isinstance, names, itertools.repeat(str))):
         bad = next(n for n in names if not isinstance(n, str))
         raise BadRequest(f"tensor names must be strings, got {bad!r}")
@@ -88,11 +99,24 @@ def names_and_arrays(tensors: Mapping[str, Any]) -> tuple[list[str], list[np.nda
         if on_gpu is not None:  # np.asarray would raise TypeError (CuPy, torch) or copy
             raise BadRequest(f"tensor {on_gpu!r} is in GPU memory: store_tensors takes host "
                              "arrays; store GPU tensors with store_tensor")
-        arrays = [np.asarray(v) for v in values]
+        arrays = []
+        for name, value in zip(names, values, strict=True):
+            arr, source = host_array(value)
+            arrays.append(arr)
+            if source is not None:
+                bits[name] = (source, arr.shape)
     if any(dt.hasobject for dt in set(map(_DTYPE, arrays))):
         bad = next(n for n, a in zip(names, arrays, strict=True) if a.dtype.hasobject)
         raise BadRequest(f"tensor {bad!r} holds Python objects")
-    return names, arrays
+    return names, arrays, bits
+
+
+def with_bits(sources: Mapping[str, Source] | None, bits: Mapping[str, Source]
+              ) -> Mapping[str, Source] | None:
+    """The caller's ``sources``, and the torch bits' for the names it has none for."""
+    if not bits:
+        return sources
+    return {**bits, **(sources or {})}
 
 
 _DTYPE = operator.attrgetter("dtype")

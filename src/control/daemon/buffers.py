@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control.daemon.locks import RangeLocks
+from control.wire.manifest import RESERVED
 from dataplane.allocator import Allocator, make_allocator
 from dataplane.arena import Arena
 
@@ -107,6 +108,8 @@ class Buffer:
             "attached": self.attached,  # open read-only attachments (writes are BUSY)
             "tensors": self.tensors if tensors else None,
             "tensor_count": len(self.tensors),
+            # of those, the model loader's own entries (listings count them out)
+            "reserved_count": sum(n in self.tensors for n in RESERVED),
             "tensors_end": self.tensors_end,
             "manifest_version": self.manifest_version,
         }

@@ -95,7 +95,9 @@ class DedupOps:
                 plan.append((i, loc))
             elif cache is not None and cache.has(tenant, digest, size):
                 plan.append((i, None))
-        if not plan:
+        if not plan:  # nothing held: audited as what it touched, no bytes placed
+            self._ops.audit("dedup_store", buf, int(offsets.min()) if n else 0, 0,
+                            note=f"items={n} placed=0")
             return {"placed": P.pack_u64([]), "nbytes": 0, "copied": 0, "in_place": 0,
                     "from_cache": 0, "bytes_hashed": 0, "bytes_trusted": 0}
         hull = (int(offsets.min()), int((offsets + sizes).max()))

@@ -550,7 +550,14 @@ class Session:
         self._flush()  # answers of this loop turn (a connection-level error frame) go first
         with contextlib.suppress(Exception):
             self.writer.close()
-        log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
+        if self.tenant is None:  # a probe (doctor's "is anything listening?"), a scanner
+            peer = self.peer
+            where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 \
+                else f"pid {self.peer_pid}"
+            log.info("connection %s from %s closed before saying hello: %s", self.session_id,
+                     where, why)
+        else:
+            log.info("session %s tenant=%s closed: %s", self.session_id, self.tenant, why)
 
     # -- ops --------------------------------------------------------------------
 

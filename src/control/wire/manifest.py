@@ -49,6 +49,12 @@ import numpy as np
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
+# Entries rpcbuf's model loader keeps in a slot buffer beside the model's
+# tensors (the file's metadata blob, the load record): not tensors of the
+# file, so listings count them out and load_tensors gives them only by name.
+META_TENSOR = "__rpcbuf_metadata__"
+LOAD_TENSOR = "__rpcbuf_load__"
+RESERVED = frozenset({META_TENSOR, LOAD_TENSOR})
 ALIGN = 256  # tensor slots start at multiples of this (GPU-friendly); so does ``tensors_end``
 _NO_SIZE = (1 << 64) - 1  # a kind whose byte count is past 2**63: matches no item
 _DTYPE_CACHE_MAX = 4096  # wire names are the peer's: bound the cache
@@ -540,6 +546,12 @@ class ManifestTable(Mapping[str, Entry]):
                         self.logicals or [None] * n, strict=True))
 
     # -- columns ----------------------------------------------------------------------
+
+    def visible_rows(self) -> np.ndarray:
+        """The rows of every entry but the ``RESERVED`` ones, in order."""
+        rows = np.arange(len(self.names), dtype=np.intp)
+        hidden = self.rows(sorted(RESERVED))
+        return np.delete(rows, hidden[hidden >= 0]) if (hidden >= 0).any() else rows
 
     def rows(self, names: Sequence[str]) -> np.ndarray:
         """Each name's row, -1 for a name not in the manifest."""

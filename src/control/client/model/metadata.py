@@ -38,8 +38,8 @@ from control.client.model.modelcheck import (
     MAX_METADATA_KEYS,
 )
 from control.wire.errors import BadRequest
+from control.wire.manifest import META_TENSOR as META_TENSOR  # reserved there (re-exported)
 
-META_TENSOR = "__rpcbuf_metadata__"
 FORMATS = ("gguf", "safetensors")
 VERSION = 1
 MAX_BLOB = 80 << 20  # >= 2.25 x MAX_METADATA_BYTES (float32 arrays widen to doubles) + room

@@ -47,9 +47,9 @@ from control.wire.errors import BadRequest
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "|i1", "U8": "|u1", "U16": "<u2", "U32": "<u4",
-              "U64": "<u8", "BOOL": "|b1"}
+              "U64": "<u8", "BOOL": "|b1", "C64": "<c8"}
 _ST_RAW = {"BF16": "<u2", "F8_E4M3": "|u1", "F8_E5M2": "|u1", "F8_E4M3FN": "|u1",
-           "F8_E5M2FNUZ": "|u1", "F8_E4M3FNUZ": "|u1"}
+           "F8_E5M2FNUZ": "|u1", "F8_E4M3FNUZ": "|u1", "F8_E8M0": "|u1"}
 _ST_ITEMSIZE = {k: np.dtype(v).itemsize for k, v in {**_ST_DTYPES, **_ST_RAW}.items()}
 
 

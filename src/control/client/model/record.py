@@ -44,13 +44,12 @@ import numpy as np
 from control.client.answers import bad_answer
 from control.wire import protocol as P
 from control.wire.errors import NotFound, RpcBufError, VerifyFailed
-from control.wire.manifest import ALIGN, align
+from control.wire.manifest import ALIGN, LOAD_TENSOR, align
 from dataplane.checksum import checksum
 
 if TYPE_CHECKING:
     from control.client.context import RpcContext
 
-LOAD_TENSOR = "__rpcbuf_load__"
 PLANNED, COMMITTED = "planned", "committed"
 VERSION = 1
 MAX_RECORD = 32 << 20  # 100,000 names of 300 bytes: far past any model's slot
