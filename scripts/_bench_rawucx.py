@@ -64,12 +64,12 @@ MODES = {"store": STORE, "read": READ}
 def load(progress: str) -> tuple[Any, Callable[[], contextlib.AbstractContextManager[Any]]]:
     """ucxx and the context each exchange runs in: ucxx's own progress
     (``stock``, the reference) or rpcbuf's ``AdaptiveProgress`` with
-    ``ucx.busy()`` (``adaptive``: what the old in-process reference ran, kept
+    ``progress.busy()`` (``adaptive``: what the old in-process reference ran, kept
     to measure the difference)."""
     if progress == "adaptive":
-        from dataplane import ucx
+        from dataplane import progress, ucx
 
-        return ucx.ucxx(), ucx.busy
+        return ucx.ucxx(), progress.busy
     import ucxx
 
     return ucxx, contextlib.nullcontext

@@ -48,7 +48,7 @@ class Config:
     what: str
     env: dict[str, str | None] = field(default_factory=dict)  # over BASE_ENV; None: unset
     rpcbuf_env: bool = True  # dataplane.ucx.UCX_DEFAULTS in the environment
-    adaptive: bool = True  # dataplane.ucx.ucxx() (AdaptiveProgress) + ucx.busy()
+    adaptive: bool = True  # dataplane.ucx.ucxx() (AdaptiveProgress) + progress.busy()
     same_host: bool = False  # worker-address endpoints, error handling off; cma, memcpy
     drain: bool = False  # AdaptiveProgress variant: worker.progress() after progress_once()
 
@@ -126,12 +126,12 @@ def child_env(cfg: Config) -> dict[str, str]:
 def load_ucxx(cfg: Config) -> tuple[Any, Callable[[], Any]]:
     """ucxx (imported only now: the environment is ours) and the busy() marker."""
     if cfg.adaptive:
-        from dataplane import ucx
+        from dataplane import progress, ucx
 
         mod = ucx.ucxx()
         if cfg.drain:
             _drain_each_turn()
-        return mod, ucx.busy
+        return mod, progress.busy
     import ucxx
 
     return ucxx, contextlib.nullcontext

@@ -56,7 +56,7 @@ Configurations (``key``: what it is)
   ``BlockingMode``, *without* rpcbuf's ``AdaptiveProgress``);
 * ``rpcbuf``: the reference: rpcbuf env, ``dataplane.ucx.ucxx()`` (so
   ``AdaptiveProgress`` replaces ucxx's blocking mode) and every transfer in
-  ``ucx.busy()``, as rpcbufd does;
+  ``progress.busy()``, as rpcbufd does;
 * ``rpcbuf-drain``: ``rpcbuf`` whose polling turns also call
   ``worker.progress()`` (drain every event) after a ``progress_once()`` that
   found work: a copy of AdaptiveProgress's loop with that one change,

@@ -123,12 +123,12 @@ async def test_create_rpc_context_and_await_form(clean_pool) -> None:  # type: i
 async def test_ucx_progress_drains_each_loop_turn(clean_pool,  # type: ignore[no-untyped-def]
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The client's progress engine makes more than one progress call per
-    turn of the loop while UCX has work (``ucx.drain``), within its bounds,
+    turn of the loop while UCX has work (``progress.drain``), within its bounds,
     and the bytes still arrive whole (16 MiB each way over UCX)."""
-    from dataplane import ucx
+    from dataplane import progress
 
     turns: list[tuple[int, float, int]] = []  # (most, seconds, progress calls made)
-    real = ucx.drain
+    real = progress.drain
 
     class Counting:
         def __init__(self, worker: object) -> None:
@@ -138,15 +138,15 @@ async def test_ucx_progress_drains_each_loop_turn(clean_pool,  # type: ignore[no
             self.calls += 1
             return bool(self.worker.progress_once())  # type: ignore[attr-defined]
 
-    def counted(worker: object, most: int = ucx.DRAIN_CALLS,
-                seconds: float = ucx.DRAIN_BUDGET) -> bool:
+    def counted(worker: object, most: int = progress.DRAIN_CALLS,
+                seconds: float = progress.DRAIN_BUDGET) -> bool:
         w = Counting(worker)
         try:
             return real(w, most, seconds)
         finally:
             turns.append((most, seconds, w.calls))
 
-    monkeypatch.setattr(ucx, "drain", counted)
+    monkeypatch.setattr(progress, "drain", counted)
     data = np.random.default_rng(5).integers(0, 256, 16 << 20, dtype=np.uint8)
     async with clean_pool.connect("alice", same_host=False) as c:
         assert not c.same_host
@@ -157,6 +157,6 @@ async def test_ucx_progress_drains_each_loop_turn(clean_pool,  # type: ignore[no
         await c.release_buffer(buf)
     np.testing.assert_array_equal(out, data)
     assert turns, "the progress engine never ran drain"
-    assert {(m, s) for m, s, _ in turns} == {(ucx.DRAIN_CALLS, ucx.DRAIN_BUDGET)}
+    assert {(m, s) for m, s, _ in turns} == {(progress.DRAIN_CALLS, progress.DRAIN_BUDGET)}
     assert max(n for _, _, n in turns) >= 2  # a productive turn goes on until nothing is left
-    assert max(n for _, _, n in turns) <= ucx.DRAIN_CALLS
+    assert max(n for _, _, n in turns) <= progress.DRAIN_CALLS

@@ -51,14 +51,12 @@ import ctypes
 import logging
 import os
 import re
-import time
 import weakref
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from dataplane import ucxlib
+from dataplane import progress, ucxlib
+from dataplane.progress import busy
 from dataplane.ucxlib import UnusableUCX as UnusableUCX
 
 UCX_DEFAULTS: dict[str, str] = {
@@ -163,7 +161,7 @@ def ucxx() -> Any:
         ucxlib.select()  # RPCBUF_UCX's library, or UnusableUCX before ucxx loads any
         import ucxx as _mod
 
-        _install_adaptive_progress()
+        progress.install_adaptive_progress()
         _install_context(_mod)
         _ucxx = _mod
         lib = library()
@@ -227,173 +225,6 @@ def features() -> list[str]:
 
     flags = int(ucxx().core._get_ctx().context.feature_flags)
     return [f.name for f in ucx_api.Feature if flags & f.value]
-
-
-_PROGRESS: dict[asyncio.AbstractEventLoop, Any] = {}
-
-
-def _install_adaptive_progress() -> None:
-    """Replace ucxx's blocking progress mode with an adaptive one.
-
-    ucxx 0.52's ``BlockingMode`` arms the worker once; its epoll callback then
-    progresses but never re-arms, so after the first event the fd stays
-    readable and the event loop spins for ever (an idle daemon that had
-    served one client burned a core).  Purely event-driven progress (re-arm
-    after every event, as ucx-py did) fixes the idle CPU but not the speed:
-    over tcp each rendezvous step then waits for a UCX timer, and a 1 MiB
-    transfer took 16 ms instead of 0.3 ms (measured; same with am/get_zcopy
-    schemes and signal async mode).  So this mode polls only while this
-    process has transfers in flight (``busy()``, entered by every
-    ``DataEndpoint`` send/recv) and for ``GRACE`` after the last activity,
-    and otherwise arms the worker and sleeps on its epoll fd: polling speed
-    while working, no CPU when idle.  A short grace (1 ms) measured worse
-    than 10 ms in back-to-back traffic (each lull re-armed the worker and
-    the next message waited on a UCX timer again), so the grace covers the
-    gaps of a busy client.  A 1 s guard wakes it in case an event is ever
-    missed.
-    """
-    from ucxx._lib_async import application_context, continuous_ucx_progress
-
-    class AdaptiveProgress(continuous_ucx_progress.ProgressTask):
-        GRACE = 0.01  # seconds of polling after the last sign of activity
-        DRAIN = DRAIN_CALLS  # progress calls per loop turn, at most
-        DRAIN_SECONDS = DRAIN_BUDGET  # and about this long
-
-        def __init__(self, worker: Any, event_loop: asyncio.AbstractEventLoop) -> None:
-            super().__init__(worker, event_loop)
-            worker.init_blocking_progress_mode()
-            self.busy = 0
-            self.stopped = False
-            self._until = 0.0
-            self.poll_task: asyncio.Task[None] | None = None
-            fd = worker.epoll_file_descriptor
-            event_loop.add_reader(fd, self._on_fd)
-            weakref.finalize(self, event_loop.remove_reader, fd)
-            self.guard_task: asyncio.Task[None] | None = event_loop.create_task(self._guard())
-            _PROGRESS[event_loop] = self
-            self._wake()
-
-        @property
-        def _tasks(self) -> tuple[asyncio.Task[None], ...]:
-            return tuple(t for t in (self.poll_task, self.guard_task) if t is not None)
-
-        def _clear_tasks(self) -> None:
-            self.stopped = True
-            self.poll_task = self.guard_task = None
-            _PROGRESS.pop(self.event_loop, None)
-
-        def stop(self) -> None:
-            """Cancel the progress tasks (the loop is about to end)."""
-            self.stopped = True
-            for task in self._tasks:
-                task.cancel()
-            _PROGRESS.pop(self.event_loop, None)
-
-        def begin(self) -> None:
-            self.busy += 1
-            self._wake()
-
-        def end(self) -> None:
-            self.busy -= 1
-            self._wake()
-
-        def _on_fd(self) -> None:
-            # While polling, the fd (not armed) stays readable and this fires
-            # on every loop turn: it must not extend the grace, or we never sleep.
-            if self.poll_task is None or self.poll_task.done():
-                self._wake()
-
-        def _wake(self, grace: float | None = None) -> None:
-            self._until = time.monotonic() + (self.GRACE if grace is None else grace)
-            if self.stopped or self.event_loop.is_closed():
-                return
-            if self.poll_task is None or self.poll_task.done():
-                self.poll_task = self.event_loop.create_task(self._poll())
-
-        async def _poll(self) -> None:
-            try:
-                await self._poll_until_armed()
-            except asyncio.CancelledError:
-                # Only the loop's shutdown cancels us: start nothing new after it,
-                # or a task created while the loop winds down is left pending.
-                self.stopped = True
-                raise
-
-        async def _poll_until_armed(self) -> None:
-            worker = self.worker
-            while worker is not None and not self.stopped:
-                try:
-                    if drain(worker, self.DRAIN, self.DRAIN_SECONDS):
-                        self._until = time.monotonic() + self.GRACE
-                    elif not self.busy and time.monotonic() >= self._until:
-                        if worker.arm():
-                            return  # armed: the epoll fd calls _on_fd on the next event
-                        continue  # events arrived meanwhile: progress them first
-                except Exception:  # an endpoint's error surfaced here: its requests see it
-                    _log.debug("UCX progress raised", exc_info=True)
-                await asyncio.sleep(0)  # let completed requests' tasks run (and post more)
-                worker = self.worker
-
-        async def _guard(self) -> None:
-            while self.worker is not None and not self.stopped:
-                try:
-                    await asyncio.sleep(1.0)
-                except asyncio.CancelledError:
-                    self.stopped = True
-                    raise
-                if self.poll_task is None or self.poll_task.done():
-                    self._wake(grace=0.0)  # one progress-and-arm, no polling
-
-    application_context.BlockingMode = AdaptiveProgress
-
-
-DRAIN_CALLS = 64
-DRAIN_BUDGET = 0.001  # seconds
-
-
-def drain(worker: Any, most: int = DRAIN_CALLS, seconds: float = DRAIN_BUDGET) -> bool:
-    """Progress ``worker`` until it has nothing more to do, ``most`` calls
-    at most, and no new call once ``seconds`` have passed (one call may
-    itself take longer); whether anything progressed.
-
-    One turn of the event loop per ``progress_once`` (what the polling loop
-    did before) cost 11-13 % of a 64 MiB tcp transfer against ucxx's own
-    mode, whose ``progress()`` drains without any bound (docs/performance.md
-    "Progress per loop turn"); the bounds keep one busy endpoint from
-    holding the daemon's loop."""
-    if not worker.progress_once():
-        return False
-    until = time.monotonic() + seconds
-    for _ in range(most - 1):
-        if time.monotonic() >= until or not worker.progress_once():
-            break
-    return True
-
-
-async def stop_progress() -> None:
-    """Stop driving UCX progress on the running loop (call last, before the
-    loop ends, so no progress task is left pending when it closes)."""
-    progress = _PROGRESS.get(asyncio.get_running_loop())
-    if progress is not None:
-        tasks = progress._tasks
-        progress.stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class busy:
-    """Marks a transfer in flight so the progress mode polls meanwhile; code
-    that drives a ucxx endpoint directly (benchmarks) wraps its calls in it."""
-
-    __slots__ = ("_p",)
-
-    def __enter__(self) -> None:
-        self._p = _PROGRESS.get(asyncio.get_running_loop())
-        if self._p is not None:
-            self._p.begin()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._p is not None:
-            self._p.end()
 
 
 class TransferError(Exception):
@@ -551,122 +382,6 @@ def rdma_devices() -> list[str]:
     what UCX could use besides tcp.  At most 64 names."""
     path = Path("/sys/class/infiniband")
     return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []
-
-
-class Janitor:
-    """Drops tagged messages that nobody asked for, once they are old.
-
-    UCP keeps every tagged message that arrives before a matching receive is
-    posted (worker-wide, its payload included for eager messages) until one
-    is: a peer that never authenticated, or a tenant sending with tags no
-    request expects, grew a daemon by hundreds of MiB that were never freed.
-    Tags cannot be traced to their sender (they are 64-bit values the peer
-    chooses), so age is the test.  Every ``period`` seconds the janitor sends
-    itself a *sentinel* (a tagged message on an endpoint to its own worker,
-    with a fresh random tag); a round later every unexpected message ahead
-    of that sentinel has waited at least ``period``, and is received into a
-    one-byte scratch buffer and so dropped (an eager message's payload is
-    freed; a rendezvous one's never moves), up to the sentinel.
-
-    A legitimate payload waits unexpected only between its arrival and the
-    daemon posting its receive: a store's payload travels beside its
-    request, and the request may wait for its buffer's lock.  So a round is
-    skipped while ``claimable(since)`` says a request dispatched before
-    ``since`` is still in flight (its payload might be in the queue), but at
-    most ``patience`` seconds in a row: then the round drops all the same.
-    """
-
-    def __init__(self, period: float, patience: float,
-                 claimable: Any = None, on_drop: Any = None) -> None:
-        self.period, self.patience = period, patience
-        self._claimable = claimable or (lambda since: False)
-        self._on_drop = on_drop or (lambda count, nbytes: None)
-        self._ep: Any = None
-        self._scratch: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self.dropped = 0  # messages dropped so far (``stats``)
-
-    async def start(self) -> bool:
-        """Connect to our own worker and start; False (logged) if UCX
-        cannot make that endpoint: unexpected messages are then unbounded."""
-        mod = ucxx()
-        try:
-            async with asyncio.timeout(10):
-                with busy():
-                    self._ep = await mod.create_endpoint_from_worker_address(
-                        mod.get_worker_address())
-        except Exception as exc:
-            _log.warning("UCX janitor off (no endpoint to our own worker: %s): tagged messages "
-                         "nobody asked for are kept until a receive matches them", exc)
-            return False
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return True
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            # Bounded: a shutdown never waits on the janitor (it holds nothing).
-            await asyncio.wait([task], timeout=2.0)
-            if not task.done():
-                _log.warning("UCX janitor did not stop within 2 s: left behind")
-        ep, self._ep = self._ep, None
-        if ep is not None:
-            with contextlib.suppress(Exception):
-                ep.abort()
-
-    async def _run(self) -> None:
-        while True:
-            sentinel = int.from_bytes(os.urandom(8), "little") | 1  # never tag 0 (BIND_TAG)
-            marked = time.monotonic()
-            try:
-                with busy():
-                    await self._ep.send(np.zeros(1, dtype=np.uint8), tag=sentinel,
-                                        force_tag=True)
-            except Exception as exc:  # our own endpoint broke: nothing more to do
-                _log.warning("UCX janitor stopped: %s", exc)
-                return
-            while True:
-                await asyncio.sleep(self.period)
-                if time.monotonic() - marked >= self.period + self.patience or \
-                        not self._claimable(marked):
-                    break
-            try:
-                count, nbytes = await self.sweep(sentinel)
-            except Exception:  # a bug: say so, keep the daemon serving, try next round
-                _log.exception("UCX janitor: a sweep failed")
-                continue
-            if count:
-                self.dropped += count
-                self._on_drop(count, nbytes)
-
-    async def sweep(self, sentinel: int) -> tuple[int, int]:
-        """Drop every unexpected message ahead of ``sentinel`` (oldest
-        first), then the sentinel; (messages, bytes) dropped."""
-        from ucxx._lib.arr import Array
-        from ucxx.types import Tag, TagMask
-
-        worker = ucxx().core._get_ctx().worker
-        if self._scratch is None:  # one for good: a receive that outlives its wait may write it
-            self._scratch = Array(np.zeros(1, dtype=np.uint8))
-        scratch = self._scratch
-        count = nbytes = 0
-        while True:
-            for _ in range(256):  # then let the loop breathe
-                got = worker.tag_probe(Tag(0), TagMask(0), remove=True)  # the oldest
-                if not got.matched:
-                    return count, nbytes  # nothing at all, not even the sentinel: a race
-                tag = int(got.sender_tag.value)
-                req = worker.tag_recv_with_handle(scratch, got)
-                with contextlib.suppress(Exception), busy():
-                    # Truncated, as meant: what matters is that it left the queue.  An
-                    # eager message ends at once; a rendezvous one once its sender hears.
-                    await asyncio.wait_for(req.wait(), 5.0)
-                if tag == sentinel:
-                    return count, nbytes
-                count += 1
-                nbytes += int(got.length)
-            await asyncio.sleep(0)
 
 
 _RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)")

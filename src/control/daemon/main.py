@@ -41,7 +41,7 @@ from control.wire.membership import (
     parse_registry,
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
-from dataplane import sockets, ucx, ucxlib
+from dataplane import progress, sockets, ucx, ucxlib
 from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
 
@@ -471,7 +471,7 @@ async def serve(args: argparse.Namespace) -> int:
     await daemon.shutdown()
     await daemon.content.aclose(args.drain_timeout)  # finish disk-cache writes
     notifier.close()
-    await ucx.stop_progress()
+    await progress.stop_progress()
     return 0
 
 

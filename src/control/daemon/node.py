@@ -22,7 +22,8 @@ from control.daemon.registry import Registry
 from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import QuotaExceeded
-from dataplane.ucx import DataEndpoint, Janitor
+from dataplane.janitor import Janitor
+from dataplane.ucx import DataEndpoint
 
 
 @dataclass(frozen=True)

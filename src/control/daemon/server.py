@@ -49,12 +49,12 @@ from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
 from control.wire.membership import DEFAULT_CLUSTER
 from dataplane import shm, sockets
+from dataplane.janitor import Janitor
 from dataplane.ucx import (
     BIND_TAG,
     NONCE_BYTES,
     DataEndpoint,
     DataListener,
-    Janitor,
     TransferError,
 )
 from dataplane.ucx import library as ucx_library
