@@ -160,7 +160,7 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from control.client.model import loader
+    from control.client.model import reading
     from models import llama_tensors, write_safetensors
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
@@ -170,7 +170,7 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         hashed.extend(arrays)
         return content_hashes(arrays)
 
-    monkeypatch.setattr(loader, "content_hashes", counting)
+    monkeypatch.setattr(reading, "content_hashes", counting)
     model = llama_tensors(3)
     path = write_safetensors(tmp_path / "m.safetensors", model)
     async with rpcbuf.Cluster.connect(clean_pool.addr, clean_pool.token("hc")) as cluster:
@@ -218,7 +218,7 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
     import asyncio
     import contextlib
 
-    from control.client.model import loader
+    from control.client.model import loader, reading
     from models import llama_tensors, write_safetensors
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
@@ -241,7 +241,7 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
         during.append(list(hashed))
         return await real(*a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(loader, "content_hashes", counting)
+    monkeypatch.setattr(reading, "content_hashes", counting)
     monkeypatch.setattr(loader, "place_and_acquire", slow_requests)
     model = llama_tensors(3)
     path = write_safetensors(tmp_path / "m.safetensors", model)

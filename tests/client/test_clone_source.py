@@ -1,4 +1,4 @@
-"""The loader's choice of a buffer to clone (``loader._clone_candidates`` /
+"""The loader's choice of a buffer to clone (``acquire.clone_candidates`` /
 ``_clone_source``): exactly the slot's layout and checksums, and a listing
 no daemon of ours would send (a hostile one) is simply not a candidate."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from control.client.model import loader as L
+from control.client.model import acquire as L
+from control.client.model import slots
 from control.client.model.modelfile import TensorSpec
 from control.client.tensors import plan_layout
 
@@ -18,7 +19,7 @@ HASHES = {"a": (11, 1), "b": (22, 2)}
 
 def job() -> Any:
     slot = SimpleNamespace(device_type="CPU", device=0)
-    return L._SlotJob(SimpleNamespace(slot=slot), SPECS, "new/slot0")  # type: ignore[arg-type]
+    return slots.SlotJob(SimpleNamespace(slot=slot), SPECS, "new/slot0")  # type: ignore[arg-type]
 
 
 def listing(**over: Any) -> dict[str, Any]:
@@ -31,8 +32,8 @@ def listing(**over: Any) -> dict[str, Any]:
 
 def choose(bufs: list[Any]) -> str | None:
     j = job()
-    layout, cands = L._clone_candidates(bufs, j, 2048)
-    return L._clone_source(j, layout, cands, HASHES)
+    layout, cands = L.clone_candidates(bufs, j, 2048)
+    return L.clone_source(j, layout, cands, HASHES)
 
 
 def test_the_buffer_with_exactly_the_plan_is_chosen() -> None:
@@ -50,8 +51,8 @@ def test_anything_else_is_not() -> None:
               listing(device_type="GPU"), listing(name="new/slot0")):
         assert choose([b]) is None, b
     j = job()
-    layout, cands = L._clone_candidates([listing()], j, 2048)
-    assert L._clone_source(j, layout, cands, {"a": HASHES["a"]}) is None  # a hash unknown
+    layout, cands = L.clone_candidates([listing()], j, 2048)
+    assert L.clone_source(j, layout, cands, {"a": HASHES["a"]}) is None  # a hash unknown
 
 
 def test_a_hostile_listing_is_not_a_candidate_and_raises_nothing() -> None:

@@ -1,4 +1,4 @@
-"""A cancelled load releases exactly the buffers it made (``loader._make``,
+"""A cancelled load releases exactly the buffers it made (``acquire.make``,
 ``commit.abort``): a request still on its way when the load is cancelled is
 waited for, and the id it answers released.  Before, the cleanup looked the
 slot's buffer up by name: a buffer another loader of the tenant had made
@@ -12,8 +12,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from control.client.model import acquire, slots
 from control.client.model import commit as CM
-from control.client.model import loader
 
 
 class Node:
@@ -36,12 +36,12 @@ class Node:
 
 def _job() -> Any:
     plan = SimpleNamespace(slot=SimpleNamespace(endpoint="n0", slot=0))
-    return loader._SlotJob(plan, [], "m/slot0")  # type: ignore[arg-type]
+    return slots.SlotJob(plan, [], "m/slot0")  # type: ignore[arg-type]
 
 
 async def test_a_request_on_its_way_at_the_cancel_is_waited_for_and_released_by_id() -> None:
     node, j = Node(), _job()
-    making = asyncio.create_task(loader._make(j, node.request_buffer(1 << 20)))
+    making = asyncio.create_task(acquire.make(j, node.request_buffer(1 << 20)))
     await asyncio.sleep(0)
     making.cancel()  # the load is cancelled while the request is on its way
     aborting = asyncio.create_task(CM.abort({"n0": node}, [j], {}))  # type: ignore[arg-type]

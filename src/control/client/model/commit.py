@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 class Job(Protocol):
-    """One slot of a load, as its commit and cleanup see it (``loader._SlotJob``)."""
+    """One slot of a load, as its commit and cleanup see it (``slots.SlotJob``)."""
 
     buffer_id: str
     buffer_name: str

@@ -55,14 +55,13 @@ from control.client.model.loader import (
     _check_manifest,
     _Progress,
     _release_stale,
-    _SlotJob,
     _store_metadata,
     described,
     place_and_acquire,
-    slot_offsets,
     start_progress,
 )
 from control.client.model.modelfile import TensorSpec
+from control.client.model.slots import SlotJob, slot_offsets
 from control.wire import protocol as P
 from control.wire.errors import BadRequest
 
@@ -187,7 +186,7 @@ def _spec(k: int, t: HashedTensor) -> TensorSpec:
     return TensorSpec(t.name, t.dtype, t.shape, t.nbytes, t.source_dtype, k, t.source[1])
 
 
-def _batches(job: _SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
+def _batches(job: SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
              offsets: dict[str, int], limit: int) -> list[tuple[int, list[FileTensor]]]:
     """The slot's load_file requests: per file, in buffer order, at most
     ``limit`` bytes (and ``MAX_BATCH_TENSORS`` tensors) each."""
@@ -206,13 +205,13 @@ def _batches(job: _SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
     return out
 
 
-async def _read_on_nodes(cluster: Cluster, jobs: list[_SlotJob],
+async def _read_on_nodes(cluster: Cluster, jobs: list[SlotJob],
                          tensors: dict[str, tuple[int, HashedTensor]], hm: HashedModel,
                          files: list[str], stats: dict[str, NodeLoadStats], bar: _Progress,
                          batch_bytes: int, t0: float) -> None:
     failed = asyncio.Event()  # the other slots stop at their next batch
 
-    async def one(j: _SlotJob) -> None:
+    async def one(j: SlotJob) -> None:
         ctx = cluster[j.plan.slot.endpoint]
         node = stats[j.plan.slot.endpoint]
         offsets = slot_offsets(j)  # as an upload
