@@ -178,7 +178,7 @@ async def abort(cluster: Cluster, jobs: list[J],
                 existing: dict[str, list[dict[str, Any]]]) -> None:
     """Release what a failed or interrupted load created, even when
     cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
-    request or clone still on its way has ended (``loader._make`` records
+    request or clone still on its way has ended (``acquire.make`` records
     the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
     given up, and what it made, if anything, holds no committed record).
     Buffers it reused keep their planned record: incomplete until a load

@@ -10,7 +10,7 @@ upload does (``loader.py``), except that no tensor crosses the network:
    local copy (or the hash cache);
 2. placement and buffers exactly as for an upload (``placement.plan`` over
    the cluster's slots less the room for the model's metadata, one named
-   buffer per used slot, reused or created as ``loader._acquire`` does, the
+   buffer per used slot, reused or created as ``acquire.acquire`` does, the
    same back-to-back layout), so a model loaded either way lies the same,
    and a re-load finds it in place;
 3. per slot, batches of at most ``batch_bytes`` (``NODE_BATCH``), two in flight: a
@@ -173,7 +173,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
 
 class _ManifestHashes:
     """The hash manifest's hashes, as the loader looks them up (a node that
-    holds this model under another name gets a clone: ``loader._acquire``)."""
+    holds this model under another name gets a clone: ``acquire.acquire``)."""
 
     def __init__(self, hm: HashedModel) -> None:
         self._by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
