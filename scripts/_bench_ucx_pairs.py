@@ -28,8 +28,7 @@ from typing import Any
 from _bench_ucx_config import BIG, REF, Config, Plan, child_env
 from _bench_ucx_report import Agg, parse_proto_info
 from benchkit import SCRIPTS
-from benchkit.procs import CHILDREN, spawn, stop, wait_ready
-from benchkit.procs import tail as _tail
+from benchkit.procs import CHILDREN, spawn, stop, tail as _tail, wait_ready
 from benchkit.report import progress_printer
 from benchkit.timing import cpu_split, rotated
 

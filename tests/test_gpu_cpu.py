@@ -12,15 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import rpcbuf
 from control.client.arrays import as_bytes, is_cuda
 from control.client.datapath import Transfer
 from control.wire import protocol as P
-from dataplane import devsum as D
-from dataplane import ucx
+from dataplane import devsum as D, ucx
 
 FAKE = Path(__file__).parent / "fakecupy"
 

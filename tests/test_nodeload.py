@@ -24,8 +24,7 @@ from tests.hardening.rawwire import frame, hello
 import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
 from control.client.fileload import FileTensor
-from control.client.model import metadata as MD
-from control.client.model import record as LR
+from control.client.model import metadata as MD, record as LR
 from control.client.model.hashfile import MAX_BYTES, describe, manifest_path
 from control.client.model.modelfile import open_model
 from control.daemon import logs

@@ -7,8 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from control.client.model import acquire as L
-from control.client.model import slots
+from control.client.model import acquire as L, slots
 from control.client.model.modelfile import TensorSpec
 from control.client.tensors import plan_layout
 

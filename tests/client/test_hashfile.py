@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from control.client.dedup import content_hashes
-from control.client.model import hashfile
-from control.client.model import metadata as MD
+from control.client.model import hashfile, metadata as MD
 from control.client.model.hashfile import (
     MAX_BYTES,
     describe,

@@ -12,8 +12,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from control.client.model import acquire, slots
-from control.client.model import commit as CM
+from control.client.model import acquire, commit as CM, slots
 
 
 class Node:

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fakevmm import FakeDriver, FakeGpu, MiB, RuleBroken
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from dataplane import cuda_arena
 from dataplane.allocator import BuddyAllocator

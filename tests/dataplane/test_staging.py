@@ -6,8 +6,7 @@ with one ``np.concatenate`` or piece by piece."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from dataplane import staging
 

@@ -13,17 +13,16 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from rawwire import Raw, frame, free_and_sessions, hello, release_all, scaled, wait_for
 
 from conftest import DaemonProc
-from control.wire import protocol as P
+from control.wire import fields, protocol as P
 
 EXAMPLES = scaled(150, 3000)
 TIME_BUDGET = scaled(25.0, 600.0)  # seconds; later examples are skipped past it
 
-FIELDS = sorted({f for cls in P.OPS.values() for f in P._hints(cls)} | {"x", ""})
+FIELDS = sorted({f for cls in P.OPS.values() for f in fields._hints(cls)} | {"x", ""})
 ints = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.sampled_from(
     [0, 1, -1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -(1 << 63), 1 << 40]))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True),

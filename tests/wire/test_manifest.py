@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from control.wire import manifest as WM
-from control.wire import protocol as P
+from control.wire import manifest as WM, protocol as P
 from control.wire.errors import BadRequest
 from control.wire.manifest import ManifestTable, Packed, check
 

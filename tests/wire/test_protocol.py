@@ -6,8 +6,7 @@ import struct
 
 import msgpack
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, RpcBufError, error_from_wire

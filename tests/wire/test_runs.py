@@ -6,8 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from control.wire.runs import COALESCE_MAX, RUN_MAX, plan_runs, run_tag
 

@@ -20,8 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from control.cli import commands as cliops
-from control.cli import fleet, tables
+from control.cli import commands as cliops, fleet, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
 from control.cli.load import register_load_commands, run_hash_command, run_load_command

@@ -40,10 +40,10 @@ from control.wire.manifest import (
     ManifestTable,
     Packed,
     Source,
+    align as _align,
     manifest_columns,
     np_dtype,
 )
-from control.wire.manifest import align as _align
 from dataplane.checksum import xxh3
 
 __all__ = ["ALIGN", "Items", "ManifestTable", "Packed", "calculate_buffer_size",

@@ -44,8 +44,7 @@ from control.wire.errors import (
     QuotaExceeded,
     UnsupportedDevice,
 )
-from dataplane.cuda_vmm import CudaError
-from dataplane.cuda_vmm import UnsupportedDevice as NoVmm
+from dataplane.cuda_vmm import CudaError, UnsupportedDevice as NoVmm
 
 log = logging.getLogger("rpcbuf.daemon")
 MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)

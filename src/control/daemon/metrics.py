@@ -38,8 +38,8 @@ from prometheus_client import (
     Counter,
     ProcessCollector,
     generate_latest,
+    metrics as _client_metrics,
 )
-from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample

@@ -56,8 +56,8 @@ from dataplane.ucx import (
     DataEndpoint,
     DataListener,
     TransferError,
+    library as ucx_library,
 )
-from dataplane.ucx import library as ucx_library
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")

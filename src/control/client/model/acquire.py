@@ -13,10 +13,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from control.client.cluster import Cluster, ClusterError
-from control.client.model import commit as CM
-from control.client.model import metadata as MD
-from control.client.model import placement as PL
-from control.client.model import record as LR
+from control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
 from control.client.model.reading import HashAhead, Hashes
 from control.client.model.slots import (
     SlotJob,

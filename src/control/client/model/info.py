@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from control.client.answers import bad_answer, parse_meta
-from control.client.model import metadata as MD
-from control.client.model import record as LR
+from control.client.model import metadata as MD, record as LR
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, VerifyFailed
 from control.wire.manifest import np_dtype

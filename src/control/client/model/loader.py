@@ -50,10 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from control.client.cluster import Cluster
-from control.client.model import commit as CM
-from control.client.model import metadata as MD
-from control.client.model import placement as PL
-from control.client.model import record as LR
+from control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
 from control.client.model.acquire import acquire, as_if_released
 from control.client.model.modelfile import ModelFile, TensorSpec, open_model
 from control.client.model.reading import (

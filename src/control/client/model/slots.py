@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from control.client.model import metadata as MD
-from control.client.model import placement as PL
-from control.client.model import record as LR
+from control.client.model import metadata as MD, placement as PL, record as LR
 from control.client.model.modelfile import TensorSpec
 from control.client.tensors import ALIGN, plan_layout
 from control.wire.manifest import align

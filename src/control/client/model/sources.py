@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from control.client.cluster import Cluster
-from control.client.model.loader import LoadResult
-from control.client.model.loader import load_model as upload_model
+from control.client.model.loader import LoadResult, load_model as upload_model
 from control.client.model.modelfile import ModelFile
 from control.client.model.nodeload import load_from_node
 from control.wire.errors import BadRequest
