@@ -16,15 +16,14 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dataplane.allocator import (
-    ALLOCATORS,
     Allocator,
     AllocatorError,
     AllocatorStats,
     BuddyAllocator,
     LinearAllocator,
-    SlabAllocator,
-    make_allocator,
 )
+from dataplane.allocators import ALLOCATORS, make_allocator
+from dataplane.slab import SlabAllocator
 
 
 def take(a: Allocator, size: int) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 
 from control.daemon.locks import RangeLocks
 from control.wire.manifest import RESERVED
-from dataplane.allocator import Allocator, make_allocator
+from dataplane.allocator import Allocator
+from dataplane.allocators import make_allocator
 from dataplane.arena import Arena
 
 

@@ -42,7 +42,7 @@ from control.wire.membership import (
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
 from dataplane import progress, sockets, ucx, ucxlib
-from dataplane.allocator import ALLOCATORS
+from dataplane.allocators import ALLOCATORS
 from dataplane.arena import HostArena
 
 GC_GEN0 = 20_000  # allocations between young-generation collections (CPython: 700)
