@@ -38,12 +38,13 @@ from control.daemon import logs
 from control.daemon.admission import Pending
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
+from control.daemon.intake import READ_CHUNK
 from control.daemon.metrics import Metrics
 from control.daemon.modeldirs import ModelFiles
 from control.daemon.node import Limits
 from control.daemon.reader import serve_tcp, serve_unix
 from control.daemon.registry import Registry
-from control.daemon.session import READ_CHUNK, Session
+from control.daemon.session import Session
 from control.wire import protocol as P
 from control.wire.auth import Keyring
 from control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown

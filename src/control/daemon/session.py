@@ -52,10 +52,10 @@ from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
 from control.daemon.fileops import FileOps
 from control.daemon.handles import HandleChannel, same_process
+from control.daemon.intake import Intake
 from control.daemon.node import Node
 from control.daemon.paths import DataPath, InlinePath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
-from control.daemon.reader import SessionReader
 from control.daemon.registry import Buffer, Pool
 from control.wire import protocol as P
 from control.wire.auth import Grant, verify
@@ -72,8 +72,6 @@ from dataplane import staging
 from dataplane.ucx import NONCE_BYTES, DataEndpoint
 
 log = logging.getLogger("rpcbuf.daemon")
-READ_CHUNK = 1 << 16
-PUMP_FRAMES = 64  # requests one session dispatches per loop turn (then the others' turn)
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
 
@@ -120,14 +118,9 @@ class Session:
         # older than its sentinel, or while the reader is paused (frames not
         # yet dispatched may have sent payloads already).
         self.unposted: dict[int, float] = {}
-        self.paused = False
         self.transfers: set[asyncio.Task[None]] = set()
-        self._slot = asyncio.Event()
         self._closed = False
-        self._reader: SessionReader | None = None  # after hello: bytes come to _on_data
-        # Until hello succeeds: small frames, one at a time, one deadline from now.
-        self._decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
-        self._hello_by = asyncio.get_running_loop().time() + daemon.limits.hello_timeout
+        self.intake = Intake(self)  # the requests as they arrive, with back-pressure
         self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
         # The ops, composed: each sees this session through a small Protocol.
         pipeline = Pipeline(self)
@@ -184,7 +177,7 @@ class Session:
             return
         log.info("session %s tenant=%s ended: %s", self.session_id, self.tenant, why)
         self.send(P.error_response(None, why))
-        self._flush()
+        self.flush()
         self._ended = why
         self._token_deadline = -math.inf  # _dispatch refuses every request from now on
         with contextlib.suppress(Exception):
@@ -264,122 +257,22 @@ class Session:
         if out is None:  # the first answer of a loop turn leaves at once (latency) ...
             self.writer.write(frame)
             self._out = []
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         else:  # ... the others (a pipelined burst) together, in one write, at its end
             out.append(frame)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         out, self._out = self._out, None
         if out and not self.writer.is_closing():
             self.writer.write(b"".join(out))
 
     async def run(self) -> None:
-        limits = self.daemon.limits
-        decoder = self._decoder
-        try:
-            while not self._closed:
-                if self.tenant is not None and isinstance(self.reader, SessionReader):
-                    await self._run_handed(self.reader)
-                    return
-                if self.tenant is None:  # one deadline from accept, not per read
-                    async with asyncio.timeout_at(self._hello_by):
-                        data = await self.reader.read(READ_CHUNK)
-                else:
-                    data = await self.reader.read(READ_CHUNK)
-                if not data:
-                    return
-                # Before hello one frame at a time: what follows a hello is
-                # parsed under the limit that holds once it was handled.
-                one = self.tenant is None
-                msgs = decoder.feed(data, 1 if one else None)
-                while True:
-                    for msg in msgs:
-                        self._dispatch(msg)
-                        while len(self.tasks) >= limits.max_inflight:  # back-pressure
-                            self._slot.clear()
-                            self.paused = True
-                            try:
-                                await self._slot.wait()
-                            finally:
-                                self.paused = False
-                    if decoder.error is not None:
-                        raise decoder.error
-                    if not (one and msgs) or self._closed:
-                        break
-                    one = self.tenant is None
-                    msgs = decoder.feed(b"", 1 if one else None)
-                await self.writer.drain()
-        except P.FrameError as exc:
-            log.warning("closing %s: %s", self.peer, exc)
-            self.send(P.error_response(None, exc))
-        except TimeoutError:
-            log.warning("closing %s: no hello within %.0fs", self.peer, limits.hello_timeout)
-        except (ConnectionError, OSError):
-            pass
+        """Serve the connection until it ends (``intake.py``)."""
+        await self.intake.run()
 
-    async def _run_handed(self, reader: SessionReader) -> None:
-        """After hello: the reader hands each chunk to ``_pump`` as it
-        arrives (no reading task to wake: ``reader.py``); we wait for the end
-        of the connection (EOF, reset: the session closes either way)."""
-        self._reader = reader
-        try:
-            await reader.hand_to(self._pump)
-        finally:
-            self._reader = None
-
-    def _pump(self, data: bytes = b"") -> None:
-        """Frames as they arrive, dispatched at once, at most ``max_inflight``
-        tasks in flight: past that, reading pauses (the rest waits in the
-        decoder) until a task ends (``_run_task`` pumps again)."""
-        reader, decoder = self._reader, self._decoder
-        if reader is None or self._closed:
-            return
-        limit = self.daemon.limits.max_inflight
-        try:
-            budget = PUMP_FRAMES  # this loop turn's share: other sessions go next
-            while True:
-                slots = limit - len(self.tasks)
-                room = min(slots, budget)
-                if room <= 0:
-                    if data:
-                        decoder.feed(data, 0)  # kept, unparsed, for later
-                    reader.pause()
-                    if slots > 0:  # our turn is over, not our slots: go on next turn
-                        asyncio.get_running_loop().call_soon(self._pump)
-                    return  # else _run_task pumps when a slot comes free
-                msgs = decoder.feed(data, room)
-                data = b""
-                budget -= len(msgs)
-                for msg in msgs:
-                    self._dispatch(msg)
-                if decoder.error is not None:
-                    raise decoder.error
-                if len(msgs) < room or self._closed:
-                    break
-            reader.resume()
-            transport = self.writer.transport
-            if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
-                # Answers pile up unread (past the transport's high-water
-                # mark, as a reading loop's drain() would see): read no more
-                # until they drain.
-                reader.pause()
-                asyncio.get_running_loop().create_task(self._resume_when_drained(reader))
-        except P.FrameError as exc:
-            log.warning("closing %s: %s", self.peer, exc)
-            self.send(P.error_response(None, exc))
-            self._flush()
-            with contextlib.suppress(Exception):
-                self.writer.close()
-        except Exception:  # a bug: this session ends, everyone else is served
-            log.exception("session %s: reading its requests failed", self.session_id)
-            self.abort("internal error")
-
-    async def _resume_when_drained(self, reader: SessionReader) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            await self.writer.drain()
-        if self._reader is reader and not self._closed:
-            reader.resume()
-            self._pump()
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def evict(self) -> None:
         """Dropped to make room for newer unauthenticated connections (see
@@ -393,7 +286,7 @@ class Session:
         with contextlib.suppress(Exception):
             self.writer.close()
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def dispatch(self, msg: dict[str, Any]) -> None:
         started = time.perf_counter()
         try:
             req_id, req = P.parse_request(msg)
@@ -457,7 +350,7 @@ class Session:
         """Whether an unexpected UCX message older than ``since`` (monotonic)
         may be a payload of ours: a store dispatched before then has not
         posted its receives, or the reader is paused with frames undecoded."""
-        return self.paused or min(self.unposted.values(), default=math.inf) < since
+        return self.intake.paused or min(self.unposted.values(), default=math.inf) < since
 
     def _start(self, req_id: int, req: P.Request, handler: Callable[..., Any],
                op: logs.OpRecord) -> None:
@@ -502,10 +395,7 @@ class Session:
             self.unposted.pop(req_id, None)
             if task is not None:  # (None: it ended in its first step, never a task)
                 self.transfers.discard(task)
-                self._slot.set()
-                if self._reader is not None and \
-                        len(self.tasks) == self.daemon.limits.max_inflight - 1:
-                    asyncio.get_running_loop().call_soon(self._pump)  # a slot came free
+                self.intake.slot_freed()
 
     async def close(self, why: str) -> None:
         """Abort the data endpoint, wait for transfers, release session buffers."""
@@ -547,7 +437,7 @@ class Session:
         for buf in self.registry.session_closed(self.session_id):
             self.audit("release", buf, note="session closed")
         self.daemon.schedule_expiry()
-        self._flush()  # answers of this loop turn (a connection-level error frame) go first
+        self.flush()  # answers of this loop turn (a connection-level error frame) go first
         with contextlib.suppress(Exception):
             self.writer.close()
         if self.tenant is None:  # a probe (doctor's "is anything listening?"), a scanner
@@ -596,7 +486,7 @@ class Session:
         self._take_slot(tenant, req.replaces)
         self.tenant, self.grant = tenant, grant
         self.daemon.unauthenticated.discard(self)  # counts toward --max-sessions from now
-        self._decoder.max_frame, self._decoder.why = self.daemon.limits.max_frame, ""
+        self.intake.said_hello()
         if grant.expires_at is not None:
             left = grant.expires_at - time.time()
             self._token_deadline = time.perf_counter() + left
