@@ -1,4 +1,4 @@
-"""What a hello decides besides the token (``Session._hello``): who is on
+"""What a hello decides besides the token (``greeting.hello``): who is on
 the other end of a Unix socket (for the logs), and the answer that tells the
 client what it got.
 

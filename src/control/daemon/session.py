@@ -1,19 +1,21 @@
-"""One ``Session`` per control connection: its read loop, its one dispatch
-table, its one answer path, hello (and with it the same-host path), and its
-end.
+"""One ``Session`` per control connection: its one dispatch table, its one
+answer path, its hello (``greeting.py``, with the same-host path), and its
+end; its requests arrive through its ``Intake`` (``intake.py``: reading,
+decoding, back-pressure).
 
 Requests are parsed by the sans-I/O protocol and dispatched through one
 table: the quick ops (``controlops``) are answered inline, in this loop;
 ``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, the
 node-local ``load_file`` of ``fileops``, run by the one data pipeline,
-``pipeline``), and a ``request_buffer`` that has
-to wait, run as tasks, so one connection carries many requests at once and
-answers leave in any order.  Every answer frame leaves through ``_reply``,
-once per request (a UCX read answers before its bytes move, through
-``Call.answer_first``; its task then adds no second answer), and every
-request ends in ``_finish``: that one place counts and times it for the
-metrics (``metrics.py``) and writes its audit records with the result code
-(``logs.py``).
+``pipeline``), and ``request_buffer``, are coroutines started at once
+(``eager.py``): one that waits for nothing is answered in that first step,
+one that waits goes on as a task, so one connection carries many requests
+at once and answers leave in any order.  Every answer frame leaves through
+``_reply``, once per request (a UCX read answers before its bytes move,
+through ``Call.answer_first``; its task then adds no second answer), and
+every request ends in ``_finish``: that one place counts and times it for
+the metrics (``metrics.py``) and writes its audit records with the result
+code (``logs.py``).
 
 The ops are composed, not mixed in: each is an object that sees this
 session through a small Protocol (``pipeline.Ops``, ``controlops.Owner``)
@@ -45,20 +47,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from control.daemon import eager, hello, logs
+from control.daemon import eager, greeting, hello, logs
 from control.daemon.attachops import AttachOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
 from control.daemon.fileops import FileOps
-from control.daemon.handles import HandleChannel, same_process
+from control.daemon.handles import HandleChannel
 from control.daemon.intake import Intake
 from control.daemon.node import Node
 from control.daemon.paths import DataPath, InlinePath, StagedPath, UcxPath
 from control.daemon.pipeline import Call, Held, Pipeline
 from control.daemon.registry import Buffer, Pool
 from control.wire import protocol as P
-from control.wire.auth import Grant, verify
+from control.wire.auth import Grant
 from control.wire.errors import (
     AuthFailed,
     BadRequest,
@@ -98,15 +100,15 @@ class Session:
         self.grant: Grant | None = None  # the hello's token: whose, until when, which key
         # When the token expires, in time.perf_counter()'s terms (what _dispatch
         # compares against: one float compare per request); -inf once ended.
-        self._token_deadline = math.inf
-        self._token_timer: asyncio.TimerHandle | None = None
+        self.token_deadline = math.inf
+        self.token_timer: asyncio.TimerHandle | None = None
         self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
         self.ep: DataEndpoint | None = None
         self.ucx: UcxPath | None = None  # once the client's data endpoint is bound
         self.same_host: StagedPath | None = None  # once the handle channel is bound
         self.handles: HandleChannel | None = None
         self.handles_nonce: bytes | None = None  # while a granted handle channel is awaited
-        self._staging_charge: Pool | None = None  # where the staging area is charged
+        self.staging_charge: Pool | None = None  # where the staging area is charged
         self.copy_stop = threading.Event()  # set when the session closes: copies stop
         self.peer = writer.get_extra_info("peername")
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
@@ -179,7 +181,7 @@ class Session:
         self.send(P.error_response(None, why))
         self.flush()
         self._ended = why
-        self._token_deadline = -math.inf  # _dispatch refuses every request from now on
+        self.token_deadline = -math.inf  # _dispatch refuses every request from now on
         with contextlib.suppress(Exception):
             if self.writer.can_write_eof():
                 self.writer.write_eof()
@@ -189,8 +191,8 @@ class Session:
         if not self._closed:
             self.abort(f"the client stayed {END_GRACE:.0f}s after the session ended")
 
-    def _token_ran_out(self) -> None:
-        self._token_timer = None
+    def token_ran_out(self) -> None:
+        self.token_timer = None
         self.end(self._why_over())
 
     def _why_over(self) -> RpcBufError:
@@ -207,7 +209,7 @@ class Session:
             ep.abort()
             return
         self.ep = ep
-        self.ucx = UcxPath(ep, self.daemon.limits.transfer_timeout, self._transfer_expired,
+        self.ucx = UcxPath(ep, self.daemon.limits.transfer_timeout, self.transfer_expired,
                            self._posted)
         log.debug("session %s bound its data endpoint", self.session_id)
 
@@ -240,7 +242,7 @@ class Session:
                              {"reason": "not_same_host"})
         return self.same_host
 
-    def _transfer_expired(self) -> None:
+    def transfer_expired(self) -> None:
         log.warning("session %s: transfer deadline passed; aborting", self.session_id)
         self.abort("transfer deadline passed")
 
@@ -301,14 +303,14 @@ class Session:
         token = logs.CURRENT.set(op)  # what _log records attaches to this request
         try:
             if isinstance(req, P.Hello):
-                self._answer(req_id, op, self._hello(req))
+                self._answer(req_id, op, greeting.hello(self, req))
                 return
             if isinstance(req, P.BindHandles):
-                self._bind_handles(req)  # answers nothing: the channel carries records
+                greeting.bind_handles(self, req)  # answers nothing: the channel carries records
                 return
             if self.tenant is None:
                 raise AuthFailed("say hello with a token first")
-            if started >= self._token_deadline:  # a session does not outlive its token
+            if started >= self.token_deadline:  # a session does not outlive its token
                 raise self._why_over()
             if self.daemon.shutting_down:
                 raise ShuttingDown("daemon is stopping; no new requests")
@@ -402,8 +404,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self._token_timer is not None:
-            self._token_timer.cancel()
+        if self.token_timer is not None:
+            self.token_timer.cancel()
         self.copy_stop.set()  # same-host ring copies stop within a chunk
         ep, self.ep, self.ucx = self.ep, None, None
         if ep is not None:
@@ -431,9 +433,9 @@ class Session:
             self.handles.close()
         if self.handles_nonce is not None:
             self.daemon.by_handles_nonce.pop(self.handles_nonce, None)
-        if self._staging_charge is not None and self.tenant is not None:
-            self.registry.uncharge(self.tenant, self._staging_charge, staging.SIZE)
-            self._staging_charge = None
+        if self.staging_charge is not None and self.tenant is not None:
+            self.registry.uncharge(self.tenant, self.staging_charge, staging.SIZE)
+            self.staging_charge = None
         for buf in self.registry.session_closed(self.session_id):
             self.audit("release", buf, note="session closed")
         self.daemon.schedule_expiry()
@@ -475,142 +477,3 @@ class Session:
         if mine is None:
             mine = self.daemon.tenant_counters[self.tenant] = {}
         mine[key] = mine.get(key, 0) + n
-
-    def _hello(self, req: P.Hello) -> dict[str, Any]:
-        if self.tenant is not None:
-            raise BadRequest("hello was already said on this connection")
-        version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
-        grant = verify(self.daemon.keys, req.token, cluster=self.daemon.cluster,
-                       node=self.daemon.node_id)
-        tenant = grant.tenant
-        self._take_slot(tenant, req.replaces)
-        self.tenant, self.grant = tenant, grant
-        self.daemon.unauthenticated.discard(self)  # counts toward --max-sessions from now
-        self.intake.said_hello()
-        if grant.expires_at is not None:
-            left = grant.expires_at - time.time()
-            self._token_deadline = time.perf_counter() + left
-            self._token_timer = asyncio.get_running_loop().call_later(
-                max(0.0, left), self._token_ran_out)
-        same_host, why = self._same_host(req)
-        log.info("session %s tenant=%s from %s%s", self.session_id, self.tenant,
-                 self.peer or f"pid {self.peer_pid}", " (same host)" if same_host else "")
-        return hello.answer(self.daemon, self.session_id, grant, self.nonce, self.unix,
-                            self.handles_nonce, why, version)
-
-    def _take_slot(self, tenant: str, replaces: bytes | None) -> None:
-        """A Unix socket session may take over the slot of the TCP session it
-        replaces (which ends now); any other checks --max-sessions and
-        --max-sessions-per-tenant, and past either gets a connection-level
-        QUOTA_EXCEEDED and is closed."""
-        old = self.daemon.by_nonce.get(replaces) if replaces and self.unix else None
-        if old is not None and old is not self and old.tenant == tenant:
-            self.daemon.by_nonce.pop(old.nonce, None)
-            self.daemon.sessions.pop(old.session_id, None)  # it no longer counts
-            log.debug("session %s replaces %s", self.session_id, old.session_id)
-            with contextlib.suppress(Exception):
-                old.writer.close()  # its run loop ends, close() cleans up
-            return
-        error: QuotaExceeded | None
-        if self.daemon.authenticated() >= self.daemon.limits.max_sessions:
-            error, reason = self.daemon.too_many_sessions(), "max_sessions"
-        else:
-            error, reason = self._too_many_of(tenant), "max_sessions_per_tenant"
-        if error is not None:
-            log.warning("refusing connection from %s: %s", self.peer or f"pid {self.peer_pid}",
-                        error)
-            self.daemon.metrics.refused(reason)
-            self.send(P.error_response(None, error))
-            with contextlib.suppress(Exception):
-                self.writer.close()  # its hello is read: nothing unread to reset the frame
-            raise error
-
-    def _too_many_of(self, tenant: str) -> QuotaExceeded | None:
-        """QUOTA_EXCEEDED when ``tenant`` holds its --max-sessions-per-tenant
-        already (so one tenant cannot take every session of the node)."""
-        limit = self.daemon.limits.max_sessions_per_tenant
-        held = sum(1 for s in self.daemon.sessions.values() if s.tenant == tenant)
-        if held < limit:
-            return None
-        return QuotaExceeded(
-            f"tenant {tenant!r} has {held} sessions on this node, at most {limit} at once; "
-            "close one or try again later",
-            {"limit": "max_sessions_per_tenant", "max_sessions_per_tenant": limit,
-             "sessions": held})
-
-    def _same_host(self, req: P.Hello) -> tuple[bool, str]:
-        """Grant the same-host path to a Unix socket session that asks for it
-        (protocol 3's ``handles``): the client binds the handle channel next
-        with ``handles_nonce``.  Nothing of the client's is trusted: the
-        daemon only hands out handles and copies its own memory."""
-        if not req.handles:
-            return False, ""
-        if not self.unix:
-            return False, "the same-host path needs the daemon's Unix socket"
-        # The staging area is the tenant's memory while the session lives: a
-        # tenant whose quota cannot spare it gets the network path instead.
-        pool = self.registry.host_pool()
-        if pool is not None:
-            assert self.tenant is not None
-            try:
-                self.registry.charge(self.tenant, pool, staging.SIZE)
-            except QuotaExceeded as exc:
-                return False, f"no room in this tenant's quota for its staging area: {exc}"
-            self._staging_charge = pool
-        self.handles_nonce = os.urandom(NONCE_BYTES)
-        self.daemon.by_handles_nonce[self.handles_nonce] = self
-        return True, ""
-
-    def _bind_handles(self, req: P.BindHandles) -> None:
-        """This connection is a session's handle channel: check it, hand its
-        socket to that session, and let this one go (it never says hello)."""
-        if self.tenant is not None or not self.unix:
-            raise BadRequest("bind_handles is the only frame of a second connection to the "
-                             "daemon's Unix socket")
-        owner = self.daemon.by_handles_nonce.get(req.nonce)
-        mine = self.writer.get_extra_info("socket")
-        if owner is None or owner._closed or owner.handles is not None:
-            raise AuthFailed("no session waits for this handle channel")
-        if not same_process(mine, owner.writer.get_extra_info("socket")):
-            raise AuthFailed("the handle channel must come from the session's own process")
-        self.daemon.by_handles_nonce.pop(req.nonce, None)
-        owner.handles_nonce = None
-        sock = mine.dup()
-        self.daemon.unauthenticated.discard(self)
-        self._closed_quietly()
-        owner.take_handles(sock)
-
-    def _closed_quietly(self) -> None:
-        """Drop this connection's transport (its socket lives on as a dup)."""
-        with contextlib.suppress(Exception):
-            self.writer.transport.abort()
-
-    def take_handles(self, sock: socket.socket) -> None:
-        """Our handle channel is bound: make the staging area, send it, and
-        turn on the same-host path."""
-        try:
-            channel = HandleChannel(sock)
-        except OSError as exc:
-            sock.close()
-            log.warning("session %s: no staging area: %s", self.session_id, exc)
-            return
-        if self._closed:
-            channel.close()
-            return
-        self.handles = channel
-        limits, tenant = self.daemon.limits, self.owner
-        self.same_host = StagedPath(
-            channel.staging, self.daemon.copies, tenant, timeout=limits.transfer_timeout,
-            stop=self.copy_stop, expired=self._transfer_expired,
-            stopped=lambda: self.daemon.stopped)
-        task = asyncio.get_running_loop().create_task(self._send_staging(channel))
-        self.transfers.add(task)
-        task.add_done_callback(self.transfers.discard)
-        log.debug("session %s bound its handle channel", self.session_id)
-
-    async def _send_staging(self, channel: HandleChannel) -> None:
-        try:
-            await channel.start()
-        except (OSError, TimeoutError) as exc:
-            log.warning("session %s: sending the staging area failed: %s", self.session_id, exc)
-            self.abort("the handle channel failed")
