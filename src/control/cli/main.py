@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from control.cli import commands as cliops
@@ -25,7 +26,7 @@ from control.cli import fleet, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
 from control.cli.load import register_load_commands, run_hash_command, run_load_command
-from control.wire.auth import DEFAULT_KID, create_token, load_keys
+from control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
 from control.wire.units import format_size, parse_duration
@@ -90,6 +91,22 @@ def _token(args: argparse.Namespace) -> str:
     return str(token)
 
 
+def _keys(path: str, create: bool, kid: str) -> Keyring:
+    """``token create``'s keys.  A file that is not there is a mistake (a
+    typo made a new key that every node refused) unless ``--create`` asks
+    for one, and even then in a directory that exists."""
+    where = Path(path)
+    if not where.exists():
+        if not create:
+            raise UsageError(f"--secret-file {path}: no such file: give the file the daemons "
+                             "use (rpcbufd makes it at its first start), or --create to "
+                             "make a new key")
+        if not where.parent.is_dir():
+            raise UsageError(f"--secret-file {path}: no such directory "
+                             f"{where.parent}: --create makes the file, not its directory")
+    return load_keys(where, create=create, kid=kid)
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="daemon HOST:PORT (else $RPCBUF_ENDPOINTS, 127.0.0.1:7700)")
     p.add_argument("--endpoints", help='several daemons: "h1:7700;h2:7700"')
@@ -114,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog="example: rpcbuf token create --secret-file /etc/rpcbuf/secret "
                                "--tenant alice --ttl 7d")
     tc.add_argument("--secret-file", required=True,
-                    help="the node's keys, one 'KEY_ID SECRET' a line (created 0600 with one "
-                         "key if missing)")
+                    help="the node's keys, one 'KEY_ID SECRET' a line: the file the daemons "
+                         "use (rpcbufd makes it at its first start)")
+    tc.add_argument("--create", action="store_true",
+                    help="make the secret file (0600, one new key) if it is missing; its "
+                         "directory must exist")
     tc.add_argument("--tenant", required=True)
     tc.add_argument("--ttl", type=_token_ttl, default=DEFAULT_TOKEN_TTL,
                     help="lifetime, e.g. 1h or 30d, or 'never' for a token that never "
@@ -279,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "token":
-            keys = load_keys(args.secret_file, kid=args.kid or DEFAULT_KID)
+            keys = _keys(args.secret_file, args.create, args.kid or DEFAULT_KID)
             print(create_token(keys, args.tenant, args.ttl, kid=args.kid,
                                clusters=args.cluster, nodes=args.node))
             return 0

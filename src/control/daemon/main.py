@@ -29,7 +29,7 @@ from control.daemon.diskcache import DiskCache
 from control.daemon.modeldirs import ModelFiles
 from control.daemon.registry import Pool, Quota, Registry
 from control.daemon.sdnotify import Notifier
-from control.daemon.server import Daemon, Limits
+from control.daemon.server import Daemon, Limits, binding
 from control.fleet.etcd import Etcd, EtcdOptions
 from control.wire.auth import load_keys
 from control.wire.membership import (
@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", type=_node_id, default=None,
                    help="this daemon's name in hello, stats and the registry; unique in its "
                         "cluster [this host's name and the --listen port: HOST:PORT]")
-    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
+    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening; "
+                   "removed when the daemon exits (and at start, if a killed one left it)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -394,7 +395,49 @@ def raise_fd_limit() -> None:
             log.debug("open files: %d -> %d", soft, hard)
 
 
-async def serve(args: argparse.Namespace) -> int:
+class ReadyFile:
+    """``--ready-file``: it exists exactly while this daemon listens.  A
+    file left by a daemon that was killed goes before anything else (a
+    poller must not take it for this daemon's), the line is written once
+    both listeners are up, and goes again when the daemon exits, however
+    it exits, unless another daemon has written its own there since."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.line: str | None = None
+
+    def clear(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+
+    def write(self, line: str) -> None:
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(line)
+            os.replace(tmp, self.path)  # atomic: a poller never sees half a line
+        except OSError as exc:
+            raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+        self.line = line
+
+    def remove(self) -> None:
+        if not self.path or self.line is None:
+            return
+        with contextlib.suppress(OSError):
+            with open(self.path) as f:
+                if f.read() != self.line:
+                    return  # another daemon's now
+            os.unlink(self.path)
+
+
+async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
     tls = _tls(args)
@@ -429,11 +472,9 @@ async def serve(args: argparse.Namespace) -> int:
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:
-        try:
+        mhost, mport = args.metrics
+        with binding("--metrics", f"{mhost}:{mport}", mport):
             mhost, mport = await daemon.metrics.serve(*args.metrics)
-        except OSError as exc:
-            raise OSError(f"--metrics {args.metrics[0]}:{args.metrics[1]}: "
-                          f"{exc.strerror or exc}") from None
         log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
     local = None if args.local_socket == "none" else args.local_socket
@@ -446,11 +487,7 @@ async def serve(args: argparse.Namespace) -> int:
     # of 700 ran collections in the middle of it, 15-20 ms each, measured).
     gc.freeze()
     gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
-    if args.ready_file:
-        tmp = f"{args.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
-        os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
+    ready.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
     announcer = _announcer(args, daemon)
     if announcer is not None:
         announcer.start()  # its own task: serving never waits for etcd
@@ -485,11 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+    ready = ReadyFile(args.ready_file)
     try:
-        return uvloop.run(serve(args))
+        ready.clear()
+        return uvloop.run(serve(args, ready))
     except (OSError, ValueError) as exc:
         print(f"rpcbufd: {exc}", file=sys.stderr)
         return 2
+    finally:
+        ready.remove()
 
 
 if __name__ == "__main__":
