@@ -134,3 +134,33 @@ def test_every_command_has_help_with_an_example() -> None:
     for cmd in ("status", "ls", "release", "put", "get", "bench", "devices", "load", "unload"):
         res = rpcbuf(None, cmd, "--help")
         assert res.returncode == 0 and "example:" in res.stdout and "--json" in res.stdout, cmd
+
+
+def test_version_bare_commands_and_mistyped_flags() -> None:
+    """Issue 28, item 3: --version on both tools; a bare command prints its
+    help (not "required: cmd"/"tcmd"); a mistyped flag gets the usage of
+    the command it was given to."""
+    import tomllib
+
+    import rpcbuf as api
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert api.__version__ == version
+    for tool, prog in (("control.cli", "rpcbuf"), ("control.daemon", "rpcbufd")):
+        res = subprocess.run([sys.executable, "-m", tool, "--version"], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert res.returncode == 0 and res.stdout.startswith(f"{prog} {version} (protocol "), res
+    for argv, shows in (([], "usage: rpcbuf [-h] [--version] COMMAND"),
+                        (["token"], "usage: rpcbuf token [-h] COMMAND")):
+        res = rpcbuf(None, *argv)
+        assert res.returncode == 2 and shows in res.stderr, res.stderr
+        assert "required" not in res.stderr and "cmd" not in res.stderr, res.stderr
+        assert "create" in res.stderr if argv else "doctor" in res.stderr
+    for argv, usage in ((["ls", "--bogus"], "usage: rpcbuf ls "),
+                        (["token", "create", "--tenant", "a", "--secret-fil", "s", "-x"],
+                         "usage: rpcbuf token create "),
+                        (["get", "x", "--outt", "y"], "usage: rpcbuf get ")):
+        res = rpcbuf(None, *argv)
+        assert res.returncode == 2 and res.stderr.startswith(usage), res.stderr
+        assert "unrecognized arguments" in res.stderr, res.stderr

@@ -30,6 +30,7 @@ from control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
 from control.wire.units import format_size, parse_duration
+from control.wire.version import describe
 
 DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
 
@@ -123,10 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rpcbuf", description="rpcbuf command-line client.",
                                 epilog="exit codes: 0 ok, 1 an error at a node (the others' "
                                        "results are still shown), 2 usage or a local problem")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=describe("rpcbuf"))
+    # Not required: a bare ``rpcbuf`` (or ``rpcbuf token``) prints its help
+    # instead of argparse's "required: cmd", which names an internal dest.
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     tok = sub.add_parser("token", help="manage auth tokens").add_subparsers(dest="tcmd",
-                                                                           required=True)
+                                                                           metavar="COMMAND")
     tc = tok.add_parser("create", help="print a token (a JWT, HS256) for a tenant",
                         epilog="example: rpcbuf token create --secret-file /etc/rpcbuf/secret "
                                "--tenant alice --ttl 7d")
@@ -295,8 +299,38 @@ async def _one_node(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _chosen(parser: argparse.ArgumentParser,
+            args: argparse.Namespace) -> tuple[argparse.ArgumentParser, bool]:
+    """The innermost (sub)command parser ``args`` went through, and whether
+    it wants a subcommand that was not given.  argparse has no public way
+    to this: its subparser actions are walked (``choices`` maps each name to
+    its parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name is None:
+                return parser, True
+            return _chosen(action.choices[name], args)
+    return parser, False
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, or exit 2: a flag no command knows gets the usage
+    of the command it was given to (argparse hands it up to ``rpcbuf``'s),
+    and a command without its subcommand prints its help."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    chosen, incomplete = _chosen(parser, args)
+    if extra:
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+    if incomplete:
+        chosen.print_help(sys.stderr)
+        sys.exit(EXIT_USAGE)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         if args.cmd == "token":
             keys = _keys(args.secret_file, args.create, args.kid or DEFAULT_KID)

@@ -41,6 +41,7 @@ from control.wire.membership import (
     parse_registry,
 )
 from control.wire.units import parse_duration, parse_size, split_host_port
+from control.wire.version import describe
 from dataplane import sockets, ucx
 from dataplane.allocator import ALLOCATORS
 from dataplane.arena import HostArena
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: rpcbufd --listen 127.0.0.1:7700 --ucx-port 7701 --device cpu:1GiB "
                "--secret-file /etc/rpcbuf/secret",
     )
+    p.add_argument("--version", action="version", version=describe("rpcbufd"))
     p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
                    help="control address HOST:PORT "
                    "(port 0 picks a free one) [127.0.0.1:7700]")
