@@ -68,7 +68,7 @@ def test_put_ls_get_release_round_trip(cli_daemon: DaemonProc, tmp_path: Path) -
         assert np.array_equal(back, arr)
 
     rel = as_json(rpcbuf(cli_daemon, "release", "w", "--json"))
-    assert list(rel.values()) == [{"released": buffer_id}]
+    assert list(rel.values()) == [{"released": buffer_id, "name": "w"}]
     assert free_bytes(cli_daemon) == start
 
 
@@ -93,11 +93,11 @@ def test_status_shows_node_devices_and_sessions(cli_daemon: DaemonProc) -> None:
 
 def test_bench_is_quick_and_reports_throughput(cli_daemon: DaemonProc) -> None:
     start = free_bytes(cli_daemon)
-    rows = as_json(rpcbuf(cli_daemon, "bench", "--sizes", "4KiB,256KiB", "--duration", "1s",
-                          "--json"))
+    (rows,) = as_json(rpcbuf(cli_daemon, "bench", "--sizes", "4KiB,256KiB", "--duration",
+                             "1s", "--json")).values()
     assert [r["size"] for r in rows] == [4096, 256 << 10]
     for r in rows:
-        assert r["store_mb_s"] > 0 and r["read_mb_s"] > 0 and r["store_p50_ms"] > 0
+        assert r["store_mib_s"] > 0 and r["read_mib_s"] > 0 and r["store_p50_ms"] > 0
     assert free_bytes(cli_daemon) == start
 
 

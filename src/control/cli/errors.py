@@ -103,6 +103,13 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
         return f"{addr}: {msg}: copy the model there, or load without --from-node (upload)"
     if details.get("reason") == "protocol_version":  # the message names both versions
         return f"{addr}: {msg}" + ("" if "upgrade" in msg else ": upgrade the older side")
+    if code == "NOT_FOUND" and details.get("reason") == "nowhere":  # names every node asked
+        return f"{msg}: `rpcbuf ls` lists this tenant's buffers, `rpcbuf models` its models"
+    if code == "NOT_FOUND" and details.get("reason") == "no_such_tensor":
+        where = "" if details.get("asked") else f"{addr}: "
+        return f"{where}{msg}: `rpcbuf models --json` lists a model's tensors"
+    if code == "NOT_FOUND" and "missing" in details:  # the buffer is there, the tensor is not
+        return f"{addr}: {msg}: the buffer is there, without that tensor"
     if code == "NOT_FOUND":
         return f"{addr}: {msg} (this tenant has no such buffer there; `rpcbuf ls` lists them)"
     if code == "OUT_OF_MEMORY":

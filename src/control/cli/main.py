@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from control.cli import commands as cliops
-from control.cli import fleet, tables
+from control.cli import fleet, locate, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
 from control.cli.load import register_load_commands, run_hash_command, run_load_command
@@ -240,17 +240,12 @@ def _print_json(results: dict[str, Any]) -> None:
 
 
 def _node_command(args: argparse.Namespace) -> int:
-    """status / ls / release on every endpoint: exit 1 if any node failed."""
-    fns = {"status": cliops.status, "ls": cliops.ls,
-           "release": lambda c: cliops.release(c, args.buffer)}
+    """status / ls on every endpoint: exit 1 if any node failed."""
+    fns = {"status": cliops.status, "ls": cliops.ls}
     results = asyncio.run(_per_node(args, fns[args.cmd]))
     failed = any(isinstance(r, RpcBufError) for r in results.values())
     if args.json:
         _print_json(results)
-    elif args.cmd == "release":
-        for addr, res in results.items():
-            if not isinstance(res, RpcBufError):
-                print(f"{addr}: released {res['released']}")
     else:
         console = tables.console(args.wide)
         made = cliops.status_tables(results, args.wide) if args.cmd == "status" \
@@ -263,39 +258,102 @@ def _node_command(args: argparse.Namespace) -> int:
     return EXIT_NODE if failed else EXIT_OK
 
 
-async def _one_node(args: argparse.Namespace) -> int:
-    """put / get / bench against the first endpoint."""
+def _cluster(args: argparse.Namespace) -> Any:
+    from control.client.cluster import Cluster
+
+    return Cluster.connect(_target(args), _token(args), timeout=args.timeout, partial=True,
+                           **fleet.connect_kw(args), **fleet.dial_kw(args))
+
+
+def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str]) -> int:
+    """Print what a command over several nodes did (``lines``, or JSON
+    ``{endpoint: result or error}``) and each failing node's sentence;
+    exit 1 if any failed.  Found on no node (``locate.find``'s ``"*"``), the
+    error is the whole command's (``{"error": ...}``)."""
+    if list(results) == ["*"]:
+        return report(";".join(_endpoints(args)), results["*"], args.json)
+    if args.json:
+        _print_json(results)
+    else:
+        for line in lines:
+            print(line)
+        _print_errors(results)
+    return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
+
+
+async def _release(args: argparse.Namespace) -> int:
+    """Release the buffer on each node that holds it (``locate``)."""
+    async with _cluster(args) as cluster:
+        found, errors = await locate.find(cluster, args.buffer)
+        results: dict[str, Any] = dict(errors)
+        for addr, where in found.items():
+            try:
+                results[addr] = await cliops.release(cluster[addr], where)
+            except RpcBufError as exc:
+                results[addr] = exc
+    return _finish(args, results, [f"{a}: released {r['released']} ({r['name']})"
+                                   for a, r in results.items() if not isinstance(r, Exception)])
+
+
+async def _get(args: argparse.Namespace) -> int:
+    """Read a buffer (or a model's tensor) from the node that holds it."""
+    out = cliops.get_target(args.buffer, args.out, args.force, args.tensor)  # before connecting
+    async with _cluster(args) as cluster:
+        found, errors = await locate.find(cluster, args.buffer, args.tensor)
+        results: dict[str, Any] = dict(errors)
+        if found:
+            addr, where = locate.one(args.buffer, found)  # BAD_REQUEST: on several nodes
+            try:
+                results[addr] = await cliops.get(cluster[addr], where, out,
+                                                 progress=not args.json)
+            except RpcBufError as exc:
+                results[addr] = exc
+    return _finish(args, results, [
+        f"{a}: wrote {r['out']}: {r['dtype']} {tuple(r['shape'])} from {r['name']}"
+        + (f" ({r['tensor']})" if args.tensor else "")
+        for a, r in results.items() if not isinstance(r, Exception)])
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    """The benchmark on each node in turn (one at a time: they would share
+    this host's links and cores), a table with a row per node and size."""
+    async with _cluster(args) as cluster:
+        results: dict[str, Any] = dict(cluster.errors)
+        for addr in cluster.endpoints:
+            try:
+                results[addr] = await cliops.bench(cluster[addr], args.sizes, args.duration)
+            except RpcBufError as exc:
+                results[addr] = exc
+    if args.json:
+        _print_json(results)
+    else:
+        tables.console(args.wide).print(cliops.bench_table(results, args.wide))
+        _print_errors(results)
+    return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
+
+
+async def _put(args: argparse.Namespace) -> int:
+    """Store a .npy file in a new buffer on the first endpoint (said on
+    stderr when there are several; ``--endpoint`` picks the node)."""
     from control.client.context import connect
 
-    arr = None
-    name = None
-    if args.cmd == "get":  # refuse to overwrite before connecting
-        args.out = cliops.get_target(args.buffer, args.out, args.force)
-    if args.cmd == "put":
-        arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
-        name = cliops.default_name(args.file, args.name, args.ttl)
+    arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
+    name = cliops.default_name(args.file, args.name, args.ttl)
+    endpoints = _endpoints(args)
+    addr = _one_endpoint(args)
     try:
-        async with connect(_one_endpoint(args), _token(args), timeout=args.timeout,
+        async with connect(addr, _token(args), timeout=args.timeout,
                            **fleet.dial_kw(args)) as ctx:
-            if args.cmd == "put":
-                assert arr is not None
-                result: Any = await cliops.put(ctx, arr, name, args.ttl)
-                text = result["buffer_id"]
-            elif args.cmd == "get":
-                result = await cliops.get(ctx, args.buffer, args.out, progress=not args.json)
-                text = (f"wrote {result['out']}: {result['dtype']} {tuple(result['shape'])} "
-                        f"from {result['buffer_id']}")
-            else:
-                result = await cliops.bench(ctx, args.sizes, args.duration)
-                text = ""
+            result = {**await cliops.put(ctx, arr, name, args.ttl), "endpoint": addr}
     except RpcBufError as exc:
-        return report(_endpoints(args)[0], exc, args.json)
+        return report(addr, exc, args.json)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
-    elif args.cmd == "bench":
-        tables.console(args.wide).print(cliops.bench_table(result, args.wide))
-    else:
-        print(text)
+        return EXIT_OK
+    print(result["buffer_id"])
+    if len(endpoints) > 1:
+        print(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
+              "(--endpoint picks the node)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -349,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_load_command(args, _target(args), _token(args))
         if args.cmd == "hash":
             return run_hash_command(args)
-        if args.cmd in ("status", "ls", "release"):
+        if args.cmd in ("status", "ls"):
             return _node_command(args)
-        if args.cmd in ("put", "get", "bench"):
-            return asyncio.run(_one_node(args))
+        by_buffer = {"release": _release, "get": _get, "bench": _bench, "put": _put}
+        if args.cmd in by_buffer:
+            return asyncio.run(by_buffer[args.cmd](args))
     except RpcBufError as exc:  # from a step that reaches every node at once
         where = fleet.registry_url(args) or ";".join(_endpoints(args)) \
             if hasattr(args, "endpoint") else "rpcbuf"
