@@ -128,3 +128,46 @@ def test_get_one_tensor_of_a_model_from_whichever_node_holds_it(
         assert res.returncode == 1 and "no buffer or model 'no-model'" in res.stderr, res.stderr
     finally:
         assert cli(two, "unload", "m").returncode == 0
+
+
+def test_a_lapsed_lease_is_named_in_not_found(two: tuple[DaemonProc, DaemonProc],
+                                              tmp_path: Path) -> None:
+    """Issue 28, item 14: a buffer whose lease ran out is NOT_FOUND with a
+    word about its lease, to its own tenant only (another tenant's lookup
+    learns nothing)."""
+    import time
+
+    import rpcbuf as api
+
+    a, b = two
+    np.save(tmp_path / "short.npy", np.zeros(8))
+    put = cli(two, "put", str(tmp_path / "short.npy"), "--name", "short", "--ttl", "1s",
+              endpoints=b.addr)
+    assert put.returncode == 0, put.stderr
+    buffer_id = put.stdout.strip()
+    deadline = time.monotonic() + 30
+    while True:  # the lease runs out a second after the put
+        res = cli(two, "get", "short", "-o", str(tmp_path / "s.npy"))
+        if res.returncode != 0 or time.monotonic() > deadline:
+            break
+        (tmp_path / "s.npy").unlink()
+        time.sleep(0.5)
+    assert res.returncode == 1 and "[NOT_FOUND]" in res.stderr, res.stderr
+    assert f"{b.addr}: no buffer named 'short': its lease ran out" in res.stderr, res.stderr
+    assert "renew" in res.stderr
+    res = cli(two, "release", buffer_id, "--json", endpoints=b.addr)
+    (err,) = as_json(res).values()
+    assert err["details"]["reason"] == "lease_expired" and err["code"] == "NOT_FOUND", err
+
+    async def other_tenant() -> None:
+        async with api.connect(b.addr, token=a.token("someone-else"), timeout=30) as ctx:
+            for look in (ctx.open_buffer("short"), ctx.get_buffer_meta(buffer_id)):
+                try:
+                    await look
+                except api.NotFound as exc:
+                    assert "lease" not in exc.message and not exc.details, exc
+                else:
+                    raise AssertionError("another tenant's lapsed buffer was found")
+
+    import asyncio
+    asyncio.run(other_tenant())

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +242,31 @@ def test_get_reads_a_big_array_in_pieces_and_checks_it(daemon_factory, tmp_path:
     assert bad.returncode == 1 and "[VERIFY_FAILED]" in bad.stderr, bad.stderr
     assert not (tmp_path / "bad.npy").exists()  # nothing written from a failed read
     assert run("release", "big", "--endpoint", d.addr, token=token).returncode == 0
+
+
+def test_a_peer_that_is_not_rpcbufd_is_named_at_once(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28, item 14: the UCX port (silent) and the metrics port (HTTP)
+    are reported as not rpcbufd's control port at once (before: TIMEOUT
+    after the whole --timeout), and an endpoint without a port names the
+    port that was tried."""
+    from conftest import metrics_url
+
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--metrics", "127.0.0.1:0")
+    tok = d.token("peers")
+    ucx = f"127.0.0.1:{d.ucx_port}"
+    metrics = metrics_url(d).removeprefix("http://").removesuffix("/metrics")
+    # --timeout 300: waiting it out would run past the subprocess's 60 s.
+    res = run("ls", "--endpoint", ucx, "--timeout", "300", token=tok)
+    assert res.returncode == 1 and "[TIMEOUT]" in res.stderr, res.stderr
+    assert f"{ucx} took the connection but said nothing to the hello" in res.stderr
+    assert "not rpcbufd's control port" in res.stderr and "--listen" in res.stderr
+    res = run("status", "--endpoint", metrics, "--timeout", "300", "--json", token=tok)
+    err = json.loads(res.stdout)[metrics]
+    assert res.returncode == 1 and err["details"]["reason"] == "not_rpcbufd", err
+    assert "answered in HTTP" in err["sentence"] and "--listen" in err["sentence"]
+    res = run("ls", "--endpoint", "127.0.0.2", token=tok)  # nothing listens there
+    assert res.returncode == 1 and "rpcbufd at 127.0.0.2:7700 (connection refused)" \
+        in res.stderr, res.stderr
+    # The metrics port still serves HTTP.
+    with urllib.request.urlopen(metrics_url(d), timeout=30) as page:
+        assert b"rpcbuf_ops_total" in page.read()

@@ -35,8 +35,9 @@ async def resolve(ctx: RpcContext, ref: str) -> str:
         try:
             await ctx.get_buffer_meta(ref, tensors=False)
             return ref
-        except NotFound:
-            pass
+        except NotFound as exc:
+            if exc.details.get("reason") == "lease_expired":
+                raise  # that id was a buffer here: its words, not the name's
     return await ctx.open_buffer(ref)
 
 
@@ -82,6 +83,10 @@ async def find(cluster: Cluster, ref: str, tensor: str | None = None
     found = {a: r for a, r in got.items() if isinstance(r, Found)}
     errors = {a: r for a, r in got.items()
               if isinstance(r, RpcBufError) and not isinstance(r, NotFound)}
+    lapsed = {a: r for a, r in got.items()
+              if isinstance(r, NotFound) and r.details.get("reason") == "lease_expired"}
+    if not found and not errors and lapsed:
+        errors = dict(lapsed)  # the words about the lease, not a bare "nowhere"
     if not found and not errors:
         model_here = any(isinstance(r, NotFound) and r.details.get("reason") == "no_such_tensor"
                          for r in got.values())

@@ -29,7 +29,7 @@ from control.cli.load import register_load_commands, run_hash_command, run_load_
 from control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
-from control.wire.units import format_size, parse_duration
+from control.wire.units import format_size, join_host_port, parse_duration, split_host_port
 from control.wire.version import describe
 
 DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
@@ -68,7 +68,20 @@ def _node_ids(text: str) -> list[str]:
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
     text = args.endpoints or args.endpoint or os.environ.get("RPCBUF_ENDPOINTS") or "127.0.0.1:7700"
-    return [e.strip() for e in text.replace(",", ";").split(";") if e.strip()]
+    return [_with_port(e.strip()) for e in text.replace(",", ";").split(";") if e.strip()]
+
+
+def _with_port(addr: str) -> str:
+    """``HOST`` as ``HOST:7700``: what tables and errors show is the port
+    tried (an address that does not parse is left for the client's error)."""
+    from control.client.opening import DEFAULT_PORT
+
+    if "://" in addr or addr.startswith("unix:"):
+        return addr
+    try:
+        return join_host_port(*split_host_port(addr, DEFAULT_PORT))
+    except ValueError:
+        return addr
 
 
 def _target(args: argparse.Namespace) -> str | list[str]:
