@@ -270,3 +270,14 @@ def test_a_peer_that_is_not_rpcbufd_is_named_at_once(daemon_factory) -> None:  #
     # The metrics port still serves HTTP.
     with urllib.request.urlopen(metrics_url(d), timeout=30) as page:
         assert b"rpcbuf_ops_total" in page.read()
+
+
+def test_doctor_says_why_the_same_host_path_is_not_used(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28, item 7: a daemon on this host without its same-host socket
+    (--local-socket none) was `ok data path UCX`, no reason given."""
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--local-socket", "none")
+    res = run("doctor", "--endpoint", d.addr, "--json", token=d.token("doc"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
+    assert path["status"] == "warn", path
+    assert "--local-socket none" in path["message"] and "slower" in path["message"], path
