@@ -164,3 +164,29 @@ def test_version_bare_commands_and_mistyped_flags() -> None:
         res = rpcbuf(None, *argv)
         assert res.returncode == 2 and res.stderr.startswith(usage), res.stderr
         assert "unrecognized arguments" in res.stderr, res.stderr
+
+
+def test_units_and_device_names_match_across_commands(cli_daemon: DaemonProc,
+                                                      tmp_path: Path) -> None:
+    """Issue 28, item 12: ``ls`` said CPU:0 where ``status`` says cpu:0;
+    errors and --help defaults printed raw byte counts."""
+    np.save(tmp_path / "u.npy", np.zeros(16))
+    assert rpcbuf(cli_daemon, "put", str(tmp_path / "u.npy"), "--name", "u").returncode == 0
+    try:
+        (bufs,) = as_json(rpcbuf(cli_daemon, "ls", "--json")).values()
+        (st,) = as_json(rpcbuf(cli_daemon, "status", "--json")).values()
+        assert {b["device"] for b in bufs} == {d["key"] for d in st["devices"]} == {"cpu:0"}
+    finally:
+        assert rpcbuf(cli_daemon, "release", "u").returncode == 0
+    big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.uint8,
+                                    shape=(128 << 20,))  # sparse: nothing written
+    del big
+    res = rpcbuf(cli_daemon, "put", str(tmp_path / "big.npy"), "--name", "big")
+    assert res.returncode == 1 and "[OUT_OF_MEMORY]" in res.stderr, res.stderr
+    assert "128.0 MiB can never fit on cpu:0" in res.stderr and " bytes" not in res.stderr, \
+        res.stderr
+    helped = subprocess.run([sys.executable, "-m", "control.daemon", "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                 "COLUMNS": "200"})
+    assert "largest control frame accepted [16.0 MiB]" in helped.stdout, helped.stdout

@@ -100,7 +100,7 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
     for b in await ctx.list_buffers():
         exp = b.get("expires_at")
         out.append({"buffer_id": b["buffer_id"], "name": b["name"], "size": b["size"],
-                    "device": f"{b['device_type']}:{b['device']}",
+                    "device": device_key(b["device_type"], b["device"]),
                     "ttl_left": None if exp is None else max(0.0, exp - now),
                     "tensors": b.get("tensor_count", 0),
                     "session_scoped": b.get("session_scoped", False)})
@@ -110,6 +110,13 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
 async def release(ctx: RpcContext, found: Found) -> dict[str, Any]:
     await ctx.release_buffer(found.buffer_id)
     return {"released": found.buffer_id, "name": found.name}
+
+
+def device_key(device_type: str, device: int) -> str:
+    """``cpu:0``, ``cuda:1``: a device as ``status`` and ``devices`` name it
+    (the daemon's pool key), whatever case the buffer's meta spells it in."""
+    kind = str(device_type).lower()
+    return f"{ {'gpu': 'cuda'}.get(kind, kind)}:{device}"
 
 
 def load_npy(path: str) -> np.ndarray:
@@ -202,15 +209,11 @@ def _bar(total: int, show: bool, what: str) -> Iterator[Callable[[int], None]]:
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn
 
-    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    from control.client.progress import byte_columns
+
+    with Progress(TextColumn(what), BarColumn(), *byte_columns(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.update(task, advance=n)

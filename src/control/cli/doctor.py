@@ -196,7 +196,7 @@ async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
             continue
         store, read = best
         if size > 1 << 20:
-            msg = f"store {size / store / 1e9:.2f} GB/s, read {size / read / 1e9:.2f} GB/s"
+            msg = f"store {format_size(size / store)}/s, read {format_size(size / read)}/s"
         else:
             msg = f"store + ack {store * 1e6:.0f} us, read {read * 1e6:.0f} us"
         if size < BIG and size == big:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from control.wire.errors import RpcBufError
+from control.wire.units import format_size
 
 # Exit codes of every rpcbuf command (README, "CLI"):
 EXIT_OK = 0
@@ -122,7 +123,7 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
         return f"{addr}: {msg} (this tenant has no such buffer there; `rpcbuf ls` lists them)"
     if code == "OUT_OF_MEMORY":
         free = details.get("free")
-        extra = f"; {free} bytes free" if isinstance(free, int) else ""
+        extra = f"; {format_size(free)} free" if isinstance(free, int) else ""
         return f"{addr}: out of memory ({msg}{extra}): free buffers or use another node"
     if code == "QUOTA_EXCEEDED":
         return f"{addr}: over quota ({msg}): release buffers or ask the operator for more"

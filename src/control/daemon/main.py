@@ -40,7 +40,7 @@ from control.wire.membership import (
     check_node_id,
     parse_registry,
 )
-from control.wire.units import parse_duration, parse_size, split_host_port
+from control.wire.units import format_size, parse_duration, parse_size, split_host_port
 from control.wire.version import describe
 from dataplane import sockets, ucx
 from dataplane.allocator import ALLOCATORS
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-quota", type=_quota, metavar="*:BYTES:N",
                    help="quota for tenants without their own --quota")
     p.add_argument("--max-frame", type=parse_size, default=Limits.max_frame,
-                   help="largest control frame accepted [%(default)s]")
+                   help=f"largest control frame accepted [{format_size(Limits.max_frame)}]")
     p.add_argument("--max-inflight", type=_positive_int, default=Limits.max_inflight,
                    help="requests one client may have in flight [%(default)s]")
     p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,

@@ -49,6 +49,7 @@ from control.wire.errors import (
     RpcBufError,
     UnsupportedDevice,
 )
+from control.wire.units import format_size
 from dataplane.cuda_vmm import CudaError
 
 __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
@@ -154,8 +155,8 @@ class Registry:
         used = self._tenant_bytes.get((tenant, pool.key), 0) + extra
         if q.bytes_per_device is not None and used + alloc > q.bytes_per_device:
             raise QuotaExceeded(
-                f"tenant {tenant!r} would hold {used + alloc} bytes on {pool.key}, "
-                f"quota is {q.bytes_per_device}",
+                f"tenant {tenant!r} would hold {format_size(used + alloc)} on {pool.key}, "
+                f"quota is {format_size(q.bytes_per_device)}",
                 {"requested": alloc, "used": used, "quota": q.bytes_per_device},
             )
         count = self._tenant_count.get(tenant, 0)
@@ -171,8 +172,8 @@ class Registry:
             raise BadRequest("size must be positive")
         if size > pool.allocator.max_size:
             raise OutOfMemory(
-                f"{size} bytes can never fit on {pool.key} (largest possible buffer: "
-                f"{pool.allocator.max_size} bytes)",
+                f"{format_size(size)} can never fit on {pool.key} (largest possible buffer: "
+                f"{format_size(pool.allocator.max_size)})",
                 self._oom_details(pool, size),
             )
         if name is not None and (tenant, name) in self._names:
@@ -239,7 +240,7 @@ class Registry:
                 log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
                             alloc_size, exc)
                 why = getattr(exc, "strerror", None) or exc
-                raise OutOfMemory(f"cannot back {alloc_size} bytes on {pool.key}: {why}",
+                raise OutOfMemory(f"cannot back {format_size(alloc_size)} on {pool.key}: {why}",
                                   {**self._oom_details(pool, size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
@@ -316,7 +317,7 @@ class Registry:
         return len(queues.by_tenant.get(tenant, ()))
 
     def out_of_memory(self, pool: Pool, size: int) -> OutOfMemory:
-        return OutOfMemory(f"no {size}-byte block free on {pool.key}",
+        return OutOfMemory(f"no block of {format_size(size)} free on {pool.key}",
                            self._oom_details(pool, size))
 
     def _grant(self, pool: Pool) -> None:
