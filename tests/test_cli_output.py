@@ -106,6 +106,19 @@ def test_tables_fit_80_columns_without_cutting(out_daemon: DaemonProc, tmp_path:
     assert "tinyllama-1.1b" in res.stdout
     wide = run("ls", "--endpoints", eps, "--wide", columns=80, token=token)
     assert "ttl left" in wide.stdout and "device" in wide.stdout
+    # A column left out says so under the table (no lease here: ttl left goes).
+    assert "not shown at this width:" in res.stdout and "ttl left" in res.stdout, res.stdout
+    # Issue 28, item 13: at 80 columns a buffer with a lease kept no "ttl left",
+    # so one that expires in an hour looked permanent.
+    leased = run("put", str(tmp_path / "t.npy"), "--name", "leased", "--ttl", "1h",
+                 "--endpoint", out_daemon.addr, token=token)
+    assert leased.returncode == 0, leased.stderr
+    res = run("ls", "--endpoints", eps, token=token)
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80, res.stdout
+    header = next(line for line in res.stdout.splitlines() if "name" in line)
+    assert "ttl left" in header and ("59m" in res.stdout or "1h 00m" in res.stdout), res.stdout
+    assert run("release", leased.stdout.strip(), "--endpoint", out_daemon.addr,
+               token=token).returncode == 0
     assert run("release", bid, "--endpoint", out_daemon.addr, token=token).returncode == 0
 
 

@@ -297,18 +297,36 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
         if isinstance(bufs, Exception):
             continue
         for b in bufs:
-            ttl = "-" if b["ttl_left"] is None else _dur(b["ttl_left"])
+            ttl = "-" if b["ttl_left"] is None else _short_dur(b["ttl_left"])
             if b["session_scoped"]:
                 ttl = "session"
             rows.append([addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
                          b["device"], ttl, str(b["tensors"])])
     one_node = len(results) == 1  # then the endpoint column goes first
+    # A column that tells rows apart stays: any lease (a buffer that expires
+    # must not look permanent), more than one device; one that says the
+    # same for every row goes first when the terminal is narrow.
+    leases = any(r[5] != "-" for r in rows)
+    devices = len({r[4] for r in rows}) > 1
     return tables.fit("rpcbuf buffers", [
         tables.Col("endpoint", key=not one_node, drop=1 if one_node else 0),
         tables.Col("name", key=True, wrap=True), tables.Col("id", key=True),
-        tables.Col("size", right=True), tables.Col("device", drop=3),
-        tables.Col("ttl left", drop=4), tables.Col("tensors", right=True, drop=2)],
+        tables.Col("size", right=True), tables.Col("device", drop=5 if devices else 2),
+        tables.Col("ttl left", drop=0 if leases else 3),
+        tables.Col("tensors", right=True, drop=4)],
         rows, wide=wide)
+
+
+def _short_dur(seconds: float) -> str:
+    """A lease left, in the table: 45s, 59m, 23h 59m, 6d 23h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
 def bench_table(results: dict[str, Any], wide: bool = False) -> Any:
