@@ -475,7 +475,7 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:
         mhost, mport = args.metrics
-        with binding("--metrics", f"{mhost}:{mport}", mport):
+        with binding(config.setting(args, "metrics", "--metrics", f"{mhost}:{mport}"), mport):
             mhost, mport = await daemon.metrics.serve(*args.metrics)
         log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         logs.setup(args.log_level, args.log_format, args.audit_log)
     except OSError as exc:
-        print(f"rpcbufd: --audit-log {args.audit_log}: {exc.strerror or exc}", file=sys.stderr)
+        named = config.setting(args, "audit_log", "--audit-log", args.audit_log)
+        print(f"rpcbufd: {named}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     import uvloop
 
