@@ -79,4 +79,5 @@ def test_quick_start_with_a_port_taken_stops_at_once_with_a_sentence(tmp_path: P
             except OSError:
                 assert time.monotonic() < deadline, "node0 was left running"
         time.sleep(0.2)
+    # Its ready file went before its listeners closed.
     assert not list(tmp_path.glob("*.ready")), list(tmp_path.iterdir())

@@ -501,6 +501,7 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     await stop.wait()
+    ready.remove()  # before the listeners close: it never names a port that is gone
     notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
     if announcer is not None:
         await announcer.stop()  # clients stop choosing this node before it drains
