@@ -56,6 +56,8 @@ PREFIX  ?= /opt/rpcbuf
 UNITDIR ?= /etc/systemd/system
 
 install-service:
+	@[ "$$(id -u)" = 0 ] || { echo "install-service: run it as root (sudo make install-service):" \
+		"it creates the rpcbuf system user, /etc/rpcbuf, /var/log/rpcbuf and a systemd unit"; exit 2; }
 	id -u rpcbuf >/dev/null 2>&1 || useradd --system --user-group --no-create-home \
 		--home-dir /var/lib/rpcbuf --shell /usr/sbin/nologin rpcbuf
 	test -x $(PREFIX)/bin/python || $(PYTHON) -m venv $(PREFIX)

@@ -68,7 +68,7 @@ def test_put_ls_get_release_round_trip(cli_daemon: DaemonProc, tmp_path: Path) -
         assert np.array_equal(back, arr)
 
     rel = as_json(rpcbuf(cli_daemon, "release", "w", "--json"))
-    assert list(rel.values()) == [{"released": buffer_id}]
+    assert list(rel.values()) == [{"released": buffer_id, "name": "w"}]
     assert free_bytes(cli_daemon) == start
 
 
@@ -93,11 +93,11 @@ def test_status_shows_node_devices_and_sessions(cli_daemon: DaemonProc) -> None:
 
 def test_bench_is_quick_and_reports_throughput(cli_daemon: DaemonProc) -> None:
     start = free_bytes(cli_daemon)
-    rows = as_json(rpcbuf(cli_daemon, "bench", "--sizes", "4KiB,256KiB", "--duration", "1s",
-                          "--json"))
+    (rows,) = as_json(rpcbuf(cli_daemon, "bench", "--sizes", "4KiB,256KiB", "--duration",
+                             "1s", "--json")).values()
     assert [r["size"] for r in rows] == [4096, 256 << 10]
     for r in rows:
-        assert r["store_mb_s"] > 0 and r["read_mb_s"] > 0 and r["store_p50_ms"] > 0
+        assert r["store_mib_s"] > 0 and r["read_mib_s"] > 0 and r["store_p50_ms"] > 0
     assert free_bytes(cli_daemon) == start
 
 
@@ -134,3 +134,59 @@ def test_every_command_has_help_with_an_example() -> None:
     for cmd in ("status", "ls", "release", "put", "get", "bench", "devices", "load", "unload"):
         res = rpcbuf(None, cmd, "--help")
         assert res.returncode == 0 and "example:" in res.stdout and "--json" in res.stdout, cmd
+
+
+def test_version_bare_commands_and_mistyped_flags() -> None:
+    """Issue 28, item 3: --version on both tools; a bare command prints its
+    help (not "required: cmd"/"tcmd"); a mistyped flag gets the usage of
+    the command it was given to."""
+    import tomllib
+
+    import rpcbuf as api
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert api.__version__ == version
+    for tool, prog in (("control.cli", "rpcbuf"), ("control.daemon", "rpcbufd")):
+        res = subprocess.run([sys.executable, "-m", tool, "--version"], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert res.returncode == 0 and res.stdout.startswith(f"{prog} {version} (protocol "), res
+    for argv, shows in (([], "usage: rpcbuf [-h] [--version] COMMAND"),
+                        (["token"], "usage: rpcbuf token [-h] COMMAND")):
+        res = rpcbuf(None, *argv)
+        assert res.returncode == 2 and shows in res.stderr, res.stderr
+        assert "required" not in res.stderr and "cmd" not in res.stderr, res.stderr
+        assert "create" in res.stderr if argv else "doctor" in res.stderr
+    for argv, usage in ((["ls", "--bogus"], "usage: rpcbuf ls "),
+                        (["token", "create", "--tenant", "a", "--secret-fil", "s", "-x"],
+                         "usage: rpcbuf token create "),
+                        (["get", "x", "--outt", "y"], "usage: rpcbuf get ")):
+        res = rpcbuf(None, *argv)
+        assert res.returncode == 2 and res.stderr.startswith(usage), res.stderr
+        assert "unrecognized arguments" in res.stderr, res.stderr
+
+
+def test_units_and_device_names_match_across_commands(cli_daemon: DaemonProc,
+                                                      tmp_path: Path) -> None:
+    """Issue 28, item 12: ``ls`` said CPU:0 where ``status`` says cpu:0;
+    errors and --help defaults printed raw byte counts."""
+    np.save(tmp_path / "u.npy", np.zeros(16))
+    assert rpcbuf(cli_daemon, "put", str(tmp_path / "u.npy"), "--name", "u").returncode == 0
+    try:
+        (bufs,) = as_json(rpcbuf(cli_daemon, "ls", "--json")).values()
+        (st,) = as_json(rpcbuf(cli_daemon, "status", "--json")).values()
+        assert {b["device"] for b in bufs} == {d["key"] for d in st["devices"]} == {"cpu:0"}
+    finally:
+        assert rpcbuf(cli_daemon, "release", "u").returncode == 0
+    big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.uint8,
+                                    shape=(128 << 20,))  # sparse: nothing written
+    del big
+    res = rpcbuf(cli_daemon, "put", str(tmp_path / "big.npy"), "--name", "big")
+    assert res.returncode == 1 and "[OUT_OF_MEMORY]" in res.stderr, res.stderr
+    assert "128.0 MiB can never fit on cpu:0" in res.stderr and " bytes" not in res.stderr, \
+        res.stderr
+    helped = subprocess.run([sys.executable, "-m", "control.daemon", "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                 "COLUMNS": "200"})
+    assert "largest control frame accepted [16.0 MiB]" in helped.stdout, helped.stdout

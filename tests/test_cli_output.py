@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,19 @@ def test_tables_fit_80_columns_without_cutting(out_daemon: DaemonProc, tmp_path:
     assert "tinyllama-1.1b" in res.stdout
     wide = run("ls", "--endpoints", eps, "--wide", columns=80, token=token)
     assert "ttl left" in wide.stdout and "device" in wide.stdout
+    # A column left out says so under the table (no lease here: ttl left goes).
+    assert "not shown at this width:" in res.stdout and "ttl left" in res.stdout, res.stdout
+    # Issue 28, item 13: at 80 columns a buffer with a lease kept no "ttl left",
+    # so one that expires in an hour looked permanent.
+    leased = run("put", str(tmp_path / "t.npy"), "--name", "leased", "--ttl", "1h",
+                 "--endpoint", out_daemon.addr, token=token)
+    assert leased.returncode == 0, leased.stderr
+    res = run("ls", "--endpoints", eps, token=token)
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80, res.stdout
+    header = next(line for line in res.stdout.splitlines() if "name" in line)
+    assert "ttl left" in header and ("59m" in res.stdout or "1h 00m" in res.stdout), res.stdout
+    assert run("release", leased.stdout.strip(), "--endpoint", out_daemon.addr,
+               token=token).returncode == 0
     assert run("release", bid, "--endpoint", out_daemon.addr, token=token).returncode == 0
 
 
@@ -241,3 +255,42 @@ def test_get_reads_a_big_array_in_pieces_and_checks_it(daemon_factory, tmp_path:
     assert bad.returncode == 1 and "[VERIFY_FAILED]" in bad.stderr, bad.stderr
     assert not (tmp_path / "bad.npy").exists()  # nothing written from a failed read
     assert run("release", "big", "--endpoint", d.addr, token=token).returncode == 0
+
+
+def test_a_peer_that_is_not_rpcbufd_is_named_at_once(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28, item 14: the UCX port (silent) and the metrics port (HTTP)
+    are reported as not rpcbufd's control port at once (before: TIMEOUT
+    after the whole --timeout), and an endpoint without a port names the
+    port that was tried."""
+    from conftest import metrics_url
+
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--metrics", "127.0.0.1:0")
+    tok = d.token("peers")
+    ucx = f"127.0.0.1:{d.ucx_port}"
+    metrics = metrics_url(d).removeprefix("http://").removesuffix("/metrics")
+    # --timeout 300: waiting it out would run past the subprocess's 60 s.
+    res = run("ls", "--endpoint", ucx, "--timeout", "300", token=tok)
+    assert res.returncode == 1 and "[TIMEOUT]" in res.stderr, res.stderr
+    assert f"{ucx} took the connection but said nothing to the hello" in res.stderr
+    assert "not rpcbufd's control port" in res.stderr and "--listen" in res.stderr
+    res = run("status", "--endpoint", metrics, "--timeout", "300", "--json", token=tok)
+    err = json.loads(res.stdout)[metrics]
+    assert res.returncode == 1 and err["details"]["reason"] == "not_rpcbufd", err
+    assert "answered in HTTP" in err["sentence"] and "--listen" in err["sentence"]
+    res = run("ls", "--endpoint", "127.0.0.2", token=tok)  # nothing listens there
+    assert res.returncode == 1 and "rpcbufd at 127.0.0.2:7700 (connection refused)" \
+        in res.stderr, res.stderr
+    # The metrics port still serves HTTP.
+    with urllib.request.urlopen(metrics_url(d), timeout=30) as page:
+        assert b"rpcbuf_ops_total" in page.read()
+
+
+def test_doctor_says_why_the_same_host_path_is_not_used(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28, item 7: a daemon on this host without its same-host socket
+    (--local-socket none) was `ok data path UCX`, no reason given."""
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--local-socket", "none")
+    res = run("doctor", "--endpoint", d.addr, "--json", token=d.token("doc"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
+    assert path["status"] == "warn", path
+    assert "--local-socket none" in path["message"] and "slower" in path["message"], path

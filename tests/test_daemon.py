@@ -36,15 +36,38 @@ def test_bad_flags_fail_clearly(tmp_path: Path, flags: list[str], message: str) 
 
 
 def test_port_in_use_is_a_clear_error(daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    res = run("control.daemon", "--secret-file", str(tmp_path / "s"), "--listen", daemon.addr,
-              "--ucx-port", "0", "--device", "cpu:1MiB")
-    assert res.returncode == 2 and "rpcbufd:" in res.stderr and "Traceback" not in res.stderr
+    """Each listener that cannot bind names its flag and port and what to do
+    (issue 28: "[Errno 98] error while attempting to bind", and a UCX
+    traceback); a ready file a killed daemon left goes at once."""
+    ready = tmp_path / "ready"
+    port = daemon.addr.rsplit(":", 1)[1]
+    for flags, flag in ((["--listen", daemon.addr, "--ucx-port", "0"], f"--listen {daemon.addr}"),
+                        (["--listen", "127.0.0.1:0", "--ucx-port", str(daemon.ucx_port)],
+                         f"--ucx-port {daemon.ucx_port}"),
+                        (["--listen", "127.0.0.1:0", "--ucx-port", "0", "--metrics", daemon.addr],
+                         f"--metrics {daemon.addr}")):
+        ready.write_text("127.0.0.1:1 1\n")  # what a daemon killed with SIGKILL left
+        res = run("control.daemon", "--secret-file", str(tmp_path / "s"), *flags,
+                  "--device", "cpu:1MiB", "--ready-file", str(ready))
+        used = port if flag.startswith(("--listen", "--metrics")) else str(daemon.ucx_port)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"rpcbufd: {flag}: port {used} is already in use" in res.stderr, res.stderr
+        assert "[Errno" not in res.stderr and "choose another port" in res.stderr
+        assert not ready.exists()  # a poller must not take the stale line for this daemon
+
+
+def test_the_ready_file_exists_while_the_daemon_listens(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:1MiB")
+    ready = d.tmp / "ready"
+    assert ready.read_text() == f"{d.addr} {d.ucx_port}\n"
+    assert d.stop() == 0
+    assert not ready.exists(), d.log()
 
 
 def test_token_cli(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     res = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "alice",
-              "--ttl", "24h")
+              "--ttl", "24h", "--create")
     assert res.returncode == 0, res.stderr
     assert verify_token(load_or_create_secret(secret), res.stdout.strip()) == "alice"
     bad = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "a b")

@@ -216,6 +216,9 @@ async def test_rpcbuf_models_shows_source_types_in_80_columns(cluster: rpcbuf.Cl
         assert "cli-quant" in res.stdout and clean_pool.addr in res.stdout
         assert "…" not in res.stdout
     assert "Q8_0 Q4_0 F16 +1" in res.stdout  # 120 columns: room for the types
+    res = await asyncio.to_thread(cli, "models", "--endpoint", clean_pool.addr, "--token",
+                                  token, "--wide", columns=80)
+    assert "Q8_0 Q4_0 F16 F32" in res.stdout and "+1" not in res.stdout, res.stdout  # issue 28
     await rpcbuf.unload_model(cluster, "cli-quant")
 
 

@@ -1,11 +1,16 @@
 """The README's two-node quick start, run as written: two daemons on this
-machine as two nodes, one token, doctor, load with a placement, ls, unload."""
+machine as two nodes, one token, doctor, load with a placement, ls, unload.
+Run twice in one folder (what it leaves behind must not fool the second
+run, and must be ignored by git), and once with a port taken (it must stop
+at once with a sentence, not wait for the daemons forever)."""
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 from conftest import ROOT
@@ -18,19 +23,61 @@ def quick_start() -> str:
     return m.group(1)
 
 
-def test_two_node_quick_start_runs_as_written(tmp_path: Path) -> None:
-    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+def run_quick_start(folder: Path,
+                    timeout: float = 240) -> tuple[subprocess.CompletedProcess[str], str]:
+    if not (folder / ".venv").exists():
+        (folder / ".venv").symlink_to(ROOT / ".venv")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RPCBUF_")}
     env["PYTHONPATH"] = str(ROOT / "src")
     env["COLUMNS"] = "80"
     script = "set -euo pipefail\n" + quick_start()
-    res = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=240)
+    res = subprocess.run(["bash", "-c", script], cwd=folder, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    logs = "".join((folder / f).read_text() for f in ("node0.log", "node1.log")
+                   if (folder / f).exists())
+    return res, logs
+
+
+def test_two_node_quick_start_runs_as_written_twice_in_one_folder(tmp_path: Path) -> None:
+    for _ in range(2):
+        res, logs = run_quick_start(tmp_path)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out + logs
+        assert "Traceback" not in out, out
+        assert "FAIL" not in out and out.count("ok    reachable") == 2, out
+        assert "tiny/slot0 " in out and "tiny/slot1 " in out, out
+        assert max(len(line) for line in res.stdout.splitlines()) <= 80, res.stdout
+        # The daemons took their ready files with them: a second run waits
+        # for its own daemons, not for files the first one left.
+        assert not list(tmp_path.glob("*.ready")), list(tmp_path.iterdir())
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != ".venv")
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *left],
+                             capture_output=True, text=True).stdout.split()
+    assert sorted(ignored) == left, f"the quick start leaves files git would add: {left}"
+
+
+def test_quick_start_with_a_port_taken_stops_at_once_with_a_sentence(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 7720))
+        taken.listen()
+        # Before: the wait loop waited for node1.ready forever (the test's timeout).
+        res, logs = run_quick_start(tmp_path, timeout=90)
     out = res.stdout + res.stderr
-    logs = "".join((tmp_path / f).read_text() for f in ("node0.log", "node1.log")
-                   if (tmp_path / f).exists())
-    assert res.returncode == 0, out + logs
-    assert "Traceback" not in out, out
-    assert "FAIL" not in out and out.count("ok    reachable") == 2, out
-    assert "tiny/slot0 " in out and "tiny/slot1 " in out, out
-    assert max(len(line) for line in res.stdout.splitlines()) <= 80, res.stdout
+    assert res.returncode != 0, out
+    assert "Traceback" not in out + logs, out + logs
+    assert "--listen 127.0.0.1:7720: port 7720 is already in use" in out, out
+    # The daemon that did start was stopped with the one that did not: its
+    # port is free again once it has shut down (SIGTERM: a moment).
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as again:
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                again.bind(("127.0.0.1", 7710))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "node0 was left running"
+        time.sleep(0.2)
+    # Its ready file went before its listeners closed.
+    assert not list(tmp_path.glob("*.ready")), list(tmp_path.iterdir())

@@ -104,7 +104,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "alice")
+    res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "alice", "--create")
     assert res.returncode == 0, res.stderr
     keys = auth.load_keys(secret)
     claims = jwt.decode(res.stdout.strip(), keys.keys["default"], algorithms=["HS256"],
@@ -132,7 +132,7 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
 
     fresh = tmp_path / "fresh"  # a new file made for a named key
     res = _cli("token", "create", "--secret-file", str(fresh), "--tenant", "dave",
-               "--kid", "2026-12")
+               "--kid", "2026-12", "--create")
     assert res.returncode == 0, res.stderr
     assert auth.load_keys(fresh).kids == ["2026-12"]
     assert jwt.get_unverified_header(res.stdout.strip())["kid"] == "2026-12"
@@ -167,9 +167,30 @@ async def test_a_secret_file_that_is_not_utf8_keeps_the_running_keys(
     assert proc.returncode == 2 and "not UTF-8" in err and "Traceback" not in err, err
 
 
+def test_token_create_makes_a_secret_only_when_asked(tmp_path: Path) -> None:
+    """A mistyped --secret-file is an error, not a new key (and directory)
+    whose tokens every node refuses."""
+    typo = tmp_path / "typo" / "dir" / "secret"
+    res = _cli("token", "create", "--secret-file", str(typo), "--tenant", "alice")
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    assert f"--secret-file {typo}: no such file" in res.stderr and "--create" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "typo").exists()
+    # --create makes the file, but not a directory that is not there.
+    res = _cli("token", "create", "--secret-file", str(typo), "--tenant", "alice", "--create")
+    assert res.returncode == 2 and "no such directory" in res.stderr, res.stderr
+    assert not (tmp_path / "typo").exists()
+    made = tmp_path / "secret"
+    res = _cli("token", "create", "--secret-file", str(made), "--tenant", "alice", "--create")
+    assert res.returncode == 0 and (made.stat().st_mode & 0o777) == 0o600, res.stderr
+    again = _cli("token", "create", "--secret-file", str(made), "--tenant", "bob", "--create")
+    assert again.returncode == 0 and auth.verify(auth.load_keys(made),
+                                                 again.stdout.strip()).tenant == "bob"
+    assert auth.load_keys(made).kids == ["default"]  # --create on a file there keeps its key
+
+
 def test_token_create_names_clusters_and_nodes(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    base = ["token", "create", "--secret-file", str(secret), "--tenant", "alice"]
+    base = ["token", "create", "--secret-file", str(secret), "--tenant", "alice", "--create"]
     res = _cli(*base, "--cluster", "prod,staging")
     assert res.returncode == 0, res.stderr
     claims = jwt.decode(res.stdout.strip(), options={"verify_signature": False})

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import re
@@ -352,7 +353,12 @@ class DataListener:
         async def _accept(ep: Any) -> None:
             await on_endpoint(DataEndpoint(ep))
 
-        self._listener: Any = ucxx().create_listener(_accept, port=port)
+        try:
+            self._listener: Any = ucxx().create_listener(_accept, port=port)
+        except ucxx().exceptions.UCXBusyError as exc:
+            # UCX's word for a port that another socket holds: the caller
+            # says which flag it came from.
+            raise OSError(errno.EADDRINUSE, f"UCX port {port} is in use") from exc
 
     @property
     def port(self) -> int:

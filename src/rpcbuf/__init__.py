@@ -30,9 +30,10 @@ from control.wire.errors import (
     UnsupportedDevice,
     VerifyFailed,
 )
+from control.wire.version import VERSION
 from dataplane.checksum import checksum
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "AttachedModel",

@@ -108,8 +108,23 @@ def test_auto_falls_back_to_packing_and_reports_a_model_too_big() -> None:
     with pytest.raises(rpcbuf.BadRequest) as info:
         PL.plan_auto(g, slots(20_000, 20_000))
     assert "does not fit" in info.value.message and info.value.details["model_bytes"] > 0
+    assert "--placement" in info.value.message  # two slots: a split is the user's to choose
     with pytest.raises(rpcbuf.BadRequest):
         PL.plan_auto(g, slots(0, 0))
+
+
+def test_too_big_messages_speak_in_units_and_do_not_offer_a_split_of_one_node() -> None:
+    """Issue 28, item 12: "206606336 bytes", and --placement for one node."""
+    g = model_groups(10, layer_bytes=300 * 1024)
+    with pytest.raises(rpcbuf.BadRequest) as info:
+        PL.plan_auto(g, slots(MiB))
+    msg = info.value.message
+    assert "--placement" not in msg and "add nodes" in msg, msg
+    assert "MiB in aligned tensors" in msg and "(1.0 MiB)" in msg and " bytes" not in msg, msg
+    with pytest.raises(rpcbuf.BadRequest) as info:
+        PL.plan_from_spec(g, slots(MiB, MiB), "0:prolog,10;1:epilog")
+    assert "it needs 2.9 MiB, its largest free block is 1.0 MiB" in info.value.message, \
+        info.value.message
 
 
 def test_buddy_capacity_is_its_largest_block() -> None:

@@ -83,7 +83,11 @@ def test_a_file_gives_exactly_the_settings_its_flags_give(tmp_path: Path) -> Non
 
 def test_the_example_file_is_valid_and_says_the_defaults(tmp_path: Path) -> None:
     ns = resolve("--config", str(EXAMPLE))
-    assert ns.secret_file == "/etc/rpcbuf/secret" and ns.listen == ("0.0.0.0", 7700)
+    # Issue 28, item 11: it listened on 0.0.0.0 with TLS commented out.
+    assert ns.secret_file == "/etc/rpcbuf/secret" and ns.listen == ("127.0.0.1", 7700)
+    assert ns.tls_cert is None  # so: loopback, until [tls] is filled in
+    text = EXAMPLE.read_text()
+    assert "refuses it" not in text and "own user only" not in text  # not true (README, unit)
     defaults = resolve("--secret-file", "s")
     for key in ("max_frame", "max_inflight", "max_sessions", "transfer_timeout",
                 "drain_timeout", "allocator", "log_level", "log_format", "ucx_port"):
@@ -186,6 +190,18 @@ def test_the_daemon_refuses_a_bad_file_with_exit_2(tmp_path: Path, setup: str,
     res = run_daemon("--config", write(tmp_path, setup + "\n"))
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_setting_from_the_file_is_named_by_its_key(tmp_path: Path) -> None:
+    """Issue 28, item 11: the example, started by hand, said `--audit-log
+    /var/log/rpcbuf/audit.log: No such file or directory` (a flag the user
+    never gave)."""
+    path = write(tmp_path, 'listen = "127.0.0.1:0"\nucx_port = 0\ndevices = ["cpu:1MiB"]\n'
+                 f'secret_file = "{tmp_path / "s"}"\n[log]\naudit = "/nonexistent/dir/a.log"\n')
+    res = run_daemon("--config", path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f'log.audit = "/nonexistent/dir/a.log" (in {path}): No such file' in res.stderr, \
+        res.stderr
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -134,6 +134,35 @@ def test_renew_storm_does_not_grow_the_expiry_heap() -> None:
     assert reg.next_expiry() is not None
 
 
+def test_a_lapsed_lease_is_named_to_its_tenant_and_remembered_boundedly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    reg, pool = make(clock=lambda: now[0])
+    buf = reg.try_allocate("alice", pool, 4096, name="w", ttl=5.0)
+    assert buf is not None
+    now[0] += 6
+    assert reg.expire() == [buf]
+    for look in (lambda t: reg.get(t, buf.buffer_id), lambda t: reg.by_name(t, "w")):
+        with pytest.raises(NotFound, match="lease ran out 1 s ago") as exc:
+            look("alice")
+        assert exc.value.details == {"reason": "lease_expired", "expired_at": 1005.0}
+        with pytest.raises(NotFound) as other:  # another tenant learns nothing
+            look("bob")
+        assert not other.value.details and "lease" not in other.value.message
+    again = reg.try_allocate("alice", pool, 4096, name="w")  # the name, used again
+    assert again is not None
+    reg.release(again)
+    with pytest.raises(NotFound) as plain:  # released, not lapsed: no word of the old lease
+        reg.by_name("alice", "w")
+    assert not plain.value.details
+    monkeypatch.setattr(R, "LAPSED_MAX", 8)
+    for i in range(20):
+        b = reg.try_allocate("alice", pool, 4096, name=f"n{i}", ttl=1.0)
+        assert b is not None
+    now[0] += 2
+    assert len(reg.expire()) == 20 and len(reg._lapsed) == 8
+
+
 def test_each_buffer_gets_its_own_memory_and_a_failed_backing_leaves_nothing() -> None:
     """Host buffers are page-sized blocks with a memfd each (``back`` at
     allocation, ``unback`` at free); when backing fails (no memory, no

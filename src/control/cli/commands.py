@@ -1,8 +1,9 @@
 """The operator commands of ``rpcbuf``: status, ls, release, put, get, bench.
 
 Each command is one async function over one connected ``RpcContext`` (per
-node for ``status``/``ls``/``release``, the first endpoint for the others)
-that returns a JSON-able result; ``cli/main.py`` prints it as a table that
+node for ``status``/``ls``/``bench``, the node holding the buffer for
+``release``/``get``, found by ``cli/locate.py``, the first endpoint for
+``put``) that returns a JSON-able result; ``cli/main.py`` prints it as a table that
 fits the terminal (``cli/tables.py``) or, with ``--json``, as JSON.  Errors
 are not handled here: an ``RpcBufError`` from a daemon becomes exit 1 and a
 sentence (``cli/errors.py``), a local ``OSError``/``ValueError`` exit 2.
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from control.cli import tables
+from control.cli.locate import Found
 from control.client.tensors import calculate_buffer_size
 from control.wire.errors import NotFound, VerifyFailed
 from control.wire.units import format_size, parse_duration, parse_size
@@ -44,7 +46,8 @@ def register_operator_commands(sub: Any,
     ls = sub.add_parser("ls", help="list this tenant's buffers",
                         epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700 --json")
     client_flags(ls)
-    rl = sub.add_parser("release", help="release a buffer by id or by name",
+    rl = sub.add_parser("release", help="release a buffer by id or by name, on whichever "
+                        "node holds it",
                         epilog="example: rpcbuf release b-XXXX   or   rpcbuf release weights")
     rl.add_argument("buffer", metavar="ID|NAME")
     client_flags(rl)
@@ -55,10 +58,15 @@ def register_operator_commands(sub: Any,
     put.add_argument("--name", help="buffer name [the file's stem, unless --ttl is given]")
     put.add_argument("--ttl", type=parse_duration, help="lease, e.g. 1h (default: no expiry)")
     client_flags(put)
-    get = sub.add_parser("get", help="read a buffer stored by 'put' into a .npy file",
+    get = sub.add_parser("get", help="read a buffer stored by 'put', or one tensor of a "
+                         "loaded model, into a .npy file (from whichever node holds it)",
                          epilog="example: rpcbuf get x   (writes ./x.npy; --out picks the "
-                                "file, --force overwrites)")
-    get.add_argument("buffer", metavar="ID|NAME")
+                                "file, --force overwrites)   or   rpcbuf get tiny --tensor "
+                                "model.norm.weight")
+    get.add_argument("buffer", metavar="ID|NAME|MODEL")
+    get.add_argument("--tensor", metavar="NAME",
+                     help="the tensor to read: of this buffer, or of this loaded model "
+                          "(in whichever of its slots holds it) [data, what put stores]")
     get.add_argument("-o", "--out", metavar="FILE.npy", help="where to write [./ID|NAME.npy]")
     get.add_argument("--force", action="store_true", help="overwrite FILE.npy if it exists")
     client_flags(get)
@@ -79,18 +87,6 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-async def resolve(ctx: RpcContext, ref: str) -> str:
-    """A buffer id for ``ref``: an id this tenant holds, else a buffer name.
-    Raises NOT_FOUND (the id's error when ``ref`` is neither)."""
-    if ref.startswith("b-"):
-        try:
-            await ctx.get_buffer_meta(ref, tensors=False)
-            return ref
-        except NotFound:
-            pass
-    return await ctx.open_buffer(ref)
-
-
 async def status(ctx: RpcContext) -> dict[str, Any]:
     path = {"path": "same-host" if ctx.same_host else "ucx"}
     if ctx.hello.get("same_host_why"):
@@ -104,17 +100,23 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
     for b in await ctx.list_buffers():
         exp = b.get("expires_at")
         out.append({"buffer_id": b["buffer_id"], "name": b["name"], "size": b["size"],
-                    "device": f"{b['device_type']}:{b['device']}",
+                    "device": device_key(b["device_type"], b["device"]),
                     "ttl_left": None if exp is None else max(0.0, exp - now),
                     "tensors": b.get("tensor_count", 0) - b.get("reserved_count", 0),
                     "session_scoped": b.get("session_scoped", False)})
     return out
 
 
-async def release(ctx: RpcContext, ref: str) -> dict[str, Any]:
-    buffer_id = await resolve(ctx, ref)
-    await ctx.release_buffer(buffer_id)
-    return {"released": buffer_id}
+async def release(ctx: RpcContext, found: Found) -> dict[str, Any]:
+    await ctx.release_buffer(found.buffer_id)
+    return {"released": found.buffer_id, "name": found.name}
+
+
+def device_key(device_type: str, device: int) -> str:
+    """``cpu:0``, ``cuda:1``: a device as ``status`` and ``devices`` name it
+    (the daemon's pool key), whatever case the buffer's meta spells it in."""
+    kind = str(device_type).lower()
+    return f"{ {'gpu': 'cuda'}.get(kind, kind)}:{device}"
 
 
 def load_npy(path: str) -> np.ndarray:
@@ -138,11 +140,11 @@ async def put(ctx: RpcContext, arr: np.ndarray, name: str | None,
             "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
-def get_target(ref: str, out: str | None, force: bool) -> str:
+def get_target(ref: str, out: str | None, force: bool, tensor: str | None = None) -> str:
     """Where ``get`` writes: ``--out``, else ``./REF.npy`` (as ``put`` names a
-    buffer after its file).  ValueError (exit 2, before connecting) when it
-    exists and ``force`` is not given."""
-    path = out or f"{Path(ref).name}.npy"
+    buffer after its file), ``./TENSOR.npy`` with ``--tensor``.  ValueError
+    (exit 2, before connecting) when it exists and ``force`` is not given."""
+    path = out or f"{Path(tensor or ref).name}.npy"
     if not path.endswith(".npy"):
         path += ".npy"  # np.save would add it: say the real name
     if Path(path).exists() and not force:
@@ -150,26 +152,40 @@ def get_target(ref: str, out: str | None, force: bool) -> str:
     return path
 
 
-async def get(ctx: RpcContext, ref: str, out: str, progress: bool = False) -> dict[str, Any]:
-    """Read tensor ``data`` of ``ref`` into the file ``out``; a big array in
+async def get(ctx: RpcContext, found: Found, out: str, progress: bool = False) -> dict[str, Any]:
+    """Read one tensor of the buffer ``found`` (``data``, what ``put`` stores,
+    unless ``--tensor`` named another) into the file ``out``; a big array in
     ``CHUNK`` pieces with a progress bar (on a terminal), then checked
-    against the manifest's checksum as ``load_tensors`` would."""
-    buffer_id = await resolve(ctx, ref)
+    against the manifest's checksum as ``load_tensors`` would.  Raises
+    NOT_FOUND (``reason: no_such_tensor``) for a tensor not in the buffer."""
+    buffer_id, name = found.buffer_id, found.tensor or "data"
     meta = await ctx.get_buffer_meta(buffer_id)
-    entry = (meta.get("tensors") or {}).get("data")
-    if entry is None or int(entry["nbytes"]) < CHUNK:
-        arr = (await ctx.load_tensors(buffer_id, ["data"]))["data"]
+    manifest = meta.get("tensors") or {}
+    entry = manifest.get(name)
+    if entry is None:
+        raise NotFound(_no_tensor(found, len(manifest)),
+                       {"reason": "no_such_tensor", "missing": [name]})
+    if int(entry["nbytes"]) < CHUNK:
+        arr = (await ctx.load_tensors(buffer_id, [name]))[name]
     else:
-        arr = await _read_chunked(ctx, buffer_id, entry, progress)
+        arr = await _read_chunked(ctx, buffer_id, name, entry, progress)
     tmp = Path(out).with_name(f".{Path(out).name}.part")
     with open(tmp, "wb") as f:  # a whole file or none: written aside, then renamed
         np.save(f, arr, allow_pickle=False)
     tmp.replace(out)
-    return {"buffer_id": buffer_id, "out": out, "bytes": int(arr.nbytes),
-            "dtype": arr.dtype.str, "shape": list(arr.shape)}
+    return {"buffer_id": buffer_id, "name": found.name, "tensor": name, "out": out,
+            "bytes": int(arr.nbytes), "dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
-async def _read_chunked(ctx: RpcContext, buffer_id: str, entry: dict[str, Any],
+def _no_tensor(found: Found, count: int) -> str:
+    if found.tensor is not None:
+        return f"{found.name!r} holds no tensor {found.tensor!r}"
+    return (f"{found.name!r} holds {count} tensor(s) and none called 'data' (what put "
+            "stores): name one with --tensor NAME (`rpcbuf get MODEL --tensor NAME` "
+            "finds it on whichever node holds it)")
+
+
+async def _read_chunked(ctx: RpcContext, buffer_id: str, name: str, entry: dict[str, Any],
                         progress: bool) -> np.ndarray:
     arr = np.empty(entry["shape"], dtype=np.dtype(entry["dtype"]))
     flat = arr.reshape(-1).view(np.uint8)
@@ -182,7 +198,7 @@ async def _read_chunked(ctx: RpcContext, buffer_id: str, entry: dict[str, Any],
     want = entry.get("checksum")
     if want is not None and checksum(flat) != int(want):
         raise VerifyFailed("the array read back does not match its stored checksum",
-                           {"tensors": ["data"]})
+                           {"tensors": [name]})
     return arr
 
 
@@ -193,15 +209,11 @@ def _bar(total: int, show: bool, what: str) -> Iterator[Callable[[int], None]]:
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, Progress, TextColumn
 
-    with Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    from control.client.progress import byte_columns
+
+    with Progress(TextColumn(what), BarColumn(), *byte_columns(),
                   console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.update(task, advance=n)
@@ -209,7 +221,7 @@ def _bar(total: int, show: bool, what: str) -> Iterator[Callable[[int], None]]:
 
 async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict[str, Any]]:
     """Per size: store and read the same buffer over and over, each for its
-    share of ``duration`` (at most 2000 times); MB/s and p50/p99 latency."""
+    share of ``duration`` (at most 2000 times); MiB/s and p50/p99 latency."""
     share = max(0.05, duration / max(1, 2 * len(sizes)))
     rows = []
     for size in sizes:
@@ -229,7 +241,7 @@ async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict
                         await ctx.read_buffer(buffer_id, out=out)
                     lat.append(time.perf_counter() - t0)
                 total = sum(lat)
-                row[f"{kind}_mb_s"] = size * len(lat) / total / 1e6 if total else 0.0
+                row[f"{kind}_mib_s"] = size * len(lat) / total / (1 << 20) if total else 0.0
                 row[f"{kind}_p50_ms"] = float(np.percentile(lat, 50)) * 1e3
                 row[f"{kind}_p99_ms"] = float(np.percentile(lat, 99)) * 1e3
                 row[f"{kind}_ops"] = len(lat)
@@ -285,28 +297,51 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
         if isinstance(bufs, Exception):
             continue
         for b in bufs:
-            ttl = "-" if b["ttl_left"] is None else _dur(b["ttl_left"])
+            ttl = "-" if b["ttl_left"] is None else _short_dur(b["ttl_left"])
             if b["session_scoped"]:
                 ttl = "session"
             rows.append([addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
                          b["device"], ttl, str(b["tensors"])])
     one_node = len(results) == 1  # then the endpoint column goes first
+    # A column that tells rows apart stays: any lease (a buffer that expires
+    # must not look permanent), more than one device; one that says the
+    # same for every row goes first when the terminal is narrow.
+    leases = any(r[5] != "-" for r in rows)
+    devices = len({r[4] for r in rows}) > 1
     return tables.fit("rpcbuf buffers", [
         tables.Col("endpoint", key=not one_node, drop=1 if one_node else 0),
         tables.Col("name", key=True, wrap=True), tables.Col("id", key=True),
-        tables.Col("size", right=True), tables.Col("device", drop=3),
-        tables.Col("ttl left", drop=4), tables.Col("tensors", right=True, drop=2)],
+        tables.Col("size", right=True), tables.Col("device", drop=5 if devices else 2),
+        tables.Col("ttl left", drop=0 if leases else 3),
+        tables.Col("tensors", right=True, drop=4)],
         rows, wide=wide)
 
 
-def bench_table(rows: list[dict[str, Any]], wide: bool = False) -> Any:
-    return tables.fit("rpcbuf bench", [
-        tables.Col("size", right=True), tables.Col("store MB/s", right=True),
-        tables.Col("store p50 ms", right=True), tables.Col("read MB/s", right=True),
-        tables.Col("read p50 ms", right=True), tables.Col("ops", right=True, drop=1)],
-        [[format_size(r["size"]), f"{r['store_mb_s']:.1f}", f"{r['store_p50_ms']:.3f}",
-          f"{r['read_mb_s']:.1f}", f"{r['read_p50_ms']:.3f}",
-          str(r["store_ops"] + r["read_ops"])] for r in rows], wide=wide)
+def _short_dur(seconds: float) -> str:
+    """A lease left, in the table: 45s, 59m, 23h 59m, 6d 23h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def bench_table(results: dict[str, Any], wide: bool = False) -> Any:
+    """A row per node that answered and size (the endpoint column only
+    when there are several nodes)."""
+    several = len(results) > 1
+    rows = [([a] if several else []) + [
+        format_size(r["size"]), f"{r['store_mib_s']:.1f}", f"{r['store_p50_ms']:.3f}",
+        f"{r['read_mib_s']:.1f}", f"{r['read_p50_ms']:.3f}", str(r["store_ops"] + r["read_ops"])]
+        for a, rs in results.items() if not isinstance(rs, Exception) for r in rs]
+    cols = ([tables.Col("endpoint", key=True)] if several else []) + [
+        tables.Col("size", right=True), tables.Col("store MiB/s", right=True),
+        tables.Col("store p50 ms", right=True, drop=2), tables.Col("read MiB/s", right=True),
+        tables.Col("read p50 ms", right=True, drop=2), tables.Col("ops", right=True, drop=1)]
+    return tables.fit("rpcbuf bench", cols, rows, wide=wide)
 
 
 def default_name(path: str, name: str | None, ttl: float | None) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from control.cli.errors import ago, sentence
-from control.client.opening import insecure_default, is_loopback, tls_context
+from control.client.opening import insecure_default, is_loopback, same_host_default, tls_context
 from control.wire import protocol as P
 from control.wire.errors import RpcBufError, UcxUnusable
 from control.wire.units import format_size, split_host_port
@@ -119,7 +119,16 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
     else:
         why = hello.get("same_host_why")
         local = "local" in hello or is_loopback(split_host_port(addr, 7700)[0])
+        if local and not why:  # the two reasons the daemon cannot give: say them here
+            if "local" not in hello:
+                why = "the daemon offers no same-host socket (it runs with --local-socket none)"
+            elif same_host_default() is False:
+                why = "RPCBUF_SAME_HOST=0 here"
         msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
+        if local and why:
+            msg += ("; on one host UCX moves every byte through loopback TCP, several times "
+                    "slower than the same-host path's shared memory (the round trips below "
+                    "show what it costs)")
         out.append(Check("data path", "warn" if local and why else "ok", msg))
     tls = os.environ.get("UCX_TLS", "") or "(UCX's choice)"
     rdma = rdma_devices()
@@ -194,7 +203,7 @@ async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
             continue
         store, read = best
         if size > 1 << 20:
-            msg = f"store {size / store / 1e9:.2f} GB/s, read {size / read / 1e9:.2f} GB/s"
+            msg = f"store {format_size(size / store)}/s, read {format_size(size / read)}/s"
         else:
             msg = f"store + ack {store * 1e6:.0f} us, read {read * 1e6:.0f} us"
         if size < BIG and size == big:

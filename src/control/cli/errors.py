@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from control.wire.errors import RpcBufError
+from control.wire.units import format_size
 
 # Exit codes of every rpcbuf command (README, "CLI"):
 EXIT_OK = 0
@@ -76,6 +77,8 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
                 "$RPCBUF_CA), or --insecure on a network you trust")
     if code == "CONNECTION_LOST" and details.get("reason") == "tls":
         return f"{addr}: {msg}: check --ca ($RPCBUF_CA) and the node's --tls-cert"
+    if code == "CONNECTION_LOST" and details.get("reason") == "not_rpcbufd":
+        return f"{addr}: {msg}: give the daemon's --listen address"
     if code == "CONNECTION_LOST" and msg.startswith("cannot reach"):
         cause = _os_cause(exc) or "no answer"
         return (f"cannot reach rpcbufd at {addr} ({cause}): is the daemon running? "
@@ -83,6 +86,9 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
     if code == "CONNECTION_LOST":
         return f"{addr} closed the connection ({msg}): see the daemon's log " \
                "(`journalctl -u rpcbufd`)"
+    if code == "TIMEOUT" and details.get("reason") == "silent_peer":
+        return (f"{addr} {msg}: it is not rpcbufd's control port (a daemon's --ucx-port "
+                "does that), or that daemon is stuck: give the daemon's --listen address")
     if code == "TIMEOUT":
         return (f"{addr} did not answer in time ({msg}): is it reachable from here (firewall, "
                 "address)? `--timeout` waits longer")
@@ -103,11 +109,21 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
         return f"{addr}: {msg}: copy the model there, or load without --from-node (upload)"
     if details.get("reason") == "protocol_version":  # the message names both versions
         return f"{addr}: {msg}" + ("" if "upgrade" in msg else ": upgrade the older side")
+    if code == "NOT_FOUND" and details.get("reason") == "lease_expired":
+        return (f"{addr}: {msg}: renew a lease before it runs out (renew_buffer, a longer "
+                "--ttl), or store the buffer again")
+    if code == "NOT_FOUND" and details.get("reason") == "nowhere":  # names every node asked
+        return f"{msg}: `rpcbuf ls` lists this tenant's buffers, `rpcbuf models` its models"
+    if code == "NOT_FOUND" and details.get("reason") == "no_such_tensor":
+        where = "" if details.get("asked") else f"{addr}: "
+        return f"{where}{msg}: `rpcbuf models --json` lists a model's tensors"
+    if code == "NOT_FOUND" and "missing" in details:  # the buffer is there, the tensor is not
+        return f"{addr}: {msg}: the buffer is there, without that tensor"
     if code == "NOT_FOUND":
         return f"{addr}: {msg} (this tenant has no such buffer there; `rpcbuf ls` lists them)"
     if code == "OUT_OF_MEMORY":
         free = details.get("free")
-        extra = f"; {free} bytes free" if isinstance(free, int) else ""
+        extra = f"; {format_size(free)} free" if isinstance(free, int) else ""
         return f"{addr}: out of memory ({msg}{extra}): free buffers or use another node"
     if code == "QUOTA_EXCEEDED":
         return f"{addr}: over quota ({msg}): release buffers or ask the operator for more"

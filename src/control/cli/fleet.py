@@ -229,9 +229,12 @@ def group_models(results: dict[str, Any],
     return dict(sorted(out.items()))
 
 
-def _types_cell(types: dict[str, int], most: int = 3) -> str:
-    """The source types holding the most bytes first: ``"Q4_K Q6_K F32 +2"``."""
+def _types_cell(types: dict[str, int], most: int | None = 3) -> str:
+    """The source types holding the most bytes first: ``"Q4_K Q6_K F32 +2"``
+    (every one when ``most`` is None: ``--wide``)."""
     names = list(types)
+    if most is None:
+        most = len(names)
     more = f" +{len(names) - most}" if len(names) > most else ""
     return " ".join(names[:most]) + more or "-"
 
@@ -262,7 +265,8 @@ def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
                           "errors": {a: to_json(a, e) for a, e in failed.items()}}, indent=2))
     elif models:
         rows = [[name, ", ".join(map(str, g["slots"])), "\n".join(g["nodes"]),
-                 format_size(g["bytes"]), str(g["tensors"]), _types_cell(g["source_types"]),
+                 format_size(g["bytes"]), str(g["tensors"]),
+                 _types_cell(g["source_types"], None if args.wide else 3),
                  {True: "yes", False: "no", None: "unknown"}[g["complete"]]]
                 for name, g in models.items()]
         cols = [tables.Col("model", key=True, wrap=True), tables.Col("slots"),

@@ -18,16 +18,18 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from control.cli import commands as cliops, fleet, tables
+from control.cli import commands as cliops, fleet, locate, tables
 from control.cli.commands import register_operator_commands
 from control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
 from control.cli.load import register_load_commands, run_hash_command, run_load_command
-from control.wire.auth import DEFAULT_KID, create_token, load_keys
+from control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from control.wire.errors import RpcBufError
 from control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
-from control.wire.units import format_size, parse_duration
+from control.wire.units import format_size, join_host_port, parse_duration, split_host_port
+from control.wire.version import describe
 
 DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
 
@@ -65,7 +67,20 @@ def _node_ids(text: str) -> list[str]:
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
     text = args.endpoints or args.endpoint or os.environ.get("RPCBUF_ENDPOINTS") or "127.0.0.1:7700"
-    return [e.strip() for e in text.replace(",", ";").split(";") if e.strip()]
+    return [_with_port(e.strip()) for e in text.replace(",", ";").split(";") if e.strip()]
+
+
+def _with_port(addr: str) -> str:
+    """``HOST`` as ``HOST:7700``: what tables and errors show is the port
+    tried (an address that does not parse is left for the client's error)."""
+    from control.client.opening import DEFAULT_PORT
+
+    if "://" in addr or addr.startswith("unix:"):
+        return addr
+    try:
+        return join_host_port(*split_host_port(addr, DEFAULT_PORT))
+    except ValueError:
+        return addr
 
 
 def _target(args: argparse.Namespace) -> str | list[str]:
@@ -89,6 +104,22 @@ def _token(args: argparse.Namespace) -> str:
     return str(token)
 
 
+def _keys(path: str, create: bool, kid: str) -> Keyring:
+    """``token create``'s keys.  A file that is not there is a mistake (a
+    typo made a new key that every node refused) unless ``--create`` asks
+    for one, and even then in a directory that exists."""
+    where = Path(path)
+    if not where.exists():
+        if not create:
+            raise UsageError(f"--secret-file {path}: no such file: give the file the daemons "
+                             "use (rpcbufd makes it at its first start), or --create to "
+                             "make a new key")
+        if not where.parent.is_dir():
+            raise UsageError(f"--secret-file {path}: no such directory "
+                             f"{where.parent}: --create makes the file, not its directory")
+    return load_keys(where, create=create, kid=kid)
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="daemon HOST:PORT (else $RPCBUF_ENDPOINTS, 127.0.0.1:7700)")
     p.add_argument("--endpoints", help='several daemons: "h1:7700;h2:7700"')
@@ -105,16 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rpcbuf", description="rpcbuf command-line client.",
                                 epilog="exit codes: 0 ok, 1 an error at a node (the others' "
                                        "results are still shown), 2 usage or a local problem")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=describe("rpcbuf"))
+    # Not required: a bare ``rpcbuf`` (or ``rpcbuf token``) prints its help
+    # instead of argparse's "required: cmd", which names an internal dest.
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     tok = sub.add_parser("token", help="manage auth tokens").add_subparsers(dest="tcmd",
-                                                                           required=True)
+                                                                           metavar="COMMAND")
     tc = tok.add_parser("create", help="print a token (a JWT, HS256) for a tenant",
                         epilog="example: rpcbuf token create --secret-file /etc/rpcbuf/secret "
                                "--tenant alice --ttl 7d")
     tc.add_argument("--secret-file", required=True,
-                    help="the node's keys, one 'KEY_ID SECRET' a line (created 0600 with one "
-                         "key if missing)")
+                    help="the node's keys, one 'KEY_ID SECRET' a line: the file the daemons "
+                         "use (rpcbufd makes it at its first start)")
+    tc.add_argument("--create", action="store_true",
+                    help="make the secret file (0600, one new key) if it is missing; its "
+                         "directory must exist")
     tc.add_argument("--tenant", required=True)
     tc.add_argument("--ttl", type=_token_ttl, default=DEFAULT_TOKEN_TTL,
                     help="lifetime, e.g. 1h or 30d, or 'never' for a token that never "
@@ -215,17 +252,12 @@ def _print_json(results: dict[str, Any]) -> None:
 
 
 def _node_command(args: argparse.Namespace) -> int:
-    """status / ls / release on every endpoint: exit 1 if any node failed."""
-    fns = {"status": cliops.status, "ls": cliops.ls,
-           "release": lambda c: cliops.release(c, args.buffer)}
+    """status / ls on every endpoint: exit 1 if any node failed."""
+    fns = {"status": cliops.status, "ls": cliops.ls}
     results = asyncio.run(_per_node(args, fns[args.cmd]))
     failed = any(isinstance(r, RpcBufError) for r in results.values())
     if args.json:
         _print_json(results)
-    elif args.cmd == "release":
-        for addr, res in results.items():
-            if not isinstance(res, RpcBufError):
-                print(f"{addr}: released {res['released']}")
     else:
         console = tables.console(args.wide)
         made = cliops.status_tables(results, args.wide) if args.cmd == "status" \
@@ -238,47 +270,140 @@ def _node_command(args: argparse.Namespace) -> int:
     return EXIT_NODE if failed else EXIT_OK
 
 
-async def _one_node(args: argparse.Namespace) -> int:
-    """put / get / bench against the first endpoint."""
+def _cluster(args: argparse.Namespace) -> Any:
+    from control.client.cluster import Cluster
+
+    return Cluster.connect(_target(args), _token(args), timeout=args.timeout, partial=True,
+                           **fleet.connect_kw(args), **fleet.dial_kw(args))
+
+
+def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str]) -> int:
+    """Print what a command over several nodes did (``lines``, or JSON
+    ``{endpoint: result or error}``) and each failing node's sentence;
+    exit 1 if any failed.  Found on no node (``locate.find``'s ``"*"``), the
+    error is the whole command's (``{"error": ...}``)."""
+    if list(results) == ["*"]:
+        return report(";".join(_endpoints(args)), results["*"], args.json)
+    if args.json:
+        _print_json(results)
+    else:
+        for line in lines:
+            print(line)
+        _print_errors(results)
+    return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
+
+
+async def _release(args: argparse.Namespace) -> int:
+    """Release the buffer on each node that holds it (``locate``)."""
+    async with _cluster(args) as cluster:
+        found, errors = await locate.find(cluster, args.buffer)
+        results: dict[str, Any] = dict(errors)
+        for addr, where in found.items():
+            try:
+                results[addr] = await cliops.release(cluster[addr], where)
+            except RpcBufError as exc:
+                results[addr] = exc
+    return _finish(args, results, [f"{a}: released {r['released']} ({r['name']})"
+                                   for a, r in results.items() if not isinstance(r, Exception)])
+
+
+async def _get(args: argparse.Namespace) -> int:
+    """Read a buffer (or a model's tensor) from the node that holds it."""
+    out = cliops.get_target(args.buffer, args.out, args.force, args.tensor)  # before connecting
+    async with _cluster(args) as cluster:
+        found, errors = await locate.find(cluster, args.buffer, args.tensor)
+        results: dict[str, Any] = dict(errors)
+        if found:
+            addr, where = locate.one(args.buffer, found)  # BAD_REQUEST: on several nodes
+            try:
+                results[addr] = await cliops.get(cluster[addr], where, out,
+                                                 progress=not args.json)
+            except RpcBufError as exc:
+                results[addr] = exc
+    return _finish(args, results, [
+        f"{a}: wrote {r['out']}: {r['dtype']} {tuple(r['shape'])} from {r['name']}"
+        + (f" ({r['tensor']})" if args.tensor else "")
+        for a, r in results.items() if not isinstance(r, Exception)])
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    """The benchmark on each node in turn (one at a time: they would share
+    this host's links and cores), a table with a row per node and size."""
+    async with _cluster(args) as cluster:
+        results: dict[str, Any] = dict(cluster.errors)
+        for addr in cluster.endpoints:
+            try:
+                results[addr] = await cliops.bench(cluster[addr], args.sizes, args.duration)
+            except RpcBufError as exc:
+                results[addr] = exc
+    if args.json:
+        _print_json(results)
+    else:
+        tables.console(args.wide).print(cliops.bench_table(results, args.wide))
+        _print_errors(results)
+    return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
+
+
+async def _put(args: argparse.Namespace) -> int:
+    """Store a .npy file in a new buffer on the first endpoint (said on
+    stderr when there are several; ``--endpoint`` picks the node)."""
     from control.client.context import connect
 
-    arr = None
-    name = None
-    if args.cmd == "get":  # refuse to overwrite before connecting
-        args.out = cliops.get_target(args.buffer, args.out, args.force)
-    if args.cmd == "put":
-        arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
-        name = cliops.default_name(args.file, args.name, args.ttl)
+    arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
+    name = cliops.default_name(args.file, args.name, args.ttl)
+    endpoints = _endpoints(args)
+    addr = _one_endpoint(args)
     try:
-        async with connect(_one_endpoint(args), _token(args), timeout=args.timeout,
+        async with connect(addr, _token(args), timeout=args.timeout,
                            **fleet.dial_kw(args)) as ctx:
-            if args.cmd == "put":
-                assert arr is not None
-                result: Any = await cliops.put(ctx, arr, name, args.ttl)
-                text = result["buffer_id"]
-            elif args.cmd == "get":
-                result = await cliops.get(ctx, args.buffer, args.out, progress=not args.json)
-                text = (f"wrote {result['out']}: {result['dtype']} {tuple(result['shape'])} "
-                        f"from {result['buffer_id']}")
-            else:
-                result = await cliops.bench(ctx, args.sizes, args.duration)
-                text = ""
+            result = {**await cliops.put(ctx, arr, name, args.ttl), "endpoint": addr}
     except RpcBufError as exc:
-        return report(_endpoints(args)[0], exc, args.json)
+        return report(addr, exc, args.json)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
-    elif args.cmd == "bench":
-        tables.console(args.wide).print(cliops.bench_table(result, args.wide))
-    else:
-        print(text)
+        return EXIT_OK
+    print(result["buffer_id"])
+    if len(endpoints) > 1:
+        print(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
+              "(--endpoint picks the node)", file=sys.stderr)
     return EXIT_OK
 
 
+def _chosen(parser: argparse.ArgumentParser,
+            args: argparse.Namespace) -> tuple[argparse.ArgumentParser, bool]:
+    """The innermost (sub)command parser ``args`` went through, and whether
+    it wants a subcommand that was not given.  argparse has no public way
+    to this: its subparser actions are walked (``choices`` maps each name to
+    its parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name is None:
+                return parser, True
+            return _chosen(action.choices[name], args)
+    return parser, False
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, or exit 2: a flag no command knows gets the usage
+    of the command it was given to (argparse hands it up to ``rpcbuf``'s),
+    and a command without its subcommand prints its help."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    chosen, incomplete = _chosen(parser, args)
+    if extra:
+        chosen.error(f"unrecognized arguments: {' '.join(extra)}")
+    if incomplete:
+        chosen.print_help(sys.stderr)
+        sys.exit(EXIT_USAGE)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         if args.cmd == "token":
-            keys = load_keys(args.secret_file, kid=args.kid or DEFAULT_KID)
+            keys = _keys(args.secret_file, args.create, args.kid or DEFAULT_KID)
             print(create_token(keys, args.tenant, args.ttl, kid=args.kid,
                                clusters=args.cluster, nodes=args.node))
             return 0
@@ -294,10 +419,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_load_command(args, _target(args), _token(args))
         if args.cmd == "hash":
             return run_hash_command(args)
-        if args.cmd in ("status", "ls", "release"):
+        if args.cmd in ("status", "ls"):
             return _node_command(args)
-        if args.cmd in ("put", "get", "bench"):
-            return asyncio.run(_one_node(args))
+        by_buffer = {"release": _release, "get": _get, "bench": _bench, "put": _put}
+        if args.cmd in by_buffer:
+            return asyncio.run(by_buffer[args.cmd](args))
     except RpcBufError as exc:  # from a step that reaches every node at once
         where = fleet.registry_url(args) or ";".join(_endpoints(args)) \
             if hasattr(args, "endpoint") else "rpcbuf"

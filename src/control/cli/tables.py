@@ -5,7 +5,8 @@ Each column says how it may give way when the terminal is narrow: an
 priority first, until the table fits; a *key* column (ids, endpoints: what a
 user copies) is never cut, nor wrapped unless it says ``wrap`` (names, which
 then continue on the next line, whole); numbers keep their width.
-``--wide`` keeps every column and lets the terminal wrap.  Widths come from
+``--wide`` keeps every column and lets the terminal wrap; a table that
+left columns out names them under it.  Widths come from
 ``$COLUMNS`` or the terminal (80 when neither is known).
 """
 
@@ -54,7 +55,11 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
             if total(keep) <= columns:
                 break
             keep.remove(i)
-    table = Table(title=title, expand=False)
+    # A column left out says so, so that its absence never reads as "none"
+    # (a buffer with a lease looked permanent without its "ttl left").
+    dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
+    caption = f"not shown at this width: {', '.join(dropped)} (--wide)" if dropped else None
+    table = Table(title=title, caption=caption, expand=False)
     for i in keep:
         c = cols[i]
         table.add_column(c.name, justify="right" if c.right else "left",

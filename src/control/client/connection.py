@@ -56,6 +56,7 @@ class ControlConnection(asyncio.Protocol):
         self._ids = itertools.count(1)
         self._lost: RpcBufError | None = None
         self._lost_fut: asyncio.Future[None] | None = None
+        self.heard = False  # any byte from the peer yet (a silent peer is not rpcbufd)
 
     @property
     def lost(self) -> RpcBufError | None:
@@ -88,7 +89,8 @@ class ControlConnection(asyncio.Protocol):
         err = self._lost if self._lost is not None else ConnectionLost("connection closed")
         if isinstance(err, (TokenExpired, AuthFailed)):
             return type(err)(err.message, err.details)
-        return ConnectionLost(err.message, {"cause": err.code})
+        reason = {"reason": err.details["reason"]} if "reason" in err.details else {}
+        return ConnectionLost(err.message, {"cause": err.code, **reason})
 
     def submit(self, req_id: int, req: P.Request) -> asyncio.Future[dict[str, Any]]:
         """Send one request; the future resolves with the answer message."""
@@ -112,6 +114,14 @@ class ControlConnection(asyncio.Protocol):
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.heard:
+            self.heard = True
+            if data.startswith(b"HTTP/"):  # a web server: a metrics port, a proxy
+                self._fail_all(ConnectionLost(
+                    "the peer answered in HTTP: it is a web server (an rpcbufd's --metrics "
+                    "port?), not rpcbufd's control port", {"reason": "not_rpcbufd"}))
+                self.close()
+                return
         try:
             for msg in self._decoder.feed(data):
                 self._deliver(msg)

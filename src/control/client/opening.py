@@ -53,10 +53,11 @@ from control.wire.errors import (
     RpcBufError,
     Timeout,
 )
-from control.wire.units import split_host_port
+from control.wire.units import join_host_port, split_host_port
 from dataplane import shm
 
 DEFAULT_PORT = 7700
+SILENT_PEER = 5.0  # seconds a hello may go without a byte back (see _hello)
 log = logging.getLogger("rpcbuf.client")
 
 # ``tls=``: True (the system's CAs), a CA file, an SSLContext (your own CA,
@@ -176,6 +177,7 @@ async def open_session(addr: str, token: str, timeout: float | None,
         opened = await _open(addr, timeout, token, unix=path, handles=same_host is not False)
     else:
         host, port = parse_addr(addr)
+        addr = join_host_port(host, port)  # errors name the port tried, given or not
         tls_ctx = tls_context(tls)
         if not _verifies(tls_ctx) and not is_loopback(host) \
                 and not (insecure_default() if insecure is None else insecure):
@@ -206,12 +208,23 @@ async def open_session(addr: str, token: str, timeout: float | None,
 _Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any], Handles | None]
 
 
-async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None
-                 ) -> dict[str, Any]:
+async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None,
+                 addr: str) -> dict[str, Any]:
     """Say hello (within ``timeout``).  Raises what the daemon refused it
-    with (BAD_REQUEST naming both versions, AUTH_FAILED, ...)."""
+    with (BAD_REQUEST naming both versions, AUTH_FAILED, ...), and TIMEOUT
+    (``reason: silent_peer``) after ``SILENT_PEER`` seconds without a byte
+    back: rpcbufd answers a hello in milliseconds, while a UCX listener (a
+    daemon's --ucx-port) takes the connection and says nothing, so a user
+    who gave the wrong port hears so at once, not after the whole timeout."""
     fut = conn.submit(conn.next_id(), req)
     async with asyncio.timeout(timeout):
+        if timeout is None or timeout > SILENT_PEER:
+            await asyncio.wait([fut], timeout=SILENT_PEER)
+            if not fut.done() and not conn.heard:
+                fut.cancel()
+                raise Timeout(f"took the connection but said nothing to the hello in "
+                              f"{SILENT_PEER:g} s (rpcbufd answers at once)",
+                              {"reason": "silent_peer", "addr": addr})
         return result_of(await fut)
 
 
@@ -248,7 +261,7 @@ async def _open(addr: str, timeout: float | None, token: str, *,
     hello = P.Hello(token=token, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
                     handles=True if handles and unix is not None else None, replaces=replaces)
     try:
-        answer = await _hello(conn, hello, timeout)
+        answer = await _hello(conn, hello, timeout, addr)
         parsed = parse_hello(answer, unix=unix is not None)
         channel = None
         if unix is not None and parsed.handles_nonce is not None:

@@ -63,6 +63,18 @@ NOT_IN_FILE = {"help", "config", "quota", "default_quota"}
 RELOADABLE = ("quota", "default_quota", "log_level")
 
 
+def setting(args: argparse.Namespace, dest: str, flag: str, shown: str) -> str:
+    """How an error names a setting and its value (``shown``): ``--flag
+    VALUE``, or, where the value came from the ``--config`` file, ``key =
+    "VALUE" (in FILE)``: the user of an unmodified example file has no
+    ``--audit-log`` to look for."""
+    if dest not in getattr(args, "from_file", ()) or dest in getattr(args, "command_line", {}):
+        return f"{flag} {shown}"
+    key = next((f"{s}.{k}" for (s, k), d in SECTIONED.items() if d == dest), None)
+    key = key or next((k for k, d in ALIASES.items() if d == dest), dest)
+    return f'{key} = "{shown}" (in {args.config})'
+
+
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and key."""
 

@@ -29,7 +29,7 @@ from control.daemon.diskcache import DiskCache
 from control.daemon.modeldirs import ModelFiles
 from control.daemon.registry import Pool, Quota, Registry
 from control.daemon.sdnotify import Notifier
-from control.daemon.server import Daemon, Limits
+from control.daemon.server import Daemon, Limits, binding
 from control.fleet.etcd import Etcd, EtcdOptions
 from control.wire.auth import load_keys
 from control.wire.membership import (
@@ -40,7 +40,8 @@ from control.wire.membership import (
     check_node_id,
     parse_registry,
 )
-from control.wire.units import parse_duration, parse_size, split_host_port
+from control.wire.units import format_size, parse_duration, parse_size, split_host_port
+from control.wire.version import describe
 from dataplane import progress, sockets, ucx, ucxlib
 from dataplane.allocators import ALLOCATORS
 from dataplane.arena import HostArena
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: rpcbufd --listen 127.0.0.1:7700 --ucx-port 7701 --device cpu:1GiB "
                "--secret-file /etc/rpcbuf/secret",
     )
+    p.add_argument("--version", action="version", version=describe("rpcbufd"))
     p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
                    help="control address HOST:PORT "
                    "(port 0 picks a free one) [127.0.0.1:7700]")
@@ -174,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-quota", type=_quota, metavar="*:BYTES:N",
                    help="quota for tenants without their own --quota")
     p.add_argument("--max-frame", type=parse_size, default=Limits.max_frame,
-                   help="largest control frame accepted [%(default)s]")
+                   help=f"largest control frame accepted [{format_size(Limits.max_frame)}]")
     p.add_argument("--max-inflight", type=_positive_int, default=Limits.max_inflight,
                    help="requests one client may have in flight [%(default)s]")
     p.add_argument("--max-sessions", type=_positive_int, default=Limits.max_sessions,
@@ -207,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", type=_node_id, default=None,
                    help="this daemon's name in hello, stats and the registry; unique in its "
                         "cluster [this host's name and the --listen port: HOST:PORT]")
-    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening")
+    p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening; "
+                   "removed when the daemon exits (and at start, if a killed one left it)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -394,7 +397,49 @@ def raise_fd_limit() -> None:
             log.debug("open files: %d -> %d", soft, hard)
 
 
-async def serve(args: argparse.Namespace) -> int:
+class ReadyFile:
+    """``--ready-file``: it exists exactly while this daemon listens.  A
+    file left by a daemon that was killed goes before anything else (a
+    poller must not take it for this daemon's), the line is written once
+    both listeners are up, and goes again when the daemon exits, however
+    it exits, unless another daemon has written its own there since."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.line: str | None = None
+
+    def clear(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+
+    def write(self, line: str) -> None:
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(line)
+            os.replace(tmp, self.path)  # atomic: a poller never sees half a line
+        except OSError as exc:
+            raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+        self.line = line
+
+    def remove(self) -> None:
+        if not self.path or self.line is None:
+            return
+        with contextlib.suppress(OSError):
+            with open(self.path) as f:
+                if f.read() != self.line:
+                    return  # another daemon's now
+            os.unlink(self.path)
+
+
+async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     notifier = Notifier()
     notifier.notify(STATUS="starting")
     tls = _tls(args)
@@ -432,11 +477,9 @@ async def serve(args: argparse.Namespace) -> int:
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
     if args.metrics:
-        try:
+        mhost, mport = args.metrics
+        with binding(config.setting(args, "metrics", "--metrics", f"{mhost}:{mport}"), mport):
             mhost, mport = await daemon.metrics.serve(*args.metrics)
-        except OSError as exc:
-            raise OSError(f"--metrics {args.metrics[0]}:{args.metrics[1]}: "
-                          f"{exc.strerror or exc}") from None
         log.info("metrics at http://%s:%d/metrics", mhost, mport)
     host, port = args.listen
     local = None if args.local_socket == "none" else args.local_socket
@@ -449,11 +492,7 @@ async def serve(args: argparse.Namespace) -> int:
     # of 700 ran collections in the middle of it, 15-20 ms each, measured).
     gc.freeze()
     gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
-    if args.ready_file:
-        tmp = f"{args.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
-        os.replace(tmp, args.ready_file)  # atomic: a poller never sees half a line
+    ready.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
     announcer = _announcer(args, daemon)
     if announcer is not None:
         announcer.start()  # its own task: serving never waits for etcd
@@ -465,6 +504,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     await stop.wait()
+    ready.remove()  # before the listeners close: it never names a port that is gone
     notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
     if announcer is not None:
         await announcer.stop()  # clients stop choosing this node before it drains
@@ -484,15 +524,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         logs.setup(args.log_level, args.log_format, args.audit_log)
     except OSError as exc:
-        print(f"rpcbufd: --audit-log {args.audit_log}: {exc.strerror or exc}", file=sys.stderr)
+        named = config.setting(args, "audit_log", "--audit-log", args.audit_log)
+        print(f"rpcbufd: {named}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     import uvloop
 
+    ready = ReadyFile(args.ready_file)
     try:
-        return uvloop.run(serve(args))
+        ready.clear()
+        return uvloop.run(serve(args, ready))
     except (OSError, ValueError, ucx.UnusableUCX) as exc:
         print(f"rpcbufd: {exc}", file=sys.stderr)
         return 2
+    finally:
+        ready.remove()
 
 
 if __name__ == "__main__":

@@ -126,11 +126,19 @@ class Metrics:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(10):
-                head = await reader.readuntil(b"\r\n\r\n")
+                # A request line starts with a method in capitals: anything
+                # else (an rpcbuf client given this port for --listen's)
+                # gets its 400 at once, not after ten seconds of waiting
+                # for a blank line that never comes.
+                first = await reader.readexactly(1)
+                head = first if not first.isupper() else first + await reader.readuntil(
+                    b"\r\n\r\n")
             parts = head.split(b"\r\n", 1)[0].split()
             method = parts[0] if parts else b""
             path = parts[1].split(b"?", 1)[0] if len(parts) > 1 else b""
-            if method not in (b"GET", b"HEAD"):
+            if not first.isupper():
+                status, ctype, body = "400 Bad Request", "text/plain", b"HTTP only\n"
+            elif method not in (b"GET", b"HEAD"):
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif path != b"/metrics":
                 status, ctype, body = "404 Not Found", "text/plain", b"see /metrics\n"

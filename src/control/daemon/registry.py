@@ -35,6 +35,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +49,14 @@ from control.wire.errors import (
     RpcBufError,
     UnsupportedDevice,
 )
+from control.wire.units import format_size
 from dataplane.cuda_vmm import CudaError
 
 __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
            "Waiter"]  # the registry's vocabulary, defined in buffers.py and waiters.py
 
 log = logging.getLogger("rpcbuf.daemon")
+LAPSED_MAX = 4096  # lapsed leases remembered (ids and names), for NOT_FOUND's words
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
 
 
@@ -80,6 +83,9 @@ class Registry:
         self._pool_keys: dict[tuple[str, int], Pool] = {}  # (device_type, device) -> pool
         self.expired_total = 0
         self._expired_by: dict[str, int] = {}
+        # (tenant, id) and (tenant, "=" + name) of buffers whose lease ran out
+        # -> when: a NOT_FOUND for one says so.  The newest LAPSED_MAX only.
+        self._lapsed: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     # -- lookup ---------------------------------------------------------------
 
@@ -101,15 +107,34 @@ class Registry:
     def get(self, tenant: str, buffer_id: str) -> Buffer:
         buf = self._buffers.get(buffer_id)
         if buf is None or buf.tenant != tenant:
-            # Same answer for "never existed" and "someone else's": no hint leaks.
-            raise NotFound(f"no buffer {buffer_id!r}")
+            # Same answer for "never existed" and "someone else's": no hint
+            # leaks (a lapsed lease is told only to the tenant it was of).
+            raise self._not_found(tenant, buffer_id, f"no buffer {buffer_id!r}")
         return buf
 
     def by_name(self, tenant: str, name: str) -> Buffer:
         bid = self._names.get((tenant, name))
         if bid is None:
-            raise NotFound(f"no buffer named {name!r}")
+            raise self._not_found(tenant, "=" + name, f"no buffer named {name!r}")
         return self._buffers[bid]
+
+    def _not_found(self, tenant: str, key: str, message: str) -> NotFound:
+        when = self._lapsed.get((tenant, key))
+        if when is None:
+            return NotFound(message)
+        ago = max(0.0, self.clock() - when)
+        return NotFound(f"{message}: its lease ran out {ago:.0f} s ago and it was released",
+                        {"reason": "lease_expired", "expired_at": when})
+
+    def _note_lapsed(self, buf: Buffer, when: float) -> None:
+        keys = [(buf.tenant, buf.buffer_id)]
+        if buf.name is not None:
+            keys.append((buf.tenant, "=" + buf.name))
+        for key in keys:
+            self._lapsed[key] = when
+            self._lapsed.move_to_end(key)
+        while len(self._lapsed) > LAPSED_MAX:
+            self._lapsed.popitem(last=False)
 
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
@@ -130,8 +155,8 @@ class Registry:
         used = self._tenant_bytes.get((tenant, pool.key), 0) + extra
         if q.bytes_per_device is not None and used + alloc > q.bytes_per_device:
             raise QuotaExceeded(
-                f"tenant {tenant!r} would hold {used + alloc} bytes on {pool.key}, "
-                f"quota is {q.bytes_per_device}",
+                f"tenant {tenant!r} would hold {format_size(used + alloc)} on {pool.key}, "
+                f"quota is {format_size(q.bytes_per_device)}",
                 {"requested": alloc, "used": used, "quota": q.bytes_per_device},
             )
         count = self._tenant_count.get(tenant, 0)
@@ -147,8 +172,8 @@ class Registry:
             raise BadRequest("size must be positive")
         if size > pool.allocator.max_size:
             raise OutOfMemory(
-                f"{size} bytes can never fit on {pool.key} (largest possible buffer: "
-                f"{pool.allocator.max_size} bytes)",
+                f"{format_size(size)} can never fit on {pool.key} (largest possible buffer: "
+                f"{format_size(pool.allocator.max_size)})",
                 self._oom_details(pool, size),
             )
         if name is not None and (tenant, name) in self._names:
@@ -215,7 +240,7 @@ class Registry:
                 log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
                             alloc_size, exc)
                 why = getattr(exc, "strerror", None) or exc
-                raise OutOfMemory(f"cannot back {alloc_size} bytes on {pool.key}: {why}",
+                raise OutOfMemory(f"cannot back {format_size(alloc_size)} on {pool.key}: {why}",
                                   {**self._oom_details(pool, size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
@@ -292,7 +317,7 @@ class Registry:
         return len(queues.by_tenant.get(tenant, ()))
 
     def out_of_memory(self, pool: Pool, size: int) -> OutOfMemory:
-        return OutOfMemory(f"no {size}-byte block free on {pool.key}",
+        return OutOfMemory(f"no block of {format_size(size)} free on {pool.key}",
                            self._oom_details(pool, size))
 
     def _grant(self, pool: Pool) -> None:
@@ -342,6 +367,7 @@ class Registry:
             del self._buffers[buf.buffer_id]
         if buf.name is not None and self._names.get((buf.tenant, buf.name)) == buf.buffer_id:
             del self._names[(buf.tenant, buf.name)]
+            self._lapsed.pop((buf.tenant, "=" + buf.name), None)  # an older one's lease
         if buf.expires_at is not None:
             self._leased -= 1
         if buf.pins == 0:
@@ -473,6 +499,7 @@ class Registry:
             _, _, bid = heapq.heappop(self._expiries)
             buf = self._buffers[bid]
             self.release(buf)
+            self._note_lapsed(buf, when)
             self.expired_total += 1
             self._expired_by[buf.tenant] = self._expired_by.get(buf.tenant, 0) + 1
             out.append(buf)

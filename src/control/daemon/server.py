@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -29,6 +30,7 @@ import socket
 import ssl
 import stat
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -62,6 +64,24 @@ from dataplane.ucx import (
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")
+
+
+@contextlib.contextmanager
+def binding(named: str, port: int | None = None) -> Iterator[None]:
+    """A listener that cannot bind (``named``: the setting as the user gave
+    it, ``--listen 0.0.0.0:7700``) says which it is and what to do about a
+    port (or socket name) another program holds (an OSError: exit 2)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise OSError(f"{named}: {exc.strerror or exc}") from None
+        if port is None:
+            raise OSError(f"{named}: the socket is in use (another rpcbufd still running?): "
+                          "stop it, or name another socket") from None
+        raise OSError(f"{named}: port {port} is already in use (another rpcbufd still "
+                      f"running? `ss -ltnp 'sport = :{port}'` names the program): stop it, or "
+                      "choose another port (0 picks a free one)") from None
 
 
 class Daemon:
@@ -123,14 +143,16 @@ class Daemon:
                     tls: ssl.SSLContext | None = None, local_socket: str | None = "auto") -> None:
         """``local_socket``: "auto" (an abstract Unix socket named after our
         pid), None (no same-host path), "@name" (abstract) or a path."""
-        self._listener = DataListener(self._on_endpoint, port=ucx_port)
+        with binding(f"--ucx-port {ucx_port}", ucx_port):
+            self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
         self.janitor = Janitor(self.limits.hello_timeout, self.limits.transfer_timeout,
                                self._claimable, self._dropped)
         await self.janitor.start()
-        self._server = await serve_tcp(
-            self._on_connection, host, port, READ_CHUNK, tls,
-            self.limits.hello_timeout if tls else None)
+        with binding(f"--listen {host}:{port}", port):
+            self._server = await serve_tcp(
+                self._on_connection, host, port, READ_CHUNK, tls,
+                self.limits.hello_timeout if tls else None)
         self.address = self._server.sockets[0].getsockname()[:2]
         if not self.node_id:  # before the first await: no hello goes out without it
             self.node_id = default_node_id(self.address[1])
@@ -151,7 +173,8 @@ class Daemon:
             _unlink_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:  # bound here: uvloop refuses abstract names (EINVAL)
-            sock.bind(path)
+            with binding(f"--local-socket {name}"):
+                sock.bind(path)
         except BaseException:
             sock.close()
             raise

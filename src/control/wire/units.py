@@ -46,6 +46,11 @@ def format_size(n: float) -> str:
     return f"{n} B"
 
 
+def join_host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` (``[V6]:PORT``), as errors and tables show an address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
     """'h:p' -> (h, p); 'h' -> (h, default_port); ':p' or '' -> 127.0.0.1.
     Raises ValueError for a port that is not a number."""

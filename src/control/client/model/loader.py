@@ -144,18 +144,12 @@ class _Progress:
         self._tasks: dict[str, Any] = {}
         if show and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(),
-                                 console=Console(stderr=True))
+            from control.client.progress import byte_columns
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), *byte_columns(),
+                                 TimeRemainingColumn(), console=Console(stderr=True))
             for addr, total in totals.items():
                 self._tasks[addr] = self._bar.add_task(addr, total=total)
             self._bar.start()

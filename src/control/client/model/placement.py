@@ -35,6 +35,7 @@ from typing import Any
 
 from control.client.tensors import ALIGN
 from control.wire.errors import BadRequest
+from control.wire.units import format_size
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk|h|blocks|block|layer)\.(\d+)\.")
 _EPILOG = re.compile(r"norm|output|lm_head|ln_f", re.IGNORECASE)
@@ -236,7 +237,8 @@ def _fit_error(plans: Sequence[SlotPlan]) -> None:
     first = detail[0]
     raise BadRequest(
         f"slot {first['slot']} ({first['endpoint']} {first['device']}) cannot hold its share: "
-        f"it needs {first['needs']} bytes, its largest free block is {first['largest_free']}; "
+        f"it needs {format_size(over[0].nbytes)}, its largest free block is "
+        f"{format_size(over[0].slot.largest_free)}; "
         "give it fewer layers (or move the prolog/epilog), free memory there, or leave "
         "--placement out to split by free memory", {"slots": detail})
 
@@ -308,10 +310,13 @@ def plan_auto(groups: Groups, slots: Sequence[Slot]) -> Placement:
         if packed is None:
             total = groups.bytes_of(groups.sizes)
             caps = {f"{s.slot}:{s.endpoint} {s.key}": s.capacity for s in usable}
+            # --placement chooses a split: no help with one device to split over.
+            more = "add nodes" if len(usable) == 1 else \
+                "add nodes, or pass --placement to choose the split"
             raise BadRequest(
-                f"the model ({total} bytes in aligned tensors) does not fit the cluster's free "
-                "memory: free memory, add nodes, or pass --placement to choose the split",
-                {"model_bytes": total, "capacity": caps})
+                f"the model ({format_size(total)} in aligned tensors) does not fit the "
+                f"cluster's free memory ({format_size(sum(caps.values()))}): free memory, "
+                f"{more}", {"model_bytes": total, "capacity": caps})
         plans = _plans_for_counts(groups, usable, packed)
     spec = [Entry(p.slot.slot, p.prolog, p.epilog,
                   (p.layers[1] - p.layers[0]) or None) for p in plans]
