@@ -218,6 +218,7 @@ def _print_json(results: dict[str, Any]) -> None:
 def _node_command(args: argparse.Namespace) -> int:
     """status / ls / release on every endpoint: exit 1 if any node failed."""
     fns = {"status": cliops.status, "ls": cliops.ls,
+           "blocks": lambda c: cliops.blocks(c, args.keys, args.prefix, args.limit),
            "release": lambda c: cliops.release(c, args.buffer)}
     results = asyncio.run(_per_node(args, fns[args.cmd]))
     failed = any(isinstance(r, RpcBufError) for r in results.values())
@@ -229,8 +230,12 @@ def _node_command(args: argparse.Namespace) -> int:
                 print(f"{addr}: released {res['released']}")
     else:
         console = tables.console(args.wide)
-        made = cliops.status_tables(results, args.wide) if args.cmd == "status" \
-            else [cliops.ls_table(results, args.wide)]
+        if args.cmd == "status":
+            made = cliops.status_tables(results, args.wide)
+        elif args.cmd == "blocks":
+            made = cliops.blocks_tables(results, args.wide)
+        else:
+            made = [cliops.ls_table(results, args.wide)]
         for table in made:
             if table.row_count:
                 console.print(table)
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_load_command(args, _target(args), _token(args))
         if args.cmd == "hash":
             return run_hash_command(args)
-        if args.cmd in ("status", "ls", "release"):
+        if args.cmd in ("status", "ls", "blocks", "release"):
             return _node_command(args)
         if args.cmd in ("put", "get", "bench"):
             return asyncio.run(_one_node(args))

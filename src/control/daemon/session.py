@@ -47,6 +47,7 @@ from typing import Any
 
 from control.daemon import hello, logs
 from control.daemon.attachops import AttachOps
+from control.daemon.blockops import BlockOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
@@ -80,7 +81,7 @@ END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the cli
 
 def _carries_payload(req: P.Request) -> bool:
     """Whether ``req`` comes with UCX messages of its own (a network store)."""
-    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore)) and \
+    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore, P.BlockPut)) and \
         getattr(req, "stage", None) is None and getattr(req, "data", None) is None
 
 
@@ -136,6 +137,7 @@ class Session:
         files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
+        blocks = BlockOps(self, pipeline, daemon.blocks)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
         # answer inline; ops that may wait (memory, locks, transfers) are tasks,
         # unless their ``now`` (below) can serve them without waiting.
@@ -160,6 +162,11 @@ class Session:
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
             P.LoadFile: (files.load_file, True),
+            P.BlockPut: (blocks.put, True),
+            P.BlockGet: (blocks.get, True),
+            P.BlockLookup: (blocks.lookup, False),
+            P.BlockRemove: (blocks.remove, False),
+            P.BlockList: (blocks.list, False),
         }
         # Task ops that may be served at once: the answer, or None (nothing
         # done: spawn the task).  A small same-host store or read, or one

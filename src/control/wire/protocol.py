@@ -87,6 +87,12 @@ SourceType = Annotated[str, "source_type"]
 # A relative or absolute file path: printable, at most MAX_PATH characters,
 # no empty, "." or ".." component (the daemon confines it to its --model-dir).
 FilePath = Annotated[str, "file_path"]
+# The keys of one block request (``block_*``): 1 to MAX_BLOCK_KEYS printable
+# strings of 1 to MAX_BLOCK_KEY characters each (a tenant's keys are its own:
+# the daemon namespaces them per tenant).
+BlockKeys = Annotated[list[str], "block_keys"]
+MAX_BLOCK_KEYS = 4096  # keys in one block request (a batch of LMCache chunks is 256)
+MAX_BLOCK_KEY = 512  # characters of one block key (LMCache's are about 100)
 
 
 # -- requests -----------------------------------------------------------------
@@ -118,6 +124,11 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
                 or not _ID_CHARS.issuperset(value):
             raise BadRequest(f"{op}: {name} is not a buffer id ([A-Za-z0-9_-], at most "
                              f"{MAX_ID} characters)")
+        return value
+    if tp == BlockKeys:
+        if not block_keys_ok(value):
+            raise BadRequest(f"{op}: {name} must be a list of 1 to {MAX_BLOCK_KEYS} printable "
+                             f"strings of 1 to {MAX_BLOCK_KEY} characters")
         return value
     if tp == SourceType:
         if not source_type_ok(value):
@@ -205,6 +216,17 @@ def shape_ok(v: Any) -> bool:
             return False
         n = min(n * d, MAX_INT + 1)  # capped: the numbers stay small whatever comes
     return n <= MAX_INT
+
+
+def block_keys_ok(v: Any) -> bool:
+    """Block keys: a list of 1 to MAX_BLOCK_KEYS printable strings of 1 to
+    MAX_BLOCK_KEY characters (checked in C calls: a batch is thousands)."""
+    if type(v) is not list or not 0 < len(v) <= MAX_BLOCK_KEYS:
+        return False
+    if not all(type(k) is str for k in v):
+        return False
+    return min(map(len, v)) > 0 and max(map(len, v)) <= MAX_BLOCK_KEY and \
+        "".join(v).isprintable()
 
 
 def source_type_ok(v: Any) -> bool:
@@ -576,6 +598,68 @@ class Renew(Request):
 
 
 @dataclass(frozen=True)
+class BlockPut(Request):
+    """Keyed blocks, written two-phase (``daemon/blockops.py``): each key gets
+    a new block of ``sizes[i]`` bytes, its bytes follow as a batch does (one
+    UCX message per block, tag ``run_tag(id, i)``; or the staging slot
+    ``stage``, back to back in key order), and once all landed and match
+    ``checksums`` (xxh3-64, required) the blocks replace what the keys named,
+    all at once.  Until then no reader sees them.  ``metas``: a small opaque
+    blob per block (at most MAX_STR bytes), given back by ``block_lookup``;
+    ``ttl``: seconds each block lives (None: until evicted or removed)."""
+
+    op: ClassVar[str] = "block_put"
+    keys: BlockKeys
+    sizes: U64Array
+    checksums: U64Array
+    metas: list[bytes] | None = None
+    ttl: float | None = None
+    device_type: str = "CPU"
+    device: int = 0
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockGet(Request):
+    """The bytes of blocks, each ``sizes[i]`` long as the reader expects
+    (one UCX message per block, or the staging slot ``stage`` back to back).
+    All or nothing: a key that is missing (or of another size) is NOT_FOUND
+    naming them (``details.missing``, ``details.sizes``), and nothing moves."""
+
+    op: ClassVar[str] = "block_get"
+    keys: BlockKeys
+    sizes: U64Array
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockLookup(Request):
+    """Which keys name a block, with their sizes (and ``metas`` when asked)."""
+
+    op: ClassVar[str] = "block_lookup"
+    keys: BlockKeys
+    meta: bool | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemove(Request):
+    op: ClassVar[str] = "block_remove"
+    keys: BlockKeys
+
+
+@dataclass(frozen=True)
+class BlockList(Request):
+    """The tenant's keys in order, at most ``limit`` (<= MAX_BLOCK_KEYS) after
+    ``start_after``, those starting with ``prefix``; ``more`` says whether
+    others follow."""
+
+    op: ClassVar[str] = "block_list"
+    prefix: str | None = None
+    start_after: str | None = None
+    limit: int = 1000
+
+
+@dataclass(frozen=True)
 class ListDevices(Request):
     op: ClassVar[str] = "list_devices"
 
@@ -601,7 +685,7 @@ OPS: dict[str, type[Request]] = {
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
-        LoadFile,
+        LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList,
     )
 }
 
