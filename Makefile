@@ -72,6 +72,17 @@ test-integrations: $(LMC_STAMP)  ## rpcbuf as LMCache's remote backend, driven b
 	PYTHONHASHSEED=0 PYTHONPATH=src $(LMC)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/integrations
 
+# rpcbuf as LMCache's remote tier beside LMCache's local CPU backend and its Redis
+# connector against Debian's redis-server (installed here when root, named
+# otherwise; the benchmark starts it on loopback), in the LMCache venv.
+bench-kv: $(LMC_STAMP)  ## KV chunks through LMCache's connectors: rpcbuf, redis, local CPU; writes bench_kv.json
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "bench-kv: apt-get install -y redis-server"; \
+		apt-get install -y -q redis-server >/dev/null || echo "bench-kv: apt-get failed: redis is not measured"; \
+	else echo "bench-kv: redis-server is not installed and this is not root: redis is not measured" \
+		"(sudo apt-get install -y redis-server)"; fi
+	PYTHONHASHSEED=0 $(LMC)/bin/python scripts/bench_kv.py --json bench_kv.json
+
 # As root: rpcbufd as a systemd service. Creates the rpcbuf system user and
 # /var/lib/rpcbuf, /var/log/rpcbuf if missing, a venv in $(PREFIX), the unit in
 # $(UNITDIR), /etc/rpcbuf/rpcbufd.toml (an existing one is kept) and the node
