@@ -209,22 +209,44 @@ class RpcbufConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        found = await self._lookup(keys, meta=True)
+        """Full chunks in one round trip: read straight into full-chunk
+        objects (what nearly every stored chunk is); the keys that were not
+        there as full chunks (missing, or an unfull last chunk) are looked up
+        with their metadata and read in a second round trip."""
+        objs = await self._get_full(keys)
+        rest = [i for i, o in enumerate(objs) if o is None]
+        if rest:
+            more = await self._get_described([keys[i] for i in rest])
+            for i, obj in zip(rest, more, strict=True):
+                objs[i] = obj
+        return objs
+
+    async def _get_full(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        ctx = await self._context()
         objs: list[MemoryObj | None] = [None] * len(keys)
-        for i, info in enumerate(found):
-            if info is not None:
-                objs[i] = self._allocate(info)
+        if ctx is None:
+            return objs
+        for i in range(len(keys)):
+            objs[i] = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
+                                                      self.meta_fmt)
         want = [i for i, o in enumerate(objs) if o is not None]
-        ctx = self._ctx
+        return await self._read(ctx, keys, objs, want)
+
+    async def _read(self, ctx: rpcbuf.RpcContext, keys: Sequence[CacheEngineKey],
+                    objs: list[MemoryObj | None], want: list[int],
+                    lengths: list[int] | None = None) -> list[MemoryObj | None]:
+        """``get_blocks`` of ``keys[i]`` into ``objs[i]`` for each i in
+        ``want`` (``lengths[i]`` bytes of it, else all); the objects of keys
+        that were not read are released (None)."""
         try:
-            if want and ctx is not None:
-                for part in _batches(want, lambda i: _nbytes(objs[i])):
-                    hits = await ctx.get_blocks([keys[i].to_string() for i in part],
-                                                [_view(objs[i]) for i in part])
-                    for i, hit in zip(part, hits, strict=True):
-                        if not hit:  # evicted since the look-up
-                            _release(objs[i])
-                            objs[i] = None
+            for part in _batches(want, lambda i: _nbytes(objs[i])):
+                hits = await ctx.get_blocks(
+                    [keys[i].to_string() for i in part],
+                    [_view(objs[i], None if lengths is None else lengths[i]) for i in part])
+                for i, hit in zip(part, hits, strict=True):
+                    if not hit:
+                        _release(objs[i])
+                        objs[i] = None
         except _GONE as exc:
             self._lost(exc)
             return _release_all(objs)
@@ -235,6 +257,20 @@ class RpcbufConnector(RemoteConnector):
             _release_all(objs)
             raise
         return objs
+
+    async def _get_described(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        found = await self._lookup(keys, meta=True)
+        objs: list[MemoryObj | None] = [None] * len(keys)
+        lengths = [0] * len(keys)
+        for i, info in enumerate(found):
+            if info is not None:
+                objs[i] = self._allocate(info)
+                lengths[i] = int(info["nbytes"])
+        want = [i for i, o in enumerate(objs) if o is not None]
+        ctx = self._ctx
+        if not want or ctx is None:
+            return _release_all(objs)
+        return await self._read(ctx, keys, objs, want, lengths)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True

@@ -60,14 +60,14 @@ class DenseCPUConnector(GPUConnectorInterface):
 
 def make_engine(*, layers: int = 4, heads: int = 8, head_dim: int = 128,
                 dtype: torch.dtype = torch.bfloat16, local_cpu_bytes: int = 1 << 30,
-                **remote: Any) -> tuple[LMCacheEngine, str]:
+                save_unfull_chunk: bool = False, **remote: Any) -> tuple[LMCacheEngine, str]:
     """An LMCache engine of that shape (a chunk of 256 tokens is
     layers * 2 * 256 * heads * head_dim * dtype bytes: 4 MiB for the
     defaults) and its instance id; ``remote``: the config's remote fields
     (``remote_url``, ``remote_storage_plugins``, ``extra_config``, ...)."""
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=local_cpu_bytes / (1 << 30),
-        remote_serde="naive", save_unfull_chunk=False, **remote)
+        remote_serde="naive", save_unfull_chunk=save_unfull_chunk, **remote)
     metadata = LMCacheMetadata(
         model_name="tiny", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
         kv_dtype=dtype, kv_shape=(layers, 2, CHUNK, heads, head_dim), chunk_size=CHUNK)

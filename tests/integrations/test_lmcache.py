@@ -46,10 +46,11 @@ class Engine:
     ``clear_local`` and ``retrieve`` as a serving engine uses them."""
 
     def __init__(self, extra: dict[str, Any], node: DaemonProc | None = None,
-                 tenant: str = "") -> None:
+                 tenant: str = "", **kw: Any) -> None:
         self.engine, self.instance = make_engine(remote_storage_plugins=["rpcbuf"],
-                                                 extra_config=extra)
+                                                 extra_config=extra, **kw)
         self.node, self.tenant = node, tenant
+        self.unfull = bool(kw.get("save_unfull_chunk"))
 
     @property
     def remote(self) -> Any:
@@ -64,7 +65,7 @@ class Engine:
         if not node or self.node is None:
             time.sleep(0.5)
             return
-        want = before + len(tokens) // CHUNK
+        want = before + -(-len(tokens) // CHUNK) if self.unfull else before + len(tokens) // CHUNK
         for _ in range(300):
             if asyncio.run(_blocks(self.node, self.tenant))["puts"] >= want:
                 return
@@ -119,6 +120,18 @@ def test_chunks_come_back_from_rpcbuf(node: DaemonProc, engines: list[Engine]) -
     conn = e.remote.connection
     keys = asyncio.run_coroutine_threadsafe(conn.list(), e.remote.loop).result(30)
     assert len(keys) == 4
+
+
+def test_an_unfull_last_chunk_comes_back_too(node: DaemonProc, engines: list[Engine]) -> None:
+    """A full chunk is read in one round trip; the unfull last one (another
+    size) by its metadata, in a second."""
+    e = Engine(_extra(node, node.token("lm7")), node, "lm7", save_unfull_chunk=True)
+    engines.append(e)
+    tokens, kv = torch.arange(CHUNK + CHUNK // 2) + 11, kv_tensor(CHUNK + CHUNK // 2, seed=8)
+    e.store(tokens, kv)
+    e.clear_local()
+    hit, out = e.retrieve(tokens, kv)
+    assert hit == len(tokens) and torch.equal(out, kv)
 
 
 def test_eviction_under_a_small_quota(node: DaemonProc, engines: list[Engine]) -> None:
