@@ -336,3 +336,46 @@ async def test_cli_shows_the_tier(tier: DaemonProc) -> None:
         assert "rpcbuf blocks" in table.stdout and "vllm@b" in table.stdout
         assert "50.0%" in table.stdout  # the hit rate
         await c.remove_blocks(["vllm@a", "vllm@b", "other"])
+
+
+async def test_a_same_host_hit_is_served_in_place(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    data = np.random.default_rng(9).integers(0, 255, 2 * MiB, dtype=np.uint8)
+    async with tier.connect("inplace", same_host=True) as c:
+        assert c.same_host
+        await c.put_blocks({"kv/0": data, "kv/1": data[:100]})
+        async with c.attach_block("kv/0") as view:
+            assert view.size == data.nbytes
+            np.testing.assert_array_equal(view.array(), data)  # the daemon's pages, no copy
+            assert not view.array().flags.writeable
+            # Its buffer id writes nothing: a block is reached by its key only.
+            with pytest.raises(rpcbuf.NotFound):
+                await c.store_tensor(view.buffer_id, np.ones(4, np.uint8))
+            with pytest.raises(rpcbuf.NotFound):
+                await c.release_buffer(view.buffer_id)
+            assert await c.remove_blocks(["kv/0"]) == 1  # out of the tier at once ...
+            assert await c.blocks_exist(["kv/0"]) == [False]
+            np.testing.assert_array_equal(view.array()[-16:], data[-16:])  # ... still mapped
+        with pytest.raises(rpcbuf.NotFound):
+            async with c.attach_block("kv/0"):
+                pass
+        await c.remove_blocks(["kv/1"])
+    async with tier.connect("inplace", same_host=False) as c:
+        with pytest.raises(rpcbuf.BadRequest, match="same-host"):
+            async with c.attach_block("kv/1"):
+                pass
+    assert await wait_free(tier, start) == start  # freed at the detach
+
+
+async def test_an_attached_block_is_not_evicted(tier: DaemonProc) -> None:
+    blocks = _blocks(8, 4 * MiB, 11)
+    keys = list(blocks)
+    async with tier.connect("small", same_host=True) as c:
+        await c.remove_blocks(keys)
+        await c.put_block(keys[0], blocks[keys[0]])
+        async with c.attach_block(keys[0]) as view:
+            for k in keys[1:]:
+                await c.put_block(k, blocks[k])
+            assert (await c.blocks_exist(keys[:1])) == [True]
+            np.testing.assert_array_equal(view.array(), blocks[keys[0]])
+        await c.remove_blocks(keys)

@@ -168,7 +168,7 @@ def test_every_op_round_trips() -> None:
                           [b"m", b""], 3.0, "CPU", 0, 5),
                P.BlockGet(["k"], P.pack_u64([4]), 0xFFFF),
                P.BlockLookup(["k"], True), P.BlockRemove(["a", "b"]),
-               P.BlockList("k/", "k/1", 10)]
+               P.BlockList("k/", "k/1", 10), P.BlockAttach("k/1")]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))

@@ -133,11 +133,14 @@ class Attachment:
 
 async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
                           timeout: float | None,
-                          send_detach: Callable[[str], Any]) -> Attachment:
+                          send_detach: Callable[[str], Any],
+                          req: P.Request | None = None) -> Attachment:
     """``attach`` over the control connection, its handle from the handle
     channel, checked (``check_read_only``; a GPU handle is imported read-only)
-    and mapped.  Anything wrong after the daemon said yes detaches again."""
-    req = P.Attach(buffer_id=buffer_id)
+    and mapped.  Anything wrong after the daemon said yes detaches again.
+    ``req``: another request that answers as ``attach`` does (``block_attach``:
+    the answer names the buffer id, which ``buffer_id`` then is not)."""
+    req = P.Attach(buffer_id=buffer_id) if req is None else req
     conn = caller.conn
     left = await caller.take_slot(req.op, None)
     try:
@@ -147,6 +150,12 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
     finally:
         caller.release_slot()
     nbytes, fd = await handles.fd_for(req_id, timeout)
+    if not isinstance(req, P.Attach):
+        named = meta.get("buffer_id")
+        if type(named) is not str or not named:
+            os.close(fd)
+            raise ConnectionLost("the daemon's attach answer names no buffer")
+        buffer_id = named
     detach = detacher(asyncio.get_running_loop(), send_detach)
     try:
         size, alloc = meta.get("size"), meta.get("alloc_size")

@@ -287,6 +287,25 @@ class RpcContext:
         return await open_attachment(self._caller, handles, buffer_id, self.timeout,
                                      self._detach)
 
+    def attach_block(self, key: str) -> Opening[Attachment]:
+        """A block served in place: a zero-copy, read-only view of it on this
+        node (same host only), ``async with ctx.attach_block(key) as view``;
+        ``view.array()`` is its bytes (``view.size`` of them).  While
+        attached the block is never evicted, and a remove, a replace or its
+        ttl takes it out of the tier at once but frees its
+        memory only when the view closes.  Raises NOT_FOUND (a miss),
+        BAD_REQUEST (not same-host)."""
+        return Opening(lambda: self._attach_block(key))
+
+    async def _attach_block(self, key: str) -> Attachment:
+        self._check_open()
+        handles = self._handles
+        if handles is None or not self.same_host:
+            raise BadRequest("attach_block needs the same-host path: a client on the "
+                             "daemon's host, on its Unix socket", {"reason": "not_same_host"})
+        return await open_attachment(self._caller, handles, "", self.timeout, self._detach,
+                                     P.BlockAttach(key=key))
+
     async def _detach(self, buffer_id: str) -> None:
         if self._closed or self._conn.lost is not None:
             return  # the session's end detached everything

@@ -27,6 +27,7 @@ freed when the read ends) and read under shared locks.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,10 @@ MAX_MISSING = 4096  # indices a NOT_FOUND names (a request has at most MAX_BLOCK
 class BlockOps:
     """The block ops of one session (``ops``) on the node's ``blocks``."""
 
-    def __init__(self, ops: Ops, pipeline: Pipeline, blocks: BlockStore) -> None:
+    def __init__(self, ops: Ops, pipeline: Pipeline, blocks: BlockStore,
+                 attach: Callable[[Call, Buffer], Awaitable[dict[str, Any]]]) -> None:
         self._ops, self._pipe, self._blocks = ops, pipeline, blocks
+        self._attach = attach  # AttachOps.attach_buffer: the one attach path
 
     # -- put ------------------------------------------------------------------------------
 
@@ -160,6 +163,23 @@ class BlockOps:
             sources=[(b.buf, (0, b.nbytes)) for b in blocks[1:]], nbytes=nbytes,
             counter="bytes_read", answer=answer, early=answer if path.answer_first else None,
             note=f"blocks={n}"))
+
+    # -- in place -------------------------------------------------------------------------
+
+    async def attach(self, call: Call, req: P.BlockAttach) -> dict[str, Any]:
+        """A same-host reader maps the block read-only (``attachops``): a hit
+        served in place.  NOT_FOUND for a miss (counted as one)."""
+        if not 0 < len(req.key) <= P.MAX_BLOCK_KEY:
+            raise BadRequest(f"key must be 1 to {P.MAX_BLOCK_KEY} characters")
+        tenant = self._ops.owner
+        block = self._blocks.lookup(tenant, req.key)
+        if block is None:
+            self._blocks.count(tenant, "misses", 1)
+            raise NotFound("no block of that key", {"missing": [0]})
+        call.held.keep(block.buf)  # pinned now, before the first await
+        self._blocks.count(tenant, "hits", 1)
+        answer = await self._attach(call, block.buf)
+        return {**answer, "size": block.nbytes, "meta": block.meta}
 
     # -- quick ops ------------------------------------------------------------------------
 

@@ -100,8 +100,10 @@ class Registry:
 
     def get(self, tenant: str, buffer_id: str) -> Buffer:
         buf = self._buffers.get(buffer_id)
-        if buf is None or buf.tenant != tenant:
+        if buf is None or buf.tenant != tenant or buf.block_key is not None:
             # Same answer for "never existed" and "someone else's": no hint leaks.
+            # A block is reached by its key only (blocks.py): its buffer id,
+            # which an attachment's answer names for detach, writes nothing.
             raise NotFound(f"no buffer {buffer_id!r}")
         return buf
 

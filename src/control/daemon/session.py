@@ -137,7 +137,7 @@ class Session:
         files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
-        blocks = BlockOps(self, pipeline, daemon.blocks)
+        blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
         # The one dispatch table: op -> (handler, runs as a task).  Quick ops
         # answer inline; ops that may wait (memory, locks, transfers) are tasks,
         # unless their ``now`` (below) can serve them without waiting.
@@ -167,6 +167,7 @@ class Session:
             P.BlockLookup: (blocks.lookup, False),
             P.BlockRemove: (blocks.remove, False),
             P.BlockList: (blocks.list, False),
+            P.BlockAttach: (blocks.attach, True),
         }
         # Task ops that may be served at once: the answer, or None (nothing
         # done: spawn the task).  A small same-host store or read, or one

@@ -648,6 +648,16 @@ class BlockRemove(Request):
 
 
 @dataclass(frozen=True)
+class BlockAttach(Request):
+    """A read-only handle of one block, sent on the handle channel (as
+    ``attach``); the answer names the buffer id ``detach`` takes.  The block
+    is pinned (never evicted, freed only at the last detach) meanwhile."""
+
+    op: ClassVar[str] = "block_attach"
+    key: str
+
+
+@dataclass(frozen=True)
 class BlockList(Request):
     """The tenant's keys in order, at most ``limit`` (<= MAX_BLOCK_KEYS) after
     ``start_after``, those starting with ``prefix``; ``more`` says whether
@@ -685,7 +695,7 @@ OPS: dict[str, type[Request]] = {
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
-        LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList,
+        LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
     )
 }
 
