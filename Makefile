@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench bench-peers soak clean install-service
+.PHONY: install run test lint bench bench-peers soak clean install-service \
+	integrations-venv test-integrations bench-kv
 
 install: $(STAMP)
 
@@ -48,6 +49,40 @@ bench-peers: install  ## rpcbuf beside Mooncake TE and NIXL in one run: prints a
 		"(sudo apt-get install -y libibverbs1); it is reported as not measured"; fi
 	$(BIN)/python scripts/bench_peers.py --json bench_peers.json
 
+# LMCache (with torch's CPU build) in its own venv under .integrations/ (made on
+# first use, about 1.9 GB; LMCache pins numpy<=2.2.6, so it stays out of .venv),
+# with rpcbuf and its LMCache connector (src/rpcbuf_lmcache) installed into it.
+# Never part of `make test`, whose tests/integrations skip without LMCache.
+LMC       := .integrations/lmcache
+LMC_STAMP := $(LMC)/.installed-stamp
+
+integrations-venv: $(LMC_STAMP)
+
+$(LMC_STAMP): pyproject.toml
+	test -x $(LMC)/bin/python || $(PYTHON) -m venv $(LMC)
+	$(LMC)/bin/python -m pip install --quiet --upgrade pip
+	$(LMC)/bin/python -m pip install --quiet torch==2.13.0 lmcache==0.5.6
+	$(LMC)/bin/python -m pip install --quiet -e . "pytest>=8" "pytest-asyncio>=1.0" \
+		"pytest-timeout>=2.3"
+	touch $(LMC_STAMP)
+
+# LMCache's own engine, on the CPU, storing KV chunks through rpcbuf into real
+# daemons (tests/integrations); PYTHONHASHSEED: LMCache's chunk keys hash with it.
+test-integrations: $(LMC_STAMP)  ## rpcbuf as LMCache's remote backend, driven by LMCache's engine
+	PYTHONHASHSEED=0 PYTHONPATH=src $(LMC)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/integrations
+
+# rpcbuf as LMCache's remote tier beside LMCache's local CPU backend and its Redis
+# connector against Debian's redis-server (installed here when root, named
+# otherwise; the benchmark starts it on loopback), in the LMCache venv.
+bench-kv: $(LMC_STAMP)  ## KV chunks through LMCache's connectors: rpcbuf, redis, local CPU; writes bench_kv.json
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "bench-kv: apt-get install -y redis-server"; \
+		apt-get install -y -q redis-server >/dev/null || echo "bench-kv: apt-get failed: redis is not measured"; \
+	else echo "bench-kv: redis-server is not installed and this is not root: redis is not measured" \
+		"(sudo apt-get install -y redis-server)"; fi
+	PYTHONHASHSEED=0 $(LMC)/bin/python scripts/bench_kv.py --json bench_kv.json
+
 # As root: rpcbufd as a systemd service. Creates the rpcbuf system user and
 # /var/lib/rpcbuf, /var/log/rpcbuf if missing, a venv in $(PREFIX), the unit in
 # $(UNITDIR), /etc/rpcbuf/rpcbufd.toml (an existing one is kept) and the node
@@ -76,7 +111,8 @@ install-service:
 	@echo "installed; start it with: systemctl enable --now rpcbufd"
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache \
+		.integrations
 
 .PHONY: bench-ucx
 bench-ucx: install  ## UCX knobs (progress modes, rendezvous, tcp sizes, shared memory): prints a table, writes bench_ucx.json

@@ -131,7 +131,8 @@ def test_local_problems_and_bad_flags_exit_2(cli_daemon: DaemonProc, tmp_path: P
 
 
 def test_every_command_has_help_with_an_example() -> None:
-    for cmd in ("status", "ls", "release", "put", "get", "bench", "devices", "load", "unload"):
+    for cmd in ("status", "ls", "blocks", "release", "put", "get", "bench", "devices", "load",
+                "unload"):
         res = rpcbuf(None, cmd, "--help")
         assert res.returncode == 0 and "example:" in res.stdout and "--json" in res.stdout, cmd
 

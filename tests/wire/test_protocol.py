@@ -162,11 +162,32 @@ def test_every_op_round_trips() -> None:
                P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3),
                P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
                           P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],
-                          ["<f4"], [[2]])]
+                          ["<f4"], [[2]]),
+               P.BlockPut(["k/1", "k/2"], P.pack_u64([4, 8]), P.pack_u64([1, 2]),
+                          [b"m", b""], 3.0, "CPU", 0, 5),
+               P.BlockGet(["k"], P.pack_u64([4]), 0xFFFF),
+               P.BlockLookup(["k"], True), P.BlockRemove(["a", "b"]),
+               P.BlockList("k/", "k/1", 10), P.BlockAttach("k/1")]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))
         assert P.parse_request(wire) == (i, s)
+
+
+@pytest.mark.parametrize("keys", [
+    [], "k", ["k"] * (P.MAX_BLOCK_KEYS + 1), [""], ["x" * (P.MAX_BLOCK_KEY + 1)], [b"k"],
+    ["a", 1], ["line\nbreak"], None,
+])
+def test_block_keys_are_bounded_at_parse_time(keys: object) -> None:
+    with pytest.raises(P.RequestError, match="keys") as info:
+        P.parse_request({"op": "block_lookup", "id": 4, "keys": keys})
+    assert info.value.req_id == 4
+
+
+def test_block_keys_that_parse() -> None:
+    keys = [f"model@1@0@{i:x}" for i in range(P.MAX_BLOCK_KEYS - 1)] + ["é" * P.MAX_BLOCK_KEY]
+    _, req = P.parse_request({"op": "block_remove", "id": 1, "keys": keys})
+    assert isinstance(req, P.BlockRemove) and req.keys == keys
 
 
 def test_errors_travel_by_code() -> None:

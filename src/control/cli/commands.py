@@ -1,4 +1,4 @@
-"""The operator commands of ``rpcbuf``: status, ls, release, put, get, bench.
+"""The operator commands of ``rpcbuf``: status, ls, blocks, release, put, get, bench.
 
 Each command is one async function over one connected ``RpcContext`` (per
 node for ``status``/``ls``/``bench``, the node holding the buffer for
@@ -46,6 +46,13 @@ def register_operator_commands(sub: Any,
     ls = sub.add_parser("ls", help="list this tenant's buffers",
                         epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700 --json")
     client_flags(ls)
+    bl = sub.add_parser("blocks", help="this tenant's keyed block tier: blocks, bytes, hits, "
+                        "misses, evictions (--keys lists keys)",
+                        epilog="example: rpcbuf blocks --keys --prefix vllm@ --limit 20")
+    bl.add_argument("--keys", action="store_true", help="also list the keys (sorted)")
+    bl.add_argument("--prefix", help="only keys starting with this")
+    bl.add_argument("--limit", type=int, default=100, help="keys to list, 1..4096 [100]")
+    client_flags(bl)
     rl = sub.add_parser("release", help="release a buffer by id or by name, on whichever "
                         "node holds it",
                         epilog="example: rpcbuf release b-XXXX   or   rpcbuf release weights")
@@ -105,6 +112,44 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
                     "tensors": b.get("tensor_count", 0) - b.get("reserved_count", 0),
                     "session_scoped": b.get("session_scoped", False)})
     return out
+
+
+async def blocks(ctx: RpcContext, keys: bool, prefix: str | None,
+                 limit: int) -> dict[str, Any]:
+    """The tier's figures (``stats()['blocks']``), and with ``keys`` up to
+    ``limit`` of its keys."""
+    out: dict[str, Any] = dict((await ctx.stats())["blocks"])
+    if keys or prefix is not None:
+        out["keys"], out["more"] = await ctx.list_blocks(prefix=prefix, limit=limit)
+    return out
+
+
+def blocks_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
+    """One row of figures per node; the keys listed, if asked for."""
+    rows, keys = [], []
+    for addr, st in results.items():
+        if isinstance(st, Exception):
+            continue
+        asked = st["hits"] + st["misses"]
+        rate = "-" if not asked else f"{100 * st['hits'] / asked:.1f}%"
+        rows.append([addr, str(st["blocks"]), format_size(st["bytes"]), str(st["hits"]),
+                     str(st["misses"]), rate, str(st["puts"]), str(st["evictions"]),
+                     str(st["expired"]), str(st["removed"])])
+        keys += [[addr, k] for k in st.get("keys", ())]
+        if st.get("more"):
+            keys.append([addr, "... (more: --limit, --prefix)"])
+    made = [tables.fit("rpcbuf blocks", [
+        tables.Col("endpoint", key=True), tables.Col("blocks", right=True),
+        tables.Col("bytes", right=True), tables.Col("hits", right=True),
+        tables.Col("misses", right=True), tables.Col("hit rate", right=True, drop=1),
+        tables.Col("puts", right=True, drop=2), tables.Col("evictions", right=True),
+        tables.Col("expired", right=True, drop=3), tables.Col("removed", right=True, drop=4)],
+        rows, wide=wide)]
+    if keys:
+        made.append(tables.fit("block keys", [tables.Col("endpoint", drop=1),
+                                              tables.Col("key", key=True, wrap=True)],
+                               keys, wide=wide))
+    return made
 
 
 async def release(ctx: RpcContext, found: Found) -> dict[str, Any]:

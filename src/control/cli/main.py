@@ -252,16 +252,21 @@ def _print_json(results: dict[str, Any]) -> None:
 
 
 def _node_command(args: argparse.Namespace) -> int:
-    """status / ls on every endpoint: exit 1 if any node failed."""
-    fns = {"status": cliops.status, "ls": cliops.ls}
+    """status / ls / blocks on every endpoint: exit 1 if any node failed."""
+    fns = {"status": cliops.status, "ls": cliops.ls,
+           "blocks": lambda c: cliops.blocks(c, args.keys, args.prefix, args.limit)}
     results = asyncio.run(_per_node(args, fns[args.cmd]))
     failed = any(isinstance(r, RpcBufError) for r in results.values())
     if args.json:
         _print_json(results)
     else:
         console = tables.console(args.wide)
-        made = cliops.status_tables(results, args.wide) if args.cmd == "status" \
-            else [cliops.ls_table(results, args.wide)]
+        if args.cmd == "status":
+            made = cliops.status_tables(results, args.wide)
+        elif args.cmd == "blocks":
+            made = cliops.blocks_tables(results, args.wide)
+        else:
+            made = [cliops.ls_table(results, args.wide)]
         for table in made:
             if table.row_count:
                 console.print(table)
@@ -419,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_load_command(args, _target(args), _token(args))
         if args.cmd == "hash":
             return run_hash_command(args)
-        if args.cmd in ("status", "ls"):
+        if args.cmd in ("status", "ls", "blocks"):
             return _node_command(args)
         by_buffer = {"release": _release, "get": _get, "bench": _bench, "put": _put}
         if args.cmd in by_buffer:

@@ -152,13 +152,23 @@ class _Sent:
 
 async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
                           timeout: float | None,
-                          send_detach: Callable[[str], Any]) -> Attachment:
+                          send_detach: Callable[[str], Any],
+                          req: P.Request | None = None) -> Attachment:
     """``attach`` over the control connection, its handle from the handle
     channel, checked (``check_read_only``; a GPU handle is imported read-only)
-    and mapped.  Anything wrong after the daemon said yes detaches again."""
+    and mapped.  Anything wrong after the daemon said yes detaches again.
+    ``req``: another request that answers as ``attach`` does (``block_attach``:
+    the answer names the buffer id, which ``buffer_id`` then is not)."""
+    req = P.Attach(buffer_id=buffer_id) if req is None else req
     sent = _Sent()
-    meta = await caller.call(P.Attach(buffer_id=buffer_id), moves=sent)
+    meta = await caller.call(req, moves=sent)
     nbytes, fd = await handles.fd_for(sent.req_id, timeout)
+    if not isinstance(req, P.Attach):
+        named = meta.get("buffer_id")
+        if type(named) is not str or not named:
+            os.close(fd)
+            raise ConnectionLost("the daemon's attach answer names no buffer")
+        buffer_id = named
     detach = detacher(asyncio.get_running_loop(), send_detach)
     try:
         size, alloc = meta.get("size"), meta.get("alloc_size")

@@ -33,6 +33,7 @@ from control.client import batches, fileload
 from control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
 from control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
 from control.client.attach import Attachment, open_attachment
+from control.client.blockops import BlockOps
 from control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
 from control.client.datapath import (
     BufferPlace,
@@ -114,6 +115,7 @@ class RpcContext:
         self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
         self._tensors = TensorOps(self)
         self._dedup = DedupOps(_DedupNeeds(self))
+        self._blocks = BlockOps(self._call, self._paths)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = self._paths.ucx.abort
@@ -274,6 +276,25 @@ class RpcContext:
                              "host, on its Unix socket", {"reason": "not_same_host"})
         return await open_attachment(self._caller, handles, buffer_id, self.timeout,
                                      self._detach)
+
+    def attach_block(self, key: str) -> Opening[Attachment]:
+        """A block served in place: a zero-copy, read-only view of it on this
+        node (same host only), ``async with ctx.attach_block(key) as view``;
+        ``view.array()`` is its bytes (``view.size`` of them).  While
+        attached the block is never evicted, and a remove, a replace or its
+        ttl takes it out of the tier at once but frees its
+        memory only when the view closes.  Raises NOT_FOUND (a miss),
+        BAD_REQUEST (not same-host)."""
+        return Opening(lambda: self._attach_block(key))
+
+    async def _attach_block(self, key: str) -> Attachment:
+        self._check_open()
+        handles = self._handles
+        if handles is None or not self.same_host:
+            raise BadRequest("attach_block needs the same-host path: a client on the "
+                             "daemon's host, on its Unix socket", {"reason": "not_same_host"})
+        return await open_attachment(self._caller, handles, "", self.timeout, self._detach,
+                                     P.BlockAttach(key=key))
 
     async def _detach(self, buffer_id: str) -> None:
         if self._closed or self._conn.lost is not None:
@@ -481,6 +502,81 @@ class RpcContext:
         t, views = batches.read_batch(buffer_id, ranges)
         await self._paths.run(buffer_id, await self._place(buffer_id), t, receive=True)
         return views()
+
+    # -- keyed blocks (blockops.py; the daemon's blocks.py, docs/kvcache.md) ------------
+
+    async def put_blocks(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
+                         ttl: float | None = None, metas: Sequence[bytes] | None = None,
+                         device_type: str = "CPU", device: int = 0) -> dict[str, Any]:
+        """Store ``{key: array}`` (or ``(key, array)`` pairs) as keyed blocks of
+        this tenant, in one round trip, straight from the arrays.  All or
+        nothing: a reader sees none of them until every byte landed and
+        matched its xxh3-64; then each replaces what its key named.  A full
+        tier evicts this tenant's least recently used blocks to make room.
+        ``ttl``: seconds each block lives (None: until evicted or removed);
+        ``metas``: a small blob per block (at most 1 KiB), given back by
+        ``lookup_blocks(meta=True)``.  Raises BAD_REQUEST, VERIFY_FAILED,
+        QUOTA_EXCEEDED (larger than the quota, or nothing left to evict),
+        OUT_OF_MEMORY, UNSUPPORTED_DEVICE."""
+        self._check_open()
+        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
+        try:
+            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
+        except (TypeError, ValueError):
+            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
+        return await self._blocks.put(keys, arrays, ttl, metas, device_type, device)
+
+    async def put_block(self, key: str, array: Any, ttl: float | None = None,
+                        meta: bytes | None = None) -> dict[str, Any]:
+        """``put_blocks`` of one block."""
+        return await self.put_blocks([(key, array)], ttl, None if meta is None else [meta])
+
+    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+        """Read blocks straight into ``out`` (index-aligned with ``keys``:
+        host arrays, contiguous and writable, each exactly its block's size),
+        in one round trip when all are there; returns which keys were read
+        (the others' arrays are left as they were, or hold arbitrary bytes
+        when a block went away between tries).  A key of another size counts
+        as missing.  Raises BAD_REQUEST."""
+        self._check_open()
+        return await self._blocks.get(keys, out)
+
+    async def get_block(self, key: str, out: Any = None) -> np.ndarray | None:
+        """One block as a uint8 array (into ``out`` when given), or None."""
+        self._check_open()
+        if out is None:
+            (info,) = await self._blocks.lookup([key])
+            if info is None:
+                return None
+            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
+        (hit,) = await self._blocks.get([key], [out])
+        return out if hit else None
+
+    async def lookup_blocks(self, keys: Sequence[str], meta: bool = False,
+                            timeout: float | None = None) -> list[dict[str, Any] | None]:
+        """Per key: None when it names no block, else ``{"nbytes"}`` (and
+        with ``meta``, ``"meta"`` and ``"expires_at"``, unix time or None).
+        A lookup counts as a use for the LRU order."""
+        self._check_open()
+        return await self._blocks.lookup(keys, meta, timeout)
+
+    async def blocks_exist(self, keys: Sequence[str],
+                           timeout: float | None = None) -> list[bool]:
+        return [b is not None for b in await self.lookup_blocks(keys, timeout=timeout)]
+
+    async def remove_blocks(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        """Remove blocks by key (a block being read is freed when the read
+        ends); returns how many keys named one."""
+        self._check_open()
+        return await self._blocks.remove(keys, timeout)
+
+    async def list_blocks(self, prefix: str | None = None, start_after: str | None = None,
+                          limit: int = 1000, timeout: float | None = None
+                          ) -> tuple[list[str], bool]:
+        """This tenant's keys, sorted: at most ``limit`` (1..4096) after
+        ``start_after``, those starting with ``prefix``; and whether more follow."""
+        self._check_open()
+        return await self._blocks.list(prefix, start_after, limit, timeout)
 
     # -- named tensors (tensorops.py) and dedup uploads (dedup.py) ---------------------
 

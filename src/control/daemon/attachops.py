@@ -75,7 +75,16 @@ class AttachOps:
         if channel is None:
             raise BadRequest("attach needs the same-host path (a client on the daemon's "
                              "host, on its Unix socket)", {"reason": "not_same_host"})
-        buf = call.held.get(req.buffer_id)  # pinned before the first await
+        return await self.attach_buffer(call, call.held.get(req.buffer_id))  # pinned now
+
+    async def attach_buffer(self, call: Call, buf: Buffer) -> dict[str, Any]:
+        """``attach`` of a buffer the request holds pinned already (a block,
+        found by its key: ``blockops``)."""
+        owner = self._owner
+        channel = owner.handles
+        if channel is None:
+            raise BadRequest("attach needs the same-host path (a client on the daemon's "
+                             "host, on its Unix socket)", {"reason": "not_same_host"})
         export = getattr(buf.pool.arena, "export", None)
         if export is None:
             raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached here")

@@ -88,6 +88,9 @@ class Buffer:
     # While it is being given memory of its own (``Pipeline.own``: it shared
     # memory with a clone): the one copy every writer waits for.
     owning: asyncio.Future[None] | None = None
+    # The key of the block it holds (``blocks.py``), pending or committed:
+    # such a buffer is the block store's, never listed or named as a buffer.
+    block_key: str | None = None
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

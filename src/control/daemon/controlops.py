@@ -196,7 +196,8 @@ class ControlOps:
                 "devices": [p.describe() for p in self._registry.pools.values()]}
 
     def list_buffers(self, req: P.ListBuffers) -> dict[str, Any]:
-        return {"buffers": [b.meta() for b in self._registry.buffers_of(self._owner.owner)]}
+        return {"buffers": [b.meta() for b in self._registry.buffers_of(self._owner.owner)
+                            if b.block_key is None]}  # blocks: block_list
 
     def stats(self, req: P.Stats) -> dict[str, Any]:
         """What a tenant may see: its own sessions, buffers, bytes, waiters
@@ -223,6 +224,7 @@ class ControlOps:
                 "listening": self._node.listening,
                 "ucx": self._node.ucx_library,
                 **counters, "expired_total": self._registry.expired_of(tenant),
+                "blocks": self._node.blocks.stats(tenant),
                 **self._registry.stats(tenant)}
 
     def ping(self, req: P.Ping) -> dict[str, Any]:

@@ -16,7 +16,8 @@ Two kinds of numbers:
 - read from the daemon's state when scraped (a custom collector): bytes
   stored and read, verification failures, lease expiries, sessions,
   transfers in flight, and per device the pool's size, used bytes and
-  largest free block, and per tenant its buffers and bytes.
+  largest free block, and per tenant its buffers and bytes, and its block
+  tier's blocks, bytes, hits, misses, puts, evictions, expiries, removals.
 
 The HTTP endpoint runs on the daemon's own event loop (not in a thread), so a
 scrape reads consistent state without locks, and a wedged loop shows as a
@@ -46,6 +47,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
+    from control.daemon.blocks import BlockStore
     from control.daemon.registry import Registry
 
 
@@ -56,6 +58,8 @@ class Daemon(Protocol):
     def counters(self) -> Mapping[str, int]: ...
     @property
     def registry(self) -> Registry: ...
+    @property
+    def blocks(self) -> BlockStore: ...
     @property
     def sessions(self) -> Mapping[str, Any]: ...
     @property
@@ -270,3 +274,26 @@ class _StateCollector(Collector):
             held.add_metric([tenant, device], n)
         yield buffers
         yield held
+        yield from _block_families(d.blocks.totals())
+
+
+def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
+    """The block tier per tenant (``blocks.BlockStore.stats``)."""
+    gauges = {k: GaugeMetricFamily(f"rpcbuf_{k}", doc, labels=["tenant"]) for k, doc in (
+        ("blocks", "Keyed blocks a tenant holds"),
+        ("block_bytes", "Bytes of a tenant's keyed blocks"))}
+    counters = {k: CounterMetricFamily(f"rpcbuf_block_{k}", doc, labels=["tenant"])
+                for k, doc in (
+        ("hits", "Blocks served by block_get"),
+        ("misses", "Blocks block_get asked for that were not there"),
+        ("puts", "Blocks committed by block_put"),
+        ("evictions", "Blocks evicted (least recently used) to make room"),
+        ("expired", "Blocks dropped because their ttl ran out"),
+        ("removed", "Blocks removed by block_remove"))}
+    for tenant, st in totals.items():
+        gauges["blocks"].add_metric([tenant], st["blocks"])
+        gauges["block_bytes"].add_metric([tenant], st["bytes"])
+        for k, fam in counters.items():
+            fam.add_metric([tenant], st[k])
+    yield from gauges.values()
+    yield from counters.values()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from control.daemon.admission import Pending
+from control.daemon.blocks import BlockStore
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
 from control.daemon.metrics import Metrics
@@ -55,6 +56,7 @@ class Node(Protocol):
     """The daemon's parts that every session shares."""
 
     registry: Registry
+    blocks: BlockStore  # the keyed block tier (blocks.py)
     keys: Keyring
     node_id: str
     cluster: str  # --cluster: what a token's audience must name

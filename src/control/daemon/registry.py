@@ -106,9 +106,11 @@ class Registry:
 
     def get(self, tenant: str, buffer_id: str) -> Buffer:
         buf = self._buffers.get(buffer_id)
-        if buf is None or buf.tenant != tenant:
+        if buf is None or buf.tenant != tenant or buf.block_key is not None:
             # Same answer for "never existed" and "someone else's": no hint
             # leaks (a lapsed lease is told only to the tenant it was of).
+            # A block is reached by its key only (blocks.py): its buffer id,
+            # which an attachment's answer names for detach, writes nothing.
             raise self._not_found(tenant, buffer_id, f"no buffer {buffer_id!r}")
         return buf
 

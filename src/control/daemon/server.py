@@ -38,6 +38,7 @@ import numpy as np
 
 from control.daemon import logs
 from control.daemon.admission import Pending
+from control.daemon.blocks import BlockStore
 from control.daemon.content import ContentIndex
 from control.daemon.copypool import CopyPool
 from control.daemon.intake import READ_CHUNK
@@ -96,6 +97,7 @@ class Daemon:
         ``--model-dir`` directories node-local loads may read (None: such
         loads are refused)."""
         self.registry = registry
+        self.blocks = BlockStore(registry)
         self.keys = keys
         self.node_id = node_id
         self.cluster = cluster
@@ -256,7 +258,9 @@ class Daemon:
     # -- leases -----------------------------------------------------------------
 
     def schedule_expiry(self) -> None:
-        when = self.registry.next_expiry()
+        times = [t for t in (self.registry.next_expiry(), self.blocks.next_expiry())
+                 if t is not None]
+        when = min(times) if times else None
         if self._expiry_timer is not None:
             self._expiry_timer.cancel()
             self._expiry_timer = None
@@ -273,6 +277,12 @@ class Daemon:
                         "buffer": buf.buffer_id, "device": buf.pool.key, "offset": 0,
                         "bytes": buf.alloc_size, "code": "OK", "duration_s": 0.0,
                         "note": "lease ran out"})
+        for block in self.blocks.expire():
+            buf = block.buf
+            logs.write({"op": "block_expire", "tenant": buf.tenant, "session": None,
+                        "buffer": buf.buffer_id, "device": buf.pool.key, "offset": 0,
+                        "bytes": block.nbytes, "code": "OK", "duration_s": 0.0,
+                        "note": "ttl ran out"})
         self.schedule_expiry()
 
     # -- connections ------------------------------------------------------------

@@ -49,6 +49,7 @@ from typing import Any
 
 from control.daemon import eager, greeting, hello, logs
 from control.daemon.attachops import AttachOps
+from control.daemon.blockops import BlockOps
 from control.daemon.controlops import ControlOps
 from control.daemon.dataops import DataOps
 from control.daemon.dedupops import DedupOps
@@ -80,7 +81,7 @@ END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the cli
 
 def _carries_payload(req: P.Request) -> bool:
     """Whether ``req`` comes with UCX messages of its own (a network store)."""
-    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore)) and \
+    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore, P.BlockPut)) and \
         getattr(req, "stage", None) is None and getattr(req, "data", None) is None
 
 
@@ -131,6 +132,7 @@ class Session:
         files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
+        blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
         # The one dispatch table: op -> (handler, may wait).  Quick ops answer
         # inline; ops that may wait (memory, locks, transfers) are coroutines,
         # started at once and made tasks only if they do wait (``eager``).
@@ -155,6 +157,12 @@ class Session:
             P.Attach: (attach.attach, True),
             P.Detach: (attach.detach, False),
             P.LoadFile: (files.load_file, True),
+            P.BlockPut: (blocks.put, True),
+            P.BlockGet: (blocks.get, True),
+            P.BlockLookup: (blocks.lookup, False),
+            P.BlockRemove: (blocks.remove, False),
+            P.BlockList: (blocks.list, False),
+            P.BlockAttach: (blocks.attach, True),
         }
 
     def abort(self, why: str) -> None:

@@ -61,6 +61,12 @@ SourceType = Annotated[str, "source_type"]
 # A relative or absolute file path: printable, at most MAX_PATH characters,
 # no empty, "." or ".." component (the daemon confines it to its --model-dir).
 FilePath = Annotated[str, "file_path"]
+# The keys of one block request (``block_*``): 1 to MAX_BLOCK_KEYS printable
+# strings of 1 to MAX_BLOCK_KEY characters each (a tenant's keys are its own:
+# the daemon namespaces them per tenant).
+BlockKeys = Annotated[list[str], "block_keys"]
+MAX_BLOCK_KEYS = 4096  # keys in one block request (a batch of LMCache chunks is 256)
+MAX_BLOCK_KEY = 512  # characters of one block key (LMCache's are about 100)
 
 
 # -- requests -----------------------------------------------------------------
@@ -92,6 +98,11 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
                 or not _ID_CHARS.issuperset(value):
             raise BadRequest(f"{op}: {name} is not a buffer id ([A-Za-z0-9_-], at most "
                              f"{MAX_ID} characters)")
+        return value
+    if tp == BlockKeys:
+        if not block_keys_ok(value):
+            raise BadRequest(f"{op}: {name} must be a list of 1 to {MAX_BLOCK_KEYS} printable "
+                             f"strings of 1 to {MAX_BLOCK_KEY} characters")
         return value
     if tp == SourceType:
         if not source_type_ok(value):
@@ -179,6 +190,17 @@ def shape_ok(v: Any) -> bool:
             return False
         n = min(n * d, MAX_INT + 1)  # capped: the numbers stay small whatever comes
     return n <= MAX_INT
+
+
+def block_keys_ok(v: Any) -> bool:
+    """Block keys: a list of 1 to MAX_BLOCK_KEYS printable strings of 1 to
+    MAX_BLOCK_KEY characters (checked in C calls: a batch is thousands)."""
+    if type(v) is not list or not 0 < len(v) <= MAX_BLOCK_KEYS:
+        return False
+    if not all(type(k) is str for k in v):
+        return False
+    return min(map(len, v)) > 0 and max(map(len, v)) <= MAX_BLOCK_KEY and \
+        "".join(v).isprintable()
 
 
 def source_type_ok(v: Any) -> bool:

@@ -28,10 +28,20 @@ from typing import (
 
 import numpy as np
 
+from control.wire.blockproto import (
+    BlockAttach as BlockAttach,
+    BlockGet as BlockGet,
+    BlockList as BlockList,
+    BlockLookup as BlockLookup,
+    BlockPut as BlockPut,
+    BlockRemove as BlockRemove,
+)
 from control.wire.errors import BadRequest, RpcBufError
 from control.wire.fields import (
     INLINE_MAX as INLINE_MAX,
     INLINE_ROOM as INLINE_ROOM,
+    MAX_BLOCK_KEY as MAX_BLOCK_KEY,
+    MAX_BLOCK_KEYS as MAX_BLOCK_KEYS,
     MAX_ID as MAX_ID,
     MAX_INT as MAX_INT,
     MAX_ITEMS as MAX_ITEMS,
@@ -47,6 +57,7 @@ from control.wire.fields import (
     Shape,
     SourceType,
     U64Array,
+    block_keys_ok as block_keys_ok,
     inline_max as inline_max,
     shape_ok as shape_ok,
     source_type_ok as source_type_ok,
@@ -360,7 +371,7 @@ OPS: dict[str, type[Request]] = {
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
-        LoadFile,
+        LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
     )
 }
 

@@ -1,0 +1,452 @@
+"""rpcbuf as LMCache's remote backend: ``RpcbufConnector``, an LMCache
+``RemoteConnector`` over rpcbuf's keyed block tier (docs/kvcache.md).
+
+An optional extra (``pip install 'rpcbuf[lmcache]'``): this package imports
+LMCache, which rpcbuf itself never does.  LMCache finds it through its plugin
+route (configuration only, no entry points)::
+
+    remote_storage_plugins: ["rpcbuf"]
+    extra_config:
+      remote_storage_plugin.rpcbuf.module_path: rpcbuf_lmcache
+      remote_storage_plugin.rpcbuf.class_name: RpcbufConnector
+      remote_storage_plugin.rpcbuf.endpoint: "127.0.0.1:7700"   # else $RPCBUF_ENDPOINTS
+      remote_storage_plugin.rpcbuf.token: "..."                 # else $RPCBUF_TOKEN
+      remote_storage_plugin.rpcbuf.ttl: 3600                    # optional, seconds per chunk
+
+LMCache builds the connector as ``RpcbufConnector(loop=, local_cpu_backend=,
+config=)`` and calls its coroutines on ``loop`` (RemoteBackend's own
+event-loop thread): the rpcbuf session lives on that loop, and nothing here
+blocks it.  Each chunk is one block: its key is ``CacheEngineKey.to_string()``,
+its bytes the memory object's ``byte_array`` (read straight into the object
+LMCache allocated, no copy besides the transport's), its ``meta`` the
+chunk's ``RemoteMetadata`` (length, shapes, dtypes, format), so a get
+allocates exactly what was stored.  Batched puts and gets are one rpcbuf
+request per batch (split past ``BATCH_KEYS`` keys or ``BATCH_BYTES`` bytes).
+
+Failure modes, as LMCache expects of a remote tier: a daemon that is gone
+or restarting is a miss (``None``, ``False``, a put dropped with a warning),
+never an error, and the session is opened again on a later call (at most
+once per ``RECONNECT_EVERY`` seconds); a token the daemon refuses
+(``AUTH_FAILED``, ``TOKEN_EXPIRED``, ``FORBIDDEN``) raises
+``RpcbufAuthError`` (LMCache's ``IrrecoverableException``), at start and on
+any later call, with the daemon's sentence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.exceptions import IrrecoverableException
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+import rpcbuf
+from control.wire.protocol import MAX_BLOCK_KEYS
+
+__all__ = ["RpcbufAuthError", "RpcbufConnector"]
+
+log = logging.getLogger("rpcbuf.lmcache")
+PLUGIN = "rpcbuf"  # the plugin name the settings are read under, unless configured otherwise
+BATCH_KEYS = 256  # chunks in one rpcbuf request
+BATCH_BYTES = 256 << 20  # bytes in one rpcbuf request
+RECONNECT_EVERY = 1.0  # seconds between attempts to open the session again
+CONNECT_TIMEOUT = 10.0
+_GONE = (rpcbuf.ConnectionLost, rpcbuf.ShuttingDown, rpcbuf.Timeout)
+_REFUSED = (rpcbuf.AuthFailed, rpcbuf.TokenExpired, rpcbuf.Forbidden)
+
+
+class RpcbufAuthError(IrrecoverableException):
+    """The daemon refused this connector's token: no retry helps."""
+
+
+def _settings(config: Any) -> dict[str, Any]:
+    """``remote_storage_plugin.NAME.*`` of LMCache's ``extra_config``, for the
+    plugin whose class_name is ours (else NAME = "rpcbuf")."""
+    extra: dict[str, Any] = dict(getattr(config, "extra_config", None) or {})
+    name = PLUGIN
+    for k, v in extra.items():
+        if k.startswith("remote_storage_plugin.") and k.endswith(".class_name") \
+                and v == RpcbufConnector.__name__:
+            name = k[len("remote_storage_plugin."):-len(".class_name")]
+            break
+    prefix = f"remote_storage_plugin.{name}."
+    return {k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)}
+
+
+class RpcbufConnector(RemoteConnector):
+    """LMCache chunks as rpcbuf blocks (see the module)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: Any = None) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        opts = _settings(config if config is not None else local_cpu_backend.config)
+        endpoints = str(opts.get("endpoint") or os.environ.get("RPCBUF_ENDPOINTS")
+                        or "127.0.0.1:7700")
+        self.endpoint = endpoints.split(";")[0].strip().removeprefix("rpcbuf://")
+        token = opts.get("token") or os.environ.get("RPCBUF_TOKEN")
+        if not token:
+            raise RpcbufAuthError("rpcbuf connector: no token (set extra_config "
+                                  "remote_storage_plugin.rpcbuf.token or $RPCBUF_TOKEN)")
+        self._token = str(token)
+        self.ttl = float(opts["ttl"]) if opts.get("ttl") else None
+        self.timeout = float(opts.get("timeout") or 30.0)
+        same = opts.get("same_host")
+        self._same_host = None if same is None else bool(same)
+        self._ctx: rpcbuf.RpcContext | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._failed_at = -1e9
+        self._closed = False
+        # Open the session now when the loop runs in another thread (LMCache's
+        # RemoteBackend): a refused token is a clear error at start; a daemon
+        # that is not up yet only means misses until it is.
+        if loop.is_running() and not _on(loop):
+            try:
+                asyncio.run_coroutine_threadsafe(self._context(), loop).result(
+                    CONNECT_TIMEOUT + 5)
+            except RpcbufAuthError:
+                raise
+            except Exception as exc:
+                log.warning("rpcbuf connector: %s not reachable yet (%s); misses until it is",
+                            self.endpoint, exc)
+
+    # -- the session ----------------------------------------------------------------------
+
+    async def _context(self) -> rpcbuf.RpcContext | None:
+        """The session, opened if need be; None while the daemon is gone."""
+        if self._ctx is not None:
+            return self._ctx
+        if self._closed or time.monotonic() - self._failed_at < RECONNECT_EVERY:
+            return None
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._ctx is None:
+                try:
+                    self._ctx = await rpcbuf.connect(self.endpoint, self._token,
+                                                     timeout=self.timeout,
+                                                     same_host=self._same_host)
+                except _REFUSED as exc:
+                    raise RpcbufAuthError(f"rpcbuf at {self.endpoint} refused the token: "
+                                          f"{exc}") from exc
+                except (rpcbuf.RpcBufError, OSError) as exc:
+                    self._failed_at = time.monotonic()
+                    log.warning("rpcbuf connector: cannot reach %s: %s", self.endpoint, exc)
+                    return None
+                log.info("rpcbuf connector: session with %s (%s path)", self.endpoint,
+                         "same-host" if self._ctx.same_host else "ucx")
+        return self._ctx
+
+    def _lost(self, exc: BaseException) -> None:
+        """The session broke (a daemon restart, a lost connection): drop it;
+        a later call opens another."""
+        ctx, self._ctx = self._ctx, None
+        self._failed_at = time.monotonic()
+        log.warning("rpcbuf connector: session with %s lost: %s", self.endpoint, exc)
+        if ctx is not None:
+            ctx.abort()
+
+    def _refused(self, exc: BaseException) -> RpcbufAuthError:
+        return RpcbufAuthError(f"rpcbuf at {self.endpoint} refused the token: {exc}")
+
+    # -- lookups --------------------------------------------------------------------------
+
+    async def _lookup(self, keys: Sequence[CacheEngineKey],
+                      meta: bool = False) -> list[dict[str, Any] | None]:
+        ctx = await self._context()
+        if ctx is None:
+            return [None] * len(keys)
+        out: list[dict[str, Any] | None] = []
+        try:
+            for at in range(0, len(keys), MAX_BLOCK_KEYS):
+                part = keys[at:at + MAX_BLOCK_KEYS]
+                out += await ctx.lookup_blocks([k.to_string() for k in part], meta=meta)
+        except _GONE as exc:
+            self._lost(exc)
+            return [None] * len(keys)
+        except _REFUSED as exc:
+            raise self._refused(exc) from exc
+        return out
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return (await self._lookup([key]))[0] is not None
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return bool(self._sync(self.exists(key)))
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return int(self._sync(self._prefix(keys)))
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        return await self._prefix(keys)
+
+    async def _prefix(self, keys: Sequence[CacheEngineKey]) -> int:
+        """How many keys from the first are there (LMCache's prefix hit)."""
+        found = await self._lookup(keys)
+        return next((i for i, f in enumerate(found) if f is None), len(found))
+
+    # -- get ------------------------------------------------------------------------------
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Full chunks in one round trip: read straight into full-chunk
+        objects (what nearly every stored chunk is); the keys that were not
+        there as full chunks (missing, or an unfull last chunk) are looked up
+        with their metadata and read in a second round trip."""
+        objs = await self._get_full(keys)
+        rest = [i for i, o in enumerate(objs) if o is None]
+        if rest:
+            more = await self._get_described([keys[i] for i in rest])
+            for i, obj in zip(rest, more, strict=True):
+                objs[i] = obj
+        return objs
+
+    async def _get_full(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        ctx = await self._context()
+        objs: list[MemoryObj | None] = [None] * len(keys)
+        if ctx is None:
+            return objs
+        for i in range(len(keys)):
+            objs[i] = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
+                                                      self.meta_fmt)
+        want = [i for i, o in enumerate(objs) if o is not None]
+        return await self._read(ctx, keys, objs, want)
+
+    async def _read(self, ctx: rpcbuf.RpcContext, keys: Sequence[CacheEngineKey],
+                    objs: list[MemoryObj | None], want: list[int],
+                    lengths: list[int] | None = None) -> list[MemoryObj | None]:
+        """``get_blocks`` of ``keys[i]`` into ``objs[i]`` for each i in
+        ``want`` (``lengths[i]`` bytes of it, else all); the objects of keys
+        that were not read are released (None)."""
+        try:
+            for part in _batches(want, lambda i: _nbytes(objs[i])):
+                hits = await ctx.get_blocks(
+                    [keys[i].to_string() for i in part],
+                    [_view(objs[i], None if lengths is None else lengths[i]) for i in part])
+                for i, hit in zip(part, hits, strict=True):
+                    if not hit:
+                        _release(objs[i])
+                        objs[i] = None
+        except _GONE as exc:
+            self._lost(exc)
+            return _release_all(objs)
+        except _REFUSED as exc:
+            _release_all(objs)
+            raise self._refused(exc) from exc
+        except BaseException:
+            _release_all(objs)
+            raise
+        return objs
+
+    async def _get_described(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        found = await self._lookup(keys, meta=True)
+        objs: list[MemoryObj | None] = [None] * len(keys)
+        lengths = [0] * len(keys)
+        for i, info in enumerate(found):
+            if info is not None:
+                objs[i] = self._allocate(info)
+                lengths[i] = int(info["nbytes"])
+        want = [i for i, o in enumerate(objs) if o is not None]
+        ctx = self._ctx
+        if not want or ctx is None:
+            return _release_all(objs)
+        return await self._read(ctx, keys, objs, want, lengths)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The objects of the keys from the first up to the first miss (the
+        rest released), as LMCache's prefetch wants them."""
+        objs = await self.batched_get(keys)
+        out: list[MemoryObj] = []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                _release_all(objs[i:])
+                break
+            out.append(obj)
+        return out
+
+    def _allocate(self, info: dict[str, Any]) -> MemoryObj | None:
+        meta = info.get("meta")
+        if not isinstance(meta, bytes) or len(meta) < self.remote_metadata_bytes:
+            log.warning("rpcbuf connector: a block without LMCache metadata; treated as a miss")
+            return None
+        md = RemoteMetadata.deserialize(meta)
+        if md.length != info["nbytes"]:
+            log.warning("rpcbuf connector: a block of %d bytes says %d; treated as a miss",
+                        info["nbytes"], md.length)
+            return None
+        obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
+        if obj is None:
+            log.warning("rpcbuf connector: no local memory for a remote chunk")
+            return None
+        if len(_view(obj, md.length)) != md.length:
+            _release(obj)
+            return None
+        return obj
+
+    # -- put ------------------------------------------------------------------------------
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: Sequence[CacheEngineKey],
+                          memory_objs: list[MemoryObj]) -> None:
+        ctx = await self._context()
+        if ctx is None:
+            log.debug("rpcbuf connector: %d chunks not sent (no session)", len(keys))
+            return
+        metas = [RemoteMetadata(_nbytes(m), m.get_shapes(), m.get_dtypes(),
+                                m.get_memory_format()).serialize() for m in memory_objs]
+        try:
+            for part in _batches(list(range(len(keys))),
+                                 lambda i: _nbytes(memory_objs[i])):
+                await ctx.put_blocks([(keys[i].to_string(), _view(memory_objs[i]))
+                                      for i in part], ttl=self.ttl,
+                                     metas=[metas[i] for i in part])
+        except _GONE as exc:
+            self._lost(exc)
+        except _REFUSED as exc:
+            raise self._refused(exc) from exc
+
+    # -- the rest of the interface --------------------------------------------------------
+
+    async def list(self) -> list[str]:
+        ctx = await self._context()
+        if ctx is None:
+            return []
+        keys: list[str] = []
+        after: str | None = None
+        try:
+            while True:
+                page, more = await ctx.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
+                keys += page
+                if not more or not page:
+                    return keys
+                after = page[-1]
+        except _GONE as exc:
+            self._lost(exc)
+            return keys
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        async def remove() -> bool:
+            ctx = await self._context()
+            if ctx is None:
+                return False
+            try:
+                return await ctx.remove_blocks([key.to_string()]) > 0
+            except _GONE as exc:
+                self._lost(exc)
+                return False
+        return bool(self._sync(remove()))
+
+    def support_ping(self) -> bool:
+        return True
+
+    async def ping(self) -> int:
+        ctx = await self._context()
+        if ctx is None:
+            return 1
+        try:
+            await ctx.ping()
+        except _GONE as exc:
+            self._lost(exc)
+            return 1
+        return 0
+
+    async def close(self) -> None:
+        """Close the session, within ``timeout`` (never hang a shutdown)."""
+        self._closed = True
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        try:
+            await asyncio.wait_for(ctx.close(), self.timeout)
+        except (TimeoutError, rpcbuf.RpcBufError) as exc:
+            log.warning("rpcbuf connector: closing the session: %s", exc)
+            ctx.abort()
+
+    def _sync(self, coro: Any) -> Any:
+        """Run a coroutine of ours on the connector's loop from another thread."""
+        if _on(self.loop):
+            coro.close()
+            raise RuntimeError("rpcbuf connector: a *_sync call on its own event loop")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout + 5)
+
+    def __repr__(self) -> str:
+        return f"<RpcbufConnector {self.endpoint}>"
+
+
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _view(obj: Any, length: int | None = None) -> memoryview:
+    """A memory object's bytes as a flat memoryview (of ``length`` bytes)."""
+    view = obj.byte_array
+    view = view if isinstance(view, memoryview) else memoryview(view)
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return view if length is None else view[:length]
+
+
+def _nbytes(obj: Any) -> int:
+    return len(_view(obj))
+
+
+def _release(obj: Any) -> None:
+    if obj is not None:
+        obj.ref_count_down()
+
+
+def _release_all(objs: list[Any]) -> list[Any]:
+    for i, obj in enumerate(objs):
+        _release(obj)
+        objs[i] = None
+    return objs
+
+
+def _batches(items: list[int], size: Any) -> list[list[int]]:
+    """``items`` in runs of at most BATCH_KEYS, and BATCH_BYTES by ``size``
+    (a run holds at least one item)."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    nbytes = 0
+    for i in items:
+        n = size(i)
+        if run and (len(run) >= BATCH_KEYS or nbytes + n > BATCH_BYTES):
+            out.append(run)
+            run, nbytes = [], 0
+        run.append(i)
+        nbytes += n
+    if run:
+        out.append(run)
+    return out
+

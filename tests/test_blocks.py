@@ -1,0 +1,380 @@
+"""The keyed block tier against real daemons, on both data paths where the
+path matters: put/get/lookup/list/remove, LRU eviction under a small
+quota, TTL expiry, tenant isolation, bad input, a reader-pinned block that
+eviction passes by, and a put whose bytes never arrive (never visible)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rpcbuf
+from conftest import DaemonProc, metrics_url, pool_free, wait_free
+from control.client.blockops import HOST, _transfer
+from control.wire import protocol as P
+from dataplane.checksum import checksum
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tier(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
+    """A daemon whose tenant "small" has 24 MiB (room for a few 4 MiB blocks
+    beside a same-host staging area) and metrics on."""
+    return daemon_factory("--device", "cpu:256MiB", "--quota", "small:24MiB:1000",  # type: ignore[no-any-return]
+                          "--transfer-timeout", "30s", "--metrics", "127.0.0.1:0")
+
+
+def _blocks(n: int, size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"chunk/{seed}/{i}": rng.integers(0, 255, size, dtype=np.uint8) for i in range(n)}
+
+
+@pytest.mark.both_paths
+async def test_put_get_lookup_list_remove(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    blocks = {**_blocks(3, 256 << 10, 1), **_blocks(2, 4 * MiB, 2),
+              "tiny": np.arange(7, dtype=np.uint8)}
+    keys = list(blocks)
+    async with tier.connect("alice") as c:
+        answer = await c.put_blocks(blocks, metas=[k.encode() for k in keys])
+        assert answer == {"blocks": len(keys), "nbytes": sum(a.nbytes for a in blocks.values())}
+        info = await c.lookup_blocks([*keys, "absent"], meta=True)
+        sizes = [a.nbytes for a in blocks.values()]
+        assert [i["nbytes"] if i else None for i in info] == [*sizes, None]
+        assert [i["meta"] for i in info[:-1]] == [k.encode() for k in keys]
+        out = [np.zeros_like(a) for a in blocks.values()]
+        assert await c.get_blocks(keys, out) == [True] * len(keys)
+        for got, want in zip(out, blocks.values(), strict=True):
+            np.testing.assert_array_equal(got, want)  # read straight into the caller's arrays
+        # A miss among hits: the hits are read, the miss says so.
+        other = [np.zeros(256 << 10, np.uint8), np.zeros(10, np.uint8)]
+        assert await c.get_blocks([keys[0], "absent"], other) == [True, False]
+        np.testing.assert_array_equal(other[0], blocks[keys[0]])
+        # A size other than the block's counts as missing.
+        assert await c.get_blocks([keys[0]], [np.zeros(100, np.uint8)]) == [False]
+        one = await c.get_block("tiny")
+        assert one is not None and one.tolist() == list(range(7))
+        assert await c.list_blocks(prefix="chunk/1/") == ([f"chunk/1/{i}" for i in range(3)], False)
+        assert await c.list_blocks(prefix="chunk/", limit=2) == (["chunk/1/0", "chunk/1/1"], True)
+        assert (await c.list_blocks(start_after="chunk/2/1"))[0] == ["tiny"]
+        assert await c.list_buffers() == []  # blocks are not buffers to list
+        # A put over an existing key replaces it.
+        await c.put_block("tiny", np.full(3, 9, np.uint8))
+        assert (await c.get_block("tiny")).tolist() == [9, 9, 9]  # type: ignore[union-attr]
+        st = (await c.stats())["blocks"]
+        assert st["blocks"] == len(keys) and st["hits"] >= len(keys) + 3 and st["misses"] >= 2
+        assert await c.remove_blocks([*keys, "absent"]) == len(keys)
+        assert await c.blocks_exist(keys) == [False] * len(keys)
+    assert await wait_free(tier, start) == start, "block memory leaked"
+
+
+@pytest.mark.both_paths
+async def test_full_tier_evicts_least_recently_used(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    blocks = _blocks(12, 4 * MiB, 3)
+    keys = list(blocks)
+    async with tier.connect("small") as c:
+        before = (await c.stats())["blocks"]  # counters are the tenant's, since the start
+        for i, key in enumerate(keys):
+            await c.put_block(key, blocks[key])
+            if i >= 1:
+                await c.lookup_blocks([keys[0]])  # the first stays in use: most recent
+        st = (await c.stats())["blocks"]
+        evicted = st["evictions"] - before["evictions"]
+        assert evicted > 0, st
+        assert st["blocks"] + evicted == len(keys)
+        assert st["bytes"] <= 24 * MiB
+        present = await c.blocks_exist(keys)
+        assert present[0] and present[-1]  # the one in use and the newest stayed
+        assert present[1:-1] == sorted(present[1:-1])  # only the oldest went
+        out = np.empty(4 * MiB, np.uint8)
+        assert await c.get_blocks([keys[-1]], [out]) == [True]
+        np.testing.assert_array_equal(out, blocks[keys[-1]])
+        # More than the whole quota at once: refused before anything is evicted.
+        with pytest.raises(rpcbuf.QuotaExceeded):
+            await c.put_blocks(_blocks(7, 4 * MiB, 4))
+        assert (await c.stats())["blocks"]["blocks"] == st["blocks"]
+        await c.remove_blocks(keys)
+    text = _metrics(tier)
+    assert 'rpcbuf_block_evictions_total{tenant="small"}' in text
+    assert await wait_free(tier, start) == start
+
+
+def _metrics(d: DaemonProc) -> str:
+    import urllib.request
+    with urllib.request.urlopen(metrics_url(d), timeout=10) as res:
+        return res.read().decode()
+
+
+async def test_ttl_expiry(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    async with tier.connect("ttl") as c:
+        await c.put_blocks({"short": np.ones(MiB, np.uint8)}, ttl=0.3)
+        await c.put_blocks({"long": np.ones(MiB, np.uint8)})
+        assert (await c.lookup_blocks(["short"], meta=True))[0]["expires_at"] is not None  # type: ignore[index]
+        await asyncio.sleep(1.0)
+        st = (await c.stats())["blocks"]  # expired by the daemon's timer, not by a look
+        assert st["expired"] == 1 and st["blocks"] == 1, st
+        assert await c.blocks_exist(["short", "long"]) == [False, True]
+        with pytest.raises(rpcbuf.BadRequest, match="ttl"):
+            await c.put_blocks({"x": np.ones(4, np.uint8)}, ttl=0)
+        await c.remove_blocks(["long"])
+    assert await wait_free(tier, start) == start
+
+
+@pytest.mark.both_paths
+async def test_tenants_never_see_each_others_keys(tier: DaemonProc) -> None:
+    a_data, b_data = np.full(MiB, 1, np.uint8), np.full(MiB, 2, np.uint8)
+    async with tier.connect("alice") as a, tier.connect("bob") as b:
+        await a.put_blocks({"shared/key": a_data})
+        assert await b.blocks_exist(["shared/key"]) == [False]
+        assert await b.get_blocks(["shared/key"], [np.zeros(MiB, np.uint8)]) == [False]
+        assert await b.list_blocks() == ([], False)
+        assert await b.remove_blocks(["shared/key"]) == 0
+        await b.put_blocks({"shared/key": b_data})  # the same key, bob's own block
+        out = np.zeros(MiB, np.uint8)
+        assert await a.get_blocks(["shared/key"], [out]) == [True]
+        np.testing.assert_array_equal(out, a_data)
+        assert await b.get_blocks(["shared/key"], [out]) == [True]
+        np.testing.assert_array_equal(out, b_data)
+        assert (await b.stats())["blocks"]["blocks"] == 1
+        await a.remove_blocks(["shared/key"])
+        assert await b.blocks_exist(["shared/key"]) == [True]
+        await b.remove_blocks(["shared/key"])
+
+
+async def _raw(c: rpcbuf.RpcContext, msg: dict[str, Any]) -> dict[str, Any]:
+    """A request as a client that skips the API's checks would send it."""
+    class Raw(P.Request):
+        op = msg["op"]
+
+        def to_wire(self, req_id: int) -> dict[str, Any]:
+            return {**msg, "id": req_id}
+    return await c._call(Raw())
+
+
+@pytest.mark.parametrize("msg", [
+    {"op": "block_lookup", "keys": "k"},
+    {"op": "block_lookup", "keys": []},
+    {"op": "block_lookup", "keys": [1, 2]},
+    {"op": "block_lookup", "keys": ["x" * (P.MAX_BLOCK_KEY + 1)]},
+    {"op": "block_lookup", "keys": ["k"] * (P.MAX_BLOCK_KEYS + 1)},
+    {"op": "block_lookup", "keys": ["bad\nkey"]},
+    {"op": "block_remove", "keys": None},
+    {"op": "block_list", "limit": 0},
+    {"op": "block_list", "limit": P.MAX_BLOCK_KEYS + 1},
+    {"op": "block_list", "prefix": 5},
+    {"op": "block_get", "keys": ["k"], "sizes": P.pack_u64([1, 2])},
+    {"op": "block_get", "keys": ["k"], "sizes": b"123"},
+    {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
+     "metas": [b"x" * (P.MAX_STR + 1)]},
+    {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
+     "ttl": -1},
+    {"op": "block_put", "keys": ["k"], "sizes": 4, "checksums": P.pack_u64([0])},
+])
+async def test_bad_requests_are_refused_and_leave_no_trace(tier: DaemonProc,
+                                                           msg: dict[str, Any]) -> None:
+    start = await pool_free(tier)
+    async with tier.connect("mallory", same_host=False) as c:
+        with pytest.raises((rpcbuf.BadRequest, rpcbuf.UnsupportedDevice)):
+            await _raw(c, msg)
+        assert await c.ping() > 0  # the session serves on
+        assert await c.list_blocks() == ([], False)
+        assert (await c.stats())["blocks"]["blocks"] == 0
+    assert await wait_free(tier, start) == start
+
+
+@pytest.mark.both_paths
+@pytest.mark.parametrize("fields", [
+    {"checksums": P.pack_u64([])},  # too few checksums
+    {"keys": ["k", "k"], "sizes": P.pack_u64([4, 4]), "checksums": P.pack_u64([0, 0])},
+    {"sizes": P.pack_u64([0])},  # an empty block
+    {"metas": [b"a", b"b"]},  # more metas than blocks
+    {"ttl": 0.0},
+    {"device_type": "GPU", "device": 7},
+])
+async def test_refused_puts_drain_and_store_nothing(tier: DaemonProc,
+                                                    fields: dict[str, Any]) -> None:
+    """Refused by the daemon after parsing: what the client sent is drained
+    (the session serves on), nothing is allocated, nothing evicted."""
+    start = await pool_free(tier)
+    data = np.ones(4, np.uint8)
+    fields = {"keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([checksum(data)]),
+              **fields}
+    arrays = [data] * len(fields["keys"]) if P.unpack_u64(fields["sizes"]).all() else \
+        [np.ones(0, np.uint8)]
+    async with tier.connect("mallory") as c:
+        with pytest.raises((rpcbuf.BadRequest, rpcbuf.UnsupportedDevice)):
+            await c._paths.run("", HOST, _transfer(P.BlockPut(**fields), arrays))
+        assert await c.ping() > 0
+        assert await c.list_blocks() == ([], False)
+    assert await wait_free(tier, start) == start
+
+
+async def test_client_checks(tier: DaemonProc) -> None:
+    async with tier.connect("alice") as c:
+        with pytest.raises(rpcbuf.BadRequest, match="sequence"):
+            await c.lookup_blocks("abc")
+        with pytest.raises(rpcbuf.BadRequest, match="printable"):
+            await c.put_blocks({"x" * 600: np.ones(4, np.uint8)})
+        with pytest.raises(rpcbuf.BadRequest, match="once"):
+            await c.put_blocks([("a", np.ones(4, np.uint8)), ("a", np.ones(4, np.uint8))])
+        with pytest.raises(rpcbuf.BadRequest, match="one byte"):
+            await c.put_blocks({"a": np.ones(0, np.uint8)})
+        with pytest.raises(rpcbuf.BadRequest, match="writable"):
+            await c.get_blocks(["a"], [np.frombuffer(b"abcd", np.uint8)])
+        with pytest.raises(rpcbuf.BadRequest):
+            await c.get_blocks(["a", "b"], [np.ones(4, np.uint8)])
+
+
+@pytest.mark.both_paths
+async def test_wrong_checksum_stores_nothing(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    data = np.arange(MiB, dtype=np.uint32).view(np.uint8)[: 2 * MiB]
+    async with tier.connect("alice") as c:
+        await c.put_blocks({"k": np.full(16, 5, np.uint8)})
+        req = P.BlockPut(keys=["k", "j"], sizes=P.pack_u64([data.nbytes, 16]),
+                         checksums=P.pack_u64([checksum(data) ^ 1, checksum(data[:16])]))
+        with pytest.raises(rpcbuf.VerifyFailed):
+            await c._paths.run("", HOST, _transfer(req, [data, data[:16]]))
+        assert await c.blocks_exist(["k", "j"]) == [True, False]  # the old block stays
+        assert (await c.get_block("k")).tolist() == [5] * 16  # type: ignore[union-attr]
+        await c.remove_blocks(["k"])
+    assert await wait_free(tier, start) == start
+
+
+async def _stuck_get(c: rpcbuf.RpcContext, key: str, nbytes: int) -> None:
+    """A block_get over UCX whose reader never posts its receive: the
+    daemon's send stays in flight (the block pinned) until the session goes."""
+    await c._paths.ucx.endpoint()
+    conn = c._conn
+    fut = conn.submit(conn.next_id(), P.BlockGet(keys=[key], sizes=P.pack_u64([nbytes])))
+    answer = await asyncio.wait_for(fut, 10)
+    assert answer.get("ok"), answer
+
+
+async def test_a_block_being_read_is_not_evicted(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    blocks = _blocks(9, 4 * MiB, 5)
+    keys = list(blocks)
+    async with tier.connect("small", same_host=False) as c:
+        await c.put_blocks({k: blocks[k] for k in keys[:4]})
+        reader = await tier.connect("small", same_host=False)
+        try:
+            await _stuck_get(reader, keys[0], 4 * MiB)
+            await c.lookup_blocks(keys[1:4])  # keys[0] is the least recently used now
+            for k in keys[4:]:
+                await c.put_block(k, blocks[k])
+            present = await c.blocks_exist(keys)
+            assert present[0], "the block being read was evicted"
+            assert present[1:4] == [False] * 3 and present[-1]
+            # Nothing left to evict but the pinned block: a put that needs its room fails.
+            with pytest.raises(rpcbuf.QuotaExceeded):
+                await c.put_blocks(_blocks(6, 4 * MiB, 6))
+        finally:
+            reader.abort()
+            await reader.close()
+        await asyncio.sleep(0.2)
+        await c.put_blocks(_blocks(6, 4 * MiB, 6))  # its reader gone: it may go now
+        assert (await c.blocks_exist(keys[:1])) == [False]
+        await c.remove_blocks(list(_blocks(6, 4 * MiB, 6)) + keys)
+    assert await wait_free(tier, start) == start
+
+
+async def test_a_put_whose_bytes_never_arrive_is_never_visible(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    old = np.full(4 * MiB, 3, np.uint8)
+    async with tier.connect("alice") as c:
+        await c.put_blocks({"half": old})
+        writer = await tier.connect("alice", same_host=False)
+        try:
+            await writer._paths.ucx.endpoint()
+            new = np.full(4 * MiB, 4, np.uint8)
+            conn = writer._conn
+            fut = conn.submit(conn.next_id(), P.BlockPut(
+                keys=["half", "fresh"], sizes=P.pack_u64([new.nbytes, 16]),
+                checksums=P.pack_u64([checksum(new), checksum(new[:16])])))
+            for _ in range(100):  # the daemon holds the two pending blocks, waiting for bytes
+                if (await c.stats())["buffers"] == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await c.stats())["buffers"] == 3
+            assert await c.blocks_exist(["half", "fresh"]) == [True, False]
+            out = np.empty(4 * MiB, np.uint8)
+            assert await c.get_blocks(["half"], [out]) == [True]
+            np.testing.assert_array_equal(out, old)
+            assert await c.list_blocks() == (["half"], False)
+            assert not fut.done()
+        finally:
+            writer.abort()
+            await writer.close()
+        await asyncio.sleep(0.3)
+        assert await c.blocks_exist(["half", "fresh"]) == [True, False]
+        assert (await c.get_block("half")).tolist()[:4] == [3] * 4  # type: ignore[union-attr]
+        await c.remove_blocks(["half"])
+    assert await wait_free(tier, start) == start
+
+
+async def test_cli_shows_the_tier(tier: DaemonProc) -> None:
+    from test_cli import as_json, rpcbuf as cli
+
+    async with tier.connect("clitier") as c:
+        await c.put_blocks({"vllm@a": np.ones(4096, np.uint8), "vllm@b": np.ones(10, np.uint8),
+                            "other": np.ones(1, np.uint8)})
+        await c.get_blocks(["vllm@a", "nope"], [np.empty(4096, np.uint8), np.empty(1, np.uint8)])
+        (st,) = as_json(cli(tier, "blocks", "--json", "--prefix", "vllm@",
+                            tenant="clitier")).values()
+        assert st["blocks"] == 3 and st["bytes"] == 4107 and st["keys"] == ["vllm@a", "vllm@b"]
+        assert st["hits"] == 1 and st["misses"] == 1 and st["more"] is False
+        table = cli(tier, "blocks", "--keys", tenant="clitier")
+        assert table.returncode == 0, table.stderr
+        assert "rpcbuf blocks" in table.stdout and "vllm@b" in table.stdout
+        assert "50.0%" in table.stdout  # the hit rate
+        await c.remove_blocks(["vllm@a", "vllm@b", "other"])
+
+
+async def test_a_same_host_hit_is_served_in_place(tier: DaemonProc) -> None:
+    start = await pool_free(tier)
+    data = np.random.default_rng(9).integers(0, 255, 2 * MiB, dtype=np.uint8)
+    async with tier.connect("inplace", same_host=True) as c:
+        assert c.same_host
+        await c.put_blocks({"kv/0": data, "kv/1": data[:100]})
+        async with c.attach_block("kv/0") as view:
+            assert view.size == data.nbytes
+            np.testing.assert_array_equal(view.array(), data)  # the daemon's pages, no copy
+            assert not view.array().flags.writeable
+            # Its buffer id writes nothing: a block is reached by its key only.
+            with pytest.raises(rpcbuf.NotFound):
+                await c.store_tensor(view.buffer_id, np.ones(4, np.uint8))
+            with pytest.raises(rpcbuf.NotFound):
+                await c.release_buffer(view.buffer_id)
+            assert await c.remove_blocks(["kv/0"]) == 1  # out of the tier at once ...
+            assert await c.blocks_exist(["kv/0"]) == [False]
+            np.testing.assert_array_equal(view.array()[-16:], data[-16:])  # ... still mapped
+        with pytest.raises(rpcbuf.NotFound):
+            async with c.attach_block("kv/0"):
+                pass
+        await c.remove_blocks(["kv/1"])
+    async with tier.connect("inplace", same_host=False) as c:
+        with pytest.raises(rpcbuf.BadRequest, match="same-host"):
+            async with c.attach_block("kv/1"):
+                pass
+    assert await wait_free(tier, start) == start  # freed at the detach
+
+
+async def test_an_attached_block_is_not_evicted(tier: DaemonProc) -> None:
+    blocks = _blocks(8, 4 * MiB, 11)
+    keys = list(blocks)
+    async with tier.connect("small", same_host=True) as c:
+        await c.remove_blocks(keys)
+        await c.put_block(keys[0], blocks[keys[0]])
+        async with c.attach_block(keys[0]) as view:
+            for k in keys[1:]:
+                await c.put_block(k, blocks[k])
+            assert (await c.blocks_exist(keys[:1])) == [True]
+            np.testing.assert_array_equal(view.array(), blocks[keys[0]])
+        await c.remove_blocks(keys)
