@@ -292,7 +292,7 @@ class Daemon:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
-        # --max-sessions counts authenticated sessions (Session._take_slot, at
+        # --max-sessions counts authenticated sessions (greeting.take_slot, at
         # hello); until then the connection is one of the unauthenticated
         # ones, whose bound drops the oldest, never the newcomer.
         session = Session(self, reader, writer)
