@@ -13,15 +13,14 @@ import bisect
 import ctypes
 import mmap
 import os
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from dataplane import shm
 from dataplane.checksum import xxh3
+from dataplane.zeroer import Zeroer as _Zeroer, Zeroing
 
 from .checksum import checksum
 
@@ -397,85 +396,7 @@ class HostArena:
 
 COPY_CHUNK = 64 << 20  # ``copy_out`` writes this much per system call
 ZERO_NOW = 8 << 20  # kept blocks up to this size are zeroed in ``unback`` (about 1 ms)
-ZERO_CHUNK = 4 << 20  # larger ones in the background, this much at a time per lock hold
 MAX_KEPT = 4096  # kept blocks at most (each holds an fd)
-
-
-class Zeroing:
-    """A kept block (a freed block's memfd, still mapped) and how far it is
-    zeroed (``at``: the bytes below are zero).  ``lock`` is held while a
-    chunk of it is written (``step``), by the zeroer or by the buffer's
-    requester (``HostArena.zero_now``); ``stopped`` (set under it) means
-    nobody may write it again; ``clean``: all of it is zero."""
-
-    __slots__ = ("_then", "at", "clean", "fd", "lock", "nbytes", "stopped")
-
-    def __init__(self, fd: int, nbytes: int) -> None:
-        self.fd, self.nbytes = fd, nbytes
-        self.at = 0
-        self.clean = self.stopped = False
-        self.lock = threading.Lock()
-        self._then: Callable[[], None] | None = None
-
-    def then(self, done: Callable[[], None]) -> None:
-        """Call ``done`` once, when the block is all zero or when it was
-        freed before (``stop``: no buffer waits for it any more, and its
-        waiter must not wait forever): now, or from the thread that wrote
-        its last chunk or stopped it."""
-        with self.lock:
-            if not self.clean and not self.stopped:
-                self._then = done
-                return
-        done()
-
-    def step(self, addr: int) -> bool:
-        """Zero the block's next ``ZERO_CHUNK`` (the block lies at ``addr``)
-        under the lock; False once nothing is left (all zero, or stopped)."""
-        with self.lock:
-            if self.stopped or self.clean:
-                return False
-            n = min(ZERO_CHUNK, self.nbytes - self.at)
-            ctypes.memset(addr + self.at, 0, n)
-            self.at += n
-            if self.at < self.nbytes:
-                return True
-            self.clean = True
-            done, self._then = self._then, None
-        if done is not None:
-            done()
-        return False
-
-    def stop(self) -> None:
-        """Nobody writes the block again (after a chunk being written now);
-        a ``then`` waiting for it is called."""
-        with self.lock:
-            self.stopped = True
-            done, self._then = self._then, None
-        if done is not None:
-            done()
-
-
-class _Zeroer:
-    """One daemon thread zeroing large kept blocks in the order they were
-    kept (``ctypes.memset`` releases the GIL); a block whose requester
-    zeroed it meanwhile (``zero_now``) costs it one look.  Each job holds
-    its arena (``owner``) until it is done: an arena dropped meanwhile (the
-    daemon's, when ``serve`` returns) is unmapped only after the zeroer's
-    last write into it, never under it."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, Zeroing, object]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="rpcbuf-zeroer", daemon=True).start()
-
-    def put(self, addr: int, kept: Zeroing, owner: object = None) -> None:
-        self._queue.put((addr, kept, owner))
-
-    def _run(self) -> None:
-        while True:
-            addr, kept, owner = self._queue.get()
-            while kept.step(addr):
-                pass
-            del owner  # the arena may go now (not held while the queue is empty)
 
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in 3.13

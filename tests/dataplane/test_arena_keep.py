@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from test_arena import _maps_of
 
-from dataplane import arena as A
+from dataplane import arena as A, zeroer as Z
 from dataplane.arena import HostArena, Zeroing
 
 PAGE = mmap.PAGESIZE
@@ -51,7 +51,7 @@ def _held_arena(monkeypatch: pytest.MonkeyPatch, chunk: int | None = None
     (``chunk``: the zeroer's chunk too) and its zeroer held."""
     monkeypatch.setattr(A, "ZERO_NOW", PAGE)
     if chunk is not None:
-        monkeypatch.setattr(A, "ZERO_CHUNK", chunk)
+        monkeypatch.setattr(Z, "ZERO_CHUNK", chunk)
     arena = HostArena(64 * PAGE)
     arena.keep = 64 * PAGE
     held = HeldZeroer()
@@ -234,7 +234,7 @@ def test_the_block_a_request_takes_is_zeroed_on_demand_not_after_those_kept_befo
 def test_zero_now_beside_the_zeroer_writes_each_chunk_once_and_finishes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(A, "ZERO_NOW", PAGE)
-    monkeypatch.setattr(A, "ZERO_CHUNK", PAGE)
+    monkeypatch.setattr(Z, "ZERO_CHUNK", PAGE)
     arena = HostArena(256 * PAGE)
     arena.keep = 256 * PAGE
     arena.back(0, 128 * PAGE)
