@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from control.daemon import registry as R
+from control.daemon import lapsed, registry as R
 from control.daemon.registry import Pool, Quota, Registry, Waiter
 from control.wire.errors import NotFound, QuotaExceeded
 from dataplane.arena import HostArena
@@ -130,7 +130,7 @@ def test_renew_storm_does_not_grow_the_expiry_heap() -> None:
         for b in bufs:
             assert b is not None
             reg.renew(b, 60.0)
-    assert len(reg._expiries) <= 2 * 10 + 1024 + 1
+    assert len(reg._leases._heap) <= 2 * 10 + 1024 + 1
     assert reg.next_expiry() is not None
 
 
@@ -155,12 +155,12 @@ def test_a_lapsed_lease_is_named_to_its_tenant_and_remembered_boundedly(
     with pytest.raises(NotFound) as plain:  # released, not lapsed: no word of the old lease
         reg.by_name("alice", "w")
     assert not plain.value.details
-    monkeypatch.setattr(R, "LAPSED_MAX", 8)
+    monkeypatch.setattr(lapsed, "LAPSED_MAX", 8)
     for i in range(20):
         b = reg.try_allocate("alice", pool, 4096, name=f"n{i}", ttl=1.0)
         assert b is not None
     now[0] += 2
-    assert len(reg.expire()) == 20 and len(reg._lapsed) == 8
+    assert len(reg.expire()) == 20 and len(reg._lapsed._when) == 8
 
 
 def test_each_buffer_gets_its_own_memory_and_a_failed_backing_leaves_nothing() -> None:

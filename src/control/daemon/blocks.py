@@ -29,13 +29,13 @@ daemon's expiry timer) and are never served after it (``lookup`` checks).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from control.daemon.buffers import Buffer, Pool
+from control.daemon.leases import Leases
 from control.daemon.registry import Registry
 from control.wire.errors import OutOfMemory, QuotaExceeded
 
@@ -73,9 +73,7 @@ class BlockStore:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._tiers: dict[str, Tier] = {}
-        self._expiries: list[tuple[float, int, str, str]] = []  # (when, seq, tenant, key)
-        self._leased = 0  # blocks with a ttl: the heap is rebuilt past twice that
-        self._seq = itertools.count()
+        self._leases: Leases[tuple[str, str]] = Leases(self._expires_at, self._live_leases)
 
     def _tier(self, tenant: str) -> Tier:
         tier = self._tiers.get(tenant)
@@ -209,11 +207,9 @@ class BlockStore:
             tier.lru[key] = block
             tier.nbytes += block.nbytes
             if expires is not None:
-                self._leased += 1
-                heapq.heappush(self._expiries, (expires, next(self._seq), tenant, key))
+                self._leases.count += 1
+                self._leases.push((tenant, key), expires)
         tier.counts["puts"] += len(keys)
-        if len(self._expiries) > 2 * self._leased + 1024:
-            self._rebuild()
         return expires is not None
 
     def remove(self, tenant: str, keys: list[str]) -> int:
@@ -232,37 +228,31 @@ class BlockStore:
         del tier.lru[block.key]
         tier.nbytes -= block.nbytes
         if block.expires_at is not None:
-            self._leased -= 1
+            self._leases.count -= 1
         if counter is not None:
             tier.counts[counter] += 1
         self._registry.release(block.buf)  # freed now, or when its last reader ends
 
     # -- time ----------------------------------------------------------------------------
 
+    def _expires_at(self, tk: tuple[str, str]) -> float | None:
+        tier = self._tiers.get(tk[0])
+        block = None if tier is None else tier.lru.get(tk[1])
+        return None if block is None else block.expires_at
+
+    def _live_leases(self) -> Iterable[tuple[tuple[str, str], float]]:
+        return (((t, k), b.expires_at) for t, tier in self._tiers.items()
+                for k, b in tier.lru.items() if b.expires_at is not None)
+
     def next_expiry(self) -> float | None:
-        while self._expiries:
-            when, _, tenant, key = self._expiries[0]
-            tier = self._tiers.get(tenant)
-            block = None if tier is None else tier.lru.get(key)
-            if block is not None and block.expires_at == when:
-                return when
-            heapq.heappop(self._expiries)  # stale: replaced, removed or evicted
-        return None
+        return self._leases.next()
 
     def expire(self) -> list[Block]:
         """Drop every block whose ttl ran out; return them."""
-        now = self._registry.clock()
         out: list[Block] = []
-        while (when := self.next_expiry()) is not None and when <= now:
-            _, _, tenant, key = heapq.heappop(self._expiries)
+        for (tenant, key), _ in self._leases.due(self._registry.clock()):
             tier = self._tiers[tenant]
             block = tier.lru[key]
             self._drop(tenant, tier, block, "expired")
             out.append(block)
         return out
-
-    def _rebuild(self) -> None:
-        self._expiries = [(b.expires_at, next(self._seq), t, k)
-                          for t, tier in self._tiers.items() for k, b in tier.lru.items()
-                          if b.expires_at is not None]
-        heapq.heapify(self._expiries)

@@ -49,6 +49,14 @@ class Pool:
             "largest_free": st.largest_free,
         }
 
+    def oom_details(self, size: int) -> dict[str, Any]:
+        """An OUT_OF_MEMORY's details: the device's free bytes are fine for a
+        tenant to see (placement uses them); who holds the rest, and how it
+        is laid out, is not said."""
+        st = self.allocator.stats()
+        return {"requested": size, "free": st.free, "largest_free": st.largest_free,
+                "device": self.key}
+
 
 @dataclass
 class Buffer:
@@ -82,7 +90,7 @@ class Buffer:
     # behind the daemon's back (a writable mapping) must set this False first.
     trusted: bool = True
     # Set while its block, kept from an earlier buffer, is still being zeroed
-    # (``registry._lock_until_zeroed``): done once it is; its range lock is
+    # (``backing.lock_until_zeroed``): done once it is; its range lock is
     # held until then.
     zeroed: asyncio.Future[None] | None = None
     # While it is being given memory of its own (``Pipeline.own``: it shared

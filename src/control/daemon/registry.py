@@ -29,17 +29,16 @@ before a batch changes anything (``charge_entries``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import heapq
-import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from control.daemon.backing import kept_block, lock_until_zeroed, share_of
 from control.daemon.buffers import Buffer, Ids, Pool, Quota
+from control.daemon.lapsed import Lapsed
+from control.daemon.leases import Leases
 from control.daemon.waiters import AGING, MAX_WAITERS, Queues, Waiter
 from control.wire.errors import (
     BadRequest,
@@ -56,13 +55,13 @@ __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Re
            "Waiter"]  # the registry's vocabulary, defined in buffers.py and waiters.py
 
 log = logging.getLogger("rpcbuf.daemon")
-LAPSED_MAX = 4096  # lapsed leases remembered (ids and names), for NOT_FOUND's words
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
 
 
-
-
 class Registry:
+    """Every pool's buffers, their tenants' quotas and leases, and the
+    requests waiting for memory (see the module)."""
+
     def __init__(self, pools: list[Pool], quotas: dict[str, Quota] | None = None,
                  default_quota: Quota | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -76,16 +75,12 @@ class Registry:
         self._tenant_count: dict[str, int] = {}
         self._tenant_waiting: dict[tuple[str, str], int] = {}  # bytes reserved by waiters
         self._waiters: dict[str, Queues] = {k: Queues() for k in self.pools}
-        self._expiries: list[tuple[float, int, str]] = []
-        self._leased = 0  # buffers with a lease: the heap is compacted past twice that
-        self._seq = itertools.count()
+        self._leases: Leases[str] = Leases(self._expires_at, self._live_leases)
         self._ids = Ids()
         self._pool_keys: dict[tuple[str, int], Pool] = {}  # (device_type, device) -> pool
         self.expired_total = 0
         self._expired_by: dict[str, int] = {}
-        # (tenant, id) and (tenant, "=" + name) of buffers whose lease ran out
-        # -> when: a NOT_FOUND for one says so.  The newest LAPSED_MAX only.
-        self._lapsed: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._lapsed = Lapsed(self.clock)  # leases that ran out: NOT_FOUND says so
 
     # -- lookup ---------------------------------------------------------------
 
@@ -111,32 +106,14 @@ class Registry:
             # leaks (a lapsed lease is told only to the tenant it was of).
             # A block is reached by its key only (blocks.py): its buffer id,
             # which an attachment's answer names for detach, writes nothing.
-            raise self._not_found(tenant, buffer_id, f"no buffer {buffer_id!r}")
+            raise self._lapsed.not_found(tenant, buffer_id, f"no buffer {buffer_id!r}")
         return buf
 
     def by_name(self, tenant: str, name: str) -> Buffer:
         bid = self._names.get((tenant, name))
         if bid is None:
-            raise self._not_found(tenant, "=" + name, f"no buffer named {name!r}")
+            raise self._lapsed.not_found(tenant, "=" + name, f"no buffer named {name!r}")
         return self._buffers[bid]
-
-    def _not_found(self, tenant: str, key: str, message: str) -> NotFound:
-        when = self._lapsed.get((tenant, key))
-        if when is None:
-            return NotFound(message)
-        ago = max(0.0, self.clock() - when)
-        return NotFound(f"{message}: its lease ran out {ago:.0f} s ago and it was released",
-                        {"reason": "lease_expired", "expired_at": when})
-
-    def _note_lapsed(self, buf: Buffer, when: float) -> None:
-        keys = [(buf.tenant, buf.buffer_id)]
-        if buf.name is not None:
-            keys.append((buf.tenant, "=" + buf.name))
-        for key in keys:
-            self._lapsed[key] = when
-            self._lapsed.move_to_end(key)
-        while len(self._lapsed) > LAPSED_MAX:
-            self._lapsed.popitem(last=False)
 
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
@@ -176,18 +153,11 @@ class Registry:
             raise OutOfMemory(
                 f"{format_size(size)} can never fit on {pool.key} (largest possible buffer: "
                 f"{format_size(pool.allocator.max_size)})",
-                self._oom_details(pool, size),
+                pool.oom_details(size),
             )
         if name is not None and (tenant, name) in self._names:
             raise BadRequest(f"a buffer named {name!r} already exists", {"name": name})
         self._check_quota(tenant, pool, size, extra)
-
-    def _oom_details(self, pool: Pool, size: int) -> dict[str, Any]:
-        # The device's free bytes are fine for a tenant to see (placement uses
-        # them); who holds the rest, and how it is laid out, is not said.
-        st = pool.allocator.stats()
-        return {"requested": size, "free": st.free, "largest_free": st.largest_free,
-                "device": pool.key}
 
     def try_allocate(self, tenant: str, pool: Pool, size: int, *, name: str | None = None,
                      ttl: float | None = None, session_id: str | None = None,
@@ -201,14 +171,9 @@ class Registry:
         queues = self._waiters[pool.key]
         self._validate(tenant, pool, size, name,
                        self._tenant_waiting.get((tenant, pool.key), 0))
-        if queues and (tenant in queues.by_tenant or self._aged(queues) is not None):
+        if queues and (tenant in queues.by_tenant or queues.aged() is not None):
             return None
         return self._allocate(tenant, pool, size, name, ttl, session_id, like)
-
-    @staticmethod
-    def _aged(queues: Queues) -> Waiter | None:
-        w = queues.oldest()
-        return w if w is not None and time.monotonic() - w.since >= AGING else None
 
     def clone(self, src: Buffer, *, name: str | None = None, ttl: float | None = None,
               session_id: str | None = None) -> Buffer | None:
@@ -224,7 +189,7 @@ class Registry:
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   ttl: float | None, session_id: str | None,
                   like: Buffer | None = None) -> Buffer | None:
-        offset = _kept_block(pool, size) if like is None else None
+        offset = kept_block(pool, size) if like is None else None
         if offset is None:
             offset = pool.allocator.allocate(size)
         if offset is None:
@@ -232,7 +197,7 @@ class Registry:
         alloc_size = pool.allocator.block_size(size)
         back = getattr(pool.arena, "back", None)
         if like is not None:
-            back = functools.partial(_share, pool.arena, like)
+            back = functools.partial(share_of, pool.arena, like)
         zeroing = None
         if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
             try:
@@ -243,7 +208,7 @@ class Registry:
                             alloc_size, exc)
                 why = getattr(exc, "strerror", None) or exc
                 raise OutOfMemory(f"cannot back {format_size(alloc_size)} on {pool.key}: {why}",
-                                  {**self._oom_details(pool, size), "reason": "backing"}) from None
+                                  {**pool.oom_details(size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
             buffer_id=self._ids.next(),
@@ -253,7 +218,7 @@ class Registry:
             ttl=ttl, created_at=now, expires_at=None if ttl is None else now + ttl,
         )
         if zeroing is not None:
-            _lock_until_zeroed(buf, zeroing)
+            lock_until_zeroed(buf, zeroing)
         self._buffers[buf.buffer_id] = buf
         pool.owners[offset] = buf
         if name is not None:
@@ -262,8 +227,8 @@ class Registry:
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + buf.alloc_size
         self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
         if buf.expires_at is not None:
-            self._leased += 1
-            self._push_expiry(buf)
+            self._leases.count += 1
+            self._leases.push(buf.buffer_id, buf.expires_at)
         return buf
 
     def enqueue(self, waiter: Waiter) -> None:
@@ -300,14 +265,14 @@ class Registry:
         if it was an aged oldest waiter (which held the others back); else
         the next of its tenant, if it was that tenant's head.  O(1) then."""
         queues = self._waiters[waiter.pool.key]
-        was_aged = self._aged(queues) is waiter
+        was_aged = queues.aged() is waiter
         mine = queues.by_tenant.get(waiter.tenant)
         was_head = mine is not None and next(iter(mine)) is waiter
         if not self._dequeue(waiter):
             return
         if was_aged:
             self._grant(waiter.pool)
-        elif was_head and self._aged(queues) is None:
+        elif was_head and queues.aged() is None:
             mine = queues.by_tenant.get(waiter.tenant)
             if mine:
                 self._serve(next(iter(mine)))
@@ -320,7 +285,7 @@ class Registry:
 
     def out_of_memory(self, pool: Pool, size: int) -> OutOfMemory:
         return OutOfMemory(f"no block of {format_size(size)} free on {pool.key}",
-                           self._oom_details(pool, size))
+                           pool.oom_details(size))
 
     def _grant(self, pool: Pool) -> None:
         """Serve what fits: the aged oldest waiter alone while it waits past
@@ -328,7 +293,7 @@ class Registry:
         heads that do not fit."""
         queues = self._waiters[pool.key]
         while queues:
-            aged = self._aged(queues)
+            aged = queues.aged()
             if aged is not None:
                 if not self._serve(aged):
                     return  # it still does not fit: nobody passes it now
@@ -369,9 +334,9 @@ class Registry:
             del self._buffers[buf.buffer_id]
         if buf.name is not None and self._names.get((buf.tenant, buf.name)) == buf.buffer_id:
             del self._names[(buf.tenant, buf.name)]
-            self._lapsed.pop((buf.tenant, "=" + buf.name), None)  # an older one's lease
+            self._lapsed.forget_name(buf.tenant, buf.name)  # an older one's lease
         if buf.expires_at is not None:
-            self._leased -= 1
+            self._leases.count -= 1
         if buf.pins == 0:
             self._free(buf)
 
@@ -469,39 +434,28 @@ class Registry:
         buf.ttl = ttl
         buf.session_id = None  # a leased buffer outlives its session
         if buf.expires_at is None:
-            self._leased += 1
+            self._leases.count += 1
         buf.expires_at = self.clock() + ttl
-        self._push_expiry(buf)
+        self._leases.push(buf.buffer_id, buf.expires_at)
 
-    def _push_expiry(self, buf: Buffer) -> None:
-        """Every renew leaves a stale entry behind: past twice the live leases
-        (and a floor) the heap is rebuilt from them, so a renew storm cannot
-        grow it."""
-        assert buf.expires_at is not None
-        heapq.heappush(self._expiries, (buf.expires_at, next(self._seq), buf.buffer_id))
-        if len(self._expiries) > 2 * self._leased + 1024:
-            self._expiries = [(b.expires_at, next(self._seq), b.buffer_id)
-                              for b in self._buffers.values() if b.expires_at is not None]
-            heapq.heapify(self._expiries)
+    def _expires_at(self, buffer_id: str) -> float | None:
+        buf = self._buffers.get(buffer_id)
+        return None if buf is None else buf.expires_at
+
+    def _live_leases(self) -> Iterable[tuple[str, float]]:
+        return ((b.buffer_id, b.expires_at) for b in self._buffers.values()
+                if b.expires_at is not None)
 
     def next_expiry(self) -> float | None:
-        while self._expiries:
-            when, _, bid = self._expiries[0]
-            buf = self._buffers.get(bid)
-            if buf is not None and buf.expires_at == when:
-                return when
-            heapq.heappop(self._expiries)  # stale: released or renewed
-        return None
+        return self._leases.next()
 
     def expire(self) -> list[Buffer]:
         """Release every buffer whose lease has run out; return them."""
-        now = self.clock()
         out: list[Buffer] = []
-        while (when := self.next_expiry()) is not None and when <= now:
-            _, _, bid = heapq.heappop(self._expiries)
+        for bid, when in self._leases.due(self.clock()):
             buf = self._buffers[bid]
             self.release(buf)
-            self._note_lapsed(buf, when)
+            self._lapsed.note(buf, when)
             self.expired_total += 1
             self._expired_by[buf.tenant] = self._expired_by.get(buf.tenant, 0) + 1
             out.append(buf)
@@ -540,48 +494,3 @@ class Registry:
         (tenant, device)."""
         return {"buffers": {t: n for t, n in self._tenant_count.items() if n},
                 "bytes": {k: n for k, n in self._tenant_bytes.items() if n}}
-
-
-def _lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
-    """A new buffer on a kept block that is not all zero yet
-    (``HostArena.back``): all of it locked exclusively, before anyone can
-    name it, until the block is zero (the arena's zeroer, or its requester:
-    ``controlops``), or freed meanwhile; ``buf.zeroed`` is done then.
-    Whatever reads or writes it meanwhile (``Pipeline.lock``) waits."""
-    grant = buf.locks.acquire([(0, buf.alloc_size)], True)  # a new buffer: granted at once
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    buf.zeroed = done
-
-    def release() -> None:
-        buf.locks.release(grant)
-        if not done.done():
-            done.set_result(None)
-
-    def from_zeroer() -> None:
-        try:
-            loop.call_soon_threadsafe(release)
-        except RuntimeError:  # the loop is closed: the daemon is going away
-            pass
-
-    zeroing.then(from_zeroer)
-
-
-def _share(arena: Any, src: Buffer, offset: int, nbytes: int) -> None:
-    """``back`` for a clone of ``src``: map its memory at ``offset``."""
-    if nbytes != src.alloc_size:
-        raise RuntimeError(f"a clone of {src.alloc_size} bytes got a block of {nbytes}")
-    arena.share(src.offset, offset, nbytes)
-
-
-def _kept_block(pool: Pool, size: int) -> int | None:
-    """A free block whose memory the arena keeps backed (``HostArena.keep``),
-    taken from the allocator, when it can take a given block; else None."""
-    at = getattr(pool.allocator, "allocate_at", None)
-    kept = getattr(pool.arena, "kept_block", None)
-    if at is None or kept is None:
-        return None
-    offset = kept(pool.allocator.block_size(size))
-    if offset is None or not at(offset, size):
-        return None
-    return int(offset)

@@ -8,6 +8,7 @@ oldest has waited ``AGING``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,11 @@ class Queues:
 
     def oldest(self) -> Waiter | None:
         return next(iter(self.order), None)
+
+    def aged(self) -> Waiter | None:
+        """The oldest waiter once it has waited ``AGING``: nobody passes it."""
+        w = self.oldest()
+        return w if w is not None and time.monotonic() - w.since >= AGING else None
 
     def heads(self) -> list[Waiter]:
         """Each tenant's first waiter, round-robin from this turn's tenant."""
