@@ -4,7 +4,8 @@ The public face only re-exports; the logic lives in ``control`` and ``dataplane`
 """
 
 from control.client.cluster import Cluster, ClusterError
-from control.client.context import Connector, RpcContext, connect, create_rpc_context
+from control.client.connect import Connector, connect, create_rpc_context
+from control.client.context import RpcContext
 from control.client.model.attached import AttachedModel, attach_model
 from control.client.model.info import ModelInfo, TensorInfo, model_info
 from control.client.model.loader import LoadResult, unload_model

@@ -352,7 +352,7 @@ async def _bench(args: argparse.Namespace) -> int:
 async def _put(args: argparse.Namespace) -> int:
     """Store a .npy file in a new buffer on the first endpoint (said on
     stderr when there are several; ``--endpoint`` picks the node)."""
-    from control.client.context import connect
+    from control.client.connect import connect
 
     arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
     name = cliops.default_name(args.file, args.name, args.ttl)
