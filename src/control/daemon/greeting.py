@@ -4,7 +4,8 @@ the slot of the TCP session a Unix socket session replaces), its token's
 deadline set, and the same-host path granted to a Unix socket session that
 asks for it; then the handle channel that path needs, bound by the client's
 second connection (``bind_handles``, ``take_handles``).  Functions of the
-``Session`` they serve (``session.py``), which calls them from its dispatch.
+session they serve (``session.py``, seen through ``Session`` here), which calls
+them from its dispatch.
 """
 
 from __future__ import annotations
@@ -14,22 +15,56 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from control.daemon.handles import HandleChannel, same_process
 from control.daemon.hello import answer as hello_answer
+from control.daemon.intake import Intake
+from control.daemon.node import Node
 from control.daemon.paths import StagedPath
+from control.daemon.registry import Pool, Registry
 from control.wire import protocol as P
-from control.wire.auth import verify
+from control.wire.auth import Grant, verify
 from control.wire.errors import AuthFailed, BadRequest, QuotaExceeded
 from dataplane import staging
 from dataplane.ucx import NONCE_BYTES
 
-if TYPE_CHECKING:
-    from control.daemon.session import Session
-
 log = logging.getLogger("rpcbuf.daemon")
+
+
+class Session(Protocol):
+    """What a hello sets and reads of its session (``session.Session``)."""
+
+    daemon: Node
+    registry: Registry
+    writer: asyncio.StreamWriter
+    intake: Intake
+    session_id: str
+    nonce: bytes
+    unix: bool
+    peer: Any
+    peer_pid: int | None
+    tenant: str | None
+    grant: Grant | None
+    token_deadline: float
+    token_timer: asyncio.TimerHandle | None
+    handles: HandleChannel | None
+    handles_nonce: bytes | None
+    same_host: StagedPath | None
+    staging_charge: Pool | None
+    copy_stop: threading.Event
+    transfers: set[asyncio.Task[None]]
+
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def owner(self) -> str: ...
+    def abort(self, why: str) -> None: ...
+    def send(self, message: dict[str, Any]) -> None: ...
+    def token_ran_out(self) -> None: ...
+    def transfer_expired(self) -> None: ...
 
 
 def hello(s: Session, req: P.Hello) -> dict[str, Any]:

@@ -16,17 +16,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from control.daemon.node import Node
 from control.daemon.reader import SessionReader
 from control.wire import protocol as P
-
-if TYPE_CHECKING:
-    from control.daemon.session import Session
 
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
 PUMP_FRAMES = 64  # requests one session dispatches per loop turn (then the others' turn)
+
+
+class Session(Protocol):
+    """What the intake sees of its session (``session.Session``)."""
+
+    daemon: Node
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    tasks: dict[int, asyncio.Task[None]]
+    tenant: str | None
+    peer: Any
+    session_id: str
+
+    @property
+    def closed(self) -> bool: ...
+    def dispatch(self, msg: dict[str, Any]) -> None: ...
+    def send(self, message: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def abort(self, why: str) -> None: ...
 
 
 class Intake:
