@@ -172,7 +172,7 @@ def test_a_daemon_restart_is_a_miss_not_an_error(tmp_path: Path,
         assert hit == 0
         e.store(tokens, kv, node=False)  # dropped, with a warning: no exception
         e.clear_local()
-        (tmp_path / "ready").unlink()
+        # (the daemon removed its ready file when it stopped: the new one waits for its own)
         d = start_daemon(tmp_path, *flags)  # the same address and secret, empty
         e.node = d
         time.sleep(1.5)  # the connector tries again at most once a second
