@@ -26,9 +26,22 @@ from .checksum import checksum
 
 
 class Arena(Protocol):
+    """What every arena is (``HostArena``, ``cuda_arena.CudaArena``): its
+    device, its views and checksums, and the backing of each block the
+    registry hands out.  What only host memory does (kept blocks, clones,
+    pre-faulting) is ``HostArena``'s own: ``host_memory`` says whether an
+    arena has it, and the type checker then checks every use."""
+
     device_type: str
     device: int
     size: int
+    kind: str  # the pool key's kind: "cpu", "cuda"
+    granularity: int  # blocks are multiples of this
+    address: int | None  # the first byte's address in this process (None: device memory)
+
+    def back(self, offset: int, nbytes: int) -> Any: ...
+    def unback(self, offset: int, nbytes: int) -> None: ...
+    def export(self, offset: int, nbytes: int) -> int: ...
 
     def view(self, offset: int, nbytes: int) -> Any: ...
 
@@ -75,6 +88,7 @@ class HostArena:
     and no old handle reaches it."""
 
     device_type = "CPU"
+    kind = "cpu"
     granularity = shm.PAGE
     prefault = False  # ``--prefault``: each new buffer's pages are populated (``prefault_range``)
 
@@ -403,6 +417,11 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module gained it only in
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+
+
+def host_memory(arena: Arena) -> HostArena | None:
+    """``arena`` as host memory (kept blocks, clones, pre-faulting), or None."""
+    return arena if isinstance(arena, HostArena) else None
 
 
 def whole_pages(addr: int, nbytes: int) -> tuple[int, int]:

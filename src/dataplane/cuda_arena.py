@@ -82,6 +82,7 @@ class CudaArena:
 
     device_type = "GPU"
     kind = "cuda"
+    address: int | None = None  # device memory: no address in this process
 
     def __init__(self, size: int, device: int = 0, *, vmm: bool | None = False,
                  driver: Driver | None = None) -> None:

@@ -85,9 +85,7 @@ class AttachOps:
         if channel is None:
             raise BadRequest("attach needs the same-host path (a client on the daemon's "
                              "host, on its Unix socket)", {"reason": "not_same_host"})
-        export = getattr(buf.pool.arena, "export", None)
-        if export is None:
-            raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached here")
+        export = buf.pool.arena.export  # a GPU arena without handles raises UNSUPPORTED_DEVICE
         if sum(n for _, n in self._attached.values()) >= MAX_ATTACHED:
             raise QuotaExceeded(f"a session may hold at most {MAX_ATTACHED} attachments",
                                 {"limit": "attachments"})

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from control.daemon.buffers import Buffer, Pool
+from dataplane.arena import host_memory
 
 
 def lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
@@ -48,10 +49,10 @@ def kept_block(pool: Pool, size: int) -> int | None:
     """A free block whose memory the arena keeps backed (``HostArena.keep``),
     taken from the allocator, when it can take a given block; else None."""
     at = getattr(pool.allocator, "allocate_at", None)
-    kept = getattr(pool.arena, "kept_block", None)
-    if at is None or kept is None:
+    host = host_memory(pool.arena)
+    if at is None or host is None:
         return None
-    offset = kept(pool.allocator.block_size(size))
+    offset = host.kept_block(pool.allocator.block_size(size))
     if offset is None or not at(offset, size):
         return None
     return int(offset)

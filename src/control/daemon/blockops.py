@@ -120,7 +120,7 @@ class BlockOps:
         if req.ttl is not None and req.ttl <= 0:
             raise BadRequest("ttl must be positive")
         pool = self._ops.registry.pool_for(req.device_type, req.device)
-        if getattr(pool.arena, "address", None) is None:
+        if pool.arena.address is None:
             raise BadRequest(f"blocks live in host memory; {pool.key} is device memory",
                              {"reason": "device_memory"})
         return sums, pool

@@ -30,10 +30,10 @@ class Pool:
 
     @classmethod
     def create(cls, arena: Arena, allocator: str) -> Pool:
-        kind = getattr(arena, "kind", arena.device_type.lower())  # GPU arenas: "cuda"
+        kind = arena.kind
         # Whole pages on host arenas (one memfd per buffer), the VMM granularity
         # on GPU arenas that back buffers one by one.
-        block = max(256, getattr(arena, "granularity", 256))
+        block = max(256, arena.granularity)
         return cls(f"{kind}:{arena.device}", arena,
                    make_allocator(allocator, arena.size, block))
 

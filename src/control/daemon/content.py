@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dataplane.arena import host_memory
+
 if TYPE_CHECKING:
     from control.daemon.copypool import CopyPool
     from control.daemon.diskcache import DiskCache
@@ -242,9 +244,9 @@ class ContentIndex:
             return False
         if loc.buf is buf:
             return True
-        same = getattr(buf.pool.arena, "same_memory", None)
-        return (same is not None and loc.buf.pool is buf.pool
-                and bool(same(loc.buf.offset, buf.offset)))
+        host = host_memory(buf.pool.arena)
+        return (host is not None and loc.buf.pool is buf.pool
+                and host.same_memory(loc.buf.offset, buf.offset))
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` is still indexed (nothing wrote its bytes since)."""

@@ -23,6 +23,7 @@ from control.daemon.pipeline import Call
 from control.daemon.registry import Buffer, Waiter
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, RpcBufError
+from dataplane.arena import host_memory
 from dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -99,9 +100,9 @@ class ControlOps:
         (registry), so its first op waits for that, and nothing ever reads
         the old bytes.  The zeroer finishes the block whatever becomes of
         this job (nobody awaits it; one that starts late finds nothing to do)."""
-        zero_now = getattr(buf.pool.arena, "zero_now", None)
-        if zero_now is not None:
-            job = self._node.sweeps.submit(buf.tenant, zero_now, buf.offset)
+        host = host_memory(buf.pool.arena)
+        if host is not None:
+            job = self._node.sweeps.submit(buf.tenant, host.zero_now, buf.offset)
             job.future.add_done_callback(_retrieved)
         with contextlib.suppress(TimeoutError):  # answered now, the block still locked
             await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)

@@ -60,7 +60,7 @@ from control.daemon.pipeline import (
 from control.daemon.registry import Buffer
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, NotFound, UnsupportedDevice
-from dataplane.arena import copy_between
+from dataplane.arena import copy_between, host_memory
 from dataplane.checksum import digest128, digests
 
 
@@ -200,7 +200,7 @@ class DedupOps:
         src = call.held.get(req.src_id)  # pinned before the first await
         if req.ttl is not None and req.ttl <= 0:
             raise BadRequest("ttl must be positive")
-        if not hasattr(src.pool.arena, "share"):
+        if host_memory(src.pool.arena) is None:  # only host memory shares (HostArena.share)
             raise UnsupportedDevice(f"buffers on {src.pool.key} cannot be cloned; "
                                     "request one and copy_buffer")
         await self._index_deferred(self._ops.owner, call.held)

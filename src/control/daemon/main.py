@@ -37,7 +37,7 @@ from control.wire.membership import (
     parse_registry,
 )
 from dataplane import progress, sockets, ucx, ucxlib
-from dataplane.arena import HostArena
+from dataplane.arena import HostArena, host_memory
 
 GC_GEN0 = 20_000  # allocations between young-generation collections (CPython: 700)
 log = logging.getLogger("rpcbuf.daemon")
@@ -228,10 +228,10 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
     arenas = make_arenas(args.device, args.gpu_backing)
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
-        if hasattr(arena, "prefault_range"):
-            arena.prefault = bool(args.prefault)
-        if hasattr(arena, "keep"):  # released, never-exported memfds kept zeroed (arena.py)
-            arena.keep = arena.size // 4 if args.keep_freed is None else args.keep_freed
+        host = host_memory(arena)
+        if host is not None:  # released, never-exported memfds kept zeroed (arena.py)
+            host.prefault = bool(args.prefault)
+            host.keep = host.size // 4 if args.keep_freed is None else args.keep_freed
     pools = [Pool.create(a, args.allocator) for a in arenas]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)

@@ -46,6 +46,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from dataplane.arena import host_memory
+
 if TYPE_CHECKING:
     from control.daemon.blocks import BlockStore
     from control.daemon.registry import Registry
@@ -258,9 +260,10 @@ class _StateCollector(Collector):
             pools["largest_free_bytes"].add_metric([key], st.largest_free)
             pools["buffers"].add_metric([key], st.count)
             pools["waiters"].add_metric([key], reg.waiting(pool))
-            pools["kept_bytes"].add_metric([key], getattr(pool.arena, "kept_bytes", 0))
-            pools["zeroing_bytes"].add_metric([key], getattr(pool.arena, "zeroing_bytes", 0))
-            reused.add_metric([key], getattr(pool.arena, "reused", 0))
+            host = host_memory(pool.arena)
+            pools["kept_bytes"].add_metric([key], 0 if host is None else host.kept_bytes)
+            pools["zeroing_bytes"].add_metric([key], 0 if host is None else host.zeroing_bytes)
+            reused.add_metric([key], 0 if host is None else host.reused)
         yield from pools.values()
         yield reused
         buffers = GaugeMetricFamily("rpcbuf_tenant_buffers", "Buffers held by a tenant",

@@ -440,7 +440,7 @@ class InlinePath:
 
 def host_only(buf: Buffer, why: str) -> None:
     """BAD_REQUEST ``device_memory`` (the client then uses UCX) for a device buffer."""
-    if getattr(buf.pool.arena, "address", None) is None:
+    if buf.pool.arena.address is None:
         raise BadRequest(f"{why}; {buf.buffer_id} is on {buf.pool.key}: use the UCX path",
                          {"reason": "device_memory"})
 

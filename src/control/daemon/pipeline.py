@@ -52,6 +52,7 @@ from control.daemon.registry import Buffer, Registry
 from control.wire import protocol as P
 from control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
 from control.wire.units import THREAD_BYTES
+from dataplane.arena import host_memory
 
 Range = tuple[int, int]
 
@@ -255,8 +256,8 @@ class Pipeline:
         another buffer (``clone_buffer``), give it memory of its own holding
         the same bytes (a copy in a worker thread), once, however many
         writers ask at the same time (they all wait for the one copy)."""
-        needs = getattr(buf.pool.arena, "needs_own", None)
-        if needs is None or not needs(buf.offset):
+        host = host_memory(buf.pool.arena)
+        if host is None or not host.needs_own(buf.offset):
             return
         task = buf.owning
         if task is None:
@@ -280,7 +281,8 @@ async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
     freed): the block stays this buffer's even if every request that asked
     for it is gone."""
     try:
-        arena: Any = buf.pool.arena  # a HostArena: only it shares (``needs_own``)
+        arena = host_memory(buf.pool.arena)  # only host memory shares (``needs_own``)
+        assert arena is not None
         try:
             fd = await sweeps.run(buf.tenant, arena.copy_out, buf.offset, buf.alloc_size)
         except OSError as exc:

@@ -195,20 +195,18 @@ class Registry:
         if offset is None:
             return None
         alloc_size = pool.allocator.block_size(size)
-        back = getattr(pool.arena, "back", None)
+        back = pool.arena.back  # the block's own shareable memory (arena.py, cuda_arena.py)
         if like is not None:
             back = functools.partial(share_of, pool.arena, like)
-        zeroing = None
-        if back is not None:  # the block's own shareable memory (arena.py, cuda_arena.py)
-            try:
-                zeroing = back(offset, alloc_size)
-            except (OSError, CudaError) as exc:  # no memory, no fds left: nothing changed
-                pool.allocator.free(offset)
-                log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
-                            alloc_size, exc)
-                why = getattr(exc, "strerror", None) or exc
-                raise OutOfMemory(f"cannot back {format_size(alloc_size)} on {pool.key}: {why}",
-                                  {**pool.oom_details(size), "reason": "backing"}) from None
+        try:
+            zeroing = back(offset, alloc_size)
+        except (OSError, CudaError) as exc:  # no memory, no fds left: nothing changed
+            pool.allocator.free(offset)
+            log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
+                        alloc_size, exc)
+            why = getattr(exc, "strerror", None) or exc
+            raise OutOfMemory(f"cannot back {format_size(alloc_size)} on {pool.key}: {why}",
+                              {**pool.oom_details(size), "reason": "backing"}) from None
         now = self.clock()
         buf = Buffer(
             buffer_id=self._ids.next(),
@@ -365,9 +363,7 @@ class Registry:
             raise RuntimeError(f"{buf.buffer_id}: block {buf.offset} of {pool.key} "
                                "belongs to another buffer")  # a bug: never free it
         del pool.owners[buf.offset]
-        unback = getattr(pool.arena, "unback", None)
-        if unback is not None:
-            unback(buf.offset, buf.alloc_size)
+        pool.arena.unback(buf.offset, buf.alloc_size)
         pool.allocator.free(buf.offset)
         key = (buf.tenant, pool.key)
         # A block handed out by fd stays charged while a session that got it
