@@ -33,10 +33,9 @@ def start(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Run ``coro`` up to its first wait: ``None`` if it finished there
     (an exception it raised is raised here), else the task that runs the
     rest."""
-    loop = asyncio.get_running_loop()
     if EAGER:
-        task: asyncio.Task[None] = asyncio.Task(coro, loop=loop,  # type: ignore[call-arg]
-                                                eager_start=True)
+        task: asyncio.Task[None] = asyncio.Task(  # type: ignore[call-arg]
+            coro, loop=asyncio.get_running_loop(), eager_start=True)
         if task.done():
             task.result()  # retrieved (and raised, if it failed)
             return None
@@ -46,7 +45,9 @@ def start(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         waits_on = ctx.run(coro.send, None)
     except StopIteration:
         return None
-    return loop.create_task(_Rest(coro, waits_on), context=ctx)  # type: ignore[arg-type]
+    # (The loop only now: on 3.11 each get_running_loop() is a getpid() call.)
+    rest: Any = _Rest(coro, waits_on)  # a coroutine by protocol (send, throw, close)
+    return asyncio.get_running_loop().create_task(rest, context=ctx)
 
 
 class _Rest:
