@@ -207,10 +207,10 @@ class _Ring:
 
     async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
                   answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        refused = threading.Event()
-        fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
         pump: asyncio.Future[None] | None = None
         if not self._one:
+            refused = threading.Event()  # the thread stops early on an error answer
+            fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
             deadline = time.monotonic() + self._timeout
             pump = asyncio.get_running_loop().run_in_executor(
                 None, self._area.pump, self._pieces, self._produce, refused.is_set, deadline)
@@ -229,8 +229,7 @@ class _Ring:
         if pump is not None:
             pump.result()  # ours: it stopped short (deadline): staging.Stopped
         elif not self._produce:  # one chunk, read: the daemon is done with the ring
-            staging.scatter(self._area.chunk(0)[:sum(p.nbytes for p in self._pieces)],
-                            self._pieces)
+            staging.scatter(self._area.chunk(0), self._pieces)  # (scatter takes what they hold)
         return result
 
 
