@@ -301,41 +301,35 @@ class StagedPath:
     def carried(self) -> dict[str, Any]:
         return {}
 
-    def _move(self, out: bool, region: Region, items: Items) -> None:
-        """A small op's copy (``out``: region -> staging, a read), on the
-        loop: it is a memcpy of daemon memory, nothing can block it."""
-        slot = self.area.small(items.stage or 0, items.nbytes)
+    def _move(self, out: bool, slot: np.ndarray, region: Region, items: Items,
+              landed: Landed | None) -> None:
+        """A copy between ``slot`` and the region (``out``: region -> slot, a
+        read) on the loop: a memcpy of daemon memory, nothing can block it."""
         pieces = self._pieces(region, items)
         if out:
             staging.gather(pieces, slot)
         else:
             staging.scatter(slot, pieces)
+        if landed is not None:
+            landed(0, len(items))
 
     async def _copy(self, out: bool, region: Region, items: Items,
                     landed: Landed | None = None) -> None:
         """``out``: region -> staging (a read); else staging -> region."""
+        area = self.area
         if self._small(items):
-            self._move(out, region, items)
-            if landed is not None:
-                landed(0, len(items))
+            self._move(out, area.small(items.stage or 0, items.nbytes), region, items, landed)
             return
         if self._ring_busy:
             raise BadRequest("this session's staging ring is in use by another request",
                              {"reason": "ring_busy"})
-        if items.nbytes <= staging.RING_CHUNK and (out or self.area.get(staging.PRODUCED)):
+        if items.nbytes <= staging.RING_CHUNK and (out or area.get(staging.PRODUCED)):
             # One chunk, there already (a store: the client put it in place
             # before asking) or taken after our answer (a read): copied here
             # on the loop like a small slot, a memcpy of our own memory below
             # THREAD_BYTES, where a copy thread's hand-off would cost more.
-            chunk, pieces = self.area.chunk(0)[:items.nbytes], self._pieces(region, items)
-            if out:
-                staging.gather(pieces, chunk)
-                self.area.put(staging.PRODUCED, 1)
-            else:
-                staging.scatter(chunk, pieces)
-                self.area.put(staging.CONSUMED, 1)
-            if landed is not None:
-                landed(0, len(items))
+            self._move(out, area.chunk(0), region, items, landed)
+            area.put(staging.PRODUCED if out else staging.CONSUMED, 1)
             return
         self._ring_busy = True
         try:
