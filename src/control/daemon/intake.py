@@ -143,7 +143,7 @@ class Intake:
                     reader.pause()
                     if slots > 0:  # our turn is over, not our slots: go on next turn
                         asyncio.get_running_loop().call_soon(self._pump)
-                    return  # else _run_task pumps when a slot comes free
+                    return  # else slot_freed pumps when a task ends
                 msgs = decoder.feed(data, room)
                 data = b""
                 budget -= len(msgs)

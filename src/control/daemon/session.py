@@ -371,18 +371,19 @@ class Session:
         call = Call(req_id, held, self._reply)
         if self.ep is not None and _carries_payload(req):
             self.unposted[req_id] = time.monotonic()
-        task = eager.start(self._run_task(call, handler(call, req), op))
+        task = eager.start(self._run_op(call, handler(call, req), op))
         if task is None:
             return  # answered and finished in its first step
         self.tasks[req_id] = task
         if not isinstance(req, P.RequestBuffer):
             self.transfers.add(task)
 
-    async def _run_task(self, call: Call, coro: Any, op: logs.OpRecord) -> None:
-        """A task's request, answered once: with what its op returns or
+    async def _run_op(self, call: Call, coro: Any, op: logs.OpRecord) -> None:
+        """An op's request, answered once: with what the op returns or
         raises, unless the op answered first (a UCX read: then a failure of
         its transfer is only recorded)."""
-        logs.CURRENT.set(op)  # this task's own context: its audit records land on op
+        # (Its audit records land on ``op``: dispatch set logs.CURRENT, and the
+        # op runs in a copy of that context, eagerly or as a task.)
         req_id = call.req_id
         result: dict[str, Any] | RpcBufError
         error: RpcBufError | None = None
