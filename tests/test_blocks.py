@@ -378,3 +378,25 @@ async def test_an_attached_block_is_not_evicted(tier: DaemonProc) -> None:
             assert (await c.blocks_exist(keys[:1])) == [True]
             np.testing.assert_array_equal(view.array(), blocks[keys[0]])
         await c.remove_blocks(keys)
+
+
+async def test_a_refused_get_leaves_the_lru_order_and_the_counts_as_they_were(
+        tier: DaemonProc) -> None:
+    """A block_get refused after its keys were found (here: a bad staging
+    slot) neither makes them the most recently used nor counts hits: the
+    next eviction still takes the oldest block."""
+    blocks = _blocks(5, 4 * MiB, 9)
+    keys = list(blocks)
+    async with tier.connect("small") as c:
+        assert c.same_host
+        for key in keys[:4]:  # the quota holds four beside the staging area
+            await c.put_block(key, blocks[key])
+        before = (await c.stats())["blocks"]
+        with pytest.raises(rpcbuf.BadRequest, match="staging slot"):
+            await _raw(c, {"op": "block_get", "keys": [keys[0]],
+                           "sizes": P.pack_u64([4 * MiB]), "stage": 99})
+        after = (await c.stats())["blocks"]
+        assert after["hits"] == before["hits"] and after["misses"] == before["misses"]
+        await c.put_block(keys[4], blocks[keys[4]])  # evicts the least recently used
+        assert await c.blocks_exist(keys) == [False, True, True, True, True]
+        await c.remove_blocks(keys)

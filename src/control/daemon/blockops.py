@@ -134,7 +134,9 @@ class BlockOps:
         if len(sizes) != n:
             raise BadRequest(f"{n} keys and {len(sizes)} sizes")
         tenant = self._ops.owner
-        found = [self._blocks.lookup(tenant, k) for k in keys]
+        # Not used yet (the LRU order stays) until the request is admitted:
+        # a refusal leaves no trace.
+        found = [self._blocks.lookup(tenant, k, touch=False) for k in keys]
         blocks = [b for i, b in enumerate(found) if b is not None and b.nbytes == sizes[i]]
         if len(blocks) < n:
             missing = [i for i, b in enumerate(found) if b is None or b.nbytes != sizes[i]]
@@ -152,6 +154,7 @@ class BlockOps:
         path.admit(items)  # a bad stage, or too much for a small slot
         for b in blocks:  # pinned now, before the first await
             call.held.keep(b.buf)
+        self._blocks.touch(tenant, blocks)
         self._blocks.count(tenant, "hits", n)
         answer = {"blocks": n, "nbytes": nbytes}
 
@@ -172,13 +175,14 @@ class BlockOps:
         if not 0 < len(req.key) <= P.MAX_BLOCK_KEY:
             raise BadRequest(f"key must be 1 to {P.MAX_BLOCK_KEY} characters")
         tenant = self._ops.owner
-        block = self._blocks.lookup(tenant, req.key)
+        block = self._blocks.lookup(tenant, req.key, touch=False)
         if block is None:
             self._blocks.count(tenant, "misses", 1)
             raise NotFound("no block of that key", {"missing": [0]})
         call.held.keep(block.buf)  # pinned now, before the first await
+        answer = await self._attach(call, block.buf)  # a refusal here leaves no trace
+        self._blocks.touch(tenant, [block])
         self._blocks.count(tenant, "hits", 1)
-        answer = await self._attach(call, block.buf)
         return {**answer, "size": block.nbytes, "meta": block.meta}
 
     # -- quick ops ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ daemon's expiry timer) and are never served after it (``lookup`` checks).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -100,6 +101,16 @@ class BlockStore:
             tier.lru.move_to_end(key)
         return block
 
+    def touch(self, tenant: str, blocks: Iterable[Block]) -> None:
+        """``blocks`` (found by ``lookup(..., touch=False)``) are used now: the
+        most recently used of their tier, those still under their key."""
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return
+        for b in blocks:
+            if tier.lru.get(b.key) is b:
+                tier.lru.move_to_end(b.key)
+
     def count(self, tenant: str, name: str, n: int = 1) -> None:
         self._tier(tenant).counts[name] += n
 
@@ -111,10 +122,13 @@ class BlockStore:
         if tier is None:
             return [], False
         now = self._registry.clock()
-        found = sorted(k for k, b in tier.lru.items()
-                       if (prefix is None or k.startswith(prefix))
-                       and (start_after is None or k > start_after)
-                       and (b.expires_at is None or b.expires_at > now))
+        # The first limit + 1 only (O(n log limit)): a page costs no sort of
+        # the whole tier, however many blocks the tenant holds.
+        found = heapq.nsmallest(limit + 1, (
+            k for k, b in tier.lru.items()
+            if (prefix is None or k.startswith(prefix))
+            and (start_after is None or k > start_after)
+            and (b.expires_at is None or b.expires_at > now)))
         return found[:limit], len(found) > limit
 
     def stats(self, tenant: str) -> dict[str, Any]:
