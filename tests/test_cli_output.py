@@ -294,3 +294,21 @@ def test_doctor_says_why_the_same_host_path_is_not_used(daemon_factory) -> None:
     (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
     assert path["status"] == "warn", path
     assert "--local-socket none" in path["message"] and "slower" in path["message"], path
+
+
+def test_table_cells_are_text_never_markup() -> None:
+    """A buffer name, a block key or a node's record is someone else's
+    string: a ``[`` in it shows as it is, and ``[/x]`` (rich raised
+    MarkupError on it) does not break the table; the usage bar keeps its
+    colours."""
+    from rich.console import Console
+
+    from control.cli import commands, tables
+
+    t = tables.fit("t", [tables.Col("name", key=True), tables.Col("used")],
+                   [["a[bold]b", commands.bar(1, 2)], ["[/x]", "-"]], columns=80)
+    out = Console(width=80, record=True, color_system="truecolor")
+    out.print(t)
+    text = out.export_text(clear=False)
+    assert "a[bold]b" in text and "[/x]" in text
+    assert "\x1b[31m" in out.export_text(styles=True)  # the bar's red part

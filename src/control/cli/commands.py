@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from rich.text import Text
 
 from control.cli import tables
 from control.cli.locate import Found
@@ -301,9 +302,9 @@ async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict
 # -- rendering -------------------------------------------------------------------------
 
 
-def bar(used: int, total: int) -> str:
+def bar(used: int, total: int) -> Text:
     n = round(BAR * used / total) if total else 0
-    return "[red]" + "█" * n + "[/red][green]" + "░" * (BAR - n) + "[/green]"
+    return Text.assemble(("█" * n, "red"), ("░" * (BAR - n), "green"))
 
 
 def _dur(seconds: float) -> str:

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from rich.text import Text
+
 from control.cli import tables
 from control.cli.commands import bar
 from control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
@@ -130,8 +132,8 @@ def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
     now = time.time() if now is None else now
     rows = []
     for r in records.values():
-        devs = "\n".join(f"{d.key} {format_size(d.free)}/{format_size(d.total)} "
-                         f"{bar(d.total - d.free, d.total)}" for d in r.devices) or "-"
+        devs = Text("\n").join(Text(f"{d.key} {format_size(d.free)}/{format_size(d.total)} ")
+                                + bar(d.total - d.free, d.total) for d in r.devices) or "-"
         rows.append([r.node_id, r.address, devs, r.version, age(now - r.started_at),
                      f"{age(now - r.updated_at)} ago"])
     cols = [tables.Col("node", key=True), tables.Col("address", key=True),

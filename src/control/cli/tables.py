@@ -35,9 +35,16 @@ def width() -> int:
     return shutil.get_terminal_size((80, 24)).columns
 
 
-def _text_len(cell: Any) -> int:
-    text = Text.from_markup(cell) if isinstance(cell, str) else Text(str(cell))
-    return max((len(line) for line in text.plain.split("\n")), default=0)
+def _cell(cell: Any) -> Text:
+    """A cell as rich text: a ``Text`` as it is (our own styling, ``bar``),
+    anything else as plain text, never as markup: names, keys and node
+    records are other people's strings, and a ``[`` in one must neither
+    restyle the table nor break it (rich raises on ``[/x]``)."""
+    return cell if isinstance(cell, Text) else Text(str(cell))
+
+
+def _text_len(cell: Text) -> int:
+    return max((len(line) for line in cell.plain.split("\n")), default=0)
 
 
 def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide: bool = False,
@@ -45,6 +52,7 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
     """A rich table of ``rows`` that fits ``columns`` (the terminal's width)."""
     columns = width() if columns is None else columns
     keep = list(range(len(cols)))
+    rows = [[_cell(c) for c in r] for r in rows]
     need = [max([len(c.name)] + [_text_len(r[i]) for r in rows]) for i, c in enumerate(cols)]
 
     def total(idx: list[int]) -> int:  # cell padding 2 + one border per column, + 1
@@ -66,7 +74,7 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
                          min_width=None if c.wrap else need[i], no_wrap=not c.wrap,
                          overflow="fold")
     for r in rows:
-        table.add_row(*[r[i] if isinstance(r[i], str) else str(r[i]) for i in keep])
+        table.add_row(*[r[i] for i in keep])
     return table
 
 
