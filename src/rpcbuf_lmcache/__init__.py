@@ -35,10 +35,11 @@ any later call, with the daemon's sentence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -135,8 +136,7 @@ class RpcbufConnector(RemoteConnector):
                                                      timeout=self.timeout,
                                                      same_host=self._same_host)
                 except _REFUSED as exc:
-                    raise RpcbufAuthError(f"rpcbuf at {self.endpoint} refused the token: "
-                                          f"{exc}") from exc
+                    raise self._refused(exc) from exc
                 except (rpcbuf.RpcBufError, OSError) as exc:
                     self._failed_at = time.monotonic()
                     log.warning("rpcbuf connector: cannot reach %s: %s", self.endpoint, exc)
@@ -157,6 +157,19 @@ class RpcbufConnector(RemoteConnector):
     def _refused(self, exc: BaseException) -> RpcbufAuthError:
         return RpcbufAuthError(f"rpcbuf at {self.endpoint} refused the token: {exc}")
 
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """The one translation of a session's errors, around every call on
+        it: a daemon gone (lost connection, restart, shutdown, a timeout) drops
+        the session and the block ends quietly (the caller answers as for a
+        miss, after the block); a refused token is ``RpcbufAuthError``."""
+        try:
+            yield
+        except _GONE as exc:
+            self._lost(exc)
+        except _REFUSED as exc:
+            raise self._refused(exc) from exc
+
     # -- lookups --------------------------------------------------------------------------
 
     async def _lookup(self, keys: Sequence[CacheEngineKey],
@@ -165,16 +178,12 @@ class RpcbufConnector(RemoteConnector):
         if ctx is None:
             return [None] * len(keys)
         out: list[dict[str, Any] | None] = []
-        try:
+        with self._guarded():
             for at in range(0, len(keys), MAX_BLOCK_KEYS):
                 part = keys[at:at + MAX_BLOCK_KEYS]
                 out += await ctx.lookup_blocks([k.to_string() for k in part], meta=meta)
-        except _GONE as exc:
-            self._lost(exc)
-            return [None] * len(keys)
-        except _REFUSED as exc:
-            raise self._refused(exc) from exc
-        return out
+            return out
+        return [None] * len(keys)
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return (await self._lookup([key]))[0] is not None
@@ -239,24 +248,20 @@ class RpcbufConnector(RemoteConnector):
         ``want`` (``lengths[i]`` bytes of it, else all); the objects of keys
         that were not read are released (None)."""
         try:
-            for part in _batches(want, lambda i: _nbytes(objs[i])):
-                hits = await ctx.get_blocks(
-                    [keys[i].to_string() for i in part],
-                    [_view(objs[i], None if lengths is None else lengths[i]) for i in part])
-                for i, hit in zip(part, hits, strict=True):
-                    if not hit:
-                        _release(objs[i])
-                        objs[i] = None
-        except _GONE as exc:
-            self._lost(exc)
-            return _release_all(objs)
-        except _REFUSED as exc:
-            _release_all(objs)
-            raise self._refused(exc) from exc
+            with self._guarded():
+                for part in _batches(want, lambda i: _nbytes(objs[i])):
+                    hits = await ctx.get_blocks(
+                        [keys[i].to_string() for i in part],
+                        [_view(objs[i], None if lengths is None else lengths[i]) for i in part])
+                    for i, hit in zip(part, hits, strict=True):
+                        if not hit:
+                            _release(objs[i])
+                            objs[i] = None
+                return objs
         except BaseException:
             _release_all(objs)
             raise
-        return objs
+        return _release_all(objs)
 
     async def _get_described(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         found = await self._lookup(keys, meta=True)
@@ -323,16 +328,12 @@ class RpcbufConnector(RemoteConnector):
             return
         metas = [RemoteMetadata(_nbytes(m), m.get_shapes(), m.get_dtypes(),
                                 m.get_memory_format()).serialize() for m in memory_objs]
-        try:
+        with self._guarded():
             for part in _batches(list(range(len(keys))),
                                  lambda i: _nbytes(memory_objs[i])):
                 await ctx.put_blocks([(keys[i].to_string(), _view(memory_objs[i]))
                                       for i in part], ttl=self.ttl,
                                      metas=[metas[i] for i in part])
-        except _GONE as exc:
-            self._lost(exc)
-        except _REFUSED as exc:
-            raise self._refused(exc) from exc
 
     # -- the rest of the interface --------------------------------------------------------
 
@@ -342,27 +343,23 @@ class RpcbufConnector(RemoteConnector):
             return []
         keys: list[str] = []
         after: str | None = None
-        try:
+        with self._guarded():
             while True:
                 page, more = await ctx.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
                 keys += page
                 if not more or not page:
                     return keys
                 after = page[-1]
-        except _GONE as exc:
-            self._lost(exc)
-            return keys
+        return keys
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         async def remove() -> bool:
             ctx = await self._context()
             if ctx is None:
                 return False
-            try:
+            with self._guarded():
                 return await ctx.remove_blocks([key.to_string()]) > 0
-            except _GONE as exc:
-                self._lost(exc)
-                return False
+            return False
         return bool(self._sync(remove()))
 
     def support_ping(self) -> bool:
@@ -372,12 +369,10 @@ class RpcbufConnector(RemoteConnector):
         ctx = await self._context()
         if ctx is None:
             return 1
-        try:
+        with self._guarded():
             await ctx.ping()
-        except _GONE as exc:
-            self._lost(exc)
-            return 1
-        return 0
+            return 0
+        return 1
 
     async def close(self) -> None:
         """Close the session, within ``timeout`` (never hang a shutdown)."""

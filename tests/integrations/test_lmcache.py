@@ -11,6 +11,7 @@ LMCache is not installed (``make test``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -259,3 +260,32 @@ def test_the_client_api_sees_what_lmcache_stored(node: DaemonProc,
     assert info["nbytes"] == CHUNK_BYTES and info["expires_at"] is not None
     assert len(info["meta"]) == 28  # LMCache's RemoteMetadata: length, format, dtype, shape
     assert isinstance(rpcbuf.RpcContext, type)
+
+
+def test_a_token_that_expires_mid_session_is_a_clear_error_on_every_call(
+        node: DaemonProc, engines: list[Engine]) -> None:
+    """Once the daemon ends the session because the token expired, every
+    call says so as ``RpcbufAuthError``: ``list``, ``ping`` and
+    ``remove_sync`` as much as get and put (they let the raw TOKEN_EXPIRED
+    out before)."""
+    from rpcbuf_lmcache import RpcbufAuthError, RpcbufConnector
+
+    good = Engine(_extra(node, node.token("lm6")))  # for a local CPU backend to hand over
+    engines.append(good)
+    backend = good.engine.storage_manager.local_cpu_backend
+    with _Loop() as loop:
+        backend.config.extra_config = _extra(node, node.token("lm6", ttl=2.0))
+        conn = RpcbufConnector(loop=loop, local_cpu_backend=backend, config=backend.config)
+
+        def run(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+        try:
+            assert run(conn.ping()) == 0
+            time.sleep(3.0)  # the token runs out; the daemon ends the session
+            for call in (conn.list, conn.ping):
+                with pytest.raises(RpcbufAuthError, match="TOKEN_EXPIRED"):
+                    run(call())
+        finally:
+            with contextlib.suppress(Exception):
+                run(conn.close())
