@@ -16,12 +16,11 @@ defaults change in this one place, ``CUDA_DEFAULTS``: rendezvous fragments in
 host and device memory (``UCX_RNDV_FRAG_MEM_TYPE=host,cuda``: UCX 1.19+ reads
 this name as the list ``RNDV_FRAG_MEM_TYPES``, and it is the name ucxx looks
 for before it sets ``cuda`` alone, which would leave tcp no host bounce
-buffers to stage device memory through), UCP's own choice of rendezvous
-scheme (``UCX_RNDV_SCHEME=auto``: ``put_zcopy`` excludes the staged
-pipeline protocols that carry device memory where cuda_ipc cannot, e.g.
-over tcp or into VMM memory without a FABRIC handle, leaving "no protocol"
-or a slow path; it is process-wide, so host transfers of a CUDA process
-lose it too), and a ``UCX_TLS`` that the user restricted (``tcp`` in CI,
+buffers to stage device memory through; UCP's own choice of rendezvous
+scheme, ``UCX_RNDV_SCHEME=auto``, is every process's default: ``put_zcopy``
+excludes the staged pipeline protocols that carry device memory where
+cuda_ipc cannot, and needs the tcp PUT that ``UCX_FORCED`` turns off), and
+a ``UCX_TLS`` that the user restricted (``tcp`` in CI,
 say) gains ``cuda_copy,cuda_ipc`` (without them UCX cannot move device
 memory at all).  An unset ``UCX_TLS`` means all transports, which includes
 both.  Every value the user set is kept.
@@ -76,8 +75,7 @@ UCX_FORCED: dict[str, str] = {
     "UCX_TCP_PUT_ENABLE": "n",
 }
 
-CUDA_DEFAULTS: dict[str, str] = {
-    "UCX_RNDV_SCHEME": "auto",
+CUDA_DEFAULTS: dict[str, str] = {  # (UCX_RNDV_SCHEME=auto is every process's default)
     "UCX_RNDV_FRAG_MEM_TYPE": "host,cuda",
 }
 CUDA_TLS = ("cuda_copy", "cuda_ipc")

@@ -171,19 +171,18 @@ def select(env: Any = None) -> None:
     if "ucxx" in sys.modules and not _loaded:
         chosen = choice(env)
         where = check_single()
-        want = lib_dir(chosen) if chosen != "system" else None
+        want = lib_dir(chosen)
         if where and want and os.path.realpath(want) != where:
             raise UnusableUCX(f"ucxx was imported before rpcbuf and loaded the UCX at {where}, "
                               f"not {ENV}={chosen}: import rpcbuf (or call "
                               "dataplane.ucxlib.select()) before ucxx")
         _route_remaps()
         return
+    load(env)
     try:
         import libucx
     except ImportError:
-        load(env)  # no wheel: ucxx's extensions find libucp.so.0 by soname, this one
-        return
-    load(env)
+        return  # no wheel: ucxx's extensions find libucp.so.0 by soname, this one
     libucx.load_library = lambda: list(_loaded)
 
 

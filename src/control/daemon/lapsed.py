@@ -41,5 +41,6 @@ class Lapsed:
             self._when.popitem(last=False)
 
     def forget_name(self, tenant: str, name: str) -> None:
-        """A new buffer took the name: the old one's lapse is no longer news."""
+        """The buffer of that name went (released, or lapsing: ``note``
+        comes after): an older buffer's lapse under the name is no longer news."""
         self._when.pop((tenant, "=" + name), None)

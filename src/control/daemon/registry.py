@@ -49,6 +49,7 @@ from control.wire.errors import (
     UnsupportedDevice,
 )
 from control.wire.units import format_size
+from dataplane.arena import host_memory
 from dataplane.cuda_vmm import CudaError
 
 __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Registry",
@@ -404,7 +405,7 @@ class Registry:
     def host_pool(self) -> Pool | None:
         """The first host-memory pool (what memory that is no buffer, such as
         a session's staging area, is charged on); None on a GPU-only node."""
-        return next((p for p in self.pools.values() if p.key.startswith("cpu:")), None)
+        return next((p for p in self.pools.values() if host_memory(p.arena) is not None), None)
 
     def charge(self, tenant: str, pool: Pool, nbytes: int) -> None:
         """Count ``nbytes`` of memory that is no buffer of the tenant's (a
