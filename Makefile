@@ -101,7 +101,7 @@ install-service:
 	install -d -m 0755 /etc/rpcbuf
 	test -e /etc/rpcbuf/rpcbufd.toml || install -m 0644 scripts/systemd/rpcbufd.toml /etc/rpcbuf/
 	test -e /etc/rpcbuf/secret || $(PREFIX)/bin/python -c \
-		"from control.wire.auth import load_or_create_secret as s; s('/etc/rpcbuf/secret')"
+		"from rpcbuf.control.wire.auth import load_or_create_secret as s; s('/etc/rpcbuf/secret')"
 	chown rpcbuf:rpcbuf /etc/rpcbuf/secret && chmod 0600 /etc/rpcbuf/secret
 	install -d -o rpcbuf -g rpcbuf -m 0750 /var/lib/rpcbuf /var/log/rpcbuf
 	install -d $(UNITDIR)

@@ -21,7 +21,7 @@ from _bench_plan import Plan
 from _bench_refs import EchoClient
 from benchkit.interrupt import check_interrupted
 from benchkit.timing import Round, alternate, process_cpu_seconds, summarize
-from control.wire import protocol as P
+from rpcbuf.control.wire import protocol as P
 
 
 async def bench_control(ctx: rpcbuf.RpcContext, echo: EchoClient, plan: Plan) -> dict[str, Any]:

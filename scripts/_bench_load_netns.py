@@ -36,7 +36,7 @@ def spawn(host: netns.Host, secret: Path) -> None:
     ready.unlink(missing_ok=True)
     env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": host.veth_ns,
            "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONPATH": str(benchkit.SRC)}
-    cmd = ["ip", "netns", "exec", host.ns, sys.executable, "-m", "control.daemon",
+    cmd = ["ip", "netns", "exec", host.ns, sys.executable, "-m", "rpcbuf.control.daemon",
            "--listen", host.addr, "--ucx-port", "0", "--device", ARENA,
            "--secret-file", str(secret), "--ready-file", str(ready),
            "--node-id", f"host{host.index}", "--log-level", "WARNING"]

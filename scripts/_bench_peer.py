@@ -38,7 +38,7 @@ import threading
 import numpy as np
 
 from benchkit.procs import write_ready
-from control.wire import protocol as P
+from rpcbuf.control.wire import protocol as P
 
 MODE_QUIT, MODE_STORE, MODE_READ, MODE_ECHO = 0, 1, 2, 3
 READ_CHUNK = 1 << 16

@@ -3,13 +3,13 @@
 Why separate processes and ucxx's own progress: the reference used to be a
 ``RawPeer`` in the benchmark's own process, talking to a listener that also
 served the echo and raw-socket references, and both ends ran through
-``dataplane.ucx.ucxx()``, i.e. rpcbuf's own ``AdaptiveProgress`` (poll while
+``rpcbuf.dataplane.ucx.ucxx()``, i.e. rpcbuf's own ``AdaptiveProgress`` (poll while
 busy, sleep on epoll otherwise) under uvloop.  That made the reference as
 slow as rpcbuf's progress engine wherever the engine is the limit, so the
 ratio said little.  Here each end imports ``ucxx`` itself (never
-``dataplane.ucx.ucxx()``), with the tuned environment the issue names
+``rpcbuf.dataplane.ucx.ucxx()``), with the tuned environment the issue names
 (``UCXPY_PROGRESS_MODE=blocking``, ``UCX_RNDV_SCHEME=auto``, 2 MiB tcp
-segments: ``dataplane.ucx.UCX_DEFAULTS``, set only where unset), so ucxx's
+segments: ``rpcbuf.dataplane.ucx.UCX_DEFAULTS``, set only where unset), so ucxx's
 stock blocking mode runs, which after its first event keeps polling (the
 ucxx 0.52 behaviour ``AdaptiveProgress`` exists to avoid in a daemon;
 for a reference it is the fastest progress there is).  Since both ends then
@@ -27,7 +27,7 @@ command a line on stdin (``store N ITERS``, ``read N ITERS``, ``quit``),
 timing each exchange, and answers one JSON line ``{"samples": [...]}`` (seconds)
 on ``--result-fd``.  Either writes its ready file once listening/connected,
 and exits when its parent goes away.  Imports: numpy, ucxx, the kit's
-ready file, ``dataplane.ucx`` for the defaults' values only.
+ready file, ``rpcbuf.dataplane.ucx`` for the defaults' values only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import numpy as np
 import benchkit
 
 benchkit.loopback_ucx_env()
-from dataplane.ucx import UCX_DEFAULTS  # noqa: E402  (values only: no ucxx import)
+from rpcbuf.dataplane.ucx import UCX_DEFAULTS  # noqa: E402  (values only: no ucxx import)
 
 for _key, _value in UCX_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
@@ -67,7 +67,7 @@ def load(progress: str) -> tuple[Any, Callable[[], contextlib.AbstractContextMan
     ``progress.busy()`` (``adaptive``: what the old in-process reference ran, kept
     to measure the difference)."""
     if progress == "adaptive":
-        from dataplane import progress, ucx
+        from rpcbuf.dataplane import progress, ucx
 
         return ucx.ucxx(), progress.busy
     import ucxx
@@ -113,7 +113,7 @@ def receive_buffer(nbytes: int, memory: str) -> tuple[np.ndarray, Any]:
     ``madvise`` or ``always`` mode it gets 2 MiB pages).  ``nohuge``: the
     same with ``MADV_NOHUGEPAGE`` (4 KiB pages).  ``memfd``: a memfd mapped
     shared at a fixed address inside a reserved anonymous range, then sealed
-    read-only, as ``dataplane.arena.HostArena.back`` does for every buffer
+    read-only, as ``rpcbuf.dataplane.arena.HostArena.back`` does for every buffer
     (shmem pages: 4 KiB unless ``shmem_enabled`` allows huge ones)."""
     if memory == "anon":
         buf = np.empty(nbytes, dtype=np.uint8)
@@ -122,7 +122,7 @@ def receive_buffer(nbytes: int, memory: str) -> tuple[np.ndarray, Any]:
     import ctypes
     import mmap
 
-    from dataplane import shm
+    from rpcbuf.dataplane import shm
 
     span = -(-nbytes // shm.PAGE) * shm.PAGE
     region = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

@@ -43,7 +43,7 @@ from _bench_peer import (
 )
 from benchkit import procs
 from benchkit.timing import Round, blocking, timed_sync
-from control.wire import protocol as P
+from rpcbuf.control.wire import protocol as P
 
 
 def memcpy_round(dst: np.ndarray, src: np.ndarray) -> Round:

@@ -47,8 +47,8 @@ class Config:
     key: str
     what: str
     env: dict[str, str | None] = field(default_factory=dict)  # over BASE_ENV; None: unset
-    rpcbuf_env: bool = True  # dataplane.ucx.UCX_DEFAULTS in the environment
-    adaptive: bool = True  # dataplane.ucx.ucxx() (AdaptiveProgress) + progress.busy()
+    rpcbuf_env: bool = True  # rpcbuf.dataplane.ucx.UCX_DEFAULTS in the environment
+    adaptive: bool = True  # rpcbuf.dataplane.ucx.ucxx() (AdaptiveProgress) + progress.busy()
     same_host: bool = False  # worker-address endpoints, error handling off; cma, memcpy
     drain: bool = False  # AdaptiveProgress variant: worker.progress() after progress_once()
 
@@ -111,7 +111,7 @@ def child_env(cfg: Config) -> dict[str, str]:
     """The environment of ``cfg``'s two processes: ours without any UCX_/UCXPY_
     variable, then ``BASE_ENV``, rpcbuf's UCX defaults where ``cfg`` says,
     ``cfg.env`` (None: unset); PYTHONPATH gets this checkout's ``src/``."""
-    from dataplane.ucx import UCX_DEFAULTS  # does not import ucxx
+    from rpcbuf.dataplane.ucx import UCX_DEFAULTS  # does not import ucxx
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "UCXPY_"))}
     env.update(BASE_ENV)
@@ -126,7 +126,7 @@ def child_env(cfg: Config) -> dict[str, str]:
 def load_ucxx(cfg: Config) -> tuple[Any, Callable[[], Any]]:
     """ucxx (imported only now: the environment is ours) and the busy() marker."""
     if cfg.adaptive:
-        from dataplane import progress, ucx
+        from rpcbuf.dataplane import progress, ucx
 
         mod = ucx.ucxx()
         if cfg.drain:
@@ -139,7 +139,7 @@ def load_ucxx(cfg: Config) -> tuple[Any, Callable[[], Any]]:
 
 def _drain_each_turn() -> None:
     """The ``rpcbuf-drain`` variant: AdaptiveProgress's polling loop (a copy of
-    ``dataplane.ucx``'s ``_poll_until_armed``) with one change: a turn that made
+    ``rpcbuf.dataplane.ucx``'s ``_poll_until_armed``) with one change: a turn that made
     progress also calls ``worker.progress()``, which repeats
     ``ucp_worker_progress`` until nothing is left (ucxx's PollingMode calls only
     that), instead of one ``progress_once()`` per event-loop turn."""

@@ -43,7 +43,7 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
   CPU from the others).
 
 Every process gets the same UCX settings: ``UCX_TLS=tcp``,
-``UCX_NET_DEVICES=lo`` and ``dataplane.ucx.UCX_DEFAULTS`` (blocking
+``UCX_NET_DEVICES=lo`` and ``rpcbuf.dataplane.ucx.UCX_DEFAULTS`` (blocking
 progress, auto rendezvous, 2 MiB tcp segments), each only where the
 environment does not already set it.  So raw ucxx runs with the fastest
 settings found (DESIGN.md "Facts measured here"), as the goal demands.
@@ -164,7 +164,7 @@ import benchkit
 # UCX reads its environment when ucxx is imported: set ours before anything can.
 benchkit.loopback_ucx_env()
 
-from dataplane import ucx  # noqa: E402
+from rpcbuf.dataplane import ucx  # noqa: E402
 
 ucx.apply_defaults()  # blocking progress, auto rendezvous, tcp PUT off: us and our children
 

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dataplane.allocator import Allocator
-from dataplane.allocators import ALLOCATORS, make_allocator
+from rpcbuf.dataplane.allocator import Allocator
+from rpcbuf.dataplane.allocators import ALLOCATORS, make_allocator
 
 GiB = 1 << 30
 POOL_BYTES = 192 * GiB  # before scaling: the 70B's 128 GiB of weights plus 64 GiB

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import rpcbuf
 from benchkit import loopback_ucx_env, procs
 from benchkit.report import format_table, machine_meta, progress_printer, write_json
-from dataplane.allocator import BuddyAllocator
-from dataplane.arena import HostArena
+from rpcbuf.dataplane.allocator import BuddyAllocator
+from rpcbuf.dataplane.arena import HostArena
 
 progress = progress_printer("bench_attach")
 GIB, MIB = 1 << 30, 1 << 20

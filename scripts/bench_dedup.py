@@ -50,7 +50,7 @@ import rpcbuf  # noqa: E402
 from benchkit import MiB  # noqa: E402
 from benchkit.procs import Daemon  # noqa: E402
 from benchkit.report import format_table, machine_meta, progress_printer, write_json  # noqa: E402
-from control.client.context import same_host_default  # noqa: E402
+from rpcbuf.control.client.context import same_host_default  # noqa: E402
 
 progress = progress_printer("bench_dedup")
 SCENARIOS = ("first", "again, same name", "again, new name", "after restart")

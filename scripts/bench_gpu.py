@@ -15,7 +15,7 @@ Rows (median of ``--rounds`` after a warm-up; bytes / median time):
 * device checksum (``devsum``) throughput.
 
 The daemon gets ``--device cuda:0:SIZE`` and the UCX settings of
-``dataplane.ucx`` (CUDA defaults, each overridable by the environment).
+``rpcbuf.dataplane.ucx`` (CUDA defaults, each overridable by the environment).
 Writes JSON (``--json``) naming the GPU, the driver and every number.
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 import benchkit  # noqa: F401  (puts this checkout's src/ on sys.path)
-from dataplane import ucx
+from rpcbuf.dataplane import ucx
 
 ucx.apply_defaults(cuda=True)
 
@@ -44,7 +44,7 @@ import cupy as cp  # noqa: E402
 import rpcbuf  # noqa: E402
 from benchkit.procs import Daemon  # noqa: E402
 from benchkit.report import format_table, write_json  # noqa: E402
-from dataplane.devsum import device_devsum  # noqa: E402
+from rpcbuf.dataplane.devsum import device_devsum  # noqa: E402
 
 
 def gpu_time(fn: Any, rounds: int) -> list[float]:

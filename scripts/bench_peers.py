@@ -61,7 +61,7 @@ import benchkit
 
 benchkit.loopback_ucx_env()
 
-from dataplane import ucx  # noqa: E402
+from rpcbuf.dataplane import ucx  # noqa: E402
 
 ucx.apply_defaults()  # rpcbuf's UCX defaults, for us and the daemon (the peers get their own)
 

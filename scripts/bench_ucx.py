@@ -40,7 +40,7 @@ Every configuration runs with ``UCX_TLS=tcp`` (``sm,self`` where named),
 (the protocols UCX selected land in the logs and are parsed) and
 ``RPCBUF_UCX_CUDA=0``; any other ``UCX_*``/``UCXPY_*`` variable of the
 caller's environment is dropped, so runs are comparable.  "rpcbuf env" means
-``dataplane.ucx.UCX_DEFAULTS``: ``UCXPY_PROGRESS_MODE=blocking``,
+``rpcbuf.dataplane.ucx.UCX_DEFAULTS``: ``UCXPY_PROGRESS_MODE=blocking``,
 ``UCX_RNDV_SCHEME=put_zcopy``, ``UCX_TCP_TX_SEG_SIZE``/``RX_SEG_SIZE=2m``,
 ``UCX_RNDV_FRAG_MEM_TYPE=host`` (UCX 1.21 takes it as an alias of
 ``UCX_RNDV_FRAG_MEM_TYPES``).  ucxx sets ``UCX_RNDV_THRESH=8192`` when
@@ -54,7 +54,7 @@ Configurations (``key``: what it is)
 * ``thread``, ``polling``, ``ucxx-blocking``: rpcbuf env with that ucxx
   progress mode, driven by ucxx alone (``ucxx-blocking`` is ucxx 0.52's own
   ``BlockingMode``, *without* rpcbuf's ``AdaptiveProgress``);
-* ``rpcbuf``: the reference: rpcbuf env, ``dataplane.ucx.ucxx()`` (so
+* ``rpcbuf``: the reference: rpcbuf env, ``rpcbuf.dataplane.ucx.ucxx()`` (so
   ``AdaptiveProgress`` replaces ucxx's blocking mode) and every transfer in
   ``progress.busy()``, as rpcbufd does;
 * ``rpcbuf-drain``: ``rpcbuf`` whose polling turns also call

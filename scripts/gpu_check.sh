@@ -137,7 +137,7 @@ VPY="$VENV/bin/python"
 purelib=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # The venv also sees the packages of the python that made it (when that
 # python is itself a venv, --system-site-packages alone would not), and this
-# checkout's sources (the daemon and CLI run as -m control.daemon / control.cli).
+# checkout's sources (the daemon and CLI run as -m rpcbuf.control.daemon / rpcbuf.control.cli).
 "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_gpu_check_base.pth"
 echo "$ROOT/src" >"$purelib/_rpcbuf_src.pth"
 
@@ -179,7 +179,7 @@ if missing:
 import cupy
 n = cupy.cuda.runtime.getDeviceCount()
 print(f"cupy {cupy.__version__}: {n} CUDA device(s); ucxx", importlib.import_module("ucxx").__version__)
-from dataplane.cuda_arena import CudaArena
+from rpcbuf.dataplane.cuda_arena import CudaArena
 a = CudaArena(2 << 20, 0, vmm=None)  # what rpcbufd's --gpu-backing auto picks, probe included
 print("CUDA arena on device 0:", a.describe())
 a.close()
@@ -199,7 +199,7 @@ step vmm "$STEP_TIMEOUT" "${PYTEST[@]}" -m gpu -s tests/test_gpu_vmm.py
 # The smoke start is a function of this shell (it must be able to stop the
 # daemon it started), so it bounds itself: 60 s to get ready, 30 s per CLI call.
 smoke() {
-    "$VPY" -m control.daemon --listen 127.0.0.1:0 --ucx-port 0 --secret-file "$tmp/secret" \
+    "$VPY" -m rpcbuf.control.daemon --listen 127.0.0.1:0 --ucx-port 0 --secret-file "$tmp/secret" \
         --ready-file "$tmp/ready" --device cpu:256MiB --device cuda:0:1GiB \
         >"$tmp/daemon.log" 2>&1 &
     daemon_pid=$!
@@ -211,9 +211,9 @@ smoke() {
     done
     if [[ -s "$tmp/ready" ]]; then
         addr=$(cut -d' ' -f1 "$tmp/ready")
-        token=$(timeout 30 "$VPY" -m control.cli token create --secret-file "$tmp/secret" \
+        token=$(timeout 30 "$VPY" -m rpcbuf.control.cli token create --secret-file "$tmp/secret" \
                 --tenant gpucheck) \
-            && timeout 30 "$VPY" -m control.cli devices --endpoint "$addr" --token "$token" \
+            && timeout 30 "$VPY" -m rpcbuf.control.cli devices --endpoint "$addr" --token "$token" \
                 --json && ok=0
         kill -TERM "$daemon_pid"
         timeout 30 tail --pid="$daemon_pid" -f /dev/null || { ok=1; kill -KILL "$daemon_pid"; }

@@ -37,7 +37,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import rpcbuf
-from control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.wire.auth import create_token, load_or_create_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,7 @@ class DaemonProc:
 # and ``set_threshold`` in main leave it off): what proves that nothing the
 # daemon releases waits for a collection (STYLE.md, "nothing rests on the
 # garbage collector").
-GC_DISABLED = ("-c", "import gc, sys; gc.disable(); from control.daemon.main import main; "
+GC_DISABLED = ("-c", "import gc, sys; gc.disable(); from rpcbuf.control.daemon.main import main; "
                      "sys.exit(main(sys.argv[1:]))")
 
 
@@ -98,7 +98,7 @@ def start_daemon(tmp: Path, *flags: str, wait: float = 30,
     tmp.mkdir(parents=True, exist_ok=True)
     secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
     load_or_create_secret(secret)
-    launch = GC_DISABLED if gc_disabled else ("-m", "control.daemon")
+    launch = GC_DISABLED if gc_disabled else ("-m", "rpcbuf.control.daemon")
     args = [sys.executable, *launch, "--listen", "127.0.0.1:0", "--ucx-port", "0",
             "--secret-file", str(secret), "--ready-file", str(ready), *flags]
     if not any(f == "--device" for f in flags):

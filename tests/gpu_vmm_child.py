@@ -1,6 +1,6 @@
 """The other process of tests/test_gpu_vmm.py: it receives a GPU buffer's fd
 over a Unix socket (``socket.recv_fds``), imports it with
-``dataplane.cuda_import.import_buffer`` and does what ``MODE`` says, answering
+``rpcbuf.dataplane.cuda_import.import_buffer`` and does what ``MODE`` says, answering
 one JSON message per step on the same socket.
 
     python tests/gpu_vmm_child.py read|write|bandwidth SOCKET_FD
@@ -54,8 +54,8 @@ def main() -> int:
     req = json.loads(data)
     import cupy as cp
 
-    from dataplane.cuda_import import import_buffer
-    from dataplane.devsum import devsum
+    from rpcbuf.dataplane.cuda_import import import_buffer
+    from rpcbuf.dataplane.devsum import devsum
 
     try:
         imp = import_buffer(fds[0], req["nbytes"], req["device"], writable=mode == "bandwidth")

@@ -4,7 +4,7 @@ namespace by a veth pair.
 ``netns_hosts`` (a pytest fixture, module scope) makes three namespaces; host
 i gets a /30 of 10.77.0.0/24 on its veth pair (root end 10.77.0.(4i+1),
 its own address 10.77.0.(4i+2)) and one rpcbufd (``ip netns exec NS python
--m control.daemon``) with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` set to its
+-m rpcbuf.control.daemon``) with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` set to its
 veth.  Clients run in the root namespace, as subprocesses whose UCX uses the
 three root ends (``NetnsCluster.client_env``): the test process's own UCX
 context was made for loopback and cannot change.  (A bridge would read
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.wire.auth import create_token, load_or_create_secret
 
 SUBNET = "10.77.0"
 PREFIX = "rpcbuf-"  # namespace names: rpcbuf-<pid>-<i>
@@ -104,7 +104,7 @@ class Host:
         ready.unlink(missing_ok=True)
         env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": self.veth_ns,
                "UCX_WARN_UNUSED_ENV_VARS": "n"}
-        cmd = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "control.daemon",
+        cmd = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "rpcbuf.control.daemon",
                # The UCX port is learnt in hello; a fixed one would stay in TIME_WAIT
                # after a killed daemon, so a restarted one takes any free port.
                "--listen", self.addr, "--ucx-port", "0", "--device", "cpu:64MiB",

@@ -19,9 +19,9 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
-from control.client.handles import check_read_only
-from control.wire import protocol as P
-from dataplane import shm
+from rpcbuf.control.client.handles import check_read_only
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import shm
 
 READER = """
 import asyncio, os, sys, numpy as np, rpcbuf

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 import rpcbuf
-from control.client.tensors import (
+from rpcbuf.control.client.tensors import (
     ManifestTable,
     Packed,
     bulk_views,
@@ -21,8 +21,8 @@ from control.client.tensors import (
     plan_offsets,
     plan_spans,
 )
-from control.wire import protocol as P
-from dataplane import staging
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import staging
 
 # -- through a daemon -------------------------------------------------------------------------
 

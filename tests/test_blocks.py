@@ -13,9 +13,9 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, metrics_url, pool_free, wait_free
-from control.client.blockops import HOST, _transfer
-from control.wire import protocol as P
-from dataplane.checksum import checksum
+from rpcbuf.control.client.blockops import HOST, _transfer
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane.checksum import checksum
 
 MiB = 1 << 20
 

@@ -29,7 +29,7 @@ def rpcbuf(d: DaemonProc | None, *args: str, tenant: str = "cli",
     if d is not None:
         env["RPCBUF_ENDPOINTS"] = d.addr
         env["RPCBUF_TOKEN"] = d.token(tenant)
-    res = subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                          text=True, timeout=timeout, cwd=ROOT, env=env)
     assert "Traceback" not in res.stderr, res.stderr
     return res
@@ -147,7 +147,7 @@ def test_version_bare_commands_and_mistyped_flags() -> None:
 
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert api.__version__ == version
-    for tool, prog in (("control.cli", "rpcbuf"), ("control.daemon", "rpcbufd")):
+    for tool, prog in (("rpcbuf.control.cli", "rpcbuf"), ("rpcbuf.control.daemon", "rpcbufd")):
         res = subprocess.run([sys.executable, "-m", tool, "--version"], capture_output=True,
                              text=True, timeout=60, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -186,7 +186,7 @@ def test_units_and_device_names_match_across_commands(cli_daemon: DaemonProc,
     assert res.returncode == 1 and "[OUT_OF_MEMORY]" in res.stderr, res.stderr
     assert "128.0 MiB can never fit on cpu:0" in res.stderr and " bytes" not in res.stderr, \
         res.stderr
-    helped = subprocess.run([sys.executable, "-m", "control.daemon", "--help"],
+    helped = subprocess.run([sys.executable, "-m", "rpcbuf.control.daemon", "--help"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
                                  "COLUMNS": "200"})

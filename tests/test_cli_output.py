@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, DaemonProc
-from control.wire.auth import create_token, load_keys
-from control.wire.errors import ALL_CODES
+from rpcbuf.control.wire.auth import create_token, load_keys
+from rpcbuf.control.wire.errors import ALL_CODES
 
 sys.path.insert(0, str(ROOT / "tests" / "hardening"))
 from fakedaemon import FakeDaemon
@@ -42,7 +42,7 @@ def cli_env(columns: int = 80, token: str | None = None) -> dict[str, str]:
 
 def run(*args: str, columns: int = 80, token: str | None = None,
         cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                          text=True, timeout=60, cwd=cwd, env=cli_env(columns, token))
     assert "Traceback" not in res.stderr + res.stdout, res.stderr
     return res
@@ -167,7 +167,7 @@ async def test_every_error_code_is_a_sentence_without_a_traceback(tmp_path: Path
             for args in (["devices"], ["ls", "--json"],
                          ["get", "x", "--out", str(tmp_path / "x.npy")]):
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "control.cli", *args, "--endpoint", addr,
+                    sys.executable, "-m", "rpcbuf.control.cli", *args, "--endpoint", addr,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     cwd=ROOT, env=cli_env(80, "t"))
                 out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -220,7 +220,7 @@ async def test_a_protocol_mismatch_names_both_versions() -> None:
     addr = await fake.start()
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "control.cli", "status", "--endpoint", addr,
+            sys.executable, "-m", "rpcbuf.control.cli", "status", "--endpoint", addr,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
             env=cli_env(80, "t"))
         _, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -303,7 +303,7 @@ def test_table_cells_are_text_never_markup() -> None:
     colours."""
     from rich.console import Console
 
-    from control.cli import commands, tables
+    from rpcbuf.control.cli import commands, tables
 
     t = tables.fit("t", [tables.Col("name", key=True), tables.Col("used")],
                    [["a[bold]b", commands.bar(1, 2)], ["[/x]", "-"]], columns=80)

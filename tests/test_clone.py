@@ -17,8 +17,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc
-from control.wire import protocol as P
 from models import cached_model, write_safetensors
+from rpcbuf.control.wire import protocol as P
 from test_reload import WRITERS, model, upload
 
 pytestmark = pytest.mark.both_paths
@@ -228,7 +228,7 @@ async def test_a_clone_of_a_buffer_the_index_forgot_still_reloads_in_place(
     has none. A dedup re-load of that clone still finds every tensor in
     place (it maps the source's memory at the same offsets) instead of
     copying it from another copy, which would give it memory of its own."""
-    from control.daemon.content import MAX_LOCATIONS
+    from rpcbuf.control.daemon.content import MAX_LOCATIONS
 
     m = model()
     a, layout, _ = await upload(ctx, m)

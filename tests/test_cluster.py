@@ -22,9 +22,6 @@ import pytest
 
 import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
-from control.client.model.metadata import META_TENSOR
-from control.client.model.modelfile import open_model
-from control.client.model.record import LOAD_TENSOR
 from models import (
     gguf_tensors,
     llama_tensors,
@@ -32,6 +29,9 @@ from models import (
     write_raw_safetensors,
     write_safetensors,
 )
+from rpcbuf.control.client.model.metadata import META_TENSOR
+from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.control.client.model.record import LOAD_TENSOR
 
 TOKEN_TENANT = "loader"
 
@@ -233,7 +233,7 @@ async def test_node_killed_mid_upload(tmp_path: Path, model_dir: Path) -> None:
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "COLUMNS": "200"})
 

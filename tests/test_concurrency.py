@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.wire import protocol as P
+from rpcbuf.control.wire import protocol as P
 
 pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 

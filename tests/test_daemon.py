@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.wire.auth import load_or_create_secret, verify_token
+from rpcbuf.control.wire.auth import load_or_create_secret, verify_token
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     (["--listen", "127.0.0.1:x"], "bad address"),
 ])
 def test_bad_flags_fail_clearly(tmp_path: Path, flags: list[str], message: str) -> None:
-    res = run("control.daemon", "--secret-file", str(tmp_path / "s"), *flags)
+    res = run("rpcbuf.control.daemon", "--secret-file", str(tmp_path / "s"), *flags)
     assert res.returncode != 0
     assert message in res.stderr
     assert "Traceback" not in res.stderr
@@ -47,7 +47,7 @@ def test_port_in_use_is_a_clear_error(daemon, tmp_path: Path) -> None:  # type: 
                         (["--listen", "127.0.0.1:0", "--ucx-port", "0", "--metrics", daemon.addr],
                          f"--metrics {daemon.addr}")):
         ready.write_text("127.0.0.1:1 1\n")  # what a daemon killed with SIGKILL left
-        res = run("control.daemon", "--secret-file", str(tmp_path / "s"), *flags,
+        res = run("rpcbuf.control.daemon", "--secret-file", str(tmp_path / "s"), *flags,
                   "--device", "cpu:1MiB", "--ready-file", str(ready))
         used = port if flag.startswith(("--listen", "--metrics")) else str(daemon.ucx_port)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
@@ -66,11 +66,13 @@ def test_the_ready_file_exists_while_the_daemon_listens(daemon_factory) -> None:
 
 def test_token_cli(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    res = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "alice",
+    res = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",
+              "alice",
               "--ttl", "24h", "--create")
     assert res.returncode == 0, res.stderr
     assert verify_token(load_or_create_secret(secret), res.stdout.strip()) == "alice"
-    bad = run("control.cli", "token", "create", "--secret-file", str(secret), "--tenant", "a b")
+    bad = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",
+              "a b")
     assert bad.returncode == 2 and "bad tenant" in bad.stderr
 
 
@@ -78,21 +80,23 @@ async def test_cli_devices_ls_release(clean_pool) -> None:  # type: ignore[no-un
     async with clean_pool.connect("alice") as c:
         buf = await c.request_buffer(4096, name="cli-test")
         tok = clean_pool.token("alice")
-        res = await asyncio.to_thread(run, "control.cli", "devices", "--endpoints",
+        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "devices", "--endpoints",
                                       f"{clean_pool.addr};127.0.0.1:1", "--token", tok, "--json")
         out = json.loads(res.stdout)
         assert res.returncode == 1  # one node failed: reported per node
         assert out[clean_pool.addr][0]["key"] == "cpu:0"
         assert out["127.0.0.1:1"]["code"] == "CONNECTION_LOST"
-        res = await asyncio.to_thread(run, "control.cli", "ls", "--endpoint", clean_pool.addr,
+        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "ls", "--endpoint",
+                                      clean_pool.addr,
                                       "--token", tok)
         assert res.returncode == 0 and buf in res.stdout and "cli-test" in res.stdout
-        res = await asyncio.to_thread(run, "control.cli", "release", buf, "--endpoint",
+        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "release", buf, "--endpoint",
                                       clean_pool.addr, "--token", tok)
         assert res.returncode == 0, res.stderr
         with pytest.raises(rpcbuf.NotFound):
             await c.get_buffer_meta(buf)
-        res = await asyncio.to_thread(run, "control.cli", "ls", "--endpoint", clean_pool.addr,
+        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "ls", "--endpoint",
+                                      clean_pool.addr,
                                       "--token", "forged")
         assert res.returncode == 1 and "AUTH_FAILED" in res.stderr
 

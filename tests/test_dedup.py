@@ -9,10 +9,10 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, start_daemon
-from control.client.dedup import content_hashes
-from control.daemon.diskcache import HEADER, DiskCache
-from control.wire import protocol as P
-from dataplane.checksum import checksum, digest128
+from rpcbuf.control.client.dedup import content_hashes
+from rpcbuf.control.daemon.diskcache import HEADER, DiskCache
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane.checksum import checksum, digest128
 
 
 def tensors(n: int = 12, seed: int = 0, size: int = 5000) -> dict[str, np.ndarray]:
@@ -160,8 +160,8 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
         clean_pool: DaemonProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from control.client.model import reading
     from models import llama_tensors, write_safetensors
+    from rpcbuf.control.client.model import reading
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
     hashed: list[str] = []
@@ -218,8 +218,8 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
     import asyncio
     import contextlib
 
-    from control.client.model import loader, reading
     from models import llama_tensors, write_safetensors
+    from rpcbuf.control.client.model import loader, reading
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
     hashed: list[str] = []
@@ -265,9 +265,9 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
 
 
 def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
-    from control.daemon import config
-    from control.daemon.main import build_parser
-    from dataplane.arena import HostArena
+    from rpcbuf.control.daemon import config
+    from rpcbuf.control.daemon.main import build_parser
+    from rpcbuf.dataplane.arena import HostArena
 
     assert config.resolve(build_parser(), ["--secret-file", "s", "--prefault"]).prefault
     (tmp_path / "c.toml").write_text("prefault = true\n")

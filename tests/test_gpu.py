@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from dataplane import devsum as D
+from rpcbuf.dataplane import devsum as D
 
 pytestmark = pytest.mark.gpu
 
@@ -48,8 +48,8 @@ def test_device_devsum_matches_host(cp, n: int, skip: int) -> None:  # type: ign
 
 
 def test_cuda_arena(cp) -> None:  # type: ignore[no-untyped-def]
-    from dataplane.cuda_arena import CudaArena
-    from dataplane.devops import widen_f16
+    from rpcbuf.dataplane.cuda_arena import CudaArena
+    from rpcbuf.dataplane.devops import widen_f16
 
     arena = CudaArena(1 << 20, 0)
     desc = arena.describe()

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import rpcbuf
-from control.client.arrays import as_bytes, is_cuda
-from control.client.datapath import Transfer
-from control.wire import protocol as P
-from dataplane import devsum as D, ucx
+from rpcbuf.control.client.arrays import as_bytes, is_cuda
+from rpcbuf.control.client.datapath import Transfer
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import devsum as D, ucx
 
 FAKE = Path(__file__).parent / "fakecupy"
 
@@ -98,7 +98,7 @@ def test_ucx_reads_the_cuda_defaults_as_meant() -> None:
     leaves them alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_RNDV")}
     env.update({"UCX_TLS": "tcp", "UCX_LOG_LEVEL": "error", "RPCBUF_UCX_CUDA": "1"})
-    code = ("from dataplane import ucx; ucx.ucxx(); from ucxx._lib import libucxx as u; "
+    code = ("from rpcbuf.dataplane import ucx; ucx.ucxx(); from ucxx._lib import libucxx as u; "
             "c = dict(u.UCXContext().config); print(c['RNDV_FRAG_MEM_TYPES'], c['RNDV_SCHEME'])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env=env)
@@ -111,7 +111,7 @@ def test_ucx_reads_the_cuda_defaults_as_meant() -> None:
 
 def _daemon(tmp: Path, *flags: str, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control.daemon", "--secret-file",
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.daemon", "--secret-file",
                            str(tmp / "s"), "--listen", "127.0.0.1:0", "--ucx-port", "0", *flags],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})

@@ -35,7 +35,7 @@ def cp() -> Any:
     from test_gpu import _cupy
 
     cupy = _cupy()
-    from dataplane.cuda_arena import CudaArena
+    from rpcbuf.dataplane.cuda_arena import CudaArena
 
     # What the daemon would pick: the device's attributes and the probe (one
     # granule created, mapped, given access, exported and released).
@@ -54,7 +54,7 @@ def cp() -> Any:
 
 @pytest.fixture
 def arena(cp: Any) -> Iterator[Any]:
-    from dataplane.cuda_arena import CudaArena
+    from rpcbuf.dataplane.cuda_arena import CudaArena
 
     a = CudaArena(1 << 30, 0, vmm=True)
     yield a
@@ -129,7 +129,7 @@ class Child:
 def _exported(cp: Any, arena: Any, nbytes: int, seed: int, mode: str) -> tuple[Any, int]:
     """A backed buffer of ``nbytes`` holding a pattern, its handle sent to a
     child in ``mode``: (the child, the pattern's devsum)."""
-    from dataplane.devsum import device_devsum
+    from rpcbuf.dataplane.devsum import device_devsum
 
     arena.back(0, nbytes)
     data = pattern(cp, nbytes, seed)
@@ -141,10 +141,10 @@ def _exported(cp: Any, arena: Any, nbytes: int, seed: int, mode: str) -> tuple[A
 
 
 def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
-    from dataplane import devsum as D
-    from dataplane.checksum import xxh3
-    from dataplane.cuda_arena import copy_device
-    from dataplane.cuda_vmm import open_driver
+    from rpcbuf.dataplane import devsum as D
+    from rpcbuf.dataplane.checksum import xxh3
+    from rpcbuf.dataplane.cuda_arena import copy_device
+    from rpcbuf.dataplane.cuda_vmm import open_driver
 
     g = arena.granularity
     rec = open_driver(0).granularity(recommended=True)
@@ -152,7 +152,7 @@ def test_vmm_arena_on_the_gpu(cp: Any, arena: Any) -> None:
     record(vmm_granularity=g, vmm_granularity_recommended=rec)
     d = arena.describe()
     assert d["backing"] == "vmm" and d["granularity"] == g and g % 4096 == 0
-    from dataplane.cuda_arena import CudaArena
+    from rpcbuf.dataplane.cuda_arena import CudaArena
 
     auto = CudaArena(64 * MiB, 0, vmm=None)  # where VMM works, it is what auto picks
     assert auto.backing == "vmm", auto.describe()
@@ -205,7 +205,7 @@ def test_write_through_a_read_only_import_fails(cp: Any, arena: Any) -> None:
 def test_copy_bandwidth_into_an_imported_buffer(cp: Any, arena: Any) -> None:
     """The same-host store: the client imports read-write and copies device to
     device itself.  Bandwidth against a plain CuPy copy, printed, not asserted."""
-    from dataplane.devsum import device_devsum
+    from rpcbuf.dataplane.devsum import device_devsum
 
     nbytes = 256 * MiB
     arena.back(0, nbytes)
@@ -235,8 +235,8 @@ def test_copy_bandwidth_into_an_imported_buffer(cp: Any, arena: Any) -> None:
 
 
 def test_back_unback_1000_buffers_leaks_nothing(cp: Any) -> None:
-    from dataplane.cuda_arena import CudaArena
-    from dataplane.cuda_vmm import open_driver
+    from rpcbuf.dataplane.cuda_arena import CudaArena
+    from rpcbuf.dataplane.cuda_vmm import open_driver
 
     drv = open_driver(0)
     g = drv.granularity()

@@ -12,8 +12,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
-from control.wire import protocol as P
 from hardening.rawwire import Raw
+from rpcbuf.control.wire import protocol as P
 
 
 @pytest.fixture(autouse=True)

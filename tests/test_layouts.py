@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.client.tensors import ALIGN, plan_layout
+from rpcbuf.control.client.tensors import ALIGN, plan_layout
 
 pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 

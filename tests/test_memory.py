@@ -179,7 +179,7 @@ async def test_daemon_killed_fails_every_pending_call(daemon_factory) -> None:  
 
 
 async def test_transfer_deadline_aborts_a_stalled_store(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    from control.wire import protocol as P
+    from rpcbuf.control.wire import protocol as P
 
     d = daemon_factory("--device", "cpu:16MiB", "--transfer-timeout", "1s")
     start = await pool_free(d)
@@ -220,7 +220,7 @@ async def test_a_big_new_buffer_is_backed_with_memory_before_the_answer(
     """request_buffer answers once a new host buffer's pages are resident
     (control/daemon/prefault.py), so its first store does not fault them in;
     a small one is answered at once; the pool comes back whole."""
-    from dataplane.arena import HostArena
+    from rpcbuf.dataplane.arena import HostArena
 
     if not HostArena(1 << 16).prefault_range(0, 1 << 16):
         pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")

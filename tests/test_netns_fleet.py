@@ -55,7 +55,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsClust
 
 
 def cli(c: NetnsCluster, registry: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control.cli", *args, "--registry", registry,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args, "--registry",
+                           registry,
                            "--cluster", "netns"], capture_output=True, text=True, cwd=ROOT,
                           env={**c.client_env(), "RPCBUF_TOKEN": c.token}, timeout=90)
 

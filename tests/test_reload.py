@@ -21,8 +21,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc
-from control.daemon.content import WRITE_LOG
 from models import cached_model
+from rpcbuf.control.daemon.content import WRITE_LOG
 
 pytestmark = pytest.mark.both_paths
 

@@ -20,8 +20,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
-from control.wire import protocol as P
-from dataplane import shm, staging
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import shm, staging
 
 
 @pytest.fixture(autouse=True)

@@ -25,9 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rpcbuf
-from control.daemon.sdnotify import Notifier, watchdog_interval
-from control.wire.auth import load_or_create_secret
-from dataplane import staging
+from rpcbuf.control.daemon.sdnotify import Notifier, watchdog_interval
+from rpcbuf.control.wire.auth import load_or_create_secret
+from rpcbuf.dataplane import staging
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "scripts" / "systemd" / "rpcbufd.service"
@@ -195,7 +195,7 @@ def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
 
 async def test_metrics_and_audit_after_real_ops(
         daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    import control.client.context
+    import rpcbuf.control.client.context
 
     audit = tmp_path / "audit.log"
     d = daemon_factory("--device", "cpu:16MiB", "--metrics", "127.0.0.1:0",
@@ -206,7 +206,7 @@ async def test_metrics_and_audit_after_real_ops(
         await c.store_tensor(buf, np.ones(4096, np.uint8), offset=64, verify="checksum")
         await c.read_buffer(buf, 0, 1000)
         with monkeypatch.context() as mp:
-            mp.setattr(control.client.context, "checksum", lambda data: 12345)
+            mp.setattr(rpcbuf.control.client.context, "checksum", lambda data: 12345)
             with pytest.raises(rpcbuf.VerifyFailed):
                 await c.store_tensor(buf, np.ones(512, np.uint8), verify="checksum")
         with pytest.raises(rpcbuf.NotFound):
@@ -282,7 +282,7 @@ async def test_metrics_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         res = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "control.daemon", "--secret-file",
+            subprocess.run, [sys.executable, "-m", "rpcbuf.control.daemon", "--secret-file",
                              str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--ucx-port", "0",
                              "--device", "cpu:1MiB", "--metrics", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60, cwd=ROOT)

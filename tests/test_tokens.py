@@ -15,8 +15,8 @@ from pathlib import Path
 import jwt
 import pytest
 
-import control.wire.auth as auth
 import rpcbuf
+import rpcbuf.control.wire.auth as auth
 from conftest import ROOT, DaemonProc, pool_free, wait_free
 
 
@@ -98,7 +98,7 @@ async def test_sighup_rotates_keys(daemon_factory) -> None:  # type: ignore[no-u
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *argv], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
 
 
@@ -156,7 +156,8 @@ async def test_a_secret_file_that_is_not_utf8_keeps_the_running_keys(
             await asyncio.sleep(0.05)
         assert f"{d.secret_file}:1: " in log and "not UTF-8" in log
         assert await c.ping() > 0  # the session and its key survived
-    proc = subprocess.Popen([sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "rpcbuf.control.daemon", "--listen",
+                             "127.0.0.1:0",
                              "--ucx-port", "0", "--device", "cpu:4MiB",
                              "--secret-file", str(d.secret_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

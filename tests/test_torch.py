@@ -15,8 +15,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc
-from control.client import arrays
-from control.client.arrays import as_bytes
+from rpcbuf.control.client import arrays
+from rpcbuf.control.client.arrays import as_bytes
 
 torch = pytest.importorskip(
     "torch", reason="torch is not installed (.ci/run installs torch==2.13.0 where its CPU "
@@ -297,7 +297,7 @@ async def test_a_transformers_model_runs_on_attached_weights(
     env = {**os.environ, "RPCBUF_ENDPOINTS": clean_pool.addr,
            "RPCBUF_TOKEN": clean_pool.token(TENANT), "COLUMNS": "120"}
     res = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "control.cli", "load",
+        subprocess.run, [sys.executable, "-m", "rpcbuf.control.cli", "load",
                          str(tmp_path / "tiny-llama" / "model.safetensors"),
                          "--name", "tiny-llama"],
         capture_output=True, text=True, env=env, timeout=120)

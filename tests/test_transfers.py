@@ -81,10 +81,11 @@ async def test_async_store_returns_a_task(ctx: rpcbuf.RpcContext) -> None:
 
 async def test_verify_failed_is_reported(ctx: rpcbuf.RpcContext,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import control.client.context
+    import rpcbuf.control.client.context
 
     buf = await ctx.request_buffer(1024)
-    monkeypatch.setattr(control.client.context, "checksum", lambda data: 12345)  # client lies
+    # the client lies
+    monkeypatch.setattr(rpcbuf.control.client.context, "checksum", lambda data: 12345)
     with pytest.raises(rpcbuf.VerifyFailed) as info:
         await ctx.store_tensor(buf, np.ones(1024, np.uint8), verify="checksum")
     assert info.value.details["expected"] == 12345
@@ -125,7 +126,7 @@ async def test_ucx_progress_drains_each_loop_turn(clean_pool,  # type: ignore[no
     """The client's progress engine makes more than one progress call per
     turn of the loop while UCX has work (``progress.drain``), within its bounds,
     and the bytes still arrive whole (16 MiB each way over UCX)."""
-    from dataplane import progress
+    from rpcbuf.dataplane import progress
 
     turns: list[tuple[int, float, int]] = []  # (most, seconds, progress calls made)
     real = progress.drain

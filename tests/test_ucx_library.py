@@ -1,4 +1,4 @@
-"""Which UCX each side really runs on (``dataplane.ucx.library``), what the
+"""Which UCX each side really runs on (``rpcbuf.dataplane.ucx.library``), what the
 node says of its own (``stats()["ucx"]``), and the sentences ``rpcbuf
 doctor`` makes of them (``cli.doctor.ucx_checks``, a pure function)."""
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from control.cli.doctor import ucx_checks
-from dataplane import ucx, ucxlib
+from rpcbuf.control.cli.doctor import ucx_checks
+from rpcbuf.dataplane import ucx, ucxlib
 
 pytestmark = pytest.mark.ucx_path
 
@@ -139,7 +139,7 @@ def _daemon_argv(tmp: Path) -> list[str]:
 
 
 def _start(tmp: Path, env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[str]:
-    code = prelude + "import sys; from control.daemon.main import main; " \
+    code = prelude + "import sys; from rpcbuf.control.daemon.main import main; " \
                      "sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *_daemon_argv(tmp)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, **env})
@@ -155,7 +155,7 @@ def test_a_daemon_refuses_at_start_a_ucx_it_cannot_use(tmp_path: Path) -> None:
         assert got.stderr.startswith("rpcbufd: RPCBUF_UCX=") and said in got.stderr
         assert "Traceback" not in got.stderr and not (tmp_path / "ready").exists()
     # A UCX older than the minimum: the wheel's, against a minimum above it
-    got = _start(tmp_path, {}, "import dataplane.ucxlib as u; u.MIN_VERSION = (99, 0, 0); ")
+    got = _start(tmp_path, {}, "import rpcbuf.dataplane.ucxlib as u; u.MIN_VERSION = (99, 0, 0); ")
     assert got.returncode == 2, got.stderr[-3000:]
     assert "is too old: rpcbuf needs UCX 99.0.0 or newer" in got.stderr
     assert "Traceback" not in got.stderr and not (tmp_path / "ready").exists()
@@ -224,7 +224,7 @@ CLIENT_ON = textwrap.dedent("""
     import asyncio, json, sys
     import numpy as np
     import rpcbuf
-    from dataplane import ucx
+    from rpcbuf.dataplane import ucx
 
     async def main():
         async with rpcbuf.connect(sys.argv[1], token=sys.argv[2], timeout=30,
@@ -262,7 +262,7 @@ def test_two_ucx_installs_in_one_process_are_refused(tmp_path: Path) -> None:
     site = _copy_of_the_wheel(tmp_path / "site")
     code = textwrap.dedent(f"""
         import ctypes
-        from dataplane import ucxlib
+        from rpcbuf.dataplane import ucxlib
         ctypes.CDLL({str(Path(ucxlib.lib_dir("wheel") or "", "libucs.so.0"))!r})
         try:
             ucxlib.select({{"RPCBUF_UCX": {str(site)!r}}})
@@ -280,7 +280,8 @@ def test_doctor_on_a_refused_ucx_shows_that_ucx_not_a_token_failure(daemon_facto
     """Seen: on the UCX path the refusal came out as `FAIL token ... [UCX_UNUSABLE]`."""
     d = daemon_factory("--device", "cpu:16MiB")
     env = {**os.environ, "RPCBUF_UCX": str(tmp_path / "none"), "RPCBUF_SAME_HOST": "0"}
-    got = subprocess.run([sys.executable, "-m", "control.cli", "doctor", "--endpoints", d.addr,
+    got = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoints",
+                          d.addr,
                           "--token", d.token()], env=env, capture_output=True, text=True,
                          timeout=120)
     assert got.returncode == 1, got.stdout + got.stderr[-3000:]
@@ -296,7 +297,7 @@ def test_ucxx_imported_on_another_ucx_before_rpcbuf_chose_is_refused(tmp_path: P
     site = _copy_of_the_wheel(tmp_path / "site")
     code = textwrap.dedent(f"""
         import ucxx  # the wheel's UCX, before rpcbuf could choose
-        from dataplane import ucxlib
+        from rpcbuf.dataplane import ucxlib
         try:
             ucxlib.select({{"RPCBUF_UCX": {str(site)!r}}})
         except ucxlib.UnusableUCX as exc:

@@ -10,7 +10,7 @@ SIGCONT (it may be paused), SIGTERM, a bounded wait, then SIGKILL.
 
 ``Daemon`` is a real ``rpcbufd`` on free loopback ports (control and UCX),
 with a fresh node secret and a token for one tenant, started the way tests
-and people start it (``python -m control.daemon ... --ready-file``); it can
+and people start it (``python -m rpcbuf.control.daemon ... --ready-file``); it can
 be stopped and started again on the same directory (the dedup benchmark's
 restart keeps its disk cache).
 """
@@ -144,7 +144,7 @@ class Daemon:
     def __init__(self, tmp: Path, *flags: str, tenant: str = "bench",
                  log_level: str = "WARNING", ready_timeout: float = 60.0,
                  stop_timeout: float = 15.0, env: dict[str, str] | None = None) -> None:
-        from control.wire.auth import create_token, load_or_create_secret
+        from rpcbuf.control.wire.auth import create_token, load_or_create_secret
 
         self.tmp, self.flags, self.env = tmp, list(flags), env
         if "--device" not in self.flags:
@@ -163,7 +163,7 @@ class Daemon:
         return self.proc.pid
 
     def command(self, ready: Path) -> list[str]:
-        return [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0",
+        return [sys.executable, "-m", "rpcbuf.control.daemon", "--listen", "127.0.0.1:0",
                 "--ucx-port", "0", "--secret-file", str(self.secret),
                 "--ready-file", str(ready), "--log-level", self.log_level, *self.flags]
 

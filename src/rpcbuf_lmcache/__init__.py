@@ -49,7 +49,7 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import rpcbuf
-from control.wire.protocol import MAX_BLOCK_KEYS
+from rpcbuf.control.wire.protocol import MAX_BLOCK_KEYS
 
 __all__ = ["RpcbufAuthError", "RpcbufConnector"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from control.client.fileload import FileTensor, request
-from control.wire import protocol as P
-from control.wire.errors import BadRequest
+from rpcbuf.control.client.fileload import FileTensor, request
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest
 
 Q = FileTensor("q", "|u1", (2, 34), 64, 68, 512, 1 << 100, 7, "Q8_0", (2, 32))
 F = FileTensor("f", "<f4", (4,), 0, 16, 0, 3, 9, "F32", (4,))

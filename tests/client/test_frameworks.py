@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
-from control.client.arrays import check_framework, host_array
+from rpcbuf.control.client.arrays import check_framework, host_array
 
 
 def test_an_unknown_framework_is_a_bad_request() -> None:

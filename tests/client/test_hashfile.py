@@ -13,9 +13,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from control.client.dedup import content_hashes
-from control.client.model import hashfile, metadata as MD
-from control.client.model.hashfile import (
+from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
+from rpcbuf.control.client.dedup import content_hashes
+from rpcbuf.control.client.model import hashfile, metadata as MD
+from rpcbuf.control.client.model.hashfile import (
     MAX_BYTES,
     describe,
     hash_model,
@@ -23,9 +24,8 @@ from control.client.model.hashfile import (
     read_manifest,
     write_manifest,
 )
-from control.client.model.modelfile import open_model
-from control.wire.errors import BadRequest
-from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
+from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.control.wire.errors import BadRequest
 
 
 def written(path: Path) -> Path:

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 import rpcbuf
-from control.client.model import record as LR
+from rpcbuf.control.client.model import record as LR
 
 
 def rec(slot: int, names: list[str], state: str = LR.COMMITTED, load: str = "a" * 16,

@@ -15,19 +15,19 @@ import msgpack
 import numpy as np
 import pytest
 
-from control.client.model import metadata as MD
-from control.client.model.info import parse_tensors, slot_of
-from control.client.model.modelcheck import (
+from models import write_raw_safetensors
+from rpcbuf.control.client.model import metadata as MD
+from rpcbuf.control.client.model.info import parse_tensors, slot_of
+from rpcbuf.control.client.model.modelcheck import (
     MAX_METADATA_BYTES,
     MAX_METADATA_ITEMS,
     MAX_METADATA_KEYS,
     MAX_NAME,
     check_gguf,
 )
-from control.client.model.modelfile import open_model
-from control.wire import protocol as P
-from control.wire.errors import BadRequest
-from models import write_raw_safetensors
+from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest
 
 FAST = 0.5  # seconds: refused at the length, not after reading
 U8, U32, STRING, ARRAY = 0, 4, 8, 9
@@ -325,7 +325,7 @@ def test_parse_tensors_refuses_a_manifest_that_is_no_map() -> None:
 
 
 def test_the_manifest_cache_refuses_entries_that_are_no_entries() -> None:
-    from control.client.tensorops import TensorOps
+    from rpcbuf.control.client.tensorops import TensorOps
 
     ops = TensorOps(None)  # type: ignore[arg-type]  # remember() is synchronous: no I/O
     meta = {"manifest_version": 1, "tensors_end": 256}

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import rpcbuf
-from control.client.model import placement as PL
 from models import gguf_tensors, llama_tensors
+from rpcbuf.control.client.model import placement as PL
 
 MiB = 1 << 20
 

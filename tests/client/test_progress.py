@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.progress import Progress
 
-from control.client.progress import byte_columns
+from rpcbuf.control.client.progress import byte_columns
 
 
 def test_done_total_and_speed_are_in_binary_units() -> None:

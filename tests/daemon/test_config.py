@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from conftest import ROOT
-from control.daemon import config
-from control.daemon.main import build_parser
-from control.daemon.registry import Quota
+from rpcbuf.control.daemon import config
+from rpcbuf.control.daemon.main import build_parser
+from rpcbuf.control.daemon.registry import Quota
 
 EXAMPLE = ROOT / "scripts" / "systemd" / "rpcbufd.toml"
 INTERNAL = {"config", "command_line", "from_file"}
@@ -176,7 +176,8 @@ def test_reload_keeps_flags_and_fails_whole(tmp_path: Path) -> None:
 
 
 def run_daemon(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "control.daemon", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.daemon", *args],
+                          capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
 
 
@@ -218,7 +219,7 @@ def test_bad_service_flags_fail_clearly(tmp_path: Path, flags: list[str], messag
 
 
 def test_a_missing_model_dir_stops_the_daemon_at_start(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "control.daemon", "--secret-file",
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.daemon", "--secret-file",
                           str(tmp_path / "s"), "--model-dir", str(tmp_path / "nope"),
                           "--listen", "127.0.0.1:0", "--ucx-port", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)

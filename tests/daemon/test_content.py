@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from control.daemon import content as C
-from control.daemon.content import ContentIndex
-from control.daemon.registry import Buffer, Pool, Registry
-from dataplane.arena import HostArena
+from rpcbuf.control.daemon import content as C
+from rpcbuf.control.daemon.content import ContentIndex
+from rpcbuf.control.daemon.registry import Buffer, Pool, Registry
+from rpcbuf.dataplane.arena import HostArena
 
 TENANT = "alice"
 

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from control.daemon.diskcache import HEADER, MAGIC, MASK64, DiskCache, tenant_key
-from dataplane.checksum import checksum, digest128
+from rpcbuf.control.daemon.diskcache import HEADER, MAGIC, MASK64, DiskCache, tenant_key
+from rpcbuf.dataplane.checksum import checksum, digest128
 
 
 def entry(data: np.ndarray) -> tuple[int, int, bytes]:
@@ -134,7 +134,7 @@ def test_unsafe_cache_dir_is_refused(dirs: tuple[Path, Path], why: str) -> None:
     fragment = "owned by uid 65534" if why == "other-owner" else "writable by group or others"
     with pytest.raises(ValueError, match=fragment):
         DiskCache(cache, 1 << 20)
-    args = [sys.executable, "-m", "control.daemon", "--listen", "127.0.0.1:0", "--ucx-port",
+    args = [sys.executable, "-m", "rpcbuf.control.daemon", "--listen", "127.0.0.1:0", "--ucx-port",
             "0", "--device", "cpu:1MiB", "--secret-file", str(cache.parent / "secret"),
             "--cache-dir", str(cache)]
     res = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=60)

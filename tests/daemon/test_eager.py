@@ -9,7 +9,7 @@ import contextvars
 
 import pytest
 
-from control.daemon import eager
+from rpcbuf.control.daemon import eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 

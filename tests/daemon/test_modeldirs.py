@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from control.client.model.modelfile import open_model
-from control.daemon.modeldirs import ModelFiles
-from control.wire.errors import BadRequest, Forbidden, NotFound
 from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
+from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.control.daemon.modeldirs import ModelFiles
+from rpcbuf.control.wire.errors import BadRequest, Forbidden, NotFound
 
 
 @pytest.fixture
@@ -210,8 +210,8 @@ def big_metadata_gguf(path: Path, strings: int) -> Path:
 # (a walk through a memory map makes no reads to hook, and takes seconds).
 _TRUNCATE_DURING_WALK = """
 import os, sys, threading
-from control.daemon.modeldirs import ModelFiles
-from control.wire.errors import BadRequest
+from rpcbuf.control.daemon.modeldirs import ModelFiles
+from rpcbuf.control.wire.errors import BadRequest
 path = os.path.join(sys.argv[1], "big.gguf")
 files = ModelFiles([sys.argv[1]])
 f = files.open("big.gguf")

@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import xxhash
 
-from control.daemon.content import ContentIndex
-from control.daemon.copypool import CopyPool
-from control.daemon.dataops import DataOps
-from control.daemon.dedupops import DedupOps
-from control.daemon.paths import DataPath, Items, Region
-from control.daemon.pipeline import Call, Held, Pipeline
-from control.daemon.registry import Buffer, Pool, Registry
-from control.wire import protocol as P
-from control.wire.errors import OutOfRange, VerifyFailed
-from control.wire.runs import plan_runs, run_tag
-from dataplane.arena import HostArena
+from rpcbuf.control.daemon.content import ContentIndex
+from rpcbuf.control.daemon.copypool import CopyPool
+from rpcbuf.control.daemon.dataops import DataOps
+from rpcbuf.control.daemon.dedupops import DedupOps
+from rpcbuf.control.daemon.paths import DataPath, Items, Region
+from rpcbuf.control.daemon.pipeline import Call, Held, Pipeline
+from rpcbuf.control.daemon.registry import Buffer, Pool, Registry
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import OutOfRange, VerifyFailed
+from rpcbuf.control.wire.runs import plan_runs, run_tag
+from rpcbuf.dataplane.arena import HostArena
 
 TENANT = "alice"
 
@@ -288,7 +288,7 @@ async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_wi
     import os
     import threading
 
-    from control.daemon.attachops import AttachOps
+    from rpcbuf.control.daemon.attachops import AttachOps
 
     rig = Rig()
     arena = rig.pool.arena

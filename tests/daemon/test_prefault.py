@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from control.daemon import prefault
-from control.daemon.copypool import CopyPool
-from dataplane.arena import HostArena
+from rpcbuf.control.daemon import prefault
+from rpcbuf.control.daemon.copypool import CopyPool
+from rpcbuf.dataplane.arena import HostArena
 
 _sweeps: list[CopyPool] = []
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from control.daemon import lapsed, registry as R
-from control.daemon.registry import Pool, Quota, Registry, Waiter
-from control.wire.errors import NotFound, QuotaExceeded
-from dataplane.arena import HostArena
+from rpcbuf.control.daemon import lapsed, registry as R
+from rpcbuf.control.daemon.registry import Pool, Quota, Registry, Waiter
+from rpcbuf.control.wire.errors import NotFound, QuotaExceeded
+from rpcbuf.dataplane.arena import HostArena
 
 MIB = 1 << 20
 
@@ -167,7 +167,7 @@ def test_each_buffer_gets_its_own_memory_and_a_failed_backing_leaves_nothing() -
     """Host buffers are page-sized blocks with a memfd each (``back`` at
     allocation, ``unback`` at free); when backing fails (no memory, no
     fds) the request is OUT_OF_MEMORY and nothing is allocated or charged."""
-    from control.wire.errors import OutOfMemory
+    from rpcbuf.control.wire.errors import OutOfMemory
 
     reg, pool = make()
     small = reg.try_allocate("alice", pool, 100)
@@ -197,7 +197,7 @@ async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
     ``buf.zeroed`` is done once the zeroer has finished."""
     import asyncio
 
-    from dataplane import arena as A
+    from rpcbuf.dataplane import arena as A
 
     monkeypatch.setattr(A, "ZERO_NOW", 4096)
     reg, pool = make()
@@ -293,7 +293,7 @@ def test_a_kept_block_needs_no_prefault_and_a_fresh_one_does() -> None:
     """A request on a kept block (zeroed, so every page backed) is answered
     at once: pre-faulting resident pages still walks them all (64-126 ms
     per GiB). A fresh block of that size is pre-faulted first."""
-    from control.daemon.controlops import ControlOps
+    from rpcbuf.control.daemon.controlops import ControlOps
 
     reg, pool = make(64 * MIB)
     pool.arena.keep = 16 * MIB

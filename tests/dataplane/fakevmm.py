@@ -1,4 +1,4 @@
-"""A fake ``dataplane.cuda_vmm.Driver`` that records calls and enforces the rules.
+"""A fake ``rpcbuf.dataplane.cuda_vmm.Driver`` that records calls and enforces the rules.
 
 ``FakeGpu`` is one device's physical memory, shared by the drivers that use
 it (one ``FakeDriver`` per "process"): an allocation lives while a handle to
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from dataplane.cuda_vmm import CudaError, Support
+from rpcbuf.dataplane.cuda_vmm import CudaError, Support
 
 MiB = 1 << 20
 

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from dataplane.allocator import (
+from rpcbuf.dataplane.allocator import (
     Allocator,
     AllocatorError,
     AllocatorStats,
     BuddyAllocator,
     LinearAllocator,
 )
-from dataplane.allocators import ALLOCATORS, make_allocator
-from dataplane.slab import SlabAllocator
+from rpcbuf.dataplane.allocators import ALLOCATORS, make_allocator
+from rpcbuf.dataplane.slab import SlabAllocator
 
 
 def take(a: Allocator, size: int) -> int:

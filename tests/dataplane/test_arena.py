@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from dataplane import shm
-from dataplane.arena import HostArena
+from rpcbuf.dataplane import shm
+from rpcbuf.dataplane.arena import HostArena
 
 PAGE = mmap.PAGESIZE
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from test_arena import _maps_of
 
-from dataplane import arena as A, zeroer as Z
-from dataplane.arena import HostArena, Zeroing
+from rpcbuf.dataplane import arena as A, zeroer as Z
+from rpcbuf.dataplane.arena import HostArena, Zeroing
 
 PAGE = mmap.PAGESIZE
 
@@ -284,7 +284,7 @@ def test_an_arena_dropped_while_its_zeroer_runs_is_not_written_after_unmapping()
 
     script = textwrap.dedent("""
         import gc, time
-        from dataplane.arena import HostArena
+        from rpcbuf.dataplane.arena import HostArena
         MIB = 1 << 20
         a = HostArena(512 * MIB)
         a.keep = 512 * MIB

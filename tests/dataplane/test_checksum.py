@@ -1,4 +1,4 @@
-"""``dataplane.checksum.digests``: both hashes in one pass, equal to the two
+"""``rpcbuf.dataplane.checksum.digests``: both hashes in one pass, equal to the two
 hashes computed apart, for every length around XXH3's input-size paths."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane import checksum as C
+from rpcbuf.dataplane import checksum as C
 
 
 @pytest.mark.parametrize("n", [*range(0, 300), 1023, 1024, 1025, 4096, 65_537, (1 << 20) + 3])

@@ -1,8 +1,8 @@
 """GPU buffers on CUDA VMM, the logic a CPU can check: the per-buffer backing
-(``dataplane.cuda_backing``), the client's import (``dataplane.cuda_import``)
-and the arena's choice of backing (``dataplane.cuda_arena``) over a fake
+(``rpcbuf.dataplane.cuda_backing``), the client's import (``rpcbuf.dataplane.cuda_import``)
+and the arena's choice of backing (``rpcbuf.dataplane.cuda_arena``) over a fake
 driver that enforces CUDA's rules (``fakevmm.py``), and the real driver's
-calls (``dataplane.cuda_vmm.RealDriver``) over fake bindings that check the
+calls (``rpcbuf.dataplane.cuda_vmm.RealDriver``) over fake bindings that check the
 arguments it builds.  The same calls on a real GPU: tests/test_gpu_vmm.py."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 from fakevmm import FakeDriver, FakeGpu, MiB, RuleBroken
 from hypothesis import given, settings, strategies as st
 
-from dataplane import cuda_arena
-from dataplane.allocator import BuddyAllocator
-from dataplane.cuda_backing import BackingError, Ledger, VmmBacking
-from dataplane.cuda_import import import_mapping
-from dataplane.cuda_vmm import CudaError, RealDriver, Support, UnsupportedDevice, open_driver
-from dataplane.devsum import devsum
+from rpcbuf.dataplane import cuda_arena
+from rpcbuf.dataplane.allocator import BuddyAllocator
+from rpcbuf.dataplane.cuda_backing import BackingError, Ledger, VmmBacking
+from rpcbuf.dataplane.cuda_import import import_mapping
+from rpcbuf.dataplane.cuda_vmm import CudaError, RealDriver, Support, UnsupportedDevice, open_driver
+from rpcbuf.dataplane.devsum import devsum
 
 G = 2 * MiB
 

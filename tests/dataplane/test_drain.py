@@ -1,4 +1,4 @@
-"""``dataplane.progress.drain``: how many progress calls one turn of the event loop makes.
+"""``rpcbuf.dataplane.progress.drain``: how many progress calls one turn of the event loop makes.
 
 A fake worker (the only thing ``drain`` touches is ``progress_once``), a fake
 clock for the time budget; the real progress engine runs in every UCX test.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane import progress
+from rpcbuf.dataplane import progress
 
 
 class Worker:

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataplane.arena import HostArena
-from dataplane.checksum import checksum, digest128
-from dataplane.fileread import Item, Outcome, Stopped, read_ranges
+from rpcbuf.dataplane.arena import HostArena
+from rpcbuf.dataplane.checksum import checksum, digest128
+from rpcbuf.dataplane.fileread import Item, Outcome, Stopped, read_ranges
 
 DATA = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8)
 

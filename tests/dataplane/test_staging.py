@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from dataplane import staging
+from rpcbuf.dataplane import staging
 
 
 def _pieces(sizes: list[int], seed: int) -> list[np.ndarray]:

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.ucx_path
 
 CHILD = textwrap.dedent("""
     import ctypes, json, mmap
-    from dataplane import shm, ucx, ucxlib
-    from dataplane.arena import HostArena
+    from rpcbuf.dataplane import shm, ucx, ucxlib
+    from rpcbuf.dataplane.arena import HostArena
 
     ucx.ucxx()
     ucm = ctypes.CDLL(sorted(ucxlib.mapped()["libucm.so"])[0])

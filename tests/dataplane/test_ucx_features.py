@@ -1,12 +1,12 @@
 """This process's UCX context (a client's; the daemon builds its own through
-the same ``dataplane.ucx``) has tagged messages, wakeup and streams on, and
+the same ``rpcbuf.dataplane.ucx``) has tagged messages, wakeup and streams on, and
 nothing a peer could use to reach its memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from dataplane import ucx
+from rpcbuf.dataplane import ucx
 
 
 def test_context_has_only_what_rpcbuf_uses() -> None:

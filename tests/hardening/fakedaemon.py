@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from control.wire import protocol as P
-from dataplane import shm, staging, ucx
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import shm, staging, ucx
 
 
 def hello_answer(**overrides: Any) -> dict[str, Any]:

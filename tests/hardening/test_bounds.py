@@ -16,9 +16,9 @@ from rawwire import frame, hello
 
 import rpcbuf
 from conftest import ROOT
-from control.daemon import logs
-from control.wire import protocol as P
-from dataplane import staging
+from rpcbuf.control.daemon import logs
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import staging
 
 
 async def test_huge_shapes_are_refused_without_freezing_the_loop(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from rawwire import free_and_sessions, hello, scaled, wait_for
 
 import rpcbuf
 from conftest import ROOT, DaemonProc
-from control.wire.errors import ConnectionLost
+from rpcbuf.control.wire.errors import ConnectionLost
 
 pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 

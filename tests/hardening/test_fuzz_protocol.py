@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from rawwire import Raw, frame, free_and_sessions, hello, release_all, scaled, wait_for
 
 from conftest import DaemonProc
-from control.wire import fields, protocol as P
+from rpcbuf.control.wire import fields, protocol as P
 
 EXAMPLES = scaled(150, 3000)
 TIME_BUDGET = scaled(25.0, 600.0)  # seconds; later examples are skipped past it

@@ -12,7 +12,7 @@ import pytest
 from rawwire import Raw
 
 from conftest import DaemonProc
-from control.wire import protocol as P
+from rpcbuf.control.wire import protocol as P
 
 
 def _unix(d: DaemonProc) -> str:
@@ -37,7 +37,7 @@ def _bind(unix: str, nonce: bytes) -> dict | None:
     record came (a record is 16 bytes with an fd: no msgpack frame)."""
     import socket
 
-    from dataplane import shm
+    from rpcbuf.dataplane import shm
     ch = Raw(unix)
     try:
         ch.send(P.encode_frame(P.BindHandles(nonce=nonce).to_wire(1)))
@@ -84,7 +84,7 @@ def test_another_process_cannot_bind_with_the_nonce(daemon: DaemonProc) -> None:
                 "import sys, socket\n"
                 "sys.path[:0] = ['src', 'tests/hardening']\n"
                 "from rawwire import Raw\n"
-                "from control.wire import protocol as P\n"
+                "from rpcbuf.control.wire import protocol as P\n"
                 "ch = Raw(sys.argv[1])\n"
                 "ch.send(P.encode_frame(P.BindHandles(nonce=bytes.fromhex(sys.argv[2]))"
                 ".to_wire(1)))\n"

@@ -11,9 +11,9 @@ import pytest
 
 import rpcbuf
 from conftest import pool_free, wait_free
-from control.client.dedup import content_hashes
-from control.daemon.content import WRITE_LOG
-from control.wire import protocol as P
+from rpcbuf.control.client.dedup import content_hashes
+from rpcbuf.control.daemon.content import WRITE_LOG
+from rpcbuf.control.wire import protocol as P
 
 
 async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc
-from control.wire.errors import ConnectionLost
+from rpcbuf.control.wire.errors import ConnectionLost
 
 
 class Proxy:

@@ -20,8 +20,8 @@ import pytest
 from fakedaemon import Conn, FakeDaemon, hello_answer, send_handle, staging_fd
 
 import rpcbuf
-from control.wire.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
-from dataplane import staging
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
+from rpcbuf.dataplane import staging
 
 LIMITS = {"max_frame": 16 << 20, "max_inflight": 4, "transfer_timeout": 30.0}
 
@@ -223,7 +223,7 @@ async def test_path_socket_owned_by_a_stranger_gets_no_token(tmp_path: Any) -> N
     not us, not the socket file's owner.  Tests run as root, and root is
     trusted, so the test plays the other side through the check's
     ``trusted`` argument (the uids trusted besides the file's owner)."""
-    from control.client.context import check_unix_peer
+    from rpcbuf.control.client.context import check_unix_peer
 
     path = str(tmp_path / "rpcbufd.sock")
     seen: list[dict[str, Any]] = []
@@ -254,7 +254,7 @@ async def test_connect_checks_the_peer_before_the_token(tmp_path: Any) -> None:
     path = str(tmp_path / "squat.sock")
     seen: list[dict[str, Any]] = []
     squatter = await unix_daemon(path, seen)
-    from dataplane import shm
+    from rpcbuf.dataplane import shm
 
     other_pid = 1 if os.getpid() != 1 else 2
     tcp_answer = hello_answer(local={"socket": path, "boot_id": shm.boot_id(),
@@ -348,12 +348,12 @@ def _attach_with(fd_of: Any, meta: dict[str, Any]) -> Any:
 
 
 def _writable(size: int = 8192) -> tuple[int, int]:
-    from dataplane import shm
+    from rpcbuf.dataplane import shm
     return shm.memfd(size, "fake-buffer"), size
 
 
 def _read_only(size: int = 8192, seal: bool = True) -> tuple[int, int]:
-    from dataplane import shm
+    from rpcbuf.dataplane import shm
     fd = shm.memfd(size, "fake-buffer")
     if seal:
         shm.seal_read_only(fd)

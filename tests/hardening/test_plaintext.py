@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import rpcbuf
-from control.client.opening import is_loopback
+from rpcbuf.control.client.opening import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOTE = ["192.0.2.1:7700", "[2001:db8::1]:7700", "rpcbuf-test.invalid:7700", "0.0.0.0:7700"]
@@ -133,7 +133,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RPCBUF_TOKEN": TOKEN}
     env.pop("RPCBUF_INSECURE", None)
     env.pop("RPCBUF_CA", None)
-    return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                           text=True, env=env, timeout=60)
 
 

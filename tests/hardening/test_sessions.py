@@ -16,7 +16,7 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
-from dataplane import staging
+from rpcbuf.dataplane import staging
 
 STAGING = "memfd:rpcbuf-staging"
 

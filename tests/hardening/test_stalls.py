@@ -17,8 +17,8 @@ import pytest
 
 import rpcbuf
 from conftest import DaemonProc, pool_free, wait_free
-from control.wire import protocol as P
-from dataplane import staging
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.dataplane import staging
 
 
 async def _served(d: DaemonProc, tenant: str, nbytes: int, timeout: float = 3.0) -> None:

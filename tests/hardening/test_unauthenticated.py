@@ -19,7 +19,7 @@ from rawwire import Raw
 
 import rpcbuf
 from conftest import DaemonProc
-from dataplane import ucx
+from rpcbuf.dataplane import ucx
 
 
 def _connect(addr: str, source: str = "127.0.0.1") -> socket.socket:

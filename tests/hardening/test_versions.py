@@ -15,8 +15,8 @@ from fakedaemon import Conn, FakeDaemon, hello_answer
 from rawwire import Raw
 
 import rpcbuf
-from control.wire import protocol as P
-from control.wire.errors import BadRequest
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest
 
 # -- sans-I/O --------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import jwt
 import msgpack
 import pytest
 
-from control.wire.auth import (
+from rpcbuf.control.wire.auth import (
     Keyring,
     create_token,
     load_keys,
@@ -23,7 +23,7 @@ from control.wire.auth import (
     verify,
     verify_token,
 )
-from control.wire.errors import AuthFailed, TokenExpired
+from rpcbuf.control.wire.errors import AuthFailed, TokenExpired
 
 SECRET = b"s" * 64
 

@@ -1,13 +1,13 @@
-"""The error registry (``control.wire.errors``): one class per wire code,
+"""The error registry (``rpcbuf.control.wire.errors``): one class per wire code,
 refinements inherit their parent's, client-only errors never come off the wire."""
 
 from __future__ import annotations
 
 import pytest
 
-from control.client.cluster import ClusterError
-from control.wire import errors as E
-from control.wire.protocol import FrameError
+from rpcbuf.control.client.cluster import ClusterError
+from rpcbuf.control.wire import errors as E
+from rpcbuf.control.wire.protocol import FrameError
 
 
 def test_every_wire_code_maps_to_its_class() -> None:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from control.wire import manifest as WM, protocol as P
-from control.wire.errors import BadRequest
-from control.wire.manifest import ManifestTable, Packed, check
+from rpcbuf.control.wire import manifest as WM, protocol as P
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.control.wire.manifest import ManifestTable, Packed, check
 
 
 def _batch(**kw: object) -> P.StoreBatch:

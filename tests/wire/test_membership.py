@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from control.wire.membership import (
+from rpcbuf.control.wire.membership import (
     MAX_RECORD,
     DeviceFigures,
     NodeRecord,

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 from hypothesis import given, strategies as st
 
-from control.wire import protocol as P
-from control.wire.errors import BadRequest, NotFound, RpcBufError, error_from_wire
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError, error_from_wire
 
 messages = st.dictionaries(
     st.text(max_size=8),

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from control.wire.runs import COALESCE_MAX, RUN_MAX, plan_runs, run_tag
+from rpcbuf.control.wire.runs import COALESCE_MAX, RUN_MAX, plan_runs, run_tag
 
 # Sizes around the thresholds, small ones often; gaps mostly zero (touching items).
 SIZE = st.one_of(st.integers(0, 64), st.sampled_from([COALESCE_MAX - 1, COALESCE_MAX,

@@ -9,7 +9,7 @@ The arena's memory (``empty``, ``zeros``, ...) is plain NumPy, because the
 daemon hands it to UCX, which must see host memory here.  What a *client*
 makes with ``asarray`` is a fake device array (``ndarray``): not
 a NumPy array, carrying ``__cuda_array_interface__``, so the client takes
-its device path (``control.client.arrays``) and whatever refuses device
+its device path (``rpcbuf.control.client.arrays``) and whatever refuses device
 memory for real (``store_batch``, ``store_tensors``) refuses it here too,
 and ``numpy.asarray`` of one raises ``TypeError``, as CuPy's does.
 The fake has no ``RawKernel``, ``UnownedMemory`` or ``MemoryPointer``:

@@ -1,2 +1,0 @@
-"""The ``rpcbuf`` command: argument parsing and output (``main``) and the
-commands' work (``commands``).  ``python -m control.cli`` runs it."""

@@ -1,3 +1,0 @@
-"""The fleet registry's I/O (etcd), shared by the daemon (registration) and
-the client (discovery); the record format is ``control.wire.membership``.
-Imports neither side nor the CLI."""

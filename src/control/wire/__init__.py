@@ -1,8 +1,0 @@
-"""The wire: what daemon and client share, with no I/O and no side.
-
-Frames and messages (``protocol``), run planning for batches (``runs``), the
-one tensor-manifest model (``manifest``), the error vocabulary (``errors``),
-tokens (``auth``), size and duration notation (``units``) and the fp16 wire
-rules (``gpuops``).  Nothing here imports ``control.daemon``, ``control.client`` or
-``control.cli`` (``tests/test_imports.py`` checks it).
-"""

@@ -1,0 +1,258 @@
+"""Zero-copy, read-only views of buffers on this host (``ctx.attach``).
+
+``attach`` asks the daemon for a read-only handle of one host buffer (its
+own memfd; ``control/daemon/attachops.py``), which arrives on the session's
+handle channel, and maps it here read-only: ``view.array()`` and
+``view.tensors()`` are NumPy arrays over the daemon's pages, no copy, not
+writeable (the mapping is ``PROT_READ`` and the memfd is sealed, so nothing
+can make them writable).  While the attachment is open the daemon refuses
+every store, clear and copy into the buffer (BUSY) and defers its release.
+
+Closing: ``await view.close()`` (or leaving ``async with``) ends the
+attachment at once when no array of it is alive; otherwise the arrays keep
+the mapping *and* the attachment (so their bytes never change under them)
+until the last of them is gone, and the detach goes then.  A closed view
+hands out no new arrays.  When the session ends (the context closes, the
+process dies) the daemon ends its attachments; arrays still alive in this
+process keep the old pages mapped (the daemon no longer counts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import mmap
+import os
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from rpcbuf.control.client.arrays import check_framework, torch_view
+from rpcbuf.control.client.connection import Caller, result_of
+from rpcbuf.control.client.handles import Handles, check_read_only
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost
+from rpcbuf.control.wire.manifest import RESERVED, np_dtype
+
+
+class Attachment:
+    """One open attachment: the buffer's bytes, mapped read-only."""
+
+    def __init__(self, buffer_id: str, meta: Mapping[str, Any], base: Any, owner: Any,
+                 release: Callable[..., None], release_args: tuple[Any, ...],
+                 detach: Callable[[str], asyncio.Future[Any] | None]) -> None:
+        """``base``: the whole buffer as a uint8 array (NumPy over a
+        read-only mapping, or CuPy over an imported GPU allocation);
+        ``owner``: what every array over it keeps alive (``base`` itself on
+        the host; the import's mapping on a GPU); ``release(*release_args)``
+        unmaps once ``owner`` is gone (it must not reference ``owner``)."""
+        self.buffer_id = buffer_id
+        self.size: int = meta["size"]
+        self.device_type: str = str(meta.get("device_type") or "CPU")
+        self.tensors_meta: dict[str, dict[str, Any]] = dict(meta.get("tensors") or {})
+        self.manifest_version: int = int(meta.get("manifest_version") or 0)
+        self._base: Any = base
+        self.closed = False
+        # When the last array over the mapping is gone: unmap, then detach
+        # (the detach request lands in ``_sent``, for ``close`` to wait on).
+        self._sent: list[asyncio.Future[Any]] = []
+        self._done = weakref.finalize(owner, _release, release, release_args, detach,
+                                      buffer_id, self._sent)
+        del owner
+
+    @classmethod
+    def host(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
+             detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
+        """A host buffer's read-only memfd, mapped ``PROT_READ``."""
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        base = np.frombuffer(mm, dtype=np.uint8, count=int(meta["size"]))
+        return cls(buffer_id, meta, base, base, _unmap, (mm,), detach)
+
+    @classmethod
+    def device(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
+               device: int, detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
+        """A GPU buffer's CUDA VMM handle, imported with read-only access
+        (``dataplane/cuda_import.py``); CUDA cannot stop a hostile process
+        from importing it writable (docs/security.md)."""
+        from rpcbuf.dataplane.cuda_import import import_buffer
+
+        imported = import_buffer(fd, nbytes, device, writable=False)  # takes the fd
+        m = imported.mapping
+        base = imported.array[:int(meta["size"])]
+        args = (m.driver, m.ptr, m.nbytes, m._handle)
+        del imported
+        return cls(buffer_id, meta, base, m, _unimport, args, detach)
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process (for tests and tools)."""
+        base = self._live()
+        return int(base.data.ptr) if self.device_type == "GPU" else int(base.ctypes.data)
+
+    def _live(self) -> Any:
+        if self._base is None:
+            raise BadRequest(f"the attachment of {self.buffer_id} is closed")
+        return self._base
+
+    def array(self, offset: int = 0, nbytes: int | None = None) -> Any:
+        """``nbytes`` (default: to the end) from ``offset``, as a read-only uint8 array."""
+        base = self._live()
+        if nbytes is None:
+            nbytes = self.size - offset
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0 \
+                or offset + nbytes > self.size:
+            raise BadRequest(f"[{offset}, +{nbytes}) is outside the buffer of {self.size} bytes")
+        return base[offset:offset + nbytes]
+
+    def tensors(self, framework: str = "numpy") -> dict[str, Any]:
+        """The manifest's tensors (as of attach; not the model loader's
+        reserved entries, see ``load_tensors``), by name, with their dtypes
+        and shapes, over the buffer's pages: read-only NumPy arrays (host),
+        CuPy arrays (GPU: CuPy has no read-only flag; the import is
+        read-only, a write faults); ``framework="torch"``: torch tensors over
+        the same pages, of the dtype each was stored with (``torch_view``; a
+        write through one faults too).  BAD_REQUEST for another framework."""
+        check_framework(framework)
+        base = self._live()
+        out: dict[str, Any] = {}
+        for name, e in self.tensors_meta.items():
+            if name not in RESERVED:
+                arr = tensor_view(base, e, self.size)
+                out[name] = arr if framework == "numpy" else torch_view(
+                    arr, e.get("source_type"), e.get("logical_shape"))
+        return out
+
+    async def close(self) -> None:
+        """End the attachment (see the module: deferred while arrays live)."""
+        self.closed = True
+        self._base = None  # the finalizer runs now if no array is left
+        if self._sent:  # it did: the detach is on its way; let it land
+            await asyncio.wait(self._sent)
+
+    async def __aenter__(self) -> Attachment:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _Sent:
+    """An attach's answer, and its request id: what its handle comes under."""
+
+    req_id = 0
+
+    async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
+                  answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        self.req_id = req_id
+        return result_of(await answer())
+
+
+async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
+                          timeout: float | None,
+                          send_detach: Callable[[str], Any],
+                          req: P.Request | None = None) -> Attachment:
+    """``attach`` over the control connection, its handle from the handle
+    channel, checked (``check_read_only``; a GPU handle is imported read-only)
+    and mapped.  Anything wrong after the daemon said yes detaches again.
+    ``req``: another request that answers as ``attach`` does (``block_attach``:
+    the answer names the buffer id, which ``buffer_id`` then is not)."""
+    req = P.Attach(buffer_id=buffer_id) if req is None else req
+    sent = _Sent()
+    meta = await caller.call(req, moves=sent)
+    nbytes, fd = await handles.fd_for(sent.req_id, timeout)
+    if not isinstance(req, P.Attach):
+        named = meta.get("buffer_id")
+        if type(named) is not str or not named:
+            os.close(fd)
+            raise ConnectionLost("the daemon's attach answer names no buffer")
+        buffer_id = named
+    detach = detacher(asyncio.get_running_loop(), send_detach)
+    try:
+        size, alloc = meta.get("size"), meta.get("alloc_size")
+        if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
+                or nbytes != alloc:
+            raise ConnectionLost("the daemon's attach answer does not match its handle")
+        if meta.get("device_type") == "GPU":
+            device = meta.get("device")
+            if type(device) is not int or device < 0:
+                raise ConnectionLost("the daemon's attach answer names no GPU")
+            fd, took = -1, fd  # the import takes the fd
+            return Attachment.device(buffer_id, meta, took, alloc, device, detach)
+        check_read_only(fd, alloc)
+        return Attachment.host(buffer_id, meta, fd, alloc, detach)
+    except BaseException:
+        await send_detach(buffer_id)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def tensor_view(base: Any, entry: Mapping[str, Any], size: int) -> Any:
+    """One manifest entry over ``base``; a malformed entry (the daemon may
+    be hostile) is CONNECTION_LOST, never an array past the mapping."""
+    try:
+        dtype = np_dtype(entry["dtype"])
+        shape = tuple(map(int, entry["shape"]))
+        offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
+    except (KeyError, TypeError, ValueError, BadRequest) as exc:
+        raise ConnectionLost(f"the daemon sent a malformed manifest entry: {exc}") from None
+    if offset < 0 or nbytes < 0 or offset + nbytes > size \
+            or math.prod(shape) * dtype.itemsize != nbytes or min(shape, default=0) < 0:
+        raise ConnectionLost("the daemon sent a manifest entry outside its buffer")
+    return base[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def _release(release: Callable[..., None], args: tuple[Any, ...],
+             detach: Callable[[str], asyncio.Future[Any] | None], buffer_id: str,
+             sent: list[asyncio.Future[Any]]) -> None:
+    with contextlib.suppress(Exception):  # a leak at worst, never a crash in a finalizer
+        release(*args)
+    task = detach(buffer_id)
+    if task is not None:
+        sent.append(task)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError, ValueError):
+        mm.close()
+
+
+def _unimport(driver: Any, ptr: int, nbytes: int, handle: int) -> None:
+    """An imported GPU allocation's release (``cuda_import.Mapping.close``'s
+    steps): synchronize, unmap, release, free the range; a failed unmap
+    keeps the rest (a leak, never a range freed under a mapping)."""
+    driver.synchronize()
+    driver.unmap(ptr, nbytes)
+    driver.release(handle)
+    driver.free_address(ptr, nbytes)
+
+
+def detacher(loop: asyncio.AbstractEventLoop,
+             send: Callable[[str], Any]) -> Callable[[str], asyncio.Future[Any] | None]:
+    """A detach that may be called from any thread (a finalizer): the
+    request goes from ``loop``; on the loop's own thread the task is
+    returned (``close`` waits for it), else nobody waits."""
+    def go(buffer_id: str) -> asyncio.Future[Any]:
+        task = loop.create_task(send(buffer_id))
+        task.add_done_callback(_swallow)
+        return task
+
+    def detach(buffer_id: str) -> asyncio.Future[Any] | None:
+        try:
+            if asyncio.get_running_loop() is loop:
+                return go(buffer_id)
+        except RuntimeError:
+            pass
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the session went too
+            loop.call_soon_threadsafe(go, buffer_id)
+        return None
+    return detach
+
+
+def _swallow(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # the session may be gone: it detached everything then

@@ -1,0 +1,152 @@
+"""The client's side of the keyed block tier (``daemon/blocks.py``): put, get,
+lookup, remove and list blocks by key, each many keys in one call.
+
+A block's bytes travel as a batch's do, over whichever path the session
+has (``DataPaths``: same host, UCX): one UCX message per block, straight
+from the caller's arrays (a put) or straight into them (a get: no copy
+beside the transport's), or the staging area, back to back in key order.
+Every put carries each block's xxh3-64; the daemon hashes what landed and
+commits the blocks only if all match (VERIFY_FAILED, nothing stored,
+otherwise).
+
+``get`` is all or nothing on the daemon (a missing key is NOT_FOUND with the
+missing indices, and nothing moves): here it is asked again for the keys
+that were there, at most ``GET_TRIES`` times (a block may be evicted
+between two tries), and the answer says which keys were read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rpcbuf.control.client.arrays import host_bytes
+from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
+from rpcbuf.control.client.tensors import XXH3
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, NotFound
+
+HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
+GET_TRIES = 3
+
+
+class Caller(Protocol):
+    async def __call__(self, req: P.Request, timeout: float | None = None
+                       ) -> dict[str, Any]: ...
+
+
+def check_keys(keys: Any) -> list[str]:
+    """``keys`` as a list the daemon takes (BAD_REQUEST before anything is sent)."""
+    if isinstance(keys, str):
+        raise BadRequest("keys must be a sequence of strings, not one string")
+    try:
+        out = list(keys)
+    except TypeError:
+        raise BadRequest("keys must be a sequence of strings") from None
+    if not P.block_keys_ok(out):
+        raise BadRequest(f"keys must be 1 to {P.MAX_BLOCK_KEYS} printable strings of 1 to "
+                         f"{P.MAX_BLOCK_KEY} characters")
+    return out
+
+
+def _host(arrays: Sequence[Any], writable: bool, what: str) -> list[np.ndarray]:
+    datas = [host_bytes(a, writable) for a in arrays]
+    if not all(isinstance(d, np.ndarray) for d in datas):
+        raise BadRequest(f"{what} takes host arrays (blocks live in host memory)")
+    return datas
+
+
+class BlockOps:
+    """The block verbs of one context: its ``call`` (control ops) and ``paths``."""
+
+    def __init__(self, call: Caller, paths: DataPaths) -> None:
+        self._call, self._paths = call, paths
+
+    async def put(self, keys: Sequence[str], arrays: Sequence[Any], ttl: float | None = None,
+                  metas: Sequence[bytes] | None = None, device_type: str = "CPU",
+                  device: int = 0) -> dict[str, Any]:
+        keys = check_keys(keys)
+        if len(arrays) != len(keys):
+            raise BadRequest(f"{len(keys)} keys and {len(arrays)} arrays")
+        if len(set(keys)) != len(keys):
+            raise BadRequest("put_blocks names each key once")
+        datas = _host(arrays, False, "put_blocks")
+        if any(d.nbytes == 0 for d in datas):
+            raise BadRequest("every block holds at least one byte")
+        sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
+        sums = np.fromiter(map(XXH3, datas), dtype=np.uint64, count=len(datas))
+        req = P.BlockPut(keys=keys, sizes=P.pack_u64(sizes), checksums=P.pack_u64(sums),
+                         metas=None if metas is None else list(metas), ttl=ttl,
+                         device_type=device_type, device=device)
+
+        return await self._paths.run("", HOST, _transfer(req, datas))
+
+    async def get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+        keys = check_keys(keys)
+        if len(out) != len(keys):
+            raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
+        targets = _host(out, True, "get_blocks")
+        found = [False] * len(keys)
+        want = list(range(len(keys)))
+        for _ in range(GET_TRIES):
+            ask = [targets[i] for i in want]
+            req = P.BlockGet(keys=[keys[i] for i in want],
+                             sizes=P.pack_u64([a.nbytes for a in ask]))
+
+            try:
+                await self._paths.run("", HOST, _transfer(req, ask), receive=True)
+            except NotFound as exc:
+                missing = exc.details.get("missing")
+                if not isinstance(missing, list) or not missing:
+                    raise
+                gone = set(missing)
+                want = [k for j, k in enumerate(want) if j not in gone]
+                if not want:
+                    break
+                continue
+            for i in want:
+                found[i] = True
+            break
+        return found
+
+    async def lookup(self, keys: Sequence[str], meta: bool = False,
+                     timeout: float | None = None) -> list[dict[str, Any] | None]:
+        keys = check_keys(keys)
+        result = await self._call(P.BlockLookup(keys=keys, meta=meta or None), timeout)
+        sizes = result.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != len(keys):
+            raise BadRequest("the daemon's block_lookup answer does not match the keys")
+        metas = result.get("metas") or [None] * len(keys)
+        expires = result.get("expires_at") or [None] * len(keys)
+        out: list[dict[str, Any] | None] = []
+        for i, size in enumerate(sizes):
+            if size is None:
+                out.append(None)
+            elif meta:
+                out.append({"nbytes": size, "meta": metas[i], "expires_at": expires[i]})
+            else:
+                out.append({"nbytes": size})
+        return out
+
+    async def remove(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        result = await self._call(P.BlockRemove(keys=check_keys(keys)), timeout)
+        return int(result["removed"])
+
+    async def list(self, prefix: str | None = None, start_after: str | None = None,
+                   limit: int = 1000, timeout: float | None = None) -> tuple[list[str], bool]:
+        result = await self._call(P.BlockList(prefix=prefix, start_after=start_after,
+                                              limit=limit), timeout)
+        return list(result["keys"]), bool(result["more"])
+
+
+def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray]) -> Transfer:
+    """Blocks as a transfer: one message per block (the daemon never
+    coalesces them), the staging area's bytes back to back in key order."""
+
+    def request(stage: int | None) -> P.Request:
+        return req if stage is None else dataclasses.replace(req, stage=stage)
+
+    return Transfer(request, arrays, lambda: arrays)

@@ -1,0 +1,386 @@
+"""Many nodes: one ``RpcContext`` per rpcbufd, addressed in endpoint order.
+
+``Cluster.connect("h1:7700;h2:7700;h3:7700", token=...)`` opens a session with
+every node at once (``await`` it, or use it with ``async with``).  The order
+of the endpoint list is meaningful: slot ``i`` of a placement is the ``i``-th
+device of that list (each node's devices in the order it lists them).
+
+Failures are reported per node, never as one opaque error: an operation on
+every node either returns ``{endpoint: result}`` or raises ``ClusterError``,
+whose ``errors`` map each failed endpoint to its own ``RpcBufError`` (and
+whose ``results`` keep what the other nodes answered).  ``each`` returns the
+mixed map instead of raising, for callers that report per node (the CLI).
+A node that cannot be reached makes ``connect`` fail, closing the sessions it
+had opened, unless ``partial=True``: then the cluster keeps the reachable
+nodes and ``cluster.errors`` says why the others are missing.
+
+From the fleet registry: ``Cluster.connect("etcd://h:2379", token=...)`` (or
+``endpoints=None`` with ``$RPCBUF_REGISTRY``) reads the cluster's live
+members (``client/discovery.py``) and connects to them, in node-id order.
+Anyone who can write the registry's prefix can list an address of their
+own, so an entry proves nothing: each node is dialed exactly as
+``rpcbuf.connect`` dials it, and the token goes out only once the peer has
+proved it is a node (TLS: a certificate from the cluster's CA, ``tls=`` or
+``$RPCBUF_CA``, naming the address dialed; plain TCP only on loopback, or
+with ``insecure=True``).  The registry may list a node up to its lease's
+TTL after it died, so a listed node that cannot be reached or cannot prove
+itself, or whose ``hello`` names another node id than its entry (a stale
+entry, or a forged one naming another node: ``StaleEntry``), is left out
+(it is in ``cluster.errors``); ``connect`` fails only when none is left.  ``need``
+(bytes) chooses the nodes with the most free memory by the registry's
+figures before connecting, so placement by free memory connects only to
+those.  An unreachable registry raises ``RegistryUnavailable`` naming it,
+unless a ``fallback`` endpoint list is given: then ``cluster.warnings`` says
+so and the list is used.  ``cluster.members()`` is the membership now;
+``watch=True`` keeps it current while the cluster is open, and
+``cluster.changes()`` yields each join and leave (``Change``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from rpcbuf.control.client.context import Opening, RpcContext
+from rpcbuf.control.client.discovery import (
+    Change,
+    Discovery,
+    RegistryUnavailable,
+    check_node,
+    choose_by_free,
+)
+from rpcbuf.control.client.model.placement import Slot
+from rpcbuf.control.client.opening import TlsOption
+from rpcbuf.control.fleet.etcd import EtcdOptions
+from rpcbuf.control.wire.errors import BadRequest, RpcBufError
+from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
+
+log = logging.getLogger("rpcbuf.cluster")
+
+T = TypeVar("T")
+Dial = Callable[[str, str], Awaitable[RpcContext]]  # (address, token) -> a session
+
+
+class ClusterError(RpcBufError, wire=False):
+    """One or more nodes failed; ``errors``: endpoint -> ``RpcBufError``.
+
+    Raised on the client only (never sent on the wire).  ``results`` holds
+    what the nodes that did not fail returned; ``details["nodes"]`` the
+    failed nodes' errors in wire form."""
+
+    code = "CLUSTER_ERROR"
+
+    def __init__(self, message: str, errors: Mapping[str, RpcBufError],
+                 results: Mapping[str, Any] | None = None,
+                 details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, {**(details or {}),
+                                   "nodes": {a: e.to_wire() for a, e in errors.items()}})
+        self.errors = dict(errors)
+        self.results = dict(results or {})
+
+    @classmethod
+    def of(cls, what: str, errors: Mapping[str, RpcBufError],
+           results: Mapping[str, Any] | None = None, **details: Any) -> ClusterError:
+        names = "; ".join(f"{a}: {e}" for a, e in errors.items())
+        return cls(f"{what} failed on {len(errors)} node(s): {names}", errors, results, details)
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """``"h1:7700;h2:7700"`` (or a list) -> ``["h1:7700", "h2:7700"]``, in order.
+    Raises BAD_REQUEST when empty or when an endpoint repeats."""
+    items = endpoints.replace(",", ";").split(";") if isinstance(endpoints, str) \
+        else list(endpoints)
+    out = [e.strip() for e in items if e and e.strip()]
+    if not out:
+        raise BadRequest("no endpoints given (want 'host:port;host:port')")
+    dupes = sorted({e for e in out if out.count(e) > 1})
+    if dupes:
+        raise BadRequest(f"endpoint(s) listed twice: {dupes}", {"duplicates": dupes})
+    return out
+
+
+class Cluster:
+    """Sessions with several rpcbufd nodes; see the module docstring."""
+
+    def __init__(self, nodes: dict[str, RpcContext],
+                 errors: dict[str, RpcBufError] | None = None,
+                 order: Sequence[str] | None = None) -> None:
+        self.nodes = nodes  # endpoint -> context, in endpoint order
+        self.errors = errors or {}  # endpoints that could not be reached (partial=True)
+        self._order = list(order) if order is not None else [*nodes, *self.errors]
+        self._closed = False
+        self.discovery: Discovery | None = None  # from a registry: its members
+        self.records: dict[str, NodeRecord] = {}  # endpoint -> its registry entry
+        self.warnings: list[str] = []  # e.g. the registry was away, the fallback list used
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self.nodes)
+
+    def __getitem__(self, endpoint: str) -> RpcContext:
+        return self.nodes[endpoint]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @classmethod
+    def connect(cls, endpoints: str | Sequence[str] | None, token: str | Mapping[str, str], *,
+                timeout: float | None = 30.0, partial: bool = False,
+                max_inflight: int | None = None, cluster: str = DEFAULT_CLUSTER,
+                registry: EtcdOptions | None = None,
+                fallback: str | Sequence[str] | None = None, need: int | None = None,
+                watch: bool = False, tls: TlsOption = None,
+                insecure: bool | None = None) -> ClusterConnector:
+        """Open a session with every node (in parallel).
+
+        ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
+        with their own secrets; from a registry, keyed by endpoint or node
+        id).  Raises ``ClusterError`` naming each node that failed
+        (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial``;
+        BAD_REQUEST for a bad endpoint list.  ``endpoints`` "etcd://..."
+        (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
+        ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
+        ``need`` and ``watch`` as the module docstring says.  ``tls`` and
+        ``insecure`` are ``rpcbuf.connect``'s, for every node: a CA file
+        (or ``$RPCBUF_CA``) makes each node prove with a certificate from
+        that CA for the address dialed before it gets the token; from a
+        registry, ``tls=True`` (the system's public CAs) is BAD_REQUEST: a
+        forged entry could name a host its writer has a public certificate for."""
+        if endpoints is None:
+            endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
+            if not endpoints:
+                raise BadRequest("no endpoints given and $RPCBUF_REGISTRY is not set")
+        dial = functools.partial(RpcContext.connect, timeout=timeout,
+                                 max_inflight=max_inflight, tls=tls, insecure=insecure)
+        if isinstance(endpoints, str) and is_registry(endpoints):
+            if tls is True:
+                # Whoever may write the registry names the address: with every
+                # public CA trusted, a certificate for a name of theirs passes.
+                raise BadRequest("a registry's nodes must prove themselves with the "
+                                 "cluster's own CA: pass tls='ca.pem' (or $RPCBUF_CA, an "
+                                 "ssl.SSLContext), not tls=True (every public CA)",
+                                 {"reason": "insecure_transport"})
+            url = endpoints.strip()
+            return ClusterConnector(lambda: cls._open_registry(
+                url, token, dial, cluster, registry, fallback, need, watch))
+        addrs = parse_endpoints(endpoints)
+        return ClusterConnector(lambda: cls._open(addrs, token, dial, partial))
+
+    @classmethod
+    async def _open_registry(cls, url: str, token: str | Mapping[str, str], dial: Dial,
+                             cluster: str, options: EtcdOptions | None,
+                             fallback: str | Sequence[str] | None, need: int | None,
+                             watch: bool) -> Cluster:
+        discovery = Discovery(url, cluster, options)
+        try:
+            members = await discovery.read()
+        except RegistryUnavailable as exc:
+            await discovery.close()
+            if fallback is None:
+                raise
+            why = f"{exc.message}; using the fallback list {fallback!r}"
+            log.warning("%s", why)
+            listed = await cls._open(parse_endpoints(fallback), token, dial, False)
+            listed.warnings.append(why)
+            return listed
+        records = list(members.values())
+        if need is not None:
+            records = choose_by_free(records, need)
+        if not records:
+            await discovery.close()
+            raise BadRequest(f"the registry {discovery.address} lists no live node in "
+                             f"cluster {cluster!r}", {"registry": str(discovery.address)})
+
+        def tok(rec: NodeRecord) -> str:
+            if isinstance(token, str):
+                return token
+            got = token.get(rec.address) or token.get(rec.node_id)
+            if got is None:
+                raise BadRequest(f"no token for {rec.address} ({rec.node_id})")
+            return got
+
+        # Entries that name one address are one daemon: connect once, and keep
+        # the entry whose node id its hello names (the others are refused).
+        by_addr: dict[str, list[NodeRecord]] = {}
+        for r in records:
+            by_addr.setdefault(r.address, []).append(r)
+
+        async def one(recs: list[NodeRecord]) -> tuple[RpcContext, NodeRecord] | RpcBufError:
+            try:
+                ctx = await dial(recs[0].address, tok(recs[0]))
+            except RpcBufError as exc:
+                return exc
+            match = next((r for r in recs if r.node_id == ctx.node_id), None)
+            for r in recs:
+                if r is not match:
+                    try:
+                        check_node(r, ctx.node_id)
+                    except RpcBufError as exc:
+                        log.warning("registry entry refused: %s", exc)
+                        if match is None:
+                            await ctx.close()
+                            return exc
+            assert match is not None
+            return ctx, match
+
+        addrs = list(by_addr)
+        got = dict(zip(addrs, await asyncio.gather(*(one(by_addr[a]) for a in addrs)),
+                       strict=True))
+        nodes = {a: g[0] for a, g in got.items() if isinstance(g, tuple)}
+        errors = {a: g for a, g in got.items() if isinstance(g, RpcBufError)}
+        for addr, err in errors.items():
+            log.info("registry node %s left out: %s", addr, err)  # in cluster.errors
+        if not nodes:
+            await discovery.close()
+            raise ClusterError.of("connect", errors, registry=str(discovery.address))
+        out = cls(nodes, errors, list(nodes))
+        out.discovery = discovery
+        out.records = {a: g[1] for a, g in got.items() if isinstance(g, tuple)}
+        if watch:
+            discovery.watch()
+        return out
+
+    # -- membership (from a registry) ------------------------------------------------
+
+    def members(self) -> dict[str, NodeRecord]:
+        """``{node_id: record}``: the registry's live members (current while
+        watching, else as read at connect); empty without a registry."""
+        return dict(self.discovery.members) if self.discovery is not None else {}
+
+    async def changes(self) -> AsyncIterator[Change]:
+        """Each node that joins, changes or leaves from now on (watches)."""
+        if self.discovery is None:
+            raise BadRequest("this cluster was not opened from a registry (etcd://...)")
+        async for change in self.discovery.changes():
+            yield change
+
+    @classmethod
+    async def _open(cls, endpoints: list[str], token: str | Mapping[str, str], dial: Dial,
+                    partial: bool) -> Cluster:
+        def tok(addr: str) -> str:
+            if isinstance(token, str):
+                return token
+            if addr not in token:
+                raise BadRequest(f"no token for {addr}")
+            return token[addr]
+
+        async def one(addr: str) -> RpcContext | RpcBufError:
+            try:
+                return await dial(addr, tok(addr))
+            except RpcBufError as exc:
+                return exc
+
+        got = await asyncio.gather(*(one(a) for a in endpoints))
+        nodes = {a: c for a, c in zip(endpoints, got, strict=True) if isinstance(c, RpcContext)}
+        errors = {a: e for a, e in zip(endpoints, got, strict=True)
+                  if isinstance(e, RpcBufError)}
+        if errors and not partial:
+            await asyncio.gather(*(c.close() for c in nodes.values()), return_exceptions=True)
+            raise ClusterError.of("connect", errors)
+        return cls(nodes, errors, endpoints)
+
+    # -- running one operation on every node -----------------------------------------
+
+    async def each(self, fn: Callable[[RpcContext], Awaitable[T]],
+                   endpoints: Sequence[str] | None = None) -> dict[str, T | RpcBufError]:
+        """``fn(ctx)`` on every node at once; ``{endpoint: result or error}``.
+        Nodes missing since ``connect(partial=True)`` appear with their error."""
+        addrs = self._order if endpoints is None else list(endpoints)
+
+        async def one(addr: str) -> T | RpcBufError:
+            if addr not in self.nodes:
+                return self.errors.get(addr) or BadRequest(f"{addr} is not in this cluster")
+            try:
+                return await fn(self.nodes[addr])
+            except RpcBufError as exc:
+                return exc
+
+        got = await asyncio.gather(*(one(a) for a in addrs))
+        return dict(zip(addrs, got, strict=True))
+
+    async def gather(self, fn: Callable[[RpcContext], Awaitable[T]], what: str = "operation",
+                     endpoints: Sequence[str] | None = None) -> dict[str, T]:
+        """Like ``each``, but raise ``ClusterError`` if any node failed."""
+        got = await self.each(fn, endpoints)
+        errors = {a: r for a, r in got.items() if isinstance(r, RpcBufError)}
+        results: dict[str, T] = {a: r for a, r in got.items()
+                                 if not isinstance(r, RpcBufError)}
+        if errors:
+            raise ClusterError.of(what, errors, results)
+        return results
+
+    # -- views ------------------------------------------------------------------------
+
+    async def devices_by_node(self) -> dict[str, list[dict[str, Any]] | RpcBufError]:
+        """``{endpoint: [device, ...] or error}``, in endpoint order; each device
+        has ``slot``, ``endpoint``, ``node_id``, ``key``, ``total``, ``free``,
+        ``largest_free``.  Slot numbers mean something only when every node
+        answered (a failed node's devices cannot be counted): placement uses
+        ``devices``, which raises instead."""
+        got = await self.each(lambda c: c.list_devices())
+        slot = 0
+        out: dict[str, list[dict[str, Any]] | RpcBufError] = {}
+        for addr, devs in got.items():
+            if isinstance(devs, RpcBufError):
+                out[addr] = devs
+                continue
+            node = self.nodes[addr].node_id
+            rows = []
+            for d in devs:
+                rows.append({**d, "slot": slot, "endpoint": addr, "node_id": node})
+                slot += 1
+            out[addr] = rows
+        return out
+
+    async def devices(self) -> list[dict[str, Any]]:
+        """Every node's devices, in slot order (see ``devices_by_node``).
+        Raises ``ClusterError`` naming each node that did not answer."""
+        got = await self.devices_by_node()
+        errors = {a: r for a, r in got.items() if isinstance(r, RpcBufError)}
+        if errors:
+            raise ClusterError.of("list_devices", errors,
+                                  {a: r for a, r in got.items() if not isinstance(r, RpcBufError)})
+        return [d for devs in got.values() if not isinstance(devs, RpcBufError) for d in devs]
+
+    async def slots(self) -> list[Slot]:
+        """The devices as placement slots. Raises ``ClusterError``."""
+        return [Slot.from_device(d["slot"], d["endpoint"], d) for d in await self.devices()]
+
+    async def list_buffers(self) -> dict[str, list[dict[str, Any]]]:
+        """``{endpoint: this tenant's buffers}``. Raises ``ClusterError``."""
+        return await self.gather(lambda c: c.list_buffers(), "list_buffers")
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close every session (idempotent); session-scoped buffers are released,
+        named ones (a loaded model's) stay."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(c.close() for c in self.nodes.values()), return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.close()
+
+    aclose = close
+
+    def abort(self) -> None:
+        self._closed = True
+        if self.discovery is not None and self.discovery._task is not None:
+            self.discovery._task.cancel()
+        for c in self.nodes.values():
+            c.abort()
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class ClusterConnector(Opening["Cluster"]):
+    """What ``Cluster.connect`` returns: ``await`` it, or use it with ``async with``."""

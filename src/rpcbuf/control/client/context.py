@@ -1,0 +1,708 @@
+"""The async client's verbs: ``RpcContext``, a session with one rpcbufd.
+
+A context is composed of parts, each in its own module: the control
+connection and its in-flight slots (``connection.py``: ``ControlConnection``,
+``Caller``), the session's data paths and the one rule that picks one per op
+(``datapath.py``), the batch planning (``batches.py``), the named-tensor
+layer with its manifest cache (``tensorops.py``) and the dedup upload
+(``dedup.py``).  ``opening.py`` opens the session (TCP or Unix socket, hello,
+the same-host switch) before any of them exists.  What this module adds is
+the verbs, their argument checks and what the daemon stated about each
+buffer (``BufferPlace``: its device and checksum kind, from its metadata),
+which routes and checks every data op.
+
+Many tasks may share one context: every call gets its own request id, a
+semaphore sized by the daemon's ``max_inflight`` gives back-pressure, and
+every wait of a call is inside the call's timeout.  When the daemon goes
+away every pending call fails with ``CONNECTION_LOST``; none hangs.
+Answers are parsed once, at the edge (``answers.py``, ``hello.py``); the
+public methods still return the wire dicts they always returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rpcbuf.control.client import batches, fileload
+from rpcbuf.control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
+from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
+from rpcbuf.control.client.attach import Attachment, open_attachment
+from rpcbuf.control.client.blockops import BlockOps
+from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
+from rpcbuf.control.client.datapath import (
+    BufferPlace,
+    DataPaths,
+    InlinePath,
+    StagedPath,
+    Transfer,
+    UcxPath,
+)
+from rpcbuf.control.client.dedup import DedupOps
+from rpcbuf.control.client.handles import Handles
+from rpcbuf.control.client.hello import HelloAnswer
+from rpcbuf.control.client.opening import (
+    DEFAULT_PORT,
+    Opening,
+    TlsOption,
+    check_unix_peer,
+    open_session,
+    parse_addr,
+    same_host_default,
+)
+from rpcbuf.control.client.tensorops import TensorOps
+from rpcbuf.control.client.tensors import ManifestTable, Packed
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import (
+    BadRequest,
+    ConnectionLost,
+    NotFound,
+    RpcBufError,
+    Timeout,
+    VerifyFailed,
+)
+from rpcbuf.control.wire.gpuops import check_wire_dtype
+from rpcbuf.control.wire.manifest import ManifestColumns, Source
+from rpcbuf.dataplane.checksum import checksum
+from rpcbuf.dataplane.devsum import devsum
+
+__all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
+           "parse_addr", "same_host_default"]
+
+_PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
+
+
+class RpcContext:
+    """A session with one rpcbufd: see ``rpcbuf.connect``."""
+
+    def __init__(self, conn: ControlConnection, hello: HelloAnswer, raw_hello: dict[str, Any],
+                 timeout: float | None, max_inflight: int | None = None,
+                 ucx_host: str = "127.0.0.1", handles: Handles | None = None) -> None:
+        self._conn = conn
+        self._hello = hello
+        #: the daemon's hello as it came (checked: ``hello.parse_hello``)
+        self.hello = raw_hello
+        #: True when this context's host arrays move by the same-host path
+        self.same_host: bool = handles is not None and handles.area is not None
+        self._handles = handles
+        self.session_id: str = hello.session_id
+        self.tenant: str = hello.tenant
+        self.node_id: str = hello.node_id
+        #: the protocol version this session speaks (``P.negotiate``)
+        self.protocol_version: int = hello.version
+        self.timeout = timeout
+        limit = hello.max_inflight  # checked: 1 .. hello.MAX_INFLIGHT
+        self.max_inflight = limit if max_inflight is None else max(1, min(max_inflight, limit))
+        self._caller = Caller(conn, self.max_inflight, timeout)
+        self.transfer_timeout = hello.transfer_timeout + 5.0
+        # A copy the daemon had started when we went away ends by its deadline.
+        conn.orphan_grace = max(ORPHAN_GRACE, self.transfer_timeout)
+        self._closed = False
+        self._pid = os.getpid()  # a context belongs to the process that opened it
+        self._paths = DataPaths(
+            UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
+                    self.transfer_timeout, self._expired, self._check_open),
+            StagedPath(self._caller, handles.area, self.transfer_timeout)
+            if handles is not None and handles.area is not None else None,
+            InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
+            else None)
+        self._paths.on_device_memory = self._on_device_memory
+        self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
+        self._tensors = TensorOps(self)
+        self._dedup = DedupOps(_DedupNeeds(self))
+        self._blocks = BlockOps(self._call, self._paths)
+        # Without its control session the daemon drops the data endpoint too:
+        # abort ours at once so posted UCX requests fail instead of waiting.
+        conn.on_lost = self._paths.ucx.abort
+
+    # -- plumbing -----------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, addr: str, token: str, timeout: float | None = 30.0,
+                      max_inflight: int | None = None, tls: TlsOption = None,
+                      same_host: bool | None = None,
+                      insecure: bool | None = None) -> RpcContext:
+        """``rpcbuf.connect``: every step (TCP, hello, the same-host switch,
+        the UCX bind) within one ``timeout``, not one each."""
+        try:
+            async with asyncio.timeout(timeout):
+                opened = await open_session(addr, token, timeout, tls, same_host, insecure)
+                ctx = cls(opened.conn, opened.hello, opened.raw, timeout, max_inflight,
+                          ucx_host=opened.host, handles=opened.handles)
+                if not ctx.same_host:
+                    try:  # bind now: a broken data path shows at connect, not at the first store
+                        await ctx._paths.ucx.endpoint()
+                    except BaseException:
+                        opened.conn.close()
+                        raise
+                return ctx
+        except TimeoutError:
+            raise Timeout(f"connecting to {addr} took longer than {timeout}s") from None
+
+    async def _call(self, req: P.Request, timeout: float | None = None) -> dict[str, Any]:
+        return await self._caller.call(req, timeout)
+
+    def _expired(self) -> None:
+        self._conn.fail(ConnectionLost(f"a transfer took longer than {self.transfer_timeout}s"))
+        self.abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectionLost("context is closed")
+        if os.getpid() != self._pid:
+            # After fork the daemon would copy from the parent's memory (same
+            # addresses, other bytes), and UCX endpoints do not survive it.
+            raise ConnectionLost("this context was opened by another process (before a "
+                                 "fork): connect again in this one")
+        if self._conn.lost is not None:
+            raise self._conn.lost_error()
+
+    async def __aenter__(self) -> RpcContext:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the session (idempotent). Session-scoped buffers are released."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._paths.ucx.close()
+        self._conn.close()
+        if self._handles is not None:
+            self._handles.close()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._paths.ucx.abort()
+        self._conn.close()
+        if self._handles is not None:
+            self._handles.close()
+
+    # -- what the daemon stated about buffers -------------------------------------
+
+    def _note(self, meta: BufferMeta) -> None:
+        places = self._places
+        if len(places) >= _PLACES_MAX and meta.buffer_id not in places:
+            del places[next(iter(places))]
+        places[meta.buffer_id] = BufferPlace(
+            meta.gpu, self._hello.checksum_kind(meta.device_type, meta.device))
+
+    def _on_device_memory(self, buffer_id: str) -> None:
+        self._places[buffer_id] = BufferPlace(True, self._hello.checksum_kind("GPU", 0))
+
+    async def _place(self, buffer_id: str) -> BufferPlace | None:
+        """Where the buffer lives, as the daemon stated it: from this
+        context's answers, else asked once (``get_buffer_meta`` without the
+        manifest).  None for an id that is no string or no buffer of ours:
+        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
+        arguments before NOT_FOUND, as the daemon checks them)."""
+        if not isinstance(buffer_id, str):
+            return None
+        place = self._places.get(buffer_id)
+        if place is None:
+            try:
+                await self.get_buffer_meta(buffer_id, tensors=False)
+            except NotFound:
+                return None
+            place = self._places.get(buffer_id)
+        return place
+
+    # -- control ops ----------------------------------------------------------------
+
+    async def request_buffer(self, size: int, device_type: str = "CPU", device: int = 0,
+                             timeout: float | None = None, ttl: float | None = None,
+                             name: str | None = None) -> str:
+        """Reserve ``size`` bytes; wait up to ``timeout`` s for memory.
+
+        Raises OUT_OF_MEMORY (details: requested, free, largest_free),
+        QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
+        self._check_open()
+        wait = None if not timeout else timeout + (self.timeout or 0)
+        meta = await self._call(P.RequestBuffer(size=size, device_type=device_type, device=device,
+                                                timeout=timeout, ttl=ttl, name=name),
+                                timeout=wait if timeout else None)
+        parsed = parse_meta(meta, "request_buffer answer")
+        self._note(parsed)
+        return parsed.buffer_id
+
+    async def clone_buffer(self, src_id: str, name: str | None = None,
+                           ttl: float | None = None) -> str:
+        """A new buffer on the same node with ``src_id``'s size, bytes and
+        manifest, made without copying: the two share memory until either is
+        written (that write first copies the buffer, on the daemon). Named,
+        leased or, with neither, session-scoped, like ``request_buffer``.
+        Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
+        QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
+        self._check_open()
+        meta = await self._call(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
+        parsed = parse_meta(meta, "clone_buffer answer")
+        self._note(parsed)
+        return parsed.buffer_id
+
+    async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
+                              timeout: float | None = None) -> dict[str, Any]:
+        """The buffer's metadata; ``tensors=False`` leaves out the manifest's
+        entries (a big manifest is a big answer). Raises NOT_FOUND."""
+        self._check_open()
+        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
+        self._note(parse_meta(meta))
+        if tensors:
+            self._tensors.remember(buffer_id, meta)
+        return meta
+
+    def attach(self, buffer_id: str) -> Opening[Attachment]:
+        """A zero-copy, read-only view of a host buffer of ours on this
+        node: ``async with ctx.attach(buf) as view`` (or ``view = await
+        ctx.attach(buf)`` and later ``await view.close()``); ``view.tensors()``
+        and ``view.array(offset, nbytes)`` are NumPy arrays over the daemon's
+        memory.  While attached, stores, clears and copies into the buffer
+        are BUSY and its release waits (see ``control/client/attach.py``).
+        Needs the same-host path.  Raises NOT_FOUND, BAD_REQUEST
+        (not same-host), UNSUPPORTED_DEVICE, QUOTA_EXCEEDED."""
+        return Opening(lambda: self._attach(buffer_id))
+
+    async def _attach(self, buffer_id: str) -> Attachment:
+        self._check_open()
+        handles = self._handles
+        if handles is None or not self.same_host:
+            raise BadRequest("attach needs the same-host path: a client on the daemon's "
+                             "host, on its Unix socket", {"reason": "not_same_host"})
+        return await open_attachment(self._caller, handles, buffer_id, self.timeout,
+                                     self._detach)
+
+    def attach_block(self, key: str) -> Opening[Attachment]:
+        """A block served in place: a zero-copy, read-only view of it on this
+        node (same host only), ``async with ctx.attach_block(key) as view``;
+        ``view.array()`` is its bytes (``view.size`` of them).  While
+        attached the block is never evicted, and a remove, a replace or its
+        ttl takes it out of the tier at once but frees its
+        memory only when the view closes.  Raises NOT_FOUND (a miss),
+        BAD_REQUEST (not same-host)."""
+        return Opening(lambda: self._attach_block(key))
+
+    async def _attach_block(self, key: str) -> Attachment:
+        self._check_open()
+        handles = self._handles
+        if handles is None or not self.same_host:
+            raise BadRequest("attach_block needs the same-host path: a client on the "
+                             "daemon's host, on its Unix socket", {"reason": "not_same_host"})
+        return await open_attachment(self._caller, handles, "", self.timeout, self._detach,
+                                     P.BlockAttach(key=key))
+
+    async def _detach(self, buffer_id: str) -> None:
+        if self._closed or self._conn.lost is not None:
+            return  # the session's end detached everything
+        with contextlib.suppress(RpcBufError):
+            await self._call(P.Detach(buffer_id=buffer_id))
+
+    async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
+        """Raises NOT_FOUND."""
+        self._check_open()
+        await self._call(P.Release(buffer_id=buffer_id), timeout)
+        if isinstance(buffer_id, str):
+            self._places.pop(buffer_id, None)
+
+    async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
+                           timeout: float | None = None) -> float | None:
+        """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
+        self._check_open()
+        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
+
+    # ``timeout`` of a control op: seconds for the whole call, the wait for an
+    # in-flight slot included (default: the context's); past it, TIMEOUT.
+
+    async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        self._check_open()
+        devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
+            "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
+        parse_devices(devices)
+        return list(devices)
+
+    async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        self._check_open()
+        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
+
+    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        self._check_open()
+        result = await self._call(P.Stats(), timeout)
+        parse_stats(result)
+        return result
+
+    async def ping(self, timeout: float | None = None) -> float:
+        """Round trip to the daemon, in seconds. Raises TIMEOUT, CONNECTION_LOST."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self._call(P.Ping(), timeout)
+        return loop.time() - t0
+
+    async def open_buffer(self, name: str, timeout: float | None = None) -> str:
+        """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
+        self._check_open()
+        meta = parse_meta(await self._call(P.OpenBuffer(name=name), timeout),
+                          "open_buffer answer")
+        self._note(meta)
+        return meta.buffer_id
+
+    async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
+                           nbytes: int | None = None) -> None:
+        """Set bytes to ``value`` on the daemon (no bytes cross the network).
+        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        self._check_open()
+        await self._call(P.ClearBuffer(buffer_id=buffer_id, value=value, offset=offset,
+                                       nbytes=nbytes))
+
+    async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
+                          nbytes: int) -> None:
+        """Copy between (or within) this tenant's buffers on the daemon's node,
+        without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE."""
+        self._check_open()
+        await self._call(P.CopyBuffer(src_id=src_id, src_offset=src_offset, dst_id=dst_id,
+                                      dst_offset=dst_offset, nbytes=nbytes))
+
+    # -- data ops -------------------------------------------------------------------
+
+    async def store_tensor(self, buffer_id: str, array: Any, offset: int = 0, sync: bool = True,
+                           verify: str | None = None, wire_dtype: str | None = None) -> Any:
+        """Copy ``array``'s bytes into the buffer at ``offset`` (the daemon
+        copies them itself on the same-host path, else they travel over UCX).
+
+        ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
+        buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
+        made of a contiguous one (see ``control.arrays``).
+        ``verify="checksum"`` has the daemon hash what it received and compare
+        (the checksum the daemon states for the buffer's device: xxh3 on the
+        host, ``devsum`` on a GPU; ``devsum`` too for an array in GPU memory,
+        see docs/gpu.md).  ``wire_dtype="float16"`` sends a float32 tensor as
+        float16 (half the bytes); the daemon widens it back into float32.
+        ``sync=False`` returns a task at once (await it for the answer; keep
+        the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
+        VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
+        self._check_open()
+        if verify not in (None, "checksum"):
+            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype, dtype_name(array))
+        kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
+        if wire_dtype is None:
+            data, landed = as_bytes(array), None
+        else:
+            data, landed = to_wire_f16(array)
+        coro = self._store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
+        if sync:
+            return await coro
+        return asyncio.get_running_loop().create_task(coro)
+
+    async def _store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
+                     kind: str | None = None, wire_dtype: str | None = None,
+                     landed: Any = None) -> dict[str, Any]:
+        """``landed``: the bytes the buffer will hold when they differ from
+        the payload (wire fp16); the checksum covers what lands.  ``kind``:
+        the checksum to send (None: the one the daemon states for the buffer)."""
+        prepare(data)
+        place = await self._place(buffer_id)
+        if kind is None:
+            kind = place.checksum_kind if place is not None else "xxh3"
+        final = data if landed is None else landed
+        digest = None
+        if verify:
+            digest = devsum(final) if kind == "devsum" else checksum(final)
+        nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
+
+        def request(stage: int | None) -> P.Request:
+            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                           checksum=digest, verify=verify,  # type: ignore[arg-type]
+                           checksum_kind=stated,  # type: ignore[arg-type]
+                           wire_dtype=wire_dtype,  # type: ignore[arg-type]
+                           stage=stage)
+
+        def inline(payload: Any) -> P.Request:
+            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                           checksum=digest, verify=verify,  # type: ignore[arg-type]
+                           checksum_kind=stated,  # type: ignore[arg-type]
+                           data=payload)
+
+        return await self._paths.run(buffer_id, place, _one(
+            request, data, inline if wire_dtype is None else None))
+
+    async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
+                          out: Any = None) -> np.ndarray:
+        """Read ``nbytes`` (default: ``out``'s size, else to the buffer's end)
+        straight into ``out`` (or a new uint8 array), which is returned.
+
+        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST, CONNECTION_LOST."""
+        self._check_open()
+        target = as_bytes(out, writable=True) if out is not None else None
+        if nbytes is None:
+            if target is not None:
+                nbytes = int(target.nbytes)
+            else:
+                meta = parse_meta(await self.get_buffer_meta(buffer_id))
+                nbytes = meta.size - offset
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if target is None:
+            target = np.empty(nbytes, dtype=np.uint8)
+        elif target.nbytes < nbytes:
+            raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
+        dest = target[:nbytes]
+        prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
+        size = nbytes
+
+        def request(stage: int | None) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
+
+        def inline(_: Any) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
+
+        await self._paths.run(buffer_id, await self._place(buffer_id),
+                              _one(request, dest, inline), receive=True)
+        return out if out is not None else target
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None = None,
+                          manifest: tuple[list[str], list[str], list[list[int]]] | Packed
+                          | None = None,
+                          manifest_version: int | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
+        """Store many ``(offset, array)`` items of one buffer in one control
+        round trip: on the same-host path they are copied through the
+        session's staging area, over UCX touching items travel as one
+        message per run; either way they land straight in their slices.
+        ``manifest`` = (names, dtypes, shapes), index-aligned with
+        ``items``, is recorded on the daemon;
+        with ``manifest_version`` the daemon refuses (BAD_REQUEST, reason
+        ``manifest_changed``, before any byte lands) if the manifest changed.
+        With ``verify="checksum"``, ``checksums`` (index-aligned with
+        ``items``) are the items' xxh3-64 when the caller has them already,
+        so they are not computed again here; the daemon compares them with
+        what it received all the same (a wrong one is VERIFY_FAILED).
+        The answer's ``checksums`` (with a manifest) are index-aligned with
+        ``items`` too; they are xxh3-64, whatever the buffer's device.
+        Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
+        self._check_open()
+        t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
+                                          checksums=checksums)
+        return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
+
+    async def read_batch(self, buffer_id: str,
+                         ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """Read many ``(offset, nbytes)`` ranges of one buffer in one round
+        trip; returns uint8 arrays in the order asked.  Ranges close together
+        are read as one span (``tensors.plan_spans``) and come back as views
+        into it.  Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        self._check_open()
+        t, views = batches.read_batch(buffer_id, ranges)
+        await self._paths.run(buffer_id, await self._place(buffer_id), t, receive=True)
+        return views()
+
+    # -- keyed blocks (blockops.py; the daemon's blocks.py, docs/kvcache.md) ------------
+
+    async def put_blocks(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
+                         ttl: float | None = None, metas: Sequence[bytes] | None = None,
+                         device_type: str = "CPU", device: int = 0) -> dict[str, Any]:
+        """Store ``{key: array}`` (or ``(key, array)`` pairs) as keyed blocks of
+        this tenant, in one round trip, straight from the arrays.  All or
+        nothing: a reader sees none of them until every byte landed and
+        matched its xxh3-64; then each replaces what its key named.  A full
+        tier evicts this tenant's least recently used blocks to make room.
+        ``ttl``: seconds each block lives (None: until evicted or removed);
+        ``metas``: a small blob per block (at most 1 KiB), given back by
+        ``lookup_blocks(meta=True)``.  Raises BAD_REQUEST, VERIFY_FAILED,
+        QUOTA_EXCEEDED (larger than the quota, or nothing left to evict),
+        OUT_OF_MEMORY, UNSUPPORTED_DEVICE."""
+        self._check_open()
+        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
+        try:
+            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
+        except (TypeError, ValueError):
+            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
+        return await self._blocks.put(keys, arrays, ttl, metas, device_type, device)
+
+    async def put_block(self, key: str, array: Any, ttl: float | None = None,
+                        meta: bytes | None = None) -> dict[str, Any]:
+        """``put_blocks`` of one block."""
+        return await self.put_blocks([(key, array)], ttl, None if meta is None else [meta])
+
+    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+        """Read blocks straight into ``out`` (index-aligned with ``keys``:
+        host arrays, contiguous and writable, each exactly its block's size),
+        in one round trip when all are there; returns which keys were read
+        (the others' arrays are left as they were, or hold arbitrary bytes
+        when a block went away between tries).  A key of another size counts
+        as missing.  Raises BAD_REQUEST."""
+        self._check_open()
+        return await self._blocks.get(keys, out)
+
+    async def get_block(self, key: str, out: Any = None) -> np.ndarray | None:
+        """One block as a uint8 array (into ``out`` when given), or None."""
+        self._check_open()
+        if out is None:
+            (info,) = await self._blocks.lookup([key])
+            if info is None:
+                return None
+            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
+        (hit,) = await self._blocks.get([key], [out])
+        return out if hit else None
+
+    async def lookup_blocks(self, keys: Sequence[str], meta: bool = False,
+                            timeout: float | None = None) -> list[dict[str, Any] | None]:
+        """Per key: None when it names no block, else ``{"nbytes"}`` (and
+        with ``meta``, ``"meta"`` and ``"expires_at"``, unix time or None).
+        A lookup counts as a use for the LRU order."""
+        self._check_open()
+        return await self._blocks.lookup(keys, meta, timeout)
+
+    async def blocks_exist(self, keys: Sequence[str],
+                           timeout: float | None = None) -> list[bool]:
+        return [b is not None for b in await self.lookup_blocks(keys, timeout=timeout)]
+
+    async def remove_blocks(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        """Remove blocks by key (a block being read is freed when the read
+        ends); returns how many keys named one."""
+        self._check_open()
+        return await self._blocks.remove(keys, timeout)
+
+    async def list_blocks(self, prefix: str | None = None, start_after: str | None = None,
+                          limit: int = 1000, timeout: float | None = None
+                          ) -> tuple[list[str], bool]:
+        """This tenant's keys, sorted: at most ``limit`` (1..4096) after
+        ``start_after``, those starting with ``prefix``; and whether more follow."""
+        self._check_open()
+        return await self._blocks.list(prefix, start_after, limit, timeout)
+
+    # -- named tensors (tensorops.py) and dedup uploads (dedup.py) ---------------------
+
+    async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
+                            offset: int | None = None,
+                            verify: str | None = None,
+                            sources: Mapping[str, Source] | None = None) -> ManifestTable:
+        """Store ``{name: array}`` at aligned offsets and record the manifest.
+
+        Returns the manifest entries written (a read-only mapping name ->
+        offset, nbytes, dtype, shape, checksum).
+        Names already stored with the same size are overwritten in place;
+        ``offset`` places the new slots from there instead.  Two clients
+        storing into one buffer at once should use distinct ``offset``s.
+        ``sources`` (name -> (source type, logical shape), either None) adds
+        what a tensor is beyond its NumPy view to its entry (``source_type``,
+        ``logical_shape``; e.g. ``("Q8_0", (512, 256))`` for uint8 rows of
+        shape (512, 272)); a daemon before protocol 3 records neither.
+        Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
+        ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST (also for a
+        source type that is not 1-32 of [A-Za-z0-9_] or a logical shape of
+        more than 32 dimensions)."""
+        return await self._tensors.store_tensors(buffer_id, tensors, offset, verify, sources)
+
+    async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
+                           verify: bool = True, framework: str = "numpy") -> dict[str, Any]:
+        """``{name: array}`` with the stored dtype and shape, in one batch:
+        of ``names``, or of every tensor but the model loader's own entries
+        (``__rpcbuf_metadata__``, ``__rpcbuf_load__``: given when named).
+
+        With ``verify`` each tensor's xxh3 is compared with the manifest.
+        ``framework="torch"`` gives torch tensors over the same memory (no
+        copy), each of the dtype it was stored with: a bfloat16 or float8
+        tensor, which NumPy has no dtype for, is its bits in the NumPy form
+        (``uint16``/``uint8``, the entry's ``source_type`` says ``BF16``...).
+        Raises NOT_FOUND (buffer, or a name not in its manifest), VERIFY_FAILED,
+        BAD_REQUEST (an unknown framework, or torch not installed)."""
+        return await self._tensors.load_tensors(buffer_id, names, verify, framework)
+
+    async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
+                                  offsets: Mapping[str, int] | None = None,
+                                  verify: str | None = "checksum",
+                                  hashes: Mapping[str, tuple[int, int]] | None = None,
+                                  sources: Mapping[str, Source] | None = None,
+                                  ) -> dict[str, Any]:
+        """Store ``{name: array}`` like ``store_tensors``, sending only the
+        tensors whose contents this tenant does not hold on that node already.
+
+        ``offsets`` (name -> offset) places the tensors; by default they go
+        where ``store_tensors`` would put them; ``sources`` as in
+        ``store_tensors``.  Returns ``{"tensors", "placed", "sent",
+        "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND, OUT_OF_RANGE,
+        VERIFY_FAILED, BAD_REQUEST."""
+        return await self._dedup.store_tensors_dedup(buffer_id, tensors, offsets, verify, hashes,
+                                                     sources)
+
+    async def load_file(self, buffer_id: str, path: str, file_size: int,
+                        tensors: Sequence[fileload.FileTensor],
+                        timeout: float | None = None) -> dict[str, Any]:
+        """Have the node read ``tensors`` of the file ``path`` in its own
+        ``--model-dir`` straight into the buffer (node-local load; nothing
+        moves over the network).  Each tensor is verified against its
+        ``digest`` (xxh3-128) and ``checksum`` (xxh3-64) before any is recorded
+        in the manifest (with its ``source_type`` and ``logical_shape``, where
+        given).  ``timeout`` defaults to the daemon's transfer
+        deadline.  Returns ``{"nbytes", "items", "read", "in_place",
+        "manifest_version"}`` (``read``: bytes read from the node's disk;
+        ``in_place``: tensors already there, verified, not read again).
+        Raises FORBIDDEN (a node without ``--model-dir``, a path outside it),
+        NOT_FOUND (the buffer, the file), VERIFY_FAILED (the node's copy
+        differs: its size, a tensor's place or hash; the message names the
+        file and the tensor), TIMEOUT, BAD_REQUEST."""
+        self._check_open()
+        req = fileload.request(buffer_id, path, file_size, tensors)
+        result = await self._call(req, self.transfer_timeout if timeout is None else timeout)
+        self._tensors.manifests.pop(buffer_id, None)  # the manifest changed on the node
+        return result
+
+    async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
+        """Read the range back over the data plane and compare it with ``array``.
+
+        Returns True when equal; raises VERIFY_FAILED (with the first differing
+        byte) when not."""
+        data = as_bytes(array)
+        if not isinstance(data, np.ndarray):  # device memory: compare on the host
+            data = data.get()
+        back = await self.read_buffer(buffer_id, offset, int(data.nbytes))
+        if not np.array_equal(back, data):
+            first = int(np.flatnonzero(back != data)[0])
+            raise VerifyFailed("read-back differs from the array",
+                               {"offset": offset, "first_difference": first})
+        return True
+
+
+class _DedupNeeds:
+    """What ``DedupOps`` may reach of a context (``dedup.DedupNeeds``)."""
+
+    def __init__(self, ctx: RpcContext) -> None:
+        self._ctx = ctx
+
+    def check_open(self) -> None:
+        self._ctx._check_open()
+
+    async def call(self, req: P.Request) -> dict[str, Any]:
+        return await self._ctx._call(req)
+
+    async def manifest_of(self, buffer_id: str) -> ManifestTable:
+        return await self._ctx._tensors.manifest_of(buffer_id)
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None = None,
+                          manifest: ManifestColumns | Packed | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
+        return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest,
+                                           checksums=checksums)
+
+
+def inline_on() -> bool:
+    """Whether small ops of network sessions ride in their frames:
+    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
+    compare the UCX path itself)."""
+    return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _one(request: Callable[[int | None], P.Request], array: Any,
+         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
+    """The transfer of a one-array op (store, read): one UCX message, one
+    piece through the staging area, or (``inline``) the bytes in a frame."""
+    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)

@@ -1,0 +1,128 @@
+"""Client side of content-hash dedup: send only what the daemon does not hold.
+
+``store_tensors_dedup`` hashes each tensor (xxh3-128 to find it, xxh3-64 to
+verify it), asks the daemon in one round trip which contents this tenant
+already holds (``dedup_store``: the daemon copies those into place locally
+and verifies them), then sends only the missing tensors in one
+``store_batch`` with the manifest.  The result is the same manifest as
+``store_tensors`` would record; only the bytes on the wire differ.
+
+Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
+caller that hashed already (the model loader hashes while it reads ahead)
+passes ``hashes`` to skip it.
+
+``DedupOps`` holds no connection: it is handed what it needs (``DedupNeeds``:
+the context's ``store_batch``, a plain call, the manifest cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rpcbuf.control.client.tensors import (
+    ManifestTable,
+    Packed,
+    manifest_columns,
+    named_arrays,
+    plan_layout,
+    with_bits,
+)
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.manifest import ManifestColumns, Source, source_columns
+from rpcbuf.control.wire.units import THREAD_BYTES
+from rpcbuf.dataplane.checksum import digests
+
+CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed array
+
+
+def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """``{name: (xxh3-128, xxh3-64)}`` of each array's bytes, each array read
+    once (``checksum.digests``: the low half of a long input's xxh3-128 is its
+    xxh3-64)."""
+    return {n: digests(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            for n, a in arrays.items()}
+
+
+class DedupNeeds(Protocol):
+    """What the dedup upload needs of a context."""
+
+    def check_open(self) -> None: ...
+
+    async def call(self, req: P.Request) -> dict[str, Any]: ...
+
+    async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None = None,
+                          manifest: ManifestColumns | Packed | None = None,
+                          checksums: Sequence[int] | None = None) -> dict[str, Any]: ...
+
+
+class DedupOps:
+    """``store_tensors_dedup`` over a context's ops (``DedupNeeds``)."""
+
+    def __init__(self, ctx: DedupNeeds) -> None:
+        self._ctx = ctx
+
+    async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
+                                  offsets: Mapping[str, int] | None = None,
+                                  verify: str | None = "checksum",
+                                  hashes: Mapping[str, tuple[int, int]] | None = None,
+                                  sources: Mapping[str, Source] | None = None,
+                                  ) -> dict[str, Any]:
+        """``RpcContext.store_tensors_dedup`` (its docstring is the contract):
+        ask the daemon to place what it holds, send the rest."""
+        ctx = self._ctx
+        ctx.check_open()
+        arrays, bits = named_arrays(tensors)
+        sources = with_bits(sources, bits)
+        if offsets is None:
+            existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
+            offsets = plan_layout(arrays, existing)
+        if hashes is None:
+            total = sum(a.nbytes for a in arrays.values())
+            hashes = await asyncio.to_thread(content_hashes, arrays) \
+                if total >= THREAD_BYTES else content_hashes(arrays)
+        names = sorted(arrays, key=lambda n: offsets[n])
+        placed: set[str] = set()
+        for start in range(0, len(names), CHUNK_ITEMS):
+            placed |= await self._dedup_chunk(buffer_id, names[start:start + CHUNK_ITEMS],
+                                              arrays, offsets, hashes, sources)
+        missing = [n for n in names if n not in placed]
+        if missing:
+            cols = manifest_columns(arrays, missing)
+            await ctx.store_batch(
+                buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
+                manifest=Packed.of_columns(*cols, *source_columns(missing, sources))
+                if sources else cols,
+                checksums=[hashes[n][1] for n in missing])  # hashed once, above
+        return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
+                "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
+                "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
+
+    async def _dedup_chunk(self, buffer_id: str, names: Sequence[str],
+                           arrays: Mapping[str, np.ndarray], offsets: Mapping[str, int],
+                           hashes: Mapping[str, tuple[int, int]],
+                           sources: Mapping[str, Source] | None = None) -> set[str]:
+        items = [n for n in names if arrays[n].nbytes]
+        if not items:
+            return set()
+        words = np.empty(2 * len(items), dtype="<u8")
+        words[0::2] = [hashes[n][0] & 0xFFFF_FFFF_FFFF_FFFF for n in items]
+        words[1::2] = [hashes[n][0] >> 64 for n in items]
+        names, dtypes, shapes = manifest_columns(arrays, items)
+        source_types, logical_shapes = source_columns(items, sources)
+        req = P.DedupStore(
+            buffer_id=buffer_id,
+            offsets=P.pack_u64([offsets[n] for n in items]),
+            sizes=P.pack_u64([arrays[n].nbytes for n in items]),
+            hashes=P.U64Array(words.tobytes()),
+            checksums=P.pack_u64([hashes[n][1] for n in items]),
+            names=names, dtypes=dtypes, shapes=shapes, source_types=source_types,
+            logical_shapes=logical_shapes)
+        result = await self._ctx.call(req)
+        return {items[int(i)] for i in P.unpack_u64(result["placed"])}

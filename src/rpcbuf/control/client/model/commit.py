@@ -1,0 +1,196 @@
+"""A load's two phases and its revoke, over the slot buffers (``loader``, ``nodeload``).
+
+``write_records`` stores each slot's load record (``record``: PLANNED
+before any tensor is written, PutStart); ``commit`` stores it COMMITTED,
+with the verified checksums, once every slot verified (PutEnd); ``abort``
+releases what a failed or interrupted load created (PutRevoke).  The
+cleanup runs to its end under cancellation (``settle``: Ctrl-C, SIGTERM's
+cancel, a caller's timeout) and waits at most ``CLEANUP_TIMEOUT`` on a node
+that no longer answers.  ``each_slot`` runs one step on every slot at once
+and releases what was created when any fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from rpcbuf.control.client.cluster import Cluster, ClusterError
+from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, LoadRecord, read_record
+from rpcbuf.control.wire.errors import RpcBufError
+
+CLEANUP_TIMEOUT = 10.0  # seconds a failed load's cleanup waits on one node
+T = TypeVar("T")
+
+
+class Job(Protocol):
+    """One slot of a load, as its commit and cleanup see it (``slots.SlotJob``)."""
+
+    buffer_id: str
+    buffer_name: str
+    created: bool  # this load made the buffer (request or clone)
+    released: bool  # ... and released it again
+    making: asyncio.Future[str] | None  # its request or clone, while on its way
+    record: LoadRecord | None
+    sums: dict[str, int]  # the verified checksums of its tensors
+    held: dict[str, Any] | None  # a reused or cloned buffer's manifest when acquired
+    expect: dict[str, int] | None  # every checksum, when known before the load
+    inherited: bool  # its committed record already says what this load puts there
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def record_offset(self) -> int: ...
+
+    def layout(self) -> dict[str, int]: ...
+
+
+J = TypeVar("J", bound=Job)
+
+
+async def settle(aw: Awaitable[T]) -> T:
+    """Run ``aw`` to its end even if the caller is cancelled meanwhile
+    (then raise CancelledError after it): cleanup that must not be cut short."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
+
+
+async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitable[None]],
+                    what: str) -> None:
+    """``one(job)`` for every slot at once; when any fails, the buffers this
+    load created are released, then a local problem (the file) is raised as
+    it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
+    results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
+    errors: dict[str, RpcBufError] = {}
+    other: BaseException | None = None
+    for j, r in zip(jobs, results, strict=True):
+        if isinstance(r, RpcBufError):
+            errors.setdefault(j.endpoint, r)
+        elif isinstance(r, BaseException) and other is None:
+            other = r  # a local problem (the file): clean up all the same
+    if errors or other is not None:
+        cleaned = await settle(release_created(cluster, jobs))
+        if other is not None:
+            raise other
+        raise ClusterError.of(what, errors, cleaned=cleaned)
+
+
+async def start(cluster: Cluster, jobs: list[J]) -> None:
+    """PutStart: every slot's planned record, before any byte of it changes.
+
+    Unless every slot's buffer (reused, or a clone) already holds, committed
+    by one load of these slots, exactly what this load puts there: the same
+    names at the same places with the checksums known before the load (the
+    hash cache, a hash manifest, or what decided a clone).  Then the load
+    writes no record (it will change nothing; and a record written into a
+    clone would make its shared memory a copy of its own)."""
+    if await _unchanged(cluster, jobs):
+        for j in jobs:
+            j.inherited = True
+        return
+    await write_records(cluster, jobs, "recording the load's plan")
+
+
+async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
+    loads, found = set(), []
+    for j in jobs:
+        held, want, rec = j.held, j.expect, j.record
+        if held is None or want is None or rec is None or LOAD_TENSOR not in held:
+            return False
+        layout = j.layout()
+        if any(not isinstance(e := held.get(n), dict) or e.get("checksum") != want.get(n)
+               or e.get("offset") != layout.get(n) for n in rec.names) \
+                or held[LOAD_TENSOR].get("offset") != j.record_offset:
+            return False
+        try:
+            old = await read_record(cluster[j.endpoint], j.buffer_id, held[LOAD_TENSOR])
+        except RpcBufError:
+            return False
+        if old.state != COMMITTED or (old.slots, old.slot, old.names) != \
+                (rec.slots, rec.slot, rec.names) \
+                or old.checksums != tuple(want[n] for n in rec.names):
+            return False
+        loads.add(old.load)
+        found.append(old)
+    if len(loads) != 1:
+        return False
+    for j, old in zip(jobs, found, strict=True):
+        j.record = old
+    return True
+
+
+async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
+    """Store every slot's load record as it stands (checksum-verified),
+    except where the record there already says so (``inherited``)."""
+    async def one(j: J) -> None:
+        assert j.record is not None
+        if j.inherited:
+            return
+        await cluster[j.endpoint].store_tensors(
+            j.buffer_id, {LOAD_TENSOR: j.record.encode()}, offset=j.record_offset,
+            verify="checksum")
+
+    await each_slot(cluster, jobs, one, what)
+
+
+async def commit(cluster: Cluster, jobs: list[J]) -> None:
+    """Mark every slot committed, with its verified checksums: call only
+    once every slot of the load has verified its manifest."""
+    for j in jobs:
+        assert j.record is not None
+        if not j.inherited:
+            j.record = j.record.committed(j.sums)
+    await write_records(cluster, jobs, "committing the load")
+
+
+async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str]]:
+    """Release the buffers this load created and has not released yet;
+    ``{endpoint: names released}``."""
+    created = [j for j in jobs if j.created and not j.released]
+
+    async def one(j: J) -> str | None:
+        j.released = True
+        try:
+            await cluster[j.endpoint].release_buffer(j.buffer_id, timeout=CLEANUP_TIMEOUT)
+            return j.buffer_name
+        except RpcBufError:
+            return None  # that node is gone or the buffer with it
+
+    names = await asyncio.gather(*(one(j) for j in created))
+    out: dict[str, list[str]] = {}
+    for j, n in zip(created, names, strict=True):
+        if n is not None:
+            out.setdefault(j.endpoint, []).append(n)
+    return out
+
+
+async def abort(cluster: Cluster, jobs: list[J],
+                existing: dict[str, list[dict[str, Any]]]) -> None:
+    """Release what a failed or interrupted load created, even when
+    cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
+    request or clone still on its way has ended (``acquire.make`` records
+    the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
+    given up, and what it made, if anything, holds no committed record).
+    Buffers it reused keep their planned record: incomplete until a load
+    finishes.  ``existing``: the listing taken before the load (unused: a
+    buffer is released by the id this load got, never found by name)."""
+    await settle(_abort(cluster, jobs))
+
+
+async def _abort(cluster: Cluster, jobs: list[J]) -> None:
+    pending = [j.making for j in jobs if j.making is not None and not j.making.done()]
+    if pending:
+        _, late = await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT)
+        for f in late:
+            f.cancel()
+    await release_created(cluster, jobs)

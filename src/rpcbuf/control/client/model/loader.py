@@ -1,0 +1,426 @@
+"""Model upload: place a safetensors/GGUF model's tensors across a cluster.
+
+``load_model(cluster, path)`` (and ``rpcbuf load``) does, in order:
+
+1. read the model's metadata (``modelfile``) and the cluster's devices, and
+   plan the placement (``placement``: a spec or proportional to free memory);
+   a bad spec or a model that does not fit fails here, before any request;
+2. request one named buffer per used slot, ``f"{name}/slot{i}"``, sized with
+   ``calculate_buffer_size(..., headroom=0)`` on that slot's device; a buffer
+   of that name that already holds part of this slot's plan is reused (a
+   re-load, or a retry after a failure, then fills it in place); if any
+   request fails, the buffers just created are released and nothing is sent.
+   Meanwhile a worker thread hashes the tensors the hash cache does not know
+   (``HashAhead``: a node backs a new buffer's memory before it answers);
+   then every slot gets its planned load record (``commit.start``);
+3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
+   thread reads and hashes the next batch, each tensor once, while this one
+   travels), place it with ``store_tensors_dedup`` (the node places what
+   this tenant already holds; the rest is sent and checksum-verified, with
+   the checksums hashed here), ``IN_FLIGHT`` batches on the wire at once
+   (the node verifies one while the next arrives), and report progress;
+4. store the file's own metadata (``metadata``: one tensor in the first slot
+   buffer on each node) and record each tensor's source type and logical
+   shape in the manifests (``TensorSpec.source``);
+5. check every slot's manifest against the checksums computed here, and
+   only once every slot passed, commit the load (``commit.commit``): until
+   then the model is not complete (``record``).
+
+Named buffers outlive the client, so the model stays loaded after the CLI
+exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
+
+If a node fails mid-upload the other slots stop at their next batch, the
+buffers this call created are released on every node that still answers,
+and ``ClusterError`` names the node(s) that failed.  Buffers it reused are
+kept: they hold verified tensors a retry will not send again.  A cancelled
+load (Ctrl-C, SIGTERM in the CLI) releases the same way (``commit.abort``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rpcbuf.control.client.cluster import Cluster
+from rpcbuf.control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
+from rpcbuf.control.client.model.acquire import acquire, as_if_released
+from rpcbuf.control.client.model.modelfile import ModelFile, TensorSpec, open_model
+from rpcbuf.control.client.model.reading import (
+    DEFAULT_BATCH,
+    HashAhead,
+    Hashes,
+    KnownHashes,
+    batches,
+    read_batch,
+)
+from rpcbuf.control.client.model.slots import (
+    SlotJob,
+    buffer_name,
+    carry_metadata,
+    is_model_buffer,
+    metadata_names,
+    metadata_offset,
+    room_for_metadata,
+    slot_offsets,
+)
+from rpcbuf.control.client.tensors import (
+    Packed,
+    manifest_columns,
+)
+from rpcbuf.control.wire.errors import (
+    BadRequest,
+    NotFound,
+    RpcBufError,
+    VerifyFailed,
+)
+from rpcbuf.control.wire.manifest import Source, source_columns
+from rpcbuf.dataplane.checksum import checksum
+
+if TYPE_CHECKING:
+    from rpcbuf.control.client.context import RpcContext
+
+IN_FLIGHT = 2  # batches a slot has on the wire at once
+ProgressFn = Callable[[str, int, int], None]  # endpoint, bytes done, bytes total
+
+
+@dataclass
+class NodeStats:
+    endpoint: str
+    bytes_total: int = 0
+    bytes_sent: int = 0
+    bytes_placed: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+    buffers: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes_total": self.bytes_total, "bytes_sent": self.bytes_sent,
+                "bytes_deduped": self.bytes_placed, "tensors": self.tensors,
+                "seconds": round(self.seconds, 4), "buffers": self.buffers}
+
+
+@dataclass
+class LoadResult:
+    name: str
+    model: str
+    format: str
+    placement: PL.Placement
+    nodes: dict[str, NodeStats]
+    buffers: list[dict[str, Any]]
+    seconds: float
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(n.bytes_sent for n in self.nodes.values())
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(n.bytes_total for n in self.nodes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model, "format": self.format,
+                "placement": self.placement.spec, "seconds": round(self.seconds, 4),
+                "bytes_total": self.bytes_total, "bytes_sent": self.bytes_sent,
+                "nodes": {a: n.to_json() for a, n in self.nodes.items()},
+                "buffers": self.buffers}
+
+
+class _Progress:
+    """Per-node byte counters, shown with rich when asked and on a terminal."""
+
+    def __init__(self, totals: dict[str, int], show: bool, callback: ProgressFn | None) -> None:
+        self.totals = totals
+        self.done = dict.fromkeys(totals, 0)
+        self.callback = callback
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+        if show and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            from rpcbuf.control.client.progress import byte_columns
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), *byte_columns(),
+                                 TimeRemainingColumn(), console=Console(stderr=True))
+            for addr, total in totals.items():
+                self._tasks[addr] = self._bar.add_task(addr, total=total)
+            self._bar.start()
+
+    def advance(self, endpoint: str, nbytes: int) -> None:
+        self.done[endpoint] += nbytes
+        if self._bar is not None:
+            self._bar.update(self._tasks[endpoint], advance=nbytes)
+        if self.callback is not None:
+            self.callback(endpoint, self.done[endpoint], self.totals[endpoint])
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+async def load_model(cluster: Cluster, path: str | Path | ModelFile,
+                     placement: str | None = None,
+                     name: str | None = None, progress: bool = True, *,
+                     batch_bytes: int = DEFAULT_BATCH, dedup: bool = True,
+                     on_progress: ProgressFn | None = None,
+                     hash_cache: bool = True) -> LoadResult:
+    """Upload the model at ``path`` across ``cluster``; see the module docstring.
+
+    ``path`` may be a model ``open_model`` opened already (it is closed
+    here); ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
+    split by free memory; ``name`` defaults to the file's stem; ``progress``
+    shows rich progress bars on stderr when it is a terminal;
+    ``on_progress(endpoint, done, total)`` is called after every batch;
+    ``hash_cache`` (with ``dedup``) reuses the tensors' hashes remembered
+    from an earlier upload of the unchanged file (``hashcache``), so a
+    re-upload reads only what it sends.
+    Raises BAD_REQUEST (bad spec, model does not fit, not a model file) before
+    anything is requested; ``ClusterError`` naming each failed node otherwise
+    (after releasing the buffers this call created)."""
+    t0 = time.perf_counter()
+    if batch_bytes <= 0:
+        raise BadRequest("batch_bytes must be positive")
+    model = path if isinstance(path, ModelFile) else await asyncio.to_thread(open_model, path)
+    path = model.path
+    is_dir = model.files[0] != Path(path)  # a directory of shards
+    name = name or (Path(path).name if is_dir else Path(path).stem)
+    if not name or len(name) > 200:
+        raise BadRequest(f"bad model name {name!r}")
+    known: KnownHashes | None = None
+    if dedup and hash_cache:
+        try:
+            known = await asyncio.to_thread(KnownHashes, model)
+        except OSError:
+            known = None  # cannot stat the files: hash them
+    hashing = HashAhead(model, known)
+    try:
+        try:
+            plan, existing, jobs = await place_and_acquire(
+                cluster, name, [(t.name, t.nbytes) for t in model.tensors],
+                model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement,
+                known, hashing if dedup else None)
+        finally:
+            ahead = await hashing.stop()
+        stats = {a: NodeStats(a) for a in cluster.endpoints}
+        try:
+            bar = start_progress(jobs, stats, progress, on_progress)
+            try:
+                await _upload(cluster, model, jobs, stats, bar, batch_bytes, dedup, t0, known,
+                              ahead)
+            finally:
+                bar.close()
+            if known is not None:
+                await asyncio.to_thread(known.save)
+            await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
+            await CM.commit(cluster, jobs)  # PutEnd: only now is the model complete
+        except BaseException:
+            await CM.abort(cluster, jobs, existing)
+            raise
+    finally:
+        model.close()
+    return LoadResult(name, str(path), model.format, plan, stats, described(jobs),
+                      time.perf_counter() - t0)
+
+
+async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
+                            spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
+                            placement: str | None, known: Hashes | None = None,
+                            hashing: HashAhead | None = None
+                            ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
+                                       list[SlotJob]]:
+    """Step 1 of a load, an upload's or a node-local one alike: the placement
+    over the nodes' slots (this model's old buffers counted free, room left
+    for the metadata ``blob``), a job per slot, its buffer reused or made."""
+    slots = await cluster.slots()
+    existing = await cluster.list_buffers()
+    slots = as_if_released(slots, existing, name)
+    # room for a load record naming every tensor: any slot's is smaller
+    most = LR.room(LR.plan(range(len(slots)), 0, [n for n, _ in sizes] + [MD.META_TENSOR],
+                           LR.new_load_id()))
+    plan = PL.plan(PL.Groups.of(sizes), room_for_metadata(slots, blob, most), placement)
+    jobs = [SlotJob(p, [spec_of(n) for n in p.tensors], buffer_name(name, p.slot.slot))
+            for p in plan.slots]
+    carry_metadata(jobs, blob)
+    load, numbers = LR.new_load_id(), [p.slot.slot for p in plan.slots]
+    for j in jobs:
+        j.record = LR.plan(numbers, j.plan.slot.slot,
+                           [s.name for s in j.specs] + sorted(metadata_names(j)), load)
+    try:
+        await acquire(cluster, jobs, existing, name, known, hashing)
+        for j in jobs:
+            got = known.lookup(j.specs) if known is not None else {}
+            if hashing is not None and j.cloned:
+                got = {**hashing.hashes, **got}  # a clone was decided by them
+            if all(s.name in got for s in j.specs):
+                j.expect = {s.name: got[s.name][1] for s in j.specs}
+                if j.metadata is not None:
+                    j.expect[MD.META_TENSOR] = checksum(j.metadata)
+        await CM.start(cluster, jobs)  # PutStart, before any byte of a slot changes
+    except BaseException:
+        await CM.abort(cluster, jobs, existing)
+        raise
+    return plan, existing, jobs
+
+
+def start_progress(jobs: list[SlotJob], stats: dict[str, Any], show: bool,
+                   callback: ProgressFn | None) -> _Progress:
+    """Count each node's share into ``stats`` and start the progress bars."""
+    for j in jobs:
+        node = stats[j.plan.slot.endpoint]
+        node.bytes_total += sum(s.nbytes for s in j.specs)
+        node.tensors += len(j.specs)
+        node.buffers.append(j.buffer_name)
+    return _Progress({a: n.bytes_total for a, n in stats.items() if n.tensors}, show, callback)
+
+
+def described(jobs: list[SlotJob]) -> list[dict[str, Any]]:
+    """What a load result says of each buffer."""
+    return [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
+             "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
+             "reused": not j.created, "cloned": j.cloned,
+             **{k: v for k, v in j.plan.describe().items()
+                if k in ("prolog", "epilog", "layers", "tensors", "nbytes")}} for j in jobs]
+
+
+async def _upload(cluster: Cluster, model: ModelFile, jobs: list[SlotJob],
+                  stats: dict[str, NodeStats], bar: _Progress, batch_bytes: int,
+                  dedup: bool, t0: float, known: KnownHashes | None = None,
+                  ahead: dict[str, tuple[int, int]] | None = None) -> None:
+    failed = asyncio.Event()  # the other slots stop at their next batch
+
+    async def one(j: SlotJob) -> None:
+        ctx = cluster[j.plan.slot.endpoint]
+        node = stats[j.plan.slot.endpoint]
+        offsets = slot_offsets(j)
+        sums: dict[str, int] = {}
+        parts = list(batches(j.specs, batch_bytes))
+
+        async def store(arrays: dict[str, np.ndarray], hashes: dict[str, tuple[int, int]]
+                        ) -> None:
+            nbytes = sum(int(a.nbytes) for a in arrays.values())
+            if dedup:
+                res = await ctx.store_tensors_dedup(
+                    j.buffer_id, arrays, {n: offsets[n] for n in arrays}, "checksum", hashes,
+                    sources=_sources(model, arrays))
+                node.bytes_sent += res["bytes_sent"]
+                node.bytes_placed += res["bytes_placed"]
+            else:
+                await ctx.store_batch(
+                    j.buffer_id, [(offsets[n], arrays[n]) for n in arrays], "checksum",
+                    _described(model, arrays), checksums=[hashes[n][1] for n in arrays])
+                node.bytes_sent += nbytes
+            bar.advance(j.plan.slot.endpoint, nbytes)
+
+        # Batch k+1 is read and hashed (a worker thread) and sent while batch k's
+        # answer is still on its way: the node verifies k while k+1 travels.
+        reading: asyncio.Future[Any] | None = None
+        sending: deque[asyncio.Future[None]] = deque()
+        try:
+            for k, batch in enumerate(parts):
+                if failed.is_set():
+                    return
+                if reading is None:
+                    reading = asyncio.ensure_future(asyncio.to_thread(read_batch, model, batch,
+                                                                      known, ahead))
+                arrays, hashes = await reading
+                reading = None
+                if k + 1 < len(parts):
+                    reading = asyncio.ensure_future(asyncio.to_thread(
+                        read_batch, model, parts[k + 1], known, ahead))
+                sums.update({n: h[1] for n, h in hashes.items()})
+                sending.append(asyncio.ensure_future(store(arrays, hashes)))
+                del arrays, hashes
+                if len(sending) >= IN_FLIGHT:
+                    await sending.popleft()
+            while sending:
+                await sending.popleft()
+            await _store_metadata(ctx, j, offsets, sums)
+            await _check_manifest(ctx, j, sums)
+            j.sums = sums
+            node.seconds = max(node.seconds, time.perf_counter() - t0)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            left = [f for f in (reading, *sending) if f is not None]
+            for f in left:
+                f.cancel()
+            if left:  # collected, so no error of theirs goes unretrieved
+                await asyncio.gather(*left, return_exceptions=True)
+
+    await CM.each_slot(cluster, jobs, one, "uploading the model")
+
+
+# -- what the manifests say beyond the NumPy views: source types, the file's metadata --
+
+
+def _sources(model: ModelFile, names: Iterable[str]) -> dict[str, Source]:
+    """Each tensor's (source type, logical shape), as its manifest entry records them."""
+    return {n: model.by_name[n].source for n in names}
+
+
+def _described(model: ModelFile, arrays: dict[str, np.ndarray]) -> Packed:
+    """A batch's manifest with each tensor's source type and logical shape."""
+    names = list(arrays)
+    return Packed.of_columns(*manifest_columns(arrays, names),
+                             *source_columns(names, _sources(model, names)))
+
+
+async def _store_metadata(ctx: RpcContext, job: SlotJob, offsets: dict[str, int],
+                          sums: dict[str, int]) -> None:
+    """The metadata tensor of a slot that carries it, right after the slot's
+    tensors (deduplicated: a re-load sends nothing); its checksum joins
+    ``sums`` for the manifest check."""
+    if job.metadata is None:
+        return
+    await ctx.store_tensors_dedup(job.buffer_id, {MD.META_TENSOR: job.metadata},
+                                  {MD.META_TENSOR: metadata_offset(job, offsets)}, "checksum")
+    sums[MD.META_TENSOR] = checksum(job.metadata)
+
+
+async def _check_manifest(ctx: RpcContext, job: SlotJob, sums: dict[str, int]) -> None:
+    manifest = (await ctx.get_buffer_meta(job.buffer_id))["tensors"]
+    bad = [n for n, c in sums.items() if (manifest.get(n) or {}).get("checksum") != c]
+    if bad:
+        raise VerifyFailed(f"{len(bad)} tensor(s) of {job.buffer_name} are missing from its "
+                           "manifest or do not match", {"tensors": bad[:20]})
+
+
+async def _release_stale(cluster: Cluster, existing: dict[str, list[dict[str, Any]]],
+                         name: str, keep: set[str]) -> None:
+    """Old buffers of this model that the new placement does not use."""
+    for addr, bufs in existing.items():
+        for b in bufs:
+            if is_model_buffer(name, b["name"]) and b["name"] not in keep:
+                try:
+                    await cluster[addr].release_buffer(str(b["buffer_id"]))
+                except RpcBufError:
+                    pass  # released meanwhile
+
+
+async def unload_model(cluster: Cluster, name: str) -> dict[str, list[str]]:
+    """Release every buffer ``f"{name}/slotN"`` on every node; return the names
+    released per node.  Raises ``ClusterError`` for nodes that failed (after
+    unloading from the others) and NOT_FOUND when no node held the model."""
+
+    async def one(ctx: RpcContext) -> list[str]:
+        done = []
+        for b in await ctx.list_buffers():
+            if is_model_buffer(name, b["name"]):
+                await ctx.release_buffer(str(b["buffer_id"]))
+                done.append(str(b["name"]))
+        return done
+
+    got = await cluster.gather(one, "unload")
+    if not any(got.values()):
+        raise NotFound(f"no node holds a model named {name!r}", {"name": name})
+    return got

@@ -1,0 +1,73 @@
+"""The model file a client uploads, its header checked before anything
+parses it: the walks are ``control/wire/modelcheck.py`` (shared with the
+daemon, which checks the files of its ``--model-dir``); this module opens
+the file and turns what is wrong into one ``BadRequest`` naming it.  The
+GGUF walk also returns the file's key/values, and ``metadata_of_safetensors``
+a safetensors header's ``__metadata__``, both within the wire module's
+bounds (``MAX_METADATA_*``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.control.wire.modelcheck import (
+    GGUF_MAX_NESTING,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_ITEMS,
+    MAX_METADATA_KEYS,
+    MAX_NAME,
+    Malformed,
+    gguf_walk,
+    safetensors_length,
+    safetensors_parse,
+)
+
+__all__ = ["GGUF_MAX_NESTING", "MAX_METADATA_BYTES", "MAX_METADATA_ITEMS", "MAX_METADATA_KEYS",
+           "MAX_NAME", "check_gguf", "metadata_of_safetensors", "safetensors_header"]
+
+
+def check_gguf(path: Path) -> dict[str, Any]:
+    """Walk a GGUF file's whole header against its size; return its
+    key/values as plain Python.  Raises BAD_REQUEST naming the file and the
+    first thing wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            return gguf_walk(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size)[1]
+    except Malformed as exc:
+        raise BadRequest(f"{path}: not a valid GGUF file: {exc}", {"file": str(path)}) from None
+
+
+def metadata_of_safetensors(path: Path, header: Mapping[str, Any]) -> dict[str, str]:
+    """A safetensors header's ``__metadata__`` (checked a map of strings by
+    ``safetensors_header``), within ``MAX_METADATA_KEYS`` keys and
+    ``MAX_METADATA_BYTES`` characters.  Raises BAD_REQUEST naming the file."""
+    meta = header.get("__metadata__") or {}
+    size = sum(len(k) + len(v) for k, v in meta.items())  # characters: at most the bytes
+    if len(meta) > MAX_METADATA_KEYS or size > MAX_METADATA_BYTES:
+        raise BadRequest(f"{path}: its __metadata__ has {len(meta)} keys and {size} characters "
+                         f"(rpcbuf reads at most {MAX_METADATA_KEYS} keys and "
+                         f"{MAX_METADATA_BYTES} characters)", {"file": str(path)})
+    return dict(meta)
+
+
+def safetensors_header(path: Path, itemsizes: Mapping[str, int]
+                       ) -> tuple[int, dict[str, Any]]:
+    """``(where the data starts, the header)`` of a safetensors file, every
+    entry checked against the file (``wire.modelcheck.safetensors_parse``).
+    Raises BAD_REQUEST naming the file and what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = safetensors_length(f.read(8), size)
+            raw = f.read(n)
+        if len(raw) != n:
+            raise Malformed("the file shrank while it was read")
+        return safetensors_parse(raw, size, itemsizes)
+    except Malformed as exc:
+        raise BadRequest(f"{path}: not a valid safetensors file: {exc}",
+                         {"file": str(path)}) from None

@@ -1,0 +1,150 @@
+"""Reading a model's tensors for an upload, and their content hashes: from
+the client-side hash cache (``KnownHashes``), computed ahead in a worker
+thread while the nodes answer the buffer requests (``HashAhead``), or as
+each batch is read (``read_batch``).  The loader (``loader.py``) and the
+node-local load (``nodeload.py``) use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from rpcbuf.control.client.dedup import content_hashes
+from rpcbuf.control.client.model.hashcache import HashCache, file_key, tensor_key
+from rpcbuf.control.client.model.modelfile import ModelFile, TensorSpec
+
+DEFAULT_BATCH = 64 << 20  # bytes a slot reads, hashes and sends at once
+
+
+def batches(specs: Sequence[TensorSpec], limit: int) -> Iterator[list[TensorSpec]]:
+    batch: list[TensorSpec] = []
+    size = 0
+    for s in specs:
+        if batch and size + s.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(s)
+        size += s.nbytes
+    if batch:
+        yield batch
+
+
+class KnownHashes:
+    """This model's tensors' hashes from the client-side ``HashCache``: the
+    file identities are taken once, before anything is read, and the cache is
+    saved only if they are unchanged after the upload."""
+
+    def __init__(self, model: ModelFile) -> None:
+        self.model = model
+        self.cache = HashCache()
+        self.fkeys = [file_key(f) for f in model.files]
+        self.hits = 0
+
+    def _key(self, spec: TensorSpec) -> tuple[str, str]:
+        file, offset = self.model.where(spec.name)
+        return self.fkeys[file], tensor_key(spec.name, offset, spec.nbytes)
+
+    def knows(self, spec: TensorSpec) -> bool:
+        return self.cache.get(*self._key(spec)) is not None
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for s in batch:
+            got = self.cache.get(*self._key(s))
+            if got is not None:
+                out[s.name] = got
+        self.hits += len(out)
+        return out
+
+    def record(self, batch: list[TensorSpec], hashes: dict[str, tuple[int, int]]) -> None:
+        for s in batch:
+            if s.name in hashes:
+                self.cache.put(*self._key(s), hashes[s.name])
+
+    def save(self) -> None:
+        try:
+            same = [file_key(f) for f in self.model.files] == self.fkeys
+        except OSError:
+            same = False
+        if same:  # else a file changed while it was read: its hashes may mix old and new
+            for k in set(self.fkeys):
+                self.cache.touch(k)
+            self.cache.save()
+
+
+def read_batch(model: ModelFile, batch: list[TensorSpec], known: KnownHashes | None = None,
+          ahead: dict[str, tuple[int, int]] | None = None
+          ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
+    """The batch's arrays (memory-map views: nothing is read yet) and their
+    hashes, computed only for the tensors neither ``ahead`` (``HashAhead``)
+    nor the hash cache knows."""
+    arrays = model.read([s.name for s in batch])
+    early = {n: ahead[n] for n in arrays if n in ahead} if ahead else {}
+    cached = known.lookup([s for s in batch if s.name not in early]) \
+        if known is not None else {}
+    fresh = content_hashes({n: a for n, a in arrays.items()
+                            if n not in cached and n not in early})
+    if known is not None and (fresh or early):
+        known.record(batch, {**early, **fresh})
+    return arrays, {**cached, **early, **fresh}
+
+
+class HashAhead:
+    """Hashes the model's tensors, in file order, in a worker thread while
+    the nodes answer the buffer requests: a new buffer's fresh memory is
+    backed before its request is answered (0.6-1 s per GiB on the 2-core
+    VM), time in which this client would otherwise wait idle and then hash
+    during the transfer, where both cores are busy.  ``stop`` ends it at
+    its next tensor, so the upload waits for at most one tensor's hash;
+    what it has not reached is hashed by the upload's read-ahead as before.
+    Tensors the hash cache knows are skipped."""
+
+    def __init__(self, model: ModelFile, known: KnownHashes | None) -> None:
+        self.hashes: dict[str, tuple[int, int]] = {}
+        self._model, self._known = model, known
+        self._stop = threading.Event()
+        self._job = asyncio.ensure_future(asyncio.to_thread(self._run))
+
+    def _run(self) -> None:
+        known = self._known
+        for group in batches(self._model.tensors, DEFAULT_BATCH):
+            todo = [s.name for s in group if known is None or not known.knows(s)]
+            for n, a in (self._model.read(todo) if todo else {}).items():
+                if self._stop.is_set():
+                    return
+                self.hashes.update(content_hashes({n: a}))
+
+    async def finish(self) -> dict[str, tuple[int, int]]:
+        """Wait until every tensor is hashed (a clone is decided by them);
+        the hashes.  A file error ends it early: what it has."""
+        await asyncio.wait([self._job])
+        return self.hashes
+
+    async def stop(self) -> dict[str, tuple[int, int]]:
+        """Stop at the next tensor and wait for that (even when cancelled:
+        the thread reads the model's mapping, which the caller closes after);
+        the hashes so far."""
+        self._stop.set()
+        cancelled = False
+        while not self._job.done():
+            try:
+                await asyncio.wait([self._job])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        if not self._job.cancelled():
+            self._job.exception()  # a file that vanished: the upload will say so
+        return self.hashes
+
+
+class Hashes(Protocol):
+    """Tensors' hashes known before anything is read: the hash cache
+    (``KnownHashes``), a node-local load's hash manifest."""
+
+    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]: ...

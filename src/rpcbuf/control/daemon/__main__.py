@@ -1,0 +1,7 @@
+"""``python -m rpcbuf.control.daemon``: run rpcbufd."""
+
+import sys
+
+from rpcbuf.control.daemon.main import main
+
+sys.exit(main())

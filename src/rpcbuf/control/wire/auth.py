@@ -1,0 +1,296 @@
+"""Tokens and the node's keys.
+
+A token is a standard JSON Web Token, HS256-signed with one of the node's keys:
+header ``{"alg": "HS256", "typ": "JWT", "kid": KEY_ID}``, claims ``sub`` (the
+tenant), ``aud`` (where it is good, below), ``iat``, ``exp`` and ``jti``
+(random, so two tokens never coincide).
+A token that never expires has no ``exp`` and says so with
+``"never_expires": true`` (``rpcbuf token create --ttl never``); one with
+neither is refused, so a token minted by hand without ``exp`` does not live
+forever by accident.  JWT rather than our own format because operators mint
+and inspect JWTs with the tools they already have (PyJWT, jwt-cli, any JWT
+decoder) and ``kid`` is the standard place to name the key.
+
+Verification reads ``kid`` from the (not yet verified) header only to pick a
+key (a dict lookup; no ``kid`` means ``default``), then PyJWT checks the
+signature with the algorithm list pinned to HS256 (never ``none``, never an
+asymmetric algorithm whose "public key" would be our secret) and compares MACs
+in constant time (``hmac.compare_digest``), all before any claim is looked at:
+a forged token and a garbled one both fail ``AUTH_FAILED``, and only a genuine
+one can say ``TOKEN_EXPIRED``.
+
+The audience: ``aud`` lists clusters (``prod``: any node of that cluster)
+or nodes of one (``prod/n1``: that node only; ``/`` is in no cluster name
+or node id).  A node accepts a token whose ``aud`` names its cluster (the
+daemon's ``--cluster``) or itself in it; PyJWT does the matching
+(``audience=``).  So a token stolen for one cluster or node, by a fake node
+a forged registry entry pointed the client at, cannot be replayed on
+another, even where they share a key.  A token with no ``aud`` is good
+nowhere: ``rpcbuf token create`` always writes one (cluster ``default``
+unless told).
+
+The secret file holds one key per line, ``KEY_ID SECRET`` (``#`` comments and
+blank lines ignored), UTF-8 text throughout; the last line signs new tokens.  A line with a bare
+secret is the key ``default``: the single-secret file of earlier releases is
+such a file.  Rotation is: add a line, SIGHUP the daemon, mint with the new
+key, delete the old line, SIGHUP again (sessions of the removed key end).
+
+The ``rpcbuf1.<payload>.<mac>`` tokens of development builds are refused
+(they skipped the tenant-name check, and ``exp=0`` never expired); the prefix
+is recognised only to say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jwt
+
+from rpcbuf.control.wire.errors import AuthFailed, TokenExpired
+from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, check_name, check_node_id
+
+log = logging.getLogger("rpcbuf.auth")
+LEGACY_PREFIX = "rpcbuf1"
+SECRET_BYTES = 32
+DEFAULT_KID = "default"
+ALGORITHMS = ["HS256"]  # the only one decode accepts: no "none", no key confusion
+NEVER = "never_expires"
+MAX_TOKEN = 4096  # characters; ours are ~200
+MINT_MAX = 3072  # what create_token makes at most: the hello that carries it fits 4 KiB
+MAX_EXP = 2**40  # seconds since 1970 (year 36812): beyond, or NaN, is not a date
+TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
+KID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """The node's keys, key id -> secret, in file order: the last one signs
+    new tokens.  (The secrets are left out of ``repr``: never logged.)"""
+
+    keys: Mapping[str, bytes] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            raise ValueError("a keyring needs at least one key")
+
+    @classmethod
+    def single(cls, secret: bytes) -> Keyring:
+        return cls({DEFAULT_KID: secret})
+
+    @property
+    def newest(self) -> str:
+        return list(self.keys)[-1]
+
+    @property
+    def kids(self) -> list[str]:
+        return list(self.keys)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a verified token says: who, until when (None: never), signed with
+    which key (``key``: its secret, to tell on reload whether it is still there)."""
+
+    tenant: str
+    expires_at: float | None
+    kid: str
+    key: bytes = field(repr=False)
+
+
+def _ring(keys: Keyring | bytes) -> Keyring:
+    return keys if isinstance(keys, Keyring) else Keyring.single(keys)
+
+
+# -- the secret file -------------------------------------------------------------
+
+
+def parse_keys(data: bytes, where: str = "secret file") -> Keyring:
+    """Parse a secret file's contents. Raises ValueError naming the line."""
+    try:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError as exc:
+        # Refused like any other malformed file (SIGHUP keeps the running
+        # keys): taking the bytes as one key ``default`` would end every
+        # session over one Latin-1 byte in a comment.
+        n = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{where}:{n}: byte 0x{data[exc.start]:02x} is not UTF-8 text "
+                         "(a secret file holds 'KEY_ID SECRET' lines; write a binary "
+                         "secret as hex)") from None
+    keys: dict[str, bytes] = {}
+    for n, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) == 1:
+            kid, secret = DEFAULT_KID, words[0]
+        elif len(words) == 2:
+            kid, secret = words
+        else:
+            raise ValueError(f"{where}:{n}: want 'KEY_ID SECRET' or a bare SECRET")
+        if not KID_RE.fullmatch(kid):
+            raise ValueError(f"{where}:{n}: bad key id {kid!r}: letters, digits and _.:- "
+                             "only, at most 64 characters")
+        if kid in keys:
+            raise ValueError(f"{where}:{n}: key id {kid!r} appears twice")
+        keys[kid] = _long_enough(secret.encode(), f"{where}:{n}")
+    if not keys:
+        raise ValueError(f"{where} holds no key")
+    return Keyring(keys)
+
+
+def _long_enough(secret: bytes, where: str) -> bytes:
+    if len(secret) < SECRET_BYTES:
+        raise ValueError(f"{where} holds fewer than {SECRET_BYTES} bytes of secret")
+    return secret
+
+
+def load_keys(path: str | os.PathLike[str], create: bool = True,
+              kid: str = DEFAULT_KID) -> Keyring:
+    """Read the node's keys; create the file (0600, one key ``kid`` of 32
+    random bytes as hex) when missing.  Raises FileNotFoundError (missing,
+    ``create=False``) or ValueError (a bad file)."""
+    p = Path(path)
+    if not p.exists():
+        if not create:
+            raise FileNotFoundError(f"secret file {p} does not exist")
+        if not KID_RE.fullmatch(kid):
+            raise ValueError(f"bad key id {kid!r}: letters, digits and _.:- only")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("# rpcbuf node keys, one 'KEY_ID SECRET' a line; the last signs new "
+                    "tokens\n")
+            f.write(f"{kid} {secrets.token_hex(SECRET_BYTES)}\n")
+    mode = stat.S_IMODE(p.stat().st_mode)
+    if mode & 0o077:
+        log.warning("secret file %s is readable by others (mode %o); chmod 600 it", p, mode)
+    return parse_keys(p.read_bytes(), str(p))
+
+
+def load_or_create_secret(path: str | os.PathLike[str], create: bool = True) -> bytes:
+    """The secret of a file with one key (the single-secret API of earlier
+    releases: ``create_token`` and ``verify_token`` take it as key ``default``).
+    Raises ValueError for a file with several keys: use ``load_keys``."""
+    ring = load_keys(path, create)
+    if ring.kids != [DEFAULT_KID]:
+        raise ValueError(f"secret file {path} holds keys {', '.join(ring.kids)}: "
+                         "use load_keys")
+    return ring.keys[DEFAULT_KID]
+
+
+# -- tokens ----------------------------------------------------------------------
+
+
+def audience(clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+             nodes: Sequence[str] = ()) -> list[str]:
+    """The ``aud`` of a token for any node of ``clusters``, or (``nodes``)
+    only for those nodes of them.  Raises ValueError for a bad name."""
+    if not clusters:
+        raise ValueError("a token needs at least one cluster")
+    for c in clusters:
+        check_name("cluster", c)
+    for n in nodes:
+        check_node_id("node id", n)
+    return [f"{c}/{n}" for c in clusters for n in nodes] if nodes else list(clusters)
+
+
+def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
+                 kid: str | None = None, clusters: Sequence[str] = (DEFAULT_CLUSTER,),
+                 nodes: Sequence[str] = ()) -> str:
+    """A token for ``tenant``, valid ``ttl`` seconds (None: it never expires),
+    signed with key ``kid`` (default: the newest), good on any node of
+    ``clusters`` or (``nodes``) only on those nodes of them (see
+    ``audience``).  Raises ValueError."""
+    if not TENANT_RE.fullmatch(tenant):
+        raise ValueError(
+            f"bad tenant name {tenant!r}: letters, digits and _.@- only, at most 128 characters"
+        )
+    aud = audience(clusters, nodes)
+    ring = _ring(keys)
+    kid = ring.newest if kid is None else kid
+    if kid not in ring.keys:
+        raise ValueError(f"no key {kid!r} in the secret file (it has: {', '.join(ring.kids)})")
+    now = time.time()
+    claims: dict[str, Any] = {"sub": tenant, "aud": aud, "iat": int(now),
+                              "jti": secrets.token_urlsafe(9)}
+    if ttl is None:
+        claims[NEVER] = True
+    else:
+        claims["exp"] = int(now + ttl)
+    token = jwt.encode(claims, ring.keys[kid], algorithm=ALGORITHMS[0], headers={"kid": kid})
+    if len(token) > MINT_MAX:  # every node would refuse it (hello's frame, MAX_TOKEN)
+        raise ValueError(f"the token would be {len(token)} characters (at most {MINT_MAX}): "
+                         f"its audience names {len(aud)} cluster/node pairs; name fewer nodes")
+    return token
+
+
+def verify(keys: Keyring | bytes, token: str, now: float | None = None,
+           cluster: str = DEFAULT_CLUSTER, node: str | None = None) -> Grant:
+    """Check a token against the keys of node ``node`` of ``cluster``.
+    Raises AuthFailed (forged, garbled, unknown or revoked key, no tenant,
+    no expiry, no audience or another one) or TokenExpired."""
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
+        raise AuthFailed("malformed token")
+    ring = _ring(keys)
+    if token.startswith(LEGACY_PREFIX + "."):
+        raise AuthFailed(f"an old-format ({LEGACY_PREFIX}.) token, no longer accepted: "
+                         "mint a new one with 'rpcbuf token create'")
+    try:
+        kid = jwt.get_unverified_header(token).get("kid", DEFAULT_KID)
+    except Exception:  # whatever hostile JSON makes PyJWT raise, it is a bad token
+        raise AuthFailed("malformed token") from None
+    secret = ring.keys.get(kid) if isinstance(kid, str) else None
+    if secret is None:
+        name = repr(kid) if isinstance(kid, str) and KID_RE.fullmatch(kid) else "(bad key id)"
+        raise AuthFailed(f"token is signed with key {name}, which this node does not know "
+                         "(unknown or revoked)")
+    try:
+        claims = jwt.decode(token, secret, algorithms=ALGORITHMS, leeway=0, audience=[
+            cluster, *([f"{cluster}/{node}"] if node is not None else [])], options={
+            "require": ["sub", "aud"],
+            "verify_exp": False,  # checked below, against ``now``
+            "verify_iat": False,  # informational: a node's clock may lag the minter's
+        })
+    except jwt.InvalidSignatureError:
+        raise AuthFailed("token signature does not match this node's key") from None
+    except jwt.MissingRequiredClaimError as exc:
+        if exc.claim != "aud":
+            raise AuthFailed(f"bad token: {exc}") from None
+        raise AuthFailed("token names no audience (aud), so no node takes it: mint it "
+                         "with 'rpcbuf token create --cluster NAME'") from None
+    except jwt.InvalidAudienceError:  # the signature held: the token is ours, not for here
+        where = f"cluster {cluster!r}" + ("" if node is None else f", node {node!r}")
+        raise AuthFailed(f"token is not for this node ({where}): its audience (aud) names "
+                         "other clusters or nodes") from None
+    except jwt.PyJWTError as exc:  # a genuine token with a bad claim (nbf, aud, ...)
+        raise AuthFailed(f"bad token: {exc}") from None
+    except Exception:  # e.g. OverflowError from an nbf of Infinity, RecursionError
+        raise AuthFailed("malformed token") from None
+    tenant = claims.get("sub")
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+        raise AuthFailed("token names no valid tenant (sub)")
+    exp = claims.get("exp")
+    if exp is None:
+        if claims.get(NEVER) is not True:
+            raise AuthFailed("token has no expiry (exp); one that never expires says so "
+                             f"with \"{NEVER}\": true ('rpcbuf token create --ttl never')")
+        return Grant(tenant, None, kid, secret)
+    if isinstance(exp, bool) or not isinstance(exp, (int, float)) or not abs(exp) < MAX_EXP:
+        raise AuthFailed("token expiry (exp) is not a number of seconds since 1970")
+    if (time.time() if now is None else now) >= exp:
+        raise TokenExpired("token expired", {"expired_at": exp})
+    return Grant(tenant, float(exp), kid, secret)
+
+
+def verify_token(keys: Keyring | bytes, token: str, now: float | None = None) -> str:
+    """The tenant a token was made for; see ``verify``."""
+    return verify(keys, token, now).tenant

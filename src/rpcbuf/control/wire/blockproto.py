@@ -1,0 +1,83 @@
+"""The requests of the keyed block tier (``docs/kvcache.md``; the daemon's
+side is ``daemon/blockops.py``), re-exported by ``protocol.py``, whose
+``OPS`` lists them with the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rpcbuf.control.wire.fields import BlockKeys, Request, U64Array
+
+
+@dataclass(frozen=True)
+class BlockPut(Request):
+    """Keyed blocks, written two-phase (``daemon/blockops.py``): each key gets
+    a new block of ``sizes[i]`` bytes, its bytes follow as a batch does (one
+    UCX message per block, tag ``run_tag(id, i)``; or the staging slot
+    ``stage``, back to back in key order), and once all landed and match
+    ``checksums`` (xxh3-64, required) the blocks replace what the keys named,
+    all at once.  Until then no reader sees them.  ``metas``: a small opaque
+    blob per block (at most MAX_STR bytes), given back by ``block_lookup``;
+    ``ttl``: seconds each block lives (None: until evicted or removed)."""
+
+    op: ClassVar[str] = "block_put"
+    keys: BlockKeys
+    sizes: U64Array
+    checksums: U64Array
+    metas: list[bytes] | None = None
+    ttl: float | None = None
+    device_type: str = "CPU"
+    device: int = 0
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockGet(Request):
+    """The bytes of blocks, each ``sizes[i]`` long as the reader expects
+    (one UCX message per block, or the staging slot ``stage`` back to back).
+    All or nothing: a key that is missing (or of another size) is NOT_FOUND
+    naming them (``details.missing``, ``details.sizes``), and nothing moves."""
+
+    op: ClassVar[str] = "block_get"
+    keys: BlockKeys
+    sizes: U64Array
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockLookup(Request):
+    """Which keys name a block, with their sizes (and ``metas`` when asked)."""
+
+    op: ClassVar[str] = "block_lookup"
+    keys: BlockKeys
+    meta: bool | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemove(Request):
+    op: ClassVar[str] = "block_remove"
+    keys: BlockKeys
+
+
+@dataclass(frozen=True)
+class BlockAttach(Request):
+    """A read-only handle of one block, sent on the handle channel (as
+    ``attach``); the answer names the buffer id ``detach`` takes.  The block
+    is pinned (never evicted, freed only at the last detach) meanwhile."""
+
+    op: ClassVar[str] = "block_attach"
+    key: str
+
+
+@dataclass(frozen=True)
+class BlockList(Request):
+    """The tenant's keys in order, at most ``limit`` (<= MAX_BLOCK_KEYS) after
+    ``start_after``, those starting with ``prefix``; ``more`` says whether
+    others follow."""
+
+    op: ClassVar[str] = "block_list"
+    prefix: str | None = None
+    start_after: str | None = None
+    limit: int = 1000

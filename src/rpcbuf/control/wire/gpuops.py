@@ -1,0 +1,38 @@
+"""Rules of the wire-fp16 store, shared by the client and the daemon.
+
+``store(wire_dtype="float16")`` sends a float32 tensor as float16 (half the
+bytes) and the daemon widens it back into the float32 range.  ``nbytes`` is
+always the widened (float32) size: that is what lands in the buffer and what
+the range checks see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.dataplane.cuda_arena import is_device_arena
+
+WIRE_DTYPES = {"float16": "float32"}  # wire dtype -> the only dtype it may widen into
+
+
+def check_wire_f16(arena: Any, base: int, offset: int, nbytes: int) -> None:
+    """Daemon side: the widened range must hold whole float32 values, and on a
+    GPU start at a float32-aligned address (a kernel writes it)."""
+    if nbytes % 4:
+        raise BadRequest(f"wire_dtype='float16': nbytes ({nbytes}) must be a whole number of "
+                         "float32 values (a multiple of 4)", {"nbytes": nbytes})
+    if is_device_arena(arena) and (base + offset) % 4:
+        raise BadRequest(f"wire_dtype='float16': offset {offset} is not float32-aligned "
+                         "in this GPU buffer", {"offset": offset})
+
+
+def check_wire_dtype(wire_dtype: str | None, dtype: Any) -> None:
+    """Client side: only float32 tensors travel as float16."""
+    if wire_dtype is None:
+        return
+    if wire_dtype not in WIRE_DTYPES:
+        raise BadRequest(f"wire_dtype must be None or 'float16', got {wire_dtype!r}")
+    name = str(dtype).removeprefix("torch.")
+    if name != WIRE_DTYPES[wire_dtype]:
+        raise BadRequest(f"wire_dtype={wire_dtype!r} needs a float32 tensor, got {name}")

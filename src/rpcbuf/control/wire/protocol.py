@@ -1,0 +1,463 @@
+"""The control channel's wire protocol, with no I/O (sans-I/O, like h11).
+
+Messages travel in frames (``frames.py``: length-prefixed msgpack, whose
+names this module re-exports for its users).  Requests are
+``{"op": str, "id": int, **fields}``.  Each op is a small frozen
+dataclass that validates its own fields (types, ranges, no unknown keys) in
+``parse_request``; a bad request whose id could be read gets a
+``BAD_REQUEST`` answer and the connection stays usable.  Every bound a
+request's work depends on is checked here, before any work starts: strings
+are printable and short (nothing a client sends can forge a log line), buffer
+ids have the daemon's id alphabet, shapes have at most ``MAX_NDIM``
+dimensions whose product stays below 2**63 (so no size computation ever sees
+a huge integer), lists and packed arrays at most ``MAX_ITEMS`` entries.
+Answers are
+``{"id": int, "ok": true, "result": {...}}`` or
+``{"id": int, "ok": false, "error": {code, message, details}}``; they may come
+back in any order, so one connection carries many requests at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import (
+    Any,
+    ClassVar,
+    Literal,
+)
+
+import numpy as np
+
+from rpcbuf.control.wire.blockproto import (
+    BlockAttach as BlockAttach,
+    BlockGet as BlockGet,
+    BlockList as BlockList,
+    BlockLookup as BlockLookup,
+    BlockPut as BlockPut,
+    BlockRemove as BlockRemove,
+)
+from rpcbuf.control.wire.errors import BadRequest, RpcBufError
+from rpcbuf.control.wire.fields import (
+    INLINE_MAX as INLINE_MAX,
+    INLINE_ROOM as INLINE_ROOM,
+    MAX_BLOCK_KEY as MAX_BLOCK_KEY,
+    MAX_BLOCK_KEYS as MAX_BLOCK_KEYS,
+    MAX_ID as MAX_ID,
+    MAX_INT as MAX_INT,
+    MAX_ITEMS as MAX_ITEMS,
+    MAX_NDIM as MAX_NDIM,
+    MAX_PATH as MAX_PATH,
+    MAX_SOURCE_TYPE as MAX_SOURCE_TYPE,
+    MAX_STR as MAX_STR,
+    U64,
+    BufferId,
+    FilePath,
+    Inline,
+    Request,
+    Shape,
+    SourceType,
+    U64Array,
+    block_keys_ok as block_keys_ok,
+    inline_max as inline_max,
+    shape_ok as shape_ok,
+    source_type_ok as source_type_ok,
+)
+from rpcbuf.control.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    HELLO_MAX_FRAME,
+    FrameDecoder,
+    FrameError,
+    encode_frame,
+)
+
+# The protocol versions this code speaks, oldest to newest (see ``negotiate``).
+# 3: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
+# the same-host path shares memory by handle (``handles``, ``bind_handles``,
+# ``stage``, ``attach``/``detach``, the BUSY code); ``store_batch`` and
+# ``dedup_store`` may give each tensor's source type and logical shape.
+# Versions 1 and 2 (development builds, never released) are refused by both
+# sides with ``version_mismatch``: there is no fallback to them.
+PROTOCOL_MIN = 3
+PROTOCOL_VERSION = 3
+@dataclass(frozen=True)
+class Hello(Request):
+    op: ClassVar[str] = "hello"
+    token: str
+    # ``versions`` below: [oldest, newest] the client speaks (see ``negotiate``).
+    # ``version`` (a client before ``versions`` said only its one version)
+    # and protocol 2's same-host ``probe`` are read only so that such a client
+    # is refused by its version, in one sentence, not by an unknown field.
+    version: int = PROTOCOL_VERSION
+    probe: bytes | None = None
+    probe_addr: int | None = None
+    # The bind nonce of this client's TCP session that this Unix socket
+    # session replaces (it takes over that session's --max-sessions slot).
+    replaces: bytes | None = None
+    versions: list[int] | None = None
+    # Protocol 3: on the daemon's Unix socket, ask for the same-host path
+    # (a handle channel and a staging area; see ``BindHandles``).
+    handles: bool | None = None
+
+
+@dataclass(frozen=True)
+class RequestBuffer(Request):
+    op: ClassVar[str] = "request_buffer"
+    size: int
+    device_type: str = "CPU"
+    device: int = 0
+    timeout: float | None = None
+    ttl: float | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GetBufferMeta(Request):
+    op: ClassVar[str] = "get_buffer_meta"
+    buffer_id: BufferId
+    tensors: bool = True  # False: leave the manifest's entries out (version, count, end only)
+
+
+@dataclass(frozen=True)
+class Store(Request):
+    op: ClassVar[str] = "store"
+    buffer_id: BufferId
+    offset: int
+    nbytes: int
+    checksum: U64 | None = None
+    verify: Literal["checksum"] | None = None
+    # Which checksum ``checksum`` is (absent: xxh3); see docs/gpu.md.
+    checksum_kind: Literal["xxh3", "devsum"] | None = None
+    # "float16": the payload is nbytes/2 bytes of float16 that the daemon
+    # widens into the float32 range [offset, offset + nbytes).
+    wire_dtype: Literal["float16"] | None = None
+    # Same-host sessions: the payload is in the session's staging area, in
+    # small slot ``stage`` or (``stage == 0xFFFF``) streamed through its ring;
+    # nothing comes over UCX.  See dataplane/staging.py.
+    stage: int | None = None
+    # The payload itself, exactly ``nbytes`` (at most INLINE_MAX, the hello's
+    # ``inline_max``): a small store of a network session rides in its frame,
+    # one round trip with no UCX message.
+    data: Inline | None = None
+
+
+@dataclass(frozen=True)
+class StoreBatch(Request):
+    """Many ranges of one buffer in one round trip; see ``runs.plan_runs``.
+
+    ``names``/``dtypes``/``shapes``, when given, are index-aligned with the
+    items and recorded as the buffer's tensor manifest."""
+
+    op: ClassVar[str] = "store_batch"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    checksums: U64Array | None = None
+    verify: Literal["checksum"] | None = None
+    names: list[str] | None = None
+    dtypes: list[str] | None = None
+    shapes: list[Shape] | None = None
+    manifest_version: int | None = None  # refuse if the manifest changed since
+    stage: int | None = None  # same-host sessions: as ``Store.stage``, the items' runs in order
+    # The manifest packed, instead of dtypes/shapes (with names as above):
+    # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
+    # (no kinds with a one-kind table: every item is of that kind).
+    kinds: U64Array | None = None
+    kind_dtypes: list[str] | None = None
+    kind_shapes: list[Shape] | None = None
+    # Which checksum ``checksums`` are (absent: xxh3; protocol 2 on).  The
+    # manifest's checksums are xxh3-64 (dedup and the disk cache key on it).
+    checksum_kind: Literal["xxh3"] | None = None
+    # Protocol 3 on, each optional, null for a tensor without: the tensors'
+    # source types and logical shapes (what a model file says they are, beside
+    # the NumPy view dtypes/shapes), one per item with ``dtypes``/``shapes`` ...
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
+    # ... or one per kind with ``kind_dtypes``/``kind_shapes``.
+    kind_source_types: list[SourceType | None] | None = None
+    kind_logical_shapes: list[Shape | None] | None = None
+
+
+@dataclass(frozen=True)
+class ReadBatch(Request):
+    op: ClassVar[str] = "read_batch"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    stage: int | None = None  # same-host sessions: as ``Store.stage``
+    # True: answer with the bytes (``data`` in the result), at most
+    # INLINE_MAX of them; the network path's small reads.
+    inline: bool | None = None
+
+
+@dataclass(frozen=True)
+class DedupStore(Request):
+    """Place tensors by content instead of by bytes (see ``control/dedupops.py``).
+
+    Items are index-aligned like a ``StoreBatch`` with a manifest, sorted by
+    offset and disjoint; ``hashes`` holds two uint64 per item (xxh3-128, low
+    word first), ``checksums`` each item's xxh3-64.  The daemon copies every
+    item whose content this tenant already holds (or its disk cache does),
+    verifies it, records it in the manifest and answers the indices it
+    ``placed`` (packed uint64s); the client sends the others."""
+
+    op: ClassVar[str] = "dedup_store"
+    buffer_id: BufferId
+    offsets: U64Array
+    sizes: U64Array
+    hashes: U64Array
+    checksums: U64Array
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[Shape]
+    # As in ``StoreBatch``'s list form (protocol 3 on).
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
+
+
+@dataclass(frozen=True)
+class LoadFile(Request):
+    """Node-local load (see ``control/daemon/fileops.py``): read tensors of
+    a file in one of the daemon's ``--model-dir`` directories straight into
+    a buffer of this tenant's, verify each against the hashes the client
+    expects, and only then record them in the manifest.
+
+    ``path`` names the file: relative to a model directory (each is tried
+    in turn), or absolute inside one.  ``file_size`` is the size the client
+    expects (a copy of another size fails).  Items are index-aligned like a
+    ``DedupStore``'s, sorted by buffer offset and disjoint: item ``i`` is the
+    tensor ``names[i]``, whose bytes lie at ``file_offsets[i]`` in the file
+    (exactly one tensor of the file's own header), ``sizes[i]`` bytes long,
+    and go to ``offsets[i]`` of the buffer; ``hashes`` holds two uint64 per
+    item (xxh3-128, low word first), ``checksums`` each item's xxh3-64.  The
+    manifest comes in the list form (``dtypes``, ``shapes``) or packed
+    (``kinds``, ``kind_dtypes``, ``kind_shapes``), as for ``StoreBatch``,
+    and so, optionally, do the tensors' source types and logical shapes
+    (``source_types``/``logical_shapes`` or ``kind_source_types``/
+    ``kind_logical_shapes``: what the model file says they are)."""
+
+    op: ClassVar[str] = "load_file"
+    buffer_id: BufferId
+    path: FilePath
+    file_size: int
+    file_offsets: U64Array
+    offsets: U64Array
+    sizes: U64Array
+    hashes: U64Array
+    checksums: U64Array
+    names: list[str]
+    dtypes: list[str] | None = None
+    shapes: list[Shape] | None = None
+    kinds: U64Array | None = None
+    kind_dtypes: list[str] | None = None
+    kind_shapes: list[Shape] | None = None
+    source_types: list[SourceType | None] | None = None
+    logical_shapes: list[Shape | None] | None = None
+    kind_source_types: list[SourceType | None] | None = None
+    kind_logical_shapes: list[Shape | None] | None = None
+
+
+@dataclass(frozen=True)
+class OpenBuffer(Request):
+    op: ClassVar[str] = "open_buffer"
+    name: str
+
+
+@dataclass(frozen=True)
+class ClearBuffer(Request):
+    op: ClassVar[str] = "clear_buffer"
+    buffer_id: BufferId
+    value: int = 0
+    offset: int = 0
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CopyBuffer(Request):
+    op: ClassVar[str] = "copy_buffer"
+    src_id: BufferId
+    src_offset: int
+    dst_id: BufferId
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CloneBuffer(Request):
+    """A new buffer with ``src_id``'s size, bytes and manifest, sharing its
+    memory until either is written (host buffers)."""
+
+    op: ClassVar[str] = "clone_buffer"
+    src_id: BufferId
+    name: str | None = None
+    ttl: float | None = None
+
+
+@dataclass(frozen=True)
+class Read(Request):
+    op: ClassVar[str] = "read"
+    buffer_id: BufferId
+    offset: int
+    nbytes: int
+    stage: int | None = None  # same-host sessions: as ``Store.stage``
+    # True: answer with the bytes (``data`` in the result), at most
+    # INLINE_MAX of them; the network path's small reads.
+    inline: bool | None = None
+
+
+@dataclass(frozen=True)
+class BindHandles(Request):
+    """The first and only frame of a session's handle channel: a second
+    connection to the daemon's Unix socket, from the same process, naming
+    the session by its bind nonce.  The daemon answers nothing on it in
+    msgpack: from then on it carries only fd records (``dataplane/shm``),
+    the staging area's first."""
+
+    op: ClassVar[str] = "bind_handles"
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Attach(Request):
+    """A read-only handle of a host buffer, sent on the handle channel
+    (protocol 3): stores, clears and copies into the buffer are BUSY, and
+    its release is deferred, until the session detaches (or ends)."""
+
+    op: ClassVar[str] = "attach"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
+class Detach(Request):
+    op: ClassVar[str] = "detach"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
+class Release(Request):
+    op: ClassVar[str] = "release"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
+class Renew(Request):
+    op: ClassVar[str] = "renew"
+    buffer_id: BufferId
+    ttl: float | None = None
+
+
+@dataclass(frozen=True)
+class ListDevices(Request):
+    op: ClassVar[str] = "list_devices"
+
+
+@dataclass(frozen=True)
+class ListBuffers(Request):
+    op: ClassVar[str] = "list_buffers"
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    op: ClassVar[str] = "stats"
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    op: ClassVar[str] = "ping"
+
+
+OPS: dict[str, type[Request]] = {
+    cls.op: cls
+    for cls in (
+        Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
+        ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
+        ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
+        LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
+    )
+}
+
+
+def pack_u64(values: Any) -> U64Array:
+    return U64Array(np.asarray(values, dtype="<u8").tobytes())
+
+
+def unpack_u64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u8")
+
+
+class RequestError(Exception):
+    """A request that could not be parsed; ``req_id`` is None when unknown."""
+
+    def __init__(self, req_id: int | None, error: RpcBufError) -> None:
+        super().__init__(str(error))
+        self.req_id = req_id
+        self.error = error
+
+
+def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
+    """Validate one decoded frame as a request; raise ``RequestError``."""
+    req_id = msg.get("id")
+    if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id <= MAX_INT:
+        raise RequestError(None, BadRequest("request has no valid 'id'"))
+    op = msg.get("op")
+    cls = OPS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise RequestError(req_id, BadRequest(f"unknown op {op!r}", {"ops": sorted(OPS)}))
+    fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
+    try:
+        return req_id, cls.from_fields(fields)
+    except BadRequest as exc:
+        raise RequestError(req_id, exc) from None
+
+
+def speaks(lo: int, hi: int) -> str:
+    """A version range as a sentence says it: "2", or "1..3"."""
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def version_mismatch(node: tuple[int, int], client: tuple[int, int]) -> BadRequest:
+    """The refusal both sides give when their versions do not meet."""
+    return BadRequest(f"the node speaks protocol {speaks(*node)}, this client speaks "
+                      f"{speaks(*client)}: upgrade the older side",
+                      {"reason": "protocol_version", "node": list(node),
+                       "client": list(client)})
+
+
+def hello_versions(req: Hello) -> tuple[int, int]:
+    """The [oldest, newest] versions a hello says its client speaks: its
+    ``versions``, or (a client from before the field, refused by
+    ``negotiate``) just its ``version``.  Raises BAD_REQUEST for a malformed
+    range."""
+    if req.versions is None:
+        return req.version, req.version
+    if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
+        raise BadRequest(f"hello: versions must be [oldest, newest], got {req.versions}")
+    return req.versions[0], req.versions[1]
+
+
+def negotiate(client: tuple[int, int],
+              node: tuple[int, int] = (PROTOCOL_MIN, PROTOCOL_VERSION)) -> int:
+    """The newest version both ranges hold (sans-I/O: the daemon calls it on
+    a hello, the client checks the answer against its own range).  Raises
+    BAD_REQUEST (``reason: protocol_version``) naming both ranges."""
+    best = min(client[1], node[1])
+    if best < max(client[0], node[0]):
+        raise version_mismatch(node, client)
+    return best
+
+
+def ok_response(req_id: int, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "ok": True, "result": result or {}}
+
+
+def error_response(req_id: int | None, error: RpcBufError) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "error": error.to_wire()}
+
+
+__all__ = [
+    "DEFAULT_MAX_FRAME", "HELLO_MAX_FRAME", "OPS", "PROTOCOL_MIN", "PROTOCOL_VERSION",
+    "FrameDecoder",
+    "FrameError", "Request", "RequestError", "encode_frame", "error_response",
+    "hello_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
+    "source_type_ok", "speaks", "unpack_u64", "version_mismatch",
+    *[c.__name__ for c in OPS.values()],
+]

@@ -1,0 +1,132 @@
+"""Ranges of a local file read straight into an arena, each hashed as it lands
+(the data plane of a node-local load: ``control/daemon/fileops.py``).
+
+``read_ranges`` reads each item's bytes with ``preadv`` into the arena
+slice it goes to (``arena.view``: a writable NumPy array for host arenas),
+``CHUNK`` bytes per call, and hashes every chunk right after it landed,
+while it is still in the CPU's cache (``checksum.Digests``: xxh3-128 and
+xxh3-64 in one pass over the chunk); a device arena gets each chunk through
+one host bounce buffer.  It stops at the first item whose hashes differ from
+the expected ones, or that the file ends inside of, and says which.
+
+Measured on this (virtual, shared, 2-core) machine, 1 GiB from the page
+cache into a touched arena: 1 MiB reads 1.0-2.3 GB/s, 8 MiB reads
+1.4-1.9 GB/s, 64 MiB reads 1.2-1.7 GB/s; with the file dropped from the
+guest's page cache (``POSIX_FADV_DONTNEED``) 8 MiB reads gave 1.65 GB/s,
+1 MiB reads 0.65-1.0 GB/s, and ``O_DIRECT`` (which needs 4 KiB-aligned
+memory and offsets, so a bounce buffer: safetensors places tensors at any
+byte) 0.5-1.05 GB/s.  So: buffered 8 MiB reads with
+``POSIX_FADV_SEQUENTIAL`` (a larger read-ahead; free when the file is
+cached), no ``O_DIRECT``.
+
+Runs in a worker thread (``preadv`` and xxhash release the GIL); between
+chunks it checks ``deadline`` (``time.monotonic``) and ``stopped``, so a
+load whose request ran out of time or whose session went away ends within
+one chunk.  It never writes outside the items' arena ranges (``arena.view``
+checks them once more).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rpcbuf.dataplane.checksum import Digests
+from rpcbuf.dataplane.cuda_arena import active, is_device_arena
+
+CHUNK = 8 << 20
+
+
+class Stopped(Exception):
+    """The read was told to stop (its deadline passed, its session went away)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    file_offset: int
+    nbytes: int
+    arena_offset: int
+    digest: int  # the expected xxh3-128
+    checksum: int  # the expected xxh3-64
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What ``read_ranges`` did: ``done`` items read and matching (in
+    order), ``nbytes`` read in all; ``bad``: the index of the item that did
+    not match (None: all did), ``ended_at``: where the file ended, when it
+    ended inside that item."""
+
+    done: int = 0
+    nbytes: int = 0
+    bad: int | None = None
+    ended_at: int | None = None
+    got: tuple[int, int] | None = None  # the bad item's (xxh3-128, xxh3-64), if read whole
+    written: list[tuple[int, int]] = field(default_factory=list)  # arena ranges touched
+
+
+def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
+                deadline: float, stopped: Callable[[], bool], chunk: int = CHUNK) -> Outcome:
+    """Read ``items`` of the open file ``fd`` into ``arena``, in the order
+    given (sorted by file offset reads sequentially), verifying each; what
+    happened goes into ``out`` (also when this raises: ``out.written`` says
+    which arena ranges may hold unverified bytes).  Raises ``Stopped`` past
+    ``deadline`` or once ``stopped()``; OSError as ``preadv`` does."""
+    if not items:
+        return out
+    lo = min(i.file_offset for i in items)
+    hi = max(i.file_offset + i.nbytes for i in items)
+    try:
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:
+        pass  # a file system without read-ahead hints: read all the same
+    device = is_device_arena(arena)
+    bounce = np.empty(min(chunk, max(i.nbytes for i in items)), dtype=np.uint8) \
+        if device else None
+    for k, item in enumerate(items):
+        digests = Digests()
+        if item.nbytes:
+            out.written.append((item.arena_offset, item.arena_offset + item.nbytes))
+        view = arena.view(item.arena_offset, item.nbytes)
+        host = None if device else view.data  # a flat uint8 slice: format "B"
+        done = 0
+        while done < item.nbytes:
+            if stopped() or time.monotonic() > deadline:
+                raise Stopped
+            n = min(chunk, item.nbytes - done)
+            if bounce is None:
+                assert host is not None
+                piece = host[done:done + n]
+                got = os.preadv(fd, [piece], item.file_offset + done)
+                digests.update(piece[:got])
+            else:
+                got = os.preadv(fd, [bounce.data[:n]], item.file_offset + done)
+                digests.update(bounce[:got])
+                with active(arena):
+                    _to_device(view[done:done + got], bounce[:got])
+            if got == 0:  # the file ends here (it shrank since it was checked)
+                out.bad, out.ended_at = k, item.file_offset + done
+                return out
+            done += got
+            out.nbytes += got
+        if device:
+            arena.synchronize()
+        sums = (digests.digest128(), digests.checksum())
+        if sums != (item.digest, item.checksum):
+            out.bad, out.got = k, sums
+            return out
+        out.done += 1
+    return out
+
+
+def _to_device(dst: Any, src: np.ndarray) -> None:
+    """Host to device: CuPy's ``set`` (the tests' NumPy-backed fake has none)."""
+    if hasattr(dst, "set"):
+        dst.set(src)
+    else:
+        dst[...] = src

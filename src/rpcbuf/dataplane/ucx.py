@@ -1,0 +1,433 @@
+"""Everything UCX, behind one module: environment defaults, the process-wide
+context, listeners, endpoints, and the translation of UCX's exceptions.
+
+Defaults (each overridable by the user's own environment variable, because we
+only ``setdefault``): blocking progress (no busy polling: an idle daemon uses
+no CPU; lowest small-message latency measured here), ``auto`` rendezvous
+(``put_zcopy`` was faster over tcp but needs the tcp PUT that ``UCX_FORCED``
+turns off) and 2 MiB TCP segments, and host bounce buffers for rendezvous
+fragments (ucxx's own default, ``cuda``, needs a GPU).  ``UCX_FORCED`` is set
+whatever the environment says.
+
+With CUDA memory in use (a daemon with a ``cuda:N`` arena; a client whose
+process already imported CuPy or a CUDA-enabled torch, or that sets
+``RPCBUF_UCX_CUDA=1``; ``RPCBUF_UCX_CUDA=0`` forces host settings) the
+defaults change in this one place, ``CUDA_DEFAULTS``: rendezvous fragments in
+host and device memory (``UCX_RNDV_FRAG_MEM_TYPE=host,cuda``: UCX 1.19+ reads
+this name as the list ``RNDV_FRAG_MEM_TYPES``, and it is the name ucxx looks
+for before it sets ``cuda`` alone, which would leave tcp no host bounce
+buffers to stage device memory through; UCP's own choice of rendezvous
+scheme, ``UCX_RNDV_SCHEME=auto``, is every process's default: ``put_zcopy``
+excludes the staged pipeline protocols that carry device memory where
+cuda_ipc cannot, and needs the tcp PUT that ``UCX_FORCED`` turns off), and
+a ``UCX_TLS`` that the user restricted (``tcp`` in CI,
+say) gains ``cuda_copy,cuda_ipc`` (without them UCX cannot move device
+memory at all).  An unset ``UCX_TLS`` means all transports, which includes
+both.  Every value the user set is kept.
+
+The process-wide context is built here, not by ucxx: ucxx's own turns on
+UCP RMA and active messages, and over tcp UCP emulates put/get with active
+messages that read and write whatever address the peer names (the tcp
+remote key is empty; nothing checks a registration).  A peer that merely
+reaches the UCX port could then read and write any byte of the process,
+the node's signing keys included.  ``FEATURES`` is all rpcbuf uses: tagged
+messages, wakeup (blocking progress) and streams (ucxx's endpoint handshake,
+``exchange_peer_info``).  Without RMA, AM and atomics the worker installs no
+handler for those messages, so a peer's put or get never completes; the
+context's features are checked once it exists and a context with any of
+them on is refused (``UnsafeContext``).
+
+Both sides of a connection bind their UCX endpoint to an authenticated control
+session with a small handshake on the reserved tag ``BIND_TAG``: the client
+sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import re
+import weakref
+from pathlib import Path
+from typing import Any
+
+from rpcbuf.dataplane import progress, ucxlib
+from rpcbuf.dataplane.progress import busy
+from rpcbuf.dataplane.ucxlib import UnusableUCX as UnusableUCX
+
+UCX_DEFAULTS: dict[str, str] = {
+    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCX_RNDV_SCHEME": "auto",
+    "UCX_TCP_TX_SEG_SIZE": "2m",
+    "UCX_TCP_RX_SEG_SIZE": "2m",
+    "UCX_RNDV_FRAG_MEM_TYPE": "host",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+# Set whatever the user's environment says (see ``FEATURES`` below): UCX's tcp
+# transport writes an incoming PUT to the address its header names, checked
+# against nothing, and a peer's UCP uses it whenever this side advertises it.
+UCX_FORCED: dict[str, str] = {
+    "UCX_TCP_PUT_ENABLE": "n",
+}
+
+CUDA_DEFAULTS: dict[str, str] = {  # (UCX_RNDV_SCHEME=auto is every process's default)
+    "UCX_RNDV_FRAG_MEM_TYPE": "host,cuda",
+}
+CUDA_TLS = ("cuda_copy", "cuda_ipc")
+
+_log = logging.getLogger("rpcbuf.ucx")
+
+BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
+NONCE_BYTES = 16
+
+_ucxx: Any = None
+
+FEATURES = ("TAG", "WAKEUP", "STREAM")
+FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
+
+
+class UnsafeContext(RuntimeError):
+    """The UCX context has a feature on that lets a peer reach this process's
+    memory (RMA, atomics or active messages)."""
+
+
+def cuda_wanted(env: Any = None) -> bool:
+    """Whether this process moves CUDA memory: ``RPCBUF_UCX_CUDA`` if set,
+    else whether CuPy, or torch with a GPU, is already imported."""
+    env = os.environ if env is None else env
+    forced = env.get("RPCBUF_UCX_CUDA")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes", "on")
+    import sys
+
+    if "cupy" in sys.modules:
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def with_cuda_tls(tls: str) -> str:
+    """``tls`` plus cuda_copy and cuda_ipc, unless it already names CUDA
+    transports, is ``all``, or is an exclusion list (``^...``)."""
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if not names or tls.startswith("^") or "all" in names or any(
+            t.startswith("cuda") for t in names):
+        return tls
+    return ",".join(names + [t for t in CUDA_TLS if t not in names])
+
+
+def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) -> dict[str, str]:
+    """Put rpcbuf's UCX defaults into ``env`` (os.environ by default) where
+    unset; ``cuda`` (default: ``cuda_wanted()``) picks the CUDA ones."""
+    target: Any = os.environ if env is None else env
+    forced = target.get("RPCBUF_UCX_CUDA")
+    if forced is not None:
+        cuda = forced.strip().lower() in ("1", "true", "yes", "on")
+    elif cuda is None:
+        cuda = cuda_wanted(target)
+    if cuda:
+        for key, value in CUDA_DEFAULTS.items():
+            target.setdefault(key, value)
+        if "UCX_TLS" in target:
+            tls = with_cuda_tls(target["UCX_TLS"])
+            if tls != target["UCX_TLS"]:
+                _log.info("UCX_TLS=%s gains %s for CUDA memory", target["UCX_TLS"],
+                          ",".join(CUDA_TLS))
+                target["UCX_TLS"] = tls
+    for key, value in UCX_DEFAULTS.items():
+        target.setdefault(key, value)
+    for key, value in UCX_FORCED.items():
+        if target.get(key, value) != value:
+            _log.warning("%s=%s ignored: rpcbuf runs with %s (a peer could write any address "
+                         "of this process)", key, target[key], value)
+        target[key] = value
+    return dict(target)
+
+
+def ucxx() -> Any:
+    """Import ucxx after the defaults are in place (UCX reads them at import)."""
+    global _ucxx
+    if _ucxx is None:
+        apply_defaults()
+        ucxlib.select()  # RPCBUF_UCX's library, or UnusableUCX before ucxx loads any
+        import ucxx as _mod
+
+        progress.install_adaptive_progress()
+        _install_context(_mod)
+        _ucxx = _mod
+        lib = library()
+        _log.info("UCX %s at %s (%s=%s): modules %s; verbs %s; resources %s", lib["version"],
+                  lib["path"], ucxlib.ENV, ucxlib.choice(), ",".join(lib["modules"]) or "-",
+                  "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
+    return _ucxx
+
+
+def _install_context(mod: Any) -> None:
+    """Make ucxx's one process-wide context ours, with ``FEATURES`` only.
+
+    ``ApplicationContext.__init__`` builds ``UCXContext(config)`` with UCX's
+    default features (RMA and AM among them) and takes no flags, so this is
+    its body with the context made first.  Installed as ``ucxx.core._ctx``
+    before any ucxx call creates the default one."""
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib_async import application_context as ac
+
+    class Context(ac.ApplicationContext):
+        def __init__(self) -> None:
+            self.notifier_thread_q = None
+            self.notifier_thread = None
+            self.progress_mode = None  # each of these three reads ucxx's env variable
+            self.enable_delayed_submission = None
+            self.enable_python_future = None
+            self.connect_timeout = float(os.environ.get("UCXPY_CONNECT_TIMEOUT", 5))
+            self.context = ucx_api.UCXContext(
+                {}, feature_flags=tuple(getattr(ucx_api.Feature, f) for f in FEATURES))
+            check_features(self.context)
+            self.worker = ucx_api.UCXWorker(
+                self.context, enable_delayed_submission=self.enable_delayed_submission,
+                enable_python_future=self.enable_python_future)
+            self.start_notifier_thread()
+            weakref.finalize(self, ac.clear_progress_tasks)
+            self.continuous_ucx_progress()
+
+    core = mod.core
+    if core._ctx is not None:
+        check_features(core._ctx.context)
+        return
+    core._ctx = Context()
+
+
+def check_features(context: Any) -> None:
+    """Raise ``UnsafeContext`` unless ``context`` has none of
+    ``FORBIDDEN_FEATURES`` on."""
+    import ucxx._lib.libucxx as ucx_api
+
+    flags = int(context.feature_flags)
+    on = [f for f in FORBIDDEN_FEATURES if flags & getattr(ucx_api.Feature, f).value]
+    if on:
+        raise UnsafeContext(
+            f"the UCX context has {', '.join(on)} on: a peer could read and write this "
+            "process's memory; rpcbuf needs only " + ", ".join(FEATURES))
+
+
+def features() -> list[str]:
+    """The features of this process's UCX context, by name (for stats/doctor)."""
+    import ucxx._lib.libucxx as ucx_api
+
+    flags = int(ucxx().core._get_ctx().context.feature_flags)
+    return [f.name for f in ucx_api.Feature if flags & f.value]
+
+
+class TransferError(Exception):
+    """A data-plane transfer failed; the endpoint may be unusable."""
+
+
+class Truncated(TransferError):
+    """The peer sent more bytes than the receive buffer holds (or a refusal drained it)."""
+
+
+class PeerGone(TransferError):
+    """The endpoint is closed or its peer vanished."""
+
+
+def _translate(exc: BaseException) -> TransferError:
+    ex = ucxx().exceptions
+    if isinstance(exc, ex.UCXMessageTruncatedError):
+        return Truncated(str(exc))
+    if isinstance(exc, (ex.UCXCanceled, ex.UCXCloseError, ex.UCXConnectionResetError,
+                        ex.UCXNotConnectedError, ex.UCXEndpointTimeoutError)):
+        return PeerGone(str(exc) or type(exc).__name__)
+    return TransferError(f"{type(exc).__name__}: {exc}")
+
+
+class Abandoned(PeerGone):
+    """We stopped waiting for the transfers: the session they belong to is gone."""
+
+
+async def transfer_all(coros: Any, deadline: float, on_expired: Any,
+                       abandon: asyncio.Future[Any] | None = None) -> None:
+    """Await every transfer, even after one fails (UCX may touch its memory
+    until each ends), then raise the first failure.  Past ``deadline``
+    seconds ``on_expired()`` runs: it must abort the endpoint, which makes
+    every outstanding transfer end.
+
+    ``abandon`` (the session's "control connection lost" future) ends the
+    wait at once when it completes, whatever state the transfers are in:
+    they are cancelled and ``Abandoned`` is raised.  Aborting the endpoint
+    is not enough on its own: a receive that ucxx re-posted on the worker
+    after an endpoint error (its fallback for a message already queued) is
+    owned by no endpoint, and one matched to a peer that died never ends.
+    The caller keeps the transfers' memory referenced a while (UCX may still
+    hold it) and must have aborted the endpoint (nothing arrives after)."""
+    timer = asyncio.get_running_loop().call_later(deadline, on_expired)
+    gathered = asyncio.gather(*coros, return_exceptions=True)
+
+    def _stop(_: Any) -> None:
+        gathered.cancel()
+
+    if abandon is not None:
+        if abandon.done():
+            gathered.cancel()
+        else:
+            abandon.add_done_callback(_stop)
+    try:
+        results = await gathered
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if abandon is None or not abandon.done() or (task is not None and task.cancelling()):
+            raise  # our caller was cancelled, not the session lost
+        raise Abandoned("the session's control connection was lost") from None
+    finally:
+        timer.cancel()
+        if abandon is not None:
+            abandon.remove_done_callback(_stop)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+class DataEndpoint:
+    """A UCX endpoint with tagged send/recv that raise ``TransferError``s only."""
+
+    def __init__(self, ep: Any) -> None:
+        self._ep = ep
+
+    @property
+    def closed(self) -> bool:
+        return self._ep is None or bool(self._ep.closed)
+
+    async def send(self, buf: Any, tag: int) -> None:
+        if self._ep is None:
+            raise PeerGone("endpoint closed")
+        try:
+            with busy():
+                await self._ep.send(buf, tag=tag)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def recv(self, buf: Any, tag: int) -> None:
+        if self._ep is None:
+            raise PeerGone("endpoint closed")
+        try:
+            with busy():
+                await self._ep.recv(buf, tag=tag)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    def abort(self) -> None:
+        """Close at once; UCX cancels every request still posted on it."""
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            try:
+                ep.abort()
+            except Exception:  # already broken: nothing left to close
+                pass
+
+    async def close(self) -> None:
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            try:
+                await ep.close()
+            except Exception:
+                ep.abort()
+
+
+class DataListener:
+    """A UCX listener; ``on_endpoint(DataEndpoint)`` runs for each new peer."""
+
+    def __init__(self, on_endpoint: Any, port: int = 0) -> None:
+        async def _accept(ep: Any) -> None:
+            await on_endpoint(DataEndpoint(ep))
+
+        try:
+            self._listener: Any = ucxx().create_listener(_accept, port=port)
+        except ucxx().exceptions.UCXBusyError as exc:
+            # UCX's word for a port that another socket holds: the caller
+            # says which flag it came from.
+            raise OSError(errno.EADDRINUSE, f"UCX port {port} is in use") from exc
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.port)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
+    mod = ucxx()  # UnusableUCX as itself: no endpoint error
+    try:
+        async with asyncio.timeout(timeout):
+            with busy():
+                ep = await mod.create_endpoint(host, port)
+    except TimeoutError as exc:
+        raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
+    except Exception as exc:
+        raise _translate(exc) from exc
+    return DataEndpoint(ep)
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices this host's kernel knows (``/sys/class/infiniband``):
+    what UCX could use besides tcp.  At most 64 names."""
+    path = Path("/sys/class/infiniband")
+    return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []
+
+
+_RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)")
+
+
+def library() -> dict[str, Any]:
+    """Which UCX this process runs on and what it can do, for ``stats`` and
+    ``rpcbuf doctor``: ``path`` of the libucp it loaded (from
+    ``/proc/self/maps``: what is mapped, not what was asked for), its
+    ``version``, the transport ``modules`` beside it (``ib`` means built with
+    verbs, ``rdmacm``, ``cuda``), and the ``resources`` (transport/device)
+    this process's context found, its ``features`` (``FEATURES``);
+    ``error``: why UCX would not start here
+    (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
+    no RDMA."""
+    error = None
+    try:
+        ucxx()
+    except Exception as exc:  # what UCX says, for doctor to show: not a crash
+        error = f"{type(exc).__name__}: {exc}"
+    path = None
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/libucp.so" in line:
+                path = line.split()[-1]
+                break
+    version = None
+    if path is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            fn = ctypes.CDLL(path).ucp_get_version_string
+            fn.restype = ctypes.c_char_p
+            version = fn().decode()
+    modules: list[str] = []
+    if path is not None:
+        with contextlib.suppress(OSError):
+            names = os.listdir(os.path.join(os.path.dirname(path), "ucx"))
+            modules = sorted({m.group(1) for n in names
+                              if (m := re.fullmatch(r"libuct_(\w+)\.so(?:\.\d+)*", n))})
+    resources: list[str] = []
+    if error is None:
+        info = ucxx().core._get_ctx().context.info
+        resources = list(dict.fromkeys(m.group(1) for m in _RESOURCE.finditer(info)))[:64]
+    return {"path": path, "version": version, "modules": modules, "verbs": "ib" in modules,
+            "rdmacm": "rdmacm" in modules, "cuda": "cuda" in modules, "resources": resources,
+            "features": features() if error is None else [], "error": error}
