@@ -34,7 +34,7 @@ repetition.
   time and <= 1 % of its bytes.
 * **cold** (a fresh daemon per measurement, no ``--prefault``): the
   ``request_buffer`` of never-touched memory (which backs a new buffer's
-  pages before it answers, ``control/daemon/prefault.py``) and the first
+  pages before it answers, ``control/daemon/accounting/prefault.py``) and the first
   ``store_tensor`` into it, against a second store into the same, now warm,
   buffer of the same daemon (goal: the first store not below 1/6 of warm);
   ``load_model`` into a fresh daemon against the warm store of *one*; and a

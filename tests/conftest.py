@@ -89,7 +89,8 @@ class DaemonProc:
 # and ``set_threshold`` in main leave it off): what proves that nothing the
 # daemon releases waits for a collection (STYLE.md, "nothing rests on the
 # garbage collector").
-GC_DISABLED = ("-c", "import gc, sys; gc.disable(); from rpcbuf.control.daemon.main import main; "
+GC_DISABLED = ("-c", "import gc, sys; gc.disable(); "
+                     "from rpcbuf.control.daemon.service.main import main; "
                      "sys.exit(main(sys.argv[1:]))")
 
 

@@ -228,7 +228,7 @@ async def test_a_clone_of_a_buffer_the_index_forgot_still_reloads_in_place(
     has none. A dedup re-load of that clone still finds every tensor in
     place (it maps the source's memory at the same offsets) instead of
     copying it from another copy, which would give it memory of its own."""
-    from rpcbuf.control.daemon.content import MAX_LOCATIONS
+    from rpcbuf.control.daemon.content.index import MAX_LOCATIONS
 
     m = model()
     a, layout, _ = await upload(ctx, m)

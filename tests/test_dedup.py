@@ -10,7 +10,7 @@ import pytest
 import rpcbuf
 from conftest import DaemonProc, start_daemon
 from rpcbuf.control.client.dedup import content_hashes
-from rpcbuf.control.daemon.diskcache import HEADER, DiskCache
+from rpcbuf.control.daemon.content.diskcache import HEADER, DiskCache
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane.checksum import checksum, digest128
 
@@ -265,8 +265,8 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
 
 
 def test_prefault_flag_and_config_key(tmp_path: Path) -> None:
-    from rpcbuf.control.daemon import config
-    from rpcbuf.control.daemon.main import build_parser
+    from rpcbuf.control.daemon.service import config
+    from rpcbuf.control.daemon.service.main import build_parser
     from rpcbuf.dataplane.arena import HostArena
 
     assert config.resolve(build_parser(), ["--secret-file", "s", "--prefault"]).prefault

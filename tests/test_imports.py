@@ -94,10 +94,10 @@ def test_the_rules_see_the_code() -> None:
     """The walk finds the modules and their imports (a test that cannot fail
     is a defect): the server imports the wire protocol."""
     edges = graph()
-    assert "rpcbuf.control.wire.protocol" in edges["rpcbuf.control.daemon.server"]
+    assert "rpcbuf.control.wire.protocol" in edges["rpcbuf.control.daemon.service.server"]
     assert "rpcbuf.control.client.context" in edges["rpcbuf"]  # through __init__.pyi
     assert len(edges) > 40
-    assert room("rpcbuf.control.daemon.server") == "control.daemon"
+    assert room("rpcbuf.control.daemon.service.server") == "control.daemon"
     assert room("rpcbuf.dataplane.ucx") == "dataplane"
     assert room("rpcbuf") == "rpcbuf"
 
@@ -108,3 +108,25 @@ def test_only_rpcbuf_names_are_installed() -> None:
     under ``rpcbuf``, but for the LMCache connector's own ``rpcbuf_lmcache``."""
     packages = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists())
     assert packages == ["rpcbuf", "rpcbuf_lmcache"]
+
+
+DAEMON_ROOMS = ("observe", "accounting", "content", "data", "ops", "sessions", "service")
+
+
+def test_daemon_rooms_import_only_rooms_below() -> None:
+    """``rpcbuf.control.daemon``'s rooms are layers (its ``__init__`` says what
+    each holds): a module imports its own room and the rooms below it, never
+    one above (``ops`` never imports ``sessions``, ``accounting`` never
+    ``data``); every module sits in a room."""
+    prefix = "rpcbuf.control.daemon."
+    mods = [m for m in graph() if m.startswith(prefix)]
+    loose = [m for m in mods if m.count(".") == 3
+             and m.split(".")[3] not in (*DAEMON_ROOMS, "__main__")]
+    assert not loose, f"modules outside the rooms: {loose}"
+    rank = {r: i for i, r in enumerate(DAEMON_ROOMS)}
+    edges = graph()
+    up = [f"{m} imports {t}" for m in mods if m.count(".") >= 4 for t in edges[m]
+          if t.startswith(prefix) and t.count(".") >= 4
+          and rank[t.split(".")[3]] > rank[m.split(".")[3]]]
+    assert not up, "\n".join(sorted(up))
+    assert {m.split(".")[3] for m in mods if m.count(".") >= 3} >= set(DAEMON_ROOMS)

@@ -218,7 +218,7 @@ def _rss_kib(pid: int) -> int:
 async def test_a_big_new_buffer_is_backed_with_memory_before_the_answer(
         daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """request_buffer answers once a new host buffer's pages are resident
-    (control/daemon/prefault.py), so its first store does not fault them in;
+    (control/daemon/accounting/prefault.py), so its first store does not fault them in;
     a small one is answered at once; the pool comes back whole."""
     from rpcbuf.dataplane.arena import HostArena
 

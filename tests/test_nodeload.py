@@ -28,7 +28,7 @@ from rpcbuf.control.client.fileload import FileTensor
 from rpcbuf.control.client.model import metadata as MD, record as LR
 from rpcbuf.control.client.model.hashfile import MAX_BYTES, describe, manifest_path
 from rpcbuf.control.client.model.modelfile import open_model
-from rpcbuf.control.daemon import logs
+from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.wire import protocol as P
 
 VICTIM = "model.layers.1.mlp.up_proj.weight"

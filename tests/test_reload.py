@@ -1,5 +1,5 @@
 """Re-loads that trust the daemon's own checksums, and every writer that must
-break that trust (``control/daemon/content.py``, ``dedupops.py``).
+break that trust (``control/daemon/content/index.py``, ``dedupops.py``).
 
 A tensor the daemon hashed when it landed is placed again (in place, or
 copied under a new name) without hashing it again, as long as nothing wrote
@@ -22,7 +22,7 @@ import pytest
 import rpcbuf
 from conftest import DaemonProc
 from models import cached_model
-from rpcbuf.control.daemon.content import WRITE_LOG
+from rpcbuf.control.daemon.content.index import WRITE_LOG
 
 pytestmark = pytest.mark.both_paths
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import rpcbuf
-from rpcbuf.control.daemon.sdnotify import Notifier, watchdog_interval
+from rpcbuf.control.daemon.service.sdnotify import Notifier, watchdog_interval
 from rpcbuf.control.wire.auth import load_or_create_secret
 from rpcbuf.dataplane import staging
 

@@ -139,7 +139,7 @@ def _daemon_argv(tmp: Path) -> list[str]:
 
 
 def _start(tmp: Path, env: dict[str, str], prelude: str = "") -> subprocess.CompletedProcess[str]:
-    code = prelude + "import sys; from rpcbuf.control.daemon.main import main; " \
+    code = prelude + "import sys; from rpcbuf.control.daemon.service.main import main; " \
                      "sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *_daemon_argv(tmp)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, **env})

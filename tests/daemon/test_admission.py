@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rpcbuf.control.daemon.admission import Pending
+from rpcbuf.control.daemon.accounting.admission import Pending
 
 
 def test_the_oldest_of_a_source_then_the_oldest_of_all_make_room() -> None:

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from conftest import ROOT
-from rpcbuf.control.daemon import config
-from rpcbuf.control.daemon.main import build_parser
-from rpcbuf.control.daemon.registry import Quota
+from rpcbuf.control.daemon.accounting.registry import Quota
+from rpcbuf.control.daemon.service import config
+from rpcbuf.control.daemon.service.main import build_parser
 
 EXAMPLE = ROOT / "scripts" / "systemd" / "rpcbufd.toml"
 INTERNAL = {"config", "command_line", "from_file"}

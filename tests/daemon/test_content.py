@@ -1,4 +1,4 @@
-"""The content index's trust rules (``control/daemon/content.py``), with no
+"""The content index's trust rules (``control/daemon/content/index.py``), with no
 daemon: an entry is indexed only while no write touched its bytes since the
 daemon hashed them, deferred entries included, and whatever the write log
 cannot prove is handed back to be hashed again, never indexed on trust."""
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from rpcbuf.control.daemon import content as C
-from rpcbuf.control.daemon.content import ContentIndex
-from rpcbuf.control.daemon.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.content import index as C
+from rpcbuf.control.daemon.content.index import ContentIndex
 from rpcbuf.dataplane.arena import HostArena
 
 TENANT = "alice"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rpcbuf.control.daemon.copypool import CopyPool
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
 
 
 async def test_one_tenant_gets_its_share_and_no_more() -> None:
@@ -75,7 +75,7 @@ async def test_one_tenants_queued_sweeps_delay_anothers_by_one_turn_at_most() ->
     at most one more turn of the flooding tenant, however deep its queue."""
     from types import SimpleNamespace
 
-    from rpcbuf.control.daemon.pipeline import Pipeline
+    from rpcbuf.control.daemon.data.pipeline import Pipeline
     from rpcbuf.control.wire.units import THREAD_BYTES
 
     pool = CopyPool(1, per_tenant=1)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from rpcbuf.control.daemon.diskcache import HEADER, MAGIC, MASK64, DiskCache, tenant_key
+from rpcbuf.control.daemon.content.diskcache import HEADER, MAGIC, MASK64, DiskCache, tenant_key
 from rpcbuf.dataplane.checksum import checksum, digest128
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from rpcbuf.control.daemon.locks import RangeLocks
+from rpcbuf.control.daemon.accounting.locks import RangeLocks
 
 
 def test_shared_and_exclusive() -> None:

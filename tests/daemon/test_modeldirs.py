@@ -1,4 +1,4 @@
-"""Which files a node-local load may open (``daemon/modeldirs.py``), against
+"""Which files a node-local load may open (``daemon/content/modeldirs.py``), against
 real directories, symlinks, FIFOs and a descriptor opened elsewhere; and the
 tensor layouts the daemon reads from a file's own header."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
 from rpcbuf.control.client.model.modelfile import open_model
-from rpcbuf.control.daemon.modeldirs import ModelFiles
+from rpcbuf.control.daemon.content.modeldirs import ModelFiles
 from rpcbuf.control.wire.errors import BadRequest, Forbidden, NotFound
 
 
@@ -210,7 +210,7 @@ def big_metadata_gguf(path: Path, strings: int) -> Path:
 # (a walk through a memory map makes no reads to hook, and takes seconds).
 _TRUNCATE_DURING_WALK = """
 import os, sys, threading
-from rpcbuf.control.daemon.modeldirs import ModelFiles
+from rpcbuf.control.daemon.content.modeldirs import ModelFiles
 from rpcbuf.control.wire.errors import BadRequest
 path = os.path.join(sys.argv[1], "big.gguf")
 files = ModelFiles([sys.argv[1]])

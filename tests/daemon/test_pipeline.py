@@ -1,4 +1,4 @@
-"""The daemon's data pipeline (``control/daemon/pipeline.py``, the ops of
+"""The daemon's data pipeline (``control/daemon/data/pipeline.py``, the ops of
 ``dataops.py``) over an in-memory ``DataPath``: no daemon, no UCX.  The
 integration tests run the same ops over the real paths; these pin down the
 steps themselves: validation before anything moves, a refused store drained
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import xxhash
 
-from rpcbuf.control.daemon.content import ContentIndex
-from rpcbuf.control.daemon.copypool import CopyPool
-from rpcbuf.control.daemon.dataops import DataOps
-from rpcbuf.control.daemon.dedupops import DedupOps
-from rpcbuf.control.daemon.paths import DataPath, Items, Region
-from rpcbuf.control.daemon.pipeline import Call, Held, Pipeline
-from rpcbuf.control.daemon.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
+from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.content.index import ContentIndex
+from rpcbuf.control.daemon.data.paths import DataPath, Items, Region
+from rpcbuf.control.daemon.data.pipeline import Call, Held, Pipeline
+from rpcbuf.control.daemon.ops.dataops import DataOps
+from rpcbuf.control.daemon.ops.dedupops import DedupOps
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import OutOfRange, VerifyFailed
 from rpcbuf.control.wire.runs import plan_runs, run_tag
@@ -288,7 +288,7 @@ async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_wi
     import os
     import threading
 
-    from rpcbuf.control.daemon.attachops import AttachOps
+    from rpcbuf.control.daemon.ops.attachops import AttachOps
 
     rig = Rig()
     arena = rig.pool.arena

@@ -1,4 +1,4 @@
-"""Backing new host buffers with memory (``control/daemon/prefault.py``,
+"""Backing new host buffers with memory (``control/daemon/accounting/prefault.py``,
 ``HostArena.prefault_range``): no byte changes, bounds checked, small
 buffers and GPU arenas skipped, the work bounded in time, a cancelled request
 waiting for the worker's current chunk, a failing kernel call only logged."""
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rpcbuf.control.daemon import prefault
-from rpcbuf.control.daemon.copypool import CopyPool
+from rpcbuf.control.daemon.accounting import prefault
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.dataplane.arena import HostArena
 
 _sweeps: list[CopyPool] = []

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from rpcbuf.control.daemon import lapsed, registry as R
-from rpcbuf.control.daemon.registry import Pool, Quota, Registry, Waiter
+from rpcbuf.control.daemon.accounting import lapsed, registry as R
+from rpcbuf.control.daemon.accounting.registry import Pool, Quota, Registry, Waiter
 from rpcbuf.control.wire.errors import NotFound, QuotaExceeded
 from rpcbuf.dataplane.arena import HostArena
 
@@ -293,7 +293,7 @@ def test_a_kept_block_needs_no_prefault_and_a_fresh_one_does() -> None:
     """A request on a kept block (zeroed, so every page backed) is answered
     at once: pre-faulting resident pages still walks them all (64-126 ms
     per GiB). A fresh block of that size is pre-faulted first."""
-    from rpcbuf.control.daemon.controlops import ControlOps
+    from rpcbuf.control.daemon.ops.controlops import ControlOps
 
     reg, pool = make(64 * MIB)
     pool.arena.keep = 16 * MIB

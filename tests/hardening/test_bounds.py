@@ -16,7 +16,7 @@ from rawwire import frame, hello
 
 import rpcbuf
 from conftest import ROOT
-from rpcbuf.control.daemon import logs
+from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane import staging
 

@@ -1,4 +1,4 @@
-"""Who may bind a session's handle channel (``control/daemon/handles.py``):
+"""Who may bind a session's handle channel (``control/daemon/data/handles.py``):
 only a second connection to the daemon's Unix socket, from the very process
 of the session, naming the nonce its hello gave, once.  Anything else is
 refused and leaves the session as it was."""

@@ -12,7 +12,7 @@ import pytest
 import rpcbuf
 from conftest import pool_free, wait_free
 from rpcbuf.control.client.dedup import content_hashes
-from rpcbuf.control.daemon.content import WRITE_LOG
+from rpcbuf.control.daemon.content.index import WRITE_LOG
 from rpcbuf.control.wire import protocol as P
 
 

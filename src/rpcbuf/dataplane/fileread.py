@@ -1,5 +1,5 @@
 """Ranges of a local file read straight into an arena, each hashed as it lands
-(the data plane of a node-local load: ``control/daemon/fileops.py``).
+(the data plane of a node-local load: ``control/daemon/ops/fileops.py``).
 
 ``read_ranges`` reads each item's bytes with ``preadv`` into the arena
 slice it goes to (``arena.view``: a writable NumPy array for host arenas),

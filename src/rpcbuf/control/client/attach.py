@@ -1,7 +1,7 @@
 """Zero-copy, read-only views of buffers on this host (``ctx.attach``).
 
 ``attach`` asks the daemon for a read-only handle of one host buffer (its
-own memfd; ``control/daemon/attachops.py``), which arrives on the session's
+own memfd; ``control/daemon/ops/attachops.py``), which arrives on the session's
 handle channel, and maps it here read-only: ``view.array()`` and
 ``view.tensors()`` are NumPy arrays over the daemon's pages, no copy, not
 writeable (the mapping is ``PROT_READ`` and the memfd is sealed, so nothing

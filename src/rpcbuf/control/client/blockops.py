@@ -1,4 +1,4 @@
-"""The client's side of the keyed block tier (``daemon/blocks.py``): put, get,
+"""The client's side of the keyed block tier (``daemon/content/blocks.py``): put, get,
 lookup, remove and list blocks by key, each many keys in one call.
 
 A block's bytes travel as a batch's do, over whichever path the session

@@ -5,7 +5,7 @@ disk, named with where they lie and what their hashes are.
 or hash manifest (``model/hashfile.py``); ``request`` packs a batch of them
 into one ``P.LoadFile`` (the packed manifest form: a few kinds of dtype and
 shape, one per item); ``RpcContext.load_file`` sends it.  The daemon's side,
-and what it checks, is ``control/daemon/fileops.py``.
+and what it checks, is ``control/daemon/ops/fileops.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Our end of a same-host session's handle channel (the daemon's end and
-the protocol: ``control/daemon/handles.py``).
+the protocol: ``control/daemon/data/handles.py``).
 
 ``bind``: a second connection to the daemon's Unix socket, from this
 process, checked to lead to the same daemon process as the control

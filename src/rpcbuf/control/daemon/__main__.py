@@ -2,6 +2,6 @@
 
 import sys
 
-from rpcbuf.control.daemon.main import main
+from rpcbuf.control.daemon.service.main import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ reached.  Every call runs under ``options.timeout``; a call that fails (the
 member is down, partitioned away, or lost our auth token) closes that client
 and is retried once on each next member, then raises ``EtcdUnavailable``
 naming the whole address: at most ``len(members)`` tries of ``timeout`` each,
-never a hang.  Callers own their backoff (``daemon/announce.py``,
+never a hang.  Callers own their backoff (``daemon/service/announce.py``,
 ``client/discovery.py``).
 
 Why aetcd: a maintained asyncio client of the v3 API (leases, watches,

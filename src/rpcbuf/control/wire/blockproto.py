@@ -1,5 +1,5 @@
 """The requests of the keyed block tier (``docs/kvcache.md``; the daemon's
-side is ``daemon/blockops.py``), re-exported by ``protocol.py``, whose
+side is ``daemon/ops/blockops.py``), re-exported by ``protocol.py``, whose
 ``OPS`` lists them with the others.
 """
 
@@ -13,7 +13,7 @@ from rpcbuf.control.wire.fields import BlockKeys, Request, U64Array
 
 @dataclass(frozen=True)
 class BlockPut(Request):
-    """Keyed blocks, written two-phase (``daemon/blockops.py``): each key gets
+    """Keyed blocks, written two-phase (``daemon/ops/blockops.py``): each key gets
     a new block of ``sizes[i]`` bytes, its bytes follow as a batch does (one
     UCX message per block, tag ``run_tag(id, i)``; or the staging slot
     ``stage``, back to back in key order), and once all landed and match

@@ -32,7 +32,7 @@ client's cache); ``merge_plan``, ``merge_entries`` and
 place, a new one is appended, and entries whose bytes other tensors just
 overwrote are dropped.  One dtype cache (``np_dtype``) serves both sides.
 Nothing here touches buffer bytes; the daemon's part that needs the
-registry and the arena stays in ``control/daemon/manifest.py``.
+registry and the arena stays in ``control/daemon/ops/manifest.py``.
 """
 
 from __future__ import annotations

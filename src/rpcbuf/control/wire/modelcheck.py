@@ -18,7 +18,7 @@ No I/O here: the walks take the header's bytes, or (GGUF, whose header
 length is known only once it is walked) a function that reads the file
 (its ``os.pread``), and the file's size, so the client
 (``client/model/modelcheck.py``, which opens the model it uploads) and the
-daemon (``daemon/modeldirs.py``, which opens a file of its ``--model-dir``
+daemon (``daemon/content/modeldirs.py``, which opens a file of its ``--model-dir``
 through its own checks) share them.  Never a memory map: whoever can write
 the file can truncate it during the walk, and a read of a mapped page past
 the new end is SIGBUS, which killed the daemon; a ``pread`` that comes back

@@ -216,7 +216,7 @@ class DedupStore(Request):
 
 @dataclass(frozen=True)
 class LoadFile(Request):
-    """Node-local load (see ``control/daemon/fileops.py``): read tensors of
+    """Node-local load (see ``control/daemon/ops/fileops.py``): read tensors of
     a file in one of the daemon's ``--model-dir`` directories straight into
     a buffer of this tenant's, verify each against the hashes the client
     expects, and only then record them in the manifest.

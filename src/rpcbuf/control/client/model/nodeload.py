@@ -17,7 +17,7 @@ upload does (``loader.py``), except that no tensor crosses the network:
    ``load_file`` request naming the file on the node (``node_path``; for a
    directory of shards, each shard inside it), each tensor's byte range in
    the file, its place in the buffer, its hashes, its source type and
-   logical shape; the node reads and verifies them (``daemon/fileops.py``)
+   logical shape; the node reads and verifies them (``daemon/ops/fileops.py``)
    and records only what matched;
 4. the model file's metadata (from the header, or the hash manifest) is
    stored as an upload stores it: the tensor ``__rpcbuf_metadata__``

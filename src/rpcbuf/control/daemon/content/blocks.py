@@ -1,0 +1,272 @@
+"""The keyed block tier: each tenant's blocks by key, their LRU order, TTLs
+and counters.  Plain synchronous code (decide here; ``blockops`` does the
+I/O), as the ``Registry`` is.
+
+A block is a buffer of the registry (``Buffer.block_key`` set): its bytes
+live in an arena slice like any buffer's, so the data paths (UCX, the
+same-host staging area) carry them exactly as they carry buffers, and the
+registry's rules hold for them unchanged: charged to the tenant's quota
+(bytes per device and buffer count), pinned while a transfer reads them
+(a block removed or evicted meanwhile is freed when the read ends), freed
+once.  The block store owns those buffers: they have no name, no lease and
+no session, are never listed as buffers, and their ids never leave the
+daemon.
+
+Writes are two-phase: ``allocate`` gives a put its buffers (pending: in no
+key map, so no reader can see them), and only ``commit``, once every byte
+landed and matched its checksum, makes them the keys' blocks, all at once
+(replacing what the keys named before).  A put that fails hands its
+buffers back with ``discard``.
+
+A full tier evicts instead of refusing: when the tenant's quota (or the
+device) has no room for a new block, ``allocate`` releases the tenant's
+least recently used blocks that no transfer holds (``pins == 0``), one at
+a time, until it fits.  Only the tenant's own blocks are ever evicted, and a
+batch bigger than the whole quota is refused before anything is evicted.
+Expired blocks (``ttl``) go when their time comes (``expire``, called by the
+daemon's expiry timer) and are never served after it (``lookup`` checks).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
+from rpcbuf.control.daemon.accounting.leases import Leases
+from rpcbuf.control.daemon.accounting.registry import Registry
+from rpcbuf.control.wire.errors import OutOfMemory, QuotaExceeded
+
+COUNTERS = ("hits", "misses", "puts", "evictions", "expired", "removed")
+
+
+@dataclass
+class Block:
+    key: str
+    buf: Buffer
+    nbytes: int
+    checksum: int  # xxh3-64 of its bytes, as they landed
+    meta: bytes | None
+    created_at: float
+    expires_at: float | None  # the registry's clock (time.time())
+
+    def describe(self, meta: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "nbytes": self.nbytes, "checksum": self.checksum,
+                               "created_at": self.created_at, "expires_at": self.expires_at}
+        if meta:
+            out["meta"] = self.meta
+        return out
+
+
+@dataclass
+class Tier:
+    """One tenant's blocks: ``lru`` from least to most recently used."""
+
+    lru: OrderedDict[str, Block] = field(default_factory=OrderedDict)
+    nbytes: int = 0  # their bytes (what the blocks hold, not the blocks' alloc sizes)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+
+class BlockStore:
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._tiers: dict[str, Tier] = {}
+        self._leases: Leases[tuple[str, str]] = Leases(self._expires_at, self._live_leases)
+
+    def _tier(self, tenant: str) -> Tier:
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            tier = self._tiers[tenant] = Tier()
+        return tier
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def lookup(self, tenant: str, key: str, touch: bool = True) -> Block | None:
+        """The tenant's live block of ``key`` (most recently used now, when
+        ``touch``), or None: no such key, expired, or another tenant's (the
+        same answer)."""
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return None
+        block = tier.lru.get(key)
+        if block is None:
+            return None
+        if block.expires_at is not None and block.expires_at <= self._registry.clock():
+            self._drop(tenant, tier, block, "expired")
+            return None
+        if touch:
+            tier.lru.move_to_end(key)
+        return block
+
+    def touch(self, tenant: str, blocks: Iterable[Block]) -> None:
+        """``blocks`` (found by ``lookup(..., touch=False)``) are used now: the
+        most recently used of their tier, those still under their key."""
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return
+        for b in blocks:
+            if tier.lru.get(b.key) is b:
+                tier.lru.move_to_end(b.key)
+
+    def count(self, tenant: str, name: str, n: int = 1) -> None:
+        self._tier(tenant).counts[name] += n
+
+    def keys(self, tenant: str, prefix: str | None, start_after: str | None,
+             limit: int) -> tuple[list[str], bool]:
+        """The tenant's keys in sorted order: at most ``limit`` after
+        ``start_after``, starting with ``prefix``; and whether more follow."""
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return [], False
+        now = self._registry.clock()
+        # The first limit + 1 only (O(n log limit)): a page costs no sort of
+        # the whole tier, however many blocks the tenant holds.
+        found = heapq.nsmallest(limit + 1, (
+            k for k, b in tier.lru.items()
+            if (prefix is None or k.startswith(prefix))
+            and (start_after is None or k > start_after)
+            and (b.expires_at is None or b.expires_at > now)))
+        return found[:limit], len(found) > limit
+
+    def stats(self, tenant: str) -> dict[str, Any]:
+        tier = self._tiers.get(tenant) or Tier()
+        return {"blocks": len(tier.lru), "bytes": tier.nbytes, **tier.counts}
+
+    def totals(self) -> dict[str, dict[str, Any]]:
+        """Every tenant's ``stats`` (the operator's view: metrics)."""
+        return {t: self.stats(t) for t in sorted(self._tiers)}
+
+    # -- writes --------------------------------------------------------------------------
+
+    def allocate(self, tenant: str, pool: Pool, sizes: list[int]) -> list[Buffer]:
+        """Pending buffers for a put of blocks of ``sizes`` on ``pool``, all
+        or none, evicting the tenant's least recently used unpinned blocks
+        while there is no room.  QUOTA_EXCEEDED or OUT_OF_MEMORY, with
+        nothing evicted, when the batch could never fit the quota or the
+        device; the error of the last try when evicting everything it may
+        did not make room (what was evicted stays evicted: a cache)."""
+        reg = self._registry
+        alloc = pool.allocator
+        total = sum(alloc.block_size(s) for s in sizes)
+        quota = reg.quota_for(tenant)
+        if quota.bytes_per_device is not None and total > quota.bytes_per_device:
+            raise QuotaExceeded(
+                f"{len(sizes)} blocks take {total} bytes on {pool.key}; tenant {tenant!r}'s "
+                f"quota is {quota.bytes_per_device}",
+                {"requested": total, "quota": quota.bytes_per_device})
+        if quota.buffers is not None and len(sizes) > quota.buffers:
+            raise QuotaExceeded(f"{len(sizes)} blocks; tenant {tenant!r} may hold "
+                                f"{quota.buffers} buffers and blocks",
+                                {"blocks": len(sizes), "quota": quota.buffers})
+        if any(s > alloc.max_size for s in sizes) or total > alloc.stats().total:
+            raise OutOfMemory(f"{len(sizes)} blocks of {total} bytes can never fit on "
+                              f"{pool.key}", {"requested": total, "device": pool.key})
+        self.expire()
+        out: list[Buffer] = []
+        try:
+            for size in sizes:
+                while True:
+                    error: Exception | None = None
+                    try:
+                        buf = reg.try_allocate(tenant, pool, size)
+                    except (QuotaExceeded, OutOfMemory) as exc:
+                        buf, error = None, exc
+                    if buf is not None:
+                        break
+                    if not self._evict_one(tenant, pool):
+                        raise error or reg.out_of_memory(pool, size)
+                buf.block_key = ""  # pending: the store's, in no key map yet
+                out.append(buf)
+        except BaseException:
+            self.discard(out)
+            raise
+        return out
+
+    def _evict_one(self, tenant: str, pool: Pool) -> bool:
+        """Release the tenant's least recently used block on ``pool`` that
+        no transfer holds; False when there is none."""
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return False
+        for block in tier.lru.values():
+            if block.buf.pool is pool and block.buf.pins == 0:
+                self._drop(tenant, tier, block, "evictions")
+                return True
+        return False
+
+    def discard(self, bufs: list[Buffer]) -> None:
+        """Hand back a failed put's pending buffers (freed once unpinned)."""
+        for buf in bufs:
+            self._registry.release(buf)
+
+    def commit(self, tenant: str, keys: list[str], bufs: list[Buffer], sizes: list[int],
+               checksums: list[int], metas: list[bytes] | None,
+               ttl: float | None) -> bool:
+        """The put's blocks become the keys' blocks, all at once; what the
+        keys named before is released (freed when its readers end).  True
+        when one of them has a ttl (the expiry timer needs a look)."""
+        tier = self._tier(tenant)
+        now = self._registry.clock()
+        expires = None if ttl is None else now + ttl
+        for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
+            old = tier.lru.get(key)
+            if old is not None:
+                self._drop(tenant, tier, old, None)
+            buf.block_key = key
+            block = Block(key, buf, sizes[i], checksums[i], None if metas is None else metas[i],
+                          now, expires)
+            tier.lru[key] = block
+            tier.nbytes += block.nbytes
+            if expires is not None:
+                self._leases.count += 1
+                self._leases.push((tenant, key), expires)
+        tier.counts["puts"] += len(keys)
+        return expires is not None
+
+    def remove(self, tenant: str, keys: list[str]) -> int:
+        tier = self._tiers.get(tenant)
+        if tier is None:
+            return 0
+        n = 0
+        for key in keys:
+            block = tier.lru.get(key)
+            if block is not None:
+                self._drop(tenant, tier, block, "removed")
+                n += 1
+        return n
+
+    def _drop(self, tenant: str, tier: Tier, block: Block, counter: str | None) -> None:
+        del tier.lru[block.key]
+        tier.nbytes -= block.nbytes
+        if block.expires_at is not None:
+            self._leases.count -= 1
+        if counter is not None:
+            tier.counts[counter] += 1
+        self._registry.release(block.buf)  # freed now, or when its last reader ends
+
+    # -- time ----------------------------------------------------------------------------
+
+    def _expires_at(self, tk: tuple[str, str]) -> float | None:
+        tier = self._tiers.get(tk[0])
+        block = None if tier is None else tier.lru.get(tk[1])
+        return None if block is None else block.expires_at
+
+    def _live_leases(self) -> Iterable[tuple[tuple[str, str], float]]:
+        return (((t, k), b.expires_at) for t, tier in self._tiers.items()
+                for k, b in tier.lru.items() if b.expires_at is not None)
+
+    def next_expiry(self) -> float | None:
+        return self._leases.next()
+
+    def expire(self) -> list[Block]:
+        """Drop every block whose ttl ran out; return them."""
+        out: list[Block] = []
+        for (tenant, key), _ in self._leases.due(self._registry.clock()):
+            tier = self._tiers[tenant]
+            block = tier.lru[key]
+            self._drop(tenant, tier, block, "expired")
+            out.append(block)
+        return out

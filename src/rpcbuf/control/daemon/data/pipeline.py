@@ -1,0 +1,342 @@
+"""The one data pipeline: every op that moves or touches buffer bytes runs
+its steps here, in one order, each written once.
+
+An op (``dataops``, ``dedupops``) validates its request and describes the
+rest as data, a ``Plan``: the buffer it writes or reads and the range to
+lock, the other buffers it reads, the transfer (a ``DataPath`` receive or
+send, or a local fill/copy), what to check once the bytes are there, which
+counter to bump and what the audit record says.  ``Pipeline.run`` then
+
+1. pins every buffer of the plan (``Held``: a release meanwhile frees the
+   memory only when the request ends) and locks its ranges, one grant per
+   buffer in buffer-id order (stores exclusive, reads shared: overlapping
+   stores never interleave, a read never sees half a store, crossing copies
+   cannot deadlock); an exclusive lock drops the dedup index's entries of
+   the range (those bytes are about to change), and is BUSY, once granted,
+   on a buffer a local reader has attached (``attachops``);
+2. answers first where the path says so (UCX reads: the client posts its
+   receives when it sees the answer);
+3. moves the bytes;
+4. verifies and records (``after``: checksums, manifest), still locked;
+5. unlocks, counts the bytes for the node and the tenant, and writes the
+   audit record; the session answers with what ``run`` returns (once: an op
+   answered first is not answered again).
+
+``run`` awaits only what must be waited for (a lock another request holds,
+a transfer, a sweep on a worker thread); a plan that waits for nothing (a
+free range, a same-host small-slot or inline copy) runs to its end in one
+step, and the session then answers it with no task (``eager.py``).
+
+Pins by construction: an async handler never looks a buffer up itself; it
+gets it from ``Held.get``, which pins it in the same step as the lookup, and
+the session unpins everything the request held when it is answered.  So no
+handler can hold a buffer across an ``await`` without a pin, and a buffer
+whose memory went back already cannot be pinned (``Registry.pin``).  Only the
+synchronous quick ops use the plain lookup (``tests/hardening/test_bounds.py``
+checks that no ``async def`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
+from rpcbuf.control.daemon.accounting.locks import Grant
+from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
+from rpcbuf.control.daemon.content.index import ContentIndex
+from rpcbuf.control.daemon.data.paths import DataPath
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
+from rpcbuf.control.wire.units import THREAD_BYTES
+from rpcbuf.dataplane.arena import host_memory
+
+Range = tuple[int, int]
+
+
+class Workers(Protocol):
+    """What the data ops see of the daemon: its threads for memory work."""
+
+    sweeps: CopyPool  # shared fairly between tenants (copypool.py)
+
+
+class Ops(Protocol):
+    """What the data ops see of their session."""
+
+    registry: Registry
+    content: ContentIndex
+    session_id: str
+
+    @property
+    def daemon(self) -> Workers: ...
+    @property
+    def owner(self) -> str: ...  # the session's tenant (the ops run after hello only)
+    def path(self, req: P.Request) -> DataPath: ...
+    def count(self, key: str, n: int) -> None: ...
+    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+              note: str = "") -> None: ...
+    def abort(self, why: str) -> None: ...
+    def schedule_expiry(self) -> None: ...  # a buffer with a lease was made
+
+
+class Held:
+    """The buffers one async request uses: each pinned as it is looked up,
+    all unpinned when the request ends (``release``, called by the session)."""
+
+    __slots__ = ("_bufs", "_registry", "_tenant")
+
+    def __init__(self, registry: Registry, tenant: str) -> None:
+        self._registry = registry
+        self._tenant = tenant
+        self._bufs: list[Buffer] = []
+
+    def get(self, buffer_id: str) -> Buffer:
+        """The tenant's buffer, pinned until the request ends; NOT_FOUND."""
+        buf = self._registry.get(self._tenant, buffer_id)
+        self._registry.pin(buf)
+        self._bufs.append(buf)
+        return buf
+
+    def keep(self, buf: Buffer) -> bool:
+        """Pin a buffer found another way (the dedup index); False when it
+        was released already (then it must not be used)."""
+        if buf.released:
+            return False
+        self._registry.pin(buf)
+        self._bufs.append(buf)
+        return True
+
+    def release(self) -> None:
+        bufs, self._bufs = self._bufs, []
+        for buf in reversed(bufs):
+            self._registry.unpin(buf)
+
+
+class Call:
+    """One async request as its op sees it: its id, the buffers it holds,
+    and ``answer_first`` (the session's one answer path, taken early)."""
+
+    __slots__ = ("_answer", "answered", "held", "req_id")
+
+    def __init__(self, req_id: int, held: Held,
+                 answer: Callable[[int, dict[str, Any]], None]) -> None:
+        self.req_id, self.held, self._answer = req_id, held, answer
+        self.answered = False
+
+    def answer_first(self, result: dict[str, Any]) -> None:
+        self.answered = True
+        self._answer(self.req_id, result)
+
+
+class Plan:
+    """One data op after validation, as data (see the module's steps)."""
+
+    __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "move",
+                 "nbytes", "note", "offset", "op", "ranges", "sources")
+
+    def __init__(self, op: str, buf: Buffer, ranges: list[Range], *, exclusive: bool,
+                 move: Callable[[], Awaitable[None]], nbytes: int,
+                 offset: int | None = None,
+                 counter: str | None = None, note: str = "",
+                 answer: dict[str, Any] | None = None,
+                 after: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 early: dict[str, Any] | None = None,
+                 sources: list[tuple[Buffer, Range]] | None = None,
+                 forget: bool = True) -> None:
+        self.op, self.buf, self.ranges, self.exclusive = op, buf, ranges, exclusive
+        self.move, self.nbytes, self.counter, self.note = move, nbytes, counter, note
+        self.offset = ranges[0][0] if offset is None else offset  # what the audit says
+        self.answer, self.after, self.early = answer, after, early
+        self.sources, self.forget = sources, forget
+
+
+class Pipeline:
+    """Runs plans for one session (``ops``)."""
+
+    def __init__(self, ops: Ops) -> None:
+        self._ops = ops
+
+    async def run(self, call: Call, plan: Plan) -> dict[str, Any]:
+        grants = await self.lock(call.held, plan.buf, plan.ranges, plan.exclusive,
+                                 plan.sources, plan.forget)
+        try:
+            if plan.early is not None:
+                call.answer_first(plan.early)
+            await plan.move()
+            result = plan.answer if plan.after is None else await plan.after()
+        finally:
+            unlock(grants)
+        return self._done(plan, result)
+
+    def _done(self, plan: Plan, result: dict[str, Any] | None) -> dict[str, Any]:
+        ops = self._ops
+        if plan.counter is not None:
+            ops.count(plan.counter, plan.nbytes)
+        ops.audit(plan.op, plan.buf, plan.offset, plan.nbytes, plan.note)
+        return {} if result is None else result
+
+    def _granted(self, b: Buffer, rngs: list[Range], excl: bool, forget: bool) -> None:
+        """Once a lock of ``b`` is granted: BUSY if it is exclusive and ``b``
+        is attached; else an exclusive lock drops ``b``'s dedup entries there."""
+        if excl and b.attached:  # read in place by a local reader: hands off
+            raise Busy(f"buffer {b.buffer_id} is attached (read in place) by "
+                       f"{b.attached} reader(s); it cannot change until they detach",
+                       {"buffer_id": b.buffer_id, "attached": b.attached})
+        if excl and forget:  # these bytes change: dedup must not use them
+            self._ops.content.forget(b, rngs)
+
+    async def lock(self, held: Held, buf: Buffer, ranges: list[Range], exclusive: bool,
+                   sources: list[tuple[Buffer, Range]] | None = None,
+                   forget: bool = True) -> list[tuple[Buffer, Grant]]:
+        """Step 1: pin (``held``) and lock ``ranges`` of ``buf`` (exclusive or
+        shared) and each source range shared, one grant per buffer (a source
+        inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
+        pinned before the first await.  A buffer released since it was looked
+        up (or while we wait) is NOT_FOUND: its memory is only pinned, and the
+        work would be lost.  A buffer locked exclusively gets memory of its
+        own first if it shares some (``own``); an op that passes
+        ``forget=False`` decides what it writes once locked, forgets it
+        itself, and calls ``own`` before it writes.  Unlock with ``unlock``."""
+        if not sources:  # the common case: one buffer
+            groups = [(buf, ranges, exclusive)]
+        else:
+            by_id: dict[str, tuple[Buffer, list[Range], bool]] = {
+                buf.buffer_id: (buf, list(ranges), exclusive)}
+            for b, rng in sources:
+                if b.buffer_id not in by_id:
+                    if not held.keep(b):
+                        raise NotFound(f"no buffer {b.buffer_id!r}")
+                    by_id[b.buffer_id] = (b, [], False)
+                by_id[b.buffer_id][1].append(rng)
+            groups = [by_id[k] for k in sorted(by_id)]
+        grants: list[tuple[Buffer, Grant]] = []
+        try:
+            for b, rngs, excl in groups:
+                if b.released:
+                    raise NotFound(f"no buffer {b.buffer_id!r}")
+                waiting: list[asyncio.Future[None]] = []
+
+                def ready(waiting: list[asyncio.Future[None]] = waiting) -> None:
+                    if waiting and not waiting[0].done():
+                        waiting[0].set_result(None)
+
+                grant = b.locks.acquire(rngs, excl, ready)
+                grants.append((b, grant))
+                if not grant.granted:  # ``ready`` fires only from another's release
+                    waiting.append(asyncio.get_running_loop().create_future())
+                    await waiting[0]
+                    if b.released:  # released while we waited: its memory is only pinned
+                        raise NotFound(f"no buffer {b.buffer_id!r}")
+                self._granted(b, rngs, excl, forget)
+            if forget:  # a writer: a buffer sharing memory (a clone) gets its own first
+                for b, _, excl in groups:
+                    if excl:
+                        await self.own(b)
+        except BaseException:
+            unlock(grants)
+            raise
+        return grants
+
+    async def in_thread(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a sweep of ``nbytes`` of memory: from ``THREAD_BYTES``
+        on, as the session's tenant's job on the daemon's ``sweeps`` threads
+        (NumPy and xxhash drop the GIL, so the event loop serves everyone
+        else meanwhile, and the pool's round-robin keeps one tenant's queue
+        of sweeps from delaying another's beyond its turn); smaller ones
+        inline, where a thread would cost more than the sweep."""
+        if nbytes >= THREAD_BYTES:
+            return await self._ops.daemon.sweeps.run(self._ops.owner, fn, *args)
+        return fn(*args)
+
+    async def own(self, buf: Buffer) -> None:
+        """Before the first write into ``buf``: if it shares memory with
+        another buffer (``clone_buffer``), give it memory of its own holding
+        the same bytes (a copy in a worker thread), once, however many
+        writers ask at the same time (they all wait for the one copy)."""
+        host = host_memory(buf.pool.arena)
+        if host is None or not host.needs_own(buf.offset):
+            return
+        task = buf.owning
+        if task is None:
+            registry = self._ops.registry
+            registry.pin(buf)  # now, while the caller's pin holds: ``_own`` unpins it
+            task = buf.owning = asyncio.ensure_future(_own(registry, buf,
+                                                           self._ops.daemon.sweeps))
+            task.add_done_callback(_retrieved)  # a failure nobody waits for any more
+        await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # its waiters got it; asyncio must not log it as lost
+
+
+async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
+    """``Pipeline.own``'s one copy, a job of the buffer's tenant on
+    ``sweeps``.  Pinned meanwhile (by ``own``, before this task was made: a
+    task starts later, when the writer that asked may be gone and the buffer
+    freed): the block stays this buffer's even if every request that asked
+    for it is gone."""
+    try:
+        arena = host_memory(buf.pool.arena)  # only host memory shares (``needs_own``)
+        assert arena is not None
+        try:
+            fd = await sweeps.run(buf.tenant, arena.copy_out, buf.offset, buf.alloc_size)
+        except OSError as exc:
+            raise OutOfMemory(f"cannot give buffer {buf.buffer_id} memory of its own: "
+                              f"{exc.strerror or exc}", {"reason": "backing"}) from None
+        arena.adopt(buf.offset, fd)
+    finally:
+        buf.owning = None
+        registry.unpin(buf)
+
+
+def unlock(grants: list[tuple[Buffer, Grant]]) -> None:
+    for b, grant in reversed(grants):
+        b.locks.release(grant)
+
+
+# -- validation shared by the ops ---------------------------------------------------------
+
+def check_range(buf: Buffer, offset: int, nbytes: int) -> None:
+    if offset > buf.size or nbytes > buf.size - offset:
+        raise OutOfRange(
+            f"[{offset}, {offset + nbytes}) is outside buffer of {buf.size} bytes",
+            {"offset": offset, "nbytes": nbytes, "size": buf.size},
+        )
+
+
+def check_items(buf: Buffer, offsets: np.ndarray, sizes: np.ndarray,
+                disjoint: bool = True) -> None:
+    if len(offsets) == 0:
+        return
+    if (offsets > P.MAX_INT).any() or (sizes > P.MAX_INT).any():
+        raise BadRequest("offsets and sizes must be below 2**63")
+    ends = offsets + sizes  # no overflow: both < 2**63
+    if (ends > buf.size).any():
+        i = int(np.argmax(ends > buf.size))
+        raise OutOfRange(
+            f"item {i} [{offsets[i]}, {ends[i]}) is outside buffer of {buf.size} bytes",
+            {"item": i, "offset": int(offsets[i]), "nbytes": int(sizes[i]), "size": buf.size},
+        )
+    if disjoint and (offsets[1:] < ends[:-1]).any():
+        raise BadRequest("batch items must be sorted by offset and must not overlap")
+    # Bounded work: a batch moves at most its buffer's size (overlapping
+    # reads count each time).  No overflow: each end is <= buf.size < 2**63
+    # and there are at most MAX_ITEMS items.
+    total = int(sizes.sum())
+    if total > buf.size:
+        raise BadRequest(f"a batch may move at most its buffer's {buf.size} bytes; these "
+                         f"items add up to {total}", {"nbytes": total, "size": buf.size})
+
+
+def hull(offsets: np.ndarray, sizes: np.ndarray) -> Range:
+    """The smallest range covering every item (what a batch locks)."""
+    if not len(offsets):
+        return (0, 0)
+    return int(offsets.min()), int((offsets + sizes).max())
+
+

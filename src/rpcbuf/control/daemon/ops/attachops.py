@@ -1,0 +1,155 @@
+"""Attach and detach: a local reader uses a buffer's bytes in place.
+
+``attach`` hands the session a read-only fd of one host buffer (exactly its
+block: its own memfd, ``HostArena.export``) over the session's handle
+channel (``handles.py``), and makes the buffer *attached*:
+
+* the attachment holds a pin, so a release or an expired lease takes the
+  buffer out of every view at once but frees its memory (which stays
+  charged to its tenant) only at the last detach;
+* stores, clears and copies into it are BUSY (``pipeline.Pipeline.lock``
+  checks under the range lock), so bytes a reader maps never change under it;
+* attach itself takes a shared lock of the whole buffer, so it waits for
+  writes in flight and never hands out a half-written buffer; and for a
+  copy of its own still being made (``Pipeline.own`` of a clone, which
+  outlives a writer that went away): the memfd handed out is the one the
+  buffer ends with, never one its clone or source goes on writing.
+
+Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
+attachments end with it, however it ends (the client killed: its socket
+closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
+
+The daemon cannot know when a reader closes a ``dup`` of its handle, which
+pins the block's pages after detach and release: so a buffer handed out
+stays charged to its tenant, freed or not, until the session it was handed
+to ends (``Registry.export``), and the quota bounds what a live session can
+pin that way.  What a process keeps after its session ended is not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Protocol
+
+from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
+from rpcbuf.control.daemon.data.handles import HandleChannel
+from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import (
+    BadRequest,
+    ConnectionLost,
+    NotFound,
+    QuotaExceeded,
+    UnsupportedDevice,
+)
+from rpcbuf.dataplane.cuda_vmm import CudaError, UnsupportedDevice as NoVmm
+
+log = logging.getLogger("rpcbuf.daemon")
+MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)
+
+
+class Owner(Protocol):
+    registry: Registry
+    session_id: str
+    handles: HandleChannel | None
+
+    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
+              note: str = "") -> None: ...
+
+
+class AttachOps:
+    """One session's attachments."""
+
+    def __init__(self, owner: Owner, pipeline: Pipeline) -> None:
+        self._owner, self._pipe = owner, pipeline
+        self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
+        # Buffers this session was handed an fd of, attached or not any more:
+        # charged to their tenant until the session ends (``Registry.export``).
+        self._exported: dict[str, Buffer] = {}
+
+    async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
+        owner = self._owner
+        channel = owner.handles
+        if channel is None:
+            raise BadRequest("attach needs the same-host path (a client on the daemon's "
+                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        return await self.attach_buffer(call, call.held.get(req.buffer_id))  # pinned now
+
+    async def attach_buffer(self, call: Call, buf: Buffer) -> dict[str, Any]:
+        """``attach`` of a buffer the request holds pinned already (a block,
+        found by its key: ``blockops``)."""
+        owner = self._owner
+        channel = owner.handles
+        if channel is None:
+            raise BadRequest("attach needs the same-host path (a client on the daemon's "
+                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        export = buf.pool.arena.export  # a GPU arena without handles raises UNSUPPORTED_DEVICE
+        if sum(n for _, n in self._attached.values()) >= MAX_ATTACHED:
+            raise QuotaExceeded(f"a session may hold at most {MAX_ATTACHED} attachments",
+                                {"limit": "attachments"})
+        grants = await self._pipe.lock(call.held, buf, [(0, buf.size)], False, forget=False)
+        try:
+            if buf.owning is not None:  # a copy of its own (``Pipeline.own``) that outlived
+                await asyncio.wait([buf.owning])  # its writer: hand out the memfd it ends with
+            if buf.released:
+                raise NotFound(f"no buffer {buf.buffer_id!r}")
+            try:
+                fd = export(buf.offset, buf.alloc_size)
+            except (NoVmm, CudaError) as exc:  # a GPU without VMM handles
+                raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached: "
+                                        f"{exc}") from None
+            try:
+                self._take(buf)  # before the record leaves: a detach may follow at once
+                if buf.buffer_id not in self._exported:  # the fd may arrive, sent or not
+                    self._owner.registry.export(buf)
+                    self._exported[buf.buffer_id] = buf
+                try:
+                    await channel.send(call.req_id, buf.alloc_size, fd)
+                except (OSError, TimeoutError) as exc:
+                    self._drop(buf)
+                    raise ConnectionLost(f"the handle channel failed: {exc}") from None
+            finally:
+                os.close(fd)
+        finally:
+            unlock(grants)
+        owner.audit("attach", buf, 0, buf.size, note=f"attached={buf.attached}")
+        return {"buffer_id": buf.buffer_id, "size": buf.size, "alloc_size": buf.alloc_size,
+                "device_type": buf.pool.arena.device_type, "device": buf.pool.arena.device,
+                "tensors": buf.tensors, "manifest_version": buf.manifest_version}
+
+    def detach(self, req: P.Detach) -> dict[str, Any]:
+        got = self._attached.get(req.buffer_id) if isinstance(req.buffer_id, str) else None
+        if got is None:
+            raise NotFound(f"this session has not attached {req.buffer_id!r}")
+        buf = got[0]
+        self._drop(buf)
+        self._owner.audit("detach", buf, 0, buf.size, note=f"attached={buf.attached}")
+        return {"attached": buf.attached}
+
+    def detach_all(self) -> None:
+        """The session ends: every attachment with it, and the charge for
+        memory its client may still hold a dup of."""
+        for buf, count in list(self._attached.values()):
+            for _ in range(count):
+                self._drop(buf)
+            self._owner.audit("detach", buf, 0, buf.size, note="session closed")
+        exported, self._exported = self._exported, {}
+        for buf in exported.values():
+            self._owner.registry.unexport(buf)
+
+    def _take(self, buf: Buffer) -> None:
+        self._owner.registry.pin(buf)
+        buf.attached += 1
+        count = self._attached.get(buf.buffer_id, (buf, 0))[1]
+        self._attached[buf.buffer_id] = (buf, count + 1)
+
+    def _drop(self, buf: Buffer) -> None:
+        _, count = self._attached[buf.buffer_id]
+        if count == 1:
+            del self._attached[buf.buffer_id]
+        else:
+            self._attached[buf.buffer_id] = (buf, count - 1)
+        buf.attached -= 1
+        self._owner.registry.unpin(buf)  # the last one frees a released buffer

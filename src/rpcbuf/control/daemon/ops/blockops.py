@@ -1,0 +1,218 @@
+"""The block ops of a session: put and get of keyed blocks (tasks, over the
+session's data path), and the quick lookup, remove and list (inline).
+
+The block store (``blocks.py``) decides; these ops validate first (every
+bound before any work: keys by the protocol, then sizes, checksums, metas,
+duplicates, the device), then move the bytes over the same ``DataPath`` a
+batch uses, one message (or one staging run) per block, straight into or
+out of the blocks' arena slices: a block is a buffer, so nothing here
+copies.
+
+``put`` is two-phase: the store hands out pending buffers (evicting the
+tenant's least recently used blocks if it must), each is pinned and locked
+exclusively (a kept block still being zeroed is waited for), the bytes land,
+every block is hashed (xxh3-64, on the sweep threads for big puts) and
+compared with the client's checksums, and only then does ``commit`` make
+them the keys' blocks, all at once.  A put that fails anywhere (a refusal,
+a checksum, a client gone mid-transfer, the deadline) hands its pending
+buffers back: no reader ever saw them.  A refused put drains what the
+client sent (``DataPath.drain``), as a refused store does.
+
+``get`` is all or nothing: a key that names no block of the size the reader
+expects is NOT_FOUND (``details.missing``: their indices), before anything
+is locked or sent, so the reader's arrays and the staging area are never
+half filled; its blocks are pinned (a block evicted or removed meanwhile is
+freed when the read ends) and read under shared locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from rpcbuf.control.daemon.accounting.locks import Grant
+from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
+from rpcbuf.control.daemon.content.blocks import Block, BlockStore
+from rpcbuf.control.daemon.data.paths import Items, Region
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan, unlock
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
+
+MAX_MISSING = 4096  # indices a NOT_FOUND names (a request has at most MAX_BLOCK_KEYS)
+
+
+class BlockOps:
+    """The block ops of one session (``ops``) on the node's ``blocks``."""
+
+    def __init__(self, ops: Ops, pipeline: Pipeline, blocks: BlockStore,
+                 attach: Callable[[Call, Buffer], Awaitable[dict[str, Any]]]) -> None:
+        self._ops, self._pipe, self._blocks = ops, pipeline, blocks
+        self._attach = attach  # AttachOps.attach_buffer: the one attach path
+
+    # -- put ------------------------------------------------------------------------------
+
+    async def put(self, call: Call, req: P.BlockPut) -> dict[str, Any]:
+        path = self._ops.path(req)
+        keys, sizes = req.keys, P.unpack_u64(req.sizes).tolist()
+        n = len(keys)
+        if len(sizes) != n:
+            if not path.addressed:
+                # Which messages did the client send?  End the session: the
+                # endpoint's abort takes whatever payload is in flight.
+                self._ops.abort("block_put with keys and sizes of different lengths")
+            raise BadRequest(f"{n} keys and {len(sizes)} sizes")
+        # What the client sent, as the pipeline sees a batch: one run per block.
+        sent = _each_alone([0] * n, sizes, req.stage)
+        try:
+            sums, pool = self._check_put(req, sizes)
+            path.admit(sent)  # a bad stage, or too much for a small slot
+            bufs = self._blocks.allocate(self._ops.owner, pool, sizes)
+        except RpcBufError:
+            await path.drain(call.req_id, sent)
+            raise
+        committed, nbytes = False, sent.nbytes
+        try:
+            for buf in bufs:  # every pending buffer pinned before the first await
+                call.held.keep(buf)
+            grants: list[tuple[Buffer, Grant]] = []
+            try:
+                for buf in bufs:
+                    grants += await self._pipe.lock(call.held, buf, [(0, buf.alloc_size)], True)
+                offsets = [b.offset for b in bufs]
+                items = _each_alone(offsets, sizes, req.stage)
+                await path.receive(call.req_id, Region(pool.arena), items)
+                got = await self._pipe.in_thread(nbytes, pool.arena.checksums, offsets, sizes)
+                bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
+                if len(bad):
+                    self._ops.count("verify_failures", 1)
+                    raise VerifyFailed(f"{len(bad)} of {n} blocks do not match their checksums; "
+                                       "none was stored", {"items": bad[:20].tolist()})
+                metas = None if req.metas is None else list(req.metas)
+                leased = self._blocks.commit(self._ops.owner, keys, bufs, sizes,
+                                             [int(s) for s in sums], metas, req.ttl)
+                committed = True
+            finally:
+                unlock(grants)
+        finally:
+            if not committed:
+                self._blocks.discard(bufs)
+        if leased:
+            self._ops.schedule_expiry()
+        self._ops.count("bytes_stored", nbytes)
+        self._ops.audit("block_put", bufs[0], 0, nbytes, note=f"blocks={n}")
+        return {"blocks": n, "nbytes": nbytes}
+
+    def _check_put(self, req: P.BlockPut, sizes: list[int]) -> tuple[np.ndarray, Pool]:
+        """The put's bounds, before anything is allocated: BAD_REQUEST,
+        UNSUPPORTED_DEVICE."""
+        n = len(req.keys)
+        if len(set(req.keys)) != n:
+            raise BadRequest("a block_put names each key once")
+        if min(sizes) <= 0:
+            raise BadRequest("every block holds at least one byte")
+        sums = P.unpack_u64(req.checksums)
+        if len(sums) != n:
+            raise BadRequest(f"{len(sums)} checksums for {n} blocks")
+        if req.metas is not None and len(req.metas) != n:
+            raise BadRequest(f"{len(req.metas)} metas for {n} blocks")
+        if req.ttl is not None and req.ttl <= 0:
+            raise BadRequest("ttl must be positive")
+        pool = self._ops.registry.pool_for(req.device_type, req.device)
+        if pool.arena.address is None:
+            raise BadRequest(f"blocks live in host memory; {pool.key} is device memory",
+                             {"reason": "device_memory"})
+        return sums, pool
+
+    # -- get ------------------------------------------------------------------------------
+
+    async def get(self, call: Call, req: P.BlockGet) -> dict[str, Any]:
+        path = self._ops.path(req)
+        keys, sizes = req.keys, P.unpack_u64(req.sizes).tolist()
+        n = len(keys)
+        if len(sizes) != n:
+            raise BadRequest(f"{n} keys and {len(sizes)} sizes")
+        tenant = self._ops.owner
+        # Not used yet (the LRU order stays) until the request is admitted:
+        # a refusal leaves no trace.
+        found = [self._blocks.lookup(tenant, k, touch=False) for k in keys]
+        blocks = [b for i, b in enumerate(found) if b is not None and b.nbytes == sizes[i]]
+        if len(blocks) < n:
+            missing = [i for i, b in enumerate(found) if b is None or b.nbytes != sizes[i]]
+            self._blocks.count(tenant, "misses", len(missing))
+            raise NotFound(f"{len(missing)} of {n} blocks are not here (or of another size)",
+                           {"missing": missing[:MAX_MISSING],
+                            "sizes": [_size(found[i]) for i in missing[:MAX_MISSING]]})
+        first = blocks[0].buf
+        if any(b.buf.pool is not first.pool for b in blocks):
+            raise BadRequest("the blocks of one block_get live on one device")
+        path.check(first)
+        offsets = [b.buf.offset for b in blocks]
+        items = _each_alone(offsets, sizes, req.stage)
+        nbytes = items.nbytes
+        path.admit(items)  # a bad stage, or too much for a small slot
+        for b in blocks:  # pinned now, before the first await
+            call.held.keep(b.buf)
+        self._blocks.touch(tenant, blocks)
+        self._blocks.count(tenant, "hits", n)
+        answer = {"blocks": n, "nbytes": nbytes}
+
+        def move() -> Any:
+            return path.send(call.req_id, Region(first.pool.arena), items)
+
+        return await self._pipe.run(call, Plan(
+            "block_get", first, [(0, blocks[0].nbytes)], exclusive=False, move=move,
+            sources=[(b.buf, (0, b.nbytes)) for b in blocks[1:]], nbytes=nbytes,
+            counter="bytes_read", answer=answer, early=answer if path.answer_first else None,
+            note=f"blocks={n}"))
+
+    # -- in place -------------------------------------------------------------------------
+
+    async def attach(self, call: Call, req: P.BlockAttach) -> dict[str, Any]:
+        """A same-host reader maps the block read-only (``attachops``): a hit
+        served in place.  NOT_FOUND for a miss (counted as one)."""
+        if not 0 < len(req.key) <= P.MAX_BLOCK_KEY:
+            raise BadRequest(f"key must be 1 to {P.MAX_BLOCK_KEY} characters")
+        tenant = self._ops.owner
+        block = self._blocks.lookup(tenant, req.key, touch=False)
+        if block is None:
+            self._blocks.count(tenant, "misses", 1)
+            raise NotFound("no block of that key", {"missing": [0]})
+        call.held.keep(block.buf)  # pinned now, before the first await
+        answer = await self._attach(call, block.buf)  # a refusal here leaves no trace
+        self._blocks.touch(tenant, [block])
+        self._blocks.count(tenant, "hits", 1)
+        return {**answer, "size": block.nbytes, "meta": block.meta}
+
+    # -- quick ops ------------------------------------------------------------------------
+
+    def lookup(self, req: P.BlockLookup) -> dict[str, Any]:
+        tenant = self._ops.owner
+        found = [self._blocks.lookup(tenant, k) for k in req.keys]
+        out: dict[str, Any] = {"sizes": [None if b is None else b.nbytes for b in found]}
+        if req.meta:
+            out["metas"] = [None if b is None else b.meta for b in found]
+            out["expires_at"] = [None if b is None else b.expires_at for b in found]
+        return out
+
+    def remove(self, req: P.BlockRemove) -> dict[str, Any]:
+        return {"removed": self._blocks.remove(self._ops.owner, req.keys)}
+
+    def list(self, req: P.BlockList) -> dict[str, Any]:
+        if not 0 < req.limit <= P.MAX_BLOCK_KEYS:
+            raise BadRequest(f"limit must be 1 to {P.MAX_BLOCK_KEYS}, got {req.limit}")
+        keys, more = self._blocks.keys(self._ops.owner, req.prefix, req.start_after, req.limit)
+        return {"keys": keys, "more": more}
+
+
+def _each_alone(offsets: list[int], sizes: list[int], stage: int | None) -> Items:
+    """Blocks as a batch's items, each its own run (one UCX message, tag
+    ``run_tag(id, i)``): blocks never coalesce, even when their slices touch
+    in the arena (the client cannot know where they lie)."""
+    return Items(offsets, sizes, sum(sizes), stage,
+                 [(o, s, i, i + 1) for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))])
+
+
+def _size(block: Block | None) -> int | None:
+    return None if block is None else block.nbytes

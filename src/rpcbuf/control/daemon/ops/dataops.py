@@ -1,0 +1,295 @@
+"""The data ops: store, read, their batched forms, wire-fp16 stores, and the
+daemon-local clear and copy.
+
+Each op only validates its request and says, as a ``pipeline.Plan``, what to
+lock, how to move the bytes and what to check afterwards; the pipeline runs
+the steps (pins, locks, the transfer, verification, counters, audit, the
+answer) once for all of them, over the session's ``DataPath`` (UCX or same
+host, ``paths.py``).  A plain store or read is a batch of one item
+(``Items.one``: one run, tag = request id).  Every op is one ``async def``;
+one that never waits (a small same-host or inline op on a free range) ends
+in its first step, with no task (the session starts ops ``eager``ly).
+
+Validation happens before anything is locked.  A refused store drains what
+the client already sent (``DataPath.drain``: 1-byte receives, one per run)
+so the sender never hangs and nothing is parked here.  ``store_batch`` hands
+the manifest entries it records to an ``Indexer`` (``dedupops``), which
+makes them dedup sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from rpcbuf.control.daemon.accounting.registry import Buffer
+from rpcbuf.control.daemon.data.paths import DataPath, Items, Region, Scratch
+from rpcbuf.control.daemon.data.pipeline import (
+    Call,
+    Ops,
+    Pipeline,
+    Plan,
+    check_items,
+    check_range,
+    hull,
+)
+from rpcbuf.control.daemon.ops import manifest as M
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, RpcBufError, VerifyFailed
+from rpcbuf.control.wire.gpuops import check_wire_f16
+from rpcbuf.control.wire.units import THREAD_BYTES
+from rpcbuf.dataplane.arena import copy_between
+from rpcbuf.dataplane.devops import fill, range_checksum, scratch, widen_f16
+
+LANDING_MIN = THREAD_BYTES  # same-host stores from this size hash each part as it lands
+
+
+class Indexer(Protocol):
+    """Told of the manifest entries a store recorded (range still locked)."""
+
+    async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
+                     digests: list[int] | None) -> None: ...
+
+
+class DataOps:
+    """The data ops of one session (``ops``), run by ``pipeline``."""
+
+    def __init__(self, ops: Ops, pipeline: Pipeline, indexer: Indexer) -> None:
+        self._ops, self._pipe, self._indexer = ops, pipeline, indexer
+
+    # -- store ------------------------------------------------------------------------
+
+    async def store(self, call: Call, req: P.Store) -> dict[str, Any]:
+        path = self._ops.path(req)
+        try:
+            buf = call.held.get(req.buffer_id)
+            check_range(buf, req.offset, req.nbytes)
+            if req.verify == "checksum" and req.checksum is None:
+                raise BadRequest("verify='checksum' needs the client's checksum")
+            if req.wire_dtype is not None:
+                check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
+            path.check(buf)
+            # What the path can tell before anything is locked (a bad stage,
+            # a frame's byte count): refused here, it leaves no trace.
+            wire = req.nbytes // 2 if req.wire_dtype is not None else req.nbytes
+            items = Items.one(req.offset, wire, req.stage)
+            path.admit(items)
+        except RpcBufError:
+            if req.nbytes:
+                await path.drain(call.req_id, Items.one(req.offset, req.nbytes))
+            raise
+        move: Callable[[], Any]
+        if req.wire_dtype is not None:
+            def move() -> Any:
+                return self._receive_f16(path, call.req_id, buf, req)
+        else:
+            region = Region(buf.pool.arena, buf.offset)
+
+            def move() -> Any:
+                return path.receive(call.req_id, region, items)
+
+        async def after() -> dict[str, Any]:
+            return self._stored(req, buf)
+
+        return await self._pipe.run(call, Plan(
+            "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, move=move,
+            nbytes=req.nbytes, counter="bytes_stored", after=after,
+            note=f"wire={req.wire_dtype}" if req.wire_dtype else ""))
+
+    def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
+        """After the bytes landed (range still locked): verify."""
+        result: dict[str, Any] = {"nbytes": req.nbytes}
+        if req.checksum is not None or req.verify:
+            kind = req.checksum_kind or "xxh3"
+            got = range_checksum(buf.pool.arena, buf.offset + req.offset, req.nbytes, kind)
+            result["checksum"] = got
+            result["checksum_kind"] = kind
+            if req.verify == "checksum" and got != req.checksum:
+                self._ops.count("verify_failures", 1)
+                raise VerifyFailed("checksum of received bytes does not match",
+                                   {"expected": req.checksum, "got": got, "kind": kind})
+        return result
+
+    async def _receive_f16(self, path: DataPath, req_id: int, buf: Buffer,
+                           req: P.Store) -> None:
+        """A wire-fp16 store: receive nbytes/2 bytes of float16 into scratch
+        memory of the arena's kind, then widen them into the float32 slice."""
+        if not req.nbytes:
+            return
+        arena, half = buf.pool.arena, req.nbytes // 2
+        wire = scratch(arena, half)
+        await path.receive(req_id, Region(Scratch(wire)), Items.one(0, half, req.stage))
+        await self._pipe.in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
+
+    async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
+        path = self._ops.path(req)
+        offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
+        if len(offsets) != len(sizes):
+            if not path.addressed:
+                # We cannot know which messages the client sent: end the session,
+                # which aborts the endpoint and with it any payload in flight.
+                self._ops.abort("store_batch with offsets and sizes of different lengths")
+            raise BadRequest("offsets and sizes differ in length")
+        items = Items(offsets, sizes, 0, req.stage)
+        try:
+            buf = call.held.get(req.buffer_id)
+            check_items(buf, offsets, sizes)
+            sums = _batch_checksums(req, len(offsets))
+            cols = M.check(req, sizes)
+            if cols is not None:  # refused now if the merged manifest would not fit
+                M.plan_record(self._ops.registry, buf, cols.names, offsets, sizes)
+            if req.manifest_version is not None and req.manifest_version != buf.manifest_version:
+                raise BadRequest("the buffer's manifest changed since it was read",
+                                 {"reason": "manifest_changed",
+                                  "manifest_version": buf.manifest_version})
+            path.check(buf)
+        except RpcBufError:
+            await path.drain(call.req_id, items)
+            raise
+        nbytes = items.nbytes = int(sizes.sum())
+        span = hull(offsets, sizes)
+        arena, region = buf.pool.arena, Region(buf.pool.arena, buf.offset)
+        verify = sums is not None and req.verify == "checksum"
+        # What landed, hashed by us: compared with the client's checksums, and
+        # what the manifest records (never a checksum we did not see match).
+        hashing = verify or cols is not None
+        # Recorded entries become dedup sources: their xxh3-128 is taken in the
+        # same pass as the checksum (host memory), so nothing reads them again.
+        with_digests = cols is not None and bool(cols.names) and M.host_arena(arena)
+        at = offsets + np.uint64(buf.offset)  # in the arena
+        # A big same-host batch: each part is hashed (and its entries made)
+        # as soon as it has landed, while the rest still copies.
+        landing = M.Landing(arena, at, sizes, cols, offsets, with_digests) \
+            if path.lands_in_parts and hashing and nbytes >= LANDING_MIN else None
+        messages = path.messages(items)
+
+        async def move() -> None:
+            await path.receive(call.req_id, region, items, landing)
+
+        async def after() -> dict[str, Any]:
+            got: list[int] | None = None
+            digests: list[int] | None = None
+            manifest: dict[str, dict[str, Any]] | None = None
+            if landing is not None:
+                got, manifest, digests = landing.sums, landing.entries(), landing.digests
+            elif with_digests:
+                got, digests = await self._pipe.in_thread(nbytes, M.range_digests, arena, at,
+                                                          sizes)
+            elif hashing:
+                got = await self._pipe.in_thread(nbytes, arena.checksums, at, sizes)
+            if verify:
+                assert sums is not None and got is not None
+                bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
+                if len(bad):
+                    self._ops.count("verify_failures", 1)
+                    raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
+                                       "their checksums", {"items": bad[:20].tolist()})
+            result: dict[str, Any] = {"nbytes": nbytes, "items": len(offsets),
+                                      "messages": messages}
+            if cols is not None and cols.names:
+                assert got is not None
+                if manifest is None:
+                    manifest = cols.entries(offsets, sizes, got)
+                result["dropped"] = M.record(self._ops.registry, buf, manifest, span,
+                                             end=span[1])
+                await self._indexer.stored(buf, manifest, digests)  # a dedup source now
+                result["manifest_version"] = buf.manifest_version
+                result["checksums"] = P.pack_u64(got)
+            return result
+
+        return await self._pipe.run(call, Plan(
+            "store_batch", buf, [span], exclusive=True, move=move, nbytes=nbytes,
+            counter="bytes_stored", after=after,
+            note=f"items={len(offsets)} messages={messages}"))
+
+    # -- read -------------------------------------------------------------------------
+
+    async def read(self, call: Call, req: P.Read) -> dict[str, Any]:
+        path = self._ops.path(req)
+        items = Items.one(req.offset, req.nbytes, req.stage)
+        path.admit(items)  # a bad stage or an over-long inline read, whatever the buffer
+        buf = call.held.get(req.buffer_id)
+        check_range(buf, req.offset, req.nbytes)
+        path.check(buf)
+        region = Region(buf.pool.arena, buf.offset)
+        answer = {"nbytes": req.nbytes}
+
+        def move() -> Any:
+            return path.send(call.req_id, region, items)
+
+        async def after() -> dict[str, Any]:
+            return {**answer, **path.carried()}  # inline: the bytes themselves
+
+        return await self._pipe.run(call, Plan(
+            "read", buf, [(req.offset, req.offset + req.nbytes)], exclusive=False, move=move,
+            nbytes=req.nbytes, counter="bytes_read", after=after,
+            early=answer if path.answer_first else None))
+
+    async def read_batch(self, call: Call, req: P.ReadBatch) -> dict[str, Any]:
+        offsets, sizes = P.unpack_u64(req.offsets), P.unpack_u64(req.sizes)
+        if len(offsets) != len(sizes):
+            raise BadRequest("offsets and sizes differ in length")
+        buf = call.held.get(req.buffer_id)
+        check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
+        path = self._ops.path(req)
+        path.check(buf)
+        items = Items(offsets, sizes, int(sizes.sum()), req.stage)
+        region = Region(buf.pool.arena, buf.offset)
+        answer = {"nbytes": items.nbytes, "messages": path.messages(items)}
+
+        def move() -> Any:
+            return path.send(call.req_id, region, items)
+
+        return await self._pipe.run(call, Plan(
+            "read_batch", buf, [hull(offsets, sizes)], exclusive=False, move=move,
+            nbytes=items.nbytes, counter="bytes_read", answer=answer,
+            early=answer if path.answer_first else None, note=f"items={len(offsets)}"))
+
+    # -- on the daemon, no network --------------------------------------------------------
+
+    async def clear(self, call: Call, req: P.ClearBuffer) -> dict[str, Any]:
+        buf = call.held.get(req.buffer_id)
+        if req.value > 255:
+            raise BadRequest(f"value must be a byte (0..255), got {req.value}")
+        nbytes = buf.size - req.offset if req.nbytes is None else req.nbytes
+        check_range(buf, req.offset, max(nbytes, 0))
+        arena = buf.pool.arena
+
+        def move() -> Any:
+            view = arena.view(buf.offset + req.offset, nbytes)
+            return self._pipe.in_thread(nbytes, fill, arena, view, req.value)
+
+        return await self._pipe.run(call, Plan(
+            "clear", buf, [(req.offset, req.offset + nbytes)], exclusive=True, move=move,
+            nbytes=nbytes, answer={"nbytes": nbytes}, note=f"value={req.value}"))
+
+    async def copy(self, call: Call, req: P.CopyBuffer) -> dict[str, Any]:
+        src, dst = call.held.get(req.src_id), call.held.get(req.dst_id)
+        check_range(src, req.src_offset, req.nbytes)
+        check_range(dst, req.dst_offset, req.nbytes)
+
+        def do_copy() -> None:
+            copy_between(src.pool.arena, src.offset + req.src_offset,
+                         dst.pool.arena, dst.offset + req.dst_offset, req.nbytes)
+
+        def move() -> Any:
+            return self._pipe.in_thread(req.nbytes, do_copy)
+
+        return await self._pipe.run(call, Plan(
+            "copy", dst, [(req.dst_offset, req.dst_offset + req.nbytes)], exclusive=True,
+            sources=[(src, (req.src_offset, req.src_offset + req.nbytes))], move=move,
+            nbytes=req.nbytes, answer={"nbytes": req.nbytes},
+            note=f"from {src.buffer_id}+{req.src_offset}"))
+
+
+def _batch_checksums(req: P.StoreBatch, n: int) -> np.ndarray | None:
+    if req.checksums is None:
+        if req.verify == "checksum":
+            raise BadRequest("verify='checksum' needs the client's checksums")
+        return None
+    sums = P.unpack_u64(req.checksums)
+    if len(sums) != n:
+        raise BadRequest(f"{len(sums)} checksums for {n} items")
+    return sums

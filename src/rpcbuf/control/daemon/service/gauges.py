@@ -1,0 +1,123 @@
+"""The daemon's state as Prometheus gauges, read at scrape time (on the event
+loop): sessions, transfers, each pool's arena, each tenant's buffers, bytes
+and keyed blocks.  ``observe/metrics.py`` counts what happened; this reads
+what is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rpcbuf.dataplane.arena import host_memory
+
+if TYPE_CHECKING:
+    from rpcbuf.control.daemon.accounting.registry import Registry
+    from rpcbuf.control.daemon.content.blocks import BlockStore
+
+
+class Daemon(Protocol):
+    """What the gauges read of the daemon (``server.Daemon`` is one)."""
+
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def blocks(self) -> BlockStore: ...
+    @property
+    def sessions(self) -> Mapping[str, Any]: ...
+    @property
+    def limits(self) -> Any: ...
+
+
+class StateCollector(Collector):
+    """Reads the daemon's state at scrape time (on the event loop)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Any]:
+        d = self.daemon
+        c, reg = d.counters, d.registry
+        for name, doc, value in (
+            ("rpcbuf_bytes_stored", "Bytes received into buffers", c["bytes_stored"]),
+            ("rpcbuf_bytes_read", "Bytes sent out of buffers", c["bytes_read"]),
+            ("rpcbuf_bytes_loaded_local", "Bytes read into buffers from --model-dir files",
+             c["bytes_loaded_local"]),
+            ("rpcbuf_verify_failures", "Stores whose checksum did not match",
+             c["verify_failures"]),
+            ("rpcbuf_sessions_opened", "Control connections accepted", c["sessions_total"]),
+            ("rpcbuf_lease_expiries", "Buffers released because their lease ran out",
+             reg.expired_total),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("rpcbuf_sessions", "Open control connections",
+                                value=len(d.sessions))
+        yield GaugeMetricFamily("rpcbuf_sessions_limit", "--max-sessions",
+                                value=d.limits.max_sessions)
+        yield GaugeMetricFamily("rpcbuf_transfers_in_flight", "Data transfers running",
+                                value=sum(len(s.transfers) for s in d.sessions.values()))
+        pools = {k: GaugeMetricFamily(f"rpcbuf_pool_{k}", doc, labels=["device"]) for k, doc in (
+            ("size_bytes", "Arena size"),
+            ("used_bytes", "Bytes handed out (whole allocator blocks)"),
+            ("largest_free_bytes", "Largest block that can be allocated now"),
+            ("buffers", "Buffers held"),
+            ("waiters", "Requests waiting for memory"),
+            ("kept_bytes", "Released host memory kept backed, zeroed, for the next buffer "
+                           "of the same block (--keep-freed)"),
+            ("zeroing_bytes", "Kept host memory not zeroed yet (the zeroer's backlog)"),
+        )}
+        reused = CounterMetricFamily("rpcbuf_pool_reused_blocks",
+                                     "New buffers given a kept block (no fresh memory)",
+                                     labels=["device"])
+        for key, pool in reg.pools.items():
+            st = pool.allocator.stats()
+            pools["size_bytes"].add_metric([key], st.total)
+            pools["used_bytes"].add_metric([key], st.used)
+            pools["largest_free_bytes"].add_metric([key], st.largest_free)
+            pools["buffers"].add_metric([key], st.count)
+            pools["waiters"].add_metric([key], reg.waiting(pool))
+            host = host_memory(pool.arena)
+            pools["kept_bytes"].add_metric([key], 0 if host is None else host.kept_bytes)
+            pools["zeroing_bytes"].add_metric([key], 0 if host is None else host.zeroing_bytes)
+            reused.add_metric([key], 0 if host is None else host.reused)
+        yield from pools.values()
+        yield reused
+        buffers = GaugeMetricFamily("rpcbuf_tenant_buffers", "Buffers held by a tenant",
+                                    labels=["tenant"])
+        held = GaugeMetricFamily("rpcbuf_tenant_bytes", "Bytes held by a tenant on a device",
+                                 labels=["tenant", "device"])
+        usage = reg.tenant_usage()
+        for tenant, n in sorted(usage["buffers"].items()):
+            buffers.add_metric([tenant], n)
+        for (tenant, device), n in sorted(usage["bytes"].items()):
+            held.add_metric([tenant, device], n)
+        yield buffers
+        yield held
+        yield from _block_families(d.blocks.totals())
+
+
+def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
+    """The block tier per tenant (``blocks.BlockStore.stats``)."""
+    gauges = {k: GaugeMetricFamily(f"rpcbuf_{k}", doc, labels=["tenant"]) for k, doc in (
+        ("blocks", "Keyed blocks a tenant holds"),
+        ("block_bytes", "Bytes of a tenant's keyed blocks"))}
+    counters = {k: CounterMetricFamily(f"rpcbuf_block_{k}", doc, labels=["tenant"])
+                for k, doc in (
+        ("hits", "Blocks served by block_get"),
+        ("misses", "Blocks block_get asked for that were not there"),
+        ("puts", "Blocks committed by block_put"),
+        ("evictions", "Blocks evicted (least recently used) to make room"),
+        ("expired", "Blocks dropped because their ttl ran out"),
+        ("removed", "Blocks removed by block_remove"))}
+    for tenant, st in totals.items():
+        gauges["blocks"].add_metric([tenant], st["blocks"])
+        gauges["block_bytes"].add_metric([tenant], st["bytes"])
+        for k, fam in counters.items():
+            fam.add_metric([tenant], st[k])
+    yield from gauges.values()
+    yield from counters.values()

@@ -1,0 +1,319 @@
+"""``rpcbufd``: parse flags (over ``--config``), build the pools, serve until
+SIGTERM/SIGINT.
+
+SIGTERM stops accepting new sessions and requests, lets in-flight transfers
+finish (bounded by ``--drain-timeout``), closes every session and exits 0.
+SIGHUP re-reads the node's keys from the secret file (sessions whose key was
+removed end; see ``auth``) and quotas and the log level from the config file;
+other clients stay connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
+both listeners are up and pings the watchdog from its event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import resource
+import signal
+import ssl
+import sys
+from typing import Any
+
+from rpcbuf.control.daemon.accounting.registry import Pool, Quota, Registry
+from rpcbuf.control.daemon.content.diskcache import DiskCache
+from rpcbuf.control.daemon.content.modeldirs import ModelFiles
+from rpcbuf.control.daemon.observe import logs
+from rpcbuf.control.daemon.service import config
+from rpcbuf.control.daemon.service.announce import Announcer
+from rpcbuf.control.daemon.service.flags import GPU_BACKINGS, GPU_KINDS, build_parser
+from rpcbuf.control.daemon.service.sdnotify import Notifier
+from rpcbuf.control.daemon.service.server import Daemon, Limits, binding
+from rpcbuf.control.fleet.etcd import Etcd, EtcdOptions
+from rpcbuf.control.wire.auth import load_keys
+from rpcbuf.control.wire.membership import (
+    parse_registry,
+)
+from rpcbuf.dataplane import progress, sockets, ucx, ucxlib
+from rpcbuf.dataplane.arena import HostArena, host_memory
+
+GC_GEN0 = 20_000  # allocations between young-generation collections (CPython: 700)
+log = logging.getLogger("rpcbuf.daemon")
+
+
+def make_arenas(devices: list[tuple[str, int, int]], gpu_backing: str = "auto") -> list[Any]:
+    """One arena per ``--device``, GPU ones backed as ``--gpu-backing`` says.
+    A device that cannot be served (no CuPy, no such GPU, not enough memory,
+    no VMM under ``vmm``) raises ``DeviceUnavailable`` (a ValueError:
+    ``main`` prints it and exits 2) naming the device."""
+    vmm = GPU_BACKINGS[gpu_backing]
+    arenas: list[Any] = []
+    for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
+        if kind == "cpu":
+            arenas.append(HostArena(size, device=index))
+        elif kind in GPU_KINDS:
+            from rpcbuf.dataplane.cuda_arena import CudaArena, DeviceUnavailable
+
+            try:
+                arenas.append(CudaArena(size, device=index, vmm=vmm))
+            except DeviceUnavailable as exc:
+                raise DeviceUnavailable(f"--device: {exc}") from None
+        else:
+            raise ValueError(f"--device {kind}:{index}: unknown device kind {kind!r} "
+                             "(want cpu or cuda)")
+    return arenas
+
+
+def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise OSError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
+                      f"cannot load: {exc}") from None
+    return ctx
+
+
+def _reload_keys(args: argparse.Namespace, daemon: Daemon) -> None:
+    """SIGHUP: the node's keys from the secret file, so rotating a key needs
+    no restart; a file that cannot be read keeps the running keys."""
+    try:
+        keys = load_keys(args.secret_file, create=False)
+    except (OSError, ValueError) as exc:
+        log.error("SIGHUP: keeping the running keys: %s", exc)
+        return
+    ended = daemon.set_keys(keys)
+    log.warning("SIGHUP: re-read %s: keys %s (new tokens: %s)%s", args.secret_file,
+                ", ".join(keys.kids), keys.newest,
+                f"; ended {ended} sessions of removed keys" if ended else "")
+
+
+def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> None:
+    """SIGHUP: the keys, and quotas and log level from the config file;
+    sessions stay up (but those of a removed key)."""
+    _reload_keys(args, daemon)
+    if not args.config:
+        log.warning("SIGHUP: started without --config, nothing to reload but the secret file")
+        return
+    notifier.notify(RELOADING=1, STATUS=f"reloading {args.config}")
+    try:
+        restart = config.reload(args, build_parser())
+    except config.ConfigError as exc:
+        log.error("reload failed, keeping the running settings: %s", exc)
+    else:
+        daemon.registry.quotas = dict(args.quota)
+        daemon.registry.default_quota = args.default_quota[1] if args.default_quota else Quota()
+        logs.set_level(args.log_level)
+        log.warning("reloaded %s: quotas for %d tenants%s, log level %s", args.config,
+                    len(daemon.registry.quotas), " and a default" if args.default_quota else "",
+                    args.log_level)
+        if restart:
+            log.warning("changed in %s, applied only after a restart: %s", args.config,
+                        ", ".join(restart))
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+
+
+def registry_password(args: argparse.Namespace) -> str | None:
+    """The etcd user's password: the file's first line, else the environment
+    (never a flag: a flag shows in ``ps``)."""
+    if not args.registry_user:
+        return None
+    if args.registry_password_file:
+        try:
+            with open(args.registry_password_file) as f:
+                return f.readline().rstrip("\n")
+        except OSError as exc:
+            raise OSError(f"--registry-password-file {args.registry_password_file}: "
+                          f"{exc.strerror or exc}") from None
+    password = os.environ.get("RPCBUF_REGISTRY_PASSWORD")
+    if password is None:
+        raise ValueError("--registry-user needs --registry-password-file or "
+                         "$RPCBUF_REGISTRY_PASSWORD")
+    return password
+
+
+def _announcer(args: argparse.Namespace, daemon: Daemon) -> Announcer | None:
+    if not args.registry:
+        return None
+    options = EtcdOptions(ca=args.registry_ca, cert=args.registry_cert, key=args.registry_key,
+                          user=args.registry_user, password=registry_password(args))
+    etcd = Etcd(parse_registry(args.registry), options)
+    return Announcer(daemon, etcd, args.cluster, advertise=args.advertise,
+                     ttl=args.registry_ttl)
+
+
+def _ucx_interface(host: str) -> None:
+    """Keep UCX's tcp transport on the interface that holds ``host``: UCX
+    opens a listening socket on every interface it uses (UCX_NET_DEVICES,
+    all by default), so a daemon told to listen on 127.0.0.1 exposed its
+    data plane on every network it was on.  A user's UCX_NET_DEVICES wins."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return
+    name = sockets.interface_of(host)
+    if name is None:
+        log.warning("UCX uses every network interface: %s names none of this host's IPv4 "
+                    "addresses (set UCX_NET_DEVICES, or --ucx-listen HOST:PORT)", host)
+        return
+    os.environ["UCX_NET_DEVICES"] = name
+    log.info("UCX_NET_DEVICES=%s (the interface of %s)", name, host)
+
+
+def raise_fd_limit() -> None:
+    """Open files up to the hard limit: each host buffer holds a memfd."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.debug("open files: %d -> %d", soft, hard)
+
+
+class ReadyFile:
+    """``--ready-file``: it exists exactly while this daemon listens.  A
+    file left by a daemon that was killed goes before anything else (a
+    poller must not take it for this daemon's), the line is written once
+    both listeners are up, and goes again when the daemon exits, however
+    it exits, unless another daemon has written its own there since."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.line: str | None = None
+
+    def clear(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+
+    def write(self, line: str) -> None:
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(line)
+            os.replace(tmp, self.path)  # atomic: a poller never sees half a line
+        except OSError as exc:
+            raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+        self.line = line
+
+    def remove(self) -> None:
+        if not self.path or self.line is None:
+            return
+        with contextlib.suppress(OSError):
+            with open(self.path) as f:
+                if f.read() != self.line:
+                    return  # another daemon's now
+            os.unlink(self.path)
+
+
+async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
+    notifier = Notifier()
+    notifier.notify(STATUS="starting")
+    tls = _tls(args)
+    ucx_host, ucx_port = args.ucx_listen or (args.listen[0], args.ucx_port)
+    _ucx_interface(ucx_host)
+    ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
+    # RPCBUF_UCX's library, loaded (or refused: UnusableUCX) before anything is
+    # set up; its context is made later, as before (Daemon.start)
+    ucxlib.select()
+    keys = load_keys(args.secret_file)
+    raise_fd_limit()  # one memfd per host buffer
+    model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
+    arenas = make_arenas(args.device, args.gpu_backing)
+    for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
+        host = host_memory(arena)
+        if host is not None:  # released, never-exported memfds kept zeroed (arena.py)
+            host.prefault = bool(args.prefault)
+            host.keep = host.size // 4 if args.keep_freed is None else args.keep_freed
+    pools = [Pool.create(a, args.allocator) for a in arenas]
+    default = args.default_quota[1] if args.default_quota else None
+    registry = Registry(pools, dict(args.quota), default)
+    limits = Limits(max_frame=args.max_frame, max_inflight=args.max_inflight,
+                    transfer_timeout=args.transfer_timeout, drain_timeout=args.drain_timeout,
+                    max_sessions=args.max_sessions,
+                    max_sessions_per_tenant=args.max_sessions_per_tenant,
+                    hello_timeout=args.hello_timeout,
+                    max_unauthenticated=args.max_unauthenticated,
+                    max_unauthenticated_per_source=args.max_unauthenticated_per_source,
+                    copy_threads=args.copy_threads)
+    daemon = Daemon(registry, keys, node_id=args.node_id or "", cluster=args.cluster,
+                    limits=limits, model_files=model_files)
+    if model_files is not None:
+        log.info("node-local loads may read %s",
+                 ", ".join(d.real for d in model_files.dirs))
+    if args.cache_dir:
+        daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
+    if args.metrics:
+        mhost, mport = args.metrics
+        with binding(config.setting(args, "metrics", "--metrics", f"{mhost}:{mport}"), mport):
+            mhost, mport = await daemon.metrics.serve(*args.metrics)
+        log.info("metrics at http://%s:%d/metrics", mhost, mport)
+    host, port = args.listen
+    local = None if args.local_socket == "none" else args.local_socket
+    await daemon.start(host, port, ucx_port, tls=tls, local_socket=local)
+    log.info("listening sockets (TCP, this process, UCX's own included): %s",
+             " ".join(daemon.listening) or "none seen")
+    # Everything imported and built so far lives as long as the daemon: keep it
+    # out of every collection, and collect young objects less often (a
+    # 10,000-tensor manifest makes ~10,000 dicts at once; the default threshold
+    # of 700 ran collections in the middle of it, 15-20 ms each, measured).
+    gc.freeze()
+    gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
+    ready.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
+    announcer = _announcer(args, daemon)
+    if announcer is not None:
+        announcer.start()  # its own task: serving never waits for etcd
+    notifier.notify(READY=1, STATUS=daemon.status_line())
+    notifier.start_heartbeat(daemon.status_line)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
+    await stop.wait()
+    ready.remove()  # before the listeners close: it never names a port that is gone
+    notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
+    if announcer is not None:
+        await announcer.stop()  # clients stop choosing this node before it drains
+    await daemon.shutdown()
+    await daemon.content.aclose(args.drain_timeout)  # finish disk-cache writes
+    notifier.close()
+    await progress.stop_progress()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = config.resolve(build_parser(), argv)
+    except config.ConfigError as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+    try:
+        logs.setup(args.log_level, args.log_format, args.audit_log)
+    except OSError as exc:
+        named = config.setting(args, "audit_log", "--audit-log", args.audit_log)
+        print(f"rpcbufd: {named}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    ready = ReadyFile(args.ready_file)
+    try:
+        ready.clear()
+        return uvloop.run(serve(args, ready))
+    except (OSError, ValueError, ucx.UnusableUCX) as exc:
+        print(f"rpcbufd: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        ready.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The daemon: its listeners (TCP control, the same-host Unix socket, UCX
+data), its lifecycle, and the state its sessions share (``node.Node``).
+
+``Daemon`` accepts control connections and makes each a ``Session``
+(``session.py``: read loop, dispatch, answers), binds UCX data endpoints to
+the sessions they belong to, expires leases, reloads keys, and shuts down
+in order: stop accepting, let in-flight transfers finish (bounded), close
+every session.  It is an async context manager (``async with Daemon(...)
+as d: await d.start(...)``; leaving it shuts down).
+
+Same host: besides TCP the daemon listens on a Unix socket (abstract by
+default, so only its own network namespace sees it; ``--local-socket``) and
+tells TCP clients its name and this kernel's boot id in ``hello``; a client
+on this host reconnects there (see ``session.py`` and ``paths.SameHostPath``).
+
+Endpoints bind with a small handshake on ``BIND_TAG``: the client sends the
+16-byte nonce it got in ``hello``; the daemon answers one byte.  Until then
+an endpoint is one of a bounded few (``admission.Pending``: the oldest goes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import socket
+import ssl
+import stat
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from rpcbuf.control.daemon.accounting.admission import Pending
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
+from rpcbuf.control.daemon.accounting.registry import Registry
+from rpcbuf.control.daemon.content.blocks import BlockStore
+from rpcbuf.control.daemon.content.index import ContentIndex
+from rpcbuf.control.daemon.content.modeldirs import ModelFiles
+from rpcbuf.control.daemon.observe import logs
+from rpcbuf.control.daemon.observe.metrics import Metrics
+from rpcbuf.control.daemon.ops.node import Limits
+from rpcbuf.control.daemon.service.gauges import StateCollector
+from rpcbuf.control.daemon.sessions.intake import READ_CHUNK
+from rpcbuf.control.daemon.sessions.reader import serve_tcp, serve_unix
+from rpcbuf.control.daemon.sessions.session import Session
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.auth import Keyring
+from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
+from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
+from rpcbuf.dataplane import shm, sockets
+from rpcbuf.dataplane.janitor import Janitor
+from rpcbuf.dataplane.ucx import (
+    BIND_TAG,
+    NONCE_BYTES,
+    DataEndpoint,
+    DataListener,
+    TransferError,
+    library as ucx_library,
+)
+
+__all__ = ["Daemon", "Limits"]
+log = logging.getLogger("rpcbuf.daemon")
+
+
+@contextlib.contextmanager
+def binding(named: str, port: int | None = None) -> Iterator[None]:
+    """A listener that cannot bind (``named``: the setting as the user gave
+    it, ``--listen 0.0.0.0:7700``) says which it is and what to do about a
+    port (or socket name) another program holds (an OSError: exit 2)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise OSError(f"{named}: {exc.strerror or exc}") from None
+        if port is None:
+            raise OSError(f"{named}: the socket is in use (another rpcbufd still running?): "
+                          "stop it, or name another socket") from None
+        raise OSError(f"{named}: port {port} is already in use (another rpcbufd still "
+                      f"running? `ss -ltnp 'sport = :{port}'` names the program): stop it, or "
+                      "choose another port (0 picks a free one)") from None
+
+
+class Daemon:
+    """One node's daemon: serves ``registry`` to the holders of ``keys``."""
+
+    def __init__(self, registry: Registry, keys: Keyring, *, node_id: str,
+                 cluster: str = DEFAULT_CLUSTER, limits: Limits | None = None,
+                 model_files: ModelFiles | None = None) -> None:
+        """``node_id``: "" for ``default_node_id`` of the listener, once it
+        listens; ``cluster``: the one this node is of (``--cluster``), which a
+        token's audience must name (or this node in it); ``model_files``: the
+        ``--model-dir`` directories node-local loads may read (None: such
+        loads are refused)."""
+        self.registry = registry
+        self.blocks = BlockStore(registry)
+        self.keys = keys
+        self.node_id = node_id
+        self.cluster = cluster
+        self.limits = limits or Limits()
+        self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
+        self.by_nonce: dict[bytes, Session] = {}
+        self.by_handles_nonce: dict[bytes, Session] = {}
+        lim = self.limits
+        self.unauthenticated: Pending[Session] = Pending(
+            lim.max_unauthenticated, lim.max_unauthenticated_per_source)
+        self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
+        self.copies = CopyPool(lim.copy_threads)
+        self.sweeps = CopyPool(lim.sweep_threads, name="rpcbuf-sweep")
+        self.started_at = time.time()
+        self.shutting_down = False
+        self.stopped = False  # shutdown is done: tasks left are cancelled and let go
+        self._server: asyncio.AbstractServer | None = None
+        self._listener: DataListener | None = None
+        self.janitor: Janitor | None = None
+        self.listening: list[str] = []  # every TCP socket this process listens on
+        self.ucx_library: dict[str, Any] = {}  # which UCX this process runs on
+        self._local_server: asyncio.AbstractServer | None = None
+        self.local_socket: str | None = None  # "@name" (abstract) or a path
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self.ucx_port = 0
+        self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
+                                         "bytes_loaded_local": 0, "verify_failures": 0,
+                                         "sessions_total": 0}
+        # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
+        self.tenant_counters: dict[str, dict[str, int]] = {}
+        self.metrics = Metrics(StateCollector(self))
+        self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        self.model_files = model_files
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def __aenter__(self) -> Daemon:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.shutdown()
+
+    async def start(self, host: str, port: int, ucx_port: int,
+                    tls: ssl.SSLContext | None = None, local_socket: str | None = "auto") -> None:
+        """``local_socket``: "auto" (an abstract Unix socket named after our
+        pid), None (no same-host path), "@name" (abstract) or a path."""
+        with binding(f"--ucx-port {ucx_port}", ucx_port):
+            self._listener = DataListener(self._on_endpoint, port=ucx_port)
+        self.ucx_port = self._listener.port
+        self.janitor = Janitor(self.limits.hello_timeout, self.limits.transfer_timeout,
+                               self._claimable, self._dropped)
+        await self.janitor.start()
+        with binding(f"--listen {host}:{port}", port):
+            self._server = await serve_tcp(
+                self._on_connection, host, port, READ_CHUNK, tls,
+                self.limits.hello_timeout if tls else None)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        if not self.node_id:  # before the first await: no hello goes out without it
+            self.node_id = default_node_id(self.address[1])
+        if local_socket is not None:
+            await self._start_local(local_socket)
+        # Read once (one readlink per open fd, one memfd per buffer: 200 ms
+        # at 20,000 buffers); what listens does not change after this.
+        self.listening = sockets.listening()
+        self.ucx_library = ucx_library()  # logged when UCX loaded (ucx.ucxx)
+        log.info("listening control=%s:%d ucx=%d devices=%s node=%s", self.address[0],
+                 self.address[1], self.ucx_port, ",".join(self.registry.pools), self.node_id)
+
+    async def _start_local(self, name: str) -> None:
+        if name == "auto":
+            name = f"@rpcbufd-{os.getpid()}-{secrets.token_hex(4)}"
+        path = "\0" + name[1:] if name.startswith("@") else name
+        if not name.startswith("@"):
+            _unlink_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:  # bound here: uvloop refuses abstract names (EINVAL)
+            with binding(f"--local-socket {name}"):
+                sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        self._local_server = await serve_unix(self._on_connection, sock, READ_CHUNK)
+        if not name.startswith("@"):
+            os.chmod(path, 0o666)  # tokens authenticate, as on TCP
+        self.local_socket = name
+        self.boot_id = shm.boot_id()
+
+    def local_info(self) -> dict[str, Any] | None:
+        """What a TCP client needs to find the same-host path."""
+        if self.local_socket is None:
+            return None
+        return {"socket": self.local_socket, "boot_id": self.boot_id, "pid": os.getpid()}
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight transfers finish (bounded), close all."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        log.info("shutting down: %d sessions", len(self.sessions))
+        if self._server is not None:
+            self._server.close()
+        if self._local_server is not None:
+            self._local_server.close()
+            if self.local_socket and not self.local_socket.startswith("@"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.local_socket)
+        if self._listener is not None:
+            self._listener.close()
+        if self.janitor is not None:
+            await self.janitor.stop()
+        busy = [t for s in self.sessions.values() for t in s.transfers]
+        if busy:
+            log.info("waiting for %d in-flight transfers", len(busy))
+            await asyncio.wait(busy, timeout=self.limits.drain_timeout)
+        closing = [s.close("daemon shutting down") for s in list(self.sessions.values())]
+        await asyncio.gather(*closing, return_exceptions=True)
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        self.copies.close()
+        await self.content.aclose(self.limits.drain_timeout)  # its disk writes run on sweeps
+        self.sweeps.close()
+        if self.model_files is not None:
+            self.model_files.close()
+        self.metrics.close()
+        self.stopped = True
+        log.info("stopped")
+
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        """Each device's figures (what the registry entry advertises)."""
+        return [p.describe() for p in self.registry.pools.values()]
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=."""
+        used = sum(p.allocator.stats().used for p in self.registry.pools.values())
+        total = sum(p.arena.size for p in self.registry.pools.values())
+        return (f"serving {len(self.sessions)} sessions, {used} of {total} bytes held; "
+                f"control {self.address[0]}:{self.address[1]}, ucx {self.ucx_port}")
+
+    # -- keys -------------------------------------------------------------------
+
+    def set_keys(self, keys: Keyring) -> int:
+        """SIGHUP re-read the secret file: new hellos are checked against
+        ``keys``, and a session whose token's key is gone (or now holds another
+        secret) ends at once with AUTH_FAILED: revoking a key revokes its
+        sessions too.  Returns how many ended."""
+        self.keys = keys
+        ended = 0
+        for session in list(self.sessions.values()):
+            grant = session.grant
+            if grant is not None and keys.keys.get(grant.kid) != grant.key:
+                session.end(AuthFailed(f"the key {grant.kid!r} that signed this session's "
+                                       "token was revoked"))
+                ended += 1
+        return ended
+
+    # -- leases -----------------------------------------------------------------
+
+    def schedule_expiry(self) -> None:
+        times = [t for t in (self.registry.next_expiry(), self.blocks.next_expiry())
+                 if t is not None]
+        when = min(times) if times else None
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+            self._expiry_timer = None
+        if when is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, when - time.time())
+        self._expiry_timer = loop.call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry_timer = None
+        for buf in self.registry.expire():
+            logs.write({"op": "expire", "tenant": buf.tenant, "session": None,
+                        "buffer": buf.buffer_id, "device": buf.pool.key, "offset": 0,
+                        "bytes": buf.alloc_size, "code": "OK", "duration_s": 0.0,
+                        "note": "lease ran out"})
+        for block in self.blocks.expire():
+            buf = block.buf
+            logs.write({"op": "block_expire", "tenant": buf.tenant, "session": None,
+                        "buffer": buf.buffer_id, "device": buf.pool.key, "offset": 0,
+                        "bytes": block.nbytes, "code": "OK", "duration_s": 0.0,
+                        "note": "ttl ran out"})
+        self.schedule_expiry()
+
+    # -- connections ------------------------------------------------------------
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        if self.shutting_down:
+            await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
+            return
+        # --max-sessions counts authenticated sessions (greeting.take_slot, at
+        # hello); until then the connection is one of the unauthenticated
+        # ones, whose bound drops the oldest, never the newcomer.
+        session = Session(self, reader, writer)
+        for old in self.unauthenticated.add(session, _source(writer)):
+            old.evict()
+        self.sessions[session.session_id] = session
+        self.by_nonce[session.nonce] = session
+        self.counters["sessions_total"] += 1
+        try:
+            await session.run()
+        finally:
+            self.unauthenticated.discard(session)
+            self.by_nonce.pop(session.nonce, None)
+            await session.close("connection closed")
+            self.sessions.pop(session.session_id, None)
+
+    def authenticated(self) -> int:
+        """Sessions whose hello succeeded (what --max-sessions bounds)."""
+        return sum(1 for s in self.sessions.values() if s.tenant is not None)
+
+    def too_many_sessions(self) -> QuotaExceeded:
+        """QUOTA_EXCEEDED, not SHUTTING_DOWN: the node is healthy and stays up;
+        a configured allowance is used up and frees as other sessions close."""
+        limit = self.limits.max_sessions
+        return QuotaExceeded(
+            f"this node serves at most {limit} sessions at once; try again later",
+            {"limit": "max_sessions", "max_sessions": limit})
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      error: RpcBufError, reason: str) -> None:
+        """Answer a connection we will not serve with a connection-level error
+        frame, then close.  Half-close and wait (briefly) for the client to go:
+        closing with its hello unread would reset the connection and could
+        destroy the frame before the client reads it."""
+        log.warning("refusing connection from %s: %s", writer.get_extra_info("peername"), error)
+        self.metrics.refused(reason)
+        try:
+            writer.write(P.encode_frame(P.error_response(None, error)))
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(2.0):
+                while await reader.read(READ_CHUNK):
+                    pass
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    def _claimable(self, since: float) -> bool:
+        """Whether a session with a data endpoint may own an unexpected
+        message older than ``since`` (``Session.may_claim``, ``Janitor``)."""
+        return any(s.ep is not None and s.may_claim(since) for s in self.sessions.values())
+
+    def _dropped(self, count: int, nbytes: int) -> None:
+        self.metrics.unexpected_dropped(count, nbytes)
+        log.warning("dropped %d UCX messages (%d bytes) that no request asked for within "
+                    "%.0fs", count, nbytes, self.limits.hello_timeout)
+
+    async def _on_endpoint(self, ep: DataEndpoint) -> None:
+        # Until it binds, an endpoint is one of a bounded few (the oldest goes).
+        for old in self.pending_endpoints.add(ep):
+            log.warning("data endpoint dropped before binding: %d others wait to bind",
+                        self.limits.max_unauthenticated)
+            old.abort()
+        nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
+        except (TimeoutError, TransferError) as exc:
+            if ep in self.pending_endpoints:  # (else: dropped above, and said so)
+                log.warning("data endpoint dropped before binding: %s", exc or "timeout")
+            ep.abort()
+            return
+        finally:
+            self.pending_endpoints.discard(ep)
+        session = self.by_nonce.pop(nonce.tobytes(), None)
+        ok = session is not None and session.tenant is not None and session.ep is None
+        try:
+            await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)
+        except TransferError:
+            ok = False
+        if not ok or session is None:
+            log.warning("data endpoint with an unknown nonce refused")
+            ep.abort()
+            return
+        session.bind(ep)
+
+
+def _unlink_stale(path: str) -> None:
+    """Remove a socket file an earlier run left behind (nothing else)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
+    """Where a connection comes from, for the per-source bound: its IP
+    address, or on the Unix socket the connecting user."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return "uid", shm.peer_cred(sock)[1]
+    peer = writer.get_extra_info("peername")
+    return "ip", peer[0] if isinstance(peer, tuple) else peer
+
+
+def default_node_id(port: int) -> str:
+    """``host:port``: this host's name and the control listener's port.
+    Unique per daemon on a host (two cannot listen on one port) and the same
+    across restarts (a restarted daemon takes its own id back), with nothing
+    to persist; the host name alone made two daemons on a host one node."""
+    return f"{socket.gethostname()[:120]}:{port}"
