@@ -25,6 +25,7 @@ from rpcbuf.dataplane import shm
 
 READER = """
 import asyncio, os, sys, numpy as np, rpcbuf
+rpcbuf.connect  # the public names load on first use: load the client now
 if len(sys.argv) > 4:  # become another user once everything is imported (as root)
     os.setgid(int(sys.argv[5])); os.setuid(int(sys.argv[4]))
     assert os.getuid() == int(sys.argv[4])

@@ -1,4 +1,4 @@
-"""``control/daemon/sessions/eager.py``: an op's coroutine runs at once, and only one
+"""``control/daemon/sessions/intake.py``, ``start``: an op's coroutine runs at once, and only one
 that waits becomes a task -- on this Python's path (3.12's eager start, or
 the first step taken by hand on 3.11) and, where both exist, on the other."""
 
@@ -9,7 +9,7 @@ import contextvars
 
 import pytest
 
-from rpcbuf.control.daemon.sessions import eager
+from rpcbuf.control.daemon.sessions import intake as eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 

@@ -158,7 +158,7 @@ def test_no_async_code_looks_a_buffer_up_without_a_pin() -> None:
     get buffers from ``Held.get`` (pinned until the request ends)."""
     plain = {"_get", "get", "by_name"}
     offenders = []
-    paths = sorted((ROOT / "src" / "control" / "daemon").glob("*.py"))
+    paths = sorted((ROOT / "src" / "rpcbuf" / "control" / "daemon").rglob("*.py"))
     assert len(paths) > 10  # the walk sees the daemon (a test that cannot fail is a defect)
     for path in paths:
         tree = ast.parse(path.read_text())

@@ -206,7 +206,7 @@ async def asend_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int
     """``send_fds`` on a non-blocking socket, waiting (at most ``timeout``)
     while the peer does not read."""
     # No asyncio.timeout: the daemon runs this in a request's first step,
-    # where (on Python 3.11) there is no current task (control/daemon/sessions/eager.py).
+    # where (on Python 3.11) there is no current task (control/daemon/sessions/intake.py, start).
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

@@ -145,7 +145,7 @@ class DataPath(Protocol):
        inline path: the bytes, ``data``); ``{}`` where they travel apart.
     A move that needs no waiting (a small slot's copy, an inline frame's)
     is done without awaiting anything, so the op ends in its first step
-    and the session answers it with no task (``eager.py``): the 4 KiB
+    and the session answers it with no task (``intake.start``): the 4 KiB
     path's largest saving.
     10. Tests: the pipeline's unit tests (``tests/test_pipeline.py``) run over
        an in-memory path; add the new one to the integration fixtures.

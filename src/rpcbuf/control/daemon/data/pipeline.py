@@ -25,7 +25,7 @@ counter to bump and what the audit record says.  ``Pipeline.run`` then
 ``run`` awaits only what must be waited for (a lock another request holds,
 a transfer, a sweep on a worker thread); a plan that waits for nothing (a
 free range, a same-host small-slot or inline copy) runs to its end in one
-step, and the session then answers it with no task (``eager.py``).
+step, and the session then answers it with no task (``intake.start``).
 
 Pins by construction: an async handler never looks a buffer up itself; it
 gets it from ``Held.get``, which pins it in the same step as the lookup, and

@@ -46,8 +46,7 @@ from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.observe.metrics import Metrics
 from rpcbuf.control.daemon.ops.node import Limits
 from rpcbuf.control.daemon.service.gauges import StateCollector
-from rpcbuf.control.daemon.sessions.intake import READ_CHUNK
-from rpcbuf.control.daemon.sessions.reader import serve_tcp, serve_unix
+from rpcbuf.control.daemon.sessions.intake import READ_CHUNK, serve_tcp, serve_unix
 from rpcbuf.control.daemon.sessions.session import Session
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring

@@ -1,14 +1,14 @@
 """One ``Session`` per control connection: its one dispatch table, its one
 answer path, its hello (``greeting.py``, with the same-host path), and its
 end; its requests arrive through its ``Intake`` (``intake.py``: reading,
-decoding, back-pressure).
+decoding, back-pressure, and the start of each op).
 
 Requests are parsed by the sans-I/O protocol and dispatched through one
 table: the quick ops (``controlops``) are answered inline, in this loop;
 ``store``, ``read`` and the other data ops (``dataops``, ``dedupops``, the
 node-local ``load_file`` of ``fileops``, run by the one data pipeline,
 ``pipeline``), and ``request_buffer``, are coroutines started at once
-(``eager.py``): one that waits for nothing is answered in that first step,
+(``intake.start``): one that waits for nothing is answered in that first step,
 one that waits goes on as a task, so one connection carries many requests
 at once and answers leave in any order.  Every answer frame leaves through
 ``_reply``, once per request (a UCX read answers before its bytes move,
@@ -59,8 +59,8 @@ from rpcbuf.control.daemon.ops.dataops import DataOps
 from rpcbuf.control.daemon.ops.dedupops import DedupOps
 from rpcbuf.control.daemon.ops.fileops import FileOps
 from rpcbuf.control.daemon.ops.node import Node
-from rpcbuf.control.daemon.sessions import eager, greeting, hello
-from rpcbuf.control.daemon.sessions.intake import Intake
+from rpcbuf.control.daemon.sessions import greeting, hello
+from rpcbuf.control.daemon.sessions.intake import Intake, start
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Grant
 from rpcbuf.control.wire.errors import (
@@ -372,7 +372,7 @@ class Session:
         call = Call(req_id, held, self._reply)
         if self.ep is not None and _carries_payload(req):
             self.unposted[req_id] = time.monotonic()
-        task = eager.start(self._run_op(call, handler(call, req), op))
+        task = start(self._run_op(call, handler(call, req), op))
         if task is None:
             return  # answered and finished in its first step
         self.tasks[req_id] = task
