@@ -95,11 +95,14 @@ GC_DISABLED = ("-c", "import gc, sys; gc.disable(); "
 
 
 def start_daemon(tmp: Path, *flags: str, wait: float = 30,
-                 env: dict[str, str] | None = None, gc_disabled: bool = False) -> DaemonProc:
+                 env: dict[str, str] | None = None, gc_disabled: bool = False,
+                 launch: tuple[str, ...] | None = None) -> DaemonProc:
+    """A real rpcbufd (``launch``: what follows the interpreter, instead of
+    ``-m rpcbuf.control.daemon``; it must run the daemon's ``main``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     secret, ready, logf = tmp / "secret", tmp / "ready", tmp / "daemon.log"
     load_or_create_secret(secret)
-    launch = GC_DISABLED if gc_disabled else ("-m", "rpcbuf.control.daemon")
+    launch = launch or (GC_DISABLED if gc_disabled else ("-m", "rpcbuf.control.daemon"))
     args = [sys.executable, *launch, "--listen", "127.0.0.1:0", "--ucx-port", "0",
             "--secret-file", str(secret), "--ready-file", str(ready), *flags]
     if not any(f == "--device" for f in flags):
