@@ -295,9 +295,12 @@ def test_an_arena_dropped_while_its_zeroer_runs_is_not_written_after_unmapping()
         gc.collect()
         time.sleep(1.0)  # the zeroer goes on meanwhile
         print("survived")
+        import rpcbuf.dataplane.arena as m
+        print("arena from", m.__file__)
     """)
-    src = os.path.join(os.path.dirname(A.__file__), "..")
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    src = os.path.dirname(os.path.dirname(os.path.abspath(A.__file__)))  # .../src/rpcbuf
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(src)}  # the tree under test
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr)
+    assert f"arena from {src}" in done.stdout, done.stdout  # not another checkout's
