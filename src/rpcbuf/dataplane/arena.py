@@ -134,15 +134,11 @@ class HostArena:
         return None
 
     def _new_memfd(self, offset: int, nbytes: int) -> int:
-        fd = shm.memfd(nbytes, "rpcbuf-buffer")
         try:
-            shm.map_fixed(self.address + offset, nbytes, fd)
-            shm.seal_read_only(fd)
+            return shm.memfd_at(self.address + offset, nbytes, "rpcbuf-buffer")
         except BaseException:
-            os.close(fd)
-            shm.map_anonymous(self.address + offset, nbytes)
+            shm.map_anonymous(self.address + offset, nbytes)  # the block as it was: unbacked
             raise
-        return fd
 
     def unback(self, offset: int, nbytes: int) -> None:
         """The block goes back to unbacked anonymous memory, its memfd's pages

@@ -19,8 +19,6 @@ from rpcbuf.dataplane import shm
 from rpcbuf.dataplane.backed import BackedBlocks
 from rpcbuf.dataplane.kept import KeptBlocks
 
-COPY_CHUNK = 64 << 20  # ``copy_out`` writes this much per system call
-
 
 class Clones:
     """The shared memfds among ``blocks`` (the arena's live blocks, whose
@@ -69,18 +67,8 @@ class Clones:
         freed); ``adopt`` it next.  ValueError: not one backed block of
         ``nbytes``; OSError: no memory or fds."""
         self._blocks.fd_of(offset, nbytes)
-        fd = shm.memfd(nbytes, "rpcbuf-buffer")
-        try:
-            src = self._bytes[offset:offset + nbytes]
-            at = 0
-            while at < nbytes:  # the kernel copies from our mapping into the new file
-                at += os.pwrite(fd, src[at:at + COPY_CHUNK], at)
-            shm.map_fixed(self._blocks.address + offset, nbytes, fd)
-            shm.seal_read_only(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return shm.memfd_at(self._blocks.address + offset, nbytes, "rpcbuf-buffer",
+                            self._bytes[offset:offset + nbytes])
 
     def adopt(self, offset: int, fd: int) -> None:
         """The block at ``offset`` now has the memfd ``fd`` (``copy_out``'s)
