@@ -222,7 +222,7 @@ async def test_a_big_new_buffer_is_backed_with_memory_before_the_answer(
     a small one is answered at once; the pool comes back whole."""
     from rpcbuf.dataplane.arena import HostArena
 
-    if not HostArena(1 << 16).prefault_range(0, 1 << 16):
+    if not HostArena(1 << 16).prefault.populate(0, 1 << 16):
         pytest.skip("this kernel lacks MADV_POPULATE_WRITE (Linux 5.14+)")
     d = daemon_factory("--device", "cpu:256MiB")
     start = await pool_free(d)

@@ -174,7 +174,7 @@ def test_places_of_released_buffers_go_before_live_ones() -> None:
     """Past ``MAX_LOCATIONS`` places of one hash, the index drops places in
     released buffers first; only with none left does the oldest live one go."""
     rig = Rig()
-    rig.pool.arena.keep = 0
+    rig.pool.arena.kept.limit = 0
     bufs = [rig.buffer() for _ in range(C.MAX_LOCATIONS)]
     for b in bufs:
         rig.index.add(b, 0, 100, 7, 1)

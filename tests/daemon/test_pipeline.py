@@ -301,13 +301,13 @@ async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_wi
         call, P.CloneBuffer(src_id=src.buffer_id)))
     clone = rig.registry.get(TENANT, meta["buffer_id"])
     gate = threading.Event()
-    real = arena.copy_out
+    real = arena.clones.copy_out
 
     def slow(offset: int, nbytes: int) -> int:
         assert gate.wait(10)
         return real(offset, nbytes)
 
-    monkeypatch.setattr(arena, "copy_out", slow)
+    monkeypatch.setattr(arena.clones, "copy_out", slow)
     call = rig.call()
     rig.path.sent[call.req_id] = b"\x02" * 100
     store = asyncio.ensure_future(run(call, rig.ops.store(call, P.Store(clone.buffer_id, 0,

@@ -197,28 +197,28 @@ async def test_a_buffer_on_a_kept_block_is_locked_until_it_is_zeroed(
     ``buf.zeroed`` is done once the zeroer has finished."""
     import asyncio
 
-    from rpcbuf.dataplane import arena as A
+    from rpcbuf.dataplane import kept as K, zeroer as Z
 
-    monkeypatch.setattr(A, "ZERO_NOW", 4096)
+    monkeypatch.setattr(K, "ZERO_NOW", 4096)
     reg, pool = make()
-    pool.arena.keep = 8 * MIB
-    queued: list[tuple[int, A.Zeroing, object]] = []
+    pool.arena.kept.limit = 8 * MIB
+    queued: list[tuple[int, Z.Zeroing, object]] = []
 
     class Held:
-        def put(self, addr: int, kept: A.Zeroing, owner: object = None) -> None:
+        def put(self, addr: int, kept: Z.Zeroing, owner: object = None) -> None:
             queued.append((addr, kept, owner))
 
-    pool.arena._zeroer = Held()  # type: ignore[attr-defined]
+    pool.arena.kept._zeroer = Held()  # type: ignore[attr-defined]
     a = reg.try_allocate("alice", pool, 2 * MIB, name="secret")
     assert a is not None and a.zeroed is None and a.locks.idle  # fresh memory: nothing held
     pool.arena.view(a.offset, a.alloc_size)[:] = 0x5A
     reg.release(a)
     b = reg.try_allocate("bob", pool, 2 * MIB, name="mine")
-    assert b is not None and b.offset == a.offset and pool.arena.reused == 1
+    assert b is not None and b.offset == a.offset and pool.arena.kept.reused == 1
     assert b.zeroed is not None and not b.zeroed.done()
     grant = b.locks.acquire([(0, 1)], False)  # a read of bob's new buffer: must wait
     assert not grant.granted
-    real = A._Zeroer()
+    real = Z.Zeroer()
     for item in queued:
         real.put(*item)
     await asyncio.wait_for(asyncio.shield(b.zeroed), 10)
@@ -235,14 +235,14 @@ def test_a_kept_block_is_handed_out_before_other_free_blocks() -> None:
     frees (and merges) would be another (3 MiB: the test fails without
     the preference)."""
     reg, pool = make()
-    pool.arena.keep = MIB  # room for one kept block
+    pool.arena.kept.limit = MIB  # room for one kept block
     bufs = [reg.try_allocate("alice", pool, MIB) for _ in range(8)]
     assert [b.offset for b in bufs if b] == [i * MIB for i in range(8)]
     for i in (5, 3, 4, 1):
         reg.release(bufs[i])  # each kept, dropping the one before
-    assert pool.arena.kept_block(MIB) == MIB
+    assert pool.arena.kept.newest(MIB) == MIB
     again = reg.try_allocate("bob", pool, MIB)
-    assert again is not None and again.offset == MIB and pool.arena.reused == 1
+    assert again is not None and again.offset == MIB and pool.arena.kept.reused == 1
     for b in (bufs[0], bufs[2], bufs[6], bufs[7], again):
         reg.release(b)
     pool.allocator.check_invariants()
@@ -296,17 +296,17 @@ def test_a_kept_block_needs_no_prefault_and_a_fresh_one_does() -> None:
     from rpcbuf.control.daemon.ops.controlops import ControlOps
 
     reg, pool = make(64 * MIB)
-    pool.arena.keep = 16 * MIB
+    pool.arena.kept.limit = 16 * MIB
     first = reg.try_allocate("alice", pool, 16 * MIB)
     assert first is not None and not ControlOps.ready_now(first)  # fresh: pre-fault it
-    assert not pool.arena.resident(first.offset)
+    assert not pool.arena.kept.resident(first.offset)
     reg.release(first)  # kept, zeroed at once (the zeroer is a thread: wait for it)
     import time
     deadline = time.monotonic() + 10
-    while not pool.arena._kept[first.offset].clean and time.monotonic() < deadline:
+    while not pool.arena.kept._kept[first.offset].clean and time.monotonic() < deadline:
         time.sleep(0.01)
     again = reg.try_allocate("bob", pool, 16 * MIB)
     assert again is not None and again.offset == first.offset and again.zeroed is None
-    assert pool.arena.resident(again.offset) and ControlOps.ready_now(again)
+    assert pool.arena.kept.resident(again.offset) and ControlOps.ready_now(again)
     reg.release(again)
-    assert not pool.arena.resident(again.offset)
+    assert not pool.arena.kept.resident(again.offset)

@@ -206,6 +206,18 @@ def test_bad_input(name: str) -> None:
         ALLOCATORS[name](1 << 20, min_block=300)  # type: ignore[call-arg]
 
 
+@pytest.mark.parametrize("name", ["linear", "slab"])
+def test_allocators_that_do_not_place_blocks_say_so_and_change_nothing(name: str) -> None:
+    """``allocate_at`` is every allocator's (the registry asks it for a
+    kept block, no probing); only buddy places blocks, the others say False."""
+    a = make_allocator(name, 1 << 20)
+    before = a.stats()
+    for at, size in ((0, 4096), (1 << 16, 1 << 16), (0, 256)):
+        assert a.allocate_at(at, size) is False
+    assert a.stats() == before
+    a.check_invariants()
+
+
 @pytest.mark.parametrize("name", sorted(ALLOCATORS))
 def test_many_operations_are_fast_enough(name: str) -> None:
     """200k mixed operations; bench_alloc.py times the full million."""

@@ -57,10 +57,10 @@ CHILD = textwrap.dedent("""
         steps[name] = any(a <= lo and a + s >= hi for a, s in seen)
 
     step("back", lambda: arena.back(4 * P, 8 * P), 4 * P, 8 * P)
-    step("share", lambda: arena.share(4 * P, 16 * P, 8 * P), 16 * P, 8 * P)
+    step("share", lambda: arena.clones.share(4 * P, 16 * P, 8 * P), 16 * P, 8 * P)
     fd = []
-    step("copy_out", lambda: fd.append(arena.copy_out(16 * P, 8 * P)), 16 * P, 8 * P)
-    arena.adopt(16 * P, fd[0])
+    step("copy_out", lambda: fd.append(arena.clones.copy_out(16 * P, 8 * P)), 16 * P, 8 * P)
+    arena.clones.adopt(16 * P, fd[0])
     step("unback", lambda: arena.unback(4 * P, 8 * P), 4 * P, 8 * P)
     # No Python callback may outlive the interpreter (munmaps at exit reach it)
     ucm.ucm_unset_event_handler(VM_UNMAPPED, on_event, None)

@@ -2,7 +2,7 @@
 they were released, and a request for the same block size gets the most
 recently released one: the last in that order.  Issue 24, item 10: another
 tenant's request waited for every block released before its own.  Now the
-request zeroes its block itself (``HostArena.zero_now``, on the daemon's
+request zeroes its block itself (``KeptBlocks.zero_now``, on the daemon's
 fair ``sweeps`` threads), so it is answered while the other blocks still
 wait for the zeroer.  A real daemon, real bytes; the test asserts what was
 still to be zeroed when the answer came, never how long anything took."""

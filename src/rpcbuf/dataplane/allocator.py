@@ -90,6 +90,13 @@ class Allocator(Protocol):
         """The exact bytes ``allocate(size)`` takes (and ``used`` counts)."""
         ...
 
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Take the block of ``size`` at exactly ``offset`` if this allocator
+        can hand it out now; False, nothing changed, otherwise (an allocator
+        that cannot place blocks always says False).  How the registry
+        prefers a block whose memory is kept backed."""
+        ...
+
     def largest_free(self) -> int: ...
 
     def stats(self) -> AllocatorStats: ...
@@ -305,6 +312,10 @@ class LinearAllocator:
             last_offset, last_size = stack[-1]
             self._top = last_offset + last_size
         return n
+
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Never: blocks go at the top, in order (``Allocator.allocate_at``)."""
+        return False
 
     def largest_free(self) -> int:
         return self.total - self._top

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 from rpcbuf.dataplane.checksum import xxh3
 
@@ -261,8 +261,9 @@ class CudaArena:
                 self._vmm.close()
 
 
-def is_device_arena(arena: Any) -> bool:
-    return getattr(arena, "xp", None) is not None and hasattr(arena, "active")
+def is_device_arena(arena: object) -> TypeGuard[CudaArena]:
+    """Whether ``arena`` is device memory (a ``CudaArena``)."""
+    return isinstance(arena, CudaArena)
 
 
 def array_module(arena: Any) -> Any:

@@ -10,6 +10,10 @@ same-host path stands on (``docs/dataplane.md``), with no policy.
   ``seal_size`` seals only the size (a region both sides write: the staging
   area), so the file can never shrink under a mapping (which would turn every
   access past the new end into SIGBUS in the process that mapped it).
+* ``memfd_at(addr, nbytes, name, fill)``: a memfd (holding ``fill``'s
+  bytes, else zeros) mapped read-write at ``addr``, then sealed read-only:
+  how every host buffer's memory is made (the arena's ``back``, a clone's
+  ``copy_out``).
 * ``read_only_fd(fd)``: a new, read-only open file description of the same
   memfd (``/proc/self/fd``), the handle that leaves the daemon: it cannot be
   truncated or written even before seals are considered.
@@ -100,6 +104,28 @@ def memfd(nbytes: int, name: str = "rpcbuf") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None) -> int:
+    """A new memfd of ``nbytes`` holding ``fill``'s bytes (else zeros),
+    mapped read-write and shared at exactly ``addr`` (``map_fixed``), then
+    sealed read-only (``seal_read_only``): this mapping keeps writing, no
+    other ever can.  On failure the memfd is closed and the error raised
+    (whatever was mapped at ``addr`` may be replaced by then)."""
+    fd = memfd(nbytes, name)
+    try:
+        at = 0
+        while fill is not None and at < nbytes:  # the kernel copies from ``fill`` into the file
+            at += os.pwrite(fd, fill[at:at + COPY_CHUNK], at)
+        map_fixed(addr, nbytes, fd)
+        seal_read_only(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+COPY_CHUNK = 64 << 20  # ``memfd_at`` writes ``fill`` this much per system call
 
 
 def seal_read_only(fd: int) -> None:

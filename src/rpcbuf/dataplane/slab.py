@@ -152,6 +152,11 @@ class SlabAllocator:
                 partial.append(slab)
         return slab.obj_size
 
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Never: slabs and their buddy blocks are placed by this allocator
+        alone (``Allocator.allocate_at``)."""
+        return False
+
     def largest_free(self) -> int:
         return self.buddy.largest_free()
 

@@ -1,6 +1,6 @@
-"""Zeroing kept blocks (``HostArena.keep``) in the background: ``Zeroing``
+"""Zeroing kept blocks (``kept.KeptBlocks``) in the background: ``Zeroing``
 is one block's progress and the hand-over of what is left to whoever takes
-the block first (``HostArena.zero_now``); ``Zeroer`` is the one thread that
+the block first (``KeptBlocks.zero_now``); ``Zeroer`` is the one thread that
 zeroes them, ``ZERO_CHUNK`` at a time, in the order they were kept.
 """
 
@@ -18,7 +18,7 @@ class Zeroing:
     """A kept block (a freed block's memfd, still mapped) and how far it is
     zeroed (``at``: the bytes below are zero).  ``lock`` is held while a
     chunk of it is written (``step``), by the zeroer or by the buffer's
-    requester (``HostArena.zero_now``); ``stopped`` (set under it) means
+    requester (``KeptBlocks.zero_now``); ``stopped`` (set under it) means
     nobody may write it again; ``clean``: all of it is zero."""
 
     __slots__ = ("_then", "at", "clean", "fd", "lock", "nbytes", "stopped")
@@ -72,7 +72,8 @@ class Zeroer:
     """One daemon thread zeroing large kept blocks in the order they were
     kept (``ctypes.memset`` releases the GIL); a block whose requester
     zeroed it meanwhile (``zero_now``) costs it one look.  Each job holds
-    its arena (``owner``) until it is done: an arena dropped meanwhile (the
+    its arena's mapping (``owner``: the arena's ``mmap``, which
+    ``KeptBlocks`` passes) until it is done: an arena dropped meanwhile (the
     daemon's, when ``serve`` returns) is unmapped only after the zeroer's
     last write into it, never under it."""
 

@@ -1,19 +1,19 @@
 """How a new buffer gets its memory, beyond the allocator's offset: a block
-the host arena keeps backed (``kept_block``), locked until it is zero
-(``lock_until_zeroed``), or a clone's shared pages (``share_of``).  Used
-by ``Registry._allocate``.
+the host arena keeps backed (``kept_block``: ``HostArena.kept``), locked
+until it is zero (``lock_until_zeroed``), or a clone's shared pages
+(``share_of``: ``HostArena.clones``).  Used by ``Registry._allocate``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
-from rpcbuf.dataplane.arena import host_memory
+from rpcbuf.dataplane.arena import Arena, host_memory
+from rpcbuf.dataplane.zeroer import Zeroing
 
 
-def lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
+def lock_until_zeroed(buf: Buffer, zeroing: Zeroing) -> None:
     """A new buffer on a kept block that is not all zero yet
     (``HostArena.back``): all of it locked exclusively, before anyone can
     name it, until the block is zero (the arena's zeroer, or its requester:
@@ -38,21 +38,25 @@ def lock_until_zeroed(buf: Buffer, zeroing: Any) -> None:
     zeroing.then(from_zeroer)
 
 
-def share_of(arena: Any, src: Buffer, offset: int, nbytes: int) -> None:
-    """``back`` for a clone of ``src``: map its memory at ``offset``."""
+def share_of(arena: Arena, src: Buffer, offset: int, nbytes: int) -> None:
+    """``back`` for a clone of ``src``: map its memory at ``offset``
+    (``Clones.share``; only host memory shares, which the caller checked)."""
     if nbytes != src.alloc_size:
         raise RuntimeError(f"a clone of {src.alloc_size} bytes got a block of {nbytes}")
-    arena.share(src.offset, offset, nbytes)
+    host = host_memory(arena)
+    if host is None:
+        raise RuntimeError(f"a clone on {src.pool.key}, which is no host memory")  # a bug
+    host.clones.share(src.offset, offset, nbytes)
 
 
 def kept_block(pool: Pool, size: int) -> int | None:
-    """A free block whose memory the arena keeps backed (``HostArena.keep``),
-    taken from the allocator, when it can take a given block; else None."""
-    at = getattr(pool.allocator, "allocate_at", None)
+    """A free block whose memory the arena keeps backed (``KeptBlocks``),
+    taken from the allocator, when it can take a given block
+    (``Allocator.allocate_at``); else None."""
     host = host_memory(pool.arena)
-    if at is None or host is None:
+    if host is None:
         return None
-    offset = host.kept_block(pool.allocator.block_size(size))
-    if offset is None or not at(offset, size):
+    offset = host.kept.newest(pool.allocator.block_size(size))
+    if offset is None or not pool.allocator.allocate_at(offset, size):
         return None
-    return int(offset)
+    return offset

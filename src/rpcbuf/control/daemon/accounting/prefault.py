@@ -8,21 +8,21 @@ ran at a fraction of a warm store's speed (docs/performance.md, "Cold
 memory").  Pre-faulting in a thread alongside the transfer gained nothing
 there (both cores are busy moving bytes, and the faults cost the same CPU
 wherever they are taken), so the pages are populated when the buffer is
-granted instead: ``populate`` runs ``HostArena.prefault_range``
+granted instead: ``populate`` runs ``HostArena.prefault.populate``
 (``MADV_POPULATE_WRITE``: no byte changes) in worker threads, one per CPU
 (``workers``), ``CHUNK`` at a time, as jobs of the requester's tenant on
 the daemon's ``sweeps`` threads (``copypool``: fair between tenants), and
 ``request_buffer`` answers when it is done; the first store then runs at
 warm speed.  The request pays what the store would have, no more.  A block
-kept from an earlier buffer (``HostArena.resident``: zeroed, so every page
+kept from an earlier buffer (``HostArena.kept.resident``: zeroed, so every page
 backed) is not populated again: that walk alone is 64-126 ms per GiB here.
 
 Bounded: buffers under ``MIN_BYTES`` are answered at once (their faults
 are cheap), unless the daemon runs with ``--prefault``; at most ``BUDGET``
 seconds are spent per request (the client's call timeout is longer), after
 which the rest faults in as it is written.  Arenas
-without ``prefault_range`` (GPU) and kernels without ``MADV_POPULATE_WRITE``
-skip it.  The buffer is pinned meanwhile by the caller, and a request
+that are not host memory (GPU: ``host_memory`` is None) and kernels without
+``MADV_POPULATE_WRITE`` skip it.  The buffer is pinned meanwhile by the caller, and a request
 cancelled meanwhile waits for its workers' current chunks before it returns,
 so nothing touches the memory after its request ended.
 """
@@ -34,9 +34,10 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
 
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
+from rpcbuf.dataplane.arena import Arena, host_memory
 
 log = logging.getLogger("rpcbuf.daemon")
 MIN_BYTES = 8 << 20
@@ -45,16 +46,17 @@ BUDGET = 5.0  # seconds per request
 THREADS = 4  # the most workers one request uses
 
 
-def wanted(arena: Any, nbytes: int, offset: int | None = None) -> bool:
+def wanted(arena: Arena, nbytes: int, offset: int | None = None) -> bool:
     """Whether a new buffer of ``nbytes`` in ``arena`` (at ``offset``, when
-    known) is worth populating (``--prefault``, ``arena.prefault``: every
-    one), which a block kept backed (``HostArena.resident``) never is."""
-    if not hasattr(arena, "prefault_range"):
+    known) is worth populating: host memory only, and a big buffer or
+    every one (``--prefault``: ``prefault.always``), but never a block kept
+    backed (``kept.resident``)."""
+    host = host_memory(arena)
+    if host is None:
         return False
-    resident = getattr(arena, "resident", None)
-    if offset is not None and resident is not None and resident(offset):
+    if offset is not None and host.kept.resident(offset):
         return False
-    return nbytes >= MIN_BYTES or bool(getattr(arena, "prefault", False))
+    return nbytes >= MIN_BYTES or host.prefault.always
 
 
 class _Chunks:
@@ -74,7 +76,7 @@ class _Chunks:
             return at, n
 
 
-def _run(fault: Any, offset: int, chunks: _Chunks, stop: threading.Event,
+def _run(fault: Callable[[int, int], bool], offset: int, chunks: _Chunks, stop: threading.Event,
          deadline: float) -> int:
     """Populate chunks of ``offset + [0, nbytes)`` until none is left,
     ``stop`` or the deadline; the bytes this worker populated."""
@@ -103,18 +105,19 @@ def workers(nbytes: int) -> int:
     return max(1, min(THREADS, cpus, -(-nbytes // CHUNK)))
 
 
-async def populate(arena: Any, offset: int, nbytes: int, sweeps: CopyPool, tenant: str,
+async def populate(arena: Arena, offset: int, nbytes: int, sweeps: CopyPool, tenant: str,
                    budget: float = BUDGET) -> int:
     """Back ``[offset, offset + nbytes)`` of ``arena`` with memory, in
     worker threads (``workers`` jobs of ``tenant`` on ``sweeps``; see the
     module docstring); returns the bytes populated.  A failure of the
     kernel call is logged, never raised: it only costs speed later."""
-    if not wanted(arena, nbytes, offset):
+    host = host_memory(arena)
+    if host is None or not wanted(arena, nbytes, offset):
         return 0
     stop = threading.Event()
     chunks, deadline = _Chunks(nbytes), time.monotonic() + budget
-    jobs = [asyncio.ensure_future(sweeps.run(tenant, _run, arena.prefault_range, offset, chunks,
-                                             stop, deadline))
+    jobs = [asyncio.ensure_future(sweeps.run(tenant, _run, host.prefault.populate, offset,
+                                             chunks, stop, deadline))
             for _ in range(workers(nbytes))]
     try:
         done = sum(await asyncio.shield(asyncio.gather(*jobs)))

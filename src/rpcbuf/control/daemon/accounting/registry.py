@@ -179,7 +179,7 @@ class Registry:
     def clone(self, src: Buffer, *, name: str | None = None, ttl: float | None = None,
               session_id: str | None = None) -> Buffer | None:
         """A new buffer of ``src``'s tenant, size and device whose block maps
-        ``src``'s memory (``HostArena.share``: no copy, no fresh pages; each
+        ``src``'s memory (``Clones.share``: no copy, no fresh pages; each
         gets memory of its own before its first write, ``Pipeline``): a
         ``try_allocate`` like any other (quota with waiting bytes, names, the
         queues' rule), whose None the caller answers at once (a clone never

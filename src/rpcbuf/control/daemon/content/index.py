@@ -239,14 +239,14 @@ class ContentIndex:
         """Whether ``buf`` holds ``loc``'s bytes at ``offset`` without any
         work: ``loc`` is that very place, or the same place of a buffer that
         shares ``buf``'s memory (a clone and its source, neither written
-        since: ``HostArena.same_memory``), and ``loc`` is still indexed."""
+        since: ``Clones.same_memory``), and ``loc`` is still indexed."""
         if loc.offset != offset or not self.holds(loc):
             return False
         if loc.buf is buf:
             return True
         host = host_memory(buf.pool.arena)
         return (host is not None and loc.buf.pool is buf.pool
-                and host.same_memory(loc.buf.offset, buf.offset))
+                and host.clones.same_memory(loc.buf.offset, buf.offset))
 
     def holds(self, loc: Location) -> bool:
         """Whether ``loc`` is still indexed (nothing wrote its bytes since)."""

@@ -46,17 +46,26 @@ log = logging.getLogger("rpcbuf.daemon")
 Run = tuple[int, int, int, int]  # offset in the region, nbytes, first item, stop item
 
 
+class Memory(Protocol):
+    """What a ``Region`` lies in: an arena (``Arena``), or ``Scratch``."""
+
+    @property
+    def address(self) -> int | None: ...  # its first byte in this process (None: device memory)
+
+    def view(self, offset: int, nbytes: int) -> Any: ...
+
+
 class Region:
-    """Daemon memory a transfer lands in or leaves from: ``nbytes`` from
-    ``base`` of ``memory`` (an arena, or ``Scratch``).  ``address`` is its
-    first byte's address in this process (None: device memory)."""
+    """Daemon memory a transfer lands in or leaves from: from ``base`` of
+    ``memory``.  ``address`` is its first byte's address in this process
+    (None: device memory)."""
 
     __slots__ = ("address", "base", "memory")
 
-    def __init__(self, memory: Any, base: int = 0) -> None:
+    def __init__(self, memory: Memory, base: int = 0) -> None:
         self.memory = memory
         self.base = base
-        addr = getattr(memory, "address", None)
+        addr = memory.address
         self.address: int | None = None if addr is None else int(addr) + base
 
     def view(self, offset: int, nbytes: int) -> Any:
@@ -70,7 +79,7 @@ class Scratch:
 
     def __init__(self, array: Any) -> None:
         self.array = array
-        self.address = array.ctypes.data if isinstance(array, np.ndarray) else None
+        self.address: int | None = array.ctypes.data if isinstance(array, np.ndarray) else None
 
     def view(self, offset: int, nbytes: int) -> Any:
         return self.array[offset:offset + nbytes]

@@ -257,7 +257,7 @@ class Pipeline:
         the same bytes (a copy in a worker thread), once, however many
         writers ask at the same time (they all wait for the one copy)."""
         host = host_memory(buf.pool.arena)
-        if host is None or not host.needs_own(buf.offset):
+        if host is None or not host.clones.needs_own(buf.offset):
             return
         task = buf.owning
         if task is None:
@@ -281,14 +281,15 @@ async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
     freed): the block stays this buffer's even if every request that asked
     for it is gone."""
     try:
-        arena = host_memory(buf.pool.arena)  # only host memory shares (``needs_own``)
-        assert arena is not None
+        host = host_memory(buf.pool.arena)  # only host memory shares (``needs_own``)
+        assert host is not None
+        clones = host.clones
         try:
-            fd = await sweeps.run(buf.tenant, arena.copy_out, buf.offset, buf.alloc_size)
+            fd = await sweeps.run(buf.tenant, clones.copy_out, buf.offset, buf.alloc_size)
         except OSError as exc:
             raise OutOfMemory(f"cannot give buffer {buf.buffer_id} memory of its own: "
                               f"{exc.strerror or exc}", {"reason": "backing"}) from None
-        arena.adopt(buf.offset, fd)
+        clones.adopt(buf.offset, fd)
     finally:
         buf.owning = None
         registry.unpin(buf)

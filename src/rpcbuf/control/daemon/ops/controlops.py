@@ -94,7 +94,7 @@ class ControlOps:
         """Wait until ``buf``'s kept block is all zero, for at most
         ``prefault.BUDGET``.  The arena's zeroer takes kept blocks in the
         order they were kept, and this one, the most recently kept, would
-        come last: so the rest of it is zeroed now (``HostArena.zero_now``)
+        come last: so the rest of it is zeroed now (``KeptBlocks.zero_now``)
         as a job of the buffer's tenant on the daemon's ``sweeps``, beside
         the zeroer (each chunk is written once).  Past the deadline the
         answer goes anyway: the buffer stays locked until its block is zero
@@ -103,7 +103,7 @@ class ControlOps:
         this job (nobody awaits it; one that starts late finds nothing to do)."""
         host = host_memory(buf.pool.arena)
         if host is not None:
-            job = self._node.sweeps.submit(buf.tenant, host.zero_now, buf.offset)
+            job = self._node.sweeps.submit(buf.tenant, host.kept.zero_now, buf.offset)
             job.future.add_done_callback(_retrieved)
         with contextlib.suppress(TimeoutError):  # answered now, the block still locked
             await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)

@@ -200,7 +200,7 @@ class DedupOps:
         src = call.held.get(req.src_id)  # pinned before the first await
         if req.ttl is not None and req.ttl <= 0:
             raise BadRequest("ttl must be positive")
-        if host_memory(src.pool.arena) is None:  # only host memory shares (HostArena.share)
+        if host_memory(src.pool.arena) is None:  # only host memory shares (Clones.share)
             raise UnsupportedDevice(f"buffers on {src.pool.key} cannot be cloned; "
                                     "request one and copy_buffer")
         await self._index_deferred(self._ops.owner, call.held)

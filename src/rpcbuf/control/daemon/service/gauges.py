@@ -82,9 +82,10 @@ class StateCollector(Collector):
             pools["buffers"].add_metric([key], st.count)
             pools["waiters"].add_metric([key], reg.waiting(pool))
             host = host_memory(pool.arena)
-            pools["kept_bytes"].add_metric([key], 0 if host is None else host.kept_bytes)
-            pools["zeroing_bytes"].add_metric([key], 0 if host is None else host.zeroing_bytes)
-            reused.add_metric([key], 0 if host is None else host.reused)
+            kept = None if host is None else host.kept
+            pools["kept_bytes"].add_metric([key], 0 if kept is None else kept.nbytes)
+            pools["zeroing_bytes"].add_metric([key], 0 if kept is None else kept.zeroing_bytes)
+            reused.add_metric([key], 0 if kept is None else kept.reused)
         yield from pools.values()
         yield reused
         buffers = GaugeMetricFamily("rpcbuf_tenant_buffers", "Buffers held by a tenant",

@@ -230,9 +230,9 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     arenas = make_arenas(args.device, args.gpu_backing)
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
         host = host_memory(arena)
-        if host is not None:  # released, never-exported memfds kept zeroed (arena.py)
-            host.prefault = bool(args.prefault)
-            host.keep = host.size // 4 if args.keep_freed is None else args.keep_freed
+        if host is not None:  # released, never-exported memfds kept zeroed (kept.py)
+            host.prefault.always = bool(args.prefault)
+            host.kept.limit = host.size // 4 if args.keep_freed is None else args.keep_freed
     pools = [Pool.create(a, args.allocator) for a in arenas]
     default = args.default_quota[1] if args.default_quota else None
     registry = Registry(pools, dict(args.quota), default)
