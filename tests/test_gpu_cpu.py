@@ -245,7 +245,7 @@ def test_fake_device_arrays_take_the_device_path(fake_cupy) -> None:  # type: ig
 async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
                                                 fake_cupy) -> None:  # type: ignore[no-untyped-def]
     """What the real API refuses, the fake makes the client refuse too: the
-    batch verbs take host arrays (tests/test_gpu.py once stored a CuPy array
+    batch and block verbs take host arrays (tests/test_gpu.py once stored a CuPy array
     with store_tensors and so could never reach its attach)."""
     buf = await ctx.request_buffer(1 << 16)
     try:
@@ -254,6 +254,10 @@ async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
             await ctx.store_tensors(buf, {"w": dev})
         with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
             await ctx.store_batch(buf, [(0, np.zeros(8, np.uint8)), (64, dev)])
+        with pytest.raises(rpcbuf.BadRequest, match="put_blocks takes host arrays"):
+            await ctx.put_blocks({"k": dev})
+        with pytest.raises(rpcbuf.BadRequest, match="get_blocks takes host arrays"):
+            await ctx.get_blocks(["k"], [dev])
         assert (await ctx.get_buffer_meta(buf))["tensors"] in ({}, [], None)  # no trace
         await ctx.store_tensors(buf, {"w": dev.get()})  # the host copy is fine
     finally:

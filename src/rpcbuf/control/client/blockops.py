@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rpcbuf.control.client.arrays import host_bytes
+from rpcbuf.control.client.arrays import host_data
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
 from rpcbuf.control.client.tensors import XXH3
 from rpcbuf.control.wire import protocol as P
@@ -52,13 +52,6 @@ def check_keys(keys: Any) -> list[str]:
     return out
 
 
-def _host(arrays: Sequence[Any], writable: bool, what: str) -> list[np.ndarray]:
-    datas = [host_bytes(a, writable) for a in arrays]
-    if not all(isinstance(d, np.ndarray) for d in datas):
-        raise BadRequest(f"{what} takes host arrays (blocks live in host memory)")
-    return datas
-
-
 class BlockOps:
     """The block verbs of one context: its ``call`` (control ops) and ``paths``."""
 
@@ -73,7 +66,7 @@ class BlockOps:
             raise BadRequest(f"{len(keys)} keys and {len(arrays)} arrays")
         if len(set(keys)) != len(keys):
             raise BadRequest("put_blocks names each key once")
-        datas = _host(arrays, False, "put_blocks")
+        datas = host_data(list(arrays), "put_blocks takes host arrays (blocks live in host memory)")
         if any(d.nbytes == 0 for d in datas):
             raise BadRequest("every block holds at least one byte")
         sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
@@ -88,7 +81,8 @@ class BlockOps:
         keys = check_keys(keys)
         if len(out) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
-        targets = _host(out, True, "get_blocks")
+        targets = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
+                            writable=True)
         found = [False] * len(keys)
         want = list(range(len(keys)))
         for _ in range(GET_TRIES):
