@@ -115,7 +115,7 @@ class RpcContext:
         self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
         self._tensors = TensorOps(self)
         self._dedup = DedupOps(_DedupNeeds(self))
-        self._blocks = BlockOps(self._call, self._paths)
+        self._blocks = BlockOps(self._call, self._paths, self._check_open)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = self._paths.ucx.abort
@@ -518,13 +518,7 @@ class RpcContext:
         ``lookup_blocks(meta=True)``.  Raises BAD_REQUEST, VERIFY_FAILED,
         QUOTA_EXCEEDED (larger than the quota, or nothing left to evict),
         OUT_OF_MEMORY, UNSUPPORTED_DEVICE."""
-        self._check_open()
-        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
-        try:
-            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
-        except (TypeError, ValueError):
-            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
-        return await self._blocks.put(keys, arrays, ttl, metas, device_type, device)
+        return await self._blocks.put(blocks, ttl, metas, device_type, device)
 
     async def put_block(self, key: str, array: Any, ttl: float | None = None,
                         meta: bytes | None = None) -> dict[str, Any]:
@@ -538,36 +532,27 @@ class RpcContext:
         (the others' arrays are left as they were, or hold arbitrary bytes
         when a block went away between tries).  A key of another size counts
         as missing.  Raises BAD_REQUEST."""
-        self._check_open()
         return await self._blocks.get(keys, out)
 
     async def get_block(self, key: str, out: Any = None) -> np.ndarray | None:
         """One block as a uint8 array (into ``out`` when given), or None."""
-        self._check_open()
-        if out is None:
-            (info,) = await self._blocks.lookup([key])
-            if info is None:
-                return None
-            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
-        (hit,) = await self._blocks.get([key], [out])
-        return out if hit else None
+        return await self._blocks.get_one(key, out)
 
     async def lookup_blocks(self, keys: Sequence[str], meta: bool = False,
                             timeout: float | None = None) -> list[dict[str, Any] | None]:
         """Per key: None when it names no block, else ``{"nbytes"}`` (and
         with ``meta``, ``"meta"`` and ``"expires_at"``, unix time or None).
         A lookup counts as a use for the LRU order."""
-        self._check_open()
         return await self._blocks.lookup(keys, meta, timeout)
 
     async def blocks_exist(self, keys: Sequence[str],
                            timeout: float | None = None) -> list[bool]:
-        return [b is not None for b in await self.lookup_blocks(keys, timeout=timeout)]
+        """Per key, whether it names a block (``lookup_blocks``: a use too)."""
+        return await self._blocks.exist(keys, timeout)
 
     async def remove_blocks(self, keys: Sequence[str], timeout: float | None = None) -> int:
         """Remove blocks by key (a block being read is freed when the read
         ends); returns how many keys named one."""
-        self._check_open()
         return await self._blocks.remove(keys, timeout)
 
     async def list_blocks(self, prefix: str | None = None, start_after: str | None = None,
@@ -575,7 +560,6 @@ class RpcContext:
                           ) -> tuple[list[str], bool]:
         """This tenant's keys, sorted: at most ``limit`` (1..4096) after
         ``start_after``, those starting with ``prefix``; and whether more follow."""
-        self._check_open()
         return await self._blocks.list(prefix, start_after, limit, timeout)
 
     # -- named tensors (tensorops.py) and dedup uploads (dedup.py) ---------------------
