@@ -305,7 +305,7 @@ async def test_wire_fp16_bad_requests(ctx: rpcbuf.RpcContext) -> None:
             await ctx.store_tensor(buf, np.zeros(200, np.float32), offset=300,
                                    wire_dtype="float16")
         with pytest.raises(rpcbuf.BadRequest, match="multiple of 4"):  # a raw request
-            await ctx._store(buf, np.zeros(6, np.uint8), 0, None, wire_dtype="float16")
+            await ctx._ranges.store(buf, np.zeros(6, np.uint8), 0, None, wire_dtype="float16")
         await ctx.store_tensor(buf, np.ones(4, np.float32))  # the session still works
     finally:
         await ctx.release_buffer(buf)
@@ -340,7 +340,7 @@ async def test_fake_gpu_buffers(fake_gpu_daemon) -> None:  # type: ignore[no-unt
             assert np.array_equal(back, f.astype(np.float16).astype(np.float32))
             with pytest.raises(rpcbuf.BadRequest, match="aligned"):
                 await c.store_tensor(buf, f, offset=2, wire_dtype="float16")
-            res = await c._store(buf, data, 0, "checksum", kind="xxh3")  # either kind works
+            res = await c._ranges.store(buf, data, 0, "checksum", kind="xxh3")  # either kind works
             assert res["checksum_kind"] == "xxh3"
             bad = P.Store(buffer_id=buf, offset=0, nbytes=data.nbytes, checksum=12345,
                           verify="checksum", checksum_kind="devsum")

@@ -3,13 +3,16 @@
 A context is composed of parts, each in its own module: the control
 connection and its in-flight slots (``connection.py``: ``ControlConnection``,
 ``Caller``), the session's data paths and the one rule that picks one per op
-(``datapath.py``), the batch planning (``batches.py``), the named-tensor
-layer with its manifest cache (``tensorops.py``) and the dedup upload
-(``dedup.py``).  ``opening.py`` opens the session (TCP or Unix socket, hello,
-the same-host switch) before any of them exists.  What this module adds is
-the verbs, their argument checks and what the daemon stated about each
-buffer (``BufferPlace``: its device and checksum kind, from its metadata),
-which routes and checks every data op.
+(``datapath.py``), the byte-range verbs and what the daemon stated about
+each buffer (``rangeops.py``: ``RangeOps``, and ``Places``, which routes and
+checks every data op), the batch planning (``batches.py``), the keyed block
+tier (``blockops.py``), the named-tensor layer with its manifest cache
+(``tensorops.py``) and the dedup upload (``dedup.py``).  ``opening.py``
+opens the session (TCP or Unix socket, hello, the same-host switch) before
+any of them exists.  What this module adds is the verbs themselves (their
+names, defaults and docstrings are the contract; a verb with a part hands
+the call to it in one line), the quick control ops, and the session's life:
+connect, close, abort and the check every verb makes first.
 
 Many tasks may share one context: every call gets its own request id, a
 semaphore sized by the daemon's ``max_inflight`` gives back-pressure, and
@@ -24,25 +27,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client import batches, fileload
-from rpcbuf.control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
-from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
+from rpcbuf.control.client import fileload
+from rpcbuf.control.client.answers import parse_devices, parse_meta, parse_stats
 from rpcbuf.control.client.attach import Attachment, open_attachment
 from rpcbuf.control.client.blockops import BlockOps
 from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
-from rpcbuf.control.client.datapath import (
-    BufferPlace,
-    DataPaths,
-    InlinePath,
-    StagedPath,
-    Transfer,
-    UcxPath,
-)
+from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, UcxPath, inline_on
 from rpcbuf.control.client.dedup import DedupOps
 from rpcbuf.control.client.handles import Handles
 from rpcbuf.control.client.hello import HelloAnswer
@@ -55,26 +50,15 @@ from rpcbuf.control.client.opening import (
     parse_addr,
     same_host_default,
 )
+from rpcbuf.control.client.rangeops import Places, RangeOps
 from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import ManifestTable, Packed
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import (
-    BadRequest,
-    ConnectionLost,
-    NotFound,
-    RpcBufError,
-    Timeout,
-    VerifyFailed,
-)
-from rpcbuf.control.wire.gpuops import check_wire_dtype
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
 from rpcbuf.control.wire.manifest import ManifestColumns, Source
-from rpcbuf.dataplane.checksum import checksum
-from rpcbuf.dataplane.devsum import devsum
 
 __all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
            "parse_addr", "same_host_default"]
-
-_PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
 
 
 class RpcContext:
@@ -111,8 +95,10 @@ class RpcContext:
             if handles is not None and handles.area is not None else None,
             InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
             else None)
-        self._paths.on_device_memory = self._on_device_memory
-        self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
+        self._places = Places(hello)  # what the daemon stated about each buffer
+        self._paths.on_device_memory = self._places.device_memory
+        self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
+                                self._check_open)
         self._tensors = TensorOps(self)
         self._dedup = DedupOps(_DedupNeeds(self))
         self._blocks = BlockOps(self._call, self._paths, self._check_open)
@@ -185,35 +171,6 @@ class RpcContext:
         if self._handles is not None:
             self._handles.close()
 
-    # -- what the daemon stated about buffers -------------------------------------
-
-    def _note(self, meta: BufferMeta) -> None:
-        places = self._places
-        if len(places) >= _PLACES_MAX and meta.buffer_id not in places:
-            del places[next(iter(places))]
-        places[meta.buffer_id] = BufferPlace(
-            meta.gpu, self._hello.checksum_kind(meta.device_type, meta.device))
-
-    def _on_device_memory(self, buffer_id: str) -> None:
-        self._places[buffer_id] = BufferPlace(True, self._hello.checksum_kind("GPU", 0))
-
-    async def _place(self, buffer_id: str) -> BufferPlace | None:
-        """Where the buffer lives, as the daemon stated it: from this
-        context's answers, else asked once (``get_buffer_meta`` without the
-        manifest).  None for an id that is no string or no buffer of ours:
-        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
-        arguments before NOT_FOUND, as the daemon checks them)."""
-        if not isinstance(buffer_id, str):
-            return None
-        place = self._places.get(buffer_id)
-        if place is None:
-            try:
-                await self.get_buffer_meta(buffer_id, tensors=False)
-            except NotFound:
-                return None
-            place = self._places.get(buffer_id)
-        return place
-
     # -- control ops ----------------------------------------------------------------
 
     async def request_buffer(self, size: int, device_type: str = "CPU", device: int = 0,
@@ -229,7 +186,7 @@ class RpcContext:
                                                 timeout=timeout, ttl=ttl, name=name),
                                 timeout=wait if timeout else None)
         parsed = parse_meta(meta, "request_buffer answer")
-        self._note(parsed)
+        self._places.note(parsed)
         return parsed.buffer_id
 
     async def clone_buffer(self, src_id: str, name: str | None = None,
@@ -243,7 +200,7 @@ class RpcContext:
         self._check_open()
         meta = await self._call(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
         parsed = parse_meta(meta, "clone_buffer answer")
-        self._note(parsed)
+        self._places.note(parsed)
         return parsed.buffer_id
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
@@ -252,7 +209,7 @@ class RpcContext:
         entries (a big manifest is a big answer). Raises NOT_FOUND."""
         self._check_open()
         meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
-        self._note(parse_meta(meta))
+        self._places.note(parse_meta(meta))
         if tensors:
             self._tensors.remember(buffer_id, meta)
         return meta
@@ -306,8 +263,7 @@ class RpcContext:
         """Raises NOT_FOUND."""
         self._check_open()
         await self._call(P.Release(buffer_id=buffer_id), timeout)
-        if isinstance(buffer_id, str):
-            self._places.pop(buffer_id, None)
+        self._places.forget(buffer_id)
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
                            timeout: float | None = None) -> float | None:
@@ -348,7 +304,7 @@ class RpcContext:
         self._check_open()
         meta = parse_meta(await self._call(P.OpenBuffer(name=name), timeout),
                           "open_buffer answer")
-        self._note(meta)
+        self._places.note(meta)
         return meta.buffer_id
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
@@ -376,7 +332,7 @@ class RpcContext:
 
         ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
         buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
-        made of a contiguous one (see ``control.arrays``).
+        made of a contiguous one (see ``control/client/arrays.py``).
         ``verify="checksum"`` has the daemon hash what it received and compare
         (the checksum the daemon states for the buffer's device: xxh3 on the
         host, ``devsum`` on a GPU; ``devsum`` too for an array in GPU memory,
@@ -385,52 +341,7 @@ class RpcContext:
         ``sync=False`` returns a task at once (await it for the answer; keep
         the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
         VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
-        self._check_open()
-        if verify not in (None, "checksum"):
-            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
-        if wire_dtype is not None:
-            check_wire_dtype(wire_dtype, dtype_name(array))
-        kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
-        if wire_dtype is None:
-            data, landed = as_bytes(array), None
-        else:
-            data, landed = to_wire_f16(array)
-        coro = self._store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
-        if sync:
-            return await coro
-        return asyncio.get_running_loop().create_task(coro)
-
-    async def _store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
-                     kind: str | None = None, wire_dtype: str | None = None,
-                     landed: Any = None) -> dict[str, Any]:
-        """``landed``: the bytes the buffer will hold when they differ from
-        the payload (wire fp16); the checksum covers what lands.  ``kind``:
-        the checksum to send (None: the one the daemon states for the buffer)."""
-        prepare(data)
-        place = await self._place(buffer_id)
-        if kind is None:
-            kind = place.checksum_kind if place is not None else "xxh3"
-        final = data if landed is None else landed
-        digest = None
-        if verify:
-            digest = devsum(final) if kind == "devsum" else checksum(final)
-        nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
-
-        def request(stage: int | None) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           wire_dtype=wire_dtype,  # type: ignore[arg-type]
-                           stage=stage)
-
-        def inline(payload: Any) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           data=payload)
-
-        return await self._paths.run(buffer_id, place, _one(
-            request, data, inline if wire_dtype is None else None))
+        return await self._ranges.store_tensor(buffer_id, array, offset, sync, verify, wire_dtype)
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
                           out: Any = None) -> np.ndarray:
@@ -438,33 +349,7 @@ class RpcContext:
         straight into ``out`` (or a new uint8 array), which is returned.
 
         Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST, CONNECTION_LOST."""
-        self._check_open()
-        target = as_bytes(out, writable=True) if out is not None else None
-        if nbytes is None:
-            if target is not None:
-                nbytes = int(target.nbytes)
-            else:
-                meta = parse_meta(await self.get_buffer_meta(buffer_id))
-                nbytes = meta.size - offset
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if target is None:
-            target = np.empty(nbytes, dtype=np.uint8)
-        elif target.nbytes < nbytes:
-            raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
-        dest = target[:nbytes]
-        prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
-        size = nbytes
-
-        def request(stage: int | None) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
-
-        def inline(_: Any) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
-
-        await self._paths.run(buffer_id, await self._place(buffer_id),
-                              _one(request, dest, inline), receive=True)
-        return out if out is not None else target
+        return await self._ranges.read_buffer(buffer_id, offset, nbytes, out)
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
@@ -487,10 +372,8 @@ class RpcContext:
         The answer's ``checksums`` (with a manifest) are index-aligned with
         ``items`` too; they are xxh3-64, whatever the buffer's device.
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
-        self._check_open()
-        t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
-                                          checksums=checksums)
-        return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
+        return await self._ranges.store_batch(buffer_id, items, verify, manifest,
+                                              manifest_version, checksums)
 
     async def read_batch(self, buffer_id: str,
                          ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
@@ -498,10 +381,7 @@ class RpcContext:
         trip; returns uint8 arrays in the order asked.  Ranges close together
         are read as one span (``tensors.plan_spans``) and come back as views
         into it.  Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
-        self._check_open()
-        t, views = batches.read_batch(buffer_id, ranges)
-        await self._paths.run(buffer_id, await self._place(buffer_id), t, receive=True)
-        return views()
+        return await self._ranges.read_batch(buffer_id, ranges)
 
     # -- keyed blocks (blockops.py; the daemon's blocks.py, docs/kvcache.md) ------------
 
@@ -644,15 +524,7 @@ class RpcContext:
 
         Returns True when equal; raises VERIFY_FAILED (with the first differing
         byte) when not."""
-        data = as_bytes(array)
-        if not isinstance(data, np.ndarray):  # device memory: compare on the host
-            data = data.get()
-        back = await self.read_buffer(buffer_id, offset, int(data.nbytes))
-        if not np.array_equal(back, data):
-            first = int(np.flatnonzero(back != data)[0])
-            raise VerifyFailed("read-back differs from the array",
-                               {"offset": offset, "first_difference": first})
-        return True
+        return await self._ranges.verify_write(buffer_id, offset, array)
 
 
 class _DedupNeeds:
@@ -676,17 +548,3 @@ class _DedupNeeds:
                           checksums: Sequence[int] | None = None) -> dict[str, Any]:
         return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest,
                                            checksums=checksums)
-
-
-def inline_on() -> bool:
-    """Whether small ops of network sessions ride in their frames:
-    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
-    compare the UCX path itself)."""
-    return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _one(request: Callable[[int | None], P.Request], array: Any,
-         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
-    """The transfer of a one-array op (store, read): one UCX message, one
-    piece through the staging area, or (``inline``) the bytes in a frame."""
-    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)
