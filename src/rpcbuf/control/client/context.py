@@ -55,7 +55,7 @@ from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import ManifestTable, Packed
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
-from rpcbuf.control.wire.manifest import ManifestColumns, Source
+from rpcbuf.control.wire.manifest import Source
 
 __all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
            "parse_addr", "same_host_default"]
@@ -100,7 +100,7 @@ class RpcContext:
         self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
                                 self._check_open)
         self._tensors = TensorOps(self)
-        self._dedup = DedupOps(_DedupNeeds(self))
+        self._dedup = DedupOps(self._check_open, self._call, self._tensors, self._ranges)
         self._blocks = BlockOps(self._call, self._paths, self._check_open)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
@@ -526,25 +526,3 @@ class RpcContext:
         byte) when not."""
         return await self._ranges.verify_write(buffer_id, offset, array)
 
-
-class _DedupNeeds:
-    """What ``DedupOps`` may reach of a context (``dedup.DedupNeeds``)."""
-
-    def __init__(self, ctx: RpcContext) -> None:
-        self._ctx = ctx
-
-    def check_open(self) -> None:
-        self._ctx._check_open()
-
-    async def call(self, req: P.Request) -> dict[str, Any]:
-        return await self._ctx._call(req)
-
-    async def manifest_of(self, buffer_id: str) -> ManifestTable:
-        return await self._ctx._tensors.manifest_of(buffer_id)
-
-    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
-                          verify: str | None = None,
-                          manifest: ManifestColumns | Packed | None = None,
-                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
-        return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest,
-                                           checksums=checksums)
