@@ -25,7 +25,6 @@ public methods still return the wire dicts they always returned.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 from rpcbuf.control.client import fileload
 from rpcbuf.control.client.answers import parse_devices, parse_meta, parse_stats
-from rpcbuf.control.client.attach import Attachment, open_attachment
+from rpcbuf.control.client.attach import Attacher, Attachment
 from rpcbuf.control.client.blockops import BlockOps
 from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
 from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, UcxPath, inline_on
@@ -54,7 +53,7 @@ from rpcbuf.control.client.rangeops import Places, RangeOps
 from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import ManifestTable, Packed
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
+from rpcbuf.control.wire.errors import ConnectionLost, Timeout
 from rpcbuf.control.wire.manifest import Source
 
 __all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
@@ -102,6 +101,9 @@ class RpcContext:
         self._tensors = TensorOps(self)
         self._dedup = DedupOps(self._check_open, self._call, self._tensors, self._ranges)
         self._blocks = BlockOps(self._call, self._paths, self._check_open)
+        self._attacher = Attacher(self._caller, handles if self.same_host else None,
+                                  self._check_open,
+                                  lambda: self._closed or self._conn.lost is not None)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = self._paths.ucx.abort
@@ -223,16 +225,7 @@ class RpcContext:
         are BUSY and its release waits (see ``control/client/attach.py``).
         Needs the same-host path.  Raises NOT_FOUND, BAD_REQUEST
         (not same-host), UNSUPPORTED_DEVICE, QUOTA_EXCEEDED."""
-        return Opening(lambda: self._attach(buffer_id))
-
-    async def _attach(self, buffer_id: str) -> Attachment:
-        self._check_open()
-        handles = self._handles
-        if handles is None or not self.same_host:
-            raise BadRequest("attach needs the same-host path: a client on the daemon's "
-                             "host, on its Unix socket", {"reason": "not_same_host"})
-        return await open_attachment(self._caller, handles, buffer_id, self.timeout,
-                                     self._detach)
+        return Opening(lambda: self._attacher.attach(buffer_id))
 
     def attach_block(self, key: str) -> Opening[Attachment]:
         """A block served in place: a zero-copy, read-only view of it on this
@@ -242,22 +235,7 @@ class RpcContext:
         ttl takes it out of the tier at once but frees its
         memory only when the view closes.  Raises NOT_FOUND (a miss),
         BAD_REQUEST (not same-host)."""
-        return Opening(lambda: self._attach_block(key))
-
-    async def _attach_block(self, key: str) -> Attachment:
-        self._check_open()
-        handles = self._handles
-        if handles is None or not self.same_host:
-            raise BadRequest("attach_block needs the same-host path: a client on the "
-                             "daemon's host, on its Unix socket", {"reason": "not_same_host"})
-        return await open_attachment(self._caller, handles, "", self.timeout, self._detach,
-                                     P.BlockAttach(key=key))
-
-    async def _detach(self, buffer_id: str) -> None:
-        if self._closed or self._conn.lost is not None:
-            return  # the session's end detached everything
-        with contextlib.suppress(RpcBufError):
-            await self._call(P.Detach(buffer_id=buffer_id))
+        return Opening(lambda: self._attacher.attach_block(key))
 
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
