@@ -167,6 +167,8 @@ class RpcContext:
             self._handles.close()
 
     def abort(self) -> None:
+        """Close at once, waiting for nothing (idempotent): posted UCX
+        requests fail, and the daemon ends the session as on ``close``."""
         self._closed = True
         self._paths.ucx.abort()
         self._conn.close()
@@ -182,14 +184,10 @@ class RpcContext:
 
         Raises OUT_OF_MEMORY (details: requested, free, largest_free),
         QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
-        self._check_open()
         wait = None if not timeout else timeout + (self.timeout or 0)
-        meta = await self._call(P.RequestBuffer(size=size, device_type=device_type, device=device,
-                                                timeout=timeout, ttl=ttl, name=name),
-                                timeout=wait if timeout else None)
-        parsed = parse_meta(meta, "request_buffer answer")
-        self._places.note(parsed)
-        return parsed.buffer_id
+        return await self._buffer(P.RequestBuffer(size=size, device_type=device_type,
+                                                  device=device, timeout=timeout, ttl=ttl,
+                                                  name=name), wait)
 
     async def clone_buffer(self, src_id: str, name: str | None = None,
                            ttl: float | None = None) -> str:
@@ -199,11 +197,15 @@ class RpcContext:
         leased or, with neither, session-scoped, like ``request_buffer``.
         Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
         QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
+        return await self._buffer(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
+
+    async def _buffer(self, req: P.Request, timeout: float | None = None) -> str:
+        """The id in the metadata that answers ``req`` (a buffer made or
+        found), its place noted."""
         self._check_open()
-        meta = await self._call(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
-        parsed = parse_meta(meta, "clone_buffer answer")
-        self._places.note(parsed)
-        return parsed.buffer_id
+        meta = parse_meta(await self._call(req, timeout), f"{req.op} answer")
+        self._places.note(meta)
+        return meta.buffer_id
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]:
@@ -253,6 +255,8 @@ class RpcContext:
     # in-flight slot included (default: the context's); past it, TIMEOUT.
 
     async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The node's devices, a map each (``key``, ``device_type``, ``device``,
+        ``total``, ``free``, ``largest_free``, ...)."""
         self._check_open()
         devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
             "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
@@ -260,10 +264,13 @@ class RpcContext:
         return list(devices)
 
     async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """This tenant's buffers on the node (not its blocks), a metadata map each."""
         self._check_open()
         return list((await self._call(P.ListBuffers(), timeout))["buffers"])
 
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        """What this tenant may see of the node: its sessions, buffers, bytes
+        and counters, each device's size and free bytes."""
         self._check_open()
         result = await self._call(P.Stats(), timeout)
         parse_stats(result)
@@ -279,11 +286,7 @@ class RpcContext:
 
     async def open_buffer(self, name: str, timeout: float | None = None) -> str:
         """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
-        self._check_open()
-        meta = parse_meta(await self._call(P.OpenBuffer(name=name), timeout),
-                          "open_buffer answer")
-        self._places.note(meta)
-        return meta.buffer_id
+        return await self._buffer(P.OpenBuffer(name=name), timeout)
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
                            nbytes: int | None = None) -> None:
