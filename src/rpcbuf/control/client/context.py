@@ -3,16 +3,17 @@
 A context is composed of parts, each in its own module: the control
 connection and its in-flight slots (``connection.py``: ``ControlConnection``,
 ``Caller``), the session's data paths and the one rule that picks one per op
-(``datapath.py``), the byte-range verbs and what the daemon stated about
-each buffer (``rangeops.py``: ``RangeOps``, and ``Places``, which routes and
-checks every data op), the batch planning (``batches.py``), the keyed block
-tier (``blockops.py``), the named-tensor layer with its manifest cache
-(``tensorops.py``) and the dedup upload (``dedup.py``).  ``opening.py``
+(``datapath.py``), the quick control ops (``bufferops.py``), the byte-range
+verbs and what the daemon stated about each buffer (``rangeops.py``:
+``RangeOps``, and ``Places``, which routes and checks every data op), the
+batch planning (``batches.py``), the keyed block tier (``blockops.py``), the
+named-tensor layer with its manifest cache (``tensorops.py``), the dedup
+upload (``dedup.py``) and the attach verbs (``attach.py``).  ``opening.py``
 opens the session (TCP or Unix socket, hello, the same-host switch) before
 any of them exists.  What this module adds is the verbs themselves (their
 names, defaults and docstrings are the contract; a verb with a part hands
-the call to it in one line), the quick control ops, and the session's life:
-connect, close, abort and the check every verb makes first.
+the call to it in one line) and the session's life: connect, close, abort
+and the check every verb makes first.
 
 Many tasks may share one context: every call gets its own request id, a
 semaphore sized by the daemon's ``max_inflight`` gives back-pressure, and
@@ -32,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from rpcbuf.control.client import fileload
-from rpcbuf.control.client.answers import parse_devices, parse_meta, parse_stats
 from rpcbuf.control.client.attach import Attacher, Attachment
 from rpcbuf.control.client.blockops import BlockOps
+from rpcbuf.control.client.bufferops import BufferOps
 from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
 from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, UcxPath, inline_on
 from rpcbuf.control.client.dedup import DedupOps
@@ -99,6 +100,7 @@ class RpcContext:
         self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
                                 self._check_open)
         self._tensors = TensorOps(self)
+        self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
         self._dedup = DedupOps(self._check_open, self._call, self._tensors, self._ranges)
         self._blocks = BlockOps(self._call, self._paths, self._check_open)
         self._attacher = Attacher(self._caller, handles if self.same_host else None,
@@ -184,10 +186,7 @@ class RpcContext:
 
         Raises OUT_OF_MEMORY (details: requested, free, largest_free),
         QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
-        wait = None if not timeout else timeout + (self.timeout or 0)
-        return await self._buffer(P.RequestBuffer(size=size, device_type=device_type,
-                                                  device=device, timeout=timeout, ttl=ttl,
-                                                  name=name), wait)
+        return await self._buffers.request_buffer(size, device_type, device, timeout, ttl, name)
 
     async def clone_buffer(self, src_id: str, name: str | None = None,
                            ttl: float | None = None) -> str:
@@ -197,26 +196,13 @@ class RpcContext:
         leased or, with neither, session-scoped, like ``request_buffer``.
         Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
         QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
-        return await self._buffer(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
-
-    async def _buffer(self, req: P.Request, timeout: float | None = None) -> str:
-        """The id in the metadata that answers ``req`` (a buffer made or
-        found), its place noted."""
-        self._check_open()
-        meta = parse_meta(await self._call(req, timeout), f"{req.op} answer")
-        self._places.note(meta)
-        return meta.buffer_id
+        return await self._buffers.clone_buffer(src_id, name, ttl)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]:
         """The buffer's metadata; ``tensors=False`` leaves out the manifest's
         entries (a big manifest is a big answer). Raises NOT_FOUND."""
-        self._check_open()
-        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
-        self._places.note(parse_meta(meta))
-        if tensors:
-            self._tensors.remember(buffer_id, meta)
-        return meta
+        return await self._buffers.get_buffer_meta(buffer_id, tensors, timeout)
 
     def attach(self, buffer_id: str) -> Opening[Attachment]:
         """A zero-copy, read-only view of a host buffer of ours on this
@@ -241,15 +227,12 @@ class RpcContext:
 
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
-        self._check_open()
-        await self._call(P.Release(buffer_id=buffer_id), timeout)
-        self._places.forget(buffer_id)
+        await self._buffers.release_buffer(buffer_id, timeout)
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
                            timeout: float | None = None) -> float | None:
         """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
-        self._check_open()
-        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
+        return await self._buffers.renew_buffer(buffer_id, ttl, timeout)
 
     # ``timeout`` of a control op: seconds for the whole call, the wait for an
     # in-flight slot included (default: the context's); past it, TIMEOUT.
@@ -257,52 +240,36 @@ class RpcContext:
     async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """The node's devices, a map each (``key``, ``device_type``, ``device``,
         ``total``, ``free``, ``largest_free``, ...)."""
-        self._check_open()
-        devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
-            "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
-        parse_devices(devices)
-        return list(devices)
+        return await self._buffers.list_devices(timeout)
 
     async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """This tenant's buffers on the node (not its blocks), a metadata map each."""
-        self._check_open()
-        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
+        return await self._buffers.list_buffers(timeout)
 
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         """What this tenant may see of the node: its sessions, buffers, bytes
         and counters, each device's size and free bytes."""
-        self._check_open()
-        result = await self._call(P.Stats(), timeout)
-        parse_stats(result)
-        return result
+        return await self._buffers.stats(timeout)
 
     async def ping(self, timeout: float | None = None) -> float:
         """Round trip to the daemon, in seconds. Raises TIMEOUT, CONNECTION_LOST."""
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        await self._call(P.Ping(), timeout)
-        return loop.time() - t0
+        return await self._buffers.ping(timeout)
 
     async def open_buffer(self, name: str, timeout: float | None = None) -> str:
         """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
-        return await self._buffer(P.OpenBuffer(name=name), timeout)
+        return await self._buffers.open_buffer(name, timeout)
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
                            nbytes: int | None = None) -> None:
         """Set bytes to ``value`` on the daemon (no bytes cross the network).
         Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
-        self._check_open()
-        await self._call(P.ClearBuffer(buffer_id=buffer_id, value=value, offset=offset,
-                                       nbytes=nbytes))
+        await self._buffers.clear_buffer(buffer_id, value, offset, nbytes)
 
     async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
                           nbytes: int) -> None:
         """Copy between (or within) this tenant's buffers on the daemon's node,
         without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE."""
-        self._check_open()
-        await self._call(P.CopyBuffer(src_id=src_id, src_offset=src_offset, dst_id=dst_id,
-                                      dst_offset=dst_offset, nbytes=nbytes))
+        await self._buffers.copy_buffer(src_id, src_offset, dst_id, dst_offset, nbytes)
 
     # -- data ops -------------------------------------------------------------------
 
