@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from rpcbuf.control.client.arrays import host_data
+from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
 from rpcbuf.control.client.tensors import XXH3
 from rpcbuf.control.wire import protocol as P
@@ -31,11 +32,6 @@ from rpcbuf.control.wire.errors import BadRequest, NotFound
 
 HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
 GET_TRIES = 3
-
-
-class Caller(Protocol):
-    async def __call__(self, req: P.Request, timeout: float | None = None
-                       ) -> dict[str, Any]: ...
 
 
 def check_keys(keys: Any) -> list[str]:
@@ -54,11 +50,11 @@ def check_keys(keys: Any) -> list[str]:
 
 class BlockOps:
     """The block verbs of one context (``RpcContext.put_blocks`` ...: their
-    docstrings and defaults are the contract), over its ``call`` (control
+    docstrings and defaults are the contract), over its ``caller`` (control
     ops) and ``paths``; ``check_open`` first, as every verb."""
 
-    def __init__(self, call: Caller, paths: DataPaths, check_open: Callable[[], None]) -> None:
-        self._call, self._paths, self._check_open = call, paths, check_open
+    def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None]) -> None:
+        self._call, self._paths, self._check_open = caller.call, paths, check_open
 
     async def put(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
                   ttl: float | None, metas: Sequence[bytes] | None, device_type: str,

@@ -101,8 +101,8 @@ class RpcContext:
                                 self._check_open)
         self._tensors = TensorOps(self)
         self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
-        self._dedup = DedupOps(self._check_open, self._call, self._tensors, self._ranges)
-        self._blocks = BlockOps(self._call, self._paths, self._check_open)
+        self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
+        self._blocks = BlockOps(self._caller, self._paths, self._check_open)
         self._attacher = Attacher(self._caller, handles if self.same_host else None,
                                   self._check_open,
                                   lambda: self._closed or self._conn.lost is not None)

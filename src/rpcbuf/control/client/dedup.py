@@ -12,18 +12,19 @@ caller that hashed already (the model loader hashes while it reads ahead)
 passes ``hashes`` to skip it.
 
 ``DedupOps`` holds no connection: it is handed what it needs of its
-context's parts (a plain call, the manifest cache as ``Manifests``, the
+context's parts (its ``Caller``, the manifest cache as ``Manifests``, the
 batch store as ``BatchStore``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.tensors import (
     ManifestTable,
     Packed,
@@ -67,10 +68,9 @@ class DedupOps:
     """``store_tensors_dedup`` over a context's parts; ``check_open`` first,
     as every verb."""
 
-    def __init__(self, check_open: Callable[[], None],
-                 call: Callable[[P.Request], Awaitable[dict[str, Any]]],
-                 manifests: Manifests, store: BatchStore) -> None:
-        self._check_open, self._call = check_open, call
+    def __init__(self, check_open: Callable[[], None], caller: Caller, manifests: Manifests,
+                 store: BatchStore) -> None:
+        self._check_open, self._call = check_open, caller.call
         self._manifests, self._store = manifests, store
 
     async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
