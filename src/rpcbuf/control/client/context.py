@@ -68,7 +68,6 @@ class RpcContext:
                  timeout: float | None, max_inflight: int | None = None,
                  ucx_host: str = "127.0.0.1", handles: Handles | None = None) -> None:
         self._conn = conn
-        self._hello = hello
         #: the daemon's hello as it came (checked: ``hello.parse_hello``)
         self.hello = raw_hello
         #: True when this context's host arrays move by the same-host path
