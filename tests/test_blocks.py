@@ -34,6 +34,33 @@ def _blocks(n: int, size: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.both_paths
+async def test_typed_and_strided_arrays_are_their_bytes(tier: DaemonProc) -> None:
+    """A block is its array's bytes whatever the dtype (the arrays go as
+    they are, no uint8 view made), a strided one copied once; a read fills
+    typed arrays the same way."""
+    f = np.linspace(-1, 1, 1000, dtype=np.float32)
+    grid = np.arange(64, dtype=np.int64).reshape(8, 8)
+    async with tier.connect("alice") as c:
+        await c.put_block("typed/f", f)  # as it is
+        await c.put_blocks({"typed/cols": grid[:, ::2]})  # copied once
+        out = [np.zeros(1000, np.float32), np.zeros((8, 4), np.int64)]
+        assert await c.get_blocks(["typed/f", "typed/cols"], out) == [True, True]
+        np.testing.assert_array_equal(out[0], f)
+        np.testing.assert_array_equal(out[1], grid[:, ::2])
+        raw = await c.get_block("typed/f")
+        assert raw is not None and np.array_equal(raw.view(np.float32), f)
+        with pytest.raises(rpcbuf.BadRequest, match="writable"):
+            await c.get_blocks(["typed/f"], [_read_only(1000)])
+        assert await c.remove_blocks(["typed/f", "typed/cols"]) == 2
+
+
+def _read_only(n: int) -> np.ndarray:
+    a = np.zeros(n, np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.both_paths
 async def test_put_get_lookup_list_remove(tier: DaemonProc) -> None:
     start = await pool_free(tier)
     blocks = {**_blocks(3, 256 << 10, 1), **_blocks(2, 4 * MiB, 2),

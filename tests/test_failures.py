@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -210,3 +211,32 @@ async def test_quotas(daemon_factory) -> None:  # type: ignore[no-untyped-def]
             await carol.release_buffer(buf)
         await carol.release_buffer(await carol.request_buffer(1 << 20))  # quota came back
         await dave.release_buffer(await dave.request_buffer(8 << 20))
+
+
+async def test_every_verb_of_a_closed_context_is_connection_lost(clean_pool) -> None:  # type: ignore[no-untyped-def]
+    """Every verb checks its context first, whichever part does the work
+    (bufferops, rangeops, blockops, tensorops, dedup, attach): after
+    ``close`` each is CONNECTION_LOST, and nothing is sent."""
+    c = await clean_pool.connect("alice")
+    buf = await c.request_buffer(4096)  # session-scoped: released by the close
+    await c.close()
+    a = np.zeros(8, np.uint8)
+    verbs: list[Any] = [
+        lambda: c.request_buffer(64), lambda: c.clone_buffer(buf),
+        lambda: c.get_buffer_meta(buf), lambda: c.open_buffer("x"),
+        lambda: c.release_buffer(buf), lambda: c.renew_buffer(buf),
+        lambda: c.clear_buffer(buf), lambda: c.copy_buffer(buf, 0, buf, 8, 8),
+        lambda: c.list_devices(), lambda: c.list_buffers(), lambda: c.stats(),
+        lambda: c.ping(), lambda: c.store_tensor(buf, a), lambda: c.read_buffer(buf, 0, 8),
+        lambda: c.store_batch(buf, [(0, a)]), lambda: c.read_batch(buf, [(0, 8)]),
+        lambda: c.verify_write(buf, 0, a), lambda: c.put_blocks({"k": a}),
+        lambda: c.put_block("k", a), lambda: c.get_blocks(["k"], [a]),
+        lambda: c.get_block("k"), lambda: c.lookup_blocks(["k"]),
+        lambda: c.blocks_exist(["k"]), lambda: c.remove_blocks(["k"]),
+        lambda: c.list_blocks(), lambda: c.store_tensors(buf, {"a": a}),
+        lambda: c.load_tensors(buf), lambda: c.store_tensors_dedup(buf, {"a": a}),
+        lambda: c.load_file(buf, "f.safetensors", 8, []), lambda: c.attach(buf),
+        lambda: c.attach_block("k")]
+    for verb in verbs:
+        with pytest.raises(rpcbuf.ConnectionLost, match="closed"):
+            await verb()

@@ -245,7 +245,7 @@ def test_fake_device_arrays_take_the_device_path(fake_cupy) -> None:  # type: ig
 async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
                                                 fake_cupy) -> None:  # type: ignore[no-untyped-def]
     """What the real API refuses, the fake makes the client refuse too: the
-    batch verbs take host arrays (tests/test_gpu.py once stored a CuPy array
+    batch and block verbs take host arrays (tests/test_gpu.py once stored a CuPy array
     with store_tensors and so could never reach its attach)."""
     buf = await ctx.request_buffer(1 << 16)
     try:
@@ -254,6 +254,10 @@ async def test_batch_verbs_refuse_device_arrays(ctx: rpcbuf.RpcContext,
             await ctx.store_tensors(buf, {"w": dev})
         with pytest.raises(rpcbuf.BadRequest, match="host arrays"):
             await ctx.store_batch(buf, [(0, np.zeros(8, np.uint8)), (64, dev)])
+        with pytest.raises(rpcbuf.BadRequest, match="put_blocks takes host arrays"):
+            await ctx.put_blocks({"k": dev})
+        with pytest.raises(rpcbuf.BadRequest, match="get_blocks takes host arrays"):
+            await ctx.get_blocks(["k"], [dev])
         assert (await ctx.get_buffer_meta(buf))["tensors"] in ({}, [], None)  # no trace
         await ctx.store_tensors(buf, {"w": dev.get()})  # the host copy is fine
     finally:
@@ -301,7 +305,7 @@ async def test_wire_fp16_bad_requests(ctx: rpcbuf.RpcContext) -> None:
             await ctx.store_tensor(buf, np.zeros(200, np.float32), offset=300,
                                    wire_dtype="float16")
         with pytest.raises(rpcbuf.BadRequest, match="multiple of 4"):  # a raw request
-            await ctx._store(buf, np.zeros(6, np.uint8), 0, None, wire_dtype="float16")
+            await ctx._ranges.store(buf, np.zeros(6, np.uint8), 0, None, wire_dtype="float16")
         await ctx.store_tensor(buf, np.ones(4, np.float32))  # the session still works
     finally:
         await ctx.release_buffer(buf)
@@ -336,7 +340,7 @@ async def test_fake_gpu_buffers(fake_gpu_daemon) -> None:  # type: ignore[no-unt
             assert np.array_equal(back, f.astype(np.float16).astype(np.float32))
             with pytest.raises(rpcbuf.BadRequest, match="aligned"):
                 await c.store_tensor(buf, f, offset=2, wire_dtype="float16")
-            res = await c._store(buf, data, 0, "checksum", kind="xxh3")  # either kind works
+            res = await c._ranges.store(buf, data, 0, "checksum", kind="xxh3")  # either kind works
             assert res["checksum_kind"] == "xxh3"
             bad = P.Store(buffer_id=buf, offset=0, nbytes=data.nbytes, checksum=12345,
                           verify="checksum", checksum_kind="devsum")

@@ -195,7 +195,7 @@ def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
 
 async def test_metrics_and_audit_after_real_ops(
         daemon_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    import rpcbuf.control.client.context
+    import rpcbuf.control.client.rangeops
 
     audit = tmp_path / "audit.log"
     d = daemon_factory("--device", "cpu:16MiB", "--metrics", "127.0.0.1:0",
@@ -206,7 +206,7 @@ async def test_metrics_and_audit_after_real_ops(
         await c.store_tensor(buf, np.ones(4096, np.uint8), offset=64, verify="checksum")
         await c.read_buffer(buf, 0, 1000)
         with monkeypatch.context() as mp:
-            mp.setattr(rpcbuf.control.client.context, "checksum", lambda data: 12345)
+            mp.setattr(rpcbuf.control.client.rangeops, "checksum", lambda data: 12345)
             with pytest.raises(rpcbuf.VerifyFailed):
                 await c.store_tensor(buf, np.ones(512, np.uint8), verify="checksum")
         with pytest.raises(rpcbuf.NotFound):

@@ -81,11 +81,11 @@ async def test_async_store_returns_a_task(ctx: rpcbuf.RpcContext) -> None:
 
 async def test_verify_failed_is_reported(ctx: rpcbuf.RpcContext,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    import rpcbuf.control.client.context
+    import rpcbuf.control.client.rangeops
 
     buf = await ctx.request_buffer(1024)
     # the client lies
-    monkeypatch.setattr(rpcbuf.control.client.context, "checksum", lambda data: 12345)
+    monkeypatch.setattr(rpcbuf.control.client.rangeops, "checksum", lambda data: 12345)
     with pytest.raises(rpcbuf.VerifyFailed) as info:
         await ctx.store_tensor(buf, np.ones(1024, np.uint8), verify="checksum")
     assert info.value.details["expected"] == 12345

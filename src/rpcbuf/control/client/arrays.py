@@ -16,6 +16,10 @@ file tensor.  ``torch_view`` is the way back: a tensor over the same memory
 (DLPack, which carries a read-only array without torch's "not writable"
 warning), of the dtype the source type names.
 
+The verbs that take host arrays only (the batch and block verbs,
+``store_tensors``) refuse GPU memory in one place, ``refuse_device``, before
+converting anything; ``host_data`` is their bytes.
+
 Streams: the producer's pending work must be finished before UCX touches the
 memory.  ``cupy.from_dlpack``/``cupy.asarray`` make CuPy's current stream wait
 for the producer's stream (the DLPack / CUDA array interface stream
@@ -25,8 +29,11 @@ only after every kernel that wrote the tensor has finished.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +163,10 @@ def _torch_u8(t: Any, writable: bool) -> Any:
 
 
 def host_bytes(array: Any, writable: bool = False) -> np.ndarray:
+    """A flat uint8 view of ``array``'s host memory (``as_bytes`` for an
+    array known to be on the host): NumPy, a CPU torch tensor (``host_array``),
+    DLPack, or the buffer protocol.  BAD_REQUEST as ``as_bytes`` says, and for
+    anything else."""
     if isinstance(array, np.ndarray):
         arr = array
     elif _torch_tensor(array):
@@ -180,6 +191,36 @@ def host_bytes(array: Any, writable: bool = False) -> np.ndarray:
     if writable and not arr.flags.writeable:
         raise BadRequest("out must be writable")
     return arr.reshape(-1).view(np.uint8)
+
+
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_WRITEABLE = operator.attrgetter("flags.writeable")
+
+
+def refuse_device(values: Sequence[Any], refusal: str,
+                  names: Sequence[str] | None = None) -> None:
+    """The check of every verb that takes host arrays only (``store_tensors``,
+    ``store_batch``, the block verbs), before any value is converted:
+    BAD_REQUEST for one in GPU memory (``refusal`` says why; ``names``, when
+    given, name it), which ``np.asarray`` would refuse (CuPy, torch) or copy."""
+    on_gpu = next((i for i, v in enumerate(values) if is_cuda(v)), None)
+    if on_gpu is not None:
+        what = f"tensor {names[on_gpu]!r}" if names is not None else "an array"
+        raise BadRequest(f"{what} is in GPU memory: {refusal}")
+
+
+def host_data(values: list[Any], refusal: str, writable: bool = False) -> list[np.ndarray]:
+    """The bytes of ``values`` in host memory, for a verb that takes host
+    arrays only: ``values`` itself when all are C-contiguous NumPy arrays (and
+    writable, for ``writable``: the common case, no per-array work), else
+    each as a flat uint8 view (``host_bytes``).  BAD_REQUEST for an array in
+    GPU memory (``refuse_device``) or one ``host_bytes`` refuses."""
+    if all(map(isinstance, values, itertools.repeat(np.ndarray))) \
+            and all(map(_C_CONTIGUOUS, values)) \
+            and (not writable or all(map(_WRITEABLE, values))):
+        return values
+    refuse_device(values, refusal)
+    return [host_bytes(v, writable) for v in values]
 
 
 def _has_buffer(obj: Any) -> bool:

@@ -7,6 +7,8 @@ handle channel, and maps it here read-only: ``view.array()`` and
 writeable (the mapping is ``PROT_READ`` and the memfd is sealed, so nothing
 can make them writable).  While the attachment is open the daemon refuses
 every store, clear and copy into the buffer (BUSY) and defers its release.
+``attach_block`` maps a keyed block the same way.  ``Attacher`` is a
+context's part for the two verbs.
 
 Closing: ``await view.close()`` (or leaving ``async with``) ends the
 attachment at once when no array of it is alive; otherwise the arrays keep
@@ -34,7 +36,7 @@ from rpcbuf.control.client.arrays import check_framework, torch_view
 from rpcbuf.control.client.connection import Caller, result_of
 from rpcbuf.control.client.handles import Handles, check_read_only
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest, ConnectionLost
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
 from rpcbuf.control.wire.manifest import RESERVED, np_dtype
 
 
@@ -148,6 +150,39 @@ class _Sent:
                   answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         self.req_id = req_id
         return result_of(await answer())
+
+
+class Attacher:
+    """The attach verbs of one context (``RpcContext.attach``,
+    ``attach_block``: their docstrings are the contract), over its caller and
+    handle channel (None: no same-host path, every attach is refused).  A
+    closed view's detach is sent unless the session ``ended`` (its end
+    detached everything)."""
+
+    def __init__(self, caller: Caller, handles: Handles | None, check_open: Callable[[], None],
+                 ended: Callable[[], bool]) -> None:
+        self._caller, self._handles = caller, handles
+        self._check_open, self._ended = check_open, ended
+
+    async def attach(self, buffer_id: str) -> Attachment:
+        return await self._open("attach", buffer_id, None)
+
+    async def attach_block(self, key: str) -> Attachment:
+        return await self._open("attach_block", "", P.BlockAttach(key=key))
+
+    async def _open(self, verb: str, buffer_id: str, req: P.Request | None) -> Attachment:
+        self._check_open()
+        if self._handles is None:
+            raise BadRequest(f"{verb} needs the same-host path: a client on the daemon's "
+                             "host, on its Unix socket", {"reason": "not_same_host"})
+        return await open_attachment(self._caller, self._handles, buffer_id,
+                                     self._caller.timeout, self._detach, req)
+
+    async def _detach(self, buffer_id: str) -> None:
+        if self._ended():
+            return
+        with contextlib.suppress(RpcBufError):
+            await self._caller.call(P.Detach(buffer_id=buffer_id))
 
 
 async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,

@@ -13,14 +13,13 @@ what turns the answer into what the caller gets back.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client.arrays import as_bytes
+from rpcbuf.control.client.arrays import as_bytes, host_data
 from rpcbuf.control.client.datapath import Transfer
 from rpcbuf.control.client.tensors import (
     XXH3,
@@ -71,7 +70,8 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
         packed = packed.take(order) if packed is not None else None
         known = known[order] if known is not None else None
         given = given[order] if given is not None else None
-    datas = _host_data(arrays)
+    datas = host_data(arrays, "store_batch takes host arrays; store GPU tensors with "
+                      "store_tensor")
     if known is None or datas is not arrays:
         sizes = np.fromiter(map(_NBYTES, datas), dtype=np.uint64, count=n)
     else:
@@ -140,7 +140,6 @@ def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 _NBYTES = operator.attrgetter("nbytes")
-_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 
 
 def _packed(manifest: tuple[list[str], list[str], list[list[int]]] | Packed | None,
@@ -163,18 +162,6 @@ def _given_checksums(checksums: Sequence[int] | None, n: int) -> np.ndarray | No
     if sums.shape != (n,):
         raise BadRequest(f"{sums.size} checksums for {n} items")
     return sums
-
-
-def _host_data(arrays: list[Any]) -> list[np.ndarray]:
-    """The arrays themselves when all are C-contiguous NumPy arrays (the
-    common case: no per-array work), else flat uint8 views (``as_bytes``)."""
-    if all(map(isinstance, arrays, itertools.repeat(np.ndarray))) \
-            and all(map(_C_CONTIGUOUS, arrays)):
-        return arrays
-    datas = [as_bytes(a) for a in arrays]
-    if not all(isinstance(d, np.ndarray) for d in datas):
-        raise BadRequest("store_batch takes host arrays; store GPU tensors with store_tensor")
-    return datas
 
 
 def _payload(datas: list[np.ndarray]) -> np.ndarray:

@@ -18,12 +18,13 @@ between two tries), and the answer says which keys were read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client.arrays import host_bytes
+from rpcbuf.control.client.arrays import host_data
+from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
 from rpcbuf.control.client.tensors import XXH3
 from rpcbuf.control.wire import protocol as P
@@ -31,11 +32,6 @@ from rpcbuf.control.wire.errors import BadRequest, NotFound
 
 HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
 GET_TRIES = 3
-
-
-class Caller(Protocol):
-    async def __call__(self, req: P.Request, timeout: float | None = None
-                       ) -> dict[str, Any]: ...
 
 
 def check_keys(keys: Any) -> list[str]:
@@ -52,28 +48,29 @@ def check_keys(keys: Any) -> list[str]:
     return out
 
 
-def _host(arrays: Sequence[Any], writable: bool, what: str) -> list[np.ndarray]:
-    datas = [host_bytes(a, writable) for a in arrays]
-    if not all(isinstance(d, np.ndarray) for d in datas):
-        raise BadRequest(f"{what} takes host arrays (blocks live in host memory)")
-    return datas
-
-
 class BlockOps:
-    """The block verbs of one context: its ``call`` (control ops) and ``paths``."""
+    """The block verbs of one context (``RpcContext.put_blocks`` ...: their
+    docstrings and defaults are the contract), over its ``caller`` (control
+    ops) and ``paths``; ``check_open`` first, as every verb."""
 
-    def __init__(self, call: Caller, paths: DataPaths) -> None:
-        self._call, self._paths = call, paths
+    def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None]) -> None:
+        self._call, self._paths, self._check_open = caller.call, paths, check_open
 
-    async def put(self, keys: Sequence[str], arrays: Sequence[Any], ttl: float | None = None,
-                  metas: Sequence[bytes] | None = None, device_type: str = "CPU",
-                  device: int = 0) -> dict[str, Any]:
+    async def put(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
+                  ttl: float | None, metas: Sequence[bytes] | None, device_type: str,
+                  device: int) -> dict[str, Any]:
+        self._check_open()
+        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
+        try:
+            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
+        except (TypeError, ValueError):
+            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
         keys = check_keys(keys)
         if len(arrays) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(arrays)} arrays")
         if len(set(keys)) != len(keys):
             raise BadRequest("put_blocks names each key once")
-        datas = _host(arrays, False, "put_blocks")
+        datas = host_data(list(arrays), "put_blocks takes host arrays (blocks live in host memory)")
         if any(d.nbytes == 0 for d in datas):
             raise BadRequest("every block holds at least one byte")
         sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
@@ -85,10 +82,25 @@ class BlockOps:
         return await self._paths.run("", HOST, _transfer(req, datas))
 
     async def get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+        self._check_open()
+        return await self._get(keys, out)
+
+    async def get_one(self, key: str, out: Any) -> np.ndarray | None:
+        self._check_open()
+        if out is None:
+            (info,) = await self.lookup([key], False, None)
+            if info is None:
+                return None
+            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
+        (hit,) = await self._get([key], [out])
+        return out if hit else None
+
+    async def _get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
         keys = check_keys(keys)
         if len(out) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
-        targets = _host(out, True, "get_blocks")
+        targets = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
+                            writable=True)
         found = [False] * len(keys)
         want = list(range(len(keys)))
         for _ in range(GET_TRIES):
@@ -112,8 +124,9 @@ class BlockOps:
             break
         return found
 
-    async def lookup(self, keys: Sequence[str], meta: bool = False,
-                     timeout: float | None = None) -> list[dict[str, Any] | None]:
+    async def lookup(self, keys: Sequence[str], meta: bool,
+                     timeout: float | None) -> list[dict[str, Any] | None]:
+        self._check_open()
         keys = check_keys(keys)
         result = await self._call(P.BlockLookup(keys=keys, meta=meta or None), timeout)
         sizes = result.get("sizes")
@@ -131,12 +144,17 @@ class BlockOps:
                 out.append({"nbytes": size})
         return out
 
-    async def remove(self, keys: Sequence[str], timeout: float | None = None) -> int:
+    async def exist(self, keys: Sequence[str], timeout: float | None) -> list[bool]:
+        return [b is not None for b in await self.lookup(keys, False, timeout)]
+
+    async def remove(self, keys: Sequence[str], timeout: float | None) -> int:
+        self._check_open()
         result = await self._call(P.BlockRemove(keys=check_keys(keys)), timeout)
         return int(result["removed"])
 
-    async def list(self, prefix: str | None = None, start_after: str | None = None,
-                   limit: int = 1000, timeout: float | None = None) -> tuple[list[str], bool]:
+    async def list(self, prefix: str | None, start_after: str | None, limit: int,
+                   timeout: float | None) -> tuple[list[str], bool]:
+        self._check_open()
         result = await self._call(P.BlockList(prefix=prefix, start_after=start_after,
                                               limit=limit), timeout)
         return list(result["keys"]), bool(result["more"])

@@ -3,13 +3,17 @@
 A context is composed of parts, each in its own module: the control
 connection and its in-flight slots (``connection.py``: ``ControlConnection``,
 ``Caller``), the session's data paths and the one rule that picks one per op
-(``datapath.py``), the batch planning (``batches.py``), the named-tensor
-layer with its manifest cache (``tensorops.py``) and the dedup upload
-(``dedup.py``).  ``opening.py`` opens the session (TCP or Unix socket, hello,
-the same-host switch) before any of them exists.  What this module adds is
-the verbs, their argument checks and what the daemon stated about each
-buffer (``BufferPlace``: its device and checksum kind, from its metadata),
-which routes and checks every data op.
+(``datapath.py``), the quick control ops (``bufferops.py``), the byte-range
+verbs and what the daemon stated about each buffer (``rangeops.py``:
+``RangeOps``, and ``Places``, which routes and checks every data op), the
+batch planning (``batches.py``), the keyed block tier (``blockops.py``), the
+named-tensor layer with its manifest cache (``tensorops.py``), the dedup
+upload (``dedup.py``) and the attach verbs (``attach.py``).  ``opening.py``
+opens the session (TCP or Unix socket, hello, the same-host switch) before
+any of them exists.  What this module adds is the verbs themselves (their
+names, defaults and docstrings are the contract; a verb with a part hands
+the call to it in one line) and the session's life: connect, close, abort
+and the check every verb makes first.
 
 Many tasks may share one context: every call gets its own request id, a
 semaphore sized by the daemon's ``max_inflight`` gives back-pressure, and
@@ -22,27 +26,18 @@ public methods still return the wire dicts they always returned.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client import batches, fileload
-from rpcbuf.control.client.answers import BufferMeta, parse_devices, parse_meta, parse_stats
-from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
-from rpcbuf.control.client.attach import Attachment, open_attachment
+from rpcbuf.control.client import fileload
+from rpcbuf.control.client.attach import Attacher, Attachment
 from rpcbuf.control.client.blockops import BlockOps
+from rpcbuf.control.client.bufferops import BufferOps
 from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
-from rpcbuf.control.client.datapath import (
-    BufferPlace,
-    DataPaths,
-    InlinePath,
-    StagedPath,
-    Transfer,
-    UcxPath,
-)
+from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, UcxPath, inline_on
 from rpcbuf.control.client.dedup import DedupOps
 from rpcbuf.control.client.handles import Handles
 from rpcbuf.control.client.hello import HelloAnswer
@@ -55,26 +50,15 @@ from rpcbuf.control.client.opening import (
     parse_addr,
     same_host_default,
 )
+from rpcbuf.control.client.rangeops import Places, RangeOps
 from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import ManifestTable, Packed
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import (
-    BadRequest,
-    ConnectionLost,
-    NotFound,
-    RpcBufError,
-    Timeout,
-    VerifyFailed,
-)
-from rpcbuf.control.wire.gpuops import check_wire_dtype
-from rpcbuf.control.wire.manifest import ManifestColumns, Source
-from rpcbuf.dataplane.checksum import checksum
-from rpcbuf.dataplane.devsum import devsum
+from rpcbuf.control.wire.errors import ConnectionLost, Timeout
+from rpcbuf.control.wire.manifest import Source
 
 __all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
            "parse_addr", "same_host_default"]
-
-_PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
 
 
 class RpcContext:
@@ -84,7 +68,6 @@ class RpcContext:
                  timeout: float | None, max_inflight: int | None = None,
                  ucx_host: str = "127.0.0.1", handles: Handles | None = None) -> None:
         self._conn = conn
-        self._hello = hello
         #: the daemon's hello as it came (checked: ``hello.parse_hello``)
         self.hello = raw_hello
         #: True when this context's host arrays move by the same-host path
@@ -111,11 +94,17 @@ class RpcContext:
             if handles is not None and handles.area is not None else None,
             InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
             else None)
-        self._paths.on_device_memory = self._on_device_memory
-        self._places: dict[str, BufferPlace] = {}  # buffer id -> what the daemon stated
+        self._places = Places(hello)  # what the daemon stated about each buffer
+        self._paths.on_device_memory = self._places.device_memory
+        self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
+                                self._check_open)
         self._tensors = TensorOps(self)
-        self._dedup = DedupOps(_DedupNeeds(self))
-        self._blocks = BlockOps(self._call, self._paths)
+        self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
+        self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
+        self._blocks = BlockOps(self._caller, self._paths, self._check_open)
+        self._attacher = Attacher(self._caller, handles if self.same_host else None,
+                                  self._check_open,
+                                  lambda: self._closed or self._conn.lost is not None)
         # Without its control session the daemon drops the data endpoint too:
         # abort ours at once so posted UCX requests fail instead of waiting.
         conn.on_lost = self._paths.ucx.abort
@@ -179,40 +168,13 @@ class RpcContext:
             self._handles.close()
 
     def abort(self) -> None:
+        """Close at once, waiting for nothing (idempotent): posted UCX
+        requests fail, and the daemon ends the session as on ``close``."""
         self._closed = True
         self._paths.ucx.abort()
         self._conn.close()
         if self._handles is not None:
             self._handles.close()
-
-    # -- what the daemon stated about buffers -------------------------------------
-
-    def _note(self, meta: BufferMeta) -> None:
-        places = self._places
-        if len(places) >= _PLACES_MAX and meta.buffer_id not in places:
-            del places[next(iter(places))]
-        places[meta.buffer_id] = BufferPlace(
-            meta.gpu, self._hello.checksum_kind(meta.device_type, meta.device))
-
-    def _on_device_memory(self, buffer_id: str) -> None:
-        self._places[buffer_id] = BufferPlace(True, self._hello.checksum_kind("GPU", 0))
-
-    async def _place(self, buffer_id: str) -> BufferPlace | None:
-        """Where the buffer lives, as the daemon stated it: from this
-        context's answers, else asked once (``get_buffer_meta`` without the
-        manifest).  None for an id that is no string or no buffer of ours:
-        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
-        arguments before NOT_FOUND, as the daemon checks them)."""
-        if not isinstance(buffer_id, str):
-            return None
-        place = self._places.get(buffer_id)
-        if place is None:
-            try:
-                await self.get_buffer_meta(buffer_id, tensors=False)
-            except NotFound:
-                return None
-            place = self._places.get(buffer_id)
-        return place
 
     # -- control ops ----------------------------------------------------------------
 
@@ -223,14 +185,7 @@ class RpcContext:
 
         Raises OUT_OF_MEMORY (details: requested, free, largest_free),
         QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
-        self._check_open()
-        wait = None if not timeout else timeout + (self.timeout or 0)
-        meta = await self._call(P.RequestBuffer(size=size, device_type=device_type, device=device,
-                                                timeout=timeout, ttl=ttl, name=name),
-                                timeout=wait if timeout else None)
-        parsed = parse_meta(meta, "request_buffer answer")
-        self._note(parsed)
-        return parsed.buffer_id
+        return await self._buffers.request_buffer(size, device_type, device, timeout, ttl, name)
 
     async def clone_buffer(self, src_id: str, name: str | None = None,
                            ttl: float | None = None) -> str:
@@ -240,22 +195,13 @@ class RpcContext:
         leased or, with neither, session-scoped, like ``request_buffer``.
         Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
         QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
-        self._check_open()
-        meta = await self._call(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl))
-        parsed = parse_meta(meta, "clone_buffer answer")
-        self._note(parsed)
-        return parsed.buffer_id
+        return await self._buffers.clone_buffer(src_id, name, ttl)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
                               timeout: float | None = None) -> dict[str, Any]:
         """The buffer's metadata; ``tensors=False`` leaves out the manifest's
         entries (a big manifest is a big answer). Raises NOT_FOUND."""
-        self._check_open()
-        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
-        self._note(parse_meta(meta))
-        if tensors:
-            self._tensors.remember(buffer_id, meta)
-        return meta
+        return await self._buffers.get_buffer_meta(buffer_id, tensors, timeout)
 
     def attach(self, buffer_id: str) -> Opening[Attachment]:
         """A zero-copy, read-only view of a host buffer of ours on this
@@ -266,16 +212,7 @@ class RpcContext:
         are BUSY and its release waits (see ``control/client/attach.py``).
         Needs the same-host path.  Raises NOT_FOUND, BAD_REQUEST
         (not same-host), UNSUPPORTED_DEVICE, QUOTA_EXCEEDED."""
-        return Opening(lambda: self._attach(buffer_id))
-
-    async def _attach(self, buffer_id: str) -> Attachment:
-        self._check_open()
-        handles = self._handles
-        if handles is None or not self.same_host:
-            raise BadRequest("attach needs the same-host path: a client on the daemon's "
-                             "host, on its Unix socket", {"reason": "not_same_host"})
-        return await open_attachment(self._caller, handles, buffer_id, self.timeout,
-                                     self._detach)
+        return Opening(lambda: self._attacher.attach(buffer_id))
 
     def attach_block(self, key: str) -> Opening[Attachment]:
         """A block served in place: a zero-copy, read-only view of it on this
@@ -285,87 +222,53 @@ class RpcContext:
         ttl takes it out of the tier at once but frees its
         memory only when the view closes.  Raises NOT_FOUND (a miss),
         BAD_REQUEST (not same-host)."""
-        return Opening(lambda: self._attach_block(key))
-
-    async def _attach_block(self, key: str) -> Attachment:
-        self._check_open()
-        handles = self._handles
-        if handles is None or not self.same_host:
-            raise BadRequest("attach_block needs the same-host path: a client on the "
-                             "daemon's host, on its Unix socket", {"reason": "not_same_host"})
-        return await open_attachment(self._caller, handles, "", self.timeout, self._detach,
-                                     P.BlockAttach(key=key))
-
-    async def _detach(self, buffer_id: str) -> None:
-        if self._closed or self._conn.lost is not None:
-            return  # the session's end detached everything
-        with contextlib.suppress(RpcBufError):
-            await self._call(P.Detach(buffer_id=buffer_id))
+        return Opening(lambda: self._attacher.attach_block(key))
 
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
-        self._check_open()
-        await self._call(P.Release(buffer_id=buffer_id), timeout)
-        if isinstance(buffer_id, str):
-            self._places.pop(buffer_id, None)
+        await self._buffers.release_buffer(buffer_id, timeout)
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
                            timeout: float | None = None) -> float | None:
         """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
-        self._check_open()
-        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
+        return await self._buffers.renew_buffer(buffer_id, ttl, timeout)
 
     # ``timeout`` of a control op: seconds for the whole call, the wait for an
     # in-flight slot included (default: the context's); past it, TIMEOUT.
 
     async def list_devices(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        self._check_open()
-        devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
-            "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
-        parse_devices(devices)
-        return list(devices)
+        """The node's devices, a map each (``key``, ``device_type``, ``device``,
+        ``total``, ``free``, ``largest_free``, ...)."""
+        return await self._buffers.list_devices(timeout)
 
     async def list_buffers(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        self._check_open()
-        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
+        """This tenant's buffers on the node (not its blocks), a metadata map each."""
+        return await self._buffers.list_buffers(timeout)
 
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
-        self._check_open()
-        result = await self._call(P.Stats(), timeout)
-        parse_stats(result)
-        return result
+        """What this tenant may see of the node: its sessions, buffers, bytes
+        and counters, each device's size and free bytes."""
+        return await self._buffers.stats(timeout)
 
     async def ping(self, timeout: float | None = None) -> float:
         """Round trip to the daemon, in seconds. Raises TIMEOUT, CONNECTION_LOST."""
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        await self._call(P.Ping(), timeout)
-        return loop.time() - t0
+        return await self._buffers.ping(timeout)
 
     async def open_buffer(self, name: str, timeout: float | None = None) -> str:
         """The id of this tenant's buffer called ``name``. Raises NOT_FOUND."""
-        self._check_open()
-        meta = parse_meta(await self._call(P.OpenBuffer(name=name), timeout),
-                          "open_buffer answer")
-        self._note(meta)
-        return meta.buffer_id
+        return await self._buffers.open_buffer(name, timeout)
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
                            nbytes: int | None = None) -> None:
         """Set bytes to ``value`` on the daemon (no bytes cross the network).
         Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
-        self._check_open()
-        await self._call(P.ClearBuffer(buffer_id=buffer_id, value=value, offset=offset,
-                                       nbytes=nbytes))
+        await self._buffers.clear_buffer(buffer_id, value, offset, nbytes)
 
     async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
                           nbytes: int) -> None:
         """Copy between (or within) this tenant's buffers on the daemon's node,
         without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE."""
-        self._check_open()
-        await self._call(P.CopyBuffer(src_id=src_id, src_offset=src_offset, dst_id=dst_id,
-                                      dst_offset=dst_offset, nbytes=nbytes))
+        await self._buffers.copy_buffer(src_id, src_offset, dst_id, dst_offset, nbytes)
 
     # -- data ops -------------------------------------------------------------------
 
@@ -376,7 +279,7 @@ class RpcContext:
 
         ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
         buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
-        made of a contiguous one (see ``control.arrays``).
+        made of a contiguous one (see ``control/client/arrays.py``).
         ``verify="checksum"`` has the daemon hash what it received and compare
         (the checksum the daemon states for the buffer's device: xxh3 on the
         host, ``devsum`` on a GPU; ``devsum`` too for an array in GPU memory,
@@ -385,52 +288,7 @@ class RpcContext:
         ``sync=False`` returns a task at once (await it for the answer; keep
         the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
         VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
-        self._check_open()
-        if verify not in (None, "checksum"):
-            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
-        if wire_dtype is not None:
-            check_wire_dtype(wire_dtype, dtype_name(array))
-        kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
-        if wire_dtype is None:
-            data, landed = as_bytes(array), None
-        else:
-            data, landed = to_wire_f16(array)
-        coro = self._store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
-        if sync:
-            return await coro
-        return asyncio.get_running_loop().create_task(coro)
-
-    async def _store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
-                     kind: str | None = None, wire_dtype: str | None = None,
-                     landed: Any = None) -> dict[str, Any]:
-        """``landed``: the bytes the buffer will hold when they differ from
-        the payload (wire fp16); the checksum covers what lands.  ``kind``:
-        the checksum to send (None: the one the daemon states for the buffer)."""
-        prepare(data)
-        place = await self._place(buffer_id)
-        if kind is None:
-            kind = place.checksum_kind if place is not None else "xxh3"
-        final = data if landed is None else landed
-        digest = None
-        if verify:
-            digest = devsum(final) if kind == "devsum" else checksum(final)
-        nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
-
-        def request(stage: int | None) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           wire_dtype=wire_dtype,  # type: ignore[arg-type]
-                           stage=stage)
-
-        def inline(payload: Any) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           data=payload)
-
-        return await self._paths.run(buffer_id, place, _one(
-            request, data, inline if wire_dtype is None else None))
+        return await self._ranges.store_tensor(buffer_id, array, offset, sync, verify, wire_dtype)
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
                           out: Any = None) -> np.ndarray:
@@ -438,33 +296,7 @@ class RpcContext:
         straight into ``out`` (or a new uint8 array), which is returned.
 
         Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST, CONNECTION_LOST."""
-        self._check_open()
-        target = as_bytes(out, writable=True) if out is not None else None
-        if nbytes is None:
-            if target is not None:
-                nbytes = int(target.nbytes)
-            else:
-                meta = parse_meta(await self.get_buffer_meta(buffer_id))
-                nbytes = meta.size - offset
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if target is None:
-            target = np.empty(nbytes, dtype=np.uint8)
-        elif target.nbytes < nbytes:
-            raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
-        dest = target[:nbytes]
-        prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
-        size = nbytes
-
-        def request(stage: int | None) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
-
-        def inline(_: Any) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
-
-        await self._paths.run(buffer_id, await self._place(buffer_id),
-                              _one(request, dest, inline), receive=True)
-        return out if out is not None else target
+        return await self._ranges.read_buffer(buffer_id, offset, nbytes, out)
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
                           verify: str | None = None,
@@ -487,10 +319,8 @@ class RpcContext:
         The answer's ``checksums`` (with a manifest) are index-aligned with
         ``items`` too; they are xxh3-64, whatever the buffer's device.
         Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
-        self._check_open()
-        t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
-                                          checksums=checksums)
-        return in_order(await self._paths.run(buffer_id, await self._place(buffer_id), t))
+        return await self._ranges.store_batch(buffer_id, items, verify, manifest,
+                                              manifest_version, checksums)
 
     async def read_batch(self, buffer_id: str,
                          ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
@@ -498,10 +328,7 @@ class RpcContext:
         trip; returns uint8 arrays in the order asked.  Ranges close together
         are read as one span (``tensors.plan_spans``) and come back as views
         into it.  Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
-        self._check_open()
-        t, views = batches.read_batch(buffer_id, ranges)
-        await self._paths.run(buffer_id, await self._place(buffer_id), t, receive=True)
-        return views()
+        return await self._ranges.read_batch(buffer_id, ranges)
 
     # -- keyed blocks (blockops.py; the daemon's blocks.py, docs/kvcache.md) ------------
 
@@ -518,13 +345,7 @@ class RpcContext:
         ``lookup_blocks(meta=True)``.  Raises BAD_REQUEST, VERIFY_FAILED,
         QUOTA_EXCEEDED (larger than the quota, or nothing left to evict),
         OUT_OF_MEMORY, UNSUPPORTED_DEVICE."""
-        self._check_open()
-        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
-        try:
-            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
-        except (TypeError, ValueError):
-            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
-        return await self._blocks.put(keys, arrays, ttl, metas, device_type, device)
+        return await self._blocks.put(blocks, ttl, metas, device_type, device)
 
     async def put_block(self, key: str, array: Any, ttl: float | None = None,
                         meta: bytes | None = None) -> dict[str, Any]:
@@ -538,36 +359,27 @@ class RpcContext:
         (the others' arrays are left as they were, or hold arbitrary bytes
         when a block went away between tries).  A key of another size counts
         as missing.  Raises BAD_REQUEST."""
-        self._check_open()
         return await self._blocks.get(keys, out)
 
     async def get_block(self, key: str, out: Any = None) -> np.ndarray | None:
         """One block as a uint8 array (into ``out`` when given), or None."""
-        self._check_open()
-        if out is None:
-            (info,) = await self._blocks.lookup([key])
-            if info is None:
-                return None
-            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
-        (hit,) = await self._blocks.get([key], [out])
-        return out if hit else None
+        return await self._blocks.get_one(key, out)
 
     async def lookup_blocks(self, keys: Sequence[str], meta: bool = False,
                             timeout: float | None = None) -> list[dict[str, Any] | None]:
         """Per key: None when it names no block, else ``{"nbytes"}`` (and
         with ``meta``, ``"meta"`` and ``"expires_at"``, unix time or None).
         A lookup counts as a use for the LRU order."""
-        self._check_open()
         return await self._blocks.lookup(keys, meta, timeout)
 
     async def blocks_exist(self, keys: Sequence[str],
                            timeout: float | None = None) -> list[bool]:
-        return [b is not None for b in await self.lookup_blocks(keys, timeout=timeout)]
+        """Per key, whether it names a block (``lookup_blocks``: a use too)."""
+        return await self._blocks.exist(keys, timeout)
 
     async def remove_blocks(self, keys: Sequence[str], timeout: float | None = None) -> int:
         """Remove blocks by key (a block being read is freed when the read
         ends); returns how many keys named one."""
-        self._check_open()
         return await self._blocks.remove(keys, timeout)
 
     async def list_blocks(self, prefix: str | None = None, start_after: str | None = None,
@@ -575,7 +387,6 @@ class RpcContext:
                           ) -> tuple[list[str], bool]:
         """This tenant's keys, sorted: at most ``limit`` (1..4096) after
         ``start_after``, those starting with ``prefix``; and whether more follow."""
-        self._check_open()
         return await self._blocks.list(prefix, start_after, limit, timeout)
 
     # -- named tensors (tensorops.py) and dedup uploads (dedup.py) ---------------------
@@ -660,49 +471,5 @@ class RpcContext:
 
         Returns True when equal; raises VERIFY_FAILED (with the first differing
         byte) when not."""
-        data = as_bytes(array)
-        if not isinstance(data, np.ndarray):  # device memory: compare on the host
-            data = data.get()
-        back = await self.read_buffer(buffer_id, offset, int(data.nbytes))
-        if not np.array_equal(back, data):
-            first = int(np.flatnonzero(back != data)[0])
-            raise VerifyFailed("read-back differs from the array",
-                               {"offset": offset, "first_difference": first})
-        return True
+        return await self._ranges.verify_write(buffer_id, offset, array)
 
-
-class _DedupNeeds:
-    """What ``DedupOps`` may reach of a context (``dedup.DedupNeeds``)."""
-
-    def __init__(self, ctx: RpcContext) -> None:
-        self._ctx = ctx
-
-    def check_open(self) -> None:
-        self._ctx._check_open()
-
-    async def call(self, req: P.Request) -> dict[str, Any]:
-        return await self._ctx._call(req)
-
-    async def manifest_of(self, buffer_id: str) -> ManifestTable:
-        return await self._ctx._tensors.manifest_of(buffer_id)
-
-    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
-                          verify: str | None = None,
-                          manifest: ManifestColumns | Packed | None = None,
-                          checksums: Sequence[int] | None = None) -> dict[str, Any]:
-        return await self._ctx.store_batch(buffer_id, items, verify=verify, manifest=manifest,
-                                           checksums=checksums)
-
-
-def inline_on() -> bool:
-    """Whether small ops of network sessions ride in their frames:
-    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
-    compare the UCX path itself)."""
-    return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _one(request: Callable[[int | None], P.Request], array: Any,
-         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
-    """The transfer of a one-array op (store, read): one UCX message, one
-    piece through the staging area, or (``inline``) the bytes in a frame."""
-    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)

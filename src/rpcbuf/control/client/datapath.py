@@ -14,7 +14,7 @@ buffer turned out to be device memory after all (it refuses the staged op
 with reason ``device_memory`` before touching a byte): noted, and rerun over
 UCX.
 
-The ops (``context.py``, ``batches.py``) describe their bytes once, as a
+The ops (``rangeops.py``, ``batches.py``, ``blockops.py``) describe their bytes once, as a
 ``Transfer``; each path takes what it needs from it.
 
 Checklist for a new path (shared-memory handles, CUDA device-to-device,
@@ -40,6 +40,7 @@ RDMA), touching nothing else on the client side:
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -231,6 +232,13 @@ class _Ring:
         elif not self._produce:  # one chunk, read: the daemon is done with the ring
             staging.scatter(self._area.chunk(0), self._pieces)  # (scatter takes what they hold)
         return result
+
+
+def inline_on() -> bool:
+    """Whether small ops of network sessions ride in their frames:
+    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
+    compare the UCX path itself)."""
+    return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 class InlinePath:

@@ -11,18 +11,20 @@ Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
 caller that hashed already (the model loader hashes while it reads ahead)
 passes ``hashes`` to skip it.
 
-``DedupOps`` holds no connection: it is handed what it needs (``DedupNeeds``:
-the context's ``store_batch``, a plain call, the manifest cache).
+``DedupOps`` holds no connection: it is handed what it needs of its
+context's parts (its ``Caller``, the manifest cache as ``Manifests``, the
+batch store as ``BatchStore``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.tensors import (
     ManifestTable,
     Packed,
@@ -47,41 +49,41 @@ def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int
             for n, a in arrays.items()}
 
 
-class DedupNeeds(Protocol):
-    """What the dedup upload needs of a context."""
-
-    def check_open(self) -> None: ...
-
-    async def call(self, req: P.Request) -> dict[str, Any]: ...
+class Manifests(Protocol):
+    """The manifest cache (``TensorOps``)."""
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
 
+
+class BatchStore(Protocol):
+    """Where the missing tensors go (``RangeOps``)."""
+
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
-                          verify: str | None = None,
-                          manifest: ManifestColumns | Packed | None = None,
-                          checksums: Sequence[int] | None = None) -> dict[str, Any]: ...
+                          verify: str | None, manifest: ManifestColumns | Packed | None,
+                          manifest_version: int | None,
+                          checksums: Sequence[int] | None) -> dict[str, Any]: ...
 
 
 class DedupOps:
-    """``store_tensors_dedup`` over a context's ops (``DedupNeeds``)."""
+    """``store_tensors_dedup`` over a context's parts; ``check_open`` first,
+    as every verb."""
 
-    def __init__(self, ctx: DedupNeeds) -> None:
-        self._ctx = ctx
+    def __init__(self, check_open: Callable[[], None], caller: Caller, manifests: Manifests,
+                 store: BatchStore) -> None:
+        self._check_open, self._call = check_open, caller.call
+        self._manifests, self._store = manifests, store
 
     async def store_tensors_dedup(self, buffer_id: str, tensors: Mapping[str, Any],
-                                  offsets: Mapping[str, int] | None = None,
-                                  verify: str | None = "checksum",
-                                  hashes: Mapping[str, tuple[int, int]] | None = None,
-                                  sources: Mapping[str, Source] | None = None,
-                                  ) -> dict[str, Any]:
+                                  offsets: Mapping[str, int] | None, verify: str | None,
+                                  hashes: Mapping[str, tuple[int, int]] | None,
+                                  sources: Mapping[str, Source] | None) -> dict[str, Any]:
         """``RpcContext.store_tensors_dedup`` (its docstring is the contract):
         ask the daemon to place what it holds, send the rest."""
-        ctx = self._ctx
-        ctx.check_open()
+        self._check_open()
         arrays, bits = named_arrays(tensors)
         sources = with_bits(sources, bits)
         if offsets is None:
-            existing = await ctx.manifest_of(buffer_id)  # the cached copy when current
+            existing = await self._manifests.manifest_of(buffer_id)  # the cached copy when current
             offsets = plan_layout(arrays, existing)
         if hashes is None:
             total = sum(a.nbytes for a in arrays.values())
@@ -95,11 +97,10 @@ class DedupOps:
         missing = [n for n in names if n not in placed]
         if missing:
             cols = manifest_columns(arrays, missing)
-            await ctx.store_batch(
-                buffer_id, [(offsets[n], arrays[n]) for n in missing], verify=verify,
-                manifest=Packed.of_columns(*cols, *source_columns(missing, sources))
-                if sources else cols,
-                checksums=[hashes[n][1] for n in missing])  # hashed once, above
+            await self._store.store_batch(
+                buffer_id, [(offsets[n], arrays[n]) for n in missing], verify,
+                Packed.of_columns(*cols, *source_columns(missing, sources)) if sources else cols,
+                None, [hashes[n][1] for n in missing])  # hashed once, above
         return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
                 "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
                 "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
@@ -124,5 +125,5 @@ class DedupOps:
             checksums=P.pack_u64([hashes[n][1] for n in items]),
             names=names, dtypes=dtypes, shapes=shapes, source_types=source_types,
             logical_shapes=logical_shapes)
-        result = await self._ctx.call(req)
+        result = await self._call(req)
         return {items[int(i)] for i in P.unpack_u64(result["placed"])}

@@ -80,10 +80,9 @@ class TensorOps:
         self._ops = ops
         self.manifests: dict[str, _Manifest] = {}
 
-    async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any],
-                            offset: int | None = None,
-                            verify: str | None = None,
-                            sources: Mapping[str, Source] | None = None) -> ManifestTable:
+    async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any], offset: int | None,
+                            verify: str | None, sources: Mapping[str, Source] | None
+                            ) -> ManifestTable:
         """``RpcContext.store_tensors`` (its docstring is the contract): plan
         the offsets against the cached manifest, store, merge the cache."""
         names, arrays, bits = names_and_arrays(tensors)
@@ -142,8 +141,8 @@ class TensorOps:
         return cached.table if cached is not None \
             else ManifestTable.of_entries(meta.get("tensors") or {})
 
-    async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
-                           verify: bool = True, framework: str = "numpy") -> dict[str, Any]:
+    async def load_tensors(self, buffer_id: str, names: Iterable[str] | None, verify: bool,
+                           framework: str) -> dict[str, Any]:
         """``RpcContext.load_tensors`` (its docstring is the contract)."""
         check_framework(framework)
         table = await self.manifest_of(buffer_id)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client.arrays import host_array, is_cuda
+from rpcbuf.control.client.arrays import host_array, refuse_device
 from rpcbuf.control.wire.errors import BadRequest
 from rpcbuf.control.wire.manifest import (
     ALIGN,
@@ -95,10 +95,8 @@ def names_and_arrays(tensors: Mapping[str, Any]
     if all(map(isinstance, values, itertools.repeat(np.ndarray))):
         arrays = values
     else:
-        on_gpu = next((n for n, v in zip(names, values, strict=True) if is_cuda(v)), None)
-        if on_gpu is not None:  # np.asarray would raise TypeError (CuPy, torch) or copy
-            raise BadRequest(f"tensor {on_gpu!r} is in GPU memory: store_tensors takes host "
-                             "arrays; store GPU tensors with store_tensor")
+        refuse_device(values, "store_tensors takes host arrays; store GPU tensors with "
+                      "store_tensor", names)
         arrays = []
         for name, value in zip(names, values, strict=True):
             arr, source = host_array(value)

@@ -1,0 +1,108 @@
+"""The quick control ops of a context: buffers made, found, described,
+renewed, released, cleared and copied on the node (no bytes cross the
+network), and what the node says of itself (devices, buffers, counters, a
+ping).  Each is one request over the context's ``Caller`` and its answer,
+checked at the edge (``answers.py``); a metadata answer notes the buffer's
+place (``rangeops.Places``: it routes the data ops) and, with the manifest,
+updates the manifest cache.  The verbs' docstrings and defaults are
+``RpcContext``'s (the contract); these methods take every argument and, as
+every verb, check the context is open first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rpcbuf.control.client.answers import parse_devices, parse_meta, parse_stats
+from rpcbuf.control.client.connection import Caller
+from rpcbuf.control.client.rangeops import Places
+from rpcbuf.control.wire import protocol as P
+
+
+class Remember(Protocol):
+    """The manifest cache (``TensorOps``)."""
+
+    def remember(self, buffer_id: str, meta: dict[str, Any]) -> None: ...
+
+
+class BufferOps:
+    """The quick control ops of one context."""
+
+    def __init__(self, caller: Caller, places: Places, manifests: Remember,
+                 check_open: Callable[[], None]) -> None:
+        self._caller, self._places, self._manifests = caller, places, manifests
+        self._check_open = check_open
+
+    async def _call(self, req: P.Request, timeout: float | None) -> dict[str, Any]:
+        self._check_open()
+        return await self._caller.call(req, timeout)
+
+    async def _buffer(self, req: P.Request, timeout: float | None) -> str:
+        """The id in the metadata that answers ``req`` (a buffer made or
+        found), its place noted."""
+        meta = parse_meta(await self._call(req, timeout), f"{req.op} answer")
+        self._places.note(meta)
+        return meta.buffer_id
+
+    async def request_buffer(self, size: int, device_type: str, device: int,
+                             timeout: float | None, ttl: float | None, name: str | None) -> str:
+        # The daemon waits up to ``timeout`` for memory: the answer may take that long more.
+        wait = None if not timeout else timeout + (self._caller.timeout or 0)
+        return await self._buffer(P.RequestBuffer(size=size, device_type=device_type,
+                                                  device=device, timeout=timeout, ttl=ttl,
+                                                  name=name), wait)
+
+    async def clone_buffer(self, src_id: str, name: str | None, ttl: float | None) -> str:
+        return await self._buffer(P.CloneBuffer(src_id=src_id, name=name, ttl=ttl), None)
+
+    async def open_buffer(self, name: str, timeout: float | None) -> str:
+        return await self._buffer(P.OpenBuffer(name=name), timeout)
+
+    async def get_buffer_meta(self, buffer_id: str, tensors: bool,
+                              timeout: float | None) -> dict[str, Any]:
+        meta = await self._call(P.GetBufferMeta(buffer_id=buffer_id, tensors=tensors), timeout)
+        self._places.note(parse_meta(meta))
+        if tensors:
+            self._manifests.remember(buffer_id, meta)
+        return meta
+
+    async def release_buffer(self, buffer_id: str, timeout: float | None) -> None:
+        await self._call(P.Release(buffer_id=buffer_id), timeout)
+        self._places.forget(buffer_id)
+
+    async def renew_buffer(self, buffer_id: str, ttl: float | None,
+                           timeout: float | None) -> float | None:
+        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
+
+    async def clear_buffer(self, buffer_id: str, value: int, offset: int,
+                           nbytes: int | None) -> None:
+        await self._call(P.ClearBuffer(buffer_id=buffer_id, value=value, offset=offset,
+                                       nbytes=nbytes), None)
+
+    async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
+                          nbytes: int) -> None:
+        await self._call(P.CopyBuffer(src_id=src_id, src_offset=src_offset, dst_id=dst_id,
+                                      dst_offset=dst_offset, nbytes=nbytes), None)
+
+    async def list_devices(self, timeout: float | None) -> list[dict[str, Any]]:
+        devices: list[dict[str, Any]] = (await self._call(P.ListDevices(), timeout)).get(
+            "devices")  # type: ignore[assignment]  # parse_devices checks it is a list of maps
+        parse_devices(devices)
+        return list(devices)
+
+    async def list_buffers(self, timeout: float | None) -> list[dict[str, Any]]:
+        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
+
+    async def stats(self, timeout: float | None) -> dict[str, Any]:
+        result = await self._call(P.Stats(), timeout)
+        parse_stats(result)
+        return result
+
+    async def ping(self, timeout: float | None) -> float:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self._caller.call(P.Ping(), timeout)
+        return loop.time() - t0

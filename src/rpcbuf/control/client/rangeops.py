@@ -1,0 +1,207 @@
+"""The byte-range verbs: one array at an offset (``store_tensor``,
+``read_buffer``), many ranges of one buffer (``store_batch``, ``read_batch``,
+described by ``batches.py``) and the read-back check (``verify_write``).
+
+Each builds a ``Transfer`` and runs it over the session's paths
+(``DataPaths.run``), routed and checked by what the daemon stated about the
+buffer: its ``BufferPlace`` (device, checksum kind), which ``Places`` keeps
+from every metadata answer of the context and ``RangeOps`` asks for once
+(``get_buffer_meta`` without the manifest) when it has none.  The verbs'
+docstrings and defaults are ``RpcContext``'s (the contract); these methods
+take every argument, and, as every verb, check the context is open first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from rpcbuf.control.client import batches
+from rpcbuf.control.client.answers import BufferMeta, parse_meta
+from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
+from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
+from rpcbuf.control.client.hello import HelloAnswer
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest, NotFound, VerifyFailed
+from rpcbuf.control.wire.gpuops import check_wire_dtype
+from rpcbuf.dataplane.checksum import checksum
+from rpcbuf.dataplane.devsum import devsum
+
+PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
+
+
+class Places:
+    """What the daemon stated about each buffer of one context (buffer id ->
+    ``BufferPlace``), from its metadata and the hello's checksum kinds."""
+
+    def __init__(self, hello: HelloAnswer) -> None:
+        self._hello = hello
+        self._places: dict[str, BufferPlace] = {}
+
+    def get(self, buffer_id: str) -> BufferPlace | None:
+        return self._places.get(buffer_id)
+
+    def note(self, meta: BufferMeta) -> None:
+        places = self._places
+        if len(places) >= PLACES_MAX and meta.buffer_id not in places:
+            del places[next(iter(places))]
+        places[meta.buffer_id] = BufferPlace(
+            meta.gpu, self._hello.checksum_kind(meta.device_type, meta.device))
+
+    def device_memory(self, buffer_id: str) -> None:
+        """The buffer turned out to be device memory (``DataPaths.on_device_memory``)."""
+        self._places[buffer_id] = BufferPlace(True, self._hello.checksum_kind("GPU", 0))
+
+    def forget(self, buffer_id: Any) -> None:
+        if isinstance(buffer_id, str):
+            self._places.pop(buffer_id, None)
+
+
+class MetaCall(Protocol):
+    """The context's ``get_buffer_meta`` (which notes the place it answers)."""
+
+    async def __call__(self, buffer_id: str, tensors: bool = True,
+                       timeout: float | None = None) -> dict[str, Any]: ...
+
+
+class RangeOps:
+    """The byte-range verbs of one context over its ``paths``."""
+
+    def __init__(self, paths: DataPaths, places: Places, meta: MetaCall,
+                 check_open: Callable[[], None]) -> None:
+        self._paths, self._places, self._meta = paths, places, meta
+        self._check_open = check_open
+
+    async def place(self, buffer_id: str) -> BufferPlace | None:
+        """Where the buffer lives, as the daemon stated it: from this
+        context's answers, else asked once (``get_buffer_meta`` without the
+        manifest).  None for an id that is no string or no buffer of ours:
+        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
+        arguments before NOT_FOUND, as the daemon checks them)."""
+        if not isinstance(buffer_id, str):
+            return None
+        place = self._places.get(buffer_id)
+        if place is None:
+            try:
+                await self._meta(buffer_id, tensors=False)
+            except NotFound:
+                return None
+            place = self._places.get(buffer_id)
+        return place
+
+    async def store_tensor(self, buffer_id: str, array: Any, offset: int, sync: bool,
+                           verify: str | None, wire_dtype: str | None) -> Any:
+        self._check_open()
+        if verify not in (None, "checksum"):
+            raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype, dtype_name(array))
+        kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
+        if wire_dtype is None:
+            data, landed = as_bytes(array), None
+        else:
+            data, landed = to_wire_f16(array)
+        coro = self.store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
+        if sync:
+            return await coro
+        return asyncio.get_running_loop().create_task(coro)
+
+    async def store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
+                    kind: str | None = None, wire_dtype: str | None = None,
+                    landed: Any = None) -> dict[str, Any]:
+        """The ``store`` request of ``data`` (a flat uint8 array), as given.
+        ``landed``: the bytes the buffer will hold when they differ from
+        the payload (wire fp16); the checksum covers what lands.  ``kind``:
+        the checksum to send (None: the one the daemon states for the buffer)."""
+        prepare(data)
+        place = await self.place(buffer_id)
+        if kind is None:
+            kind = place.checksum_kind if place is not None else "xxh3"
+        final = data if landed is None else landed
+        digest = None
+        if verify:
+            digest = devsum(final) if kind == "devsum" else checksum(final)
+        nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
+
+        def request(stage: int | None) -> P.Request:
+            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                           checksum=digest, verify=verify,  # type: ignore[arg-type]
+                           checksum_kind=stated,  # type: ignore[arg-type]
+                           wire_dtype=wire_dtype,  # type: ignore[arg-type]
+                           stage=stage)
+
+        def inline(payload: Any) -> P.Request:
+            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
+                           checksum=digest, verify=verify,  # type: ignore[arg-type]
+                           checksum_kind=stated,  # type: ignore[arg-type]
+                           data=payload)
+
+        return await self._paths.run(buffer_id, place, _one(
+            request, data, inline if wire_dtype is None else None))
+
+    async def read_buffer(self, buffer_id: str, offset: int, nbytes: int | None,
+                          out: Any) -> np.ndarray:
+        self._check_open()
+        target = as_bytes(out, writable=True) if out is not None else None
+        if nbytes is None:
+            if target is not None:
+                nbytes = int(target.nbytes)
+            else:
+                meta = parse_meta(await self._meta(buffer_id))
+                nbytes = meta.size - offset
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")
+        if target is None:
+            target = np.empty(nbytes, dtype=np.uint8)
+        elif target.nbytes < nbytes:
+            raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
+        dest = target[:nbytes]
+        prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
+        size = nbytes
+
+        def request(stage: int | None) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
+
+        def inline(_: Any) -> P.Request:
+            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
+
+        await self._paths.run(buffer_id, await self.place(buffer_id),
+                              _one(request, dest, inline), receive=True)
+        return out if out is not None else target
+
+    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
+                          verify: str | None, manifest: batches.Manifest | None,
+                          manifest_version: int | None,
+                          checksums: Sequence[int] | None) -> dict[str, Any]:
+        self._check_open()
+        t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
+                                          checksums=checksums)
+        return in_order(await self._paths.run(buffer_id, await self.place(buffer_id), t))
+
+    async def read_batch(self, buffer_id: str,
+                         ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        self._check_open()
+        t, views = batches.read_batch(buffer_id, ranges)
+        await self._paths.run(buffer_id, await self.place(buffer_id), t, receive=True)
+        return views()
+
+    async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
+        data = as_bytes(array)
+        if not isinstance(data, np.ndarray):  # device memory: compare on the host
+            data = data.get()
+        back = await self.read_buffer(buffer_id, offset, int(data.nbytes), None)
+        if not np.array_equal(back, data):
+            first = int(np.flatnonzero(back != data)[0])
+            raise VerifyFailed("read-back differs from the array",
+                               {"offset": offset, "first_difference": first})
+        return True
+
+
+def _one(request: Callable[[int | None], P.Request], array: Any,
+         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
+    """The transfer of a one-array op (store, read): one UCX message, one
+    piece through the staging area, or (``inline``) the bytes in a frame."""
+    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)
