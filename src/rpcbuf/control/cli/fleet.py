@@ -116,17 +116,6 @@ def register_fleet_commands(sub: Any) -> None:
     nd.add_argument("--wide", action="store_true", help="every table column")
 
 
-def age(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 172800:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
                 now: float | None = None) -> Any:
     now = time.time() if now is None else now
@@ -134,8 +123,8 @@ def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
     for r in records.values():
         devs = Text("\n").join(Text(f"{d.key} {format_size(d.free)}/{format_size(d.total)} ")
                                 + bar(d.total - d.free, d.total) for d in r.devices) or "-"
-        rows.append([r.node_id, r.address, devs, r.version, age(now - r.started_at),
-                     f"{age(now - r.updated_at)} ago"])
+        rows.append([r.node_id, r.address, devs, r.version, tables.duration(now - r.started_at),
+                     f"{tables.duration(now - r.updated_at)} ago"])
     cols = [tables.Col("node", key=True), tables.Col("address", key=True),
             tables.Col("devices (free/total)", wrap=True), tables.Col("version", drop=2),
             tables.Col("uptime", right=True, drop=3),
