@@ -52,6 +52,7 @@ import logging
 import os
 import re
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,18 @@ class PeerGone(TransferError):
     """The endpoint is closed or its peer vanished."""
 
 
+@contextlib.contextmanager
+def _transfer_errors() -> Iterator[None]:
+    """ucxx's failures inside the block as ``TransferError``s, in this one
+    place (our own ``TransferError``s and cancellation pass as they are)."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except Exception as exc:
+        raise _translate(exc) from exc
+
+
 def _translate(exc: BaseException) -> TransferError:
     ex = ucxx().exceptions
     if isinstance(exc, ex.UCXMessageTruncatedError):
@@ -304,27 +317,20 @@ class DataEndpoint:
     def closed(self) -> bool:
         return self._ep is None or bool(self._ep.closed)
 
-    async def send(self, buf: Any, tag: int) -> None:
+    def _live(self) -> Any:
         if self._ep is None:
             raise PeerGone("endpoint closed")
-        try:
-            with busy():
-                await self._ep.send(buf, tag=tag)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _translate(exc) from exc
+        return self._ep
+
+    async def send(self, buf: Any, tag: int) -> None:
+        ep = self._live()
+        with _transfer_errors(), busy():
+            await ep.send(buf, tag=tag)
 
     async def recv(self, buf: Any, tag: int) -> None:
-        if self._ep is None:
-            raise PeerGone("endpoint closed")
-        try:
-            with busy():
-                await self._ep.recv(buf, tag=tag)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _translate(exc) from exc
+        ep = self._live()
+        with _transfer_errors(), busy():
+            await ep.recv(buf, tag=tag)
 
     def abort(self) -> None:
         """Close at once; UCX cancels every request still posted on it."""
@@ -370,14 +376,13 @@ class DataListener:
 
 async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
     mod = ucxx()  # UnusableUCX as itself: no endpoint error
-    try:
-        async with asyncio.timeout(timeout):
-            with busy():
-                ep = await mod.create_endpoint(host, port)
-    except TimeoutError as exc:
-        raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
-    except Exception as exc:
-        raise _translate(exc) from exc
+    with _transfer_errors():
+        try:
+            async with asyncio.timeout(timeout):
+                with busy():
+                    ep = await mod.create_endpoint(host, port)
+        except TimeoutError as exc:
+            raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
     return DataEndpoint(ep)
 
 
