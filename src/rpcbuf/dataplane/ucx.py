@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -87,6 +86,7 @@ BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
 NONCE_BYTES = 16
 
 _ucxx: Any = None
+_library: dict[str, Any] | None = None  # ``library()``, once UCX has started
 
 FEATURES = ("TAG", "WAKEUP", "STREAM")
 FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
@@ -155,7 +155,7 @@ def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) 
 
 def ucxx() -> Any:
     """Import ucxx after the defaults are in place (UCX reads them at import)."""
-    global _ucxx
+    global _ucxx, _library
     if _ucxx is None:
         apply_defaults()
         ucxlib.select()  # RPCBUF_UCX's library, or UnusableUCX before ucxx loads any
@@ -164,7 +164,7 @@ def ucxx() -> Any:
         progress.install_adaptive_progress()
         _install_context(_mod)
         _ucxx = _mod
-        lib = library()
+        lib = _library = _describe(None)
         _log.info("UCX %s at %s (%s=%s): modules %s; verbs %s; resources %s", lib["version"],
                   lib["path"], ucxlib.ENV, ucxlib.choice(), ",".join(lib["modules"]) or "-",
                   "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
@@ -405,24 +405,20 @@ def library() -> dict[str, Any]:
     this process's context found, its ``features`` (``FEATURES``);
     ``error``: why UCX would not start here
     (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
-    no RDMA."""
-    error = None
+    no RDMA.  Found once, when UCX starts (``ucxx``): the same dict after
+    (do not change it); a UCX that would not start is asked again."""
+    if _library is not None:
+        return _library
     try:
         ucxx()
     except Exception as exc:  # what UCX says, for doctor to show: not a crash
-        error = f"{type(exc).__name__}: {exc}"
-    path = None
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        for line in maps:
-            if "/libucp.so" in line:
-                path = line.split()[-1]
-                break
-    version = None
-    if path is not None:
-        with contextlib.suppress(OSError, AttributeError):
-            fn = ctypes.CDLL(path).ucp_get_version_string
-            fn.restype = ctypes.c_char_p
-            version = fn().decode()
+        return _describe(f"{type(exc).__name__}: {exc}")
+    assert _library is not None  # ucxx() found it
+    return _library
+
+
+def _describe(error: str | None) -> dict[str, Any]:
+    path, version = ucxlib.libucp()
     modules: list[str] = []
     if path is not None:
         with contextlib.suppress(OSError):
