@@ -64,6 +64,33 @@ def test_the_ready_file_exists_while_the_daemon_listens(daemon_factory) -> None:
     assert not ready.exists(), d.log()
 
 
+def test_a_second_daemon_leaves_the_first_ones_ready_file_alone(daemon_factory,  # type: ignore[no-untyped-def]
+                                                                tmp_path: Path) -> None:
+    """Seen: a second rpcbufd given a running one's --ready-file took it
+    away (at its start, as if a killed daemon had left it, or at its exit,
+    with the line it had written over it) while the first still listened.
+    It is refused at start, and the first one's file stays until it exits."""
+    d = daemon_factory("--device", "cpu:1MiB")
+    ready = d.tmp / "ready"
+    line = ready.read_text()
+    for listen in (d.addr, "127.0.0.1:0"):  # one that cannot listen, one that could
+        second = subprocess.Popen(
+            [sys.executable, "-m", "rpcbuf.control.daemon", "--listen", listen, "--ucx-port",
+             "0", "--secret-file", str(tmp_path / "s"), "--device", "cpu:1MiB",
+             "--ready-file", str(ready)], stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            second.send_signal(signal.SIGTERM)
+            second.communicate(timeout=30)
+            raise AssertionError("a second daemon served on a running one's ready file") from None
+        assert second.returncode == 2 and "Traceback" not in err, err
+        assert f"rpcbufd: --ready-file {ready}: a running rpcbufd wrote it" in err, err
+        assert ready.read_text() == line
+    assert d.stop() == 0
+    assert not ready.exists(), d.log()
+
+
 def test_token_cli(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     res = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",

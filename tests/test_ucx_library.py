@@ -35,6 +35,18 @@ def test_this_process_says_which_ucx_it_loaded() -> None:
     assert lib["verbs"] == ("ib" in lib["modules"])
 
 
+def test_which_ucx_is_found_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doctor and stats ask often; the answer was read again each time
+    (``/proc/self/maps``, a dlopen): now once, when UCX starts."""
+    first = ucx.library()
+
+    def again() -> None:
+        raise AssertionError("read /proc/self/maps again")
+
+    monkeypatch.setattr(ucxlib, "mapped", again)
+    assert ucx.library() is first and first["error"] is None
+
+
 def _by_name(checks: list[Any]) -> dict[str, Any]:
     return {c.check: c for c in checks}
 

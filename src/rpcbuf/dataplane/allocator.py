@@ -50,6 +50,13 @@ class AllocatorStats:
     largest_free: int
     count: int
 
+    @classmethod
+    def of(cls, total: int, used: int, largest_free: int, count: int) -> AllocatorStats:
+        """The figures of an allocator that counts ``used`` bytes of ``total``
+        (what is free is the rest: every allocator's bookkeeping says so)."""
+        return cls(total=total, used=used, free=total - used, largest_free=largest_free,
+                   count=count)
+
     @property
     def fragmentation(self) -> float:
         """0.0 when all free space is one block; close to 1.0 when it is dust."""
@@ -225,13 +232,8 @@ class BuddyAllocator:
         return 0
 
     def stats(self) -> AllocatorStats:
-        return AllocatorStats(
-            total=self.total,
-            used=self._used,
-            free=self.total - self._used,
-            largest_free=self.largest_free(),
-            count=len(self._allocated),
-        )
+        return AllocatorStats.of(self.total, self._used, self.largest_free(),
+                                 len(self._allocated))
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
@@ -321,13 +323,8 @@ class LinearAllocator:
         return self.total - self._top
 
     def stats(self) -> AllocatorStats:
-        return AllocatorStats(
-            total=self.total,
-            used=self._used,
-            free=self.total - self._used,
-            largest_free=self.largest_free(),
-            count=len(self._live),
-        )
+        return AllocatorStats.of(self.total, self._used, self.largest_free(),
+                                 len(self._live))
 
     def check_invariants(self) -> None:
         pos = 0

@@ -161,14 +161,8 @@ class SlabAllocator:
         return self.buddy.largest_free()
 
     def stats(self) -> AllocatorStats:
-        used = self._small_used + self._large_used
-        return AllocatorStats(
-            total=self.total,
-            used=used,
-            free=self.total - used,
-            largest_free=self.buddy.largest_free(),
-            count=self._small_count + len(self._large),
-        )
+        return AllocatorStats.of(self.total, self._small_used + self._large_used,
+                                 self.buddy.largest_free(), self._small_count + len(self._large))
 
     def check_invariants(self) -> None:
         self.buddy.check_invariants()

@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import os
 import re
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
 NONCE_BYTES = 16
 
 _ucxx: Any = None
+_library: dict[str, Any] | None = None  # ``library()``, once UCX has started
 
 FEATURES = ("TAG", "WAKEUP", "STREAM")
 FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
@@ -154,7 +155,7 @@ def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) 
 
 def ucxx() -> Any:
     """Import ucxx after the defaults are in place (UCX reads them at import)."""
-    global _ucxx
+    global _ucxx, _library
     if _ucxx is None:
         apply_defaults()
         ucxlib.select()  # RPCBUF_UCX's library, or UnusableUCX before ucxx loads any
@@ -163,7 +164,7 @@ def ucxx() -> Any:
         progress.install_adaptive_progress()
         _install_context(_mod)
         _ucxx = _mod
-        lib = library()
+        lib = _library = _describe(None)
         _log.info("UCX %s at %s (%s=%s): modules %s; verbs %s; resources %s", lib["version"],
                   lib["path"], ucxlib.ENV, ucxlib.choice(), ",".join(lib["modules"]) or "-",
                   "yes" if lib["verbs"] else "no (no RDMA)", " ".join(lib["resources"]))
@@ -238,6 +239,18 @@ class PeerGone(TransferError):
     """The endpoint is closed or its peer vanished."""
 
 
+@contextlib.contextmanager
+def _transfer_errors() -> Iterator[None]:
+    """ucxx's failures inside the block as ``TransferError``s, in this one
+    place (our own ``TransferError``s and cancellation pass as they are)."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except Exception as exc:
+        raise _translate(exc) from exc
+
+
 def _translate(exc: BaseException) -> TransferError:
     ex = ucxx().exceptions
     if isinstance(exc, ex.UCXMessageTruncatedError):
@@ -304,27 +317,20 @@ class DataEndpoint:
     def closed(self) -> bool:
         return self._ep is None or bool(self._ep.closed)
 
-    async def send(self, buf: Any, tag: int) -> None:
+    def _live(self) -> Any:
         if self._ep is None:
             raise PeerGone("endpoint closed")
-        try:
-            with busy():
-                await self._ep.send(buf, tag=tag)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _translate(exc) from exc
+        return self._ep
+
+    async def send(self, buf: Any, tag: int) -> None:
+        ep = self._live()
+        with _transfer_errors(), busy():
+            await ep.send(buf, tag=tag)
 
     async def recv(self, buf: Any, tag: int) -> None:
-        if self._ep is None:
-            raise PeerGone("endpoint closed")
-        try:
-            with busy():
-                await self._ep.recv(buf, tag=tag)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _translate(exc) from exc
+        ep = self._live()
+        with _transfer_errors(), busy():
+            await ep.recv(buf, tag=tag)
 
     def abort(self) -> None:
         """Close at once; UCX cancels every request still posted on it."""
@@ -370,14 +376,13 @@ class DataListener:
 
 async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
     mod = ucxx()  # UnusableUCX as itself: no endpoint error
-    try:
-        async with asyncio.timeout(timeout):
-            with busy():
-                ep = await mod.create_endpoint(host, port)
-    except TimeoutError as exc:
-        raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
-    except Exception as exc:
-        raise _translate(exc) from exc
+    with _transfer_errors():
+        try:
+            async with asyncio.timeout(timeout):
+                with busy():
+                    ep = await mod.create_endpoint(host, port)
+        except TimeoutError as exc:
+            raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
     return DataEndpoint(ep)
 
 
@@ -400,24 +405,20 @@ def library() -> dict[str, Any]:
     this process's context found, its ``features`` (``FEATURES``);
     ``error``: why UCX would not start here
     (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
-    no RDMA."""
-    error = None
+    no RDMA.  Found once, when UCX starts (``ucxx``): the same dict after
+    (do not change it); a UCX that would not start is asked again."""
+    if _library is not None:
+        return _library
     try:
         ucxx()
     except Exception as exc:  # what UCX says, for doctor to show: not a crash
-        error = f"{type(exc).__name__}: {exc}"
-    path = None
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        for line in maps:
-            if "/libucp.so" in line:
-                path = line.split()[-1]
-                break
-    version = None
-    if path is not None:
-        with contextlib.suppress(OSError, AttributeError):
-            fn = ctypes.CDLL(path).ucp_get_version_string
-            fn.restype = ctypes.c_char_p
-            version = fn().decode()
+        return _describe(f"{type(exc).__name__}: {exc}")
+    assert _library is not None  # ucxx() found it
+    return _library
+
+
+def _describe(error: str | None) -> dict[str, Any]:
+    path, version = ucxlib.libucp()
     modules: list[str] = []
     if path is not None:
         with contextlib.suppress(OSError):

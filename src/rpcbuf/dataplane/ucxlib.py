@@ -120,6 +120,26 @@ def mapped() -> dict[str, set[str]]:
     return seen
 
 
+def libucp() -> tuple[str | None, str | None]:
+    """The libucp this process has mapped (its path: what is loaded, not what
+    was asked for) and the version it says; None for what cannot be told."""
+    paths = sorted(mapped().get("libucp.so", ()))
+    if not paths:
+        return None, None
+    with contextlib.suppress(OSError, AttributeError):
+        # ucxx imported before rpcbuf chose (``select``): dlopen of a mapped
+        # library hands back that library, it loads nothing.
+        return paths[0], _version(_loaded[-1] if _loaded else ctypes.CDLL(paths[0]))
+    return paths[0], None
+
+
+def _version(lib: Any) -> str:
+    """What a loaded libucp says its version is (``ucp_get_version_string``)."""
+    fn = lib.ucp_get_version_string
+    fn.restype = ctypes.c_char_p
+    return str(fn().decode(errors="replace"))
+
+
 def check_single() -> str | None:
     """The directory every mapped UCX piece comes from; ``UnusableUCX``
     when two UCX installs are mixed in this process."""
@@ -148,9 +168,7 @@ def load(env: Any = None) -> list[Any]:
         except OSError as exc:
             raise UnusableUCX(f"{ENV}={chosen}: cannot load {target}: {exc}") from None
     where = check_single() or chosen
-    fn = handles[-1].ucp_get_version_string
-    fn.restype = ctypes.c_char_p
-    check_version(fn().decode(errors="replace"), where)
+    check_version(_version(handles[-1]), where)
     _loaded.extend(handles)
     _route_remaps()
     return _loaded
@@ -196,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnusableUCX as exc:
         print(f"unusable: {exc}")
         return 1
-    fn = _loaded[-1].ucp_get_version_string
-    fn.restype = ctypes.c_char_p
-    print(f"usable: UCX {fn().decode(errors='replace')} at {check_single()}")
+    print(f"usable: UCX {_version(_loaded[-1])} at {check_single()}")
     return 0
 
 

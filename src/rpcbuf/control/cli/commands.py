@@ -343,7 +343,7 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
         if isinstance(bufs, Exception):
             continue
         for b in bufs:
-            ttl = "-" if b["ttl_left"] is None else _short_dur(b["ttl_left"])
+            ttl = "-" if b["ttl_left"] is None else tables.duration(b["ttl_left"])
             if b["session_scoped"]:
                 ttl = "session"
             rows.append([addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
@@ -361,18 +361,6 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
         tables.Col("ttl left", drop=0 if leases else 3),
         tables.Col("tensors", right=True, drop=4)],
         rows, wide=wide)
-
-
-def _short_dur(seconds: float) -> str:
-    """A lease left, in the table: 45s, 59m, 23h 59m, 6d 23h."""
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
 def bench_table(results: dict[str, Any], wide: bool = False) -> Any:

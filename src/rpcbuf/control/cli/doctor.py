@@ -26,12 +26,13 @@ from rpcbuf.control.cli.errors import ago, sentence
 from rpcbuf.control.client.opening import (
     insecure_default,
     is_loopback,
+    parse_addr,
     same_host_default,
     tls_context,
 )
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import RpcBufError, UcxUnusable
-from rpcbuf.control.wire.units import format_size, split_host_port
+from rpcbuf.control.wire.units import format_size
 from rpcbuf.dataplane import ucx
 from rpcbuf.dataplane.ucx import rdma_devices
 
@@ -53,11 +54,14 @@ async def check_node(addr: str, token: str, timeout: float,
     import rpcbuf
 
     out: list[Check] = []
-    host, port = split_host_port(addr, 7700)
     t0 = time.perf_counter()
     try:
+        host, port = parse_addr(addr)
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
         writer.close()
+    except RpcBufError as exc:  # an address that does not parse
+        out.append(Check("reachable", "fail", sentence(addr, exc)))
+        return out
     except (OSError, TimeoutError) as exc:
         err = rpcbuf.ConnectionLost(f"cannot reach rpcbufd at {addr}: {exc}")
         err.__cause__ = exc
@@ -123,7 +127,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                          "your arrays and its memory)"))
     else:
         why = hello.get("same_host_why")
-        local = "local" in hello or is_loopback(split_host_port(addr, 7700)[0])
+        local = "local" in hello or is_loopback(parse_addr(addr)[0])
         if local and not why:  # the two reasons the daemon cannot give: say them here
             if "local" not in hello:
                 why = "the daemon offers no same-host socket (it runs with --local-socket none)"

@@ -28,7 +28,7 @@ from rich.text import Text
 from rpcbuf.control.cli import tables
 from rpcbuf.control.cli.commands import bar
 from rpcbuf.control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
-from rpcbuf.control.client.cluster import Cluster
+from rpcbuf.control.client.cluster import Cluster, ClusterConnector
 from rpcbuf.control.client.discovery import Discovery
 from rpcbuf.control.client.model import record as LR
 from rpcbuf.control.client.model.metadata import META_TENSOR
@@ -100,11 +100,16 @@ def options(args: argparse.Namespace) -> EtcdOptions:
                        timeout=min(float(getattr(args, "timeout", 3.0)), 10.0))
 
 
-def connect_kw(args: argparse.Namespace) -> dict[str, Any]:
-    """What ``Cluster.connect`` needs besides endpoints and token."""
-    if registry_url(args) is None:
-        return {}
-    return {"cluster": args.cluster, "registry": options(args)}
+def cluster(args: argparse.Namespace, target: str | list[str], token: str, *,
+            partial: bool = True, need: int | None = None) -> ClusterConnector:
+    """``Cluster.connect`` to ``target`` as a command's flags say: its
+    ``--timeout``, TLS to the nodes (``dial_kw``) and, from a registry, its
+    cluster and options, and ``need`` (bytes: the nodes with that much free
+    memory are chosen by the registry's figures)."""
+    kw = dial_kw(args)
+    if registry_url(args) is not None:
+        kw |= {"cluster": args.cluster, "registry": options(args), "need": need}
+    return Cluster.connect(target, token, timeout=args.timeout, partial=partial, **kw)
 
 
 def register_fleet_commands(sub: Any) -> None:
@@ -116,17 +121,6 @@ def register_fleet_commands(sub: Any) -> None:
     nd.add_argument("--wide", action="store_true", help="every table column")
 
 
-def age(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 172800:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
                 now: float | None = None) -> Any:
     now = time.time() if now is None else now
@@ -134,8 +128,8 @@ def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
     for r in records.values():
         devs = Text("\n").join(Text(f"{d.key} {format_size(d.free)}/{format_size(d.total)} ")
                                 + bar(d.total - d.free, d.total) for d in r.devices) or "-"
-        rows.append([r.node_id, r.address, devs, r.version, age(now - r.started_at),
-                     f"{age(now - r.updated_at)} ago"])
+        rows.append([r.node_id, r.address, devs, r.version, tables.duration(now - r.started_at),
+                     f"{tables.duration(now - r.updated_at)} ago"])
     cols = [tables.Col("node", key=True), tables.Col("address", key=True),
             tables.Col("devices (free/total)", wrap=True), tables.Col("version", drop=2),
             tables.Col("uptime", right=True, drop=3),
@@ -251,9 +245,8 @@ async def _listing(ctx: Any) -> tuple[list[dict[str, Any]], dict[str, LR.Found]]
 
 async def _models(args: argparse.Namespace, target: Any, token: str
                   ) -> tuple[dict[str, Any], dict[str, dict[str, LR.Found]]]:
-    async with Cluster.connect(target, token, timeout=args.timeout, partial=True,
-                               **connect_kw(args), **dial_kw(args)) as cluster:
-        got = await cluster.each(_listing)
+    async with cluster(args, target, token) as nodes:
+        got = await nodes.each(_listing)
     return ({a: r if isinstance(r, RpcBufError) else r[0] for a, r in got.items()},
             {a: r[1] for a, r in got.items() if not isinstance(r, RpcBufError)})
 

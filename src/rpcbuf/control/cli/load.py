@@ -23,7 +23,7 @@ from typing import Any
 
 from rpcbuf.control.cli import fleet, tables
 from rpcbuf.control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
-from rpcbuf.control.client.cluster import Cluster, ClusterError
+from rpcbuf.control.client.cluster import ClusterError
 from rpcbuf.control.client.model.hashfile import (
     HashedModel,
     describe,
@@ -199,13 +199,10 @@ async def _run_command(args: argparse.Namespace, endpoints: str | list[str], tok
 
 async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], token: str,
                          model: ModelFile | HashedModel | None) -> int:
-    kw = fleet.connect_kw(args)
-    if kw and model is not None and not args.placement:
-        # By free memory from a registry: its figures choose the nodes before
-        # any is connected (slots then number those nodes' devices).
-        kw["need"] = model.nbytes
-    async with Cluster.connect(endpoints, token, timeout=args.timeout, **kw,
-                               **fleet.dial_kw(args)) as cluster:
+    # By free memory from a registry: its figures choose the nodes before
+    # any is connected (slots then number those nodes' devices).
+    need = model.nbytes if model is not None and not args.placement else None
+    async with fleet.cluster(args, endpoints, token, partial=False, need=need) as cluster:
         for why in cluster.warnings:
             print(f"rpcbuf: warning: {why}", file=sys.stderr)
         if args.cmd == "unload":

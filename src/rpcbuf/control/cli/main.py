@@ -28,7 +28,7 @@ from rpcbuf.control.cli.load import register_load_commands, run_hash_command, ru
 from rpcbuf.control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
-from rpcbuf.control.wire.units import format_size, join_host_port, parse_duration, split_host_port
+from rpcbuf.control.wire.units import format_size, parse_duration
 from rpcbuf.control.wire.version import describe
 
 DEFAULT_TOKEN_TTL = 24 * 3600.0  # a token lives a day unless asked otherwise
@@ -67,20 +67,10 @@ def _node_ids(text: str) -> list[str]:
 
 def _endpoints(args: argparse.Namespace) -> list[str]:
     text = args.endpoints or args.endpoint or os.environ.get("RPCBUF_ENDPOINTS") or "127.0.0.1:7700"
-    return [_with_port(e.strip()) for e in text.replace(",", ";").split(";") if e.strip()]
+    from rpcbuf.control.client.opening import with_port
 
-
-def _with_port(addr: str) -> str:
-    """``HOST`` as ``HOST:7700``: what tables and errors show is the port
-    tried (an address that does not parse is left for the client's error)."""
-    from rpcbuf.control.client.opening import DEFAULT_PORT
-
-    if "://" in addr or addr.startswith("unix:"):
-        return addr
-    try:
-        return join_host_port(*split_host_port(addr, DEFAULT_PORT))
-    except ValueError:
-        return addr
+    # ``HOST`` as ``HOST:7700``: what tables and errors show is the port tried
+    return [with_port(e.strip()) for e in text.replace(",", ";").split(";") if e.strip()]
 
 
 def _target(args: argparse.Namespace) -> str | list[str]:
@@ -186,22 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
     """``fn(ctx)`` on every node; ``{endpoint: result or error}`` (a node that
     cannot be reached reports its own error, the others still answer)."""
-    from rpcbuf.control.client.cluster import Cluster
-
-    async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
-                               partial=True, **fleet.connect_kw(args),
-                               **fleet.dial_kw(args)) as cluster:
+    async with _cluster(args) as cluster:
         return await cluster.each(fn)
 
 
 async def _devices(args: argparse.Namespace) -> int:
     """Every node's devices as one table (slot numbers are placement's), or JSON
     ``{endpoint: [device, ...] or error}``; exit 1 if any node failed."""
-    from rpcbuf.control.client.cluster import Cluster
-
-    async with Cluster.connect(_target(args), _token(args), timeout=args.timeout,
-                               partial=True, **fleet.connect_kw(args),
-                               **fleet.dial_kw(args)) as cluster:
+    async with _cluster(args) as cluster:
         got = await cluster.devices_by_node()
     failed = any(isinstance(r, RpcBufError) for r in got.values())
     if args.json:
@@ -276,10 +258,8 @@ def _node_command(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from rpcbuf.control.client.cluster import Cluster
-
-    return Cluster.connect(_target(args), _token(args), timeout=args.timeout, partial=True,
-                           **fleet.connect_kw(args), **fleet.dial_kw(args))
+    """Every node this command names (``_target``), those that answer."""
+    return fleet.cluster(args, _target(args), _token(args))
 
 
 def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str]) -> int:

@@ -31,6 +31,19 @@ class Col:
     right: bool = False
 
 
+def duration(seconds: float) -> str:
+    """A time span in a cell (a lease left, an uptime, how long ago): 45s,
+    59m, 23h 59m, 6d 23h."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
 def width() -> int:
     return shutil.get_terminal_size((80, 24)).columns
 

@@ -142,10 +142,24 @@ def same_host_default() -> bool | None:
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT``; ``HOST`` alone: ``DEFAULT_PORT``) ->
+    ``(host, port)``.  Raises BAD_REQUEST for a port that is not a number."""
     try:
         return split_host_port(addr, DEFAULT_PORT)
     except ValueError:
         raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
+
+
+def with_port(addr: str) -> str:
+    """``addr`` as errors and tables name it, with the port tried
+    (``HOST`` -> ``HOST:7700``); a Unix socket (``unix:...``), a URL, or an
+    address that does not parse as it is (dialing it says why)."""
+    if "://" in addr or addr.startswith("unix:"):
+        return addr
+    try:
+        return join_host_port(*parse_addr(addr))
+    except BadRequest:
+        return addr
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,26 +91,36 @@ class DataOps:
                 return path.receive(call.req_id, region, items)
 
         async def after() -> dict[str, Any]:
-            return self._stored(req, buf)
+            """After the bytes landed (range still locked): verify."""
+            result: dict[str, Any] = {"nbytes": req.nbytes}
+            if req.checksum is not None or req.verify:
+                kind = req.checksum_kind or "xxh3"
+                got = await self._pipe.in_thread(req.nbytes, range_checksum, buf.pool.arena,
+                                                 buf.offset + req.offset, req.nbytes, kind)
+                if req.verify == "checksum":
+                    assert req.checksum is not None  # checked before anything was locked
+                    self._verify(np.array([req.checksum], np.uint64), [got], kind)
+                result |= {"checksum": got, "checksum_kind": kind}
+            return result
 
         return await self._pipe.run(call, Plan(
             "store", buf, [(req.offset, req.offset + req.nbytes)], exclusive=True, move=move,
             nbytes=req.nbytes, counter="bytes_stored", after=after,
             note=f"wire={req.wire_dtype}" if req.wire_dtype else ""))
 
-    def _stored(self, req: P.Store, buf: Buffer) -> dict[str, Any]:
-        """After the bytes landed (range still locked): verify."""
-        result: dict[str, Any] = {"nbytes": req.nbytes}
-        if req.checksum is not None or req.verify:
-            kind = req.checksum_kind or "xxh3"
-            got = range_checksum(buf.pool.arena, buf.offset + req.offset, req.nbytes, kind)
-            result["checksum"] = got
-            result["checksum_kind"] = kind
-            if req.verify == "checksum" and got != req.checksum:
-                self._ops.count("verify_failures", 1)
-                raise VerifyFailed("checksum of received bytes does not match",
-                                   {"expected": req.checksum, "got": got, "kind": kind})
-        return result
+    def _verify(self, want: np.ndarray, got: list[int], kind: str) -> None:
+        """Every store's check of what landed (``got``, hashed by us) against
+        the client's checksums: VERIFY_FAILED, counted, naming what differs
+        (one item: both checksums; more: which items)."""
+        bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != want)
+        if not len(bad):
+            return
+        self._ops.count("verify_failures", 1)
+        if len(want) == 1:
+            raise VerifyFailed("checksum of received bytes does not match",
+                               {"expected": int(want[0]), "got": int(got[0]), "kind": kind})
+        raise VerifyFailed(f"{len(bad)} of {len(want)} items do not match their checksums",
+                           {"items": bad[:20].tolist()})
 
     async def _receive_f16(self, path: DataPath, req_id: int, buf: Buffer,
                            req: P.Store) -> None:
@@ -181,11 +191,7 @@ class DataOps:
                 got = await self._pipe.in_thread(nbytes, arena.checksums, at, sizes)
             if verify:
                 assert sums is not None and got is not None
-                bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
-                if len(bad):
-                    self._ops.count("verify_failures", 1)
-                    raise VerifyFailed(f"{len(bad)} of {len(offsets)} items do not match "
-                                       "their checksums", {"items": bad[:20].tolist()})
+                self._verify(sums, got, "xxh3")
             result: dict[str, Any] = {"nbytes": nbytes, "items": len(offsets),
                                       "messages": messages}
             if cols is not None and cols.names:

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this daemon's name in hello, stats and the registry; unique in its "
                         "cluster [this host's name and the --listen port: HOST:PORT]")
     p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening; "
-                   "removed when the daemon exits (and at start, if a killed one left it)")
+                   "removed when the daemon exits (and at start, if a killed one left it; "
+                   "a running one's: no start)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import gc
 import logging
 import os
@@ -21,7 +22,7 @@ import resource
 import signal
 import ssl
 import sys
-from typing import Any
+from typing import IO, Any
 
 from rpcbuf.control.daemon.accounting.registry import Pool, Quota, Registry
 from rpcbuf.control.daemon.content.diskcache import DiskCache
@@ -177,41 +178,83 @@ class ReadyFile:
     file left by a daemon that was killed goes before anything else (a
     poller must not take it for this daemon's), the line is written once
     both listeners are up, and goes again when the daemon exits, however
-    it exits, unless another daemon has written its own there since."""
+    it exits.
+
+    The daemon holds a lock (``flock``) on the file it wrote for as long as
+    it listens, so that the next one can tell a killed daemon's file (no
+    lock: the kernel dropped it) from a running one's, which it refuses to
+    start on; and it removes only that file (the same inode), never one
+    written there since."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self.line: str | None = None
+        self._held: IO[str] | None = None  # the file written, open and locked
+
+    def _error(self, exc: OSError) -> OSError:
+        return OSError(f"--ready-file {self.path}: {exc.strerror or exc}")
 
     def clear(self) -> None:
-        if self.path:
-            try:
+        """Before anything else: remove a killed daemon's file; OSError
+        for one that a running daemon holds."""
+        if not self.path:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._error(exc) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(self.path, fd):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
+        except BlockingIOError:
+            raise OSError(f"--ready-file {self.path}: a running rpcbufd wrote it (give each "
+                          "daemon a ready file of its own)") from None
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._error(exc) from None
+        finally:
+            os.close(fd)
 
     def write(self, line: str) -> None:
         if not self.path:
             return
-        tmp = f"{self.path}.tmp"
+        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "w") as f:
-                f.write(line)
+            f = open(tmp, "w")
+        except OSError as exc:
+            raise self._error(exc) from None
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # follows the inode through the rename
+            f.write(line)
+            f.flush()
             os.replace(tmp, self.path)  # atomic: a poller never sees half a line
         except OSError as exc:
-            raise OSError(f"--ready-file {self.path}: {exc.strerror or exc}") from None
-        self.line = line
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise self._error(exc) from None
+        self._held = f
 
     def remove(self) -> None:
-        if not self.path or self.line is None:
+        """Remove the file this daemon wrote, if it is still there (idempotent)."""
+        held, self._held = self._held, None
+        if held is None or not self.path:
             return
-        with contextlib.suppress(OSError):
-            with open(self.path) as f:
-                if f.read() != self.line:
-                    return  # another daemon's now
-            os.unlink(self.path)
+        try:
+            with contextlib.suppress(OSError):
+                if _same_file(self.path, held.fileno()):
+                    os.unlink(self.path)
+        finally:
+            held.close()  # the lock goes with it
+
+
+def _same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    st, own = os.stat(path), os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
