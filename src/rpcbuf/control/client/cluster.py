@@ -369,6 +369,8 @@ class Cluster:
     aclose = close
 
     def abort(self) -> None:
+        """Close at once, waiting for nothing (idempotent): every session
+        aborts (``RpcContext.abort``) and the registry watch stops."""
         self._closed = True
         if self.discovery is not None and self.discovery._task is not None:
             self.discovery._task.cancel()
