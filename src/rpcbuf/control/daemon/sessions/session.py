@@ -100,7 +100,7 @@ class Session:
         self.nonce = os.urandom(NONCE_BYTES)
         self.tenant: str | None = None
         self.grant: Grant | None = None  # the hello's token: whose, until when, which key
-        # When the token expires, in time.perf_counter()'s terms (what _dispatch
+        # When the token expires, in time.perf_counter()'s terms (what dispatch
         # compares against: one float compare per request); -inf once ended.
         self.token_deadline = math.inf
         self.token_timer: asyncio.TimerHandle | None = None
