@@ -141,10 +141,11 @@ class Cluster:
         with their own secrets; from a registry, keyed by endpoint or node
         id).  Raises ``ClusterError`` naming each node that failed
         (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial`` (from
-        a registry: only when no node is left); BAD_REQUEST for a bad
-        endpoint list, a missing token, or a registry that lists no live
-        node; ``RegistryUnavailable`` for a registry that cannot be reached
-        (unless ``fallback``).  ``endpoints`` "etcd://..."
+        a registry: only when no node is left; a node without a token in
+        the map is one that failed, BAD_REQUEST); BAD_REQUEST for a bad
+        endpoint list or a registry that lists no live node;
+        ``RegistryUnavailable`` for a registry that cannot be reached (unless
+        ``fallback``).  ``endpoints`` "etcd://..."
         (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
         ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
         ``need`` and ``watch`` as the module docstring says.  ``tls`` and
