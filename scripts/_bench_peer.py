@@ -4,7 +4,7 @@ One process, under uvloop, serving two things on 127.0.0.1 (the raw ucxx
 reference has processes of its own: ``_bench_rawucx.py``):
 
 * a bare msgpack echo server: length-prefixed frames in, the same frames out,
-  parsed and re-encoded with ``control.protocol`` (as the daemon does), with
+  parsed and re-encoded with ``control.wire.protocol`` (as the daemon does), with
   the daemon's read loop shape (read, decode, write each answer, drain); on
   TCP, and with ``--echo-unix PATH`` also on that Unix socket (the same-host
   path's control channel is one: its echo must be one too).

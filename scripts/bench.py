@@ -30,7 +30,7 @@ like; DESIGN.md "Performance goals" says the ratios are what count):
 * a real ``rpcbufd`` (``--device cpu:1GiB``, free ports, ``--ready-file``,
   its same-host socket left at ``auto``);
 * ``scripts/_bench_peer.py``, the reference peer: a msgpack echo server
-  using the daemon's framing (``control.protocol``), on TCP and on a Unix
+  using the daemon's framing (``control.wire.protocol``), on TCP and on a Unix
   socket in the run's temporary directory, and a raw blocking TCP
   socket server in its own thread (not asyncio) with its own preallocated
   buffer;

@@ -1,5 +1,5 @@
 """A fake, hostile rpcbufd for client tests: an asyncio server that speaks the
-real control framing (``control.protocol``) and answers what a handler tells
+real control framing (``control.wire.protocol``) and answers what a handler tells
 it to, optionally with a real UCX listener for the data endpoint.  It stands
 in for the third attacker (a malicious or broken daemon) and for a daemon
 that dies at an exact point of a transfer, which a real daemon cannot be

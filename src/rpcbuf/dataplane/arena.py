@@ -1,10 +1,15 @@
-"""Arenas: one contiguous block of device memory per device, handed out as views.
+"""Arenas: one address range of memory per device, its blocks backed one
+buffer at a time, handed out as views.
 
-The control plane sees only this interface (``size``, ``view``, ``checksum``,
-``describe``), so a CuPy-backed GPU arena can be added later without touching
-it.  ``view`` returns a zero-copy array over ``[offset, offset + nbytes)`` that
-UCX receives into or sends from directly; bounds are checked here as the last
-line of defence, even though the daemon checks them before any transfer.
+The daemon sees every arena through one protocol, ``Arena`` (``HostArena``
+here, ``cuda_arena.CudaArena`` for a GPU): its device and ``size``,
+``view``, ``checksum``/``checksums``, ``describe``, and the backing of each
+block the registry hands out (``back``, ``unback``, ``export``).  What only
+host memory does is ``HostArena``'s own components, reached through
+``host_memory``.  ``view`` returns a zero-copy array over ``[offset, offset
++ nbytes)`` that UCX receives into or sends from directly; bounds are
+checked here as the last line of defence, even though the daemon checks
+them before any transfer.
 """
 
 from __future__ import annotations

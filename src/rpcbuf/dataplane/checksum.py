@@ -34,7 +34,10 @@ _LOW = (1 << 64) - 1
 
 
 def checksum(data: Any) -> int:
-    """xxh3-64 of a contiguous buffer (anything with the buffer protocol)."""
+    """xxh3-64 of a C-contiguous buffer (anything with the buffer protocol:
+    bytes, a NumPy array, ...), as an unsigned int: what the daemon states
+    in a manifest's ``checksum``.  TypeError for a buffer that is not
+    C-contiguous (``np.ascontiguousarray`` it first)."""
     return xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
 
 

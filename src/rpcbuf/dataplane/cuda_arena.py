@@ -21,8 +21,8 @@ Two backings, one interface (``granularity``, ``back``, ``unback``,
 * **cupy**: one ``cupy.empty(size, uint8)`` allocation, as before VMM; the
   granularity is 256, ``back``/``unback`` only keep the books, and
   ``export`` raises ``UnsupportedDevice``.  Used when asked for
-  (``vmm=False``, the default until the registry calls ``back``; the
-  daemon's ``--gpu-backing cupy``) and, with ``vmm=None``, where the device
+  (``vmm=False``, the constructor's default; the daemon's ``--gpu-backing
+  cupy``) and, with ``vmm=None``, where the device
   or node lacks VMM or POSIX-fd handles, or where the probe at creation
   (``VmmBacking.probe``: one granule created, mapped, given access, exported
   and released) fails (``describe()["backing_why"]`` says why).  CuPy's

@@ -6,8 +6,9 @@ turns the received fd into a CuPy ``uint8`` array in this process:
 ``cuMemImportFromShareableHandle`` (the fd is closed right after, whatever
 happens: the imported handle holds its own reference), a virtual range of
 its own (``cuMemAddressReserve``), ``cuMemMap``, and ``cuMemSetAccess`` with
-``PROT_READ`` for a read-only attach or ``PROT_READWRITE`` for a same-host
-store (the client then copies device to device itself).  ``close`` undoes it
+``PROT_READ`` for a read-only attach (what the client's ``attach`` asks
+for) or ``PROT_READWRITE`` when asked (``writable=True``; no verb of
+rpcbuf's does).  ``close`` undoes it
 in reverse: wait for the device, unmap, release the handle, free the range;
 the memory itself lives on while the daemon or another importer holds it.
 

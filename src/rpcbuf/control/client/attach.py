@@ -1,12 +1,15 @@
 """Zero-copy, read-only views of buffers on this host (``ctx.attach``).
 
-``attach`` asks the daemon for a read-only handle of one host buffer (its
-own memfd; ``control/daemon/ops/attachops.py``), which arrives on the session's
-handle channel, and maps it here read-only: ``view.array()`` and
-``view.tensors()`` are NumPy arrays over the daemon's pages, no copy, not
-writeable (the mapping is ``PROT_READ`` and the memfd is sealed, so nothing
-can make them writable).  While the attachment is open the daemon refuses
-every store, clear and copy into the buffer (BUSY) and defers its release.
+``attach`` asks the daemon for a read-only handle of one buffer
+(``control/daemon/ops/attachops.py``), which arrives on the session's handle
+channel, and maps it here read-only.  A host buffer's handle is its own
+memfd: ``view.array()`` and ``view.tensors()`` are NumPy arrays over the
+daemon's pages, no copy, not writeable (the mapping is ``PROT_READ`` and
+the memfd is sealed, so nothing can make them writable).  A GPU buffer's is
+its CUDA VMM handle, imported with read-only access
+(``Attachment.device``): CuPy arrays, a write through one faults.  While
+the attachment is open the daemon refuses every store, clear and copy into
+the buffer (BUSY) and a release frees its memory only at the last detach.
 ``attach_block`` maps a keyed block the same way.  ``Attacher`` is a
 context's part for the two verbs.
 

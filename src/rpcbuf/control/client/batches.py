@@ -3,7 +3,7 @@
 ``store_batch`` and ``read_batch`` are columns all the way (10,000 small
 tensors are one request): items are put in offset order once (``order``
 remembers the caller's), touching items are planned into runs
-(``P.plan_runs``: one UCX message each) and nearby read ranges into spans
+(``runs.plan_runs``: one UCX message each) and nearby read ranges into spans
 (``tensors.plan_spans``: one range each, cut into views afterwards).  The
 functions here are synchronous: they check the items, build the request and
 return a ``Transfer`` (``datapath.py``) that either path can carry, plus

@@ -140,8 +140,12 @@ class Cluster:
         ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
         with their own secrets; from a registry, keyed by endpoint or node
         id).  Raises ``ClusterError`` naming each node that failed
-        (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial``;
-        BAD_REQUEST for a bad endpoint list.  ``endpoints`` "etcd://..."
+        (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial`` (from
+        a registry: only when no node is left; a node without a token in
+        the map is one that failed, BAD_REQUEST); BAD_REQUEST for a bad
+        endpoint list or a registry that lists no live node;
+        ``RegistryUnavailable`` for a registry that cannot be reached (unless
+        ``fallback``).  ``endpoints`` "etcd://..."
         (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
         ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
         ``need`` and ``watch`` as the module docstring says.  ``tls`` and
@@ -369,6 +373,8 @@ class Cluster:
     aclose = close
 
     def abort(self) -> None:
+        """Close at once, waiting for nothing (idempotent): every session
+        aborts (``RpcContext.abort``) and the registry watch stops."""
         self._closed = True
         if self.discovery is not None and self.discovery._task is not None:
             self.discovery._task.cancel()

@@ -49,8 +49,10 @@ def connect(addr: str, token: str, timeout: float | None = 30.0,
     when ``same_host=True`` (it leaves TLS out).
     Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
     handshake: the token was not sent), TIMEOUT, QUOTA_EXCEEDED (the
-    daemon's --max-sessions), SHUTTING_DOWN, BAD_REQUEST (as above, or a CA
-    file that cannot be loaded)."""
+    daemon's --max-sessions), SHUTTING_DOWN, FORBIDDEN (the process behind
+    a Unix socket is not trusted, ``check_unix_peer``: with "unix:..." or
+    ``same_host=True``; the token was not sent), BAD_REQUEST (as above, a
+    bad address, or a CA file that cannot be loaded)."""
     return Connector(addr, token, timeout, max_inflight, tls, same_host, insecure)
 
 

@@ -37,8 +37,8 @@ from rpcbuf.control.wire.errors import (
     error_from_wire,
 )
 
-ORPHAN_GRACE = 60.0  # s, at least: arrays of a lost same-host session stay referenced
-_ORPHANS: list[Any] = []  # see ControlConnection._fail_all
+ORPHAN_GRACE = 60.0  # s, at least: arrays UCX may still touch after a loss stay referenced
+_ORPHANS: list[Any] = []  # see ControlConnection.orphan
 
 
 class ControlConnection(asyncio.Protocol):
@@ -72,8 +72,9 @@ class ControlConnection(asyncio.Protocol):
         return self._lost_fut
 
     def orphan(self, arrays: Any) -> None:
-        """Keep ``arrays`` referenced for ``orphan_grace``: the daemon (same
-        host) or UCX may still touch them after we stopped waiting."""
+        """Keep ``arrays`` referenced for ``orphan_grace``: UCX may still
+        touch them after we stopped waiting (the same-host path never lets
+        the daemon near our memory: its own threads hold theirs)."""
         _ORPHANS.append(arrays)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().call_later(self.orphan_grace, _ORPHANS.remove, arrays)

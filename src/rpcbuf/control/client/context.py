@@ -183,6 +183,9 @@ class RpcContext:
                              name: str | None = None) -> str:
         """Reserve ``size`` bytes; wait up to ``timeout`` s for memory.
 
+        ``name`` makes a named buffer (``open_buffer`` finds it), ``ttl`` a
+        leased one (released ``ttl`` s after it was made or last renewed);
+        either outlives this session, a buffer with neither ends with it.
         Raises OUT_OF_MEMORY (details: requested, free, largest_free),
         QUOTA_EXCEEDED, UNSUPPORTED_DEVICE, BAD_REQUEST."""
         return await self._buffers.request_buffer(size, device_type, device, timeout, ttl, name)
@@ -191,10 +194,12 @@ class RpcContext:
                            ttl: float | None = None) -> str:
         """A new buffer on the same node with ``src_id``'s size, bytes and
         manifest, made without copying: the two share memory until either is
-        written (that write first copies the buffer, on the daemon). Named,
-        leased or, with neither, session-scoped, like ``request_buffer``.
-        Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY (no waiting),
-        QUOTA_EXCEEDED, BAD_REQUEST (a name taken), UNSUPPORTED_DEVICE."""
+        written (that write first copies the buffer, on the daemon; a write
+        that cannot get the memory for the copy is OUT_OF_MEMORY, reason
+        ``backing``). Named, leased or, with neither, session-scoped, like
+        ``request_buffer``. Host buffers only. Raises NOT_FOUND, OUT_OF_MEMORY
+        (no waiting), QUOTA_EXCEEDED, BAD_REQUEST (a name taken),
+        UNSUPPORTED_DEVICE."""
         return await self._buffers.clone_buffer(src_id, name, ttl)
 
     async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
@@ -204,14 +209,17 @@ class RpcContext:
         return await self._buffers.get_buffer_meta(buffer_id, tensors, timeout)
 
     def attach(self, buffer_id: str) -> Opening[Attachment]:
-        """A zero-copy, read-only view of a host buffer of ours on this
-        node: ``async with ctx.attach(buf) as view`` (or ``view = await
+        """A zero-copy, read-only view of a buffer of ours on this node:
+        ``async with ctx.attach(buf) as view`` (or ``view = await
         ctx.attach(buf)`` and later ``await view.close()``); ``view.tensors()``
-        and ``view.array(offset, nbytes)`` are NumPy arrays over the daemon's
-        memory.  While attached, stores, clears and copies into the buffer
-        are BUSY and its release waits (see ``control/client/attach.py``).
-        Needs the same-host path.  Raises NOT_FOUND, BAD_REQUEST
-        (not same-host), UNSUPPORTED_DEVICE, QUOTA_EXCEEDED."""
+        and ``view.array(offset, nbytes)`` are arrays over the daemon's
+        memory: NumPy for a host buffer, CuPy for a GPU buffer with CUDA VMM
+        handles (imported read-only).  While attached, stores, clears and
+        copies into the buffer are BUSY, and a release frees its memory only
+        at the last detach (see ``control/client/attach.py``).  Needs the
+        same-host path.  Raises NOT_FOUND, BAD_REQUEST (not same-host),
+        UNSUPPORTED_DEVICE (a GPU buffer without VMM handles),
+        QUOTA_EXCEEDED (too many attachments in this session)."""
         return Opening(lambda: self._attacher.attach(buffer_id))
 
     def attach_block(self, key: str) -> Opening[Attachment]:
@@ -221,7 +229,8 @@ class RpcContext:
         attached the block is never evicted, and a remove, a replace or its
         ttl takes it out of the tier at once but frees its
         memory only when the view closes.  Raises NOT_FOUND (a miss),
-        BAD_REQUEST (not same-host)."""
+        BAD_REQUEST (not same-host), QUOTA_EXCEEDED (too many attachments in
+        this session)."""
         return Opening(lambda: self._attacher.attach_block(key))
 
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
@@ -230,7 +239,10 @@ class RpcContext:
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
                            timeout: float | None = None) -> float | None:
-        """Extend the lease; return the new expiry (unix time). Raises NOT_FOUND."""
+        """Extend the lease to ``ttl`` s from now (default: the buffer's own
+        ttl; a ``ttl`` gives a buffer without a lease one, which outlives the
+        session); return the new expiry (unix time; None: the buffer has no
+        lease). Raises NOT_FOUND, BAD_REQUEST (a ttl that is not positive)."""
         return await self._buffers.renew_buffer(buffer_id, ttl, timeout)
 
     # ``timeout`` of a control op: seconds for the whole call, the wait for an
@@ -260,26 +272,33 @@ class RpcContext:
 
     async def clear_buffer(self, buffer_id: str, value: int = 0, offset: int = 0,
                            nbytes: int | None = None) -> None:
-        """Set bytes to ``value`` on the daemon (no bytes cross the network).
-        Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST."""
+        """Set ``nbytes`` (default: to the end) from ``offset`` to ``value`` on
+        the daemon (no bytes cross the network).  Raises NOT_FOUND,
+        OUT_OF_RANGE, BAD_REQUEST, BUSY (the buffer is attached)."""
         await self._buffers.clear_buffer(buffer_id, value, offset, nbytes)
 
     async def copy_buffer(self, src_id: str, src_offset: int, dst_id: str, dst_offset: int,
                           nbytes: int) -> None:
         """Copy between (or within) this tenant's buffers on the daemon's node,
-        without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE."""
+        without moving bytes over the network. Raises NOT_FOUND, OUT_OF_RANGE,
+        BUSY (the destination is attached)."""
         await self._buffers.copy_buffer(src_id, src_offset, dst_id, dst_offset, nbytes)
 
     # -- data ops -------------------------------------------------------------------
 
     async def store_tensor(self, buffer_id: str, array: Any, offset: int = 0, sync: bool = True,
                            verify: str | None = None, wire_dtype: str | None = None) -> Any:
-        """Copy ``array``'s bytes into the buffer at ``offset`` (the daemon
-        copies them itself on the same-host path, else they travel over UCX).
+        """Copy ``array``'s bytes into the buffer at ``offset``: a host array
+        into a host buffer goes through the session's staging area on the
+        same-host path (we copy it in, the daemon copies it out) and, from a
+        network session, rides in the request frame when it is small;
+        everything else travels over UCX.
 
         ``array``: NumPy, PyTorch (CPU or CUDA), CuPy, or anything with the
-        buffer protocol, ``__cuda_array_interface__`` or DLPack; no copy is
-        made of a contiguous one (see ``control/client/arrays.py``).
+        buffer protocol, ``__cuda_array_interface__`` or DLPack; a contiguous
+        one is used where it lies (no copy beside the path's own), a
+        non-contiguous one is copied once first (see
+        ``control/client/arrays.py``).
         ``verify="checksum"`` has the daemon hash what it received and compare
         (the checksum the daemon states for the buffer's device: xxh3 on the
         host, ``devsum`` on a GPU; ``devsum`` too for an array in GPU memory,
@@ -287,7 +306,8 @@ class RpcContext:
         float16 (half the bytes); the daemon widens it back into float32.
         ``sync=False`` returns a task at once (await it for the answer; keep
         the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
-        VERIFY_FAILED, BAD_REQUEST, CONNECTION_LOST."""
+        VERIFY_FAILED, BAD_REQUEST, BUSY (the buffer is attached),
+        CONNECTION_LOST."""
         return await self._ranges.store_tensor(buffer_id, array, offset, sync, verify, wire_dtype)
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
@@ -318,7 +338,9 @@ class RpcContext:
         what it received all the same (a wrong one is VERIFY_FAILED).
         The answer's ``checksums`` (with a manifest) are index-aligned with
         ``items`` too; they are xxh3-64, whatever the buffer's device.
-        Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST."""
+        Host arrays only (BAD_REQUEST for GPU memory: use ``store_tensor``).
+        Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED, BAD_REQUEST, BUSY (the
+        buffer is attached)."""
         return await self._ranges.store_batch(buffer_id, items, verify, manifest,
                                               manifest_version, checksums)
 
@@ -399,9 +421,11 @@ class RpcContext:
 
         Returns the manifest entries written (a read-only mapping name ->
         offset, nbytes, dtype, shape, checksum).
-        Names already stored with the same size are overwritten in place;
-        ``offset`` places the new slots from there instead.  Two clients
-        storing into one buffer at once should use distinct ``offset``s.
+        Without ``offset``, names already stored with the same size are
+        overwritten in place and the others go after the last slot in use;
+        with it, every tensor gets a new slot from ``offset`` on.  Two
+        clients storing into one buffer at once should use distinct
+        ``offset``s.  Host arrays only (GPU tensors: ``store_tensor``).
         ``sources`` (name -> (source type, logical shape), either None) adds
         what a tensor is beyond its NumPy view to its entry (``source_type``,
         ``logical_shape``; e.g. ``("Q8_0", (512, 256))`` for uint8 rows of
@@ -409,7 +433,8 @@ class RpcContext:
         Raises NOT_FOUND, OUT_OF_RANGE (the buffer is too small: size it with
         ``calculate_buffer_size``), VERIFY_FAILED, BAD_REQUEST (also for a
         source type that is not 1-32 of [A-Za-z0-9_] or a logical shape of
-        more than 32 dimensions)."""
+        more than 32 dimensions, and for an array in GPU memory), BUSY (the
+        buffer is attached)."""
         return await self._tensors.store_tensors(buffer_id, tensors, offset, verify, sources)
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None = None,
@@ -438,9 +463,11 @@ class RpcContext:
 
         ``offsets`` (name -> offset) places the tensors; by default they go
         where ``store_tensors`` would put them; ``sources`` as in
-        ``store_tensors``.  Returns ``{"tensors", "placed", "sent",
-        "bytes_placed", "bytes_sent"}``.  Raises NOT_FOUND, OUT_OF_RANGE,
-        VERIFY_FAILED, BAD_REQUEST."""
+        ``store_tensors``; ``hashes`` (name -> (xxh3-128, xxh3-64) of its
+        bytes) spares hashing them here when the caller has them already.
+        Returns ``{"tensors", "placed", "sent", "bytes_placed",
+        "bytes_sent"}``.  Raises NOT_FOUND, OUT_OF_RANGE, VERIFY_FAILED,
+        BAD_REQUEST, BUSY (the buffer is attached)."""
         return await self._dedup.store_tensors_dedup(buffer_id, tensors, offsets, verify, hashes,
                                                      sources)
 
@@ -459,7 +486,8 @@ class RpcContext:
         Raises FORBIDDEN (a node without ``--model-dir``, a path outside it),
         NOT_FOUND (the buffer, the file), VERIFY_FAILED (the node's copy
         differs: its size, a tensor's place or hash; the message names the
-        file and the tensor), TIMEOUT, BAD_REQUEST."""
+        file and the tensor), OUT_OF_RANGE, BUSY (the buffer is attached),
+        TIMEOUT, BAD_REQUEST."""
         self._check_open()
         req = fileload.request(buffer_id, path, file_size, tensors)
         result = await self._call(req, self.transfer_timeout if timeout is None else timeout)

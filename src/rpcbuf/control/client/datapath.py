@@ -1,13 +1,16 @@
 """The data path: how the bytes of a data op travel, chosen once per session.
 
-A session has one or two ``DataPath`` implementations: ``UcxPath`` (a UCX
+A session has two ``DataPath`` implementations: ``UcxPath`` (a UCX
 endpoint bound to the session by its nonce, dialled on first use on a
-same-host session) and, when ``hello`` granted it and the handle channel
-is bound (``handles.py``), ``StagedPath`` (our host arrays are copied into
-or out of the session's staging area, shared memory the daemon made; the
-daemon copies between it and its arena).  ``DataPaths.choose`` is the one
-rule that picks a path per op: the same-host path for host arrays of a host
-buffer, UCX for everything else (GPU arrays, GPU buffers).  A buffer's
+same-host session) and either, when ``hello`` granted it and the handle
+channel is bound (``handles.py``), ``StagedPath`` (our host arrays are
+copied into or out of the session's staging area, shared memory the daemon
+made; the daemon copies between it and its arena) or, on a network session
+whose daemon allows it (``inline_max``), ``InlinePath`` (a small op's bytes
+in its control frames).  ``DataPaths.choose`` is the one rule that picks a
+path per op: for host arrays of a host buffer the same-host path, else
+the inline path when it is a small plain store or read; UCX for everything
+else (GPU arrays, GPU buffers, big ops).  A buffer's
 device is what the daemon stated (``BufferPlace``, from its metadata), never
 guessed; the one fallback left, in ``DataPaths.run``, is for a daemon whose
 buffer turned out to be device memory after all (it refuses the staged op

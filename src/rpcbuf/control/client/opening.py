@@ -180,7 +180,8 @@ async def open_session(addr: str, token: str, timeout: float | None,
     """Connect and say hello; on the daemon's host, switch to its Unix socket
     (``same_host``: None when possible, False never, True required).
     Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (a failed TLS
-    handshake too), TIMEOUT, QUOTA_EXCEEDED, SHUTTING_DOWN, BAD_REQUEST (a
+    handshake too), TIMEOUT, QUOTA_EXCEEDED, SHUTTING_DOWN, FORBIDDEN (an
+    untrusted Unix socket peer: ``check_unix_peer``), BAD_REQUEST (a
     malformed hello, protocol versions that do not meet, a required
     same-host path not available, a CA file that cannot be loaded, plain
     TCP off loopback without ``insecure``: ``InsecureTransport``)."""

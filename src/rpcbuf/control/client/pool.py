@@ -30,6 +30,11 @@ class PoolStatistics:
 
 
 class BufferPool:
+    """A pool of one context's remote buffers (see the module docstring).
+    ``max_slack``: how many times larger than asked an idle buffer may be
+    and still be handed out (at least 1.0, else BAD_REQUEST); ``ttl``: the
+    lease each new buffer gets (None: it is released with the session)."""
+
     def __init__(self, ctx: RpcContext, max_slack: float = 2.0, ttl: float | None = None) -> None:
         if max_slack < 1.0:
             raise BadRequest("max_slack must be >= 1.0")
@@ -50,7 +55,8 @@ class BufferPool:
     async def acquire(self, size: int, device_type: str = "CPU", device: int = 0,
                       timeout: float | None = None) -> str:
         """A buffer id of at least ``size`` bytes; reuses an idle one when it fits.
-        Raises what ``request_buffer`` raises when the daemon must be asked."""
+        Raises BAD_REQUEST for a size that is no positive int, and what
+        ``request_buffer`` raises when the daemon must be asked."""
         if not isinstance(size, int) or size <= 0:
             raise BadRequest(f"size must be a positive int, got {size!r}")
         key = (device_type.upper(), device)
@@ -95,6 +101,8 @@ class BufferPool:
             await self._ctx.release_buffer(bid)
 
     def statistics(self) -> PoolStatistics:
+        """Hits and misses of ``acquire`` so far; buffers idle and in use now,
+        and the bytes the pool holds (as asked for, not as allocated)."""
         idle = sum(len(v) for v in self._idle.values())
         held = sum(size for _, size in self._owned.values())
         return PoolStatistics(self._stats.hits, self._stats.misses, idle, len(self._in_use),

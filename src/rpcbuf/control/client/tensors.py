@@ -64,7 +64,10 @@ def _nbytes(spec: Any) -> int:
 def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
                           headroom: float = 0.10, align: int = ALIGN) -> int:
     """Bytes a buffer needs for ``tensors`` (arrays or ``(shape, dtype)``
-    specs, as a mapping or a sequence) in aligned slots, plus ``headroom``."""
+    specs, as a mapping or a sequence) in slots aligned to ``align`` bytes
+    (``store_tensors`` uses 256), plus ``headroom`` (a fraction: 0.10 is
+    10%), rounded up to ``align``.  Raises BAD_REQUEST (a negative
+    headroom, a spec that is neither)."""
     if headroom < 0:
         raise BadRequest("headroom must be >= 0")
     specs = tensors.values() if isinstance(tensors, Mapping) else tensors

@@ -4,9 +4,9 @@
 - ``service``: the shell: the command line (``main``, ``flags``, ``config``),
   the ``Daemon`` with its listeners and lifecycle (``server``), the fleet
   registry entry (``announce``), systemd (``sdnotify``), the state gauges;
-- ``sessions``: one ``Session`` per control connection: reading and
-  back-pressure (``intake``, ``reader``), the hello (``greeting``, ``hello``),
-  dispatch (``session``) and the eager start of each op (``eager``);
+- ``sessions``: one ``Session`` per control connection: reading,
+  back-pressure and the eager start of each op (``intake``), the hello
+  (``greeting``, ``hello``) and dispatch (``session``);
 - ``ops``: what each verb does (``controlops``, ``dataops``, ``dedupops``,
   ``blockops``, ``attachops``, ``fileops``), against ``node.Node``;
 - ``data``: the one data pipeline (``pipeline``) over the data paths

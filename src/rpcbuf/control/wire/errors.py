@@ -94,7 +94,9 @@ class UnsupportedDevice(RpcBufError):
 
 class Busy(RpcBufError):
     """The buffer is attached (read-only, in place) by a session of its
-    tenant: stores, clears and copies into it wait for the last detach."""
+    tenant: a store, clear or copy into it is refused with this, at once
+    (it does not wait); ``details["attached"]`` says how many attachments.
+    Retry once they are closed."""
 
     code = "BUSY"
 

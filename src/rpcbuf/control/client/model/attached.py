@@ -96,8 +96,10 @@ def attach_model(ctx: RpcContext, name: str, framework: str = "numpy"
     Raises NOT_FOUND (no such model on this node; ``reason: incomplete``
     for one whose load did not finish or whose tensors changed since, with
     ``problems`` naming what is missing), BAD_REQUEST (not same host, a bad
-    answer, an unknown framework, torch not installed), BUSY never (attach
-    only reads)."""
+    answer, an unknown framework, torch not installed), what ``ctx.attach``
+    raises for a slot buffer (UNSUPPORTED_DEVICE: a GPU buffer without VMM
+    handles; QUOTA_EXCEEDED: too many attachments), BUSY never (attach only
+    reads)."""
     check_framework(framework)
     return Opening(lambda: _attach_model(ctx, name, framework))
 

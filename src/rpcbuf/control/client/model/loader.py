@@ -109,6 +109,11 @@ class NodeStats:
 
 @dataclass
 class LoadResult:
+    """What ``load_model`` did: the model's ``name`` on the nodes and its
+    file (``model``), the ``placement`` it followed, per endpoint what was
+    sent and placed (``nodes``), each slot buffer (``buffers``) and how long
+    it took (``seconds``)."""
+
     name: str
     model: str
     format: str
@@ -175,17 +180,22 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
                      hash_cache: bool = True) -> LoadResult:
     """Upload the model at ``path`` across ``cluster``; see the module docstring.
 
-    ``path`` may be a model ``open_model`` opened already (it is closed
-    here); ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
-    split by free memory; ``name`` defaults to the file's stem; ``progress``
-    shows rich progress bars on stderr when it is a terminal;
+    ``path``: a GGUF or safetensors file, or a directory of safetensors
+    shards, or a model ``open_model`` opened already (it is closed here);
+    ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
+    split by free memory; ``name`` defaults to the file's stem (a
+    directory's name); ``progress`` shows rich progress bars on stderr when
+    it is a terminal; ``batch_bytes`` (64 MiB) bounds one batch of a slot;
+    ``dedup`` (default) sends only what a node does not hold already
+    (``store_tensors_dedup``), False sends every byte (``store_batch``);
     ``on_progress(endpoint, done, total)`` is called after every batch;
     ``hash_cache`` (with ``dedup``) reuses the tensors' hashes remembered
     from an earlier upload of the unchanged file (``hashcache``), so a
     re-upload reads only what it sends.
-    Raises BAD_REQUEST (bad spec, model does not fit, not a model file) before
-    anything is requested; ``ClusterError`` naming each failed node otherwise
-    (after releasing the buffers this call created)."""
+    Raises BAD_REQUEST (bad spec, model does not fit, not a model file, a
+    bad name or ``batch_bytes``) before any buffer is requested, OSError for
+    a model file that is missing; ``ClusterError`` naming each failed node
+    otherwise (after releasing the buffers this call created)."""
     t0 = time.perf_counter()
     if batch_bytes <= 0:
         raise BadRequest("batch_bytes must be positive")

@@ -3,9 +3,10 @@
 A model's tensors fall into groups, by name: the *prolog* (token embeddings
 and every other tensor outside the layers, such as rope tables), the
 *layers* 0..N-1 (by the index in the name: ``layers.N.``,
-``model.layers.N.``, GGUF ``blk.N.``, also GPT-style ``h.N.``/``blocks.N.``)
-and the *epilog* (the final norm and the output head: a tensor outside the
-layers whose name has ``norm``, ``output`` or ``lm_head`` in it).  Slot ``i``
+``model.layers.N.``, GGUF ``blk.N.``, also GPT-style ``h.N.``/``blocks.N.``,
+and ``block.N.``/``layer.N.``) and the *epilog* (the final norm and the
+output head: a tensor outside the layers whose name has ``norm``,
+``output``, ``lm_head`` or ``ln_f`` in it, in any case).  Slot ``i``
 is the ``i``-th device of the endpoint list: each node's devices in the order
 it lists them, node after node.
 
@@ -137,6 +138,10 @@ class SlotPlan:
 
 @dataclass(frozen=True)
 class Placement:
+    """Which slot holds which tensors (``plan``): what each slot that gets
+    something gets, the spec that reproduces it, and whether it was
+    planned by free memory (``auto``) rather than from a spec."""
+
     slots: list[SlotPlan]  # only slots that get something, by slot number
     spec: str  # an explicit spec that reproduces this placement
     auto: bool = False

@@ -4,9 +4,9 @@ handle, and the staging area it starts with.
 A local client says hello on the daemon's Unix socket asking for the
 same-host path (``handles``), then opens a second connection to the same
 socket, from the same process, whose only frame is ``bind_handles`` with
-the session's bind nonce (``Session.bind_handles``).  The daemon takes that
+the session's bind nonce (``greeting.bind_handles``).  The daemon takes that
 socket out of asyncio's hands and from then on writes fixed-size records
-with file descriptors on it (``dataplane/shm``: ``SCM_RIGHTS``), never
+with file descriptors on it (``dataplane/shm.py``: ``SCM_RIGHTS``), never
 reading: first the session's staging area (a memfd the daemon made, size
 sealed; ``dataplane/staging.py``), then one record per attach, tagged with
 the request id, carrying a read-only fd of that one buffer.  The answer on

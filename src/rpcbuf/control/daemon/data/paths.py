@@ -5,19 +5,21 @@ The data pipeline (``pipeline.py``) decides everything else — which buffer,
 which ranges, pins and range locks, verification, counters, the audit record
 and the answer — and then asks the session's path to move the bytes of a
 batch of items (``Items``) into or out of a ``Region`` of daemon memory (a
-buffer's slice of its arena, or scratch memory for a wire-fp16 store).  Two
+buffer's slice of its arena, or scratch memory for a wire-fp16 store).  Three
 paths exist:
 
-* ``UcxPath``: one UCX message per run (``protocol.plan_runs``: touching
+* ``UcxPath``: one UCX message per run (``runs.plan_runs``: touching
   small items coalesce), tag ``run_tag(req_id, i)``, received straight into
   or sent straight from the arena span;
 * ``StagedPath``: the request names a slot of the session's staging area
   (daemon memory shared with the local client, ``dataplane/staging.py``);
   the daemon copies between it and the region (small ops on the loop, big
-  ones streamed through the ring on its copy threads, ``copypool.py``).
+  ones streamed through the ring on its copy threads, ``copypool.py``);
+* ``InlinePath``: a small op's bytes in its own frames (a network session's
+  ``Store.data``, a ``Read.inline`` answer's ``data``), copied on the loop.
 
-Both run under the transfer deadline (``transfer_all``): past it the session
-is aborted, and a transfer is always waited for to its end, even when its
+The first two run under the transfer deadline (``transfer_all``): past it
+the session is aborted, and a transfer is always waited for to its end, even when its
 task is cancelled, because until then it may still touch the region (which
 the pipeline keeps locked and pinned meanwhile).
 """
@@ -156,7 +158,7 @@ class DataPath(Protocol):
     is done without awaiting anything, so the op ends in its first step
     and the session answers it with no task (``intake.start``): the 4 KiB
     path's largest saving.
-    10. Tests: the pipeline's unit tests (``tests/test_pipeline.py``) run over
+    10. Tests: the pipeline's unit tests (``tests/daemon/test_pipeline.py``) run over
        an in-memory path; add the new one to the integration fixtures.
     """
 

@@ -8,7 +8,8 @@ answer) once for all of them, over the session's ``DataPath`` (UCX or same
 host, ``paths.py``).  A plain store or read is a batch of one item
 (``Items.one``: one run, tag = request id).  Every op is one ``async def``;
 one that never waits (a small same-host or inline op on a free range) ends
-in its first step, with no task (the session starts ops ``eager``ly).
+in its first step, with no task (the session starts ops eagerly,
+``intake.start``).
 
 Validation happens before anything is locked.  A refused store drains what
 the client already sent (``DataPath.drain``: 1-byte receives, one per run)

@@ -2,7 +2,7 @@
 
 ``dedup_store`` carries a batch of manifest items with each item's xxh3-128
 and xxh3-64.  For every item whose content the tenant already holds — in a
-live buffer (``content.ContentIndex``) or in the disk cache — the daemon
+live buffer (``index.ContentIndex``) or in the disk cache — the daemon
 puts it into place locally and only then records the manifest entry.  It
 answers the indices it placed; the client sends the rest with an ordinary
 ``store_batch``.  An item that fails verification (the source changed, a

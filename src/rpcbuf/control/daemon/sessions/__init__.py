@@ -1,3 +1,4 @@
-"""One ``Session`` per control connection: intake and back-pressure, the hello,
-dispatch, and the eager start of each op.
+"""One ``Session`` per control connection: intake, back-pressure and the
+eager start of each op (``intake``), the hello (``greeting``, ``hello``),
+dispatch (``session``).
 """

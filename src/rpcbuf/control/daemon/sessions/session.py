@@ -100,7 +100,7 @@ class Session:
         self.nonce = os.urandom(NONCE_BYTES)
         self.tenant: str | None = None
         self.grant: Grant | None = None  # the hello's token: whose, until when, which key
-        # When the token expires, in time.perf_counter()'s terms (what _dispatch
+        # When the token expires, in time.perf_counter()'s terms (what dispatch
         # compares against: one float compare per request); -inf once ended.
         self.token_deadline = math.inf
         self.token_timer: asyncio.TimerHandle | None = None
@@ -136,7 +136,7 @@ class Session:
         blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
         # The one dispatch table: op -> (handler, may wait).  Quick ops answer
         # inline; ops that may wait (memory, locks, transfers) are coroutines,
-        # started at once and made tasks only if they do wait (``eager``).
+        # started at once and made tasks only if they do wait (``intake.start``).
         self._ops: dict[type, tuple[Callable[..., Any], bool]] = {
             P.GetBufferMeta: (control.meta, False),
             P.OpenBuffer: (control.open, False),
@@ -366,7 +366,7 @@ class Session:
     def _start(self, req_id: int, req: P.Request, handler: Callable[..., Any],
                op: logs.OpRecord) -> None:
         """Run an op that may wait: at once, to its end if nothing waits
-        (answered in this loop turn, no task), else on as a task (``eager``)."""
+        (answered in this loop turn, no task), else on as a task (``intake.start``)."""
         assert self.tenant is not None
         held = Held(self.registry, self.tenant)  # what the handler looks up stays pinned
         call = Call(req_id, held, self._reply)
