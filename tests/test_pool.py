@@ -59,3 +59,25 @@ async def test_pool_waits_like_request_buffer(daemon_factory) -> None:  # type: 
         with pytest.raises(rpcbuf.OutOfMemory):
             await pb.acquire(8 << 20, timeout=0.1)
         await pb.close()
+
+
+async def test_a_failed_release_leaves_the_rest_in_the_pool(ctx: rpcbuf.RpcContext) -> None:
+    """trim takes buffers off its books one at a time: when one release fails
+    (here the buffer was released behind the pool's back: NOT_FOUND), the
+    others are still the pool's, counted and released by the next trim (they
+    were neither idle nor released, and held_bytes counted them forever)."""
+    pool = rpcbuf.BufferPool(ctx)
+    ids = [await pool.acquire(n) for n in (4096, 8192, 16384)]
+    for bid in ids:
+        pool.release(bid)
+    await ctx.release_buffer(ids[1])  # the middle one: not the first nor the last to go
+    with pytest.raises(rpcbuf.NotFound):
+        await pool.trim()
+    left = pool.statistics()
+    assert left.idle == 1 and left.held_bytes in (4096, 16384)
+    assert await pool.trim() == 1
+    assert pool.statistics().held_bytes == 0 and pool.statistics().idle == 0
+    with pytest.raises(rpcbuf.NotFound):
+        await ctx.get_buffer_meta(ids[0])
+    with pytest.raises(rpcbuf.NotFound):
+        await ctx.get_buffer_meta(ids[2])

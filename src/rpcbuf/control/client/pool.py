@@ -84,21 +84,30 @@ class BufferPool:
         bisect.insort(self._idle.setdefault(key, []), (size, buffer_id))
 
     async def trim(self) -> int:
-        """Release every idle buffer to the daemon; return how many."""
-        ids = [bid for lst in self._idle.values() for _, bid in lst]
-        self._idle.clear()
-        for bid in ids:
-            del self._owned[bid]
-            await self._ctx.release_buffer(bid)
-        return len(ids)
+        """Release every idle buffer to the daemon; return how many.  Each
+        leaves the pool's books just before its own release (bookkeeping
+        before the await, as everywhere here): if a release fails or is
+        cancelled, its error is raised and the buffers not yet released stay
+        idle in the pool, so a second ``trim`` or ``close`` goes on."""
+        released = 0
+        while self._idle:
+            key, idle = next(iter(self._idle.items()))
+            _, buffer_id = idle.pop()
+            if not idle:
+                del self._idle[key]
+            del self._owned[buffer_id]
+            await self._ctx.release_buffer(buffer_id)
+            released += 1
+        return released
 
     async def close(self) -> None:
-        """Release every buffer this pool holds, in use or idle, to the daemon."""
+        """Release every buffer this pool holds, in use or idle, to the daemon
+        (one at a time, as ``trim``: a failed release leaves the rest held)."""
         await self.trim()
-        for bid in list(self._in_use):
-            self._in_use.discard(bid)
-            del self._owned[bid]
-            await self._ctx.release_buffer(bid)
+        while self._in_use:
+            buffer_id = self._in_use.pop()
+            del self._owned[buffer_id]
+            await self._ctx.release_buffer(buffer_id)
 
     def statistics(self) -> PoolStatistics:
         """Hits and misses of ``acquire`` so far; buffers idle and in use now,

@@ -191,7 +191,7 @@ class ReadBatch(Request):
 
 @dataclass(frozen=True)
 class DedupStore(Request):
-    """Place tensors by content instead of by bytes (see ``control/dedupops.py``).
+    """Place tensors by content instead of by bytes (see ``control/daemon/ops/dedupops.py``).
 
     Items are index-aligned like a ``StoreBatch`` with a manifest, sorted by
     offset and disjoint; ``hashes`` holds two uint64 per item (xxh3-128, low
@@ -309,7 +309,7 @@ class BindHandles(Request):
     """The first and only frame of a session's handle channel: a second
     connection to the daemon's Unix socket, from the same process, naming
     the session by its bind nonce.  The daemon answers nothing on it in
-    msgpack: from then on it carries only fd records (``dataplane/shm``),
+    msgpack: from then on it carries only fd records (``dataplane/shm.py``),
     the staging area's first."""
 
     op: ClassVar[str] = "bind_handles"

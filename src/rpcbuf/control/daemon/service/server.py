@@ -2,7 +2,8 @@
 data), its lifecycle, and the state its sessions share (``node.Node``).
 
 ``Daemon`` accepts control connections and makes each a ``Session``
-(``session.py``: read loop, dispatch, answers), binds UCX data endpoints to
+(``sessions/session.py``: dispatch, answers; its requests read by
+``sessions/intake.py``), binds UCX data endpoints to
 the sessions they belong to, expires leases, reloads keys, and shuts down
 in order: stop accepting, let in-flight transfers finish (bounded), close
 every session.  It is an async context manager (``async with Daemon(...)
@@ -11,7 +12,7 @@ as d: await d.start(...)``; leaving it shuts down).
 Same host: besides TCP the daemon listens on a Unix socket (abstract by
 default, so only its own network namespace sees it; ``--local-socket``) and
 tells TCP clients its name and this kernel's boot id in ``hello``; a client
-on this host reconnects there (see ``session.py`` and ``paths.SameHostPath``).
+on this host reconnects there (see ``sessions/greeting.py`` and ``data/paths.py``'s ``StagedPath``).
 
 Endpoints bind with a small handshake on ``BIND_TAG``: the client sends the
 16-byte nonce it got in ``hello``; the daemon answers one byte.  Until then
@@ -129,7 +130,7 @@ class Daemon:
         # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
         self.tenant_counters: dict[str, dict[str, int]] = {}
         self.metrics = Metrics(StateCollector(self))
-        self.content = ContentIndex()  # dedup: daemon.py attaches the --cache-dir cache
+        self.content = ContentIndex()  # dedup: main.py attaches the --cache-dir cache
         self.model_files = model_files
 
     # -- lifecycle --------------------------------------------------------------
