@@ -68,9 +68,10 @@ def _targets(node: ast.AST) -> list[str]:
     return []
 
 
-def _class_members(cls: ast.ClassDef) -> set[str]:
+def _defined(body: list[ast.stmt], imports: bool) -> set[str]:
+    """The names a class or module body defines (and, for a module, imports)."""
     members: set[str] = set()
-    for stmt in cls.body:
+    for stmt in body:
         if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             members.add(stmt.name)
         elif isinstance(stmt, ast.Assign):
@@ -78,6 +79,13 @@ def _class_members(cls: ast.ClassDef) -> set[str]:
                 members.update(_targets(target))
         elif isinstance(stmt, ast.AnnAssign):
             members.update(_targets(stmt.target))
+        elif imports and isinstance(stmt, ast.Import | ast.ImportFrom):
+            members.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+    return members
+
+
+def _class_members(cls: ast.ClassDef) -> set[str]:
+    members = _defined(cls.body, imports=False)
     for node in ast.walk(cls):
         if (
             isinstance(node, ast.Attribute)
@@ -90,18 +98,7 @@ def _class_members(cls: ast.ClassDef) -> set[str]:
 
 
 def _module_members(tree: ast.Module) -> set[str]:
-    members: set[str] = set()
-    for stmt in tree.body:
-        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            members.add(stmt.name)
-        elif isinstance(stmt, ast.Assign):
-            for target in stmt.targets:
-                members.update(_targets(target))
-        elif isinstance(stmt, ast.AnnAssign):
-            members.update(_targets(stmt.target))
-        elif isinstance(stmt, ast.Import | ast.ImportFrom):
-            members.update((a.asname or a.name).split(".")[0] for a in stmt.names)
-    return members
+    return _defined(tree.body, imports=True)
 
 
 def sources(root: Path) -> list[Path]:
