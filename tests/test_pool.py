@@ -81,3 +81,18 @@ async def test_a_failed_release_leaves_the_rest_in_the_pool(ctx: rpcbuf.RpcConte
         await ctx.get_buffer_meta(ids[0])
     with pytest.raises(rpcbuf.NotFound):
         await ctx.get_buffer_meta(ids[2])
+
+
+async def test_trim_after_every_idle_buffer_was_handed_out_again(ctx: rpcbuf.RpcContext) -> None:
+    """A device whose idle buffers were all acquired again has nothing to
+    trim: trim releases none of them and close releases the one in use."""
+    pool = rpcbuf.BufferPool(ctx)
+    bid = await pool.acquire(4096)
+    pool.release(bid)
+    assert await pool.acquire(4096) == bid  # idle again: none
+    assert await pool.trim() == 0
+    await ctx.get_buffer_meta(bid)  # still held
+    await pool.close()
+    assert pool.statistics().held_bytes == 0
+    with pytest.raises(rpcbuf.NotFound):
+        await ctx.get_buffer_meta(bid)

@@ -92,9 +92,10 @@ class BufferPool:
         released = 0
         while self._idle:
             key, idle = next(iter(self._idle.items()))
-            _, buffer_id = idle.pop()
-            if not idle:
+            if not idle:  # every buffer of that device was handed out again (``acquire``)
                 del self._idle[key]
+                continue
+            _, buffer_id = idle.pop()
             del self._owned[buffer_id]
             await self._ctx.release_buffer(buffer_id)
             released += 1
