@@ -427,3 +427,31 @@ async def test_a_refused_get_leaves_the_lru_order_and_the_counts_as_they_were(
         await c.put_block(keys[4], blocks[keys[4]])  # evicts the least recently used
         assert await c.blocks_exist(keys) == [False, True, True, True, True]
         await c.remove_blocks(keys)
+
+
+async def test_attached_blocks_at_the_head_are_never_evicted_and_come_back_when_let_go(
+        tier: DaemonProc) -> None:
+    """Issue 34, H1 against a real daemon: 40 attached blocks, the least
+    recently used of the tenant's, stay (and read right) through puts that
+    evict hundreds of others; let go, they are evicted like any other, in
+    their turn.  (``test_blockstore`` counts the work: one look per
+    evicted block.)"""
+    size = 64 << 10
+    blocks = _blocks(40, size, 21)
+    keys = list(blocks)
+    async with tier.connect("small", same_host=True) as c:
+        await c.put_blocks(blocks)
+        views = [await c.attach_block(k) for k in keys]
+        before = (await c.stats())["blocks"]["evictions"]
+        for seed in range(22, 26):  # 4 x 100 x 64 KiB: more than the 18 MiB left
+            await c.put_blocks(_blocks(100, size, seed))
+        assert (await c.stats())["blocks"]["evictions"] > before
+        assert await c.blocks_exist(keys) == [True] * len(keys)
+        for v, k in zip(views, keys, strict=True):
+            np.testing.assert_array_equal(v.array(), blocks[k])
+            await v.close()
+        for seed in range(26, 30):  # the held ones went back in the order
+            await c.put_blocks(_blocks(100, size, seed))
+        assert await c.blocks_exist(keys) == [False] * len(keys)
+        await c.remove_blocks([k for s in range(22, 30) for k in _blocks(100, 1, s)])
+

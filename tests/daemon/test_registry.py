@@ -79,16 +79,49 @@ def test_tenants_are_served_round_robin() -> None:
     assert [t for t, _ in got][:2] in (["alice", "bob"], ["bob", "alice"])
 
 
-def test_aged_head_is_passed_by_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_aged_head_holds_others_back_only_while_free_memory_would_serve_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aged head that the free bytes would serve (they only have to come
+    together) is passed by nobody, for at most another ``AGING``; one that
+    needs memory other tenants hold holds nobody back, and is still served
+    first once it fits."""
     reg, pool = make(8 * MIB)
-    hold = reg.try_allocate("hog", pool, 4 * MIB)
-    assert hold
+    parts = [reg.try_allocate("hog", pool, 2 * MIB) for _ in range(4)]
+    assert all(parts)
+    reg.release(parts[1])  # 4 MiB free, in two 2 MiB pieces that are no buddies
+    reg.release(parts[3])
     got: list[tuple[str, object]] = []
-    waiter(reg, pool, "alice", 8 * MIB, got)
-    assert reg.try_allocate("bob", pool, 4096) is not None  # young head: passed
+    waiter(reg, pool, "alice", 4 * MIB, got)
+    young = reg.try_allocate("bob", pool, 4096)
+    assert young is not None  # young head: passed
+    reg.release(young)
     now = time.monotonic()
     monkeypatch.setattr(R.time, "monotonic", lambda: now + R.AGING + 1)
-    assert reg.try_allocate("bob", pool, 4096) is None  # aged head: bob must wait now
+    assert reg.try_allocate("bob", pool, 4096) is None  # aged, and 4 MiB are free
+    assert reg.queued_ahead("bob", pool)
+    monkeypatch.setattr(R.time, "monotonic", lambda: now + 2 * R.AGING + 1)
+    assert reg.try_allocate("bob", pool, 4096) is not None  # held back long enough
+    assert not reg.queued_ahead("bob", pool)
+
+
+def test_an_aged_head_that_needs_others_memory_holds_nobody_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding of issue 34 (H2): bob waits for the whole device while
+    alice holds some of it.  Aged, he holds nobody back (a request of
+    alice's is served at once, and she is never told to wait), and he is
+    served first once memory comes free."""
+    reg, pool = make(8 * MIB)
+    held = reg.try_allocate("alice", pool, 2 * MIB)
+    assert held is not None
+    got: list[tuple[str, object]] = []
+    waiter(reg, pool, "bob", 8 * MIB, got)
+    now = time.monotonic()
+    monkeypatch.setattr(R.time, "monotonic", lambda: now + R.AGING + 1)
+    more = reg.try_allocate("alice", pool, MIB)
+    assert more is not None and not reg.queued_ahead("alice", pool)
+    reg.release(more)
+    reg.release(held)  # the whole device free: bob's, before anyone else's
+    assert [t for t, _ in got] == ["bob"]
 
 
 def test_waiters_are_capped_and_their_bytes_count_against_the_quota() -> None:
@@ -277,16 +310,18 @@ def test_a_clone_counts_waiting_bytes_and_passes_nobody_a_request_could_not(
     reg.cancel(w)
     reg.release(src)
 
-    reg, pool = make(8 * MIB)
-    hog = reg.try_allocate("hog", pool, 4 * MIB)
+    reg, pool = make(16 * MIB)
+    hog = [reg.try_allocate("hog", pool, 2 * MIB) for _ in range(8)]
+    for part in hog[1:7:2]:  # 6 MiB free, in 2 MiB pieces
+        reg.release(part)  # type: ignore[arg-type]
     src = reg.try_allocate("bob", pool, MIB)
-    assert hog is not None and src is not None
-    waiter(reg, pool, "alice", 8 * MIB, got)
+    assert all(hog) and src is not None
+    waiter(reg, pool, "alice", 4 * MIB, got)  # the 5 MiB free would serve her
     now = time.monotonic()
     monkeypatch.setattr(R.time, "monotonic", lambda: now + R.AGING + 1)
     assert reg.try_allocate("bob", pool, MIB) is None  # aged head: bob waits
     assert reg.clone(src) is None  # and his clone does not pass it either
-    assert pool.allocator.stats().used == 5 * MIB and pool.arena.backed == 2
+    assert pool.allocator.stats().used == 11 * MIB and pool.arena.backed == 6
 
 
 def test_a_kept_block_needs_no_prefault_and_a_fresh_one_does() -> None:

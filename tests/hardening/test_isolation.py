@@ -62,3 +62,34 @@ async def test_release_during_dedup_wait_cannot_reach_another_tenant(daemon_fact
         for ctx, bid in ((b, theirs), (c, hers), (a, src)):
             await ctx.release_buffer(bid)
     assert await wait_free(d, start) == start
+
+
+async def test_another_tenants_aged_waiter_never_costs_a_tenant_its_blocks(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 34, H2: bob holds 8 MiB of a 64 MiB device and waits for all 64
+    (which only his own release could make fit).  Once his waiter has aged
+    (``AGING``, 5 s), alice's next put evicted all 32 of her blocks and then
+    failed OUT_OF_MEMORY with 48 MiB free, and her request_buffer(1 MiB) was
+    refused.  Now his waiter holds nobody back: her put evicts nothing and
+    her request is served at once."""
+    from rpcbuf.control.daemon.accounting.waiters import AGING
+
+    d = daemon_factory("--device", "cpu:64MiB", "--transfer-timeout", "30s")
+    kib = 1 << 10
+    rng = np.random.default_rng(34)
+    mine = {f"kv/{i}": rng.integers(0, 255, 256 * kib, dtype=np.uint8) for i in range(32)}
+    async with d.connect("alice") as a, d.connect("bob") as b:
+        await a.put_blocks(mine)
+        held = await b.request_buffer(8 << 20)
+        waiting = asyncio.ensure_future(b.request_buffer(64 << 20, timeout=30))
+        await asyncio.sleep(AGING + 0.5)
+        assert not waiting.done()
+        await a.put_block("kv/one more", mine["kv/0"])
+        st = (await a.stats())["blocks"]
+        assert st["evictions"] == 0 and st["blocks"] == 33
+        got = await a.request_buffer(1 << 20)  # no timeout: at once, or OUT_OF_MEMORY
+        await a.release_buffer(got)
+        assert await a.blocks_exist(list(mine)) == [True] * 32
+        waiting.cancel()
+        await b.release_buffer(held)
+        await a.remove_blocks([*mine, "kv/one more"])

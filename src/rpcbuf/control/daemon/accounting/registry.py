@@ -15,12 +15,15 @@ tenant's block).  A freed buffer cannot be pinned again.
 
 Waiting for memory is fair between tenants without letting a stuck request
 block the pool: each tenant has its own FIFO per device, the heads are served
-round-robin, and a head that does not fit is passed by requests that do;
-once the oldest waiter has waited ``AGING`` seconds, nobody passes it any
-more until it is served (so a big request is not starved by a stream of small
-ones).  Waiting bytes count against the tenant's quota, each tenant may have
-at most ``MAX_WAITERS`` waiting per device, and a waiter leaves its queues in
-O(1) (insertion-ordered dicts keyed by the waiter itself).
+round-robin, and a head that does not fit is passed by requests that do; once
+the oldest waiter has waited ``AGING`` seconds, nobody passes it any more
+while the free bytes would serve it (so a big request is not starved by a
+stream of small ones), for at most ``AGING`` more seconds.  A waiter that needs
+memory other tenants hold holds nobody back (``_holding``): another tenant's
+waiter never makes a request wait or fail.  Waiting bytes count against the
+tenant's quota, each tenant may have at most ``MAX_WAITERS`` waiting per
+device, and a waiter leaves its queues in O(1) (insertion-ordered dicts keyed
+by the waiter itself).
 
 Manifest entries cost the daemon memory too: each one is charged
 ``ENTRY_BYTES`` against its tenant's bytes on the buffer's device, checked
@@ -82,6 +85,10 @@ class Registry:
         self.expired_total = 0
         self._expired_by: dict[str, int] = {}
         self._lapsed = Lapsed(self.clock)  # leases that ran out: NOT_FOUND says so
+        # Told when a block's first pin is taken (True) and its last one
+        # dropped (False): the block store keeps held blocks out of its
+        # eviction order (``BlockStore._pinned``).
+        self.on_pin: Callable[[Buffer, bool], None] | None = None
 
     # -- lookup ---------------------------------------------------------------
 
@@ -172,9 +179,33 @@ class Registry:
         queues = self._waiters[pool.key]
         self._validate(tenant, pool, size, name,
                        self._tenant_waiting.get((tenant, pool.key), 0))
-        if queues and (tenant in queues.by_tenant or queues.aged() is not None):
+        if queues and (tenant in queues.by_tenant or self._holding(pool) is not None):
             return None
         return self._allocate(tenant, pool, size, name, ttl, session_id, like)
+
+    def queued_ahead(self, tenant: str, pool: Pool) -> bool:
+        """Whether a ``try_allocate`` of ``tenant`` on ``pool`` would wait for
+        the queue rather than for memory: its own requests wait there, or an
+        aged waiter holds everyone back (``_holding``).  The block tier
+        evicts only when this is False (room, not a queue, is what lacks)."""
+        queues = self._waiters[pool.key]
+        return bool(queues) and (tenant in queues.by_tenant
+                                 or self._holding(pool) is not None)
+
+    def _holding(self, pool: Pool) -> Waiter | None:
+        """The aged oldest waiter of ``pool`` while it holds everyone else
+        back: only while the device's free bytes would serve it (it waits
+        for them to come together, and a small request could split what it
+        needs), and for at most ``AGING`` more seconds.  A waiter that needs
+        memory other tenants hold, or that free memory has not served in
+        that time, holds nobody back: it stays first in line for what comes
+        free (``_grant``), but another tenant's waiter never makes a request
+        wait or fail, nor a block put evict (docs/security.md)."""
+        queues = self._waiters[pool.key]
+        w = queues.aged()
+        if w is None or time.monotonic() - w.since >= 2 * AGING:
+            return None
+        return w if w.reserved <= pool.allocator.stats().free else None
 
     def clone(self, src: Buffer, *, name: str | None = None, ttl: float | None = None,
               session_id: str | None = None) -> Buffer | None:
@@ -271,7 +302,7 @@ class Registry:
             return
         if was_aged:
             self._grant(waiter.pool)
-        elif was_head and queues.aged() is None:
+        elif was_head and self._holding(waiter.pool) is None:
             mine = queues.by_tenant.get(waiter.tenant)
             if mine:
                 self._serve(next(iter(mine)))
@@ -292,7 +323,7 @@ class Registry:
         heads that do not fit."""
         queues = self._waiters[pool.key]
         while queues:
-            aged = queues.aged()
+            aged = self._holding(pool)
             if aged is not None:
                 if not self._serve(aged):
                     return  # it still does not fit: nobody passes it now
@@ -346,13 +377,18 @@ class Registry:
         if buf.freed:
             raise NotFound(f"no buffer {buf.buffer_id!r}")
         buf.pins += 1
+        if buf.pins == 1 and buf.block_key and self.on_pin is not None:
+            self.on_pin(buf, True)
 
     def unpin(self, buf: Buffer) -> None:
         if buf.pins <= 0:
             raise RuntimeError(f"unpin of {buf.buffer_id} without a pin")  # a bug: say so
         buf.pins -= 1
-        if buf.pins == 0 and buf.released:
-            self._free(buf)
+        if buf.pins == 0:
+            if buf.released:
+                self._free(buf)
+            elif buf.block_key and self.on_pin is not None:
+                self.on_pin(buf, False)
 
     def _free(self, buf: Buffer) -> None:
         """Give ``buf``'s block back, once, and only if it still owns it."""

@@ -3,7 +3,7 @@
 arrival order so the oldest is found at once; removal is O(1): both are
 insertion-ordered dicts keyed by the waiter itself).  ``registry.Registry``
 decides who is served (round-robin, passing heads that do not fit, until the
-oldest has waited ``AGING``).
+oldest has waited ``AGING`` and the free bytes would serve it: ``_holding``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rpcbuf.control.wire.errors import RpcBufError
 if TYPE_CHECKING:
     from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
 
-AGING = 5.0  # seconds after which the oldest waiter of a device is passed by nobody
+AGING = 5.0  # seconds after which the oldest waiter may hold the others back (``_holding``)
 MAX_WAITERS = 64  # requests one tenant may have waiting for memory, per device
 
 
@@ -69,7 +69,8 @@ class Queues:
         return next(iter(self.order), None)
 
     def aged(self) -> Waiter | None:
-        """The oldest waiter once it has waited ``AGING``: nobody passes it."""
+        """The oldest waiter once it has waited ``AGING`` (the registry decides
+        whether it holds the others back: ``Registry._holding``)."""
         w = self.oldest()
         return w if w is not None and time.monotonic() - w.since >= AGING else None
 

@@ -20,16 +20,29 @@ buffers back with ``discard``.
 
 A full tier evicts instead of refusing: when the tenant's quota (or the
 device) has no room for a new block, ``allocate`` releases the tenant's
-least recently used blocks that no transfer holds (``pins == 0``), one at
-a time, until it fits.  Only the tenant's own blocks are ever evicted, and a
-batch bigger than the whole quota is refused before anything is evicted.
-Expired blocks (``ttl``) go when their time comes (``expire``, called by the
-daemon's expiry timer) and are never served after it (``lookup`` checks).
+least recently used blocks that no transfer holds, one at a time, until it
+fits.  Only the tenant's own blocks are ever evicted, a batch bigger than
+the whole quota is refused before anything is evicted, and nothing is
+evicted when what the put waits for is the queue of requests waiting for
+memory, not room (``Registry.queued_ahead``): another tenant's waiter never
+costs a tenant its blocks.  Expired blocks (``ttl``) go when their time
+comes (``expire``, called by the daemon's expiry timer) and are never served
+after it (``lookup`` checks).
+
+No tenant-sized work on the event loop: each tier keeps its blocks three
+ways, each O(1) or O(log n) to change.  ``blocks`` by key; ``lru``, per
+device, only the blocks nobody holds (``pins == 0``), least recently used
+first, so eviction takes the first entry and never walks past attached or
+read blocks: the registry tells the store when a block's first pin is taken
+and its last one dropped (``Registry.on_pin``), and the block leaves the
+order or comes back as the most recently used (a detach is a use); and
+``order``, the keys sorted (``SortedKeys``), so a page of ``keys`` costs
+O(log n + page).  ``steps`` counts the entries eviction and listing looked
+at (what the tests bound).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,6 +51,7 @@ from typing import Any
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
 from rpcbuf.control.daemon.accounting.leases import Leases
 from rpcbuf.control.daemon.accounting.registry import Registry
+from rpcbuf.control.daemon.content.sortedkeys import SortedKeys
 from rpcbuf.control.wire.errors import OutOfMemory, QuotaExceeded
 
 COUNTERS = ("hits", "misses", "puts", "evictions", "expired", "removed")
@@ -63,11 +77,28 @@ class Block:
 
 @dataclass
 class Tier:
-    """One tenant's blocks: ``lru`` from least to most recently used."""
+    """One tenant's blocks (see the module): ``blocks`` by key, ``lru`` per
+    device the unpinned ones from least to most recently used, ``order``
+    their keys sorted."""
 
-    lru: OrderedDict[str, Block] = field(default_factory=OrderedDict)
+    blocks: dict[str, Block] = field(default_factory=dict)
+    lru: dict[str, OrderedDict[str, Block]] = field(default_factory=dict)
+    order: SortedKeys = field(default_factory=SortedKeys)
     nbytes: int = 0  # their bytes (what the blocks hold, not the blocks' alloc sizes)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def evictable(self, pool: Pool) -> OrderedDict[str, Block]:
+        lru = self.lru.get(pool.key)
+        if lru is None:
+            lru = self.lru[pool.key] = OrderedDict()
+        return lru
+
+    def used(self, block: Block) -> None:
+        """``block`` is the most recently used now (if nobody holds it: a
+        held one comes back as the most recently used when let go)."""
+        lru = self.lru.get(block.buf.pool.key)
+        if lru is not None and block.key in lru:
+            lru.move_to_end(block.key)
 
 
 class BlockStore:
@@ -75,12 +106,30 @@ class BlockStore:
         self._registry = registry
         self._tiers: dict[str, Tier] = {}
         self._leases: Leases[tuple[str, str]] = Leases(self._expires_at, self._live_leases)
+        self.steps = 0  # entries eviction and listing looked at (see the module)
+        registry.on_pin = self._pinned
 
     def _tier(self, tenant: str) -> Tier:
         tier = self._tiers.get(tenant)
         if tier is None:
             tier = self._tiers[tenant] = Tier()
         return tier
+
+    def _pinned(self, buf: Buffer, held: bool) -> None:
+        """The registry's ``on_pin``: ``buf``'s first pin was taken (``held``)
+        or its last one dropped.  A committed block leaves the eviction order
+        while held, and comes back as the most recently used."""
+        if not buf.block_key:
+            return  # not a block, or a pending one (in no order yet)
+        tier = self._tiers.get(buf.tenant)
+        block = None if tier is None else tier.blocks.get(buf.block_key)
+        if tier is None or block is None or block.buf is not buf:
+            return  # replaced or dropped meanwhile: released, out of every order
+        lru = tier.evictable(buf.pool)
+        if held:
+            lru.pop(block.key, None)
+        else:
+            lru[block.key] = block
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -91,14 +140,14 @@ class BlockStore:
         tier = self._tiers.get(tenant)
         if tier is None:
             return None
-        block = tier.lru.get(key)
+        block = tier.blocks.get(key)
         if block is None:
             return None
         if block.expires_at is not None and block.expires_at <= self._registry.clock():
             self._drop(tenant, tier, block, "expired")
             return None
         if touch:
-            tier.lru.move_to_end(key)
+            tier.used(block)
         return block
 
     def touch(self, tenant: str, blocks: Iterable[Block]) -> None:
@@ -108,8 +157,8 @@ class BlockStore:
         if tier is None:
             return
         for b in blocks:
-            if tier.lru.get(b.key) is b:
-                tier.lru.move_to_end(b.key)
+            if tier.blocks.get(b.key) is b:
+                tier.used(b)
 
     def count(self, tenant: str, name: str, n: int = 1) -> None:
         self._tier(tenant).counts[name] += n
@@ -117,23 +166,31 @@ class BlockStore:
     def keys(self, tenant: str, prefix: str | None, start_after: str | None,
              limit: int) -> tuple[list[str], bool]:
         """The tenant's keys in sorted order: at most ``limit`` after
-        ``start_after``, starting with ``prefix``; and whether more follow."""
+        ``start_after``, starting with ``prefix``; and whether more follow.
+        O(log n + limit): the page starts where the cursor (``start_after``,
+        or the prefix) lies in ``order`` and stops at the first key past the
+        prefix; what has expired is dropped first (each block once)."""
+        self.expire()
         tier = self._tiers.get(tenant)
         if tier is None:
             return [], False
-        now = self._registry.clock()
-        # The first limit + 1 only (O(n log limit)): a page costs no sort of
-        # the whole tier, however many blocks the tenant holds.
-        found = heapq.nsmallest(limit + 1, (
-            k for k, b in tier.lru.items()
-            if (prefix is None or k.startswith(prefix))
-            and (start_after is None or k > start_after)
-            and (b.expires_at is None or b.expires_at > now)))
-        return found[:limit], len(found) > limit
+        if prefix is not None and (start_after is None or start_after < prefix):
+            keys = tier.order.since(prefix, inclusive=True)
+        else:
+            keys = tier.order.since(start_after, inclusive=False)
+        found: list[str] = []
+        for k in keys:
+            self.steps += 1
+            if prefix is not None and not k.startswith(prefix):
+                break  # sorted: every later key is past the prefix too
+            if len(found) == limit:
+                return found, True
+            found.append(k)
+        return found, False
 
     def stats(self, tenant: str) -> dict[str, Any]:
         tier = self._tiers.get(tenant) or Tier()
-        return {"blocks": len(tier.lru), "bytes": tier.nbytes, **tier.counts}
+        return {"blocks": len(tier.blocks), "bytes": tier.nbytes, **tier.counts}
 
     def totals(self) -> dict[str, dict[str, Any]]:
         """Every tenant's ``stats`` (the operator's view: metrics)."""
@@ -144,10 +201,12 @@ class BlockStore:
     def allocate(self, tenant: str, pool: Pool, sizes: list[int]) -> list[Buffer]:
         """Pending buffers for a put of blocks of ``sizes`` on ``pool``, all
         or none, evicting the tenant's least recently used unpinned blocks
-        while there is no room.  QUOTA_EXCEEDED or OUT_OF_MEMORY, with
-        nothing evicted, when the batch could never fit the quota or the
-        device; the error of the last try when evicting everything it may
-        did not make room (what was evicted stays evicted: a cache)."""
+        while there is no room (never while the queue of waiting requests, not
+        room, is what stops it: OUT_OF_MEMORY, ``reason: waiters``).
+        QUOTA_EXCEEDED or OUT_OF_MEMORY, with nothing evicted, when the
+        batch could never fit the quota or the device; the error of the last
+        try when evicting everything it may did not make room (what
+        was evicted stays evicted: a cache)."""
         reg = self._registry
         alloc = pool.allocator
         total = sum(alloc.block_size(s) for s in sizes)
@@ -176,6 +235,12 @@ class BlockStore:
                         buf, error = None, exc
                     if buf is not None:
                         break
+                    if error is None and reg.queued_ahead(tenant, pool):
+                        # Requests waiting for memory come first, and evicting
+                        # would not let this put pass them: no room is lacking.
+                        raise OutOfMemory(
+                            f"requests waiting for memory on {pool.key} come first",
+                            {**pool.oom_details(size), "reason": "waiters"})
                     if not self._evict_one(tenant, pool):
                         raise error or reg.out_of_memory(pool, size)
                 buf.block_key = ""  # pending: the store's, in no key map yet
@@ -187,15 +252,15 @@ class BlockStore:
 
     def _evict_one(self, tenant: str, pool: Pool) -> bool:
         """Release the tenant's least recently used block on ``pool`` that
-        no transfer holds; False when there is none."""
+        nobody holds (the first of its ``lru``: O(1)); False when there is
+        none."""
         tier = self._tiers.get(tenant)
-        if tier is None:
+        lru = None if tier is None else tier.lru.get(pool.key)
+        if tier is None or not lru:
             return False
-        for block in tier.lru.values():
-            if block.buf.pool is pool and block.buf.pins == 0:
-                self._drop(tenant, tier, block, "evictions")
-                return True
-        return False
+        self.steps += 1
+        self._drop(tenant, tier, next(iter(lru.values())), "evictions")
+        return True
 
     def discard(self, bufs: list[Buffer]) -> None:
         """Hand back a failed put's pending buffers (freed once unpinned)."""
@@ -212,13 +277,17 @@ class BlockStore:
         now = self._registry.clock()
         expires = None if ttl is None else now + ttl
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
-            old = tier.lru.get(key)
+            old = tier.blocks.get(key)
             if old is not None:
-                self._drop(tenant, tier, old, None)
+                self._drop(tenant, tier, old, None, keep_key=True)  # the key stays
+            else:
+                tier.order.add(key)
             buf.block_key = key
             block = Block(key, buf, sizes[i], checksums[i], None if metas is None else metas[i],
                           now, expires)
-            tier.lru[key] = block
+            tier.blocks[key] = block
+            if buf.pins == 0:  # else the put still holds it: in the order when let go
+                tier.evictable(buf.pool)[key] = block
             tier.nbytes += block.nbytes
             if expires is not None:
                 self._leases.count += 1
@@ -232,14 +301,20 @@ class BlockStore:
             return 0
         n = 0
         for key in keys:
-            block = tier.lru.get(key)
+            block = tier.blocks.get(key)
             if block is not None:
                 self._drop(tenant, tier, block, "removed")
                 n += 1
         return n
 
-    def _drop(self, tenant: str, tier: Tier, block: Block, counter: str | None) -> None:
-        del tier.lru[block.key]
+    def _drop(self, tenant: str, tier: Tier, block: Block, counter: str | None,
+              keep_key: bool = False) -> None:
+        del tier.blocks[block.key]
+        lru = tier.lru.get(block.buf.pool.key)
+        if lru is not None:
+            lru.pop(block.key, None)
+        if not keep_key:
+            tier.order.discard(block.key)
         tier.nbytes -= block.nbytes
         if block.expires_at is not None:
             self._leases.count -= 1
@@ -251,12 +326,12 @@ class BlockStore:
 
     def _expires_at(self, tk: tuple[str, str]) -> float | None:
         tier = self._tiers.get(tk[0])
-        block = None if tier is None else tier.lru.get(tk[1])
+        block = None if tier is None else tier.blocks.get(tk[1])
         return None if block is None else block.expires_at
 
     def _live_leases(self) -> Iterable[tuple[tuple[str, str], float]]:
         return (((t, k), b.expires_at) for t, tier in self._tiers.items()
-                for k, b in tier.lru.items() if b.expires_at is not None)
+                for k, b in tier.blocks.items() if b.expires_at is not None)
 
     def next_expiry(self) -> float | None:
         return self._leases.next()
@@ -266,7 +341,7 @@ class BlockStore:
         out: list[Block] = []
         for (tenant, key), _ in self._leases.due(self._registry.clock()):
             tier = self._tiers[tenant]
-            block = tier.lru[key]
+            block = tier.blocks[key]
             self._drop(tenant, tier, block, "expired")
             out.append(block)
         return out
