@@ -2,6 +2,9 @@
 the host arena keeps backed (``kept_block``: ``HostArena.kept``), locked
 until it is zero (``lock_until_zeroed``), or a clone's shared pages
 (``share_of``: ``HostArena.clones``).  Used by ``Registry._allocate``.
+Whoever gets such a buffer zeroes it on demand (``zero_on_demand``), so it
+never waits behind every block kept before it: ``request_buffer`` and block
+puts alike.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
+from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.dataplane.arena import Arena, host_memory
 from rpcbuf.dataplane.zeroer import Zeroing
 
@@ -36,6 +40,27 @@ def lock_until_zeroed(buf: Buffer, zeroing: Zeroing) -> None:
             pass
 
     zeroing.then(from_zeroer)
+
+
+def zero_on_demand(buf: Buffer, sweeps: CopyPool) -> None:
+    """A new buffer on a kept block still being zeroed (``buf.zeroed``): the
+    rest of its block is zeroed now (``KeptBlocks.zero_now``) as a job of
+    its tenant on ``sweeps``, beside the arena's zeroer (each chunk is
+    written once).  The zeroer takes kept blocks in the order they were
+    kept, and this one, the most recently kept, would come last: behind
+    every block other tenants freed before.  Nobody awaits the job (one that
+    starts late finds nothing to do); ``buf.zeroed`` says when it is done.
+    Nothing to do for any other buffer."""
+    host = host_memory(buf.pool.arena)
+    if buf.zeroed is None or buf.zeroed.done() or host is None:
+        return
+    job = sweeps.submit(buf.tenant, host.kept.zero_now, buf.offset)
+    job.future.add_done_callback(_retrieved)
+
+
+def _retrieved(fut: asyncio.Future[object]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # nobody awaits it: asyncio must not log it as lost
 
 
 def share_of(arena: Arena, src: Buffer, offset: int, nbytes: int) -> None:

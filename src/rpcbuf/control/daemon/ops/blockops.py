@@ -10,7 +10,8 @@ copies.
 
 ``put`` is two-phase: the store hands out pending buffers (evicting the
 tenant's least recently used blocks if it must), each is pinned and locked
-exclusively (a kept block still being zeroed is waited for), the bytes land,
+exclusively (a kept block still being zeroed is zeroed now, by the put's
+tenant: ``backing.zero_on_demand``, and waited for), the bytes land,
 every block is hashed (xxh3-64, on the sweep threads for big puts) and
 compared with the client's checksums, and only then does ``commit`` make
 them the keys' blocks, all at once.  A put that fails anywhere (a refusal,
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.locks import Grant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import Block, BlockStore
@@ -76,6 +78,10 @@ class BlockOps:
         try:
             for buf in bufs:  # every pending buffer pinned before the first await
                 call.held.keep(buf)
+                # A kept block not zeroed yet is zeroed now, by this put's
+                # tenant, not after every block freed before it (as
+                # request_buffer does): its lock below waits for that.
+                zero_on_demand(buf, self._ops.daemon.sweeps)
             grants: list[tuple[Buffer, Grant]] = []
             try:
                 for buf in bufs:

@@ -18,13 +18,13 @@ import time
 from typing import Any, Protocol
 
 from rpcbuf.control.daemon.accounting import prefault
+from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.registry import Buffer, Waiter
 from rpcbuf.control.daemon.data.pipeline import Call
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError
-from rpcbuf.dataplane.arena import host_memory
 from rpcbuf.dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -101,10 +101,7 @@ class ControlOps:
         (registry), so its first op waits for that, and nothing ever reads
         the old bytes.  The zeroer finishes the block whatever becomes of
         this job (nobody awaits it; one that starts late finds nothing to do)."""
-        host = host_memory(buf.pool.arena)
-        if host is not None:
-            job = self._node.sweeps.submit(buf.tenant, host.kept.zero_now, buf.offset)
-            job.future.add_done_callback(_retrieved)
+        zero_on_demand(buf, self._node.sweeps)
         with contextlib.suppress(TimeoutError):  # answered now, the block still locked
             await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)
 
@@ -232,8 +229,3 @@ class ControlOps:
     def ping(self, req: P.Ping) -> dict[str, Any]:
         """The node's clock (``rpcbuf doctor`` compares it with the client's)."""
         return {"time": time.time()}
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # nobody awaits it: asyncio must not log it as lost
