@@ -455,3 +455,29 @@ async def test_attached_blocks_at_the_head_are_never_evicted_and_come_back_when_
         assert await c.blocks_exist(keys) == [False] * len(keys)
         await c.remove_blocks([k for s in range(22, 30) for k in _blocks(100, 1, s)])
 
+
+async def test_a_get_sends_each_block_once(tier: DaemonProc) -> None:
+    """Issue 34, L13: a block_get naming one 1 MiB block 4,096 times sent
+    4 GiB.  The daemon refuses a key named twice (BAD_REQUEST, nothing
+    sent, no hit counted); the client reads such a key once and copies it,
+    so ``get_blocks(['k'] * 4)`` still fills four arrays, moving 1 MiB."""
+    block = np.random.default_rng(3).integers(0, 255, MiB, dtype=np.uint8)
+    async with tier.connect("alice", same_host=False) as c:  # UCX: one message a block
+        await c.put_block("dup", block)
+        before = await c.stats()
+        with pytest.raises(rpcbuf.BadRequest, match="each key once"):  # 64 MiB, before
+            await _raw(c, {"op": "block_get", "keys": ["dup"] * 64,
+                           "sizes": P.pack_u64([MiB] * 64)})
+        after = await c.stats()
+        assert after["bytes_read"] == before["bytes_read"]
+        assert after["blocks"]["hits"] == before["blocks"]["hits"]
+        out = [np.zeros(MiB, np.uint8) for _ in range(4)]
+        assert await c.get_blocks(["dup", "absent", "dup", "dup"], out) == \
+            [True, False, True, True]
+        for i in (0, 2, 3):
+            np.testing.assert_array_equal(out[i], block)
+        assert not out[1].any()
+        assert (await c.stats())["bytes_read"] == after["bytes_read"] + MiB
+        with pytest.raises(rpcbuf.BadRequest, match="different sizes"):
+            await c.get_blocks(["dup", "dup"], [out[0], np.zeros(10, np.uint8)])
+        await c.remove_blocks(["dup"])

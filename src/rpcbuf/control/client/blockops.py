@@ -9,10 +9,12 @@ Every put carries each block's xxh3-64; the daemon hashes what landed and
 commits the blocks only if all match (VERIFY_FAILED, nothing stored,
 otherwise).
 
-``get`` is all or nothing on the daemon (a missing key is NOT_FOUND with the
-missing indices, and nothing moves): here it is asked again for the keys
-that were there, at most ``GET_TRIES`` times (a block may be evicted
-between two tries), and the answer says which keys were read.
+A get names each key once on the wire (the daemon refuses a key named twice,
+so one request moves each block once): a key the caller names twice is read
+once and copied.  ``get`` is all or nothing on the daemon (a missing key is
+NOT_FOUND with the missing indices, and nothing moves): here it is asked again
+for the keys that were there, at most ``GET_TRIES`` times (a block may be
+evicted between two tries), and the answer says which keys were read.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ class BlockOps:
             raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
         targets = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
                             writable=True)
+        first: dict[str, int] = {}  # each key's first index
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        if len(first) < len(keys):
+            return await self._get_twice(keys, targets, first)
         found = [False] * len(keys)
         want = list(range(len(keys)))
         for _ in range(GET_TRIES):
@@ -123,6 +130,23 @@ class BlockOps:
                 found[i] = True
             break
         return found
+
+    async def _get_twice(self, keys: list[str], targets: list[np.ndarray],
+                         first: dict[str, int]) -> list[bool]:
+        """A get that names a key more than once: each block read once (the
+        daemon refuses a key named twice: one request moves each block
+        once), into its first array, then copied into the others."""
+        for i, key in enumerate(keys):
+            if targets[i].nbytes != targets[first[key]].nbytes:
+                raise BadRequest(f"key {key!r} is named twice with arrays of different sizes")
+        once = list(first.values())
+        got = await self._get([keys[i] for i in once], [targets[i] for i in once])
+        hit = {keys[i]: h for i, h in zip(once, got, strict=True)}
+        for i, key in enumerate(keys):
+            j = first[key]
+            if i != j and hit[key]:
+                np.copyto(_bytes(targets[i]), _bytes(targets[j]))
+        return [hit[k] for k in keys]
 
     async def lookup(self, keys: Sequence[str], meta: bool,
                      timeout: float | None) -> list[dict[str, Any] | None]:
@@ -168,3 +192,8 @@ def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray]) -> Transfe
         return req if stage is None else dataclasses.replace(req, stage=stage)
 
     return Transfer(request, arrays, lambda: arrays)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, flat (``host_data`` gives only those)."""
+    return a.reshape(-1).view(np.uint8)

@@ -19,7 +19,10 @@ a checksum, a client gone mid-transfer, the deadline) hands its pending
 buffers back: no reader ever saw them.  A refused put drains what the
 client sent (``DataPath.drain``), as a refused store does.
 
-``get`` is all or nothing: a key that names no block of the size the reader
+``get`` names each key once (BAD_REQUEST otherwise: a key named 4,096
+times would send its block 4,096 times, where a batch's overlapping reads
+are bounded by the buffer's size), so one request moves at most what the
+tenant holds.  It is all or nothing: a key that names no block of the size the reader
 expects is NOT_FOUND (``details.missing``: their indices), before anything
 is locked or sent, so the reader's arrays and the staging area are never
 half filled; its blocks are pinned (a block evicted or removed meanwhile is
@@ -139,6 +142,11 @@ class BlockOps:
         n = len(keys)
         if len(sizes) != n:
             raise BadRequest(f"{n} keys and {len(sizes)} sizes")
+        if len(set(keys)) != n:
+            # Bounded work: a get sends each block once, so one request moves
+            # at most the bytes the tenant holds (the client reads a key
+            # named twice once and copies it: ``client/blockops.py``).
+            raise BadRequest("a block_get names each key once")
         tenant = self._ops.owner
         # Not used yet (the LRU order stays) until the request is admitted:
         # a refusal leaves no trace.
