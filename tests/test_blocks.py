@@ -481,3 +481,36 @@ async def test_a_get_sends_each_block_once(tier: DaemonProc) -> None:
         with pytest.raises(rpcbuf.BadRequest, match="different sizes"):
             await c.get_blocks(["dup", "dup"], [out[0], np.zeros(10, np.uint8)])
         await c.remove_blocks(["dup"])
+
+
+async def test_a_put_of_many_blocks_is_all_or_nothing_across_its_slices(
+        tier: DaemonProc) -> None:
+    """A put allocates 256 blocks at a time, letting the event loop go
+    between slices (4,096 blocks at once held every other tenant for about
+    100 ms: one memfd each).  It is still all or nothing: 600 blocks land
+    whole, and a put whose third slice finds no room (the rest of the quota
+    attached, nothing to evict) hands back every block of the first two and
+    stores nothing."""
+    start = await pool_free(tier)
+    small = np.arange(4096, dtype=np.uint8)
+    many = {f"many/{i}": small for i in range(600)}
+    big = _blocks(4, 4 * MiB, 31)
+    async with tier.connect("small", same_host=True) as c:
+        await c.put_blocks(many)
+        assert await c.blocks_exist(list(many)) == [True] * 600
+        out = [np.zeros(4096, np.uint8) for _ in range(600)]
+        assert await c.get_blocks(list(many), out) == [True] * 600
+        assert all(np.array_equal(o, small) for o in out)
+        await c.remove_blocks(list(many))
+        await c.put_blocks(big)  # 16 of the 18 MiB beside the staging area, all attached
+        views = [await c.attach_block(k) for k in big]
+        before = (await c.stats())["blocks"]
+        with pytest.raises((rpcbuf.QuotaExceeded, rpcbuf.OutOfMemory)):
+            await c.put_blocks(many)  # 2.3 MiB: the first slices fit, a later one cannot
+        after = (await c.stats())["blocks"]
+        assert after["blocks"] == before["blocks"] and after["evictions"] == before["evictions"]
+        assert await c.blocks_exist(list(many)[:3]) == [False] * 3
+        for v in views:
+            await v.close()
+        await c.remove_blocks(list(big))
+    assert await wait_free(tier, start) == start

@@ -204,9 +204,15 @@ class BlockStore:
         while there is no room (never while the queue of waiting requests, not
         room, is what stops it: OUT_OF_MEMORY, ``reason: waiters``).
         QUOTA_EXCEEDED or OUT_OF_MEMORY, with nothing evicted, when the
-        batch could never fit the quota or the device; the error of the last
-        try when evicting everything it may did not make room (what
-        was evicted stays evicted: a cache)."""
+        batch could never fit the quota or the device (``admit``); the error
+        of the last try when evicting everything it may did not make room
+        (what was evicted stays evicted: a cache)."""
+        self.admit(tenant, pool, sizes)
+        return self.allocate_admitted(tenant, pool, sizes)
+
+    def admit(self, tenant: str, pool: Pool, sizes: list[int]) -> None:
+        """Refuse, before anything is allocated or evicted, a put of blocks
+        of ``sizes`` that could never fit the tenant's quota or the device."""
         reg = self._registry
         alloc = pool.allocator
         total = sum(alloc.block_size(s) for s in sizes)
@@ -223,6 +229,10 @@ class BlockStore:
         if any(s > alloc.max_size for s in sizes) or total > alloc.stats().total:
             raise OutOfMemory(f"{len(sizes)} blocks of {total} bytes can never fit on "
                               f"{pool.key}", {"requested": total, "device": pool.key})
+
+    def allocate_admitted(self, tenant: str, pool: Pool, sizes: list[int]) -> list[Buffer]:
+        """``allocate`` of (a slice of) a put that ``admit`` let through."""
+        reg = self._registry
         self.expire()
         out: list[Buffer] = []
         try:
