@@ -198,3 +198,37 @@ def test_a_half_sent_frame_has_a_deadline(daemon_factory) -> None:  # type: igno
         time.sleep(0.6)
     slow.close()
     patient.close()
+
+
+def rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) >> 10
+    raise AssertionError("no VmRSS")
+
+
+def test_a_closed_sessions_half_frame_is_freed_at_once(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The decoder's buffer goes when its session closes, not when a
+    garbage collection finds the session (a session and its intake refer to
+    each other): with the collector off, 4 sessions' 15 MiB half frames
+    stayed in the daemon after they closed (RSS stayed up by 60 MiB)."""
+    d = daemon_factory("--device", "cpu:16MiB", gc_disabled=True)
+    pid = d.proc.pid
+    probe = hello(d.addr, d.token("bob"))
+    base = rss_mib(pid)
+    raws = [hello(d.addr, d.token("alice")) for _ in range(4)]
+    for raw in raws:
+        raw.send(partial_frame(16 * MiB, 15 * MiB))
+    deadline = time.monotonic() + 10
+    while rss_mib(pid) < base + 50:
+        assert time.monotonic() < deadline, (base, rss_mib(pid))
+        time.sleep(0.05)
+    for raw in raws:
+        raw.close()
+    deadline = time.monotonic() + 10
+    while rss_mib(pid) > base + 20:
+        assert time.monotonic() < deadline, ("the half frames stayed", base, rss_mib(pid))
+        time.sleep(0.1)
+    assert probe.call("ping")["ok"]
+    probe.close()

@@ -18,7 +18,9 @@ it (``charges``' ``frame_bytes``, all its sessions together, at most
 gets QUOTA_EXCEEDED and that session ends; and a frame must arrive whole
 within ``--frame-timeout`` of the first byte the decoder kept of it
 (while the session is not paused by us), or the session ends.  Both go
-with the session (``close``).  Before, a tenant with a 1 MiB quota held
+with the session (``close``), at once: a session and its intake refer to
+each other, and a buffer that waited for the garbage collector to find
+the pair stayed for good on a daemon that collects rarely.  Before, a tenant with a 1 MiB quota held
 15 MiB of frame on each of 64 sessions, with no deadline.
 
 **The reader** (``SessionReader``, ``serve_tcp``, ``serve_unix``): a
