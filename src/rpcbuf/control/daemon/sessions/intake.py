@@ -448,7 +448,7 @@ def listen_tcp(host: str, port: int) -> list[socket.socket]:
     out: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in socket.getaddrinfo(
-                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
             sock = socket.socket(family, kind, proto)
             out.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
