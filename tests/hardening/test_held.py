@@ -9,21 +9,37 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import socket
 import ssl
 import struct
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tests.conftest import metrics_url, start_daemon
 from tests.hardening.rawwire import hello
-from tests.test_service import self_signed
 
 import rpcbuf
 
 MiB = 1 << 20
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, made with the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl CLI to make a test certificate")
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
 
 
 def open_fds(pid: int) -> int:
@@ -232,3 +248,23 @@ def test_a_closed_sessions_half_frame_is_freed_at_once(daemon_factory) -> None: 
         time.sleep(0.1)
     assert probe.call("ping")["ok"]
     probe.close()
+
+
+def test_a_tls_client_gets_in_with_a_per_source_cap_of_one(tmp_path: Path) -> None:
+    """A TLS connection counts as one from accept: its handshake and then
+    its session are one connection, never two of its source's slots (with a
+    cap of one, the session must not evict its own handshake)."""
+    cert, key = self_signed(tmp_path)
+    d = start_daemon(tmp_path / "d", "--device", "cpu:16MiB", "--tls-cert", str(cert),
+                     "--tls-key", str(key), "--max-unauthenticated-per-source", "1")
+
+    async def clients() -> None:
+        trust = ssl.create_default_context(cafile=str(cert))
+        for _ in range(5):
+            async with rpcbuf.connect(d.addr, token=d.token("alice"), timeout=10,
+                                      tls=trust) as c:
+                assert await c.ping()
+    try:
+        asyncio.run(clients())
+    finally:
+        assert d.stop() == 0, d.log()[-3000:]

@@ -321,10 +321,10 @@ class Daemon:
         except OSError:  # gone already
             sock.close()
             return
-        handshaking = Handshaking(sock, peer)
+        handshaking = Handshaking(sock, peer, accepted)
         for old in self.unauthenticated.add(handshaking, ("ip", peer[0])):
             old.evict()
-        handler = functools.partial(self._on_connection, accepted=accepted)
+        handler = functools.partial(self._on_connection, handshaking=handshaking)
         handshaking.task = task = loop.create_task(handshake(
             handler, sock, READ_CHUNK, tls, self.limits.hello_timeout))
         try:
@@ -340,8 +340,8 @@ class Daemon:
             self.unauthenticated.discard(handshaking)
 
     async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter, accepted: float | None = None
-                             ) -> None:
+                             writer: asyncio.StreamWriter,
+                             handshaking: Handshaking | None = None) -> None:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
@@ -349,8 +349,10 @@ class Daemon:
         # hello); until then the connection is one of the unauthenticated
         # ones, whose bound drops the oldest, never the newcomer.
         session = Session(self, reader, writer)
-        if accepted is not None:  # a TLS connection: its hello deadline runs from accept
-            session.intake.hello_by(accepted + self.limits.hello_timeout)
+        if handshaking is not None:  # a TLS connection: the session takes its place,
+            handshaking.done = True  # and its hello deadline runs from accept
+            self.unauthenticated.discard(handshaking)
+            session.intake.hello_by(handshaking.accepted + self.limits.hello_timeout)
         for old in self.unauthenticated.add(session, _source(writer)):
             old.evict()
         self.sessions[session.session_id] = session
@@ -439,11 +441,14 @@ class Handshaking:
     """A TLS connection in its handshake: one of the unauthenticated ones,
     which ``evict`` ends (no frame: it would garble the handshake)."""
 
-    def __init__(self, sock: socket.socket, peer: Any) -> None:
-        self.sock, self.peer = sock, peer
+    def __init__(self, sock: socket.socket, peer: Any, accepted: float) -> None:
+        self.sock, self.peer, self.accepted = sock, peer, accepted
         self.task: asyncio.Task[None] | None = None
+        self.done = False  # the handshake is over: the socket is its session's now
 
     def evict(self) -> None:
+        if self.done:
+            return
         if self.task is not None:
             self.task.cancel()  # the handshake closes its socket (intake.handshake)
         self.sock.close()
