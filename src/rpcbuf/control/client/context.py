@@ -259,7 +259,8 @@ class RpcContext:
 
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         """What this tenant may see of the node: its sessions, buffers, bytes
-        and counters, each device's size and free bytes."""
+        and counters, each device's size and free bytes, and ``limits``:
+        what it holds of each bounded resource and the limit of each."""
         return await self._buffers.stats(timeout)
 
     async def ping(self, timeout: float | None = None) -> float:

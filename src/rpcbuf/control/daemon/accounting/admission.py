@@ -60,6 +60,10 @@ class Pending(Generic[T]):
         self._by_source.setdefault(source, OrderedDict())[peer] = None
         return out
 
+    def largest_source(self) -> int:
+        """How many peers the source with the most has (metrics: no source named)."""
+        return max((len(m) for m in self._by_source.values()), default=0)
+
     def discard(self, peer: T) -> None:
         """``peer`` proved itself or went away (idempotent)."""
         if peer not in self._peers:

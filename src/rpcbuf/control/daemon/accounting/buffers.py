@@ -16,7 +16,7 @@ from rpcbuf.control.daemon.accounting.locks import RangeLocks
 from rpcbuf.control.wire.manifest import RESERVED
 from rpcbuf.dataplane.allocator import Allocator
 from rpcbuf.dataplane.allocators import make_allocator
-from rpcbuf.dataplane.arena import Arena
+from rpcbuf.dataplane.arena import Arena, host_memory
 
 
 @dataclass
@@ -27,6 +27,12 @@ class Pool:
     arena: Arena
     allocator: Allocator
     owners: dict[int, Buffer] = field(default_factory=dict)  # allocator offset -> its buffer
+    # Each of its blocks holds a memfd, mapped into the arena (host memory):
+    # charged as an fd and a mapping to the block's tenant (``Registry``).
+    holds_fds: bool = False
+
+    def __post_init__(self) -> None:
+        self.holds_fds = host_memory(self.arena) is not None
 
     @classmethod
     def create(cls, arena: Arena, allocator: str) -> Pool:

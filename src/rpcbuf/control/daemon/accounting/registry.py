@@ -28,6 +28,14 @@ by the waiter itself).
 Manifest entries cost the daemon memory too: each one is charged
 ``ENTRY_BYTES`` against its tenant's bytes on the buffer's device, checked
 before a batch changes anything (``charge_entries``).
+
+A host buffer (a block of the KV tier too) holds a file descriptor and a
+mapping for as long as its memory is backed (its memfd, mapped into the
+arena): both are charged to its tenant in ``charges`` (``charges.py``: the
+node's one table of what each tenant holds) with the allocation, checked
+with the quota before anything is allocated, and given back with the block
+(``_free``).  A byte quota alone let 19,967 blocks of 4 KiB take all of the
+daemon's 20,000 fds.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 
 from rpcbuf.control.daemon.accounting.backing import kept_block, lock_until_zeroed, share_of
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Ids, Pool, Quota
+from rpcbuf.control.daemon.accounting.charges import Charges
 from rpcbuf.control.daemon.accounting.lapsed import Lapsed
 from rpcbuf.control.daemon.accounting.leases import Leases
 from rpcbuf.control.daemon.accounting.waiters import AGING, MAX_WAITERS, Queues, Waiter
@@ -60,6 +69,7 @@ __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Re
 
 log = logging.getLogger("rpcbuf.daemon")
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
+HANDLES = ("fds", "mappings")  # what a backed host block holds, one of each
 
 
 class Registry:
@@ -68,8 +78,10 @@ class Registry:
 
     def __init__(self, pools: list[Pool], quotas: dict[str, Quota] | None = None,
                  default_quota: Quota | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 charges: Charges | None = None) -> None:
         self.pools = {p.key: p for p in pools}
+        self.charges = charges or Charges()  # fds, mappings (and the daemon's kinds)
         self.quotas = quotas or {}
         self.default_quota = default_quota or Quota()
         self.clock = clock
@@ -152,6 +164,9 @@ class Registry:
                 f"tenant {tenant!r} holds {count} buffers, quota is {q.buffers}",
                 {"buffers": count, "quota": q.buffers},
             )
+        if new_buffer and pool.holds_fds:
+            for kind in HANDLES:
+                self.charges.check(tenant, kind)
 
     def _validate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   extra: int = 0) -> None:
@@ -230,9 +245,11 @@ class Registry:
         back = pool.arena.back  # the block's own shareable memory (arena.py, cuda_arena.py)
         if like is not None:
             back = functools.partial(share_of, pool.arena, like)
+        handles = self._charge_handles(tenant, pool, offset)
         try:
             zeroing = back(offset, alloc_size)
         except (OSError, CudaError) as exc:  # no memory, no fds left: nothing changed
+            self._refund_handles(tenant, handles)
             pool.allocator.free(offset)
             log.warning("%s: backing a block of %d bytes failed: %s", pool.key,
                         alloc_size, exc)
@@ -260,6 +277,27 @@ class Registry:
             self._leases.count += 1
             self._leases.push(buf.buffer_id, buf.expires_at)
         return buf
+
+    def _charge_handles(self, tenant: str, pool: Pool, offset: int) -> int:
+        """Charge a host block's fd and mapping to ``tenant`` (checked with
+        the quota already; a waiter served later is validated again):
+        how many kinds were charged.  QUOTA_EXCEEDED frees ``offset``."""
+        if not pool.holds_fds:
+            return 0
+        done = 0
+        try:
+            for kind in HANDLES:
+                self.charges.charge(tenant, kind)
+                done += 1
+        except QuotaExceeded:
+            self._refund_handles(tenant, done)
+            pool.allocator.free(offset)
+            raise
+        return done
+
+    def _refund_handles(self, tenant: str, done: int) -> None:
+        for kind in HANDLES[:done]:
+            self.charges.refund(tenant, kind)
 
     def enqueue(self, waiter: Waiter) -> None:
         """Queue a request that must wait.  QUOTA_EXCEEDED when the tenant
@@ -401,6 +439,8 @@ class Registry:
                                "belongs to another buffer")  # a bug: never free it
         del pool.owners[buf.offset]
         pool.arena.unback(buf.offset, buf.alloc_size)
+        if pool.holds_fds:
+            self._refund_handles(buf.tenant, len(HANDLES))
         pool.allocator.free(buf.offset)
         key = (buf.tenant, pool.key)
         # A block handed out by fd stays charged while a session that got it
@@ -519,7 +559,21 @@ class Registry:
             "bytes": {k: self._tenant_bytes.get((tenant, k), 0) for k in self.pools},
             "waiters": {k: len(q.by_tenant.get(tenant, ())) for k, q in self._waiters.items()},
             "devices": [p.describe() for p in self.pools.values()],
+            "limits": self.limits_of(tenant),
         }
+
+    def limits_of(self, tenant: str) -> dict[str, dict[str, Any]]:
+        """The tenant's rows of the table of what it holds and the limit of
+        each: bytes per device and buffers (its quota) and ``charges``'
+        kinds (fds, mappings, sessions, buffered frame bytes)."""
+        q = self.quota_for(tenant)
+        rows: dict[str, dict[str, Any]] = {
+            f"bytes:{k}": {"held": self._tenant_bytes.get((tenant, k), 0)
+                           + self._tenant_waiting.get((tenant, k), 0),
+                           "limit": q.bytes_per_device} for k in self.pools}
+        rows["buffers"] = {"held": self._tenant_count.get(tenant, 0), "limit": q.buffers}
+        rows.update(self.charges.table(tenant))
+        return rows
 
     def tenant_usage(self) -> dict[str, Any]:
         """What each tenant holds (what quotas count, so memory still pinned by a

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rpcbuf.control.daemon.accounting.admission import Pending
+from rpcbuf.control.daemon.accounting.charges import Charges
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Registry
 from rpcbuf.control.daemon.content.blocks import BlockStore
@@ -46,6 +47,16 @@ class Limits:
     # Bounded memory work for tenants (copypool.py, ``sweeps``): one per CPU,
     # at least 4 (one tenant may use half: two, as pre-faulting does alone).
     sweep_threads: int = max(4, min(16, os.cpu_count() or 1))
+    # File descriptors (and mappings) one tenant's host buffers may hold
+    # (None: half the node's budget), and the fds the daemon keeps for
+    # sessions, sockets and logs (None: ``charges.fd_reserve``).
+    max_fds_per_tenant: int | None = None
+    fd_reserve: int | None = None
+    # Control bytes received and not yet a whole frame, one tenant's sessions
+    # together (at least one frame of max_frame), and how long one frame may
+    # take to arrive once its first byte did.
+    max_buffered_per_tenant: int = 4 * P.DEFAULT_MAX_FRAME
+    frame_timeout: float = 60.0
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_frame": self.max_frame, "max_inflight": self.max_inflight,
@@ -56,6 +67,7 @@ class Node(Protocol):
     """The daemon's parts that every session shares."""
 
     registry: Registry
+    charges: Charges  # what each tenant holds, and the limit of each (charges.py)
     blocks: BlockStore  # the keyed block tier (blocks.py)
     keys: Keyring
     node_id: str

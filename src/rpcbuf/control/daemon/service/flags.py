@@ -175,6 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
                    default=Limits.max_unauthenticated_per_source,
                    help="the same, per source address (per user on the Unix socket) "
                         "[%(default)s]")
+    p.add_argument("--max-fds-per-tenant", type=_positive_int, default=None,
+                   help="file descriptors (and memory mappings) one tenant's host buffers "
+                        "and blocks may hold at once; past it QUOTA_EXCEEDED [half of the "
+                        "node's: open files less --fd-reserve]")
+    p.add_argument("--fd-reserve", type=_positive_int, default=None,
+                   help="file descriptors kept for sessions, sockets and logs, never given "
+                        "to buffers [3 per --max-sessions, 2 per --max-unauthenticated, +256]")
+    p.add_argument("--max-buffered-per-tenant", type=parse_size,
+                   default=Limits.max_buffered_per_tenant,
+                   help="control bytes one tenant's sessions may have sent that are not yet "
+                        "a whole frame; past it the session ends with QUOTA_EXCEEDED "
+                        f"[{format_size(Limits.max_buffered_per_tenant)}]")
+    p.add_argument("--frame-timeout", type=parse_duration, default=Limits.frame_timeout,
+                   help="a control frame must arrive whole this long after its first byte, "
+                        "or the session ends [%(default)s]")
     p.add_argument("--copy-threads", type=_positive_int, default=Limits.copy_threads,
                    help="threads for same-host copies; one tenant may use at most half of "
                         "them at once [%(default)s]")

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from rpcbuf.dataplane.arena import host_memory
 
 if TYPE_CHECKING:
+    from rpcbuf.control.daemon.accounting.admission import Pending
     from rpcbuf.control.daemon.accounting.registry import Registry
     from rpcbuf.control.daemon.content.blocks import BlockStore
 
@@ -32,6 +33,10 @@ class Daemon(Protocol):
     def sessions(self) -> Mapping[str, Any]: ...
     @property
     def limits(self) -> Any: ...
+    @property
+    def unauthenticated(self) -> Pending[Any]: ...
+    @property
+    def pending_endpoints(self) -> Pending[Any]: ...
 
 
 class StateCollector(Collector):
@@ -100,6 +105,39 @@ class StateCollector(Collector):
         yield buffers
         yield held
         yield from _block_families(d.blocks.totals())
+        yield from _held_families(d)
+
+
+def _held_families(d: Daemon) -> Iterator[Any]:
+    """The table of what tenants make the node hold (``charges.Charges``),
+    and what peers that have not authenticated hold (``admission.Pending``),
+    as node-wide aggregates by kind: no tenant or source is named."""
+    fams = {k: GaugeMetricFamily(f"rpcbuf_held{k}", doc, labels=["kind"]) for k, doc in (
+        ("", "What all tenants (or unauthenticated peers) make the node hold, by kind"),
+        ("_limit", "The node's limit of a kind (absent: none but the per-tenant one)"),
+        ("_per_owner_limit", "The limit of a kind for one tenant (or one source)"),
+        ("_largest_owner", "What the one tenant (or source) holding most of a kind holds"),
+    )}
+    refused = CounterMetricFamily("rpcbuf_held_refusals", "Requests refused with "
+                                  "QUOTA_EXCEEDED at a kind's limit", labels=["kind"])
+    rows = dict(d.registry.charges.totals())
+    lim = d.limits
+    for kind, pending, node, per in (
+            ("unauthenticated_connections", d.unauthenticated, lim.max_unauthenticated,
+             lim.max_unauthenticated_per_source),
+            ("unbound_endpoints", d.pending_endpoints, lim.max_unauthenticated, None)):
+        rows[kind] = {"held": len(pending), "limit": node, "per_owner_limit": per,
+                      "largest_owner": pending.largest_source(), "refused": None}
+    for kind, row in sorted(rows.items()):
+        fams[""].add_metric([kind], row["held"])
+        fams["_largest_owner"].add_metric([kind], row["largest_owner"])
+        for key in ("limit", "per_owner_limit"):
+            if row[key] is not None:
+                fams[f"_{key}"].add_metric([kind], row[key])
+        if row["refused"] is not None:
+            refused.add_metric([kind], row["refused"])
+    yield from fams.values()
+    yield refused
 
 
 def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:

@@ -286,7 +286,10 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
                     hello_timeout=args.hello_timeout,
                     max_unauthenticated=args.max_unauthenticated,
                     max_unauthenticated_per_source=args.max_unauthenticated_per_source,
-                    copy_threads=args.copy_threads)
+                    copy_threads=args.copy_threads,
+                    max_fds_per_tenant=args.max_fds_per_tenant, fd_reserve=args.fd_reserve,
+                    max_buffered_per_tenant=args.max_buffered_per_tenant,
+                    frame_timeout=args.frame_timeout)
     daemon = Daemon(registry, keys, node_id=args.node_id or "", cluster=args.cluster,
                     limits=limits, model_files=model_files)
     if model_files is not None:

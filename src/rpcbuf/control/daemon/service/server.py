@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
+import resource
 import secrets
 import socket
 import ssl
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rpcbuf.control.daemon.accounting.admission import Pending
+from rpcbuf.control.daemon.accounting.charges import Charges, Limit, fd_reserve, handle_limits
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Registry
 from rpcbuf.control.daemon.content.blocks import BlockStore
@@ -47,7 +50,14 @@ from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.observe.metrics import Metrics
 from rpcbuf.control.daemon.ops.node import Limits
 from rpcbuf.control.daemon.service.gauges import StateCollector
-from rpcbuf.control.daemon.sessions.intake import READ_CHUNK, serve_tcp, serve_unix
+from rpcbuf.control.daemon.sessions.intake import (
+    READ_CHUNK,
+    Acceptor,
+    handshake,
+    listen_tcp,
+    serve_tcp,
+    serve_unix,
+)
 from rpcbuf.control.daemon.sessions.session import Session
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring
@@ -55,6 +65,7 @@ from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, S
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
 from rpcbuf.dataplane import shm, sockets
 from rpcbuf.dataplane.janitor import Janitor
+from rpcbuf.dataplane.kept import MAX_KEPT
 from rpcbuf.dataplane.ucx import (
     BIND_TAG,
     NONCE_BYTES,
@@ -107,15 +118,18 @@ class Daemon:
         self.by_nonce: dict[bytes, Session] = {}
         self.by_handles_nonce: dict[bytes, Session] = {}
         lim = self.limits
-        self.unauthenticated: Pending[Session] = Pending(
+        self.unauthenticated: Pending[Session | Handshaking] = Pending(
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
         self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
+        self.charges = registry.charges  # what each tenant holds, and the limit of each
+        set_limits(self.charges, lim, sum(p.holds_fds for p in registry.pools.values()))
         self.copies = CopyPool(lim.copy_threads)
         self.sweeps = CopyPool(lim.sweep_threads, name="rpcbuf-sweep")
         self.started_at = time.time()
         self.shutting_down = False
         self.stopped = False  # shutdown is done: tasks left are cancelled and let go
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | Acceptor | None = None
+        self._tls: ssl.SSLContext | None = None  # --tls-cert: each connection's handshake
         self._listener: DataListener | None = None
         self.janitor: Janitor | None = None
         self.listening: list[str] = []  # every TCP socket this process listens on
@@ -152,10 +166,12 @@ class Daemon:
         self.janitor = Janitor(self.limits.hello_timeout, self.limits.transfer_timeout,
                                self._claimable, self._dropped)
         await self.janitor.start()
+        self._tls = tls
         with binding(f"--listen {host}:{port}", port):
-            self._server = await serve_tcp(
-                self._on_connection, host, port, READ_CHUNK, tls,
-                self.limits.hello_timeout if tls else None)
+            if tls is None:
+                self._server = await serve_tcp(self._on_connection, host, port, READ_CHUNK)
+            else:  # the handshake is ours, counted from accept (_on_tls_socket)
+                self._server = Acceptor(listen_tcp(host, port), self._on_tls_socket)
         self.address = self._server.sockets[0].getsockname()[:2]
         if not self.node_id:  # before the first await: no hello goes out without it
             self.node_id = default_node_id(self.address[1])
@@ -288,8 +304,44 @@ class Daemon:
 
     # -- connections ------------------------------------------------------------
 
+    async def _on_tls_socket(self, sock: socket.socket) -> None:
+        """A TLS connection, just accepted: one of the unauthenticated ones
+        from now, its handshake included, within the hello deadline.  (When
+        the handshake was the server's, ``create_server(ssl=...)``, a
+        connection counted only once it was done: one source held 18,561
+        fds in handshakes against caps of 128 per source and 512 in all.)"""
+        tls = self._tls
+        if self.shutting_down or tls is None:
+            sock.close()
+            return
+        loop = asyncio.get_running_loop()
+        accepted = loop.time()
+        try:
+            peer = sock.getpeername()
+        except OSError:  # gone already
+            sock.close()
+            return
+        handshaking = Handshaking(sock, peer, accepted)
+        for old in self.unauthenticated.add(handshaking, ("ip", peer[0])):
+            old.evict()
+        handler = functools.partial(self._on_connection, handshaking=handshaking)
+        handshaking.task = task = loop.create_task(handshake(
+            handler, sock, READ_CHUNK, tls, self.limits.hello_timeout))
+        try:
+            await task
+        except (ssl.SSLError, OSError, TimeoutError, ConnectionError,
+                asyncio.CancelledError) as exc:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # we are cancelled, not only the handshake
+            # A flood of these must not flood the log: said at debug.
+            log.debug("TLS handshake with %s:%s failed: %r", peer[0], peer[1], exc)
+        finally:
+            self.unauthenticated.discard(handshaking)
+
     async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
+                             writer: asyncio.StreamWriter,
+                             handshaking: Handshaking | None = None) -> None:
         if self.shutting_down:
             await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
             return
@@ -297,6 +349,10 @@ class Daemon:
         # hello); until then the connection is one of the unauthenticated
         # ones, whose bound drops the oldest, never the newcomer.
         session = Session(self, reader, writer)
+        if handshaking is not None:  # a TLS connection: the session takes its place,
+            handshaking.done = True  # and its hello deadline runs from accept
+            self.unauthenticated.discard(handshaking)
+            session.intake.hello_by(handshaking.accepted + self.limits.hello_timeout)
         for old in self.unauthenticated.add(session, _source(writer)):
             old.evict()
         self.sessions[session.session_id] = session
@@ -379,6 +435,46 @@ class Daemon:
             ep.abort()
             return
         session.bind(ep)
+
+
+class Handshaking:
+    """A TLS connection in its handshake: one of the unauthenticated ones,
+    which ``evict`` ends (no frame: it would garble the handshake)."""
+
+    def __init__(self, sock: socket.socket, peer: Any, accepted: float) -> None:
+        self.sock, self.peer, self.accepted = sock, peer, accepted
+        self.task: asyncio.Task[None] | None = None
+        self.done = False  # the handshake is over: the socket is its session's now
+
+    def evict(self) -> None:
+        if self.done:
+            return
+        if self.task is not None:
+            self.task.cancel()  # the handshake closes its socket (intake.handshake)
+        self.sock.close()
+
+
+def set_limits(charges: Charges, lim: Limits, host_pools: int) -> None:
+    """The daemon's limits in the table of what each tenant holds: fds and
+    mappings (from what this process may open and map), sessions and
+    buffered control bytes (at least one whole frame)."""
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            map_count = int(f.read())
+    except (OSError, ValueError):
+        map_count = 65530  # the kernel's default
+    reserve = lim.fd_reserve
+    if reserve is None:
+        reserve = fd_reserve(lim.max_sessions, lim.max_unauthenticated)
+    for kind, limit in handle_limits(nofile, reserve, host_pools * MAX_KEPT,
+                                     lim.max_fds_per_tenant, map_count).items():
+        charges.set_limit(kind, limit)
+    charges.set_limit("sessions", Limit(lim.max_sessions_per_tenant, lim.max_sessions,
+                                        "--max-sessions-per-tenant", "--max-sessions"))
+    charges.set_limit("frame_bytes", Limit(
+        max(lim.max_buffered_per_tenant, lim.max_frame + 4),  # a whole frame and its length
+        None, "--max-buffered-per-tenant"))
 
 
 def _unlink_stale(path: str) -> None:

@@ -54,6 +54,7 @@ class Session(Protocol):
     handles_nonce: bytes | None
     same_host: StagedPath | None
     staging_charge: Pool | None
+    slot_charged: bool  # its session slot is charged to its tenant (charges' "sessions")
     copy_stop: threading.Event
     transfers: set[asyncio.Task[None]]
 
@@ -98,6 +99,7 @@ def take_slot(s: Session, tenant: str, replaces: bytes | None) -> None:
     if old is not None and old is not s and old.tenant == tenant:
         s.daemon.by_nonce.pop(old.nonce, None)
         s.daemon.sessions.pop(old.session_id, None)  # it no longer counts
+        s.slot_charged, old.slot_charged = old.slot_charged, False  # its charge is ours
         log.debug("session %s replaces %s", s.session_id, old.session_id)
         with contextlib.suppress(Exception):
             old.writer.close()  # its run loop ends, close() cleans up
@@ -115,12 +117,14 @@ def take_slot(s: Session, tenant: str, replaces: bytes | None) -> None:
         with contextlib.suppress(Exception):
             s.writer.close()  # its hello is read: nothing unread to reset the frame
         raise error
+    s.daemon.charges.charge(tenant, "sessions")  # checked above: the table counts it
+    s.slot_charged = True
 
 def _too_many_of(s: Session, tenant: str) -> QuotaExceeded | None:
     """QUOTA_EXCEEDED when ``tenant`` holds its --max-sessions-per-tenant
     already (so one tenant cannot take every session of the node)."""
     limit = s.daemon.limits.max_sessions_per_tenant
-    held = sum(1 for s in s.daemon.sessions.values() if s.tenant == tenant)
+    held = s.daemon.charges.held(tenant, "sessions")
     if held < limit:
         return None
     return QuotaExceeded(

@@ -10,6 +10,19 @@ the decoder) until a task ends (``slot_freed``), and answers piling up
 unread pause it too.  One session dispatches at most ``PUMP_FRAMES`` frames
 per loop turn: then the others' turn.
 
+**What a half-sent frame holds.**  After hello a frame may be up to
+``max_frame`` (16 MiB), and what has arrived of it waits in the decoder.
+Those bytes are the tenant's: every byte the decoder holds is charged to
+it (``charges``' ``frame_bytes``, all its sessions together, at most
+``--max-buffered-per-tenant``) *before* it is taken in, so a tenant past it
+gets QUOTA_EXCEEDED and that session ends; and a frame must arrive whole
+within ``--frame-timeout`` of the first byte the decoder kept of it
+(while the session is not paused by us), or the session ends.  Both go
+with the session (``close``), at once: a session and its intake refer to
+each other, and a buffer that waited for the garbage collector to find
+the pair stayed for good on a daemon that collects rarely.  Before, a tenant with a 1 MiB quota held
+15 MiB of frame on each of 64 sessions, with no deadline.
+
 **The reader** (``SessionReader``, ``serve_tcp``, ``serve_unix``): a
 ``StreamReader`` that can hand a session's bytes straight to it instead of
 buffering them for a reading task.  ``asyncio.start_server`` gives each
@@ -59,10 +72,12 @@ from typing import Any, Protocol
 
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import QuotaExceeded, RpcBufError, Timeout
 
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
 PUMP_FRAMES = 64  # requests one session dispatches per loop turn (then the others' turn)
+UNCHARGED = READ_CHUNK  # bytes of a session's frames in the decoder not charged to its tenant
 EAGER = sys.version_info >= (3, 12)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -97,6 +112,72 @@ class Intake:
         # Until hello succeeds: small frames, one at a time, one deadline from now.
         self.decoder = P.FrameDecoder(P.HELLO_MAX_FRAME, " before hello")
         self._hello_by = asyncio.get_running_loop().time() + session.daemon.limits.hello_timeout
+        self._charged = 0  # bytes the decoder holds, charged to the tenant ("frame_bytes")
+        self._frame_timer: asyncio.TimerHandle | None = None  # the frame now arriving
+
+    def close(self) -> None:
+        """The session ended: what the decoder holds goes, and its charge."""
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+        self.decoder = P.FrameDecoder(0)  # the old buffer is freed with the old decoder
+        self._hold(0)
+
+    def _hold(self, nbytes: int) -> None:
+        """Charge the tenant for the decoder holding ``nbytes`` (QUOTA_EXCEEDED,
+        changing nothing, past its limit), or refund what it holds no more.
+        The first ``UNCHARGED`` bytes of each session are not counted (the
+        session caps bound them): the common small request costs nothing."""
+        tenant = self._s.tenant
+        more = max(0, nbytes - UNCHARGED) - self._charged
+        if tenant is None or not more:
+            return
+        charges = self._s.daemon.charges
+        if more > 0:
+            charges.charge(tenant, "frame_bytes", more)
+        else:
+            charges.refund(tenant, "frame_bytes", -more)
+        self._charged += more
+
+    def _frame_deadline(self, progressed: bool) -> None:
+        """A frame must arrive whole within ``frame_timeout`` of when the
+        decoder first kept a byte of it: started when bytes wait, restarted
+        when a frame completed, ended when nothing waits."""
+        pending = self.decoder.pending
+        timer = self._frame_timer
+        if timer is not None and (progressed or not pending):
+            timer.cancel()
+            self._frame_timer = timer = None
+        if pending and timer is None:
+            self._frame_timer = asyncio.get_running_loop().call_later(
+                self._s.daemon.limits.frame_timeout, self._frame_overdue)
+
+    def _frame_overdue(self) -> None:
+        self._frame_timer = None
+        s, reader = self._s, self._reader
+        if s.closed or reader is None or not self.decoder.pending:
+            return
+        if reader.held:  # we stopped reading (back-pressure): not the client's delay
+            self._frame_deadline(False)
+            return
+        limit = s.daemon.limits.frame_timeout
+        self._fail(Timeout(f"a frame did not arrive whole within {limit:g}s of its first "
+                           f"byte ({self.decoder.pending} bytes of it came)",
+                           {"limit": "frame_timeout", "frame_timeout": limit}))
+
+    def _fail(self, error: RpcBufError) -> None:
+        """End the session with a connection-level ``error`` frame."""
+        s = self._s
+        log.warning("closing %s (session %s): %s", s.peer, s.session_id, error)
+        s.send(P.error_response(None, error))
+        s.flush()
+        with contextlib.suppress(Exception):
+            s.writer.close()
+
+    def hello_by(self, deadline: float) -> None:
+        """Hello must come by ``deadline`` (the loop's clock), not later:
+        a TLS connection's deadline runs from accept, its handshake included."""
+        self._hello_by = min(self._hello_by, deadline)
 
     def said_hello(self) -> None:
         """Hello succeeded: frames up to the node's limit from now on."""
@@ -172,7 +253,10 @@ class Intake:
         if reader is None or s.closed:
             return
         limit = s.daemon.limits.max_inflight
+        progressed = False
         try:
+            if data:  # charged before it is taken in: past the limit, nothing is kept
+                self._hold(decoder.pending + len(data))
             budget = PUMP_FRAMES  # this loop turn's share: other sessions go next
             while True:
                 slots = limit - len(s.tasks)
@@ -183,16 +267,19 @@ class Intake:
                     reader.pause()
                     if slots > 0:  # our turn is over, not our slots: go on next turn
                         asyncio.get_running_loop().call_soon(self._pump)
+                    self._settle(progressed)
                     return  # else slot_freed pumps when a task ends
                 msgs = decoder.feed(data, room)
                 data = b""
                 budget -= len(msgs)
+                progressed = progressed or bool(msgs)
                 for msg in msgs:
                     s.dispatch(msg)
                 if decoder.error is not None:
                     raise decoder.error
                 if len(msgs) < room or s.closed:
                     break
+            self._settle(progressed)
             reader.resume()
             transport = s.writer.transport
             if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
@@ -201,15 +288,18 @@ class Intake:
                 # until they drain.
                 reader.pause()
                 asyncio.get_running_loop().create_task(self._resume_when_drained(reader))
-        except P.FrameError as exc:
-            log.warning("closing %s: %s", s.peer, exc)
-            s.send(P.error_response(None, exc))
-            s.flush()
-            with contextlib.suppress(Exception):
-                s.writer.close()
+        except (P.FrameError, QuotaExceeded) as exc:
+            self._fail(exc)
         except Exception:  # a bug: this session ends, everyone else is served
             log.exception("session %s: reading its requests failed", s.session_id)
             s.abort("internal error")
+
+    def _settle(self, progressed: bool) -> None:
+        """After a pump: the charge follows what the decoder holds now, and
+        so does the frame's deadline."""
+        if not self._s.closed:
+            self._hold(self.decoder.pending)
+            self._frame_deadline(progressed)
 
     async def _resume_when_drained(self, reader: SessionReader) -> None:
         with contextlib.suppress(ConnectionError, OSError):
@@ -271,6 +361,11 @@ class SessionReader(asyncio.StreamReader):
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
 
+    @property
+    def held(self) -> bool:
+        """Reading is paused by the sink's owner."""
+        return self._held
+
     def pause(self) -> None:
         transport = getattr(self, "_transport", None)
         if not self._held and transport is not None:
@@ -282,6 +377,8 @@ class SessionReader(asyncio.StreamReader):
         if self._held and transport is not None:
             self._held = False
             transport.resume_reading()
+
+
 
 
 def _factory(handler: Handler, limit: int) -> Callable[[], asyncio.StreamReaderProtocol]:
@@ -300,14 +397,87 @@ def _factory(handler: Handler, limit: int) -> Callable[[], asyncio.StreamReaderP
 BACKLOG = 4096
 
 
-async def serve_tcp(handler: Handler, host: str, port: int, limit: int,
-                    tls: ssl.SSLContext | None, handshake_timeout: float | None
-                    ) -> asyncio.Server:
+async def serve_tcp(handler: Handler, host: str, port: int, limit: int) -> asyncio.Server:
     """``asyncio.start_server``, with a ``SessionReader`` per connection."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(_factory(handler, limit), host, port, ssl=tls,
-                                    ssl_handshake_timeout=handshake_timeout,
-                                    backlog=BACKLOG)
+    return await loop.create_server(_factory(handler, limit), host, port, backlog=BACKLOG)
+
+
+class Acceptor:
+    """A TCP listener that hands each accepted socket to ``accepted`` as it
+    comes, before anything is read from it: for TLS, where the server's own
+    handshake (``create_server(ssl=...)``) shows a connection to us only once
+    it is done, and a stream's start_tls on uvloop loses a ClientHello read before
+    it.  ``accepted`` counts the connection, then makes it a stream
+    (``handshake``).  What ``Daemon`` reads of an ``asyncio.Server``:
+    ``sockets`` and ``close``."""
+
+    def __init__(self, sockets: list[socket.socket],
+                 accepted: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
+        self.sockets = sockets
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._accept(s, accepted)) for s in sockets]
+
+    @staticmethod
+    async def _accept(sock: socket.socket,
+                      accepted: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
+        loop = asyncio.get_running_loop()
+        running: set[asyncio.Task[None]] = set()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # EMFILE and the like: the next accept may work
+                log.debug("accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            task = loop.create_task(accepted(conn))
+            running.add(task)  # (a task nobody holds may be collected mid-way)
+            task.add_done_callback(running.discard)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
+
+
+def listen_tcp(host: str, port: int) -> list[socket.socket]:
+    """Bound, listening, non-blocking sockets for ``host:port`` (every
+    address the host resolves to, as ``create_server`` binds; port 0: the
+    first picks one, the rest take the same)."""
+    out: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if out[1:] and port == 0:
+                addr = (addr[0], out[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in out:
+            sock.close()
+        raise
+    return out
+
+
+async def handshake(handler: Handler, sock: socket.socket, limit: int, tls: ssl.SSLContext,
+                    timeout: float) -> None:
+    """The TLS handshake on an accepted ``sock``; then ``handler`` gets its
+    streams, as from ``serve_tcp``.  Raises what the handshake raised (the
+    socket is closed then)."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.connect_accepted_socket(_factory(handler, limit), sock, ssl=tls,
+                                           ssl_handshake_timeout=timeout)
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def serve_unix(handler: Handler, sock: socket.socket, limit: int) -> Any:

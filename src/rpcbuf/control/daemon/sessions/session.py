@@ -111,6 +111,7 @@ class Session:
         self.handles: HandleChannel | None = None
         self.handles_nonce: bytes | None = None  # while a granted handle channel is awaited
         self.staging_charge: Pool | None = None  # where the staging area is charged
+        self.slot_charged = False  # its tenant is charged its session (greeting.take_slot)
         self.copy_stop = threading.Event()  # set when the session closes: copies stop
         self.peer = writer.get_extra_info("peername")
         self.unix = writer.get_extra_info("socket").family == socket.AF_UNIX
@@ -288,9 +289,9 @@ class Session:
     def evict(self) -> None:
         """Dropped to make room for newer unauthenticated connections (see
         admission.py): say why, then close; ``close`` cleans up."""
+        self.daemon.metrics.refused("max_unauthenticated")
         log.warning("closing %s: no hello yet, and newer connections need the room",
                     self.peer or f"pid {self.peer_pid}")
-        self.daemon.metrics.refused("max_unauthenticated")
         self.send(P.error_response(None, QuotaExceeded(
             "too many connections have not said hello yet; this one waited longest",
             {"limit": "max_unauthenticated"})))
@@ -448,6 +449,10 @@ class Session:
             self.staging_charge = None
         for buf in self.registry.session_closed(self.session_id):
             self.audit("release", buf, note="session closed")
+        self.intake.close()  # its half-received frame, and that charge, go
+        if self.slot_charged and self.tenant is not None:
+            self.slot_charged = False
+            self.daemon.charges.refund(self.tenant, "sessions")
         self.daemon.schedule_expiry()
         self.flush()  # answers of this loop turn (a connection-level error frame) go first
         with contextlib.suppress(Exception):
