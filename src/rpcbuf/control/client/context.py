@@ -90,8 +90,8 @@ class RpcContext:
         self._paths = DataPaths(
             UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
-            StagedPath(self._caller, handles.area, self.transfer_timeout)
-            if handles is not None and handles.area is not None else None,
+            StagedPath(self._caller, handles.staging, self.transfer_timeout)
+            if handles is not None and handles.staging is not None else None,
             InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
             else None)
         self._places = Places(hello)  # what the daemon stated about each buffer
