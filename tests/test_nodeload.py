@@ -338,7 +338,7 @@ async def test_raw_requests_are_bounded_typed_and_whole_tensors_only(
             ({"file_offsets": P.pack_u64([t.file_offset + 1])}, "VERIFY_FAILED", "differs"),
             ({"sizes": P.pack_u64([8]), "shapes": [[8 // np.dtype(t.dtype).itemsize]]},
              "VERIFY_FAILED", "differs"),
-            ({"names": ["no.such.tensor"]}, "VERIFY_FAILED", "has no such tensor"),
+            ({"names": ["no.such.tensor"]}, "VERIFY_FAILED", "node's copy does not"),
         ]:
             answer = raw_load(raw, **{**good, **bad})
             assert not answer["ok"] and answer["error"]["code"] == code, (bad, answer)
@@ -350,6 +350,47 @@ async def test_raw_requests_are_bounded_typed_and_whole_tensors_only(
         raw.close()
         bob.close()
         await alice.release_buffer(bid)
+
+
+ENV = b"HF_TOKEN=hf_SeCrEtToKeNvAlUe1234567890\nOTHER=x\n"
+
+
+def quotes(message: str, body: bytes) -> list[str]:
+    """What of ``body`` (a file's bytes) ``message`` gives away: any run of
+    4 of its bytes, or its first 8 bytes read as a number either way."""
+    head = body[:8].ljust(8, b"\0")
+    found = [str(int.from_bytes(head, order)) for order in ("little", "big")
+             if str(int.from_bytes(head, order)) in message]
+    text = body.decode("latin-1")
+    return found + [text[i:i + 4] for i in range(len(text) - 3) if text[i:i + 4] in message]
+
+
+async def test_a_file_that_is_no_model_leaks_none_of_its_bytes(
+        node: tuple[DaemonProc, Path, Path]) -> None:
+    """A tenant names a ``.env`` in the model directory: the refusal says it
+    is no model (and its size) and quotes none of its bytes; it quoted the
+    first 8 as "a header of 5639996912441443912 bytes" (``HF_TOKEN``)."""
+    d, models, _ = node
+    (models / ".env").write_bytes(ENV)
+    (models / "notes.safetensors").write_bytes(ENV)
+    async with d.connect("alice") as alice:
+        bid = await alice.request_buffer(4096)
+        raw = hello(d.addr, d.token("alice"))
+        try:
+            for path in (".env", "notes.safetensors"):
+                answer = raw_load(raw, buffer_id=bid, path=path, file_size=len(ENV),
+                                  file_offsets=P.pack_u64([8]), offsets=P.pack_u64([0]),
+                                  sizes=P.pack_u64([8]), hashes=P.pack_u64([1, 2]),
+                                  checksums=P.pack_u64([3]), names=["t"], dtypes=["uint8"],
+                                  shapes=[[8]])
+                assert answer["error"]["code"] == "BAD_REQUEST", answer
+                message = answer["error"]["message"]
+                assert "not a safetensors header" in message and str(len(ENV)) in message
+                assert quotes(message, ENV) == [], message
+                assert quotes(json.dumps(answer["error"].get("details")), ENV) == []
+        finally:
+            raw.close()
+            await alice.release_buffer(bid)
 
 
 async def test_the_audit_trail_names_who_loaded_which_file_escaped(

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,8 @@ from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import rpcbuf
+from rpcbuf.control.client.answers import MAX_BLOCK_NBYTES
+from rpcbuf.control.client.blockops import LIST_MAX_CHARS, LIST_MAX_KEYS, list_all
 from rpcbuf.control.wire.protocol import MAX_BLOCK_KEYS
 
 __all__ = ["RpcbufAuthError", "RpcbufConnector"]
@@ -303,6 +306,13 @@ class RpcbufConnector(RemoteConnector):
             log.warning("rpcbuf connector: a block of %d bytes says %d; treated as a miss",
                         info["nbytes"], md.length)
             return None
+        # What we allocate is what the daemon's metadata names: bounded first.
+        shaped = _shape_bytes(md.shapes, md.dtypes)
+        if shaped is None or not md.length <= shaped <= MAX_BLOCK_NBYTES:
+            log.warning("rpcbuf connector: a block whose shapes take %s bytes (at most %d, "
+                        "at least its %d); treated as a miss", shaped, MAX_BLOCK_NBYTES,
+                        md.length)
+            return None
         obj = self.local_cpu_backend.allocate(md.shapes, md.dtypes, md.fmt)
         if obj is None:
             log.warning("rpcbuf connector: no local memory for a remote chunk")
@@ -338,19 +348,29 @@ class RpcbufConnector(RemoteConnector):
     # -- the rest of the interface --------------------------------------------------------
 
     async def list(self) -> list[str]:
+        """This tenant's keys, at most ``LIST_MAX_KEYS`` of them (and
+        ``LIST_MAX_CHARS`` characters) gathered within ``timeout``: past
+        that the listing stops with a warning, whatever the daemon says of
+        more pages (``blockops.list_all``); a malformed page is a miss."""
         ctx = await self._context()
         if ctx is None:
             return []
-        keys: list[str] = []
-        after: str | None = None
+
+        async def page(after: str | None) -> tuple[list[str], bool]:
+            return await ctx.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
+
         with self._guarded():
-            while True:
-                page, more = await ctx.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
-                keys += page
-                if not more or not page:
-                    return keys
-                after = page[-1]
-        return keys
+            try:
+                keys, whole = await list_all(page, self.timeout)
+            except rpcbuf.BadRequest as exc:  # a malformed answer (reason bad_answer)
+                log.warning("rpcbuf connector: listing %s: %s", self.endpoint, exc)
+                return []
+            if not whole:
+                log.warning("rpcbuf connector: listing %s stopped at %d keys (at most %d keys, "
+                            "%d characters, %gs)", self.endpoint, len(keys), LIST_MAX_KEYS,
+                            LIST_MAX_CHARS, self.timeout)
+            return keys
+        return []
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         async def remove() -> bool:
@@ -410,6 +430,15 @@ def _view(obj: Any, length: int | None = None) -> memoryview:
     view = view if isinstance(view, memoryview) else memoryview(view)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     return view if length is None else view[:length]
+
+
+def _shape_bytes(shapes: Any, dtypes: Any) -> int | None:
+    """The bytes of tensors of ``shapes`` and ``dtypes`` (None: not shapes and dtypes)."""
+    try:
+        return sum(math.prod(int(d) for d in shape) * int(dtype.itemsize)
+                   for shape, dtype in zip(shapes, dtypes, strict=True))
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 def _nbytes(obj: Any) -> int:

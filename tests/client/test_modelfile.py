@@ -152,7 +152,7 @@ def test_safetensors_deeply_nested_header_is_refused_without_recursion(tmp_path:
 
 
 ST_LIES: dict[str, tuple[bytes, str]] = {
-    "header length": (struct.pack("<Q", 1 << 62) + b"{}", "header of"),
+    "header length": (struct.pack("<Q", 1 << 62) + b"{}", "no header length"),
     "short": (b"\x02\0\0", "too short"),
     "not json": (st_file("{nope"), "JSON"),
     "not an object": (st_file("[1, 2]"), "object"),
@@ -179,6 +179,24 @@ def test_safetensors_header_is_checked_against_the_file(tmp_path: Path, lie: str
     body, fragment = ST_LIES[lie]
     (p := tmp_path / "lie.safetensors").write_bytes(body)
     refused(p, fragment)
+
+
+def test_a_file_that_is_no_model_is_refused_quoting_none_of_its_bytes(tmp_path: Path) -> None:
+    """A ``.env`` where a model was expected: "not a safetensors header",
+    its size, and not one run of its bytes (its first 8 used to be quoted
+    as "a header of N bytes": ``HF_TOKEN``)."""
+    body = b"HF_TOKEN=hf_SeCrEtToKeNvAlUe1234567890\n"
+    (p := tmp_path / "notes.safetensors").write_bytes(body)
+    msg = refused(p, "not a safetensors header", f"{len(body)} bytes").message
+    msg = msg.replace(str(p), "")
+    head = [str(int.from_bytes(body[:8], order)) for order in ("little", "big")]
+    text = body.decode()
+    assert not [h for h in head if h in msg], msg
+    assert not [text[i:i + 4] for i in range(len(text) - 3) if text[i:i + 4] in msg], msg
+    # A binary header that passes the length check but is not UTF-8: no byte either.
+    (p := tmp_path / "bin.safetensors").write_bytes(st_file(b'{"\xfe\xfd": 1}'))
+    msg = refused(p, "not UTF-8").message
+    assert "xfe" not in msg and "0xfe" not in msg, msg
 
 
 @pytest.mark.timeout(60)

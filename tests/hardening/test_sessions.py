@@ -6,6 +6,7 @@ session ends mid-store prints no stray traceback."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -69,6 +70,55 @@ async def test_closed_sessions_leave_no_staging_behind_without_gc(daemon_factory
         await asyncio.gather(*(one() for _ in range(10)))
     assert await _held_settles(pid) == (0, 0)
     assert await wait_free(d, start) == start
+
+
+def _our_staging_maps() -> int:
+    """How many staging mappings this (the client's) process holds."""
+    with open("/proc/self/maps") as f:
+        return sum(STAGING in line for line in f)
+
+
+async def test_a_client_keeps_no_staging_of_closed_sessions_without_gc(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The client side of the same rule: with the collector off, a client
+    that opens and closes (or aborts) same-host sessions keeps none of
+    their 6 MiB staging mappings, even one closed while its ring op streams
+    (it used to keep every one until a collection: 60 sessions, 60)."""
+    d: DaemonProc = daemon_factory("--device", "cpu:64MiB")
+    data = np.arange(2 << 20, dtype=np.uint8)  # the ring (2 chunks) ...
+    small = np.arange(1000, dtype=np.uint8)  # ... and a small slot
+    big = np.ones(32 << 20, dtype=np.uint8)
+    gc.collect()
+    start = _our_staging_maps()
+    gc.disable()
+    try:
+        for i in range(12):
+            c = await d.connect()
+            assert c.same_host
+            assert _our_staging_maps() == start + 1
+            bid = await c.request_buffer(big.nbytes)
+            await c.store_tensor(bid, data)
+            await c.store_tensor(bid, small, offset=7)
+            assert np.array_equal(await c.read_buffer(bid, 7, 1000), small)
+            if i % 3 == 2:  # closed while the client's thread streams a store
+                store = asyncio.ensure_future(c.store_tensor(bid, big))
+                await asyncio.sleep(0.01)
+            if i % 2:
+                await c.close()
+            else:
+                c.abort()
+            if i % 3 == 2:
+                try:
+                    await store
+                except rpcbuf.RpcBufError:
+                    pass  # cut short (or done before the close): either is fine
+            await asyncio.sleep(0)  # a ring thread's end is reported on the loop
+        for _ in range(200):  # a stopped ring thread lets go within a chunk: 10 s at most
+            if _our_staging_maps() == start:
+                break
+            await asyncio.sleep(0.05)
+        assert _our_staging_maps() == start
+    finally:
+        gc.enable()
 
 
 STORER = """

@@ -128,14 +128,16 @@ class Area:
 
 
 class Shared:
-    """The daemon's mapping of a staging area, and its owner's say over when
-    it goes.  Mapped by ``shm.map_shared`` (no Python ``mmap``, which would
-    keep a ``dup`` of the memfd and unmap only when collected): ``close``
+    """One side's mapping of a staging area (the daemon's, or a same-host
+    client's), and its owner's say over when it goes.  Mapped by
+    ``shm.map_shared`` (no Python ``mmap``, which would keep a ``dup`` of
+    the memfd and unmap only when collected): ``close``
     unmaps it at once, or, while copies run in it (a ring op's thread stops
     within a chunk once told, ``Area.wait``), when the last of them lets
     go -- never under a running copy, never later.  Call from one thread
     (the event loop's): a copy thread's end is reported there
-    (``let_go`` from its future's callback)."""
+    (``let_go`` from its future's callback).  After it unmapped, the area
+    is retired (``Area.retire``): a stale use copies nothing."""
 
     def __init__(self, fd: int) -> None:
         self.address = shm.map_shared(fd, SIZE)

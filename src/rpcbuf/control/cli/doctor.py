@@ -228,19 +228,22 @@ async def doctor(endpoints: list[str], token: str, timeout: float,
 
 
 def render(results: dict[str, list[Check]], columns: int | None = None) -> list[str]:
-    """One line per check, its sentence wrapped to the terminal under itself."""
+    """One line per check, its sentence wrapped to the terminal under itself,
+    every part of it ``clean``: the node's hello, stats and errors are in
+    them, and a malicious node's escape sequences would reach the terminal."""
     import textwrap
 
-    from rpcbuf.control.cli.tables import width
+    from rpcbuf.control.cli.tables import clean, width
 
     mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
     room = max(30, (width() if columns is None else columns) - 27)
     lines: list[str] = []
     for addr, checks in results.items():
-        lines.append(addr)
+        lines.append(clean(addr))
         for c in checks:
-            text = textwrap.wrap(c.message, room, break_on_hyphens=False) or [""]
-            lines.append(f"  {mark[c.status]}  {c.check:<18} {text[0]}")
+            text = textwrap.wrap(clean(c.message), room, break_on_hyphens=False) or [""]
+            lines.append(f"  {mark.get(c.status, '?   ')}  {clean(c.check, limit=64):<18} "
+                         f"{text[0]}")
             lines += [" " * 27 + more for more in text[1:]]
     return lines
 

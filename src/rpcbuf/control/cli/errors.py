@@ -63,9 +63,12 @@ def _os_cause(exc: BaseException) -> str | None:
 
 def sentence(addr: str, exc: RpcBufError, now: float | None = None) -> str:
     """The error at node ``addr`` as one sentence with the next step, ending
-    with its code in brackets (what scripts and the docs search for)."""
+    with its code in brackets (what scripts and the docs search for);
+    ``clean``: the daemon wrote the message and the code."""
+    from rpcbuf.control.cli.tables import clean  # rich: only once an error is printed
+
     code = exc.details.get("code") if exc.code == "ERROR" else exc.code
-    return f"{_words(addr, exc, now)} [{code}]"
+    return clean(f"{_words(addr, exc, now)} [{code}]")
 
 
 def _words(addr: str, exc: RpcBufError, now: float | None) -> str:

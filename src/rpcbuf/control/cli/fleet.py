@@ -126,7 +126,8 @@ def nodes_table(records: dict[str, NodeRecord], title: str, wide: bool = False,
     now = time.time() if now is None else now
     rows = []
     for r in records.values():
-        devs = Text("\n").join(Text(f"{d.key} {format_size(d.free)}/{format_size(d.total)} ")
+        devs = Text("\n").join(Text(f"{tables.clean(d.key)} {format_size(d.free)}/"
+                                     f"{format_size(d.total)} ")
                                 + bar(d.total - d.free, d.total) for d in r.devices) or "-"
         rows.append([r.node_id, r.address, devs, r.version, tables.duration(now - r.started_at),
                      f"{tables.duration(now - r.updated_at)} ago"])
@@ -276,7 +277,8 @@ def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
     if not args.json:
         for name, g in models.items():
             if g["problems"]:
-                print(f"rpcbuf: {LR.incomplete(name, g['problems']).message}", file=sys.stderr)
+                print(f"rpcbuf: {tables.clean(LR.incomplete(name, g['problems']).message)}",
+                      file=sys.stderr)
         for addr, exc in failed.items():
             print(f"rpcbuf: {sentence(addr, exc)}", file=sys.stderr)
     return EXIT_NODE if failed else EXIT_OK

@@ -211,7 +211,7 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
                 print(json.dumps({"name": args.name, "released": got}, indent=2))
             else:
                 for addr, names in got.items():
-                    print(f"{addr}: released {', '.join(names) or 'nothing'}")
+                    print(tables.clean(f"{addr}: released {', '.join(names) or 'nothing'}"))
             return EXIT_OK
         assert model is not None
         result: LoadResult

@@ -272,8 +272,8 @@ def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str])
     if args.json:
         _print_json(results)
     else:
-        for line in lines:
-            print(line)
+        for line in lines:  # node answers in them: cleaned
+            print(tables.clean(line))
         _print_errors(results)
     return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
 
@@ -347,7 +347,7 @@ async def _put(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return EXIT_OK
-    print(result["buffer_id"])
+    print(tables.clean(result["buffer_id"]))
     if len(endpoints) > 1:
         print(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
               "(--endpoint picks the node)", file=sys.stderr)

@@ -8,6 +8,12 @@ then continue on the next line, whole); numbers keep their width.
 ``--wide`` keeps every column and lets the terminal wrap; a table that
 left columns out names them under it.  Widths come from
 ``$COLUMNS`` or the terminal (80 when neither is known).
+
+Every string the CLI prints that a daemon, a registry or a file chose goes
+through ``clean`` first (the cells and titles here, ``doctor``'s lines,
+error sentences): a daemon's hello or stats is someone else's text, and a
+terminal obeys the escape sequences in it (retitle the window, clear the
+screen, rewrite what was printed above).
 """
 
 from __future__ import annotations
@@ -20,6 +26,28 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+CLEAN_MAX = 4096  # characters of one printed string a peer chose (then "... N more")
+
+
+def _escaped(ch: str) -> str:
+    return ascii(ch)[1:-1]  # \x1b, \u202e, \U0001f600 style: visible, inert
+
+
+def clean(text: Any, newlines: bool = False, limit: int = CLEAN_MAX) -> str:
+    """``text`` as a string safe to print on a terminal: every character
+    that is not printable (C0 and C1 controls, ESC and BEL among them, DEL,
+    bidi overrides and other format characters, line separators) written
+    as its Python escape (ESC as backslash-x1b), newlines too unless
+    ``newlines``; at most ``limit`` characters, then how many more there
+    were."""
+    s = text if isinstance(text, str) else str(text)
+    if len(s) > limit:
+        s = f"{s[:limit]}... ({len(s) - limit} more characters)"
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() or (newlines and ch == "\n") else _escaped(ch)
+                   for ch in s)
 
 
 @dataclass(frozen=True)
@@ -49,11 +77,13 @@ def width() -> int:
 
 
 def _cell(cell: Any) -> Text:
-    """A cell as rich text: a ``Text`` as it is (our own styling, ``bar``),
-    anything else as plain text, never as markup: names, keys and node
-    records are other people's strings, and a ``[`` in one must neither
-    restyle the table nor break it (rich raises on ``[/x]``)."""
-    return cell if isinstance(cell, Text) else Text(str(cell))
+    """A cell as rich text: a ``Text`` as it is (our own styling, ``bar``:
+    whoever builds one cleans what goes in), anything else as plain text,
+    never as markup, and ``clean``: names, keys and node records are other
+    people's strings, and a ``[`` in one must neither restyle the table nor
+    break it (rich raises on ``[/x]``), nor an ESC reach the terminal (rich
+    passes it through)."""
+    return cell if isinstance(cell, Text) else Text(clean(cell, newlines=True))
 
 
 def _text_len(cell: Text) -> int:
@@ -80,7 +110,7 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
     # (a buffer with a lease looked permanent without its "ttl left").
     dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
     caption = f"not shown at this width: {', '.join(dropped)} (--wide)" if dropped else None
-    table = Table(title=title, caption=caption, expand=False)
+    table = Table(title=Text(clean(title), style="table.title"), caption=caption, expand=False)
     for i in keep:
         c = cols[i]
         table.add_column(c.name, justify="right" if c.right else "left",

@@ -14,9 +14,11 @@ Sans-I/O: plain functions over decoded msgpack, testable on their own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest
 
 CHECKSUM_KINDS = ("xxh3", "devsum")
@@ -121,6 +123,29 @@ def parse_meta(msg: dict[str, Any], answer: str = "buffer meta") -> BufferMeta:
     return BufferMeta(buffer_id, size, device_type, device, version, end)
 
 
+def parse_buffers(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """``list_buffers``'s answer: a list of buffer metadata maps, each
+    checked as ``parse_meta`` checks one.  Raises BAD_REQUEST."""
+    buffers = msg.get("buffers")
+    if not isinstance(buffers, list) or not all(isinstance(b, dict) for b in buffers):
+        raise bad_answer("list_buffers answer", "buffers", "must be a list of maps")
+    for b in buffers:
+        parse_meta(b, "list_buffers answer")
+    return buffers
+
+
+def parse_expiry(msg: dict[str, Any], answer: str) -> float | None:
+    """An ``expires_at``: unix time (a finite number), or None (no lease)."""
+    if "expires_at" not in msg:
+        raise bad_answer(answer, "expires_at", "is missing")
+    value = msg["expires_at"]
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise bad_answer(answer, "expires_at", f"must be a number or nil, got {value!r:.40}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Stats:
     """What ``stats`` says of this tenant (the dict has more: see the daemon)."""
@@ -142,3 +167,87 @@ def parse_stats(msg: dict[str, Any]) -> Stats:
     node_id = _str(msg, "node_id", "stats", optional=True) or ""
     return Stats(node_id, count("sessions"), count("buffers"), count("bytes_stored"),
                  count("bytes_read"), count("verify_failures"))
+
+
+# -- the block tier's answers (``blockops.py``) -----------------------------------------
+
+MAX_BLOCK_NBYTES = 1 << 30  # the largest block ``get_block`` allocates on the daemon's word
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """One key's block as ``block_lookup`` described it."""
+
+    nbytes: int
+    meta: bytes | None
+    expires_at: float | None
+
+
+def _per_key(msg: dict[str, Any], key: str, n: int, answer: str) -> list[Any]:
+    """``msg[key]``: one item per key asked (absent or None: None each)."""
+    value = msg.get(key)
+    if value is None:
+        return [None] * n
+    if not isinstance(value, list) or len(value) != n:
+        raise bad_answer(answer, key, f"must be a list of {n} items, one per key")
+    return value
+
+
+def parse_block_lookup(msg: dict[str, Any], n: int) -> list[BlockInfo | None]:
+    """``block_lookup``'s answer for ``n`` keys: per key None (a miss) or
+    its size (an integer of at least 1), its meta (bytes or None) and its
+    expiry (a finite number or None).  Raises BAD_REQUEST naming the field."""
+    answer = "block_lookup answer"
+    if not isinstance(msg.get("sizes"), list):
+        raise bad_answer(answer, "sizes", "must be a list")
+    sizes = _per_key(msg, "sizes", n, answer)
+    metas = _per_key(msg, "metas", n, answer)
+    expires = _per_key(msg, "expires_at", n, answer)
+    out: list[BlockInfo | None] = []
+    for size, meta, exp in zip(sizes, metas, expires, strict=True):
+        if size is None:
+            out.append(None)
+            continue
+        if type(size) is not int or not 1 <= size <= _MAX_INT:
+            raise bad_answer(answer, "sizes", f"must hold integers >= 1, got {size!r:.40}")
+        if meta is not None and not isinstance(meta, bytes):
+            raise bad_answer(answer, "metas", f"must hold bytes, got {type(meta).__name__}")
+        if exp is not None and (type(exp) not in (int, float) or not math.isfinite(exp)):
+            raise bad_answer(answer, "expires_at", f"must hold numbers, got {exp!r:.40}")
+        out.append(BlockInfo(size, meta, None if exp is None else float(exp)))
+    return out
+
+
+def parse_block_list(msg: dict[str, Any], limit: int, prefix: str | None,
+                     start_after: str | None) -> tuple[list[str], bool]:
+    """``block_list``'s answer: at most ``limit`` keys, each a key the
+    protocol takes, in strictly increasing order, after ``start_after`` and
+    starting with ``prefix``; ``more`` a bool.  So a daemon cannot make a
+    caller that pages through the keys go round for ever on one page, nor
+    hand it more than it asked for.  Raises BAD_REQUEST naming the field."""
+    answer = "block_list answer"
+    keys, more = msg.get("keys"), msg.get("more")
+    if type(more) is not bool:
+        raise bad_answer(answer, "more", f"must be true or false, got {more!r:.40}")
+    if not isinstance(keys, list) or len(keys) > limit:
+        raise bad_answer(answer, "keys", f"must be a list of at most {limit} keys")
+    if keys and not P.block_keys_ok(keys):
+        raise bad_answer(answer, "keys", f"must be printable strings of 1 to "
+                                         f"{P.MAX_BLOCK_KEY} characters")
+    last = start_after
+    for k in keys:
+        if (last is not None and k <= last) or (prefix is not None and not k.startswith(prefix)):
+            raise bad_answer(answer, "keys", "must be in increasing order, after start_after "
+                                             "and starting with prefix")
+        last = k
+    if more and not keys:
+        raise bad_answer(answer, "more", "says more keys follow a page with none")
+    return keys, more
+
+
+def parse_removed(msg: dict[str, Any], n: int) -> int:
+    """``block_remove``'s count: 0 to the ``n`` keys asked."""
+    removed = _int(msg, "removed", "block_remove answer")
+    if removed > n:
+        raise bad_answer("block_remove answer", "removed", f"must be at most {n}")
+    return removed

@@ -15,16 +15,31 @@ once and copied.  ``get`` is all or nothing on the daemon (a missing key is
 NOT_FOUND with the missing indices, and nothing moves): here it is asked again
 for the keys that were there, at most ``GET_TRIES`` times (a block may be
 evicted between two tries), and the answer says which keys were read.
+
+What the daemon answers is checked before the client acts on it
+(``answers.py``): a lookup's sizes, metas and expiries, one per key; a
+listing's keys, at most the page asked, in order and past the last page (so
+``list_all`` always moves forward, and stops at ``LIST_MAX_KEYS`` keys,
+``LIST_MAX_CHARS`` characters and its deadline, whatever the daemon says
+of "more"); ``get_block`` without ``out`` allocates the size the daemon
+names only up to ``max_nbytes`` (``MAX_BLOCK_NBYTES`` by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from rpcbuf.control.client.answers import (
+    MAX_BLOCK_NBYTES,
+    parse_block_list,
+    parse_block_lookup,
+    parse_removed,
+)
 from rpcbuf.control.client.arrays import host_data
 from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
@@ -34,6 +49,10 @@ from rpcbuf.control.wire.errors import BadRequest, NotFound
 
 HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
 GET_TRIES = 3
+# What ``list_all`` (LMCache's ``list``) gathers at most: 262,144 keys name
+# 1 TiB of LMCache's 4 MiB chunks; the characters bound keys of any length.
+LIST_MAX_KEYS = 1 << 18
+LIST_MAX_CHARS = 32 << 20
 
 
 def check_keys(keys: Any) -> list[str]:
@@ -87,13 +106,20 @@ class BlockOps:
         self._check_open()
         return await self._get(keys, out)
 
-    async def get_one(self, key: str, out: Any) -> np.ndarray | None:
+    async def get_one(self, key: str, out: Any, max_nbytes: int = MAX_BLOCK_NBYTES
+                      ) -> np.ndarray | None:
         self._check_open()
         if out is None:
             (info,) = await self.lookup([key], False, None)
             if info is None:
                 return None
-            out = np.empty(int(info["nbytes"]), dtype=np.uint8)
+            nbytes = int(info["nbytes"])
+            if nbytes > max_nbytes:  # the daemon's word, before we allocate it
+                raise BadRequest(f"block {key!r:.80} is {nbytes} bytes, more than max_nbytes "
+                                 f"({max_nbytes}): pass out= or a larger max_nbytes",
+                                 {"nbytes": nbytes, "max_nbytes": max_nbytes,
+                                  "reason": "too_big"})
+            out = np.empty(nbytes, dtype=np.uint8)
         (hit,) = await self._get([key], [out])
         return out if hit else None
 
@@ -153,19 +179,15 @@ class BlockOps:
         self._check_open()
         keys = check_keys(keys)
         result = await self._call(P.BlockLookup(keys=keys, meta=meta or None), timeout)
-        sizes = result.get("sizes")
-        if not isinstance(sizes, list) or len(sizes) != len(keys):
-            raise BadRequest("the daemon's block_lookup answer does not match the keys")
-        metas = result.get("metas") or [None] * len(keys)
-        expires = result.get("expires_at") or [None] * len(keys)
         out: list[dict[str, Any] | None] = []
-        for i, size in enumerate(sizes):
-            if size is None:
+        for info in parse_block_lookup(result, len(keys)):
+            if info is None:
                 out.append(None)
             elif meta:
-                out.append({"nbytes": size, "meta": metas[i], "expires_at": expires[i]})
+                out.append({"nbytes": info.nbytes, "meta": info.meta,
+                            "expires_at": info.expires_at})
             else:
-                out.append({"nbytes": size})
+                out.append({"nbytes": info.nbytes})
         return out
 
     async def exist(self, keys: Sequence[str], timeout: float | None) -> list[bool]:
@@ -173,15 +195,41 @@ class BlockOps:
 
     async def remove(self, keys: Sequence[str], timeout: float | None) -> int:
         self._check_open()
-        result = await self._call(P.BlockRemove(keys=check_keys(keys)), timeout)
-        return int(result["removed"])
+        keys = check_keys(keys)
+        return parse_removed(await self._call(P.BlockRemove(keys=keys), timeout), len(keys))
 
     async def list(self, prefix: str | None, start_after: str | None, limit: int,
                    timeout: float | None) -> tuple[list[str], bool]:
         self._check_open()
         result = await self._call(P.BlockList(prefix=prefix, start_after=start_after,
                                               limit=limit), timeout)
-        return list(result["keys"]), bool(result["more"])
+        return parse_block_list(result, limit, prefix, start_after)
+
+
+Page = Callable[[str | None], Awaitable[tuple[list[str], bool]]]
+
+
+async def list_all(page: Page, timeout: float, max_keys: int = LIST_MAX_KEYS,
+                   max_chars: int = LIST_MAX_CHARS) -> tuple[list[str], bool]:
+    """Every key, page after page (``page(start_after)``: one ``list_blocks``
+    call), and whether the listing is complete: it stops, incomplete, at
+    ``max_keys`` keys, ``max_chars`` characters of keys or ``timeout``
+    seconds, whatever the daemon says of more (a daemon that said "more"
+    for ever grew a client by 1 GB in 5 s).  Each page is checked to move
+    forward (``parse_block_list``).  Raises what ``page`` raises."""
+    keys: list[str] = []
+    chars = 0
+    after: str | None = None
+    deadline = time.monotonic() + timeout
+    while True:
+        got, more = await page(after)
+        keys += got
+        chars += sum(map(len, got))
+        if not more:
+            return keys, True
+        if len(keys) >= max_keys or chars >= max_chars or time.monotonic() >= deadline:
+            return keys, False
+        after = got[-1]
 
 
 def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray]) -> Transfer:

@@ -15,7 +15,13 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rpcbuf.control.client.answers import parse_devices, parse_meta, parse_stats
+from rpcbuf.control.client.answers import (
+    parse_buffers,
+    parse_devices,
+    parse_expiry,
+    parse_meta,
+    parse_stats,
+)
 from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.rangeops import Places
 from rpcbuf.control.wire import protocol as P
@@ -74,7 +80,8 @@ class BufferOps:
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None,
                            timeout: float | None) -> float | None:
-        return (await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout))["expires_at"]
+        return parse_expiry(await self._call(P.Renew(buffer_id=buffer_id, ttl=ttl), timeout),
+                            "renew answer")
 
     async def clear_buffer(self, buffer_id: str, value: int, offset: int,
                            nbytes: int | None) -> None:
@@ -93,7 +100,7 @@ class BufferOps:
         return list(devices)
 
     async def list_buffers(self, timeout: float | None) -> list[dict[str, Any]]:
-        return list((await self._call(P.ListBuffers(), timeout))["buffers"])
+        return parse_buffers(await self._call(P.ListBuffers(), timeout))
 
     async def stats(self, timeout: float | None) -> dict[str, Any]:
         result = await self._call(P.Stats(), timeout)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from rpcbuf.control.client import fileload
+from rpcbuf.control.client.answers import MAX_BLOCK_NBYTES
 from rpcbuf.control.client.attach import Attacher, Attachment
 from rpcbuf.control.client.blockops import BlockOps
 from rpcbuf.control.client.bufferops import BufferOps
@@ -90,8 +91,8 @@ class RpcContext:
         self._paths = DataPaths(
             UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
-            StagedPath(self._caller, handles.area, self.transfer_timeout)
-            if handles is not None and handles.area is not None else None,
+            StagedPath(self._caller, handles.staging, self.transfer_timeout)
+            if handles is not None and handles.staging is not None else None,
             InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
             else None)
         self._places = Places(hello)  # what the daemon stated about each buffer
@@ -384,9 +385,13 @@ class RpcContext:
         as missing.  Raises BAD_REQUEST."""
         return await self._blocks.get(keys, out)
 
-    async def get_block(self, key: str, out: Any = None) -> np.ndarray | None:
-        """One block as a uint8 array (into ``out`` when given), or None."""
-        return await self._blocks.get_one(key, out)
+    async def get_block(self, key: str, out: Any = None,
+                        max_nbytes: int = MAX_BLOCK_NBYTES) -> np.ndarray | None:
+        """One block as a uint8 array (into ``out`` when given), or None.
+        Without ``out`` the array is as big as the daemon says the block
+        is, at most ``max_nbytes`` (1 GiB): a bigger one is BAD_REQUEST
+        (reason ``too_big``) before anything is allocated."""
+        return await self._blocks.get_one(key, out, max_nbytes)
 
     async def lookup_blocks(self, keys: Sequence[str], meta: bool = False,
                             timeout: float | None = None) -> list[dict[str, Any] | None]:

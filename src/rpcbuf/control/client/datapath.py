@@ -108,10 +108,14 @@ class StagedPath:
     (or out) on a worker thread while the daemon copies chunk ``k``.  A slot
     (or the ring) whose request we stopped waiting for (timeout, cancel) may
     still be in use by the daemon: it is retired for good, never reused; the
-    ring retired, big ops go over UCX."""
+    ring retired, big ops go over UCX.  The mapping is the session's
+    (``handles.py`` unmaps it when the context closes): every copy here
+    first checks it is still there (``_live``), and a ring thread holds it
+    (``staging.Shared.hold``) until the thread returned."""
 
-    def __init__(self, caller: Caller, area: staging.Area, transfer_timeout: float) -> None:
-        self._caller, self._conn, self.area = caller, caller.conn, area
+    def __init__(self, caller: Caller, shared: staging.Shared, transfer_timeout: float) -> None:
+        self._caller, self._conn, self._shared = caller, caller.conn, shared
+        self.area = shared.area
         self._timeout = transfer_timeout
         self._free: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(staging.SMALL_SLOTS):
@@ -138,10 +142,10 @@ class StagedPath:
         area, ok = self.area, False
         try:
             if store:  # our bytes first, then the request
-                staging.gather(pieces, area.small(slot, nbytes))
+                staging.gather(pieces, area.small(slot, self._live(nbytes)))
             result = await self._caller.call(t.request(slot))
             if not store:  # the answer says the slot holds them
-                staging.scatter(area.small(slot, nbytes), pieces)
+                staging.scatter(area.small(slot, self._live(nbytes)), pieces)
             ok = True
             return result
         except RpcBufError as exc:
@@ -150,6 +154,14 @@ class StagedPath:
         finally:
             if ok:
                 self._free.put_nowait(slot)
+
+    def _live(self, nbytes: int) -> int:
+        """``nbytes``, once we know the mapping is still there (a copy
+        resumed after the context closed would touch unmapped memory).
+        Raises CONNECTION_LOST."""
+        if self._shared.closed:
+            raise ConnectionLost("context is closed")
+        return nbytes
 
     async def _small_slot(self) -> int:
         try:
@@ -176,13 +188,14 @@ class StagedPath:
         area, caller = self.area, self._caller
         retire = True
         try:
+            self._live(nbytes)
             area.reset()
             one = nbytes <= staging.RING_CHUNK
             if produce and one:  # one chunk: in place before the request, no thread
                 staging.gather(pieces, area.chunk(0))
                 area.put(staging.PRODUCED, 1)
-            result = await caller.call(t.request(staging.RING),
-                                       moves=_Ring(area, pieces, one, produce, self._timeout))
+            result = await caller.call(t.request(staging.RING), moves=_Ring(
+                self._shared, pieces, one, produce, self._timeout))
             retire = False
             return result
         except RpcBufError as exc:
@@ -204,9 +217,9 @@ class _Ring:
     or empties it (read) as the daemon copies, and stops early only when
     the answer is an error."""
 
-    def __init__(self, area: staging.Area, pieces: list[np.ndarray], one: bool,
+    def __init__(self, shared: staging.Shared, pieces: list[np.ndarray], one: bool,
                  produce: bool, timeout: float) -> None:
-        self._area, self._pieces, self._one = area, pieces, one
+        self._shared, self._area, self._pieces, self._one = shared, shared.area, pieces, one
         self._produce, self._timeout = produce, timeout
 
     async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
@@ -216,12 +229,20 @@ class _Ring:
             refused = threading.Event()  # the thread stops early on an error answer
             fut.add_done_callback(lambda f: refused.set() if _refused(f) else None)
             deadline = time.monotonic() + self._timeout
-            pump = asyncio.get_running_loop().run_in_executor(
-                None, self._area.pump, self._pieces, self._produce, refused.is_set, deadline)
+            shared = self._shared
+            shared.hold()  # the mapping stays until the thread returned, closed or not
+            try:
+                pump = asyncio.get_running_loop().run_in_executor(
+                    None, self._area.pump, self._pieces, self._produce, refused.is_set,
+                    deadline)
+            except BaseException:
+                shared.let_go()
+                raise
             # Its Stopped is read below only when the daemon's answer was a
             # success; read it here always (a refused or lost op stops it
             # too), or it is printed when the future goes.
             pump.add_done_callback(_read_exception)
+            pump.add_done_callback(lambda _: shared.let_go())
         try:
             msg = await answer()
         finally:
@@ -233,6 +254,8 @@ class _Ring:
         if pump is not None:
             pump.result()  # ours: it stopped short (deadline): staging.Stopped
         elif not self._produce:  # one chunk, read: the daemon is done with the ring
+            if self._shared.closed:  # closed while we waited: unmapped
+                raise ConnectionLost("context is closed")
             staging.scatter(self._area.chunk(0), self._pieces)  # (scatter takes what they hold)
         return result
 

@@ -5,7 +5,9 @@ the protocol: ``control/daemon/data/handles.py``).
 process, checked to lead to the same daemon process as the control
 connection; its one frame is ``bind_handles`` with the nonce the hello gave.
 Then only the daemon writes, records with fds: first the staging area
-(mapped here read-write, ``dataplane/staging.py``), then one per attach,
+(mapped here read-write, ``dataplane/staging.py``: a ``staging.Shared``, so
+``close`` unmaps it at once, or when the last ring thread using it lets
+go; nothing waits for the garbage collector), then one per attach,
 tagged with its request id (``fd_for``).  Everything the daemon sends is
 checked as a hostile peer's would be: the staging fd must be a memfd of
 exactly the staging size, sealed against shrinking (else its mapping could
@@ -19,12 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import mmap
 import os
 import socket
 import stat
-
-import numpy as np
 
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import ConnectionLost, Timeout
@@ -40,9 +39,12 @@ class Handles:
         sock.setblocking(False)
         self._sock = sock
         self._inbox: dict[int, tuple[int, int]] = {}  # tag -> (value, fd)
-        self.area: staging.Area | None = None
-        self._map: mmap.mmap | None = None
+        self.staging: staging.Shared | None = None  # our mapping of the staging area
         self.closed = False
+
+    @property
+    def area(self) -> staging.Area | None:
+        return None if self.staging is None else self.staging.area
 
     @classmethod
     async def bind(cls, sock: socket.socket, nonce: bytes, timeout: float) -> Handles:
@@ -74,10 +76,9 @@ class Handles:
             sealed = 0
         if not sealed & shm.F_SEAL_SHRINK:
             raise ConnectionLost("the daemon's staging area can shrink (no F_SEAL_SHRINK)")
-        self._map = mmap.mmap(fd, staging.SIZE, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE)
-        address = int(np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data)
-        self.area = staging.Area(self._map, address)
+        # Not Python's mmap: it keeps a dup of the memfd and cannot be closed
+        # while a NumPy view of it lives, so it went only when collected.
+        self.staging = staging.Shared(fd)
 
     async def fd_for(self, tag: int, timeout: float | None) -> tuple[int, int]:
         """The record tagged ``tag``: (its value, its fd; ours to close).
@@ -126,11 +127,14 @@ class Handles:
             self._inbox[tag] = (value, fds[0])
 
     def close(self) -> None:
-        """Close the channel (the daemon then ends its side; the staging
-        mapping goes when nothing uses it any more)."""
+        """Close the channel (the daemon then ends its side) and unmap the
+        staging area now, or as soon as the ring thread using it lets go
+        (within a chunk: the closed connection stops it).  Idempotent."""
         if self.closed:
             return
         self.closed = True
+        if self.staging is not None:
+            self.staging.close()
         with contextlib.suppress(OSError):
             self._sock.close()
         for _, fd in self._inbox.values():

@@ -9,8 +9,9 @@ length and offset checked against the bytes the file really has *before*
 it is used (a count of items is compared with what the rest of the file
 could hold at the smallest item size, so no loop runs longer than the file
 is long), and with nesting bounded by what the format allows.  Whatever is
-wrong becomes one ``Malformed`` saying the byte offset where that applies,
-and the lie (the caller names the file: one ``BadRequest``); only a header
+wrong becomes one ``Malformed`` (the caller names the file: one
+``BadRequest``): its public sentence names the check and never a byte of
+the file, its ``detail`` the byte offset and the lie; only a header
 that passed goes on to the format's own package (``gguf.GGUFReader``,
 ``safetensors.safe_open``).
 
@@ -105,7 +106,19 @@ def _short(name: bytes | str) -> str:
 
 
 class Malformed(Exception):
-    """What is wrong with a header (the caller adds the file's name)."""
+    """What is wrong with a header (the caller adds the file's name).
+
+    ``str()`` is the public sentence: it names the check that failed and
+    at most the file's size, never a value read from the file (a length, a
+    count, a name, a type): whoever asks the daemon to load a file it
+    cannot read must learn nothing of its bytes (a ``.env`` in a model
+    directory had its first 8 bytes quoted as "a header of N bytes").
+    ``detail`` adds the names and values, for the owner of the file (the
+    client checking its own upload)."""
+
+    def __init__(self, public: str, detail: str | None = None) -> None:
+        super().__init__(public)
+        self.detail = public if detail is None else detail
 
 
 Ranges = dict[str, tuple[int, int]]  # tensor name -> [start, stop) in the file
@@ -135,10 +148,12 @@ class _Cursor:
 
     def skip(self, n: int, what: str) -> None:
         if n > self.left():
-            raise Malformed(f"{what} at byte {self.pos} ({n} bytes) runs past the end of the "
-                             f"file ({self.size} bytes)")
+            raise Malformed(f"its header runs past the end of the file ({self.size} bytes)",
+                            f"{what} at byte {self.pos} ({n} bytes) runs past the end of the "
+                            f"file ({self.size} bytes)")
         if self.bound is not None and self.pos + n > self.bound[0]:
-            raise Malformed(f"{what} at byte {self.pos} ({n} bytes) {self.bound[1]}")
+            raise Malformed(f"its header {self.bound[1]}",
+                            f"{what} at byte {self.pos} ({n} bytes) {self.bound[1]}")
         self.pos += n
 
     def take(self, n: int, what: str) -> bytes:
@@ -149,8 +164,8 @@ class _Cursor:
             self._at, i = start, 0
             self._window = self._read(start, min(max(n, _WINDOW), self.size - start))
             if len(self._window) < n:
-                raise Malformed(f"the file shrank while its header was read (at byte "
-                                 f"{start + len(self._window)}, {self.size} bytes before)")
+                raise Malformed(f"the file shrank while its header was read ({self.size} "
+                                "bytes before)")
         return self._window[i:i + n]
 
     def uint(self, width: int, what: str) -> int:
@@ -177,14 +192,17 @@ class _Cursor:
     def count(self, n: int, least: int, what: str) -> None:
         """``n`` items of at least ``least`` bytes each must fit in what is left."""
         if n > self.left() // least:
-            raise Malformed(f"{what} at byte {self.pos} cannot fit in the {self.left()} bytes "
-                             f"left of the file ({self.size} bytes)")
+            raise Malformed(f"a count in its header cannot fit in the file ({self.size} bytes)",
+                            f"{what} at byte {self.pos} cannot fit in the {self.left()} bytes "
+                            f"left of the file ({self.size} bytes)")
 
     def values(self, n: int, what: str) -> None:
         """``n`` more metadata values, within ``MAX_METADATA_ITEMS`` in all."""
         if n > self.items:
-            raise Malformed(f"{what} at byte {self.pos}: the metadata would hold more than "
-                             f"{MAX_METADATA_ITEMS} values (the most rpcbuf reads)")
+            raise Malformed(f"its metadata would hold more than {MAX_METADATA_ITEMS} values (the "
+                            "most rpcbuf reads)",
+                            f"{what} at byte {self.pos}: the metadata would hold more than "
+                            f"{MAX_METADATA_ITEMS} values (the most rpcbuf reads)")
         self.items -= n
 
 
@@ -214,15 +232,19 @@ def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
         cur.order = ">"
         version = int.from_bytes(version.to_bytes(4, "little"), "big")
     if version not in (2, 3):
-        raise Malformed(f"GGUF version {version} (this reader knows versions 2 and 3)")
+        raise Malformed("a GGUF version this reader does not know (it knows 2 and 3)",
+                        f"GGUF version {version} (this reader knows versions 2 and 3)")
     n_tensors = cur.uint(8, "tensor count")
     n_kv = cur.uint(8, "metadata count")
     cur.count(n_kv, _MIN_KV, f"{n_kv} metadata entries")
     cur.count(n_tensors, _MIN_TENSOR_INFO, f"{n_tensors} tensors")
     if n_kv > MAX_METADATA_KEYS:
-        raise Malformed(f"{n_kv} metadata entries (rpcbuf reads at most {MAX_METADATA_KEYS})")
+        raise Malformed(f"more than {MAX_METADATA_KEYS} metadata entries (the most rpcbuf "
+                        "reads)", f"{n_kv} metadata entries (rpcbuf reads at most "
+                        f"{MAX_METADATA_KEYS})")
     if n_tensors > MAX_TENSORS:
-        raise Malformed(f"{n_tensors} tensors (rpcbuf reads at most {MAX_TENSORS})")
+        raise Malformed(f"more than {MAX_TENSORS} tensors (the most rpcbuf reads)",
+                        f"{n_tensors} tensors (rpcbuf reads at most {MAX_TENSORS})")
     cur.bound = (cur.pos + MAX_METADATA_BYTES, f"passes the {MAX_METADATA_BYTES} bytes of "
                                                "metadata rpcbuf reads")
     alignment = 32
@@ -232,14 +254,17 @@ def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
         vtype = cur.uint(4, f"type of {_short(key)}")
         text = key.decode("utf-8", "replace")
         if text in meta:
-            raise Malformed(f"metadata key {_short(key)} appears twice")
+            raise Malformed("a metadata key appears twice",
+                            f"metadata key {_short(key)} appears twice")
         cur.values(1, f"metadata key {_short(key)}")
         if key == b"general.alignment":
             if vtype != _UINT32:
-                raise Malformed(f"general.alignment has value type {vtype}, not uint32")
+                raise Malformed("general.alignment is not a uint32",
+                                f"general.alignment has value type {vtype}, not uint32")
             alignment = meta[text] = cur.uint(4, "general.alignment")
             if alignment == 0 or alignment & (alignment - 1):
-                raise Malformed(f"alignment {alignment} is not a power of two")
+                raise Malformed("general.alignment is not a power of two",
+                                f"alignment {alignment} is not a power of two")
             continue
         meta[text] = _gguf_value(cur, vtype, _short(key), 0)
     cur.bound = (cur.pos + MAX_TENSOR_INFO_BYTES, f"passes the {MAX_TENSOR_INFO_BYTES} bytes "
@@ -251,39 +276,45 @@ def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
     for _ in range(n_tensors):
         n = cur.uint(8, "length of tensor name")
         if n > MAX_NAME:
-            raise Malformed(f"a tensor name at byte {cur.pos} of {n} bytes (at most "
-                             f"{MAX_NAME})")
+            raise Malformed(f"a tensor name is longer than {MAX_NAME} bytes",
+                            f"a tensor name at byte {cur.pos} of {n} bytes (at most "
+                            f"{MAX_NAME})")
         raw = cur.take(n, "tensor name")
         name = _short(raw)
         if raw in names:
-            raise Malformed(f"tensor {name} appears twice")
+            raise Malformed("a tensor name appears twice", f"tensor {name} appears twice")
         names.add(raw)
         raws.append(raw)
         n_dims = cur.uint(4, f"dimension count of tensor {name}")
         if n_dims > GGML_MAX_DIMS:
-            raise Malformed(f"tensor {name} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+            raise Malformed(f"a tensor has more than {GGML_MAX_DIMS} dimensions",
+                            f"tensor {name} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
         dims = [cur.uint(8, f"dimension of tensor {name}") for _ in range(n_dims)]
         ttype = cur.uint(4, f"type of tensor {name}")
         if ttype not in quant:
-            raise Malformed(f"tensor {name} has unknown tensor type {ttype}")
+            raise Malformed("a tensor has an unknown tensor type",
+                            f"tensor {name} has unknown tensor type {ttype}")
         offset = cur.uint(8, f"offset of tensor {name}")
         block, type_size = quant[ttype]
         elements = 1
         for d in dims:
             elements *= d  # Python ints: no overflow to hide a huge shape
         if dims and dims[0] % block:
-            raise Malformed(f"tensor {name}: {dims[0]} elements per row is not a multiple of "
-                             f"its type's block of {block}")
+            raise Malformed("a tensor's rows are not whole blocks of its type",
+                            f"tensor {name}: {dims[0]} elements per row is not a multiple of "
+                            f"its type's block of {block}")
         if offset % alignment:
-            raise Malformed(f"tensor {name}: offset {offset} is not aligned to {alignment}")
+            raise Malformed("a tensor's offset is not aligned",
+                            f"tensor {name}: offset {offset} is not aligned to {alignment}")
         infos.append((name, offset, elements // block * type_size))
     cur.bound = None
     start = cur.pos + -cur.pos % alignment
     out: Ranges = {}
     for (name, offset, nbytes), raw in zip(infos, raws, strict=True):
         if start + offset + nbytes > cur.size:
-            raise Malformed(f"tensor {name}: its {nbytes} bytes at byte {start + offset} run "
-                             f"past the end of the file ({cur.size} bytes)")
+            raise Malformed(f"a tensor runs past the end of the file ({cur.size} bytes)",
+                            f"tensor {name}: its {nbytes} bytes at byte {start + offset} run "
+                            f"past the end of the file ({cur.size} bytes)")
         out[raw.decode("utf-8", "replace")] = (start + offset, start + offset + nbytes)
     return out, meta
 
@@ -304,11 +335,13 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
         return cur.string(f"string of {key}").decode("utf-8", "replace")
     if vtype == _ARRAY:
         if depth >= GGUF_MAX_NESTING:
-            raise Malformed(f"{key}: arrays nested more than {GGUF_MAX_NESTING} deep")
+            raise Malformed(f"metadata arrays nest more than {GGUF_MAX_NESTING} deep",
+                            f"{key}: arrays nested more than {GGUF_MAX_NESTING} deep")
         itype = cur.uint(4, f"item type of {key}")
         n = cur.uint(8, f"length of {key}")
         if itype not in _GGUF_SCALARS and itype not in (_STRING, _ARRAY):
-            raise Malformed(f"{key}: array of unknown value type {itype}")
+            raise Malformed("a metadata array of unknown value type",
+                            f"{key}: array of unknown value type {itype}")
         least = _GGUF_SCALARS.get(itype) or (8 if itype == _STRING else 4 + 8)
         cur.count(n, least, f"{key}: array of {n} items")
         cur.values(n, f"{key}: array of {n} items")
@@ -327,7 +360,7 @@ def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
                 _gguf_value(cur, itype, key, depth + 1)
             return None
         return [_gguf_value(cur, itype, key, depth + 1) for _ in range(n)]
-    raise Malformed(f"{key} has unknown value type {vtype}")
+    raise Malformed("a metadata value of unknown type", f"{key} has unknown value type {vtype}")
 
 
 # A JSON string (escapes included), then everything but brackets: what is
@@ -358,10 +391,14 @@ def safetensors_length(first: bytes, size: int) -> int:
     if size < 8 or len(first) < 8:
         raise Malformed(f"{size} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", first[:8])
+    # Never the length itself in a message: on a file that is no model it
+    # is the file's first 8 bytes (a ``.env``'s "HF_TOKEN").
     if n > size - 8:
-        raise Malformed(f"header of {n} bytes, but only {size - 8} bytes follow its length")
+        raise Malformed(f"not a safetensors header: its first 8 bytes are no header length "
+                        f"within the file's {size} bytes")
     if n > ST_MAX_HEADER:
-        raise Malformed(f"header of {n} bytes (at most {ST_MAX_HEADER})")
+        raise Malformed(f"its header is longer than {ST_MAX_HEADER} bytes (the most rpcbuf "
+                        "reads)")
     return int(n)
 
 
@@ -378,8 +415,14 @@ def safetensors_parse(raw: bytes, size: int, itemsizes: Mapping[str, int]
                          "has, or its brackets do not balance")
     try:
         header = json.loads(raw)
-    except ValueError as exc:  # UnicodeDecodeError and too many digits are ValueErrors
-        raise Malformed(f"its header is not JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # its message quotes the byte
+        raise Malformed("its header is not UTF-8", f"its header is not UTF-8 (at byte "
+                        f"{8 + exc.start})") from None
+    except json.JSONDecodeError as exc:  # its message says where, never what
+        raise Malformed("its header is not JSON", f"its header is not JSON: {exc.msg} "
+                        f"(at byte {8 + exc.pos})") from None
+    except ValueError:  # too many digits
+        raise Malformed("its header is not JSON (a number too long to read)") from None
     if not isinstance(header, dict):
         raise Malformed("its header is not a JSON object")
     room = size - 8 - n
@@ -405,28 +448,36 @@ def _is_int(x: Any) -> bool:
 
 def _check_entry(name: str, entry: Any, room: int, base: int, itemsizes: Mapping[str, int]
                  ) -> None:
+    def bad(what: str, detail: str) -> Malformed:  # public: no name, no value of the file
+        return Malformed(f"a tensor entry {what}", f"tensor {name}{detail}")
+
     if not isinstance(entry, dict):
-        raise Malformed(f"tensor {name} is not a JSON object")
+        raise bad("is not a JSON object", " is not a JSON object")
     if not isinstance(entry.get("dtype"), str):
-        raise Malformed(f"tensor {name} has no string dtype")
+        raise bad("has no string dtype", " has no string dtype")
     if not P.source_type_ok(entry["dtype"]):
-        raise Malformed(f"tensor {name}: dtype {_short(entry['dtype'])} is not 1 to "
-                         f"{P.MAX_SOURCE_TYPE} of [A-Za-z0-9_]")
+        raise bad(f"has a dtype that is not 1 to {P.MAX_SOURCE_TYPE} of [A-Za-z0-9_]",
+                  f": dtype {_short(entry['dtype'])} is not 1 to {P.MAX_SOURCE_TYPE} of "
+                  "[A-Za-z0-9_]")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise Malformed(f"tensor {name}: shape is not a list of non-negative integers")
+        raise bad("has a shape that is not a list of non-negative integers",
+                  ": shape is not a list of non-negative integers")
     if len(shape) > P.MAX_NDIM:
-        raise Malformed(f"tensor {name}: {len(shape)} dimensions (at most {P.MAX_NDIM})")
+        raise bad(f"has more than {P.MAX_NDIM} dimensions",
+                  f": {len(shape)} dimensions (at most {P.MAX_NDIM})")
     offsets = entry.get("data_offsets")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
-        raise Malformed(f"tensor {name}: data_offsets is not [start, stop]")
+        raise bad("has no data_offsets [start, stop]", ": data_offsets is not [start, stop]")
     start, stop = offsets
     if not 0 <= start <= stop:
-        raise Malformed(f"tensor {name}: data_offsets [{start}, {stop}] are not in order")
+        raise bad("has data_offsets out of order",
+                  f": data_offsets [{start}, {stop}] are not in order")
     if stop > room:
-        raise Malformed(f"tensor {name}: bytes [{start}, {stop}) after the header (at byte "
-                         f"{base}) run past the end of the file ({base + room} bytes)")
+        raise bad(f"runs past the end of the file ({base + room} bytes)",
+                  f": bytes [{start}, {stop}) after the header (at byte {base}) run past the "
+                  f"end of the file ({base + room} bytes)")
     itemsize = itemsizes.get(entry["dtype"])
     if itemsize is not None and math.prod(shape) * itemsize != stop - start:  # Python ints
-        raise Malformed(f"tensor {name} has {stop - start} bytes, not {shape} x "
-                         f"{_short(entry['dtype'])}")
+        raise bad("has more or fewer bytes than its shape and dtype take",
+                  f" has {stop - start} bytes, not {shape} x {_short(entry['dtype'])}")

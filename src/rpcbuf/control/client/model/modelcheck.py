@@ -39,7 +39,8 @@ def check_gguf(path: Path) -> dict[str, Any]:
             fd = f.fileno()
             return gguf_walk(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size)[1]
     except Malformed as exc:
-        raise BadRequest(f"{path}: not a valid GGUF file: {exc}", {"file": str(path)}) from None
+        raise BadRequest(f"{path}: not a valid GGUF file: {exc.detail}",
+                         {"file": str(path)}) from None
 
 
 def metadata_of_safetensors(path: Path, header: Mapping[str, Any]) -> dict[str, str]:
@@ -69,5 +70,5 @@ def safetensors_header(path: Path, itemsizes: Mapping[str, int]
             raise Malformed("the file shrank while it was read")
         return safetensors_parse(raw, size, itemsizes)
     except Malformed as exc:
-        raise BadRequest(f"{path}: not a valid safetensors file: {exc}",
+        raise BadRequest(f"{path}: not a valid safetensors file: {exc.detail}",
                          {"file": str(path)}) from None
