@@ -196,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the audit trail (one JSON line per memory op) here instead of "
                         "into the normal log")
     p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (no "
+                        "authentication: node-wide figures, no tenant names)")
+    p.add_argument("--metrics-tenants", action="store_true",
+                   help="label the metrics' per-tenant series by tenant (then only the "
+                        "operator may reach --metrics: it names every tenant)")
     p.add_argument("--tls-cert", metavar="PEM", help="TLS for the control channel: "
                    "certificate chain (with --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="TLS private key (with --tls-cert)")
