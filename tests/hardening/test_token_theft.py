@@ -181,3 +181,15 @@ async def test_wrong_forged_and_expired_tokens(daemon_factory) -> None:  # type:
             await rpcbuf.connect(d.addr, token=bad, timeout=10)
     async with d.connect("alice") as c:  # the right one still works
         assert c.hello["tenant"] == "alice"
+
+
+async def test_a_token_as_long_as_any_minted_says_hello(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Its claims travel in the challenge, under the 4 KiB frame before
+    hello: a token narrowed to 120 nodes (1,600 characters; a plain string
+    field stopped at 1,024) still opens a session."""
+    d = daemon_factory("--device", "cpu:16MiB", "--node-id", "n000")
+    keys = auth.load_keys(d.secret_file)
+    token = auth.create_token(keys, "alice", 60, nodes=[f"n{i:03d}" for i in range(120)])
+    assert len(token.rpartition(".")[0]) > P.MAX_STR
+    async with rpcbuf.connect(d.addr, token=token, timeout=10) as c:
+        assert c.hello["tenant"] == "alice"

@@ -59,6 +59,7 @@ from rpcbuf.control.wire.errors import (
     RpcBufError,
     Timeout,
 )
+from rpcbuf.control.wire.fields import Claims
 from rpcbuf.control.wire.units import join_host_port, split_host_port
 from rpcbuf.dataplane import shm
 
@@ -283,7 +284,7 @@ async def _open(addr: str, timeout: float | None, token: str, *,
         claims, secret = auth.split_token(token)
         nonce = os.urandom(auth.NONCE_BYTES)
         said = await _hello(conn, P.Challenge(
-            claims=claims, nonce=nonce, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION]),
+            claims=Claims(claims), nonce=nonce, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION]),
             timeout, addr)
         version, transcript = check_challenge(said, addr, claims, nonce, secret)
         hello = P.Hello(proof=auth.prove(secret, auth.CLIENT, transcript),

@@ -51,6 +51,7 @@ from rpcbuf.control.wire.fields import (
     MAX_STR as MAX_STR,
     U64,
     BufferId,
+    Claims,
     FilePath,
     Inline,
     Request,
@@ -89,7 +90,7 @@ class Challenge(Request):
     chose, its own nonce and its proof (``auth.py``).  Once per connection."""
 
     op: ClassVar[str] = "challenge"
-    claims: str
+    claims: Claims
     nonce: bytes
     versions: list[int]
 
