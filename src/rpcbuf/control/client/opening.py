@@ -7,8 +7,8 @@ Unix socket, say hello
 (``hello.parse_hello``), and, when the daemon is on this host, reconnect on
 its Unix socket to take the same-host path: a second connection there, from
 this process, becomes the session's handle channel (``handles.py``).  The
-peer of a Unix socket is checked (``check_unix_peer``) before the token is
-sent on it: the daemon may be an impostor there.
+peer of a Unix socket is checked (``check_unix_peer``) before hello is said
+on it: the daemon may be an impostor there.
 
 The token itself never crosses the wire (protocol 4, ``wire/auth.py``):
 the client sends its claims and a nonce (``challenge``), checks the
@@ -22,13 +22,15 @@ that proved who it is before hello: over TLS, a certificate that the
 trusted CAs signed for the host dialed (``tls_context``: ``tls=``, else
 ``$RPCBUF_CA``; an SSLContext that checks less counts as plaintext); on a
 Unix socket, the peer check; over plain TCP, only to a
-loopback address (``is_loopback``), where the peer is this host.  Plain TCP
+loopback address (``is_loopback``), where the peer is on this host (not
+proof of who it is: any local user may hold the port while the daemon
+restarts, which is what the daemon's proof is for).  Plain TCP
 to any other address is refused before anything is dialed
 (``InsecureTransport``) unless ``insecure=True`` (or ``$RPCBUF_INSECURE=1``)
 says the network is trusted.  A registry entry (``Cluster``) is dialed the
 same way, so a forged one gets nothing without the CA's signature.
 
-Versions: the hello says ``versions: [oldest, newest]``; the daemon answers
+Versions: the challenge says ``versions: [oldest, newest]``; the daemon answers
 the newest both speak, or BAD_REQUEST naming both ranges.  The hello is said
 once: a refusal is raised as it came, never answered by a second hello "the
 old way" chosen from the wording of an error.
