@@ -97,12 +97,14 @@ async def test_a_captured_session_replayed_opens_nothing(daemon_factory) -> None
     pipes: list[asyncio.Task[None]] = []
 
     async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, keep: bool) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await src.read(1 << 16):
-                if keep:
-                    captured.extend(data)
-                dst.write(data)
-        dst.close()
+        try:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(1 << 16):
+                    if keep:
+                        captured.extend(data)
+                    dst.write(data)
+        finally:
+            dst.close()
 
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection(host, int(port))
@@ -116,9 +118,10 @@ async def test_a_captured_session_replayed_opens_nothing(daemon_factory) -> None
             assert await c.ping() >= 0
     finally:
         server.close()
-        await server.wait_closed()
         for t in pipes:
             t.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)  # ended here, not by the GC
+        await server.wait_closed()
     got = bytes(captured)
     text, secret = _signature(token)
     assert text not in got and secret not in got
