@@ -41,13 +41,13 @@ is recognised only to say so.
 
 **The token never crosses the wire** (protocol 4).  An HS256 token is
 ``claims.S`` where ``claims`` is ``header.payload`` (readable by anyone: not
-secret) and ``S = HMAC-SHA256(key, claims)``: a secret its holder shares with
+secret) and S = HMAC-SHA256(key, claims): a secret its holder shares with
 every node that holds the key, and with no one else.  So hello proves
 possession of ``S`` instead of sending it: the client sends ``claims`` and a
 fresh client nonce (``challenge``), the daemon answers a fresh server nonce
-and its own proof ``HMAC(S, "daemon" | transcript)``, which the client checks
+and its own proof HMAC(S, "daemon" | transcript), which the client checks
 before it sends anything that depends on ``S``; then the client sends
-``HMAC(S, "client" | transcript)`` (``hello``).  The transcript
+HMAC(S, "client" | transcript) (``hello``).  The transcript
 (``transcript``) holds a label, the protocol version, both nonces and the
 claims, in fixed-size fields and the claims last, so no two transcripts read
 alike.  The daemon recomputes ``S`` from the key ``kid`` names, compares the

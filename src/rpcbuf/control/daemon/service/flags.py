@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cluster [this host's name and the --listen port: HOST:PORT]")
     p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening; "
                    "removed when the daemon exits (and at start, if a killed one left it; "
-                   "a running one's: no start)")
+                   "a running one's: no start; told by its lock on FILE.lock, mode 0600)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
