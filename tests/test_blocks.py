@@ -25,7 +25,8 @@ def tier(daemon_factory) -> DaemonProc:  # type: ignore[no-untyped-def]
     """A daemon whose tenant "small" has 24 MiB (room for a few 4 MiB blocks
     beside a same-host staging area) and metrics on."""
     return daemon_factory("--device", "cpu:256MiB", "--quota", "small:24MiB:1000",  # type: ignore[no-any-return]
-                          "--transfer-timeout", "30s", "--metrics", "127.0.0.1:0")
+                          "--transfer-timeout", "30s", "--metrics", "127.0.0.1:0",
+                          "--metrics-tenants")
 
 
 def _blocks(n: int, size: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ from rpcbuf.control.wire.auth import create_token, load_keys
 from rpcbuf.control.wire.errors import ALL_CODES
 
 sys.path.insert(0, str(ROOT / "tests" / "hardening"))
-from fakedaemon import FakeDaemon
+from fakedaemon import TOKEN, FakeDaemon
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ async def test_every_error_code_is_a_sentence_without_a_traceback(tmp_path: Path
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "rpcbuf.control.cli", *args, "--endpoint", addr,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    cwd=ROOT, env=cli_env(80, "t"))
+                    cwd=ROOT, env=cli_env(80, TOKEN))
                 out, err = await asyncio.wait_for(proc.communicate(), 60)
                 text = (out + err).decode()
                 assert "Traceback" not in text, (c, args, text)
@@ -216,13 +216,13 @@ async def test_a_protocol_mismatch_names_both_versions() -> None:
             "message": "the node speaks protocol 7..9, this client speaks 1..2: "
                        "upgrade the older side"}})
 
-    fake = FakeDaemon(newer)
+    fake = FakeDaemon(newer, challenges=False)
     addr = await fake.start()
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rpcbuf.control.cli", "status", "--endpoint", addr,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-            env=cli_env(80, "t"))
+            env=cli_env(80, TOKEN))
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     finally:
         await fake.close()

@@ -91,6 +91,57 @@ def test_a_second_daemon_leaves_the_first_ones_ready_file_alone(daemon_factory, 
     assert not ready.exists(), d.log()
 
 
+def test_a_reader_locking_the_ready_file_does_not_stop_a_restart(  # type: ignore[no-untyped-def]
+        daemon_factory, tmp_path: Path) -> None:
+    """Issue 34, L16: the daemon locked the ready file itself, which every
+    user may read, so anyone could open it read-only and lock it, and the
+    restart after a crash refused to start ("a running rpcbufd wrote it").
+    The lock is now on a file only the daemon's user can open."""
+    import os
+    import stat
+    import time
+
+    d = daemon_factory("--device", "cpu:1MiB")
+    ready = d.tmp / "ready"
+    lock = d.tmp / "ready.lock"
+    line = ready.read_text()
+    assert stat.S_IMODE(ready.stat().st_mode) == 0o644
+    d.proc.kill()  # a crash: the ready file stays
+    d.proc.wait(30)
+    assert ready.read_text() == line
+    locker = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"  # what any reader may do
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n"), str(ready)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout is not None and locker.stdout.readline() == "locked\n"
+        again = subprocess.Popen(
+            [sys.executable, "-m", "rpcbuf.control.daemon", "--listen", "127.0.0.1:0",
+             "--ucx-port", "0", "--secret-file", str(tmp_path / "s"), "--device", "cpu:1MiB",
+             "--ready-file", str(ready)], stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while again.poll() is None and time.monotonic() < deadline:
+                if ready.exists() and ready.read_text() not in ("", line):
+                    break
+                time.sleep(0.05)
+            assert again.poll() is None, again.communicate()[1]  # it serves
+            assert ready.read_text().endswith("\n") and ready.read_text() != line
+            assert stat.S_IMODE(ready.stat().st_mode) == 0o644
+            st = lock.stat()  # what it locks: a file only its user can open
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        finally:
+            again.send_signal(signal.SIGTERM)
+            _, err = again.communicate(timeout=30)
+        assert again.returncode == 0, err
+        assert not ready.exists() and not lock.exists()
+    finally:
+        locker.kill()
+        locker.wait(30)
+
+
 def test_token_cli(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     res = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",

@@ -199,7 +199,7 @@ async def test_metrics_and_audit_after_real_ops(
 
     audit = tmp_path / "audit.log"
     d = daemon_factory("--device", "cpu:16MiB", "--metrics", "127.0.0.1:0",
-                       "--audit-log", str(audit), "--log-format", "json")
+                       "--metrics-tenants", "--audit-log", str(audit), "--log-format", "json")
     url = metrics_url(d)
     async with d.connect("alice") as c:
         buf = await c.request_buffer(100_000)
@@ -249,6 +249,7 @@ async def test_metrics_and_audit_after_real_ops(
     assert (await asyncio.to_thread(get, url, "POST"))[0] == 405
     assert d.stop() == 0
 
+
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     fields = {"time", "tenant", "session", "op", "buffer", "device", "offset", "bytes", "code",
               "duration_s"}
@@ -264,7 +265,7 @@ async def test_metrics_and_audit_after_real_ops(
     assert by[("read", "OUT_OF_RANGE")]["offset"] == 99_999
     assert by[("expire", "OK")]["buffer"] == leased
     assert ("release", "OK") in by and ("request_buffer", "OK") in by
-    assert not any(r["op"] in ("hello", "get_buffer_meta", "ping") for r in records)
+    assert not any(r["op"] in ("challenge", "hello", "get_buffer_meta", "ping") for r in records)
     log = d.log()
     for line in log.splitlines():  # --log-format json: every line Python logs
         if "UCX" in line and not line.startswith("{"):
@@ -274,6 +275,34 @@ async def test_metrics_and_audit_after_real_ops(
     token, secret = d.token("alice"), load_or_create_secret(d.secret_file).decode()
     for text in (log, audit.read_text()):
         assert token not in text and token.split(".")[2] not in text and secret not in text
+
+
+async def test_an_unauthenticated_scrape_names_no_tenant(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The metrics port has no authentication: by default it shows sums
+    over tenants, never a tenant's name, and no tenant's ``stats`` says
+    where it is (issue 34, M9: one tenant watched another's block hits)."""
+    d = daemon_factory("--device", "cpu:16MiB", "--metrics", "127.0.0.1:0")
+    url = metrics_url(d)
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    async with d.connect("alice-secret") as alice, d.connect("bob-secret") as bob:
+        a = await alice.request_buffer(4096)
+        b = await bob.request_buffer(4096)
+        await alice.put_block("k", np.ones(4096, np.uint8))
+        for _ in range(5):
+            assert await alice.get_block("k") is not None
+        status, text = await asyncio.to_thread(get, url)
+        assert status == 200
+        assert "alice" not in text and "bob" not in text and "tenant=" not in text
+        m = await scrape(url)
+        assert value(m, "rpcbuf_tenant_buffers") == 3  # the sum (the block too), no label
+        assert value(m, "rpcbuf_block_hits_total") == 5
+        assert value(m, "rpcbuf_blocks") == 1
+        for ctx in (alice, bob):
+            listening = (await ctx.stats())["listening"]
+            assert listening and not any(x.endswith(f":{port}") for x in listening)
+        await alice.release_buffer(a)
+        await bob.release_buffer(b)
+        await alice.remove_blocks(["k"])
 
 
 async def test_metrics_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

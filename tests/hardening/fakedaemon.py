@@ -3,7 +3,12 @@ real control framing (``control.wire.protocol``) and answers what a handler tell
 it to, optionally with a real UCX listener for the data endpoint.  It stands
 in for the third attacker (a malicious or broken daemon) and for a daemon
 that dies at an exact point of a transfer, which a real daemon cannot be
-made to do on cue."""
+made to do on cue.
+
+It holds a key of its own (``KEYS``; ``TOKEN`` is alice's token of it) and
+answers the client's ``challenge`` as a real daemon does, so the handler
+sees the hello and what follows; ``FakeDaemon(keys=None)`` holds no key (an
+impostor), and ``challenges=False`` hands the challenge to the handler."""
 
 from __future__ import annotations
 
@@ -15,8 +20,22 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire import auth, protocol as P
 from rpcbuf.dataplane import shm, staging, ucx
+
+KEYS = auth.Keyring.single(b"fake-daemon-key-" * 4)
+TOKEN = auth.create_token(KEYS, "alice", 3600)
+
+
+def challenge_answer(req: dict[str, Any], keys: auth.Keyring | None = KEYS
+                     ) -> dict[str, Any]:
+    """What a daemon holding ``keys`` answers a challenge (None: a proof of
+    random bytes, all an impostor can give)."""
+    nonce = os.urandom(auth.NONCE_BYTES)
+    said = auth.transcript(P.PROTOCOL_VERSION, req["claims"], req["nonce"], nonce)
+    proof = os.urandom(auth.PROOF_BYTES) if keys is None else \
+        auth.prove(auth.signature(keys, req["claims"])[1], auth.DAEMON, said)
+    return {"version": P.PROTOCOL_VERSION, "nonce": nonce, "proof": proof}
 
 
 def hello_answer(**overrides: Any) -> dict[str, Any]:
@@ -80,8 +99,12 @@ class FakeDaemon:
     """``handler(conn, request)`` runs for every request frame, in order."""
 
     def __init__(self, handler: Handler, ucx_listener: bool = False,
-                 bind: bool = True) -> None:
+                 bind: bool = True, keys: auth.Keyring | None = KEYS,
+                 challenges: bool = True) -> None:
         self.handler = handler
+        self.keys = keys
+        self.challenges = challenges  # answer them here (else the handler does)
+        self.received = bytearray()  # every byte any client sent us
         self.bind = bind  # False: take the bind nonce, never answer it
         self.conns: list[Conn] = []
         self.endpoints: list[ucx.DataEndpoint] = []
@@ -109,7 +132,11 @@ class FakeDaemon:
         self.conns.append(conn)
         with contextlib.suppress(ConnectionError, OSError, P.FrameError):
             while data := await reader.read(1 << 16):
+                self.received += data
                 for req in conn.decoder.feed(data):
+                    if self.challenges and req.get("op") == "challenge":
+                        conn.answer(req, challenge_answer(req, self.keys))
+                        continue
                     await self.handler(conn, req)
         writer.close()
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 
+from rpcbuf.control.wire import auth, protocol as P
+
 SOAK = os.environ.get("RPCBUF_SOAK") == "1"
 
 
@@ -44,6 +46,33 @@ class Raw:
         self.sock.sendall(data)
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request and its answer.  A hello given ``token=`` is said as
+        protocol 4 says it (``say_hello``): the token itself is never sent."""
+        if op == "hello" and "token" in fields:
+            return self.say_hello(**fields)
+        return self.call_raw(op, **fields)
+
+    def say_hello(self, token: str, **fields: Any) -> dict[str, Any]:
+        """The challenge (its answer checked, as the client does), then the
+        hello with our proof; the challenge's refusal if it was refused.
+        ``versions``/``version`` go into the challenge; the rest into hello."""
+        claims, secret = auth.split_token(token)
+        nonce = os.urandom(auth.NONCE_BYTES)
+        versions = fields.pop("versions", None)
+        version = fields.pop("version", None)
+        if versions is None:
+            versions = [version, version] if version is not None else \
+                [P.PROTOCOL_MIN, P.PROTOCOL_VERSION]
+        said = self.call_raw("challenge", claims=claims, nonce=nonce, versions=versions)
+        if not said.get("ok"):
+            return said
+        res = said["result"]
+        transcript = auth.transcript(res["version"], claims, nonce, res["nonce"])
+        assert res["proof"] == auth.prove(secret, auth.DAEMON, transcript)
+        return self.call_raw("hello", proof=auth.prove(secret, auth.CLIENT, transcript),
+                             **fields)
+
+    def call_raw(self, op: str, **fields: Any) -> dict[str, Any]:
         req_id = self._next_id
         self._next_id += 1
         self.send(frame({"op": op, "id": req_id, **fields}))

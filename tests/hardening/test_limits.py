@@ -30,9 +30,9 @@ def test_connections_beyond_max_sessions_are_refused(limited: DaemonProc) -> Non
     refused = 0
     for _ in range(10):
         raw = Raw(limited.addr)
+        msg = None
         with contextlib.suppress(ConnectionError, OSError):
-            raw.send(frame({"op": "hello", "id": 1, "token": limited.token("greedy")}))
-        msg = raw.recv()
+            msg = raw.call("hello", token=limited.token("greedy"))
         assert msg is not None and msg["id"] is None, msg
         assert msg["error"]["code"] == "QUOTA_EXCEEDED"
         assert raw.drain_to_eof(5.0)  # and it is closed

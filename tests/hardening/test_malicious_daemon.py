@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fakedaemon import Conn, FakeDaemon, hello_answer, send_handle, staging_fd
+from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer, send_handle, staging_fd
 
 import rpcbuf
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, Forbidden, RpcBufError, Timeout
@@ -76,7 +76,7 @@ async def connect_to(answer: dict[str, Any], **kw: Any) -> rpcbuf.RpcContext:
     gen = opened(answer, kw.pop("silent_ops", ()), unix=True)
     addr = await gen.__anext__()
     try:
-        return await rpcbuf.connect(addr, token="t", same_host=True, **kw)
+        return await rpcbuf.connect(addr, token=TOKEN, same_host=True, **kw)
     finally:
         await gen.aclose()
 
@@ -90,7 +90,7 @@ def local(**over: Any) -> dict[str, Any]:
 async def test_hello_never_answered_times_out(never_answers: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(Timeout):
-        await rpcbuf.connect(never_answers, token="t", timeout=1, same_host=False)
+        await rpcbuf.connect(never_answers, token=TOKEN, timeout=1, same_host=False)
     assert time.monotonic() - t0 < 3
 
 
@@ -140,7 +140,7 @@ async def test_slot_wait_counts_against_the_timeout() -> None:
     """max_inflight 1 and a daemon that never answers ping: the second call
     waits for a slot, and that wait is part of its own timeout."""
     async for addr in opened(local(limits={**LIMITS, "max_inflight": 1}), ("ping",), True):
-        ctx = await rpcbuf.connect(addr, token="t", timeout=5)
+        ctx = await rpcbuf.connect(addr, token=TOKEN, timeout=5)
         try:
             first = asyncio.ensure_future(ctx.ping(timeout=30))
             await asyncio.sleep(0.05)
@@ -159,7 +159,7 @@ async def test_slot_wait_counts_against_the_timeout() -> None:
 
 async def test_ping_timeout_when_daemon_is_silent() -> None:
     async for addr in opened(local(), ("ping",), True):
-        ctx = await rpcbuf.connect(addr, token="t", timeout=5)
+        ctx = await rpcbuf.connect(addr, token=TOKEN, timeout=5)
         try:
             t0 = time.monotonic()
             with pytest.raises(Timeout):
@@ -182,7 +182,7 @@ async def test_connect_is_bounded_as_a_whole() -> None:
     try:
         t0 = time.monotonic()
         with pytest.raises(Timeout):
-            await rpcbuf.connect(addr, token="t", timeout=1.5, same_host=False)
+            await rpcbuf.connect(addr, token=TOKEN, timeout=1.5, same_host=False)
         assert time.monotonic() - t0 < 3
     finally:
         await fd.close()
@@ -200,7 +200,7 @@ async def test_lost_control_connection_ends_the_bind_at_once() -> None:
     try:
         t0 = time.monotonic()
         with pytest.raises(ConnectionLost):
-            await rpcbuf.connect(addr, token="t", timeout=20, same_host=False)
+            await rpcbuf.connect(addr, token=TOKEN, timeout=20, same_host=False)
         assert time.monotonic() - t0 < 5
     finally:
         await fd.close()
@@ -278,7 +278,7 @@ async def test_tcp_hello_cannot_claim_the_same_host_path() -> None:
     addr = await gen.__anext__()
     try:
         with pytest.raises(BadRequest) as info:
-            await rpcbuf.connect(addr, token="t", timeout=2, same_host=False)
+            await rpcbuf.connect(addr, token=TOKEN, timeout=2, same_host=False)
         assert info.value.details.get("field") == "same_host"
     finally:
         await gen.aclose()
@@ -331,11 +331,11 @@ async def test_a_bad_staging_area_turns_the_same_host_path_off(on_bind: Any, why
     the wrong size, without its fd, or no record at all: the session goes on
     without the same-host path, and says why; required, it is refused."""
     async for addr in _handle_daemon(on_bind):
-        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+        async with rpcbuf.connect(addr, token=TOKEN, timeout=5) as c:
             assert not c.same_host
             assert why in c.hello["same_host_why"], c.hello["same_host_why"]
         with pytest.raises(BadRequest, match="same-host path is not available"):
-            await rpcbuf.connect(addr, token="t", timeout=5, same_host=True)
+            await rpcbuf.connect(addr, token=TOKEN, timeout=5, same_host=True)
 
 
 def _attach_with(fd_of: Any, meta: dict[str, Any]) -> Any:
@@ -375,7 +375,7 @@ META = {"buffer_id": "b-x", "size": 8192, "alloc_size": 8192, "tensors": {}}
 async def test_an_attach_handle_must_be_read_only_sealed_and_sized(
         fd_of: Any, meta: dict[str, Any], why: str) -> None:
     async for addr in _handle_daemon(_send_staging(), _attach_with(fd_of, meta)):
-        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+        async with rpcbuf.connect(addr, token=TOKEN, timeout=5) as c:
             assert c.same_host
             with pytest.raises(ConnectionLost, match=why):
                 await c.attach("b-x")
@@ -385,7 +385,7 @@ async def test_a_manifest_entry_outside_the_buffer_is_refused() -> None:
     bad = {**META, "tensors": {"w": {"dtype": "float32", "shape": [4096], "offset": 0,
                                      "nbytes": 16384}}}
     async for addr in _handle_daemon(_send_staging(), _attach_with(_read_only, bad)):
-        async with rpcbuf.connect(addr, token="t", timeout=5) as c:
+        async with rpcbuf.connect(addr, token=TOKEN, timeout=5) as c:
             async with c.attach("b-x") as view:
                 with pytest.raises(ConnectionLost, match="outside"):
                     view.tensors()
@@ -411,7 +411,7 @@ async def test_an_inline_read_answer_must_carry_exactly_the_bytes_asked(data: An
     fd = FakeDaemon(handler, ucx_listener=True)
     addr = await fd.start()
     try:
-        async with rpcbuf.connect(addr, token="t", timeout=5, same_host=False) as c:
+        async with rpcbuf.connect(addr, token=TOKEN, timeout=5, same_host=False) as c:
             out = np.zeros(4096, np.uint8)
             with pytest.raises(ConnectionLost, match="4096 bytes"):
                 await c.read_buffer("b-x", 0, 4096, out=out)

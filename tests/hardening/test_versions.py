@@ -1,8 +1,10 @@
 """Protocol versions: a client and a daemon agree on the newest version both
 speak, or refuse with one sentence naming both (``P.version_mismatch``), in
-both directions.  Versions 1 and 2 are gone (issue 24, item 12): a real
-daemon refuses a hello of either with that sentence, and this client says
-hello once: it never tries again "the old way" on an error's wording."""
+both directions.  Versions 1 and 2 are gone (issue 24, item 12), and 3,
+whose hello carried the bearer token (issue 34, H3): a real daemon refuses
+a hello of any of them with that sentence, and this client says hello once:
+it never tries again "the old way" on an error's wording, and never sends
+the token to a daemon that cannot prove it holds the node's key."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fakedaemon import Conn, FakeDaemon, hello_answer
+from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer
 from rawwire import Raw
 
 import rpcbuf
@@ -35,11 +37,12 @@ def test_negotiate_picks_the_newest_common_version() -> None:
 
 
 def test_hello_versions() -> None:
-    assert P.hello_versions(P.Hello("t", version=1)) == (1, 1)  # a version-1 client
-    assert P.hello_versions(P.Hello("t", versions=[1, 2])) == (1, 2)
+    assert P.hello_versions(P.Hello(version=1)) == (1, 1)  # a version-1 client
+    assert P.hello_versions(P.Hello(versions=[1, 2])) == (1, 2)
+    assert P.hello_versions(P.Challenge("c", b"n", [4, 5])) == (4, 5)
     for bad in ([2, 1], [1], [0, 1], [1, 2, 3]):
         with pytest.raises(BadRequest, match="versions"):
-            P.hello_versions(P.Hello("t", versions=bad))
+            P.hello_versions(P.Hello(versions=bad))
 
 
 # -- a real daemon ---------------------------------------------------------------------
@@ -62,13 +65,16 @@ def test_daemon_negotiates_or_names_both_ranges(daemon_factory) -> None:  # type
 @pytest.mark.parametrize(("fields", "speaks"), [
     ({"version": 1}, "1"),  # a version-1 client: no ``versions``
     ({"version": 2, "versions": [1, 2]}, "1..2"),
-], ids=["v1", "v2"])
-def test_daemon_refuses_versions_1_and_2_naming_both(  # type: ignore[no-untyped-def]
+    ({"versions": [3, 3]}, "3"),  # protocol 3: the bearer token in hello
+], ids=["v1", "v2", "v3"])
+def test_daemon_refuses_versions_1_to_3_naming_both(  # type: ignore[no-untyped-def]
         daemon_factory, fields: dict[str, Any], speaks: str) -> None:
+    """An old client's hello, as it said it (the token in it), is refused by
+    its version; nothing of it opens a session."""
     d = daemon_factory("--device", "cpu:16MiB")
     raw = Raw(d.addr)
     try:
-        msg = raw.call("hello", token=d.token(), **fields)
+        msg = raw.call_raw("hello", token=d.token(), **fields)
         assert not msg["ok"] and msg["error"]["code"] == "BAD_REQUEST", msg
         assert msg["error"]["message"].startswith(
             f"the node speaks protocol {P.speaks(P.PROTOCOL_MIN, P.PROTOCOL_VERSION)}, "
@@ -96,16 +102,16 @@ async def test_client_and_daemon_speak_the_newest(daemon_factory) -> None:  # ty
 
 @pytest.fixture
 async def old_daemon() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-    """A daemon as it was before versions: unknown fields and any version
-    but 1 are a bare BAD_REQUEST; the connection stays open, and a second
-    hello the old way would be served."""
+    """A daemon as it was before versions: unknown ops, unknown fields and
+    any version but 1 are a bare BAD_REQUEST; the connection stays open, and
+    a second hello the old way would be served."""
     hellos: list[dict[str, Any]] = []
 
     async def handler(conn: Conn, req: dict[str, Any]) -> None:
-        if req["op"] != "hello":
-            conn.answer(req, {})
-            return
         hellos.append(req)
+        if req["op"] != "hello":
+            conn.send(P.error_response(req["id"], BadRequest(f"unknown op {req['op']!r}")))
+            return
         fields = {k: v for k, v in req.items() if k not in ("op", "id")}
         unknown = sorted(set(fields) - {"token", "version", "probe", "probe_addr", "replaces"})
         if unknown:
@@ -118,7 +124,7 @@ async def old_daemon() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
             return
         conn.send(P.error_response(req["id"], error))
 
-    fd = FakeDaemon(handler)
+    fd = FakeDaemon(handler, challenges=False)
     try:
         yield await fd.start(), hellos
     finally:
@@ -130,10 +136,11 @@ async def test_the_client_says_hello_once_and_never_the_old_way(
     """The refusal is the daemon's, as it came: no second hello matched on
     its wording, no session in version 1."""
     addr, hellos = old_daemon
-    with pytest.raises(BadRequest, match="unknown field"):
-        await rpcbuf.connect(addr, token="t", timeout=5, same_host=False)
-    assert len(hellos) == 1
+    with pytest.raises(BadRequest, match="unknown op 'challenge'"):
+        await rpcbuf.connect(addr, token=TOKEN, timeout=5, same_host=False)
+    assert [h["op"] for h in hellos] == ["challenge"]  # and no hello with the token after
     assert hellos[0]["versions"] == [P.PROTOCOL_MIN, P.PROTOCOL_VERSION]
+    assert "token" not in hellos[0] and hellos[0]["claims"] == TOKEN.rpartition(".")[0]
 
 
 @pytest.mark.parametrize("version", [1, 2, 7, ...], ids=["v1", "v2", "v7", "none"])
@@ -146,7 +153,7 @@ async def test_a_daemon_answering_a_version_we_do_not_speak_is_refused(
     addr = await fd.start()
     try:
         with pytest.raises(BadRequest) as info:
-            await rpcbuf.connect(addr, token="t", timeout=5, same_host=False)
+            await rpcbuf.connect(addr, token=TOKEN, timeout=5, same_host=False)
         said = 0 if version is ... else version
         assert info.value.message.startswith(
             f"the node speaks protocol {said}, this client speaks "

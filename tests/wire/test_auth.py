@@ -290,3 +290,68 @@ def test_a_token_too_big_for_any_hello_is_not_minted() -> None:
     with pytest.raises(ValueError, match="name fewer nodes"):
         create_token(RING, "alice", 60, nodes=nodes)
     assert len(create_token(RING, "alice", 60, nodes=nodes[:8])) <= 3072
+
+
+# -- proof of possession: the token never crosses the wire (issue 34, H3) ---------------
+
+
+def _proved(token: str, keys: Keyring | bytes, server_nonce: bytes = b"s" * 32,
+            version: int = 4) -> tuple[str, bytes, bytes]:
+    """What a client sends (claims, its proof) for ``token``, and the transcript."""
+    from rpcbuf.control.wire import auth
+
+    claims, secret = auth.split_token(token)
+    said = auth.transcript(version, claims, b"c" * 32, server_nonce)
+    return claims, auth.prove(secret, auth.CLIENT, said), said
+
+
+def test_the_signature_is_the_shared_secret() -> None:
+    from rpcbuf.control.wire import auth
+
+    token = create_token(SECRET, "alice", 60)
+    claims, secret = auth.split_token(token)
+    assert claims == token.rpartition(".")[0] and len(secret) == 32
+    assert auth.signature(SECRET, claims) == ("default", secret)  # the daemon recomputes it
+    assert secret == hmac.new(SECRET, claims.encode(), hashlib.sha256).digest()
+    for bad in ("", "a.b", "a.b.c", "rpcbuf1.x.y", token + "x", "x" * 5000):
+        with pytest.raises(AuthFailed):
+            auth.split_token(bad)
+
+
+def test_check_proof_takes_only_a_proof_over_this_transcript() -> None:
+    from rpcbuf.control.wire import auth
+
+    token = create_token(SECRET, "alice", 60)
+    claims, proof, said = _proved(token, SECRET)
+    assert auth.check_proof(SECRET, claims, proof, said).tenant == "alice"
+    other = auth.transcript(4, claims, b"c" * 32, b"t" * 32)  # another server nonce: a replay
+    with pytest.raises(AuthFailed, match="proof does not match"):
+        auth.check_proof(SECRET, claims, proof, other)
+    with pytest.raises(AuthFailed, match="proof does not match"):  # the daemon's label
+        auth.check_proof(SECRET, claims, auth.prove(auth.split_token(token)[1], auth.DAEMON,
+                                                    said), said)
+    with pytest.raises(AuthFailed, match="proof does not match"):  # another key, same kid
+        auth.check_proof(b"k" * 32, claims, proof, said)
+    with pytest.raises(AuthFailed, match="unknown or revoked"):
+        auth.check_proof(Keyring({"k2": SECRET}), claims, proof, said)
+    # Every field of the transcript counts.
+    fields = [(4, claims, b"c" * 32, b"s" * 32), (5, claims, b"c" * 32, b"s" * 32),
+              (4, claims + "x", b"c" * 32, b"s" * 32), (4, claims, b"d" * 32, b"s" * 32)]
+    assert len({auth.transcript(*f) for f in fields}) == len(fields)
+    with pytest.raises(ValueError):
+        auth.transcript(4, claims, b"short", b"s" * 32)
+
+
+def test_a_forged_proof_is_auth_failed_even_when_expired() -> None:
+    """The proof is checked before any claim: a genuine expired token is
+    TOKEN_EXPIRED, a forged one AUTH_FAILED, as ``verify`` does."""
+    from rpcbuf.control.wire import auth
+
+    old = create_token(SECRET, "alice", -10)
+    claims, proof, said = _proved(old, SECRET)
+    with pytest.raises(TokenExpired):
+        auth.check_proof(SECRET, claims, proof, said)
+    forged = create_token(b"f" * 32, "alice", -10)
+    claims, proof, said = _proved(forged, SECRET)
+    with pytest.raises(AuthFailed):
+        auth.check_proof(SECRET, claims, proof, said)

@@ -148,7 +148,8 @@ def test_request_without_valid_id(msg: dict[str, object]) -> None:
 
 
 def test_every_op_round_trips() -> None:
-    samples = [P.Hello("t"), P.RequestBuffer(10, "GPU", 1, 2.5, 3.0, "n"), P.GetBufferMeta("b"),
+    samples = [P.Hello(b"p" * 32), P.Challenge("h.p", b"n" * 32, [4, 4]),
+               P.RequestBuffer(10, "GPU", 1, 2.5, 3.0, "n"), P.GetBufferMeta("b"),
                P.Store("b", 0, 1), P.Read("b", 1, 2), P.Release("b"), P.Renew("b", 1.0),
                P.ListDevices(), P.ListBuffers(), P.Stats(), P.Ping(),
                P.StoreBatch("b", P.pack_u64([0, 8]), P.pack_u64([8, 8]), P.pack_u64([1, 2]),
@@ -159,7 +160,7 @@ def test_every_op_round_trips() -> None:
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
                P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
-               P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3),
+               P.Hello(b"p" * 32, handles=True), P.Store("b", 0, 1, stage=3),
                P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
                           P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],
                           ["<f4"], [[2]]),

@@ -35,19 +35,24 @@ def connect(addr: str, token: str, timeout: float | None = 30.0,
     requests on the wire (at most the daemon's limit): more calls wait their
     turn instead of queueing without bound.
 
-    ``tls`` puts the control channel (the token first) under TLS, the
+    The token itself is never sent: hello proves this client holds it,
+    after the daemon proved it holds the node's key (docs/tokens.md).
+
+    ``tls`` puts the control channel (hello first) under TLS, the
     daemon's certificate verified (its chain, and that it names the host in
     ``addr``): ``True`` against the system's CAs, a CA file's path against
     that CA, an ``ssl.SSLContext`` as it is (a client certificate too);
     ``None`` (default) takes the CA file in ``$RPCBUF_CA`` when set, else
     plain TCP; ``False`` plain TCP.  Plain TCP to an address that is not
     loopback is refused before anything is dialed (BAD_REQUEST,
-    ``details["reason"] == "insecure_transport"``): the token would go in
-    the clear to whoever answers.  ``insecure=True`` (default
+    ``details["reason"] == "insecure_transport"``): requests would go in
+    the clear, and a relay on the path could use the session.  ``insecure=True`` (default
     ``$RPCBUF_INSECURE``) allows it on a network you trust.  The data plane
     (UCX) is not encrypted by this; with TLS the same-host path is used only
     when ``same_host=True`` (it leaves TLS out).
-    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
+    Raises AUTH_FAILED (``details["reason"] == "daemon_unproven"``: the peer
+    could not prove it holds the key that signed the token, an impostor or
+    another node's), TOKEN_EXPIRED, CONNECTION_LOST (also for a failed TLS
     handshake: the token was not sent), TIMEOUT, QUOTA_EXCEEDED (the
     daemon's --max-sessions), SHUTTING_DOWN, FORBIDDEN (the process behind
     a Unix socket is not trusted, ``check_unix_peer``: with "unix:..." or

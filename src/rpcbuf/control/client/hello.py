@@ -15,17 +15,27 @@ The protocol version is checked here too: the daemon answers the version it
 chose from the client's range (``P.negotiate``); one outside that range, or
 none, is refused with the sentence ``P.version_mismatch`` makes (both ranges
 named).  There is no fallback to an older version.
+
+Before the hello, the challenge's answer (``check_challenge``): the
+daemon's nonce and its proof that it holds the key that signed our token
+(``wire/auth.py``).  A proof that does not match is AUTH_FAILED
+(``reason: daemon_unproven``), raised before anything derived from the
+token's secret is sent: an impostor holding the daemon's port during a
+restart learns only the token's claims and our nonce.  The client cannot
+tell an impostor from a node whose key did not sign this token (a token of
+another node or cluster, a forged one), so the sentence names both.
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from rpcbuf.control.client.answers import CHECKSUM_KINDS, Device, bad_answer, parse_devices
-from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.control.wire import auth, protocol as P
+from rpcbuf.control.wire.errors import AuthFailed, BadRequest
 
 MAX_INFLIGHT = 1 << 16  # requests on the wire per session
 MIN_FRAME, MAX_FRAME = 4 << 10, 1 << 30  # a daemon's frame limit we accept
@@ -114,6 +124,27 @@ def _version(msg: dict[str, Any]) -> int:
         raise BadRequest(err.message, {**err.details, "field": "version",
                                        "reason": "protocol_version"})
     return version
+
+
+def check_challenge(msg: dict[str, Any], addr: str, claims: str, nonce: bytes,
+                    secret: bytes) -> tuple[int, bytes]:
+    """The version the daemon chose and the transcript both proofs cover,
+    once the daemon's proof matches.  Raises BAD_REQUEST (a version we do not
+    speak, a malformed answer) or AUTH_FAILED (``daemon_unproven``)."""
+    version = _version(msg)
+    ours = msg.get("nonce")
+    proof = msg.get("proof")
+    if not isinstance(ours, bytes) or len(ours) != auth.NONCE_BYTES:
+        raise bad_answer("challenge", "nonce", f"must be {auth.NONCE_BYTES} bytes")
+    said = auth.transcript(version, claims, nonce, ours)
+    if not isinstance(proof, bytes) or not hmac.compare_digest(
+            proof, auth.prove(secret, auth.DAEMON, said)):
+        raise AuthFailed(
+            f"the daemon at {addr} could not prove it holds the node's key (the key that "
+            "signed this token): a token for another node or key, or an impostor on that "
+            "address; nothing that could open a session was sent",
+            {"reason": "daemon_unproven"})
+    return version, said
 
 
 def _checksum_kinds(msg: dict[str, Any]) -> dict[str, str]:

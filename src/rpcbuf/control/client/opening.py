@@ -7,22 +7,30 @@ Unix socket, say hello
 (``hello.parse_hello``), and, when the daemon is on this host, reconnect on
 its Unix socket to take the same-host path: a second connection there, from
 this process, becomes the session's handle channel (``handles.py``).  The
-peer of a Unix socket is checked (``check_unix_peer``) before the token is
-sent on it: the daemon may be an impostor there.
+peer of a Unix socket is checked (``check_unix_peer``) before hello is said
+on it: the daemon may be an impostor there.
 
-The token is a bearer secret: whoever answers the hello gets it, and can
-replay it at every node that trusts its key.  So it goes only to a peer
+The token itself never crosses the wire (protocol 4, ``wire/auth.py``):
+the client sends its claims and a nonce (``challenge``), checks the
+daemon's proof that it holds the node's key (``hello.check_challenge``)
+before it goes on, then proves it holds the token's signature over both
+nonces (``hello``).  An impostor gets no token, and nothing it can replay.
+What an active relay to a live daemon gets (that one session), TLS stops;
+and the claims (tenant, audience, expiry) are not secret but still
+readable.  So the session still goes only to a peer
 that proved who it is before hello: over TLS, a certificate that the
 trusted CAs signed for the host dialed (``tls_context``: ``tls=``, else
 ``$RPCBUF_CA``; an SSLContext that checks less counts as plaintext); on a
 Unix socket, the peer check; over plain TCP, only to a
-loopback address (``is_loopback``), where the peer is this host.  Plain TCP
+loopback address (``is_loopback``), where the peer is on this host (not
+proof of who it is: any local user may hold the port while the daemon
+restarts, which is what the daemon's proof is for).  Plain TCP
 to any other address is refused before anything is dialed
 (``InsecureTransport``) unless ``insecure=True`` (or ``$RPCBUF_INSECURE=1``)
 says the network is trusted.  A registry entry (``Cluster``) is dialed the
 same way, so a forged one gets nothing without the CA's signature.
 
-Versions: the hello says ``versions: [oldest, newest]``; the daemon answers
+Versions: the challenge says ``versions: [oldest, newest]``; the daemon answers
 the newest both speak, or BAD_REQUEST naming both ranges.  The hello is said
 once: a refusal is raised as it came, never answered by a second hello "the
 old way" chosen from the wording of an error.
@@ -44,8 +52,8 @@ from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from rpcbuf.control.client.connection import ControlConnection, result_of
 from rpcbuf.control.client.handles import Handles
-from rpcbuf.control.client.hello import HelloAnswer, Local, parse_hello
-from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.client.hello import HelloAnswer, Local, check_challenge, parse_hello
+from rpcbuf.control.wire import auth, protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
     ConnectionLost,
@@ -53,6 +61,7 @@ from rpcbuf.control.wire.errors import (
     RpcBufError,
     Timeout,
 )
+from rpcbuf.control.wire.fields import Claims
 from rpcbuf.control.wire.units import join_host_port, split_host_port
 from rpcbuf.dataplane import shm
 
@@ -223,9 +232,9 @@ async def open_session(addr: str, token: str, timeout: float | None,
 _Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any], Handles | None]
 
 
-async def _hello(conn: ControlConnection, req: P.Hello, timeout: float | None,
+async def _hello(conn: ControlConnection, req: P.Request, timeout: float | None,
                  addr: str) -> dict[str, Any]:
-    """Say hello (within ``timeout``).  Raises what the daemon refused it
+    """Say hello (or its challenge; within ``timeout``).  Raises what the daemon refused it
     with (BAD_REQUEST naming both versions, AUTH_FAILED, ...), and TIMEOUT
     (``reason: silent_peer``) after ``SILENT_PEER`` seconds without a byte
     back: rpcbufd answers a hello in milliseconds, while a UCX listener (a
@@ -273,11 +282,22 @@ async def _open(addr: str, timeout: float | None, token: str, *,
         raise Timeout(f"connecting to {addr} timed out") from None
     except OSError as exc:
         raise _unreached(addr, tcp, exc) from exc
-    hello = P.Hello(token=token, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
-                    handles=True if handles and unix is not None else None, replaces=replaces)
     try:
+        claims, secret = auth.split_token(token)
+        nonce = os.urandom(auth.NONCE_BYTES)
+        said = await _hello(conn, P.Challenge(
+            claims=Claims(claims), nonce=nonce, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION]),
+            timeout, addr)
+        version, transcript = check_challenge(said, addr, claims, nonce, secret)
+        hello = P.Hello(proof=auth.prove(secret, auth.CLIENT, transcript),
+                        handles=True if handles and unix is not None else None,
+                        replaces=replaces)
         answer = await _hello(conn, hello, timeout, addr)
         parsed = parse_hello(answer, unix=unix is not None)
+        if parsed.version != version:
+            raise BadRequest(f"the daemon at {addr} chose protocol {version} in the "
+                             f"challenge and {parsed.version} in hello",
+                             {"reason": "bad_hello", "field": "version"})
         channel = None
         if unix is not None and parsed.handles_nonce is not None:
             channel, why = await _bind(unix, peer_pid, parsed.handles_nonce, timeout)

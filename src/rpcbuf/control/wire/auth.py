@@ -38,10 +38,34 @@ key, delete the old line, SIGHUP again (sessions of the removed key end).
 The ``rpcbuf1.<payload>.<mac>`` tokens of development builds are refused
 (they skipped the tenant-name check, and ``exp=0`` never expired); the prefix
 is recognised only to say so.
+
+**The token never crosses the wire** (protocol 4).  An HS256 token is
+``claims.S`` where ``claims`` is ``header.payload`` (readable by anyone: not
+secret) and S = HMAC-SHA256(key, claims): a secret its holder shares with
+every node that holds the key, and with no one else.  So hello proves
+possession of ``S`` instead of sending it: the client sends ``claims`` and a
+fresh client nonce (``challenge``), the daemon answers a fresh server nonce
+and its own proof HMAC(S, "daemon" | transcript), which the client checks
+before it sends anything that depends on ``S``; then the client sends
+HMAC(S, "client" | transcript) (``hello``).  The transcript
+(``transcript``) holds a label, the protocol version, both nonces and the
+claims, in fixed-size fields and the claims last, so no two transcripts read
+alike.  The daemon recomputes ``S`` from the key ``kid`` names, compares the
+proof in constant time (``check_proof``: a forged token is ``AUTH_FAILED``
+before any claim is read), then puts the token back together and runs the
+same PyJWT checks as ``verify`` (audience, tenant, expiry).  What this gives:
+an impostor on the port, a forged registry entry or a captured packet gets
+the claims and proofs bound to nonces that never recur; none of it opens a
+session.  What it does not: a relay that passes a live daemon's challenge to
+the client and the client's proof back (an active man in the middle while the
+real daemon is up) gets that one session; only TLS stops it.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -294,3 +318,85 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None,
 def verify_token(keys: Keyring | bytes, token: str, now: float | None = None) -> str:
     """The tenant a token was made for; see ``verify``."""
     return verify(keys, token, now).tenant
+
+
+# -- proof of possession: hello without the token (protocol 4) ------------------
+
+NONCE_BYTES = 32  # each side's fresh nonce
+PROOF_BYTES = 32  # an HMAC-SHA256
+LABEL = b"rpcbuf hello"
+CLIENT, DAEMON = b"client", b"daemon"  # whose proof (same length: no prefix of another)
+
+
+def split_token(token: str) -> tuple[str, bytes]:
+    """A token as ``(claims, S)``: ``header.payload`` (sent) and the 32-byte
+    HS256 signature (never sent).  Raises AuthFailed for anything that is
+    not such a token, here, before anything is dialed."""
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
+        raise AuthFailed("malformed token")
+    if token.startswith(LEGACY_PREFIX + "."):
+        raise AuthFailed(f"an old-format ({LEGACY_PREFIX}.) token, no longer accepted: "
+                         "mint a new one with 'rpcbuf token create'")
+    claims, _, sig = token.rpartition(".")
+    try:
+        secret = base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4))
+    except (ValueError, TypeError):
+        secret = b""
+    if claims.count(".") != 1 or len(secret) != PROOF_BYTES:
+        raise AuthFailed("malformed token")  # not header.payload.(32-byte HS256 signature)
+    return claims, secret
+
+
+def transcript(version: int, claims: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """What both proofs cover: the label, the version, both nonces (fixed
+    size), then the claims (last: no field boundary to shift)."""
+    if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
+        raise ValueError(f"hello nonces are {NONCE_BYTES} bytes")
+    return b"%s\0%d\0" % (LABEL, version) + client_nonce + server_nonce + claims.encode()
+
+
+def prove(secret: bytes, who: bytes, said: bytes) -> bytes:
+    """``who``'s proof (``CLIENT`` or ``DAEMON``) over transcript ``said``."""
+    return hmac.new(secret, who + b"\0" + said, hashlib.sha256).digest()
+
+
+def signature(keys: Keyring | bytes, claims: str) -> tuple[str, bytes]:
+    """The key id ``claims`` names, and ``S``: what that key signs them to
+    (PyJWT's own HS256).  Raises AuthFailed (malformed, unknown or revoked key)."""
+    if not isinstance(claims, str) or not claims or len(claims) > MAX_TOKEN:
+        raise AuthFailed("malformed token")
+    if claims.startswith(LEGACY_PREFIX + "."):
+        raise AuthFailed(f"an old-format ({LEGACY_PREFIX}.) token, no longer accepted: "
+                         "mint a new one with 'rpcbuf token create'")
+    if claims.count(".") != 1:
+        raise AuthFailed("malformed token: claims are header.payload")
+    try:
+        kid = jwt.get_unverified_header(claims + ".").get("kid", DEFAULT_KID)
+        data = claims.encode("ascii")
+    except Exception:  # whatever hostile JSON makes PyJWT raise, it is a bad token
+        raise AuthFailed("malformed token") from None
+    secret = _ring(keys).keys.get(kid) if isinstance(kid, str) else None
+    if secret is None:
+        name = repr(kid) if isinstance(kid, str) and KID_RE.fullmatch(kid) else "(bad key id)"
+        raise AuthFailed(f"token is signed with key {name}, which this node does not know "
+                         "(unknown or revoked)")
+    return kid, _HS256.sign(data, _HS256.prepare_key(secret))
+
+
+def check_proof(keys: Keyring | bytes, claims: str, proof: bytes, said: bytes,
+                now: float | None = None, cluster: str = DEFAULT_CLUSTER,
+                node: str | None = None) -> Grant:
+    """The daemon's check of a client's proof over transcript ``said``:
+    the proof first, in constant time, then (the token put back together)
+    every check of ``verify``.  Raises AuthFailed (a forged token, another
+    key, a replayed or altered hello) or TokenExpired."""
+    _, secret = signature(keys, claims)
+    if not isinstance(proof, bytes) or not hmac.compare_digest(
+            proof, prove(secret, CLIENT, said)):
+        raise AuthFailed("the hello's proof does not match this node's key: the token is "
+                         "forged or signed by another key (or the hello was replayed)")
+    token = claims + "." + base64.urlsafe_b64encode(secret).rstrip(b"=").decode()
+    return verify(keys, token, now, cluster, node)
+
+
+_HS256: Any = jwt.algorithms.get_default_algorithms()["HS256"]

@@ -37,6 +37,12 @@ MAX_NDIM = 32  # dimensions of one tensor's shape (NumPy allows 64; no model nee
 MAX_ID = 64  # characters of a buffer id (the daemon makes 26)
 MAX_SOURCE_TYPE = 32  # characters of a source type name ("Q4_K", "BF16", "F8_E4M3FNUZ")
 MAX_PATH = 1024  # characters of a file path in a request (load_file), no NUL, printable
+# A token's claims in a challenge (header.payload, base64url): what
+# ``auth.create_token`` mints at most (MINT_MAX), under the 4 KiB hello frame.
+Claims = NewType("Claims", str)
+MAX_CLAIMS = 3072
+_CLAIM_CHARS = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.")
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 _SOURCE_CHARS = _ID_CHARS - {"-"}
 U64 = NewType("U64", int)  # checksums: the whole unsigned 64-bit range
@@ -82,6 +88,12 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, str) or len(value) > MAX_STR or not value.isprintable():
             raise BadRequest(f"{op}: {name} must be a printable string of at most {MAX_STR} "
                              "characters")
+        return value
+    if tp == Claims:
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_CLAIMS \
+                or not _CLAIM_CHARS.issuperset(value):
+            raise BadRequest(f"{op}: {name} must be a token's header.payload (base64url, "
+                             f"at most {MAX_CLAIMS} characters)")
         return value
     if tp == FilePath:
         if not isinstance(value, str) or not 0 < len(value) <= MAX_PATH \

@@ -51,6 +51,7 @@ from rpcbuf.control.wire.fields import (
     MAX_STR as MAX_STR,
     U64,
     BufferId,
+    Claims,
     FilePath,
     Inline,
     Request,
@@ -75,19 +76,38 @@ from rpcbuf.control.wire.frames import (
 # the same-host path shares memory by handle (``handles``, ``bind_handles``,
 # ``stage``, ``attach``/``detach``, the BUSY code); ``store_batch`` and
 # ``dedup_store`` may give each tensor's source type and logical shape.
-# Versions 1 and 2 (development builds, never released) are refused by both
-# sides with ``version_mismatch``: there is no fallback to them.
-PROTOCOL_MIN = 3
-PROTOCOL_VERSION = 3
+# 4: the token never crosses the wire: ``challenge`` (the claims and a client
+# nonce; the daemon answers its nonce and its proof), then ``hello`` with the
+# client's proof (``auth.py``, "The token never crosses the wire").
+# Versions 1 to 3 (3 sent the bearer token in hello; none released) are
+# refused by both sides with ``version_mismatch``: there is no fallback to them.
+PROTOCOL_MIN = 4
+PROTOCOL_VERSION = 4
+@dataclass(frozen=True)
+class Challenge(Request):
+    """The first frame of a session: the token's claims (``header.payload``,
+    not secret) and a fresh client nonce; the daemon answers the version it
+    chose, its own nonce and its proof (``auth.py``).  Once per connection."""
+
+    op: ClassVar[str] = "challenge"
+    claims: Claims
+    nonce: bytes
+    versions: list[int]
+
+
 @dataclass(frozen=True)
 class Hello(Request):
     op: ClassVar[str] = "hello"
-    token: str
-    # ``versions`` below: [oldest, newest] the client speaks (see ``negotiate``).
-    # ``version`` (a client before ``versions`` said only its one version)
-    # and protocol 2's same-host ``probe`` are read only so that such a client
-    # is refused by its version, in one sentence, not by an unknown field.
-    version: int = PROTOCOL_VERSION
+    # The client's proof over the challenge's transcript (protocol 4).
+    proof: bytes | None = None
+    # Protocol 3's bearer token, read only so that such a client is refused
+    # by its version, in one sentence, not by an unknown field.
+    token: str | None = None
+    # ``versions`` below: [oldest, newest] the client speaks (see ``negotiate``;
+    # from protocol 4 on, said in the challenge).  ``version`` (a client before
+    # ``versions`` said only its one version) and protocol 2's same-host
+    # ``probe`` are read likewise only to refuse such a client by its version.
+    version: int | None = None
     probe: bytes | None = None
     probe_addr: int | None = None
     # The bind nonce of this client's TCP session that this Unix socket
@@ -368,7 +388,7 @@ class Ping(Request):
 OPS: dict[str, type[Request]] = {
     cls.op: cls
     for cls in (
-        Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
+        Challenge, Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
         LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
@@ -422,13 +442,13 @@ def version_mismatch(node: tuple[int, int], client: tuple[int, int]) -> BadReque
                        "client": list(client)})
 
 
-def hello_versions(req: Hello) -> tuple[int, int]:
+def hello_versions(req: Hello | Challenge) -> tuple[int, int]:
     """The [oldest, newest] versions a hello says its client speaks: its
     ``versions``, or (a client from before the field, refused by
     ``negotiate``) just its ``version``.  Raises BAD_REQUEST for a malformed
     range."""
     if req.versions is None:
-        return req.version, req.version
+        return (req.version, req.version) if req.version is not None else (0, 0)
     if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
         raise BadRequest(f"hello: versions must be [oldest, newest], got {req.versions}")
     return req.versions[0], req.versions[1]

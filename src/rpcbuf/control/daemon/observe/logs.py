@@ -50,8 +50,8 @@ from typing import IO, Any
 
 AUDIT = logging.getLogger("rpcbuf.audit")
 # Ops that only look: everything else allocates, frees or touches bytes and is audited.
-NOT_MEMORY_OPS = frozenset({"hello", "get_buffer_meta", "open_buffer", "list_devices",
-                            "list_buffers", "stats", "ping", "invalid"})
+NOT_MEMORY_OPS = frozenset({"challenge", "hello", "get_buffer_meta", "open_buffer",
+                            "list_devices", "list_buffers", "stats", "ping", "invalid"})
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"  # the normal log, text
 
 

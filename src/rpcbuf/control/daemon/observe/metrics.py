@@ -22,6 +22,15 @@ Two kinds of numbers:
 The HTTP endpoint runs on the daemon's own event loop (not in a thread), so a
 scrape reads consistent state without locks, and a wedged loop shows as a
 failed scrape.
+
+**A scrape names no tenant** unless the operator asks (``--metrics-tenants``,
+``per_tenant``): the endpoint has no authentication, and a tenant that
+reached it watched another's block hits go from 0 to 5 as she read.  So
+every family the state collector yields passes ``_Aggregated``, which sums
+its samples over the ``tenant`` label (the other labels stay: bytes per
+device, say) before it is rendered.  The filter works on whatever family
+comes, so a per-tenant series added later is summed too, not leaked.  With
+``per_tenant`` the port must be the operator's alone (docs/security.md).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from prometheus_client import (
     generate_latest,
     metrics as _client_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
@@ -66,7 +75,8 @@ class Metrics:
         self._unexpected_bytes = Counter("rpcbuf_ucx_unexpected_dropped_bytes",
                                          "Bytes of the UCX messages no request asked for, "
                                          "dropped once old", registry=self.registry)
-        self.registry.register(state)
+        self.per_tenant = False  # --metrics-tenants: label series by tenant
+        self.registry.register(_Aggregated(state, self))
         ProcessCollector(registry=self.registry)
         self._server: asyncio.AbstractServer | None = None
 
@@ -191,3 +201,32 @@ class _OpsCollector(Collector):
                 latency.samples.append(Sample(f"{latency.name}_created", {"op": op},
                                               self._created[op]))
         yield latency
+
+
+class _Aggregated(Collector):
+    """``inner``'s families with the ``tenant`` label summed away, unless
+    ``metrics.per_tenant`` (see the module's docstring)."""
+
+    def __init__(self, inner: Collector, metrics: Metrics) -> None:
+        self._inner = inner
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._inner.collect():
+            if self._metrics.per_tenant or not any(
+                    "tenant" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items()
+                                      if k != "tenant"))
+                key = (sample.name, labels)
+                if sample.name.endswith("_created"):  # when the first began, not a sum
+                    sums[key] = min(sums.get(key, sample.value), sample.value)
+                else:
+                    sums[key] = sums.get(key, 0.0) + sample.value
+            out = Metric(family.name, family.documentation, family.type)
+            for (name, labels), value in sums.items():
+                out.add_sample(name, dict(labels), value)
+            yield out

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "cluster [this host's name and the --listen port: HOST:PORT]")
     p.add_argument("--ready-file", help="write 'HOST:PORT UCX_PORT' here once listening; "
                    "removed when the daemon exits (and at start, if a killed one left it; "
-                   "a running one's: no start)")
+                   "a running one's: no start; told by its lock on FILE.lock, mode 0600)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -211,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the audit trail (one JSON line per memory op) here instead of "
                         "into the normal log")
     p.add_argument("--metrics", type=_metrics_addr, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (no "
+                        "authentication: node-wide figures, no tenant names)")
+    p.add_argument("--metrics-tenants", action="store_true",
+                   help="label the metrics' per-tenant series by tenant (then only the "
+                        "operator may reach --metrics: it names every tenant)")
     p.add_argument("--tls-cert", metavar="PEM", help="TLS for the control channel: "
                    "certificate chain (with --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="TLS private key (with --tls-cert)")

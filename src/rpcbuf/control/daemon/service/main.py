@@ -22,7 +22,7 @@ import resource
 import signal
 import ssl
 import sys
-from typing import IO, Any
+from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Pool, Quota, Registry
 from rpcbuf.control.daemon.content.diskcache import DiskCache
@@ -38,6 +38,7 @@ from rpcbuf.control.wire.auth import load_keys
 from rpcbuf.control.wire.membership import (
     parse_registry,
 )
+from rpcbuf.control.wire.units import join_host_port
 from rpcbuf.dataplane import progress, sockets, ucx, ucxlib
 from rpcbuf.dataplane.arena import HostArena, host_memory
 
@@ -177,45 +178,71 @@ class ReadyFile:
     """``--ready-file``: it exists exactly while this daemon listens.  A
     file left by a daemon that was killed goes before anything else (a
     poller must not take it for this daemon's), the line is written once
-    both listeners are up, and goes again when the daemon exits, however
-    it exits.
+    both listeners are up (mode 0644, whole: written beside it and renamed
+    over it), and goes again when the daemon exits, however it exits.
 
-    The daemon holds a lock (``flock``) on the file it wrote for as long as
-    it listens, so that the next one can tell a killed daemon's file (no
-    lock: the kernel dropped it) from a running one's, which it refuses to
-    start on; and it removes only that file (the same inode), never one
-    written there since."""
+    Whether a daemon still runs is told by a lock (``flock``) the daemon
+    holds for as long as it lives, on ``PATH.lock``, a file of its own
+    (mode 0600, ``O_NOFOLLOW``): never on the ready file, which every user
+    may read, and so open and lock.  (It was: a user who could read the
+    ready file held a lock on it, and the restart after a crash refused to
+    start, "a running rpcbufd wrote it".)  Only the daemon's user (or root)
+    can open the lock file, so only a daemon holds it.  The next daemon
+    tells a killed one's file (no lock: the kernel dropped it) from a
+    running one's, which it refuses to start on; a lock file someone else
+    owns is refused by name.  The lock file goes at exit, unlinked while
+    still locked, and a daemon that locked a file since unlinked tries
+    again, so two daemons never both hold one.  The ready file removed is
+    only the one this daemon wrote (the same inode), never one written
+    there since."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self._held: IO[str] | None = None  # the file written, open and locked
+        self._lock: int | None = None  # PATH.lock, open and locked while we live
+        self._written: os.stat_result | None = None  # the ready file we wrote
 
-    def _error(self, exc: OSError) -> OSError:
-        return OSError(f"--ready-file {self.path}: {exc.strerror or exc}")
+    def _error(self, exc: OSError, path: str | None = None) -> OSError:
+        return OSError(f"--ready-file {path or self.path}: {exc.strerror or exc}")
 
     def clear(self) -> None:
-        """Before anything else: remove a killed daemon's file; OSError
-        for one that a running daemon holds."""
+        """Before anything else: take the lock, and remove a killed daemon's
+        ready file; OSError when a running daemon holds the lock."""
         if not self.path:
             return
+        self._take_lock(f"{self.path}.lock")
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise self._error(exc) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _same_file(self.path, fd):
-                os.unlink(self.path)
-        except BlockingIOError:
-            raise OSError(f"--ready-file {self.path}: a running rpcbufd wrote it (give each "
-                          "daemon a ready file of its own)") from None
+            os.unlink(self.path)  # no daemon holds the lock: this one is a dead one's
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise self._error(exc) from None
-        finally:
+
+    def _take_lock(self, lock: str) -> None:
+        while True:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600)
+            except OSError as exc:
+                raise self._error(exc, lock) from None
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid():
+                    raise OSError(f"--ready-file {self.path}: its lock file {lock} belongs "
+                                  f"to uid {st.st_uid}, not this daemon's ({os.geteuid()}): "
+                                  "remove it, or give the daemon a directory of its own")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if _same_file(lock, fd):
+                    self._lock = fd
+                    return
+            except BlockingIOError:
+                os.close(fd)
+                raise OSError(f"--ready-file {self.path}: a running rpcbufd wrote it (give "
+                              "each daemon a ready file of its own)") from None
+            except FileNotFoundError:
+                pass  # unlinked by the daemon that held it, as it exited: try again
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
 
     def write(self, line: str) -> None:
@@ -223,32 +250,42 @@ class ReadyFile:
             return
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
-            f = open(tmp, "w")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise self._error(exc) from None
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # follows the inode through the rename
-            f.write(line)
-            f.flush()
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o644)  # whatever the umask: pollers of any user read it
+                f.write(line)
+                f.flush()
+                self._written = os.fstat(f.fileno())
             os.replace(tmp, self.path)  # atomic: a poller never sees half a line
         except OSError as exc:
-            f.close()
+            self._written = None
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise self._error(exc) from None
-        self._held = f
 
     def remove(self) -> None:
-        """Remove the file this daemon wrote, if it is still there (idempotent)."""
-        held, self._held = self._held, None
-        if held is None or not self.path:
+        """Remove the file this daemon wrote, if it is still there, and its
+        lock (idempotent)."""
+        written, self._written = self._written, None
+        lock, self._lock = self._lock, None
+        if not self.path:
             return
-        try:
-            with contextlib.suppress(OSError):
-                if _same_file(self.path, held.fileno()):
+        with contextlib.suppress(OSError):
+            if written is not None:
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) == (written.st_dev, written.st_ino):
                     os.unlink(self.path)
-        finally:
-            held.close()  # the lock goes with it
+        if lock is not None:
+            try:
+                with contextlib.suppress(OSError):
+                    if _same_file(f"{self.path}.lock", lock):
+                        os.unlink(f"{self.path}.lock")  # still locked: see _take_lock
+            finally:
+                os.close(lock)  # the lock goes with it
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -297,16 +334,25 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
                  ", ".join(d.real for d in model_files.dirs))
     if args.cache_dir:
         daemon.content.cache = DiskCache(args.cache_dir, args.cache_size)
+    metrics_port = None
     if args.metrics:
         mhost, mport = args.metrics
+        daemon.metrics.per_tenant = bool(args.metrics_tenants)
         with binding(config.setting(args, "metrics", "--metrics", f"{mhost}:{mport}"), mport):
             mhost, mport = await daemon.metrics.serve(*args.metrics)
-        log.info("metrics at http://%s:%d/metrics", mhost, mport)
+            metrics_port = f":{mport}"
+        log.info("metrics at http://%s/metrics%s", join_host_port(mhost, mport),
+                 " (labelled by tenant: keep the port the operator's)"
+                 if args.metrics_tenants else "")
     host, port = args.listen
     local = None if args.local_socket == "none" else args.local_socket
     await daemon.start(host, port, ucx_port, tls=tls, local_socket=local)
     log.info("listening sockets (TCP, this process, UCX's own included): %s",
              " ".join(daemon.listening) or "none seen")
+    # Tenants see the rest (``stats``, for ``rpcbuf doctor``), not where the
+    # operator's metrics are (on whichever addresses "--metrics HOST" bound).
+    if metrics_port is not None:
+        daemon.listening = [a for a in daemon.listening if not a.endswith(metrics_port)]
     # Everything imported and built so far lives as long as the daemon: keep it
     # out of every collection, and collect young objects less often (a
     # 10,000-tensor manifest makes ~10,000 dicts at once; the default threshold

@@ -1,4 +1,4 @@
-"""A session's hello and what comes with it: the token checked, the
+"""A session's hello and what comes with it: the token's proof checked, the
 session's slot taken (``--max-sessions``, ``--max-sessions-per-tenant``, or
 the slot of the TCP session a Unix socket session replaces), its token's
 deadline set, and the same-host path granted to a Unix socket session that
@@ -6,6 +6,15 @@ asks for it; then the handle channel that path needs, bound by the client's
 second connection (``bind_handles``, ``take_handles``).  Functions of the
 session they serve (``session.py``, seen through ``Session`` here), which calls
 them from its dispatch.
+
+Hello is two frames (protocol 4; ``wire/auth.py`` has the design): the
+``challenge`` names the token's claims and a client nonce, and is answered
+with our nonce and our proof, so the client knows it reached a holder of the
+node's key; the ``hello`` then carries the client's proof over the same
+transcript.  The challenge is said once per connection, and a hello uses it
+up (right or wrong): a captured hello, or a proof for another connection's
+nonce, opens nothing.  The bearer token itself never arrives; a protocol 3
+hello that carries one is refused by its version.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rpcbuf.control.daemon.accounting.registry import Pool, Registry
@@ -25,8 +35,8 @@ from rpcbuf.control.daemon.data.paths import StagedPath
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.daemon.sessions.hello import answer as hello_answer
 from rpcbuf.control.daemon.sessions.intake import Intake
-from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.auth import Grant, verify
+from rpcbuf.control.wire import auth, protocol as P
+from rpcbuf.control.wire.auth import Grant
 from rpcbuf.control.wire.errors import AuthFailed, BadRequest, QuotaExceeded
 from rpcbuf.dataplane import staging
 from rpcbuf.dataplane.ucx import NONCE_BYTES
@@ -48,6 +58,7 @@ class Session(Protocol):
     peer_pid: int | None
     tenant: str | None
     grant: Grant | None
+    challenged: Challenged | None
     token_deadline: float
     token_timer: asyncio.TimerHandle | None
     handles: HandleChannel | None
@@ -68,12 +79,51 @@ class Session(Protocol):
     def transfer_expired(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Challenged:
+    """A challenge answered, waiting for its hello: what the proof covers."""
+
+    claims: str
+    said: bytes  # the transcript (auth.transcript)
+    version: int
+
+
+USED = Challenged("", b"", 0)  # a hello took it: no second challenge on this connection
+
+
+def challenge(s: Session, req: P.Challenge) -> dict[str, Any]:
+    """Our nonce and our proof for the claims the client names.  Raises
+    BAD_REQUEST (said twice, or after hello; versions that do not meet; a
+    nonce not 32 bytes) or AUTH_FAILED (claims that name no key we hold)."""
+    if s.tenant is not None or s.challenged is not None:
+        raise BadRequest("challenge is said once per connection, before hello")
+    version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
+    if len(req.nonce) != auth.NONCE_BYTES:
+        raise BadRequest(f"challenge: nonce must be {auth.NONCE_BYTES} bytes")
+    _, secret = auth.signature(s.daemon.keys, req.claims)
+    ours = os.urandom(auth.NONCE_BYTES)
+    said = auth.transcript(version, req.claims, req.nonce, ours)
+    s.challenged = Challenged(req.claims, said, version)
+    return {"version": version, "versions": [P.PROTOCOL_MIN, P.PROTOCOL_VERSION],
+            "nonce": ours, "proof": auth.prove(secret, auth.DAEMON, said)}
+
+
 def hello(s: Session, req: P.Hello) -> dict[str, Any]:
     if s.tenant is not None:
         raise BadRequest("hello was already said on this connection")
-    version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
-    grant = verify(s.daemon.keys, req.token, cluster=s.daemon.cluster,
-                   node=s.daemon.node_id)
+    if req.proof is None:
+        if req.versions is not None or req.version is not None or req.token is not None:
+            P.negotiate(P.hello_versions(req))  # an older client: refused by its version
+        raise BadRequest("hello carries a proof over the challenge's nonces (protocol "
+                         f"{P.PROTOCOL_VERSION}); the token itself is never sent",
+                         {"reason": "no_proof"})
+    said, s.challenged = s.challenged, USED  # one hello per challenge, right or wrong
+    if said is None or said is USED:
+        raise BadRequest("say challenge before hello (once per connection)",
+                         {"reason": "no_challenge"})
+    version = said.version
+    grant = auth.check_proof(s.daemon.keys, said.claims, req.proof, said.said,
+                             cluster=s.daemon.cluster, node=s.daemon.node_id)
     tenant = grant.tenant
     take_slot(s, tenant, req.replaces)
     s.tenant, s.grant = tenant, grant

@@ -100,6 +100,7 @@ class Session:
         self.nonce = os.urandom(NONCE_BYTES)
         self.tenant: str | None = None
         self.grant: Grant | None = None  # the hello's token: whose, until when, which key
+        self.challenged: greeting.Challenged | None = None  # answered, awaiting hello
         # When the token expires, in time.perf_counter()'s terms (what dispatch
         # compares against: one float compare per request); -inf once ended.
         self.token_deadline = math.inf
@@ -315,11 +316,14 @@ class Session:
             if isinstance(req, P.Hello):
                 self._answer(req_id, op, greeting.hello(self, req))
                 return
+            if isinstance(req, P.Challenge):
+                self._answer(req_id, op, greeting.challenge(self, req))
+                return
             if isinstance(req, P.BindHandles):
                 greeting.bind_handles(self, req)  # answers nothing: the channel carries records
                 return
             if self.tenant is None:
-                raise AuthFailed("say hello with a token first")
+                raise AuthFailed("say hello first")
             if started >= self.token_deadline:  # a session does not outlive its token
                 raise self._why_over()
             if self.daemon.shutting_down:
