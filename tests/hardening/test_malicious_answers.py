@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from fakedaemon import Conn, FakeDaemon, hello_answer, send_handle, staging_fd
+from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer, send_handle, staging_fd
 from rich.console import Console
 
 import rpcbuf
@@ -74,7 +74,7 @@ async def _serve(answers: Answers) -> AsyncIterator[str]:
 
 async def _connected(answers: Answers) -> AsyncIterator[rpcbuf.RpcContext]:
     async for addr in _serve(answers):
-        async with rpcbuf.connect(addr, token="t", timeout=5, same_host=True) as c:
+        async with rpcbuf.connect(addr, token=TOKEN, timeout=5, same_host=True) as c:
             yield c
 
 
@@ -222,7 +222,7 @@ async def test_doctor_prints_no_escape_sequence_the_daemon_sent() -> None:
     fake = FakeDaemon(handler, ucx_listener=True)
     addr = await fake.start()
     try:
-        checks = await doctor.check_node(addr, "t", 10)
+        checks = await doctor.check_node(addr, TOKEN, 10)
     finally:
         await fake.close()
     assert any(EVIL in c.message for c in checks)  # the daemon did say it
