@@ -268,3 +268,26 @@ def test_a_tls_client_gets_in_with_a_per_source_cap_of_one(tmp_path: Path) -> No
         asyncio.run(clients())
     finally:
         assert d.stop() == 0, d.log()[-3000:]
+
+
+def test_a_frame_of_tiny_objects_is_refused_before_it_is_built(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A frame's bytes did not bound what decoding it built: msgpack spends
+    one byte on an empty map, Python about 70, so a tenant's 15 MiB frame of
+    empty maps grew the daemon by about 1 GiB and held its loop for seconds,
+    every other tenant waiting.  The decoder now counts items: that session
+    ends (BAD_REQUEST), the daemon grows by at most the bound's worth, and
+    another tenant is answered."""
+    d = daemon_factory("--device", "cpu:16MiB")
+    pid = d.proc.pid
+    bob = hello(d.addr, d.token("bob"))
+    base = rss_mib(pid)
+    mallory = hello(d.addr, d.token("alice"))
+    body = b"\x82\xa2op\xa4ping\xa1x\xdd" + struct.pack("!I", 15 * MiB) + b"\x80" * (15 * MiB)
+    with contextlib.suppress(OSError):  # the daemon ends it: the rest may be reset
+        mallory.send(struct.pack("!I", len(body)) + body)
+    error = mallory.recv()
+    assert error is not None and error["error"]["code"] == "BAD_REQUEST", error
+    assert bob.call("ping")["ok"]
+    assert rss_mib(pid) < base + 200, (base, rss_mib(pid))  # it was about base + 1,000
+    mallory.close()
+    bob.close()

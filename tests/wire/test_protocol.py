@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import msgpack
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, strategies as st
 
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError, error_from_wire
+from rpcbuf.control.wire.frames import MAX_CONTAINER, FrameDecoder, FrameError, encode_frame
 
 messages = st.dictionaries(
     st.text(max_size=8),
@@ -234,3 +236,31 @@ def test_string_lists_that_are_fine_pass() -> None:
            "names": names}
     _, req = P.parse_request(msg)
     assert req.names == names  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bomb", [
+    [{}] * 2_000_000,            # one byte per empty map, ~70 bytes each decoded
+    [[[]] * 1000] * 2000,        # nested: every container short, many of them
+    [""] * (MAX_CONTAINER + 1),  # one container past its own bound
+])
+def test_a_frame_is_bounded_in_objects_not_only_bytes(bomb: list[object]) -> None:
+    """A 16 MiB frame of empty maps made the decoder build 1.1 GiB and hold
+    the loop for seconds: the items of one frame are bounded, and a frame past
+    the bound is refused having built at most one container past it."""
+    frame = encode_frame({"op": "ping", "id": 1, "x": bomb})
+    dec = FrameDecoder()
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameError, match=r"items|exceeds"):
+            dec.feed(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 << 20  # the old decoder built 130 MiB and more of these 2 MB frames
+
+
+def test_a_frame_within_the_object_bound_decodes() -> None:
+    names = [f"layer.{i}.weight" for i in range(100_000)]
+    shapes = [[i, 2, 3, 4] for i in range(100_000)]  # every shape distinct
+    msg = {"op": "ping", "id": 1, "names": names, "shapes": shapes}
+    assert FrameDecoder().feed(encode_frame(msg)) == [msg]
