@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 import pytest
-from fakedaemon import Conn, FakeDaemon, hello_answer
+from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer
 from rawwire import Raw
 
 import rpcbuf
@@ -196,3 +196,23 @@ async def test_a_token_as_long_as_any_minted_says_hello(daemon_factory) -> None:
     assert len(token.rpartition(".")[0]) > P.MAX_STR
     async with rpcbuf.connect(d.addr, token=token, timeout=10) as c:
         assert c.hello["tenant"] == "alice"
+
+
+async def test_an_impostor_gets_only_a_small_frame_decoded() -> None:
+    """Before the daemon's proof, the client decodes at most 64 KiB frames:
+    an impostor answered the challenge with a 16 MiB frame of nested empty
+    maps and the client built 1.2 GB.  Now the frame is refused from its
+    header, nothing built, and the client says so."""
+    async def bomb(conn: Conn, req: dict[str, Any]) -> None:
+        if req["op"] == "challenge":
+            body = b"\x81\xa2id" + bytes([req["id"]]) + b"\x80" * (15 << 20)
+            conn.writer.write(len(body).to_bytes(4, "big") + body)
+
+    impostor = FakeDaemon(bomb, keys=None, challenges=False)
+    addr = await impostor.start()
+    try:
+        with pytest.raises(rpcbuf.RpcBufError, match="before the daemon proved"):
+            async with rpcbuf.connect(addr, token=TOKEN, timeout=20, same_host=False):
+                pass
+    finally:
+        await impostor.close()

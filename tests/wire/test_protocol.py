@@ -238,25 +238,38 @@ def test_string_lists_that_are_fine_pass() -> None:
     assert req.names == names  # type: ignore[attr-defined]
 
 
+def _nested(depth: int, fill: bytes, n: int) -> bytes:
+    """``depth`` arrays, each of ``n`` ``fill`` objects and then the next:
+    nothing closes until the innermost does (a count taken as containers
+    close saw none of it until 16.7 million maps were built)."""
+    head = b"\xdd" + struct.pack("!I", n + 1) + fill * n
+    return head * depth + b"\x90"
+
+
 @pytest.mark.parametrize("bomb", [
-    [{}] * 2_000_000,            # one byte per empty map, ~70 bytes each decoded
-    [[[]] * 1000] * 2000,        # nested: every container short, many of them
-    [""] * (MAX_CONTAINER + 1),  # one container past its own bound
-])
+    msgpack.packb([{}] * 2_000_000),            # one byte per empty map, ~70 bytes decoded
+    msgpack.packb([[[]] * 1000] * 2000),        # many short containers
+    msgpack.packb([""] * (MAX_CONTAINER + 1)),  # one container past its own bound
+    _nested(20, b"\x80", 100_000),              # nested: no container closes early
+    _nested(20, b"\xa2ab", 60_000),             # nested strings (scalars count too)
+    _nested(20, b"\xc7\x00\x05", 60_000),       # zero-length ext types
+    b"\x91" * 40 + b"\x90" + b"\xc0" * 70_000,  # deep, then filler past the scan's size
+], ids=["maps", "lists", "long", "nested-maps", "nested-strings", "ext", "deep"])
 def test_a_frame_is_bounded_in_objects_not_only_bytes(bomb: list[object]) -> None:
     """A 16 MiB frame of empty maps made the decoder build 1.1 GiB and hold
     the loop for seconds: the items of one frame are bounded, and a frame past
     the bound is refused having built at most one container past it."""
-    frame = encode_frame({"op": "ping", "id": 1, "x": bomb})
+    body = b"\x83\xa2op\xa4ping\xa2id\x01\xa1x" + bomb
+    frame = struct.pack("!I", len(body)) + body
     dec = FrameDecoder()
     tracemalloc.start()
     try:
-        with pytest.raises(FrameError, match=r"items|exceeds"):
+        with pytest.raises(FrameError, match=r"objects|deep|exceeds|ext type|ExtraData"):
             dec.feed(frame)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 100 << 20  # the old decoder built 130 MiB and more of these 2 MB frames
+    assert peak < 4 * len(frame) + (1 << 20)  # copies of the bytes, nothing built
 
 
 def test_a_frame_within_the_object_bound_decodes() -> None:
@@ -264,3 +277,22 @@ def test_a_frame_within_the_object_bound_decodes() -> None:
     shapes = [[i, 2, 3, 4] for i in range(100_000)]  # every shape distinct
     msg = {"op": "ping", "id": 1, "names": names, "shapes": shapes}
     assert FrameDecoder().feed(encode_frame(msg)) == [msg]
+
+
+def _deep(n: int) -> object:
+    value: object = 1
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("msg", [
+    {"op": "hello", "id": 1, "versions": _deep(1000)},  # raised RecursionError, unanswered
+    {"op": "request_buffer", "id": 2, "size": [[1.5] * 100] * 9000},  # a 4.5 MB sentence
+    {"op": [[1] * 10] * 10_000, "id": 3},
+])
+def test_a_refusal_quotes_a_bounded_value(msg: dict[str, object]) -> None:
+    with pytest.raises(P.RequestError) as info:
+        P.parse_request(msg)
+    assert info.value.error.code == "BAD_REQUEST"
+    assert len(info.value.error.message) < 300

@@ -37,6 +37,10 @@ from rpcbuf.control.wire.errors import (
     error_from_wire,
 )
 
+# What the client decodes from a peer that has not yet proven it holds the
+# node's key (the challenge's answer): an impostor on a loopback port answered
+# with a 16 MiB frame of nested empty maps and the client built 1.2 GB.
+UNPROVEN_MAX_FRAME = 64 << 10
 ORPHAN_GRACE = 60.0  # s, at least: arrays UCX may still touch after a loss stay referenced
 _ORPHANS: list[Any] = []  # see ControlConnection.orphan
 
@@ -49,7 +53,8 @@ class ControlConnection(asyncio.Protocol):
     def __init__(self, max_frame: int = P.DEFAULT_MAX_FRAME) -> None:
         self.on_lost: Callable[[], None] | None = None  # e.g. abort the UCX endpoint
         self._transport: Any = None  # an asyncio (or uvloop) transport
-        self._decoder = P.FrameDecoder(max_frame)
+        self._decoder = P.FrameDecoder(UNPROVEN_MAX_FRAME,
+                                       " before the daemon proved it holds the node's key")
         self._max_frame = max_frame
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.orphan_grace = ORPHAN_GRACE  # RpcContext: at least the daemon's transfer deadline
@@ -57,6 +62,11 @@ class ControlConnection(asyncio.Protocol):
         self._lost: RpcBufError | None = None
         self._lost_fut: asyncio.Future[None] | None = None
         self.heard = False  # any byte from the peer yet (a silent peer is not rpcbufd)
+
+    def proven(self) -> None:
+        """The daemon proved it holds the node's key: take frames up to
+        ``max_frame`` from now on."""
+        self._decoder.max_frame, self._decoder.why = self._max_frame, ""
 
     @property
     def lost(self) -> RpcBufError | None:

@@ -289,6 +289,7 @@ async def _open(addr: str, timeout: float | None, token: str, *,
             claims=Claims(claims), nonce=nonce, versions=[P.PROTOCOL_MIN, P.PROTOCOL_VERSION]),
             timeout, addr)
         version, transcript = check_challenge(said, addr, claims, nonce, secret)
+        conn.proven()
         hello = P.Hello(proof=auth.prove(secret, auth.CLIENT, transcript),
                         handles=True if handles and unix is not None else None,
                         replaces=replaces)

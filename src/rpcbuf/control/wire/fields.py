@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,19 @@ from typing import (
 )
 
 from rpcbuf.control.wire.errors import BadRequest
+
+# How a refused value is quoted in an error: a few items, a short string, two
+# levels, so quoting costs nothing whatever the value (a 4.5 MB message had
+# quoted a nested list whole; a 1,000-deep one raised RecursionError).
+_SHOWN = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 60, 60, 40
+_SHOWN.maxlist = _SHOWN.maxdict = _SHOWN.maxtuple = _SHOWN.maxset = 4
+
+
+def shown(value: object) -> str:
+    """``value``'s repr, bounded (see ``_SHOWN``)."""
+    return _SHOWN.repr(value)
+
 
 MAX_ITEMS = 100_000  # tensors in one batch, and in one buffer's manifest
 MAX_INT = (1 << 63) - 1
@@ -82,7 +96,7 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
     # The common scalar types first: identity tests, before typing's introspection.
     if tp is int:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
-            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {value!r}")
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**63), got {shown(value)}")
         return value
     if tp is str:
         if not isinstance(value, str) or len(value) > MAX_STR or not value.isprintable():
@@ -130,7 +144,8 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         return _check(op, name, value, inner[0])
     if origin is Literal:
         if value not in get_args(tp):
-            raise BadRequest(f"{op}: {name} must be one of {list(get_args(tp))}, got {value!r}")
+            raise BadRequest(
+                f"{op}: {name} must be one of {list(get_args(tp))}, got {shown(value)}")
         return value
     if tp is Inline:
         if not isinstance(value, bytes) or len(value) > INLINE_MAX:
@@ -173,12 +188,12 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         return [_check(op, f"{name}[{i}]", v, inner_tp) for i, v in enumerate(value)]
     if tp is U64:
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
-            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {value!r}")
+            raise BadRequest(f"{op}: {name} must be an integer in [0, 2**64), got {shown(value)}")
         return value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not ok or not math.isfinite(value) or value < 0:
-            raise BadRequest(f"{op}: {name} must be a finite number >= 0, got {value!r}")
+            raise BadRequest(f"{op}: {name} must be a finite number >= 0, got {shown(value)}")
         return float(value)
     if tp is bytes:
         if not isinstance(value, bytes) or len(value) > MAX_STR:
@@ -186,7 +201,7 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise BadRequest(f"{op}: {name} must be a boolean, got {value!r}")
+            raise BadRequest(f"{op}: {name} must be a boolean, got {shown(value)}")
         return value
     raise TypeError(f"unsupported field type {tp!r}")  # a bug in this module, not input
 

@@ -61,6 +61,7 @@ from rpcbuf.control.wire.fields import (
     block_keys_ok as block_keys_ok,
     inline_max as inline_max,
     shape_ok as shape_ok,
+    shown,
     source_type_ok as source_type_ok,
 )
 from rpcbuf.control.wire.frames import (
@@ -421,12 +422,15 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
     op = msg.get("op")
     cls = OPS.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise RequestError(req_id, BadRequest(f"unknown op {op!r}", {"ops": sorted(OPS)}))
+        raise RequestError(req_id, BadRequest(f"unknown op {shown(op)}", {"ops": sorted(OPS)}))
     fields = {k: v for k, v in msg.items() if k not in ("op", "id")}
     try:
         return req_id, cls.from_fields(fields)
     except BadRequest as exc:
         raise RequestError(req_id, exc) from None
+    except (RecursionError, ValueError, OverflowError) as exc:  # a value no check foresaw
+        raise RequestError(req_id, BadRequest(
+            f"{op}: malformed request ({type(exc).__name__})")) from None
 
 
 def speaks(lo: int, hi: int) -> str:
@@ -450,7 +454,7 @@ def hello_versions(req: Hello | Challenge) -> tuple[int, int]:
     if req.versions is None:
         return (req.version, req.version) if req.version is not None else (0, 0)
     if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
-        raise BadRequest(f"hello: versions must be [oldest, newest], got {req.versions}")
+        raise BadRequest(f"hello: versions must be [oldest, newest], got {shown(req.versions)}")
     return req.versions[0], req.versions[1]
 
 

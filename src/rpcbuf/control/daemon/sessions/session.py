@@ -443,20 +443,22 @@ class Session:
                 _, stuck = await asyncio.wait(stuck, timeout=ABORT_GRACE)
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
-        self.attachments.detach_all()
-        if self.handles is not None:
-            self.handles.close()
-        if self.handles_nonce is not None:
-            self.daemon.by_handles_nonce.pop(self.handles_nonce, None)
-        if self.staging_charge is not None and self.tenant is not None:
-            self.registry.uncharge(self.tenant, self.staging_charge, staging.SIZE)
-            self.staging_charge = None
-        for buf in self.registry.session_closed(self.session_id):
-            self.audit("release", buf, note="session closed")
-        self.intake.close()  # its half-received frame, and that charge, go
-        if self.slot_charged and self.tenant is not None:
-            self.slot_charged = False
-            self.daemon.charges.refund(self.tenant, "sessions")
+        try:
+            self.attachments.detach_all()
+            if self.handles is not None:
+                self.handles.close()
+            if self.handles_nonce is not None:
+                self.daemon.by_handles_nonce.pop(self.handles_nonce, None)
+            if self.staging_charge is not None and self.tenant is not None:
+                self.registry.uncharge(self.tenant, self.staging_charge, staging.SIZE)
+                self.staging_charge = None
+            for buf in self.registry.session_closed(self.session_id):
+                self.audit("release", buf, note="session closed")
+        finally:  # a cleanup that raised must not keep the tenant's slot and frame bytes
+            self.intake.close()  # its half-received frame, and that charge, go
+            if self.slot_charged and self.tenant is not None:
+                self.slot_charged = False
+                self.daemon.charges.refund(self.tenant, "sessions")
         self.daemon.schedule_expiry()
         self.flush()  # answers of this loop turn (a connection-level error frame) go first
         with contextlib.suppress(Exception):
