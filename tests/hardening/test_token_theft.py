@@ -216,3 +216,24 @@ async def test_an_impostor_gets_only_a_small_frame_decoded() -> None:
                 pass
     finally:
         await impostor.close()
+
+
+def test_a_challenge_is_tried_once_per_connection(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A refused challenge (a key id the node does not hold) used to leave
+    the connection free to try the next: one connection could probe key ids
+    until its hello deadline.  One try, whatever its outcome."""
+    d = daemon_factory("--device", "cpu:16MiB")
+    claims = d.token("alice").rpartition(".")[0]
+    header = base64.urlsafe_b64encode(b'{"alg":"HS256","kid":"nope","typ":"JWT"}').rstrip(b"=")
+    unknown = header.decode() + "." + claims.partition(".")[2]
+    raw = Raw(d.addr)
+    try:
+        said = raw.call_raw("challenge", claims=unknown, nonce=os.urandom(32),
+                            versions=[P.PROTOCOL_VERSION, P.PROTOCOL_VERSION])
+        assert said["error"]["code"] == "AUTH_FAILED", said
+        again = raw.call_raw("challenge", claims=claims, nonce=os.urandom(32),
+                             versions=[P.PROTOCOL_VERSION, P.PROTOCOL_VERSION])
+        assert again["error"]["code"] == "BAD_REQUEST", again
+        assert "once per connection" in again["error"]["message"]
+    finally:
+        raw.close()

@@ -92,11 +92,13 @@ USED = Challenged("", b"", 0)  # a hello took it: no second challenge on this co
 
 
 def challenge(s: Session, req: P.Challenge) -> dict[str, Any]:
-    """Our nonce and our proof for the claims the client names.  Raises
-    BAD_REQUEST (said twice, or after hello; versions that do not meet; a
-    nonce not 32 bytes) or AUTH_FAILED (claims that name no key we hold)."""
+    """Our nonce and our proof for the claims the client names; one try per
+    connection, whatever its outcome.  Raises BAD_REQUEST (said twice, or
+    after hello; versions that do not meet; a nonce not 32 bytes) or
+    AUTH_FAILED (claims that name no key we hold)."""
     if s.tenant is not None or s.challenged is not None:
         raise BadRequest("challenge is said once per connection, before hello")
+    s.challenged = USED  # once, right or wrong: no probing key ids on one connection
     version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
     if len(req.nonce) != auth.NONCE_BYTES:
         raise BadRequest(f"challenge: nonce must be {auth.NONCE_BYTES} bytes")
