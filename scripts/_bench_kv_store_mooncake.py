@@ -54,6 +54,19 @@ def progress(msg: str) -> None:
     print(f"[bench_kv_store mooncake] {msg}", file=sys.stderr, flush=True)
 
 
+def lo_up() -> None:
+    """Bring ``lo`` up (a new network namespace starts with it down), by
+    ioctl: no ``ip`` binary needed."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        got = fcntl.ioctl(s, siocgifflags, struct.pack("16sH14x", b"lo", 0))
+        flags = struct.unpack("16sH14x", got)[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -144,7 +157,7 @@ def main() -> int:
     args = p.parse_args()
     from mooncake.store import MooncakeDistributedStore
 
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=False)
+    lo_up()
     logs = Path(args.logs)
     out: dict[str, Any] = {"sides": {}, "notes": []}
     procs: list[subprocess.Popen[bytes]] = []
