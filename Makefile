@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
 .PHONY: install run test lint bench bench-peers soak clean install-service \
-	integrations-venv test-integrations bench-kv
+	integrations-venv test-integrations bench-kv bench-kv-store
 
 install: $(STAMP)
 
@@ -72,10 +72,26 @@ test-integrations: $(LMC_STAMP)  ## rpcbuf as LMCache's remote backend, driven b
 	PYTHONHASHSEED=0 PYTHONPATH=src $(LMC)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/integrations
 
-# rpcbuf as LMCache's remote tier beside LMCache's local CPU backend and its Redis
-# connector against Debian's redis-server (installed here when root, named
-# otherwise; the benchmark starts it on loopback), in the LMCache venv.
-bench-kv: $(LMC_STAMP)  ## KV chunks through LMCache's connectors: rpcbuf, redis, local CPU; writes bench_kv.json
+# rpcbuf's block tier at its own API (put_blocks/get_blocks, same host and UCX)
+# beside Mooncake Store's tcp and same-host clients and memcpy: Mooncake in its own
+# venv (.peers/mooncake, the one bench-peers makes: the same wheel) and its own
+# network namespace (unshare -n as root, -rn otherwise: some of its listeners bind
+# 0.0.0.0). It needs libibverbs1 (installed here when root) and about 6 GB of memory
+# for 250,000 x 16 KiB blocks held (--hold-n); no LMCache, no Redis.
+bench-kv-store: install  ## blocks: rpcbuf beside Mooncake Store and memcpy, one run; writes bench_kv_store.json
+	@if dpkg -s libibverbs1 >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then echo "bench-kv-store: apt-get install -y libibverbs1 (Mooncake needs it)"; \
+		apt-get install -y -q libibverbs1 >/dev/null || echo "bench-kv-store: apt-get failed: Mooncake may not import"; \
+	else echo "bench-kv-store: libibverbs1 is not installed and this is not root: Mooncake will not import" \
+		"(sudo apt-get install -y libibverbs1); it is reported as not measured"; fi
+	$(BIN)/python scripts/bench_kv_store.py --json bench_kv_store.json
+
+# The KV tier measured twice: the blocks beside Mooncake Store (bench-kv-store,
+# first), then KV chunks through LMCache's connector interface: rpcbuf as LMCache's
+# remote tier beside LMCache's local CPU backend and its Redis connector against
+# Debian's redis-server (installed here when root, named otherwise; the benchmark
+# starts it on loopback), in the LMCache venv.
+bench-kv: bench-kv-store $(LMC_STAMP)  ## the KV tier: bench-kv-store, then chunks through LMCache's connectors (rpcbuf, redis, local CPU); writes bench_kv.json too
 	@if command -v redis-server >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then echo "bench-kv: apt-get install -y redis-server"; \
 		apt-get install -y -q redis-server >/dev/null || echo "bench-kv: apt-get failed: redis is not measured"; \

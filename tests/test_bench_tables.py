@@ -1,6 +1,9 @@
 """The benchmarks' tables from numbers alone: ``scripts/_bench_rows.py``
-(``bench.py``), ``_bench_peers_table.py`` (``bench_peers.py``) and
-``_bench_load_rows.py`` (``bench_load.py``), fed small fabricated summaries.
+(``bench.py``), ``_bench_peers_table.py`` (``bench_peers.py``),
+``_bench_load_rows.py`` (``bench_load.py``) and ``_bench_kv_store_table.py``
+(``bench_kv_store.py``), fed small fabricated summaries; and
+``_bench_kv_store_rows.py``'s byte checks, driven over its in-process memcpy
+side and fakes that lose or garble blocks.
 
 Each goal row must carry value, reference, ratio, goal and met, say "met"
 only when the ratio is on the right side of the goal, and say "not
@@ -21,6 +24,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
+import _bench_kv_store_rows as kv_rows  # noqa: E402
+import _bench_kv_store_table as kv_table  # noqa: E402
 import _bench_load_rows as load_rows  # noqa: E402
 import _bench_peers_table as peers_table  # noqa: E402
 import _bench_rows as rows_mod  # noqa: E402
@@ -294,3 +299,110 @@ def test_load_rows_absolute_goal() -> None:
     assert [r["met"] for r in rows if r["what"] == "load_model, first"
             and r["goal"] != "-"] == [False, False]
     assert ">= 10x = 2.1 GB/s (15)" in load_rows.render(rows)
+
+
+def kv_side(put_ms: float, get_ms: float, hit_us: float,
+            hold: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``_bench_kv_store_rows.run_side``-shaped side: every row put_ms / get_ms
+    (times the size in MiB, at least 1), the batch 10x."""
+    single = {n: {"put_ms": put_ms * max(1, b // MiB), "get_ms": get_ms * max(1, b // MiB)}
+              for n, b in (("256 KiB", 256 * KiB), ("2 MiB", 2 * MiB), ("16 MiB", 16 * MiB))}
+    out = {"checks": "something", "single": single,
+           "batch": {"put_ms": 10 * put_ms, "get_ms": 10 * get_ms}, "hit": {"get_us": hit_us}}
+    if hold is not None:
+        out["hold"] = hold
+    return out
+
+
+def kv_report() -> dict[str, Any]:
+    hold = {"asked": 250_000, "put": 250_000, "held": 250_000, "corrupt": 0, "lost": 0,
+            "fds": 40, "put_blocks_s": 60_000.0, "get_blocks_s": 80_000.0, "why": ""}
+    return {"sides": {
+        "rpcbuf same-host": kv_side(1.0, 0.5, 100, hold),
+        "rpcbuf ucx": kv_side(2.0, 1.0, 200),
+        "Mooncake tcp": kv_side(3.0, 1.0, 150),
+        "Mooncake same-host": kv_side(1.5, 0.6, 120),
+        "memcpy": kv_side(0.45, 0.35, 1)},
+        "missing": {}, "notes": []}
+
+
+def test_kv_store_goals_met_missed_and_width() -> None:
+    report = kv_report()
+    assert kv_table.ratio(report, "rpcbuf same-host", "Mooncake same-host", "2 MiB",
+                          "get") == pytest.approx(1.2)
+    lines = kv_table.goal_lines(report)
+    assert "same-host get 2 MiB: 0.70x memcpy's speed, goal 0.6x: met" in lines
+    assert "same-host get 16 MiB: 0.70x memcpy's speed, goal 0.8x: missed" in lines
+    assert "same-host put 2 MiB: 0.45x memcpy's speed, goal 0.4x: met" in lines
+    assert "same-host put 16 MiB: 0.45x memcpy's speed, goal 0.5x: missed" in lines
+    assert ("rpcbuf same-host >= Mooncake same-host on every row: met (9 rows)") in lines
+    ucx = next(ln for ln in lines if ln.startswith("rpcbuf ucx >="))
+    assert ucx.endswith("missed on 1 of 9 (hit)")  # gets equal (met), puts faster
+    assert next(ln for ln in lines if ln.startswith("scale")).endswith(": met")
+    text = kv_table.render(report)
+    assert max(len(line) for line in text.splitlines()) <= 79, text
+    assert "rpcbuf same-host checks: something" in text
+
+
+def test_kv_store_flips_and_says_not_measured() -> None:
+    report = kv_report()
+    report["sides"]["rpcbuf same-host"]["hold"].update(held=19_966, lost=230_034, fds=20_000)
+    del report["sides"]["Mooncake tcp"]
+    report["missing"]["Mooncake tcp"] = "import mooncake.engine failed: libibverbs.so.1"
+    report["sides"]["rpcbuf same-host"]["single"]["2 MiB"] = {"error": "Mismatch: 1 of 1"}
+    lines = kv_table.goal_lines(report)
+    assert "rpcbuf ucx >= Mooncake tcp on every row: not measured" in lines
+    assert "same-host get 2 MiB: not measured" in lines
+    assert next(ln for ln in lines if ln.startswith("scale")).endswith(": missed")
+    text = kv_table.render(report)
+    assert "Mooncake tcp: not measured: import mooncake.engine failed" in text
+    assert "rpcbuf same-host 2 MiB: Mismatch" in text
+    assert "230,034 of the 250,000 blocks whose put answered OK were gone" in " ".join(
+        text.split())
+    assert max(len(line) for line in text.splitlines()) <= 79, text
+    for odd in ({}, {"sides": {"memcpy": {}}}, {"sides": {"rpcbuf ucx": {"error": "boom"}}}):
+        assert "not measured" in kv_table.render(odd)
+
+
+class Forgetful(kv_rows.Memcpy):
+    """Answers every put OK but keeps only every other block of a batch."""
+
+    def put(self, keys: list[str], blocks: list[Any]) -> None:
+        super().put(keys, blocks)
+        if len(keys) > 1:
+            self.remove(keys[1::2])
+
+    def get(self, keys: list[str], out: list[Any]) -> list[bool]:
+        had = [k in self.at for k in keys]
+        pairs = [(k, o) for k, o, h in zip(keys, out, had, strict=True) if h]
+        super().get([k for k, _ in pairs], [o for _, o in pairs])
+        return had
+
+
+class Garbling(kv_rows.Memcpy):
+    """Says it read every key, and leaves the last byte of each get as it was."""
+
+    def get(self, keys: list[str], out: list[Any]) -> list[bool]:
+        for k, o in zip(keys, out, strict=True):
+            off, n = self.at[k]
+            o[:-1] = self.pool[off:off + n - 1]
+        return [True] * len(keys)
+
+
+def test_kv_store_rows_check_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_rows, "ITERS", dict.fromkeys(kv_rows.SIZES, 2))
+    monkeypatch.setattr(kv_rows, "BATCH_ITERS", 1)
+    monkeypatch.setattr(kv_rows, "HIT_ITERS", 3)
+    said: list[str] = []
+    good = kv_rows.run_side(kv_rows.Memcpy(), "m", 1500, 30.0, said.append)
+    assert all("error" not in good["single"][s] for s in kv_table.SIZES), good
+    assert "error" not in good["batch"] and "error" not in good["hit"]
+    assert {k: good["hold"][k] for k in ("put", "held", "corrupt", "lost")} == {
+        "put": 1500, "held": 1500, "corrupt": 0, "lost": 0}
+    lossy = kv_rows.run_side(Forgetful(), "f", 1500, 30.0, said.append)
+    assert "keys missing" in lossy["batch"]["error"]
+    assert (lossy["hold"]["held"], lossy["hold"]["lost"]) == (750, 750)
+    bad = kv_rows.run_side(Garbling(), "g", 600, 30.0, said.append)
+    assert all("came back different" in bad["single"][s]["error"] for s in kv_table.SIZES)
+    assert "came back different" in bad["batch"]["error"]
+    assert (bad["hold"]["held"], bad["hold"]["corrupt"]) == (0, 600)
