@@ -40,11 +40,20 @@ class Janitor:
 
     A legitimate payload waits unexpected only between its arrival and the
     daemon posting its receive: a store's payload travels beside its
-    request, and the request may wait for its buffer's lock.  So a round is
-    skipped while ``claimable(since)`` says a request dispatched before
-    ``since`` is still in flight (its payload might be in the queue), but at
-    most ``patience`` seconds in a row: then the round drops all the same.
+    request, and the request may wait for its buffer's lock (another
+    request of the same tenant holds it, as long as the transfer deadline).
+    So a round is skipped while ``claimable(since)`` says a request
+    dispatched before ``since`` is still in flight (its payload might be in
+    the queue), but at most ``patience`` seconds in a row (the daemon gives
+    one round: no tenant's waiting store holds the sweep off longer): then
+    the round drops all the same.  A store whose payload was dropped so
+    learns it when it posts its receive: the tags of the last ``RECORD``
+    dropped messages are kept (``was_dropped``, asked by ``DataEndpoint``
+    in the same loop step as the post), and the store fails with TIMEOUT
+    ``payload_dropped`` instead of waiting for the transfer deadline.
     """
+
+    RECORD = 1 << 16  # dropped tags remembered (~6 MiB at most; oldest forgotten first)
 
     def __init__(self, period: float, patience: float,
                  claimable: Any = None, on_drop: Any = None) -> None:
@@ -55,6 +64,20 @@ class Janitor:
         self._scratch: Any = None
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0  # messages dropped so far (``stats``)
+        self._recent: dict[int, None] = {}  # the last RECORD tags dropped, oldest first
+
+    def was_dropped(self, tag: int) -> bool:
+        """Whether a message of UCX tag ``tag`` was dropped (forgotten once asked)."""
+        if tag in self._recent:
+            del self._recent[tag]
+            return True
+        return False
+
+    def _note(self, tag: int) -> None:
+        recent = self._recent
+        recent[tag] = None
+        if len(recent) > self.RECORD:
+            del recent[next(iter(recent))]
 
     async def start(self) -> bool:
         """Connect to our own worker and start; False (logged) if UCX
@@ -134,6 +157,7 @@ class Janitor:
                     await asyncio.wait_for(req.wait(), 5.0)
                 if tag == sentinel:
                     return count, nbytes
+                self._note(tag)
                 count += 1
                 nbytes += int(got.length)
             await asyncio.sleep(0)
