@@ -175,7 +175,7 @@ async def test_a_tokenless_flood_is_bounded_in_bytes(daemon_factory, rma_peer: P
     """Issue 34 (M5): what a peer with no token makes the daemon hold was
     bounded in time only (a hello deadline's worth of sending: 1.5 GB in
     6.7 s grew one by 2.3 GB).  Now by bytes: the janitor drops everything a
-    tick old once the daemon's anonymous memory grew by its budget (64 MiB),
+    tick old once the daemon's anonymous memory grew by its budget (32 MiB),
     so three floods of 384 MiB of eager 64 KiB messages each grow it by
     128 MiB at most, and a tenant's store after them is intact."""
     d = daemon_factory("--device", "cpu:16MiB", "--hello-timeout", "10s")
@@ -343,3 +343,19 @@ async def test_a_store_behind_max_inflight_fails_cleanly_when_its_payload_was_dr
         assert await ctx.ping()
         await ctx.store_tensor(other, np.full(n, 3, np.uint8))
         assert bytes(await ctx.read_buffer(other, offset=0, nbytes=16)) == b"\3" * 16
+
+
+async def test_bind_ucx_takes_one_address_of_bounded_size(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """``bind_ucx`` is how a session gets its UCX endpoint: once, from an
+    address of at most 4,096 bytes; a second one, or an oversized one, is
+    BAD_REQUEST and the bound endpoint goes on working."""
+    d = daemon_factory("--device", "cpu:4MiB")
+    async with d.connect("alice", same_host=False) as ctx:
+        for address in (b"x" * 5000, b"x" * 64):
+            with pytest.raises(RpcBufError) as err:
+                await ctx._caller.call(P.BindUcx(address=address))
+            assert err.value.code == "BAD_REQUEST", err.value
+        buf = await ctx.request_buffer(size=1 << 20)
+        data = np.arange(1 << 18, dtype=np.float32)
+        await ctx.store_tensor(buf, data, verify="checksum")
+        assert bytes(await ctx.read_buffer(buf, offset=0, nbytes=data.nbytes)) == data.tobytes()

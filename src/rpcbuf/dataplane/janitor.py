@@ -60,23 +60,27 @@ class Janitor:
     endpoint of ours to send there), and over loopback it sent 1.5 GB in
     under 3 s: a round of ``period`` seconds let it grow the daemon by GBs.
     So every ``TICK`` the janitor reads the process's anonymous resident
-    memory (``RssAnon``: UCP's copies of unexpected messages are there; the
+    memory (RssAnon: UCP's copies of unexpected messages are there; the
     arenas and staging areas are shared memory, not counted) and, once it
-    has grown by more than ``budget`` bytes since the round began, sweeps at
-    once, up to a fresh sentinel, deferring for no one (a store whose payload
-    so goes fails with TIMEOUT ``payload_dropped``, as above); then hands
-    freed heap back to the kernel (``malloc_trim``), so what a flood leaves
-    behind is not kept either.  The same trim follows any sweep that dropped
-    ``TRIM_AFTER`` bytes or more.
+    has grown by more than ``budget`` bytes over what it was when the
+    janitor started, it sends a sentinel every tick and drops everything
+    ahead of the previous one (a tick old), deferring for no one (a store
+    whose payload so goes fails with TIMEOUT ``payload_dropped``, as above).
+    The reference is not moved: UCP keeps what its pools grew to, so a
+    reference taken after a flood would let the next flood refill the pools
+    unseen and add the budget again.  A process whose memory stays above it
+    (after a flood, or a large daemon's own heap) stays in this mode.
+    Freed heap goes back to the kernel (``malloc_trim``) after a sweep under
+    pressure, or one that dropped ``TRIM_AFTER`` bytes or more.
     """
 
     RECORD = 1 << 16  # dropped tags remembered (~6 MiB at most; oldest forgotten first)
-    TICK = 0.05  # seconds between two looks at the memory
+    TICK = 0.02  # seconds between two looks at the memory
     PRESSED_BATCH = 16384  # messages dropped per loop step under pressure
     TRIM_AFTER = 1 << 20  # bytes dropped in one sweep after which freed heap goes back
 
     def __init__(self, period: float, patience: float,
-                 claimable: Any = None, on_drop: Any = None, budget: int = 64 << 20) -> None:
+                 claimable: Any = None, on_drop: Any = None, budget: int = 32 << 20) -> None:
         self.period, self.patience, self.budget = period, patience, budget
         self._claimable = claimable or (lambda since: False)
         self._on_drop = on_drop or (lambda count, nbytes: None)
@@ -215,7 +219,7 @@ class Janitor:
 
 
 def _anon() -> int | None:
-    """This process's anonymous resident bytes (``RssAnon``; None off Linux)."""
+    """This process's anonymous resident bytes (RssAnon; None off Linux)."""
     try:
         with open("/proc/self/status", "rb") as f:
             for line in f:

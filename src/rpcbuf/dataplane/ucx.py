@@ -31,8 +31,11 @@ messages that read and write whatever address the peer names (the tcp
 remote key is empty; nothing checks a registration).  A peer that merely
 reaches the UCX port could then read and write any byte of the process,
 the node's signing keys included.  ``FEATURES`` is all rpcbuf uses: tagged
-messages, wakeup (blocking progress) and streams (ucxx's endpoint handshake,
-``exchange_peer_info``).  Without RMA, AM and atomics the worker installs no
+messages and wakeup (blocking progress).  Streams were on for ucxx's
+listener handshake; with no listener they are off too, so a peer's stream
+data (which UCP would keep per endpoint, out of the janitor's reach) has
+no handler either (``RPCBUF_UCX_STREAM=1`` turns them on, for the raw ucxx
+benchmarks' listeners only).  Without RMA, AM and atomics the worker installs no
 handler for those messages, so a peer's put or get never completes; the
 context's features are checked once it exists and a context with any of
 them on is refused (``UnsafeContext``).
@@ -94,7 +97,8 @@ MAX_ADDRESS = 4096  # bytes of a UCP worker address we take (tcp on a few interf
 _ucxx: Any = None
 _library: dict[str, Any] | None = None  # ``library()``, once UCX has started
 
-FEATURES = ("TAG", "WAKEUP", "STREAM")
+FEATURES = ("TAG", "WAKEUP") + (("STREAM",) if os.environ.get("RPCBUF_UCX_STREAM") == "1"
+                                else ())
 FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
 
 
@@ -321,8 +325,8 @@ async def transfer_all(coros: Any, deadline: float, on_expired: Any,
 
 def wire_tag(key: int, tag: Any) -> int:
     """The 64-bit UCX tag of our ``tag`` (an int or a tuple of ints) on an
-    endpoint whose tag key is ``key``: ucxx's own mix (``hash64bits(key,
-    hash(tag))``, sha1), computed here so that the daemon knows which tag a
+    endpoint whose tag key is ``key``: ucxx's own mix (its hash64bits of the
+    key and ``hash(tag)``: sha1), computed here so that the daemon knows which tag a
     message it dropped had (``Janitor``) and both sides agree without ucxx's
     per-endpoint handshake."""
     h = hashlib.sha1(repr((key, hash(tag))).encode()).digest()
