@@ -126,7 +126,6 @@ def child_env(cfg: Config) -> dict[str, str]:
 def load_ucxx(cfg: Config) -> tuple[Any, Callable[[], Any]]:
     """ucxx (imported only now: the environment is ours) and the busy() marker."""
     if cfg.adaptive:
-        os.environ.setdefault("RPCBUF_UCX_STREAM", "1")  # ucxx's listener handshake needs streams
         from rpcbuf.dataplane import progress, ucx
 
         mod = ucx.ucxx()

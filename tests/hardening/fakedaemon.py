@@ -1,7 +1,6 @@
 """A fake, hostile rpcbufd for client tests: an asyncio server that speaks the
 real control framing (``control.wire.protocol``) and answers what a handler tells
-it to, optionally with a real UCX worker address for the data endpoint (this
-process's: the client's endpoint then leads back into the test).  It stands
+it to, optionally with a real UCX listener for the data endpoint.  It stands
 in for the third attacker (a malicious or broken daemon) and for a daemon
 that dies at an exact point of a transfer, which a real daemon cannot be
 made to do on cue."""
@@ -14,6 +13,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane import shm, staging, ucx
 
@@ -23,8 +24,7 @@ def hello_answer(**overrides: Any) -> dict[str, Any]:
     set to ``...`` is left out)."""
     answer: dict[str, Any] = {
         "session_id": "s-fake", "tenant": "alice", "node_id": "fake",
-        "version": P.PROTOCOL_VERSION, "ucx": {"port": 1, "address": b"no-ucx-here"},
-        "bind_nonce": os.urandom(16),
+        "version": P.PROTOCOL_VERSION, "ucx": {"port": 1}, "bind_nonce": os.urandom(16),
         "devices": [], "same_host": False,
         "limits": {"max_frame": P.DEFAULT_MAX_FRAME, "max_inflight": 4,
                    "transfer_timeout": 30.0},
@@ -77,27 +77,32 @@ Handler = Callable[[Conn, dict[str, Any]], Awaitable[None]]
 
 
 class FakeDaemon:
-    """``handler(conn, request)`` runs for every request frame, in order,
-    but ``bind_ucx``, which the fake answers itself (``bind``)."""
+    """``handler(conn, request)`` runs for every request frame, in order."""
 
     def __init__(self, handler: Handler, ucx_listener: bool = False,
                  bind: bool = True) -> None:
         self.handler = handler
-        self.bind = bind  # False: take bind_ucx, never answer it
+        self.bind = bind  # False: take the bind nonce, never answer it
         self.conns: list[Conn] = []
+        self.endpoints: list[ucx.DataEndpoint] = []
         self._server: asyncio.Server | None = None
+        self._listener: ucx.DataListener | None = None
         self._want_ucx = ucx_listener
-        self.ucx_address = b"no-ucx-here"
+        self.ucx_port = 0
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         if self._want_ucx:
-            self.ucx_address = ucx.worker_address()
+            self._listener = ucx.DataListener(self._on_endpoint)
+            self.ucx_port = self._listener.port
         return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
-    def ucx_hello(self) -> dict[str, Any]:
-        """The hello's ``ucx``: this process's worker address."""
-        return {"port": 1, "address": self.ucx_address}
+    async def _on_endpoint(self, ep: ucx.DataEndpoint) -> None:
+        nonce = np.zeros(ucx.NONCE_BYTES, dtype=np.uint8)
+        await ep.recv(nonce, ucx.BIND_TAG)
+        self.endpoints.append(ep)
+        if self.bind:
+            await ep.send(np.ones(1, dtype=np.uint8), ucx.BIND_TAG)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Conn(reader, writer)
@@ -105,16 +110,16 @@ class FakeDaemon:
         with contextlib.suppress(ConnectionError, OSError, P.FrameError):
             while data := await reader.read(1 << 16):
                 for req in conn.decoder.feed(data):
-                    if req.get("op") == "bind_ucx":
-                        if self.bind:
-                            conn.answer(req, {})
-                        continue
                     await self.handler(conn, req)
         writer.close()
 
     async def close(self) -> None:
         for conn in self.conns:
             conn.close()
+        for ep in self.endpoints:
+            ep.abort()
+        if self._listener is not None:
+            self._listener.close()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

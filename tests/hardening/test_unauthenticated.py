@@ -1,5 +1,5 @@
 """Connections that never authenticate: a peer that trickles bytes, announces
-a huge frame, or opens many connections and says nothing (UCX: test_ucx_door.py)
+a huge frame, or opens many connections (control or UCX) and says nothing
 cannot keep a tenant out.  Hello has one absolute deadline from accept; until
 hello succeeds frames are small; unauthenticated connections have their own
 cap (and one per source address) and do not count toward --max-sessions; at
@@ -13,11 +13,13 @@ import socket
 import struct
 import time
 
+import numpy as np
 import pytest
 from rawwire import Raw
 
 import rpcbuf
 from conftest import DaemonProc
+from rpcbuf.dataplane import ucx
 
 
 def _connect(addr: str, source: str = "127.0.0.1") -> socket.socket:
@@ -119,6 +121,27 @@ async def test_unauthenticated_connections_have_their_own_cap(daemon_factory) ->
         assert (await a.stats())["unauthenticated"] <= 6
     for s in same + others:
         s.close()
+
+
+async def test_ucx_endpoints_that_never_bind_are_capped(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--device", "cpu:4MiB", "--hello-timeout", "60s",
+                       "--max-unauthenticated", "4")
+    host = d.addr.rsplit(":", 1)[0]
+    eps = [await ucx.connect(host, d.ucx_port) for _ in range(7)]
+    try:
+        # The oldest endpoints are dropped by the daemon: a receive on them fails.
+        with pytest.raises(ucx.TransferError):
+            await asyncio.wait_for(eps[0].recv(np.zeros(1, np.uint8), ucx.BIND_TAG), 10)
+        st = await _stats(d)  # (a tenant binds its own endpoint meanwhile)
+        assert st["pending_endpoints"] <= 4
+        async with _tenant(d, "alice") as a:
+            bid = await a.request_buffer(4096)
+            await a.store_tensor(bid, np.ones(4096, np.uint8))
+            await a.release_buffer(bid)
+    finally:
+        for ep in eps:
+            ep.abort()
+
 
 
 async def test_control_listener_has_a_deep_backlog(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -158,7 +158,7 @@ def test_every_op_round_trips() -> None:
                P.CloneBuffer("a", "n", 5.0),
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
-               P.BindHandles(b"n" * 16), P.BindUcx(b"a" * 80), P.Attach("b"), P.Detach("b"),
+               P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
                P.Hello("t", handles=True), P.Store("b", 0, 1, stage=3),
                P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
                           P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],

@@ -31,30 +31,22 @@ messages that read and write whatever address the peer names (the tcp
 remote key is empty; nothing checks a registration).  A peer that merely
 reaches the UCX port could then read and write any byte of the process,
 the node's signing keys included.  ``FEATURES`` is all rpcbuf uses: tagged
-messages and wakeup (blocking progress).  Streams were on for ucxx's
-listener handshake; with no listener they are off too, so a peer's stream
-data (which UCP would keep per endpoint, out of the janitor's reach) has
-no handler either (``RPCBUF_UCX_STREAM=1`` turns them on, for the raw ucxx
-benchmarks' listeners only).  Without RMA, AM and atomics the worker installs no
+messages, wakeup (blocking progress) and streams (ucxx's endpoint handshake,
+``exchange_peer_info``).  Without RMA, AM and atomics the worker installs no
 handler for those messages, so a peer's put or get never completes; the
 context's features are checked once it exists and a context with any of
 them on is refused (``UnsafeContext``).
 
-No listener: endpoints are made from UCP worker addresses exchanged over the
-authenticated control channel (``connect``).  The daemon's ``hello`` gives a
-client the daemon's worker address (``worker_address``); the client makes its
-endpoint from it and sends its own in ``bind_ucx``, from which the daemon makes
-its endpoint back.  A peer that never said hello is given no endpoint (what it
-can still reach, UCX's tcp transport port, is bounded by the janitor).
-Both sides derive their 64-bit tags from the session's 16-byte bind nonce
-(``tag_keys``, ``wire_tag``): tag matching is worker-wide, and a peer without
-the nonce cannot name a tag a session's receive matches.
+Both sides of a connection bind their UCX endpoint to an authenticated control
+session with a small handshake on the reserved tag ``BIND_TAG``: the client
+sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -91,14 +83,13 @@ CUDA_TLS = ("cuda_copy", "cuda_ipc")
 
 _log = logging.getLogger("rpcbuf.ucx")
 
+BIND_TAG = 0  # request ids start at 1, so tag 0 never carries a payload
 NONCE_BYTES = 16
-MAX_ADDRESS = 4096  # bytes of a UCP worker address we take (tcp on a few interfaces: ~100)
 
 _ucxx: Any = None
 _library: dict[str, Any] | None = None  # ``library()``, once UCX has started
 
-FEATURES = ("TAG", "WAKEUP") + (("STREAM",) if os.environ.get("RPCBUF_UCX_STREAM") == "1"
-                                else ())
+FEATURES = ("TAG", "WAKEUP", "STREAM")
 FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
 
 
@@ -325,15 +316,15 @@ async def transfer_all(coros: Any, deadline: float, on_expired: Any,
 
 def wire_tag(key: int, tag: Any) -> int:
     """The 64-bit UCX tag of our ``tag`` (an int or a tuple of ints) on an
-    endpoint whose tag key is ``key``: ucxx's own mix (its hash64bits of the
-    key and ``hash(tag)``: sha1), computed here so that the daemon knows which tag a
+    endpoint whose tag key is ``key``: ucxx's own mix (``hash64bits(key,
+    hash(tag))``, sha1), computed here so that the daemon knows which tag a
     message it dropped had (``Janitor``) and both sides agree without ucxx's
     per-endpoint handshake."""
     h = hashlib.sha1(repr((key, hash(tag))).encode()).digest()
     return int.from_bytes(h[:8], "big")
 
 
-def never_dropped(wire: int) -> bool:
+def _never_dropped(wire: int) -> bool:
     return False
 
 
@@ -341,14 +332,18 @@ class DataEndpoint:
     """A UCX endpoint with tagged send/recv that raise ``TransferError``s only.
 
     Tags are ours: ``wire_tag(key, tag)`` with the endpoint's send and
-    receive keys (``tag_keys``).
+    receive keys (by default the ones ucxx's listener handshake agreed).
     ``dropped(wire)`` (the daemon's janitor) is asked right before a receive
     is posted, in the same step of the event loop as the post: a message the
     janitor dropped earlier makes the receive fail at once (``Dropped``)
     instead of waiting for it until the transfer deadline."""
 
-    def __init__(self, ep: Any, keys: tuple[int, int], dropped: Any = never_dropped) -> None:
+    def __init__(self, ep: Any, keys: tuple[int, int] | None = None,
+                 dropped: Any = _never_dropped) -> None:
         self._ep = ep
+        if keys is None:
+            tags = ep._tags  # ucxx's listener handshake: (msg_send, msg_recv)
+            keys = (int(tags["msg_send"]), int(tags["msg_recv"]))
         self._send_key, self._recv_key = keys
         self.dropped = dropped
 
@@ -397,36 +392,40 @@ class DataEndpoint:
                 ep.abort()
 
 
-def tag_keys(nonce: bytes, daemon: bool) -> tuple[int, int]:
-    """(send key, receive key) of one side of the session whose bind nonce is
-    ``nonce``: the client sends with what the daemon receives with."""
-    a, b = int.from_bytes(nonce[:8], "little"), int.from_bytes(nonce[8:16], "little")
-    return (b, a) if daemon else (a, b)
+class DataListener:
+    """A UCX listener; ``on_endpoint(DataEndpoint)`` runs for each new peer."""
+
+    def __init__(self, on_endpoint: Any, port: int = 0) -> None:
+        async def _accept(ep: Any) -> None:
+            await on_endpoint(DataEndpoint(ep))
+
+        try:
+            self._listener: Any = ucxx().create_listener(_accept, port=port)
+        except ucxx().exceptions.UCXBusyError as exc:
+            # UCX's word for a port that another socket holds: the caller
+            # says which flag it came from.
+            raise OSError(errno.EADDRINUSE, f"UCX port {port} is in use") from exc
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.port)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
-def worker_address() -> bytes:
-    """This process's UCP worker address: what a peer makes an endpoint from
-    (the transports' addresses, the tcp port among them)."""
-    return bytes(ucxx().get_worker_address().tobytes())
-
-
-async def connect(address: bytes, keys: tuple[int, int], timeout: float = 10.0,
-                  dropped: Any = never_dropped) -> DataEndpoint:
-    """An endpoint to the worker whose address is ``address`` (at most
-    ``MAX_ADDRESS`` bytes, else ``ValueError``), with the session's ``keys``."""
-    if not 0 < len(address) <= MAX_ADDRESS:
-        raise ValueError(f"a UCX worker address is 1 to {MAX_ADDRESS} bytes, not {len(address)}")
+async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
     mod = ucxx()  # UnusableUCX as itself: no endpoint error
-    import ucxx._lib.libucxx as ucx_api
-
     with _transfer_errors():
-        try:  # (wait_for, not timeout(): the daemon may run this before it is a task)
-            with busy():
-                ep = await asyncio.wait_for(mod.create_endpoint_from_worker_address(
-                    ucx_api.UCXAddress.create_from_buffer(address)), timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                with busy():
+                    ep = await mod.create_endpoint(host, port)
         except TimeoutError as exc:
-            raise PeerGone("UCX connect timed out") from exc
-    return DataEndpoint(ep, keys, dropped)
+            raise PeerGone(f"UCX connect to {host}:{port} timed out") from exc
+    return DataEndpoint(ep)
 
 
 def rdma_devices() -> list[str]:

@@ -88,7 +88,7 @@ class RpcContext:
         self._closed = False
         self._pid = os.getpid()  # a context belongs to the process that opened it
         self._paths = DataPaths(
-            UcxPath(self._caller, ucx_host, hello.ucx_address, hello.bind_nonce,
+            UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
             StagedPath(self._caller, handles.area, self.transfer_timeout)
             if handles is not None and handles.area is not None else None,

@@ -1,21 +1,21 @@
 """The data path: how the bytes of a data op travel, chosen once per session.
 
-A session has two ``DataPath`` implementations: ``UcxPath`` (a UCX endpoint
-made from the daemon's worker address that hello gave, bound to the session
-by sending ours in ``bind_ucx``, its tags keyed by the bind nonce; made on
-first use on a same-host session) and either, when ``hello`` granted it and
-the handle channel is bound (``handles.py``), ``StagedPath`` (our host
-arrays are copied into or out of the session's staging area, shared memory
-the daemon made; the daemon copies between it and its arena) or, on a
-network session whose daemon allows it (``inline_max``), ``InlinePath`` (a
-small op's bytes in its control frames). ``DataPaths.choose`` is the one
-rule that picks a path per op: for host arrays of a host buffer the same-
-host path, else the inline path when it is a small plain store or read; UCX
-for everything else (GPU arrays, GPU buffers, big ops). A buffer's device is
-what the daemon stated (``BufferPlace``, from its metadata), never guessed;
-the one fallback left, in ``DataPaths.run``, is for a daemon whose buffer
-turned out to be device memory after all (it refuses the staged op with
-reason ``device_memory`` before touching a byte): noted, and rerun over UCX.
+A session has two ``DataPath`` implementations: ``UcxPath`` (a UCX
+endpoint bound to the session by its nonce, dialled on first use on a
+same-host session) and either, when ``hello`` granted it and the handle
+channel is bound (``handles.py``), ``StagedPath`` (our host arrays are
+copied into or out of the session's staging area, shared memory the daemon
+made; the daemon copies between it and its arena) or, on a network session
+whose daemon allows it (``inline_max``), ``InlinePath`` (a small op's bytes
+in its control frames).  ``DataPaths.choose`` is the one rule that picks a
+path per op: for host arrays of a host buffer the same-host path, else
+the inline path when it is a small plain store or read; UCX for everything
+else (GPU arrays, GPU buffers, big ops).  A buffer's
+device is what the daemon stated (``BufferPlace``, from its metadata), never
+guessed; the one fallback left, in ``DataPaths.run``, is for a daemon whose
+buffer turned out to be device memory after all (it refuses the staged op
+with reason ``device_memory`` before touching a byte): noted, and rerun over
+UCX.
 
 The ops (``rangeops.py``, ``batches.py``, ``blockops.py``) describe their bytes once, as a
 ``Transfer``; each path takes what it needs from it.
@@ -300,13 +300,13 @@ def _flat(arrays: Sequence[Any]) -> list[np.ndarray]:
 class UcxPath:
     """The bytes travel over the session's UCX endpoint (bound on first use)."""
 
-    def __init__(self, caller: Caller, host: str, address: bytes, nonce: bytes,
+    def __init__(self, caller: Caller, host: str, port: int, nonce: bytes,
                  transfer_timeout: float, on_expired: Callable[[], None],
                  check_open: Callable[[], None]) -> None:
         self._caller = caller
         self._check_open = check_open
         self._conn = caller.conn
-        self._host, self.daemon_address, self._nonce = host, address, nonce
+        self._host, self._port, self._nonce = host, port, nonce
         self.transfer_timeout = transfer_timeout
         self._on_expired = on_expired
         self.ep: ucx.DataEndpoint | None = None
@@ -319,8 +319,8 @@ class UcxPath:
         async with self._lock:
             if self.ep is None:
                 self._check_open()
-                self.ep = await bind_ucx(self._caller, self._host, self.daemon_address,
-                                         self._nonce)
+                self.ep = await bind_ucx(self._host, self._port, self._nonce,
+                                         self._caller.timeout, self._conn.lost_future())
                 if self._conn.lost is not None:  # lost while we bound: do not keep it
                     self.ep.abort()
             return self.ep
@@ -442,19 +442,40 @@ def _ignore(buffer_id: str) -> None:
     pass
 
 
-async def bind_ucx(caller: Caller, host: str, address: bytes,
-                   nonce: bytes) -> ucx.DataEndpoint:
-    """A UCX endpoint to the daemon whose worker address is ``address``,
-    bound to this session: ours goes to the daemon in ``bind_ucx`` over the
-    (authenticated) control connection, and the daemon makes its endpoint
-    back from it.  Within the context's timeout (the call's: TIMEOUT); at
-    once CONNECTION_LOST when the control connection ends first."""
-    limit = caller.timeout if caller.timeout else 30.0
+async def bind_ucx(host: str, port: int, nonce: bytes, timeout: float | None,
+                   lost: asyncio.Future[None] | None = None) -> ucx.DataEndpoint:
+    """A UCX endpoint to the daemon, bound to this session by its nonce:
+    within ``timeout``, and at once CONNECTION_LOST when ``lost`` (the
+    control connection) ends first."""
+    limit = timeout if timeout else 30.0
     with ucx_errors(f"UCX connection to {host}"):
-        ep = await ucx.connect(address, ucx.tag_keys(nonce, daemon=False), timeout=limit)
+        ep = await ucx.connect(host, port, timeout=limit)
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        ep.abort()
+
+    ack = np.zeros(1, dtype=np.uint8)
     try:
-        await caller.call(P.BindUcx(address=ucx.worker_address()))
+        await ucx.transfer_all([ep.send(np.frombuffer(nonce, dtype=np.uint8),
+                                        ucx.BIND_TAG), ep.recv(ack, ucx.BIND_TAG)],
+                               limit, expire, lost)
+        if ack[0] != 1:
+            raise ConnectionLost("daemon refused to bind the data endpoint")
+    except ucx.Abandoned:
+        ep.abort()
+        raise ConnectionLost(f"the control connection to {host} was lost while binding "
+                             "the UCX endpoint") from None
+    except ucx.TransferError as exc:
+        ep.abort()
+        if expired:
+            raise Timeout(f"binding the UCX endpoint at {host} timed out") from None
+        raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
     except BaseException:
         ep.abort()
         raise
     return ep
+
+

@@ -35,7 +35,6 @@ MAX_DEVICES = 4096
 SUN_PATH = 107  # bytes of a Unix socket name (sun_path less its NUL)
 PID_MAX = 1 << 22  # the kernel's largest pid_max
 NONCE_BYTES = 16
-MAX_UCX_ADDRESS = 4096  # a UCP worker address (``dataplane.ucx.MAX_ADDRESS``)
 
 
 def _bad(field: str, why: str) -> BadRequest:
@@ -60,8 +59,7 @@ class HelloAnswer:
     node_id: str
     version: int  # the protocol version this session speaks
     bind_nonce: bytes
-    ucx_port: int  # UCX's tcp transport port (informational; 0: not said)
-    ucx_address: bytes  # the daemon's UCP worker address: our endpoint is made from it
+    ucx_port: int
     max_inflight: int
     max_frame: int
     transfer_timeout: float
@@ -137,12 +135,7 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
     nonce = msg.get("bind_nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         raise _bad("bind_nonce", f"must be {NONCE_BYTES} bytes")
-    ucx = _map(msg, "ucx")
-    port = _int(ucx, "port", "ucx.port", 0, 65535)
-    address = ucx.get("address")
-    if not isinstance(address, bytes) or not 0 < len(address) <= MAX_UCX_ADDRESS:
-        raise _bad("ucx.address", f"must be 1 to {MAX_UCX_ADDRESS} bytes (a daemon before "
-                                  "protocol 4 has a UCX listener instead)")
+    port = _int(_map(msg, "ucx"), "port", "ucx.port", 1, 65535)
     limits = _map(msg, "limits")
     inflight = _int(limits, "max_inflight", "limits.max_inflight", 1, MAX_INFLIGHT)
     frame = _int(limits, "max_frame", "limits.max_frame", MIN_FRAME, MAX_FRAME)
@@ -180,7 +173,7 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
     inline = min(inline, P.inline_max(frame))  # a frame must hold it, whatever was said
     return HelloAnswer(
         session_id=ids[0], tenant=ids[1], node_id=ids[2], version=version, bind_nonce=nonce,
-        ucx_port=port, ucx_address=address, max_inflight=inflight, max_frame=frame,
+        ucx_port=port, max_inflight=inflight, max_frame=frame,
         transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
         checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
         local=local, handles_nonce=handles if same_host else None, inline_max=inline)

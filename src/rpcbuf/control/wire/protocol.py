@@ -75,14 +75,10 @@ from rpcbuf.control.wire.frames import (
 # the same-host path shares memory by handle (``handles``, ``bind_handles``,
 # ``stage``, ``attach``/``detach``, the BUSY code); ``store_batch`` and
 # ``dedup_store`` may give each tensor's source type and logical shape.
-# 4: no UCX listener: hello's ``ucx.address`` is the daemon's UCP worker
-# address, the client sends its own in ``bind_ucx``, and both derive their
-# UCX tags from the bind nonce (``dataplane/ucx.py``); a version-3 client
-# dials a listener that is gone, so 3 is refused.
-# Versions 1 to 3 are refused by both sides with ``version_mismatch``: there
-# is no fallback to them.
-PROTOCOL_MIN = 4
-PROTOCOL_VERSION = 4
+# Versions 1 and 2 (development builds, never released) are refused by both
+# sides with ``version_mismatch``: there is no fallback to them.
+PROTOCOL_MIN = 3
+PROTOCOL_VERSION = 3
 @dataclass(frozen=True)
 class Hello(Request):
     op: ClassVar[str] = "hello"
@@ -321,17 +317,6 @@ class BindHandles(Request):
 
 
 @dataclass(frozen=True)
-class BindUcx(Request):
-    """Make the session's UCX endpoint: ``address`` is the client's UCP
-    worker address (at most ``ucx.MAX_ADDRESS`` bytes), from which the daemon
-    makes its endpoint back to the client.  Once per session; the daemon
-    takes no UCX endpoint any other way."""
-
-    op: ClassVar[str] = "bind_ucx"
-    address: bytes
-
-
-@dataclass(frozen=True)
 class Attach(Request):
     """A read-only handle of a host buffer, sent on the handle channel
     (protocol 3): stores, clears and copies into the buffer are BUSY, and
@@ -385,7 +370,7 @@ OPS: dict[str, type[Request]] = {
     for cls in (
         Hello, RequestBuffer, GetBufferMeta, Store, Read, Release, Renew,
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
-        ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, BindUcx, Attach, Detach,
+        ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
         LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
     )
 }

@@ -216,6 +216,7 @@ class ControlOps:
                 "same_host_sessions": sum(1 for s in mine if s.same_host is not None),
                 # node-wide, but about no tenant: connections not yet authenticated
                 "unauthenticated": len(self._node.unauthenticated),
+                "pending_endpoints": len(self._node.pending_endpoints),
                 # node-wide: UCX messages no request asked for, dropped once old
                 "ucx_unexpected_dropped": self._node.janitor.dropped
                 if self._node.janitor is not None else None,

@@ -24,6 +24,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring
 from rpcbuf.control.wire.errors import QuotaExceeded
 from rpcbuf.dataplane.janitor import Janitor
+from rpcbuf.dataplane.ucx import DataEndpoint
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Node(Protocol):
     cluster: str  # --cluster: what a token's audience must name
     limits: Limits
     unauthenticated: Pending[Any]
+    pending_endpoints: Pending[DataEndpoint]
     janitor: Janitor | None  # drops old UCX messages no request asked for
     listening: list[str]  # every TCP socket the daemon listens on (read at start)
     ucx_library: dict[str, Any]  # which UCX the daemon runs on (``ucx.library``, at start)
@@ -73,8 +75,7 @@ class Node(Protocol):
     tenant_counters: dict[str, dict[str, int]]
     shutting_down: bool
     stopped: bool
-    ucx_port: int  # UCX's tcp transport port (0: none seen)
-    ucx_address: bytes  # this process's UCP worker address (what hello gives)
+    ucx_port: int
     started_at: float
 
     @property

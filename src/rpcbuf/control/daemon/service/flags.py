@@ -118,14 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
                    help="control address HOST:PORT "
                    "(port 0 picks a free one) [127.0.0.1:7700]")
-    p.add_argument("--ucx-port", type=int, default=7701,
-                   help="the port of UCX's tcp transport, the data plane's one listening "
-                   "socket (there is no UCX listener: clients get the daemon's UCX address "
-                   "after hello; sets UCX_TCP_PORT_RANGE unless set; 0 = any) [%(default)s]")
+    p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
+                   "[%(default)s]")
     p.add_argument("--ucx-listen", type=_ucx_listen, default=None, metavar="HOST:PORT",
                    help="the UCX data plane's address: UCX's tcp transport uses only the "
-                   "interface that holds HOST (UCX_NET_DEVICES, unless set), on port PORT "
-                   "[the --listen host, --ucx-port]")
+                   "interface that holds HOST (UCX_NET_DEVICES, unless set), and the listener "
+                   "takes PORT [the --listen host, --ucx-port]")
     p.add_argument("--local-socket", default="auto", metavar="auto|none|@NAME|PATH",
                    help="the same-host path: a Unix control socket through which clients "
                         "on this host reconnect to, share memory with the daemon by "

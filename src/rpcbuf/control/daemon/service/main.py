@@ -164,14 +164,6 @@ def _ucx_interface(host: str) -> None:
     log.info("UCX_NET_DEVICES=%s (the interface of %s)", name, host)
 
 
-def _ucx_tcp_port(port: int) -> None:
-    """``--ucx-port``: the port of UCX's tcp transport (there is no UCX
-    listener; UCX 1.21's ``UCX_TCP_PORT_RANGE`` pins it), so a firewall can
-    name it.  0: any port.  A user's UCX_TCP_PORT_RANGE wins."""
-    if port and not os.environ.get("UCX_TCP_PORT_RANGE"):
-        os.environ["UCX_TCP_PORT_RANGE"] = f"{port}-{port}"
-
-
 def raise_fd_limit() -> None:
     """Open files up to the hard limit: each host buffer holds a memfd."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -271,7 +263,6 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     tls = _tls(args)
     ucx_host, ucx_port = args.ucx_listen or (args.listen[0], args.ucx_port)
     _ucx_interface(ucx_host)
-    _ucx_tcp_port(ucx_port)
     ucx.apply_defaults(cuda=any(kind in GPU_KINDS for kind, _, _ in args.device))
     # RPCBUF_UCX's library, loaded (or refused: UnusableUCX) before anything is
     # set up; its context is made later, as before (Daemon.start)

@@ -14,13 +14,9 @@ default, so only its own network namespace sees it; ``--local-socket``) and
 tells TCP clients its name and this kernel's boot id in ``hello``; a client
 on this host reconnects there (see ``sessions/greeting.py`` and ``data/paths.py``'s ``StagedPath``).
 
-There is no UCX listener: ``hello`` gives an authenticated client this
-process's UCP worker address, and the session makes its endpoint back from
-the client's own address in ``bind_ucx`` (``Session.bind_ucx``), so a peer
-that never said hello is given no endpoint.  What it can still reach is UCX's
-tcp transport port (one, on the interface of the listen host; ``--ucx-port``
-pins it): tagged messages sent there are dropped by the janitor
-(``dataplane/janitor.py``), by age and by bytes.
+Endpoints bind with a small handshake on ``BIND_TAG``: the client sends the
+16-byte nonce it got in ``hello``; the daemon answers one byte.  Until then
+an endpoint is one of a bounded few (``admission.Pending``: the oldest goes).
 """
 
 from __future__ import annotations
@@ -38,6 +34,8 @@ import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
+
+import numpy as np
 
 from rpcbuf.control.daemon.accounting.admission import Pending
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
@@ -57,7 +55,14 @@ from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, S
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
 from rpcbuf.dataplane import shm, sockets
 from rpcbuf.dataplane.janitor import Janitor
-from rpcbuf.dataplane.ucx import library as ucx_library, worker_address
+from rpcbuf.dataplane.ucx import (
+    BIND_TAG,
+    NONCE_BYTES,
+    DataEndpoint,
+    DataListener,
+    TransferError,
+    library as ucx_library,
+)
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")
@@ -104,20 +109,21 @@ class Daemon:
         lim = self.limits
         self.unauthenticated: Pending[Session] = Pending(
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
+        self.pending_endpoints: Pending[DataEndpoint] = Pending(lim.max_unauthenticated)
         self.copies = CopyPool(lim.copy_threads)
         self.sweeps = CopyPool(lim.sweep_threads, name="rpcbuf-sweep")
         self.started_at = time.time()
         self.shutting_down = False
         self.stopped = False  # shutdown is done: tasks left are cancelled and let go
         self._server: asyncio.AbstractServer | None = None
+        self._listener: DataListener | None = None
         self.janitor: Janitor | None = None
         self.listening: list[str] = []  # every TCP socket this process listens on
         self.ucx_library: dict[str, Any] = {}  # which UCX this process runs on
         self._local_server: asyncio.AbstractServer | None = None
         self.local_socket: str | None = None  # "@name" (abstract) or a path
         self._expiry_timer: asyncio.TimerHandle | None = None
-        self.ucx_port = 0  # UCX's tcp transport port (0: none seen)
-        self.ucx_address = b""  # our UCP worker address (what hello gives)
+        self.ucx_port = 0
         self.counters: dict[str, int] = {"bytes_stored": 0, "bytes_read": 0,
                                          "bytes_loaded_local": 0, "verify_failures": 0,
                                          "sessions_total": 0}
@@ -136,24 +142,13 @@ class Daemon:
                         tb: TracebackType | None) -> None:
         await self.shutdown()
 
-    async def start(self, host: str, port: int, ucx_port: int = 0,
+    async def start(self, host: str, port: int, ucx_port: int,
                     tls: ssl.SSLContext | None = None, local_socket: str | None = "auto") -> None:
         """``local_socket``: "auto" (an abstract Unix socket named after our
-        pid), None (no same-host path), "@name" (abstract) or a path.
-        ``ucx_port``: what ``--ucx-port`` pinned UCX's tcp port to
-        (``main.py`` set ``UCX_TCP_PORT_RANGE``), 0 for any."""
-        before = set(sockets.listening())
+        pid), None (no same-host path), "@name" (abstract) or a path."""
         with binding(f"--ucx-port {ucx_port}", ucx_port):
-            if ucx_port:  # UCX would quietly go without its tcp transport
-                with socket.socket() as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    probe.bind(("", ucx_port))
-            self.ucx_address = worker_address()  # UCX starts here: its tcp port opens
-            ours = sorted(set(sockets.listening()) - before)
-            self.ucx_port = int(ours[0].rsplit(":", 1)[1]) if ours else 0
-            if ucx_port and self.ucx_port != ucx_port:
-                raise OSError(errno.EADDRINUSE, f"UCX's tcp transport did not take port "
-                              f"{ucx_port} (it listens on {' '.join(ours) or 'nothing'})")
+            self._listener = DataListener(self._on_endpoint, port=ucx_port)
+        self.ucx_port = self._listener.port
         # Patience of one round: a store that waits longer for its buffer's
         # lock holds no one's sweep off; if its payload went, it fails TIMEOUT.
         self.janitor = Janitor(self.limits.hello_timeout, self.limits.hello_timeout,
@@ -213,6 +208,8 @@ class Daemon:
             if self.local_socket and not self.local_socket.startswith("@"):
                 with contextlib.suppress(OSError):
                     os.unlink(self.local_socket)
+        if self._listener is not None:
+            self._listener.close()
         if self.janitor is not None:
             await self.janitor.stop()
         busy = [t for s in self.sessions.values() for t in s.transfers]
@@ -356,6 +353,36 @@ class Daemon:
         self.metrics.unexpected_dropped(count, nbytes)
         log.warning("dropped %d UCX messages (%d bytes) that no request asked for within "
                     "%.0fs", count, nbytes, self.limits.hello_timeout)
+
+    async def _on_endpoint(self, ep: DataEndpoint) -> None:
+        # Until it binds, an endpoint is one of a bounded few (the oldest goes).
+        for old in self.pending_endpoints.add(ep):
+            log.warning("data endpoint dropped before binding: %d others wait to bind",
+                        self.limits.max_unauthenticated)
+            old.abort()
+        nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
+        except (TimeoutError, TransferError) as exc:
+            if ep in self.pending_endpoints:  # (else: dropped above, and said so)
+                log.warning("data endpoint dropped before binding: %s", exc or "timeout")
+            ep.abort()
+            return
+        finally:
+            self.pending_endpoints.discard(ep)
+        session = self.by_nonce.pop(nonce.tobytes(), None)
+        ok = session is not None and session.tenant is not None and session.ep is None
+        try:
+            await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)
+        except TransferError:
+            ok = False
+        if not ok or session is None:
+            log.warning("data endpoint with an unknown nonce refused")
+            ep.abort()
+            return
+        if self.janitor is not None:  # a receive for a message it dropped fails at once
+            ep.dropped = self.janitor.was_dropped
+        session.bind(ep)
 
 
 def _unlink_stale(path: str) -> None:

@@ -44,10 +44,7 @@ def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
         # Each device's own checksum (what a plain store into it is verified with).
         "checksum_kinds": {p.key: "devsum" if is_device_arena(p.arena) else "xxh3"
                            for p in node.registry.pools.values()},
-        # The daemon's UCP worker address: the client makes its endpoint from
-        # it and sends its own in ``bind_ucx`` (there is no UCX listener).
-        # ``port``: UCX's tcp transport port, for people (0: not found).
-        "ucx": {"port": node.ucx_port, "address": node.ucx_address},
+        "ucx": {"port": node.ucx_port},
         "bind_nonce": nonce,
         "devices": [p.describe() for p in node.registry.pools.values()],
         "limits": node.limits.to_wire(),

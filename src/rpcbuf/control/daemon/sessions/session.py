@@ -61,7 +61,6 @@ from rpcbuf.control.daemon.ops.fileops import FileOps
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.daemon.sessions import greeting, hello
 from rpcbuf.control.daemon.sessions.intake import Intake, start
-from rpcbuf.control.ucx_errors import ucx_errors
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Grant
 from rpcbuf.control.wire.errors import (
@@ -73,7 +72,7 @@ from rpcbuf.control.wire.errors import (
     ShuttingDown,
     TokenExpired,
 )
-from rpcbuf.dataplane import staging, ucx
+from rpcbuf.dataplane import staging
 from rpcbuf.dataplane.ucx import NONCE_BYTES, DataEndpoint
 
 log = logging.getLogger("rpcbuf.daemon")
@@ -107,7 +106,6 @@ class Session:
         self.token_timer: asyncio.TimerHandle | None = None
         self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
         self.ep: DataEndpoint | None = None
-        self._binding = False  # a bind_ucx is making the endpoint
         self.ucx: UcxPath | None = None  # once the client's data endpoint is bound
         self.same_host: StagedPath | None = None  # once the handle channel is bound
         self.handles: HandleChannel | None = None
@@ -214,30 +212,6 @@ class Session:
         expired = None if self.grant is None else self.grant.expires_at
         return TokenExpired("this session's token expired; connect again with a new token",
                             {"expired_at": expired})
-
-    async def bind_ucx(self, call: Call, req: P.BindUcx) -> dict[str, Any]:
-        """``bind_ucx``: make this session's UCX endpoint from the client's
-        worker address (an authenticated request: the daemon takes no UCX
-        endpoint any other way).  Its tags are keyed by the session's bind
-        nonce (``ucx.tag_keys``).  Once per session; BAD_REQUEST for a second
-        or an address of the wrong size, CONNECTION_LOST if UCX cannot make it."""
-        if self.ep is not None or self._binding:
-            raise BadRequest("this session's UCX endpoint is bound already")
-        janitor = self.daemon.janitor
-        self._binding = True
-        try:
-            with ucx_errors("the UCX endpoint to the client"):
-                ep = await ucx.connect(req.address, ucx.tag_keys(self.nonce, daemon=True),
-                                       self.daemon.limits.hello_timeout,
-                                       janitor.was_dropped if janitor is not None else
-                                       ucx.never_dropped)
-        except ValueError as exc:
-            raise BadRequest(str(exc), {"field": "address"}) from None
-        finally:
-            self._binding = False
-        self.daemon.by_nonce.pop(self.nonce, None)
-        self.bind(ep)
-        return {}
 
     def bind(self, ep: DataEndpoint) -> None:
         if self._closed:
@@ -349,9 +323,6 @@ class Session:
                 raise self._why_over()
             if self.daemon.shutting_down:
                 raise ShuttingDown("daemon is stopping; no new requests")
-            if isinstance(req, P.BindUcx):
-                self._start(req_id, req, self.bind_ucx, op)
-                return
             handler, may_wait = self._ops[type(req)]
             if may_wait:
                 self._start(req_id, req, handler, op)
