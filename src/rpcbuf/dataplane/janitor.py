@@ -56,9 +56,9 @@ class Janitor:
     in the same loop step as the post), and the store fails with TIMEOUT
     ``payload_dropped`` instead of waiting for the transfer deadline.
 
-    By bytes: a peer with no token reaches UCX's tcp port (it needs no
-    endpoint of ours to send there), and over loopback it sent 1.5 GB in
-    under 3 s: a round of ``period`` seconds let it grow the daemon by GBs.
+    By bytes: a peer with no token reaches UCX's port, and over loopback it
+    sent 1.5 GB in seconds: a round of ``period`` seconds let it grow the
+    daemon by GBs.
     So every ``TICK`` the janitor reads the process's anonymous resident
     memory (RssAnon: UCP's copies of unexpected messages are there; the
     arenas and staging areas are shared memory, not counted) and, once it
@@ -88,7 +88,9 @@ class Janitor:
         self._scratch: Any = None
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0  # messages dropped so far (``stats``)
-        self.pressed = 0  # sweeps the byte budget brought forward (``stats``)
+        self.pressed = 0  # sweeps the byte budget brought forward
+        self._unreported = [0, 0]  # (messages, bytes) dropped, not yet told on_drop
+        self._told = 0.0  # when on_drop was last told (under pressure: once a period)
         self._sentinels: set[int] = set()  # sent, not yet swept
         self._sent: collections.deque[tuple[int, float]] = collections.deque()  # (tag, when)
         self._recent: dict[int, None] = {}  # the last RECORD tags dropped, oldest first
@@ -176,9 +178,14 @@ class Janitor:
         except Exception:  # a bug: say so, keep the daemon serving, try next round
             _log.exception("UCX janitor: a sweep failed")
             return
-        if count:
-            self.dropped += count
-            self._on_drop(count, nbytes)
+        self.dropped += count
+        told = self._unreported
+        told[0] += count
+        told[1] += nbytes
+        now = time.monotonic()
+        if told[0] and (not trim or now - self._told >= self.period):
+            self._on_drop(*told)  # (one log line a period under pressure, not one a tick)
+            self._unreported, self._told = [0, 0], now
         if nbytes >= self.TRIM_AFTER or (trim and nbytes):
             await asyncio.to_thread(_trim)
 
