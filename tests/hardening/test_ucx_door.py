@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 from conftest import DaemonProc
+from rpcbuf import RpcBufError
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.runs import run_tag
 
 NATIVE = Path(__file__).parent / "native"
 
@@ -77,9 +80,11 @@ def _peek(pid: int, addr: int, n: int) -> bytes:
         return mem.read(n)
 
 
-def _attack(peer: Path, d: DaemonProc, addr: int, n: int, *op: str) -> str:
+def _attack(peer: Path, d: DaemonProc, addr: int, n: int, *op: str, eager: bool = False) -> str:
+    """The C peer at the daemon's UCX port, never saying hello; ``eager``:
+    every message carries its payload (no rendezvous)."""
     env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo",
-           "UCX_WARN_UNUSED_ENV_VARS": "n"}
+           "UCX_WARN_UNUSED_ENV_VARS": "n", **({"UCX_RNDV_THRESH": "inf"} if eager else {})}
     run = subprocess.run([str(peer), "127.0.0.1", str(d.ucx_port), hex(addr), str(n), *op],
                          capture_output=True, text=True, timeout=60, env=env)
     return run.stdout.strip()
@@ -166,7 +171,7 @@ async def test_messages_nobody_asked_for_are_dropped_not_kept(
         await ctx.release_buffer(buf)
     # One flood's worth is held at most (UCP's pools keep their size), never three.
     assert grown[2] < grown[0] + n * size // 2, grown
-    assert "dropped 6000 UCX messages" in d.log()
+    assert "UCX messages" in d.log()  # (under pressure the counts come a period at a time)
 
 
 async def test_a_tenant_waiting_for_memory_does_not_hold_off_the_sweep(
@@ -192,3 +197,113 @@ async def test_a_tenant_waiting_for_memory_does_not_hold_off_the_sweep(
         assert not waiting.done()
         await ctx.release_buffer(held)
         await ctx.release_buffer(await waiting)
+
+
+async def _withheld_store(ctx, buf: str, nbytes: int) -> tuple[int, asyncio.Future]:  # type: ignore[no-untyped-def,type-arg]
+    """A UCX store whose request goes out but whose payload does not (yet):
+    the daemon posts its receive and holds the buffer's lock meanwhile."""
+    conn = ctx._caller.conn
+    req_id = conn.next_id()
+    return req_id, conn.submit(req_id, P.Store(buffer_id=buf, offset=0, nbytes=nbytes))
+
+
+async def _dropped(ctx, at_least: int, rounds: int = 150) -> int:  # type: ignore[no-untyped-def]
+    for _ in range(rounds):
+        n = (await ctx.stats())["ucx_unexpected_dropped"]
+        if n >= at_least:
+            return int(n)
+        await asyncio.sleep(0.1)
+    return int((await ctx.stats())["ucx_unexpected_dropped"])
+
+
+async def test_a_store_waiting_on_its_own_lock_does_not_hold_off_the_sweep(
+        daemon_factory, rma_peer: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 34 (H4): a tenant kept one store waiting on its own buffer's
+    lock (held by another of its stores, whose payload it withheld), and the
+    sweep was put off for the whole --transfer-timeout (300 s) while a peer
+    with no token flooded.  Now it waits one round at most, and the waiting
+    store, whose payload went with the flood, fails cleanly with TIMEOUT
+    ``payload_dropped`` once it gets the lock; the session goes on."""
+    d = daemon_factory("--device", "cpu:16MiB", "--hello-timeout", "1s",
+                       "--transfer-timeout", "300s")
+    n = 1 << 20
+    async with d.connect("alice", same_host=False) as ctx:
+        buf = await ctx.request_buffer(size=n)
+        ep = await ctx._paths.ucx.endpoint()
+        first, first_answer = await _withheld_store(ctx, buf, n)
+        second = asyncio.create_task(ctx.store_tensor(buf, np.full(n, 2, np.uint8)))
+        await asyncio.sleep(0.5)
+        assert not second.done()
+        out = _attack(rma_peer, d, 2000, 8000, "flood")
+        assert out == "flood 2000", out
+        assert await _dropped(ctx, 2001) >= 2001  # the flood and the waiting payload
+        await ep.send(np.full(n, 1, np.uint8), run_tag(first, 0))
+        assert (await asyncio.wait_for(first_answer, 30))["ok"]
+        with pytest.raises(RpcBufError) as err:
+            await asyncio.wait_for(second, 30)
+        assert err.value.code == "TIMEOUT" and err.value.details["reason"] == "payload_dropped"
+        back = await ctx.read_buffer(buf, offset=0, nbytes=n)
+        assert bytes(back) == b"\1" * n  # the first store's bytes, untouched by the second
+        await ctx.store_tensor(buf, np.full(n, 3, np.uint8))  # and the session goes on
+        assert bytes(await ctx.read_buffer(buf, offset=0, nbytes=16)) == b"\3" * 16
+        await ctx.release_buffer(buf)
+
+
+async def test_a_store_behind_max_inflight_fails_cleanly_when_its_payload_was_dropped(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """After hello the reader pauses at --max-inflight without setting the
+    ``intake.paused`` that the janitor's deferral read (suspected in issue
+    34, confirmed: nothing set it), so a payload whose request waited
+    undecoded was dropped and its store then waited for the transfer
+    deadline, which aborts the session.  Now the back-pressure itself
+    defers one round, and a store whose payload went fails at once with
+    TIMEOUT ``payload_dropped`` when it is finally dispatched."""
+    d = daemon_factory("--device", "cpu:16MiB", "--hello-timeout", "1s",
+                       "--transfer-timeout", "60s", "--max-inflight", "1")
+    n = 1 << 20
+    async with d.connect("alice", same_host=False) as ctx, \
+            d.connect("alice", same_host=False) as watcher:
+        buf = await ctx.request_buffer(size=n)
+        other = await ctx.request_buffer(size=n)
+        ep = await ctx._paths.ucx.endpoint()
+        first, first_answer = await _withheld_store(ctx, buf, n)
+        second, second_answer = await _withheld_store(ctx, other, n)  # waits undecoded
+        await ep.send(np.full(n, 2, np.uint8), run_tag(second, 0))
+        assert await _dropped(watcher, 1) >= 1
+        await ep.send(np.full(n, 1, np.uint8), run_tag(first, 0))
+        assert (await asyncio.wait_for(first_answer, 30))["ok"]
+        answer = await asyncio.wait_for(second_answer, 15)  # not the 60 s deadline
+        assert not answer["ok"], answer
+        assert answer["error"]["code"] == "TIMEOUT", answer
+        assert answer["error"]["details"]["reason"] == "payload_dropped", answer
+        assert await ctx.ping()
+        await ctx.store_tensor(other, np.full(n, 3, np.uint8))
+        assert bytes(await ctx.read_buffer(other, offset=0, nbytes=16)) == b"\3" * 16
+
+
+async def test_a_tokenless_flood_is_bounded_in_bytes(daemon_factory, rma_peer: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 34 (M5): what a peer with no token makes the daemon hold was
+    bounded in time only (what it could send in a hello deadline or two:
+    1.5 GB in 6.7 s grew one by 2.3 GB, never given back).  Now by bytes too:
+    once the daemon's anonymous memory grew by the janitor's budget (32 MiB)
+    everything a tick old is dropped, so three floods of 384 MiB of eager
+    64 KiB messages each grow it by 128 MiB at most (they are not added up),
+    and a tenant's stores after them are intact."""
+    d = daemon_factory("--device", "cpu:16MiB", "--hello-timeout", "10s")
+    n, size = 6144, 64 << 10
+    async with d.connect("alice", same_host=False) as ctx:
+        buf = await ctx.request_buffer(size=1 << 20)
+        data = np.arange(1 << 18, dtype=np.float32)
+        await ctx.store_tensor(buf, data)
+        start, peak = _rss(d.proc.pid), 0
+        for _ in range(3):
+            out = _attack(rma_peer, d, n, size, "flood", eager=True)
+            assert out == f"flood {n}", out
+            peak = max(peak, _rss(d.proc.pid) - start)
+        assert await _dropped(ctx, 3 * n, rounds=300) == 3 * n
+        peak = max(peak, _rss(d.proc.pid) - start)
+        assert peak <= 128 << 20, f"grew by {peak >> 20} MiB"
+        await ctx.store_tensor(buf, data, verify="checksum")
+        back = await ctx.read_buffer(buf, offset=0, nbytes=data.nbytes)
+        assert bytes(back) == data.tobytes()
+    assert "dropped" in d.log()

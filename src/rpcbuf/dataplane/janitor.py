@@ -3,13 +3,17 @@
 A peer may send tagged messages nobody posts a receive for (a store whose
 request was refused before it was drained, or a peer that never said
 hello); UCX keeps them in the worker's unexpected queue, in our memory,
-for ever.  ``Janitor`` sweeps that queue: see its docstring.
+for ever.  ``Janitor`` sweeps that queue, by age and by bytes: see its
+docstring.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import time
@@ -40,21 +44,69 @@ class Janitor:
 
     A legitimate payload waits unexpected only between its arrival and the
     daemon posting its receive: a store's payload travels beside its
-    request, and the request may wait for its buffer's lock.  So a round is
-    skipped while ``claimable(since)`` says a request dispatched before
-    ``since`` is still in flight (its payload might be in the queue), but at
-    most ``patience`` seconds in a row: then the round drops all the same.
+    request, and the request may wait for its buffer's lock (another
+    request of the same tenant holds it, as long as the transfer deadline).
+    So a round is skipped while ``claimable(since)`` says a request
+    dispatched before ``since`` is still in flight (its payload might be in
+    the queue), but at most ``patience`` seconds in a row (the daemon gives
+    one round: no tenant's waiting store holds the sweep off longer): then
+    the round drops all the same.  A store whose payload was dropped so
+    learns it when it posts its receive: the tags of the last ``RECORD``
+    dropped messages are kept (``was_dropped``, asked by ``DataEndpoint``
+    in the same loop step as the post), and the store fails with TIMEOUT
+    ``payload_dropped`` instead of waiting for the transfer deadline.
+
+    By bytes: a peer with no token reaches UCX's port, and over loopback it
+    sent 1.5 GB in seconds: a round of ``period`` seconds let it grow the
+    daemon by GBs.
+    So every ``TICK`` the janitor reads the process's anonymous resident
+    memory (RssAnon: UCP's copies of unexpected messages are there; the
+    arenas and staging areas are shared memory, not counted) and, once it
+    has grown by more than ``budget`` bytes over what it was when the
+    janitor started, it sends a sentinel every tick and drops everything
+    ahead of the previous one (a tick old), deferring for no one (a store
+    whose payload so goes fails with TIMEOUT ``payload_dropped``, as above).
+    The reference is not moved: UCP keeps what its pools grew to, so a
+    reference taken after a flood would let the next flood refill the pools
+    unseen and add the budget again.  A process whose memory stays above it
+    (after a flood, or a large daemon's own heap) stays in this mode.
+    Freed heap goes back to the kernel (``malloc_trim``) after a sweep under
+    pressure, or one that dropped ``TRIM_AFTER`` bytes or more.
     """
 
+    RECORD = 1 << 16  # dropped tags remembered (~6 MiB at most; oldest forgotten first)
+    TICK = 0.02  # seconds between two looks at the memory
+    PRESSED_BATCH = 16384  # messages dropped per loop step under pressure
+    TRIM_AFTER = 1 << 20  # bytes dropped in one sweep after which freed heap goes back
+
     def __init__(self, period: float, patience: float,
-                 claimable: Any = None, on_drop: Any = None) -> None:
-        self.period, self.patience = period, patience
+                 claimable: Any = None, on_drop: Any = None, budget: int = 32 << 20) -> None:
+        self.period, self.patience, self.budget = period, patience, budget
         self._claimable = claimable or (lambda since: False)
         self._on_drop = on_drop or (lambda count, nbytes: None)
         self._ep: Any = None
         self._scratch: Any = None
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0  # messages dropped so far (``stats``)
+        self.pressed = 0  # sweeps the byte budget brought forward
+        self._unreported = [0, 0]  # (messages, bytes) dropped, not yet told on_drop
+        self._told = 0.0  # when on_drop was last told (under pressure: once a period)
+        self._sentinels: set[int] = set()  # sent, not yet swept
+        self._sent: collections.deque[tuple[int, float]] = collections.deque()  # (tag, when)
+        self._recent: dict[int, None] = {}  # the last RECORD tags dropped, oldest first
+
+    def was_dropped(self, tag: int) -> bool:
+        """Whether a message of UCX tag ``tag`` was dropped (forgotten once asked)."""
+        if tag in self._recent:
+            del self._recent[tag]
+            return True
+        return False
+
+    def _note(self, tag: int) -> None:
+        recent = self._recent
+        recent[tag] = None
+        if len(recent) > self.RECORD:
+            del recent[next(iter(recent))]
 
     async def start(self) -> bool:
         """Connect to our own worker and start; False (logged) if UCX
@@ -85,55 +137,116 @@ class Janitor:
             with contextlib.suppress(Exception):
                 ep.abort()
 
-    async def _run(self) -> None:
-        while True:
-            sentinel = int.from_bytes(os.urandom(8), "little") | 1  # never tag 0 (BIND_TAG)
-            marked = time.monotonic()
-            try:
-                with busy():
-                    await self._ep.send(np.zeros(1, dtype=np.uint8), tag=sentinel,
-                                        force_tag=True)
-            except Exception as exc:  # our own endpoint broke: nothing more to do
-                _log.warning("UCX janitor stopped: %s", exc)
-                return
-            while True:
-                await asyncio.sleep(self.period)
-                if time.monotonic() - marked >= self.period + self.patience or \
-                        not self._claimable(marked):
-                    break
-            try:
-                count, nbytes = await self.sweep(sentinel)
-            except Exception:  # a bug: say so, keep the daemon serving, try next round
-                _log.exception("UCX janitor: a sweep failed")
-                continue
-            if count:
-                self.dropped += count
-                self._on_drop(count, nbytes)
+    async def _mark(self) -> None:
+        """Send ourselves a sentinel (``_sent``, oldest first, with its time)."""
+        sentinel = int.from_bytes(os.urandom(8), "little")
+        self._sentinels.add(sentinel)
+        self._sent.append((sentinel, time.monotonic()))
+        with busy():
+            await self._ep.send(np.zeros(1, dtype=np.uint8), tag=sentinel, force_tag=True)
 
-    async def sweep(self, sentinel: int) -> tuple[int, int]:
+    async def _run(self) -> None:
+        ref = _anon()  # what the daemon held before any peer sent anything
+        try:
+            await self._mark()
+            while True:
+                await asyncio.sleep(self.TICK)
+                anon = _anon()
+                if ref is not None and anon is not None and anon - ref > self.budget:
+                    # Bytes first: everything a tick old goes, deferring for no one.
+                    await self._mark()
+                    self.pressed += 1
+                    await self._sweep_to(self._sent[-2][0], trim=True)
+                    continue
+                oldest, since = self._sent[0]
+                waited = time.monotonic() - since
+                if waited >= self.period and (waited >= self.period + self.patience or
+                                              not self._claimable(since)):
+                    await self._mark()  # the next round's
+                    await self._sweep_to(oldest, trim=False)
+        except Exception as exc:  # our own endpoint broke: nothing more to do
+            _log.warning("UCX janitor stopped: %s", exc)
+
+    async def _sweep_to(self, sentinel: int, trim: bool) -> None:
+        while self._sent and self._sent[0][0] != sentinel:
+            self._sent.popleft()
+        if self._sent:
+            self._sent.popleft()
+        try:
+            # Under pressure, bigger steps: between them UCX reads more off its sockets.
+            count, nbytes = await self.sweep(sentinel, self.PRESSED_BATCH if trim else 256)
+        except Exception:  # a bug: say so, keep the daemon serving, try next round
+            _log.exception("UCX janitor: a sweep failed")
+            return
+        self.dropped += count
+        told = self._unreported
+        told[0] += count
+        told[1] += nbytes
+        now = time.monotonic()
+        if told[0] and (not trim or now - self._told >= self.period):
+            self._on_drop(*told)  # (one log line a period under pressure, not one a tick)
+            self._unreported, self._told = [0, 0], now
+        if nbytes >= self.TRIM_AFTER or (trim and nbytes):
+            await asyncio.to_thread(_trim)
+
+    async def sweep(self, sentinel: int, batch: int = 256) -> tuple[int, int]:
         """Drop every unexpected message ahead of ``sentinel`` (oldest
-        first), then the sentinel; (messages, bytes) dropped."""
+        first), then the sentinel; (messages, bytes) dropped, our own
+        earlier sentinels not counted."""
         from ucxx._lib.arr import Array
         from ucxx.types import Tag, TagMask
 
         worker = ucxx().core._get_ctx().worker
         if self._scratch is None:  # one for good: a receive that outlives its wait may write it
             self._scratch = Array(np.zeros(1, dtype=np.uint8))
-        scratch = self._scratch
+        scratch, anything, sentinels = self._scratch, (Tag(0), TagMask(0)), self._sentinels
+        probe, take, note = worker.tag_probe, worker.tag_recv_with_handle, self._note
         count = nbytes = 0
         while True:
-            for _ in range(256):  # then let the loop breathe
-                got = worker.tag_probe(Tag(0), TagMask(0), remove=True)  # the oldest
+            for _ in range(batch):  # then let the loop breathe (and UCX take in more)
+                got = probe(*anything, remove=True)  # the oldest
                 if not got.matched:
                     return count, nbytes  # nothing at all, not even the sentinel: a race
                 tag = int(got.sender_tag.value)
-                req = worker.tag_recv_with_handle(scratch, got)
-                with contextlib.suppress(Exception), busy():
-                    # Truncated, as meant: what matters is that it left the queue.  An
-                    # eager message ends at once; a rendezvous one once its sender hears.
-                    await asyncio.wait_for(req.wait(), 5.0)
-                if tag == sentinel:
-                    return count, nbytes
+                req = take(scratch, got)
+                if not req.completed:
+                    with contextlib.suppress(Exception), busy():
+                        # Truncated, as meant: what matters is that it left the queue.  An
+                        # eager message ends at once; a rendezvous one once its sender hears.
+                        await asyncio.wait_for(req.wait(), 5.0)
+                if tag in sentinels:
+                    sentinels.discard(tag)
+                    if tag == sentinel:
+                        return count, nbytes
+                    continue
+                note(tag)
                 count += 1
                 nbytes += int(got.length)
             await asyncio.sleep(0)
+
+
+def _anon() -> int | None:
+    """This process's anonymous resident bytes (RssAnon; None off Linux)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+_libc: Any = None
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim``;
+    nothing elsewhere): UCP's copies of unexpected messages are malloc'ed,
+    and glibc keeps freed memory in the middle of its heap."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name) if name else False
+    if _libc and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -261,6 +262,12 @@ def _translate(exc: BaseException) -> TransferError:
     return TransferError(f"{type(exc).__name__}: {exc}")
 
 
+class Dropped(TransferError):
+    """The message this receive was for had waited unexpected for longer
+    than the janitor allows and was dropped (``Janitor.was_dropped``): the
+    receive is not posted (it would wait for a message that is gone)."""
+
+
 class Abandoned(PeerGone):
     """We stopped waiting for the transfers: the session they belong to is gone."""
 
@@ -307,11 +314,38 @@ async def transfer_all(coros: Any, deadline: float, on_expired: Any,
             raise r
 
 
-class DataEndpoint:
-    """A UCX endpoint with tagged send/recv that raise ``TransferError``s only."""
+def wire_tag(key: int, tag: Any) -> int:
+    """The 64-bit UCX tag of our ``tag`` (an int or a tuple of ints) on an
+    endpoint whose tag key is ``key``: ucxx's own mix (``hash64bits(key,
+    hash(tag))``, sha1), computed here so that the daemon knows which tag a
+    message it dropped had (``Janitor``) and both sides agree without ucxx's
+    per-endpoint handshake."""
+    h = hashlib.sha1(repr((key, hash(tag))).encode()).digest()
+    return int.from_bytes(h[:8], "big")
 
-    def __init__(self, ep: Any) -> None:
+
+def _never_dropped(wire: int) -> bool:
+    return False
+
+
+class DataEndpoint:
+    """A UCX endpoint with tagged send/recv that raise ``TransferError``s only.
+
+    Tags are ours: ``wire_tag(key, tag)`` with the endpoint's send and
+    receive keys (by default the ones ucxx's listener handshake agreed).
+    ``dropped(wire)`` (the daemon's janitor) is asked right before a receive
+    is posted, in the same step of the event loop as the post: a message the
+    janitor dropped earlier makes the receive fail at once (``Dropped``)
+    instead of waiting for it until the transfer deadline."""
+
+    def __init__(self, ep: Any, keys: tuple[int, int] | None = None,
+                 dropped: Any = _never_dropped) -> None:
         self._ep = ep
+        if keys is None:
+            tags = ep._tags  # ucxx's listener handshake: (msg_send, msg_recv)
+            keys = (int(tags["msg_send"]), int(tags["msg_recv"]))
+        self._send_key, self._recv_key = keys
+        self.dropped = dropped
 
     @property
     def closed(self) -> bool:
@@ -322,15 +356,23 @@ class DataEndpoint:
             raise PeerGone("endpoint closed")
         return self._ep
 
-    async def send(self, buf: Any, tag: int) -> None:
-        ep = self._live()
-        with _transfer_errors(), busy():
-            await ep.send(buf, tag=tag)
+    def recv_tag(self, tag: Any) -> int:
+        """The UCX tag a receive for ``tag`` matches (what the janitor sees)."""
+        return wire_tag(self._recv_key, tag)
 
-    async def recv(self, buf: Any, tag: int) -> None:
+    async def send(self, buf: Any, tag: Any) -> None:
         ep = self._live()
         with _transfer_errors(), busy():
-            await ep.recv(buf, tag=tag)
+            await ep.send(buf, tag=wire_tag(self._send_key, tag), force_tag=True)
+
+    async def recv(self, buf: Any, tag: Any) -> None:
+        ep = self._live()
+        wire = wire_tag(self._recv_key, tag)
+        if self.dropped(wire):  # (no await between this check and the post below)
+            raise Dropped(f"the message of tag {tag!r} waited too long unexpected and was "
+                          "dropped")
+        with _transfer_errors(), busy():
+            await ep.recv(buf, tag=wire, force_tag=True)
 
     def abort(self) -> None:
         """Close at once; UCX cancels every request still posted on it."""

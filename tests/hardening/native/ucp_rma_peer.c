@@ -1,5 +1,8 @@
 /* A UCP peer that never authenticates and tries one-sided get and put at an
  * address of the process behind a UCX listener (tests/hardening/test_ucx_door.py).
+ * HOST "@HEX" (PORT then unused) names the target by its UCP worker address
+ * (hex) instead: the daemon has no listener, but its tcp transport's port
+ * takes whoever dials it with an address.
  *
  *   ucp_rma_peer HOST PORT ADDR LEN get          prints "get ok HEX" or "get failed WHY"
  *   ucp_rma_peer HOST PORT ADDR LEN put BYTE     prints "put ok" or "put failed WHY"
@@ -52,15 +55,25 @@ int main(int argc, char **argv) {
     if (ucp_worker_create(ctx, &wp, &worker) != UCS_OK) { printf("%s failed worker\n", argv[5]); return 0; }
 
     struct sockaddr_in sa = {0};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(port);
-    inet_pton(AF_INET, host, &sa.sin_addr);
     ucp_ep_params_t ep_params = {0};
-    ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                           UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep_params.sockaddr.addr = (struct sockaddr *)&sa;
-    ep_params.sockaddr.addrlen = sizeof(sa);
+    unsigned char *waddr = NULL;
+    if (host[0] == '@') {
+        size_t n = strlen(host + 1) / 2;
+        waddr = malloc(n);
+        for (size_t i = 0; i < n; i++) sscanf(host + 1 + 2 * i, "%2hhx", &waddr[i]);
+        ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                               UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        ep_params.address = (const ucp_address_t *)waddr;
+    } else {
+        sa.sin_family = AF_INET;
+        sa.sin_port = htons(port);
+        inet_pton(AF_INET, host, &sa.sin_addr);
+        ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                               UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+        ep_params.sockaddr.addr = (struct sockaddr *)&sa;
+        ep_params.sockaddr.addrlen = sizeof(sa);
+    }
     ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ucp_ep_h ep;
     if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) { printf("%s failed connect\n", argv[5]); return 0; }

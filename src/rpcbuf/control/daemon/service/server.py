@@ -163,7 +163,9 @@ class Daemon:
         with binding(f"--ucx-port {ucx_port}", ucx_port):
             self._listener = DataListener(self._on_endpoint, port=ucx_port)
         self.ucx_port = self._listener.port
-        self.janitor = Janitor(self.limits.hello_timeout, self.limits.transfer_timeout,
+        # Patience of one round: a store that waits longer for its buffer's
+        # lock holds no one's sweep off; if its payload went, it fails TIMEOUT.
+        self.janitor = Janitor(self.limits.hello_timeout, self.limits.hello_timeout,
                                self._claimable, self._dropped)
         await self.janitor.start()
         self._tls = tls
@@ -434,6 +436,8 @@ class Daemon:
             log.warning("data endpoint with an unknown nonce refused")
             ep.abort()
             return
+        if self.janitor is not None:  # a receive for a message it dropped fails at once
+            ep.dropped = self.janitor.was_dropped
         session.bind(ep)
 
 

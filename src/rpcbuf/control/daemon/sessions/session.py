@@ -365,8 +365,11 @@ class Session:
     def may_claim(self, since: float) -> bool:
         """Whether an unexpected UCX message older than ``since`` (monotonic)
         may be a payload of ours: a store dispatched before then has not
-        posted its receives, or the reader is paused with frames undecoded."""
-        return self.intake.paused or min(self.unposted.values(), default=math.inf) < since
+        posted its receives, or the reader is paused with frames undecoded
+        (``intake.paused`` before hello; after it the pump pauses reading at
+        ``max_inflight`` tasks and sets no flag, so that is the test)."""
+        return self.intake.paused or len(self.tasks) >= self.daemon.limits.max_inflight or \
+            min(self.unposted.values(), default=math.inf) < since
 
     def _start(self, req_id: int, req: P.Request, handler: Callable[..., Any],
                op: logs.OpRecord) -> None:
