@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import rpcbuf
 from conftest import DaemonProc
@@ -147,6 +146,9 @@ async def test_keys_spread_over_three_nodes_and_every_verb_works(
         assert await bc.blocks_exist(["k0000", "k0002"]) == [False, True]
         with pytest.raises(rpcbuf.BadRequest):
             await bc.put_blocks([("a", blocks["k0002"]), ("a", blocks["k0003"])])
+        with pytest.raises(rpcbuf.BadRequest):  # refused before any node stores its part
+            await bc.put_blocks({"a": blocks["k0002"], "b": np.zeros(0, np.uint8)})
+        assert await bc.blocks_exist(["a", "b"]) == [False, False]
 
 
 async def test_a_killed_node_is_misses_and_puts_go_on(start: Callable[..., DaemonProc]) -> None:

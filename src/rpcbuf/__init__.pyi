@@ -37,8 +37,8 @@ __version__: str
 __all__ = [
     "AttachedModel",
     "AuthFailed",
-    "BlockCluster",
     "BadRequest",
+    "BlockCluster",
     "BufferPool",
     "Busy",
     "Cluster",

@@ -34,6 +34,8 @@ unless a ``fallback`` endpoint list is given: then ``cluster.warnings`` says
 so and the list is used.  ``cluster.members()`` is the membership now;
 ``watch=True`` keeps it current while the cluster is open, and
 ``cluster.changes()`` yields each join and leave (``Change``).
+``add_node``, ``drop_node`` and ``forget_node`` change an open cluster's
+sessions (the block key space, ``keyspace.py``, follows its membership so).
 """
 
 from __future__ import annotations

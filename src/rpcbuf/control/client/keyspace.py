@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
+from rpcbuf.control.client.arrays import host_data
 from rpcbuf.control.client.blockops import check_keys
 from rpcbuf.control.client.cluster import Cluster, ClusterError
 from rpcbuf.control.client.context import RpcContext
@@ -66,7 +67,7 @@ from rpcbuf.control.wire.errors import (
     Timeout,
     TokenExpired,
 )
-from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
+from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, NodeRecord
 
 log = logging.getLogger("rpcbuf.keyspace")
 T = TypeVar("T")
@@ -93,12 +94,14 @@ def rank(key: str, seeds: Mapping[str, int], n: int | None = None) -> list[str]:
 class BlockCluster:
     """Keyed blocks over the live nodes of a cluster; see the module docstring."""
 
-    def __init__(self, cluster: Cluster, replicas: int = 1, timeout: float = 30.0) -> None:
+    def __init__(self, cluster: Cluster, replicas: int = 1, timeout: float = 30.0,
+                 reconnect: tuple[float, float] = RECONNECT) -> None:
         if not 1 <= replicas <= MAX_REPLICAS:
             raise BadRequest(f"replicas must be 1 to {MAX_REPLICAS}, not {replicas}")
         self.cluster = cluster
         self.replicas = replicas
         self.timeout = timeout
+        self.reconnect = reconnect  # s: first and largest wait before dialing a lost node
         # The membership (address -> its registry record, None from a list): the
         # nodes dialed again while lost; the live ones are ``cluster.nodes``.
         self._wanted: dict[str, NodeRecord | None] = {}
@@ -114,14 +117,15 @@ class BlockCluster:
     def connect(cls, endpoints: str | Sequence[str] | None, token: str | Mapping[str, str], *,
                 replicas: int = 1, timeout: float = 30.0, cluster: str = DEFAULT_CLUSTER,
                 registry: EtcdOptions | None = None, tls: TlsOption = None,
-                insecure: bool | None = None,
-                same_host: bool | None = None) -> Opening[BlockCluster]:
+                insecure: bool | None = None, same_host: bool | None = None,
+                reconnect: tuple[float, float] = RECONNECT) -> Opening[BlockCluster]:
         """The key space of ``endpoints`` ("h1:7700;h2:7700", a list, or
         "etcd://h:2379": the registry's live members of ``cluster``,
         followed while open).  Dials every node at once (``Cluster.connect``,
         whose ``token``, ``registry``, ``tls``, ``insecure`` and ``same_host``
         these are); a node that cannot be reached is left out and dialed
-        again in the background.  Raises the refusal when a node refuses
+        again in the background (after ``reconnect[0]`` seconds, doubling up
+        to ``reconnect[1]``).  Raises the refusal when a node refuses
         the token, ``ClusterError`` when no node answers, BAD_REQUEST for a
         bad list or ``replicas`` (1 to 16)."""
         if not 1 <= replicas <= MAX_REPLICAS:
@@ -131,10 +135,16 @@ class BlockCluster:
                                   insecure=insecure, same_host=same_host)
 
         async def open_() -> BlockCluster:
-            nodes = await opening
-            out = cls(nodes, replicas, timeout)
             try:
-                await out._start(endpoints)
+                nodes = await opening
+            except ClusterError as exc:  # none answered: a refusal among them says so
+                refused = next((e for e in exc.errors.values() if isinstance(e, REFUSED)), None)
+                if refused is not None:
+                    raise refused from None
+                raise
+            out = cls(nodes, replicas, timeout, reconnect)
+            try:
+                await out._start()
             except BaseException:
                 await out.close()
                 raise
@@ -142,7 +152,7 @@ class BlockCluster:
 
         return Opening(open_)
 
-    async def _start(self, endpoints: str | Sequence[str] | None) -> None:
+    async def _start(self) -> None:
         c = self.cluster
         refused = next((e for e in c.errors.values() if isinstance(e, REFUSED)), None)
         if refused is not None:
@@ -199,12 +209,12 @@ class BlockCluster:
     def _reconcile(self, wanted: dict[str, NodeRecord | None],
                    first: bool = True) -> list[asyncio.Task[None]]:
         """Make ``wanted`` the membership: forget who left it, dial who is
-        not live (now when ``first``, else after ``RECONNECT[0]``); the
+        not live (now when ``first``, else after ``reconnect[0]``); the
         dialing tasks."""
         for addr in [a for a in self._wanted if a not in wanted]:
             self._leave(addr)
         self._wanted = dict(wanted)
-        return [self._revive(a, 0.0 if first else RECONNECT[0])
+        return [self._revive(a, 0.0 if first else self.reconnect[0])
                 for a in wanted if a not in self.cluster.nodes]
 
     def _leave(self, addr: str) -> None:
@@ -241,7 +251,7 @@ class BlockCluster:
             while not self._closed and addr in self._wanted and addr not in self.cluster.nodes:
                 if wait:
                     await asyncio.sleep(wait)
-                wait = min(max(wait * 2, RECONNECT[0]), RECONNECT[1])
+                wait = min(max(wait * 2, self.reconnect[0]), self.reconnect[1])
                 if self._closed or addr not in self._wanted:
                     return
                 try:
@@ -270,7 +280,7 @@ class BlockCluster:
         del self._seeds[addr]
         self.cluster.drop_node(addr, exc)
         if not self._closed and addr in self._wanted:
-            self._revive(addr, RECONNECT[0])
+            self._revive(addr, self.reconnect[0])
 
     def _check(self) -> None:
         if self._closed:
@@ -307,6 +317,8 @@ class BlockCluster:
             return lambda c: fn(c, idx)
 
         addrs = [a for a, idx in plan.items() if idx]
+        if len(addrs) == 1:  # one node (a cluster of one): no task to make
+            return {addrs[0]: await self._on(addrs[0], bound(plan[addrs[0]]))}
         got = await asyncio.gather(*(self._on(a, bound(plan[a])) for a in addrs))
         return dict(zip(addrs, got, strict=True))
 
@@ -330,7 +342,7 @@ class BlockCluster:
         the key's next live node.  Returns ``{"stored": keys stored on at
         least one node, "dropped": keys no live node took, "nodes":
         {address: its answer}, "placed": {key: [address, ...]}}``.  Raises
-        BAD_REQUEST (before anything is sent), a token refusal, or
+        BAD_REQUEST (keys, arrays: before anything is sent), a token refusal, or
         ``ClusterError`` naming each node that refused its part (the other
         nodes' parts are stored)."""
         self._check()
@@ -342,6 +354,9 @@ class BlockCluster:
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):
             raise BadRequest("put_blocks names each key once")
+        arrays = host_data(arrays, "put_blocks takes host arrays (blocks live in host memory)")
+        if any(a.nbytes == 0 for a in arrays):
+            raise BadRequest("every block holds at least one byte")
         if metas is not None and len(metas) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(metas)} metas")
         r = self.replicas if replicas is None else replicas
@@ -432,6 +447,8 @@ class BlockCluster:
         keys = check_keys(keys)
         if len(out) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
+        out = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
+                        writable=True)
 
         async def get(c: RpcContext, idx: list[int]) -> list[bool]:
             return await c.get_blocks([keys[i] for i in idx], [out[i] for i in idx])
@@ -481,6 +498,13 @@ class BlockCluster:
         more = len(merged) > limit or any(m for _, m in pages)
         return merged[:limit], more
 
+    async def ping(self) -> int:
+        """Ping every live node at once; how many answered (a refusal raises)."""
+        self._check()
+        got = await self._fan({a: [0] for a in self._seeds}, lambda c, _: c.ping())
+        self._raise("ping", got)
+        return sum(1 for r in got.values() if not isinstance(r, RpcBufError))
+
     # -- lifecycle --------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -503,8 +527,3 @@ class BlockCluster:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def is_cluster_address(endpoints: str) -> bool:
-    """An endpoint string that names a cluster: a list or a registry."""
-    return is_registry(endpoints) or ";" in endpoints or "," in endpoints
