@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 import rpcbuf
 from conftest import DaemonProc
-from rpcbuf.control.client.keyspace import node_seed, rank
+from rpcbuf.control.client.keyspace import node_seed, rank, ranks
 from rpcbuf.control.wire.auth import create_token, load_or_create_secret
 
 TENANT = "kv"
@@ -57,6 +57,9 @@ def test_a_join_or_a_leave_moves_only_the_keys_it_must(nodes: list[str], keys: l
         first = before[k][0]
         assert left[k] == (first if first != gone else before[k][1])
     assert rank(keys[0], seeds(list(reversed(nodes)))) == before[keys[0]]  # order-free
+    assert ranks(keys, seeds(nodes)) == [before[k] for k in keys]
+    assert ranks(keys, seeds(nodes), 2) == [before[k][:2] for k in keys]
+    assert ranks(keys, seeds(nodes[:1]), 2) == [nodes[:1]] * len(keys)
 
 
 def test_keys_spread_evenly_and_a_join_moves_about_one_in_n() -> None:
