@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import string
 import time
 from collections.abc import Callable
@@ -225,6 +226,19 @@ async def test_a_node_joining_takes_its_share_of_new_puts(
         hits = await read_all(bc, new)
         assert {k for k, h in hits.items() if not h} == \
             {k for k, a in placed.items() if a == [joiner.addr]}
+        # A listed node that is not up yet: set_endpoints returns after one try,
+        # and the node is dialed in the background until it comes up.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            later = f"127.0.0.1:{sock.getsockname()[1]}"
+        await asyncio.wait_for(bc.set_endpoints([*(n.addr for n in nodes), later]), 15)
+        assert later in bc.members and later not in bc.live
+        assert (await bc.put_blocks(blocks_of(10, seed=13, prefix="z")))["dropped"] == []
+        start("--listen", later)
+        deadline = time.monotonic() + 20
+        while later not in bc.live:
+            assert time.monotonic() < deadline, "the listed node was not dialed when it came up"
+            await asyncio.sleep(0.1)
 
 
 async def test_a_restarted_node_is_dialed_again(start: Callable[..., DaemonProc],

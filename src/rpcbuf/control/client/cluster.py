@@ -126,6 +126,11 @@ class Cluster:
     def endpoints(self) -> list[str]:
         return list(self.nodes)
 
+    @property
+    def listed(self) -> list[str]:
+        """Every endpoint in order: connected or not (``errors``), joined since included."""
+        return list(self._order)
+
     def __getitem__(self, endpoint: str) -> RpcContext:
         return self.nodes[endpoint]
 

@@ -53,7 +53,7 @@ import xxhash
 
 from rpcbuf.control.client.arrays import host_data
 from rpcbuf.control.client.blockops import check_keys
-from rpcbuf.control.client.cluster import Cluster, ClusterError
+from rpcbuf.control.client.cluster import Cluster, ClusterError, parse_endpoints
 from rpcbuf.control.client.context import RpcContext
 from rpcbuf.control.client.opening import Opening, TlsOption
 from rpcbuf.control.fleet.etcd import EtcdOptions
@@ -180,10 +180,10 @@ class BlockCluster:
         self._seeds = {a: node_seed(a) for a in c.nodes}
         if c.discovery is not None:
             queue = c.discovery.subscribe()
-            self._reconcile({r.address: r for r in c.members().values()}, first=False)
+            self._reconcile({r.address: r for r in c.members().values()}, now=False)
             self._watcher = asyncio.create_task(self._follow(queue), name="rpcbuf-keyspace")
         else:
-            self._reconcile({a: None for a in c._order}, first=False)
+            self._reconcile({a: None for a in c.listed}, now=False)
         for addr in c.nodes:
             log.info("key space: %s live", addr)
 
@@ -201,39 +201,42 @@ class BlockCluster:
 
     async def set_endpoints(self, endpoints: str | Sequence[str]) -> None:
         """A new endpoint list: nodes no longer listed leave at once (their
-        keys become misses); new ones are dialed now (one that does not
-        answer is dialed again in the background) and take their share of
+        keys become misses); new ones are dialed now, once (one that does not
+        answer is dialed again in the background), and take their share of
         later puts.  Raises a token refusal."""
-        from rpcbuf.control.client.cluster import parse_endpoints
-
         if self.cluster.discovery is not None:
             raise BadRequest("this key space follows a registry: its membership is etcd's")
         await asyncio.gather(*self._reconcile({a: None for a in parse_endpoints(endpoints)}))
         self._check()
 
     async def refresh(self) -> None:
-        """Read the registry's members now (the watch does so on its own)
-        and dial the new ones; with an endpoint list, dial the lost nodes
-        again now."""
+        """Read the registry's members now (the watch does so on its own),
+        and dial every member that is not live now, once (with an endpoint
+        list: its nodes that are not live)."""
         d = self.cluster.discovery
+        wanted: dict[str, NodeRecord | None]
         if d is not None:
             await d.read()
-            await asyncio.gather(*self._reconcile(
-                {r.address: r for r in d.members.values()}))
+            wanted = {r.address: r for r in d.members.values()}
         else:
-            await asyncio.gather(*self._reconcile(dict(self._wanted)))
+            wanted = dict(self._wanted)
+        await asyncio.gather(*self._reconcile(wanted))
         self._check()
 
-    def _reconcile(self, wanted: dict[str, NodeRecord | None],
-                   first: bool = True) -> list[asyncio.Task[None]]:
-        """Make ``wanted`` the membership: forget who left it, dial who is
-        not live (now when ``first``, else after ``reconnect[0]``); the
-        dialing tasks."""
+    def _reconcile(self, wanted: Mapping[str, NodeRecord | None],
+                   now: bool = True) -> list[Awaitable[None]]:
+        """Make ``wanted`` the membership: forget who left it; who is not
+        live is dialed by the awaitables returned (``now``: one try each, then
+        in the background), else in the background after ``reconnect[0]``."""
         for addr in [a for a in self._wanted if a not in wanted]:
             self._leave(addr)
         self._wanted = dict(wanted)
-        return [self._revive(a, 0.0 if first else self.reconnect[0])
-                for a in wanted if a not in self.cluster.nodes]
+        missing = [a for a in wanted if a not in self.cluster.nodes]
+        if not now:
+            for a in missing:
+                self._revive(a, self.reconnect[0])
+            return []
+        return [self._dial_now(a) for a in missing]
 
     def _leave(self, addr: str) -> None:
         self._wanted.pop(addr, None)
@@ -252,39 +255,56 @@ class BlockCluster:
                 await queue.get()
                 while not queue.empty():
                     queue.get_nowait()
-                self._reconcile({r.address: r for r in d.members.values()})
+                await asyncio.gather(*self._reconcile(
+                    {r.address: r for r in d.members.values()}))
         finally:
             d.unsubscribe(queue)
 
-    def _revive(self, addr: str, delay: float) -> asyncio.Task[None]:
+    def _revive(self, addr: str, delay: float) -> None:
         task = self._revivers.get(addr)
         if task is None or task.done():
-            task = asyncio.create_task(self._dial_again(addr, delay),
-                                       name=f"rpcbuf-keyspace-dial {addr}")
-            self._revivers[addr] = task
-        return task
+            self._revivers[addr] = asyncio.create_task(
+                self._dial_again(addr, delay), name=f"rpcbuf-keyspace-dial {addr}")
+
+    async def _dial_now(self, addr: str) -> None:
+        """One try now (a background dial waiting for its turn is dropped);
+        when it fails, the background dialing."""
+        task = self._revivers.pop(addr, None)
+        if task is not None:
+            task.cancel()
+        if not await self._try(addr) and not isinstance(self.cluster.errors.get(addr), REFUSED):
+            self._revive(addr, self.reconnect[0])
+
+    async def _try(self, addr: str) -> bool:
+        """Dial ``addr`` once; whether it is live now (a refusal is kept)."""
+        if self._closed or addr not in self._wanted:
+            return False
+        if addr in self.cluster.nodes:
+            return True
+        try:
+            await self.cluster.add_node(addr, self._wanted[addr])
+        except REFUSED as exc:
+            log.error("key space: %s refused the token: %s", addr, exc)
+            self._refused = exc
+            self.cluster.errors[addr] = exc
+            return False
+        except RpcBufError as exc:
+            log.debug("key space: %s still away: %s", addr, exc)
+            self.cluster.errors[addr] = exc
+            return False
+        self._seeds[addr] = node_seed(addr)
+        log.info("key space: %s live (joined or back)", addr)
+        return True
 
     async def _dial_again(self, addr: str, wait: float) -> None:
+        """Dial ``addr`` after ``wait``, doubling up to ``reconnect[1]``, until it
+        is live, refuses the token, or leaves the membership."""
         try:
             while not self._closed and addr in self._wanted and addr not in self.cluster.nodes:
-                if wait:
-                    await asyncio.sleep(wait)
+                await asyncio.sleep(wait)
                 wait = min(max(wait * 2, self.reconnect[0]), self.reconnect[1])
-                if self._closed or addr not in self._wanted:
+                if await self._try(addr) or isinstance(self.cluster.errors.get(addr), REFUSED):
                     return
-                try:
-                    await self.cluster.add_node(addr, self._wanted[addr])
-                except REFUSED as exc:
-                    log.error("key space: %s refused the token: %s", addr, exc)
-                    self._refused = exc
-                    self.cluster.errors[addr] = exc
-                    return
-                except RpcBufError as exc:
-                    log.debug("key space: %s still away: %s", addr, exc)
-                    self.cluster.errors[addr] = exc
-                    continue
-                self._seeds[addr] = node_seed(addr)
-                log.info("key space: %s live (joined or back)", addr)
         finally:
             if self._revivers.get(addr) is asyncio.current_task():
                 del self._revivers[addr]
