@@ -456,24 +456,33 @@ class BlockCluster:
         order = ranks(keys, self._seeds, self.replicas)
         out: list[T | None] = [None] * len(keys)
         at = [0] * len(keys)
-        todo = list(range(len(keys)))
+        todo = range(len(keys))
         while todo:
+            seeds = self._seeds  # (locals: this loop runs once a key)
             plan: dict[str, list[int]] = {}
             for i in todo:
-                while at[i] < len(order[i]) and order[i][at[i]] not in self._seeds:
-                    at[i] += 1  # gone since: its next node
-                if at[i] < len(order[i]):
-                    plan.setdefault(order[i][at[i]], []).append(i)
+                o, a = order[i], at[i]
+                while a < len(o) and o[a] not in seeds:
+                    a += 1  # gone since: its next node
+                at[i] = a
+                if a < len(o):
+                    plan.setdefault(o[a], []).append(i)
             got = await self._fan(plan, ask)
             self._raise(what, got)
-            todo = []
+            again: list[int] = []
             for addr, res in got.items():
-                for j, i in enumerate(plan[addr]):
-                    if not isinstance(res, RpcBufError) and hit(res[j]):
-                        out[i] = res[j]
+                idx = plan[addr]
+                if isinstance(res, RpcBufError):
+                    again += idx
+                    continue
+                for i, r in zip(idx, res, strict=True):
+                    if hit(r):
+                        out[i] = r
                     else:
-                        at[i] += 1
-                        todo.append(i)
+                        again.append(i)
+            for i in again:
+                at[i] += 1
+            todo = again  # type: ignore[assignment]
         return out
 
     async def get_blocks(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
