@@ -4,6 +4,7 @@ reads this file to import each name's module on first use (``__init__.py``)."""
 from .control.client.cluster import Cluster, ClusterError
 from .control.client.connect import Connector, connect, create_rpc_context
 from .control.client.context import RpcContext
+from .control.client.keyspace import BlockCluster
 from .control.client.model.attached import AttachedModel, attach_model
 from .control.client.model.info import ModelInfo, TensorInfo, model_info
 from .control.client.model.loader import LoadResult, unload_model
@@ -37,6 +38,7 @@ __all__ = [
     "AttachedModel",
     "AuthFailed",
     "BadRequest",
+    "BlockCluster",
     "BufferPool",
     "Busy",
     "Cluster",

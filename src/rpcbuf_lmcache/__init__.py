@@ -12,22 +12,33 @@ route (configuration only, no entry points)::
       remote_storage_plugin.rpcbuf.endpoint: "127.0.0.1:7700"   # else $RPCBUF_ENDPOINTS
       remote_storage_plugin.rpcbuf.token: "..."                 # else $RPCBUF_TOKEN
       remote_storage_plugin.rpcbuf.ttl: 3600                    # optional, seconds per chunk
+      remote_storage_plugin.rpcbuf.replicas: 2                  # optional, nodes per chunk
+      remote_storage_plugin.rpcbuf.cluster: "default"           # optional, the registry's cluster
+
+``endpoint`` is one node, a cluster's list ("h1:7700;h2:7700;h3:7700") or its
+fleet registry ("etcd://h:2379", whose live members are followed): the chunks
+are spread over the live nodes by rendezvous hashing, ``replicas`` nodes each
+(``rpcbuf.BlockCluster``, docs/kvcache.md, "Keys across the cluster").
 
 LMCache builds the connector as ``RpcbufConnector(loop=, local_cpu_backend=,
 config=)`` and calls its coroutines on ``loop`` (RemoteBackend's own
-event-loop thread): the rpcbuf session lives on that loop, and nothing here
+event-loop thread): the rpcbuf sessions live on that loop, and nothing here
 blocks it.  Each chunk is one block: its key is ``CacheEngineKey.to_string()``,
 its bytes the memory object's ``byte_array`` (read straight into the object
 LMCache allocated, no copy besides the transport's), its ``meta`` the
 chunk's ``RemoteMetadata`` (length, shapes, dtypes, format), so a get
 allocates exactly what was stored.  Batched puts and gets are one rpcbuf
-request per batch (split past ``BATCH_KEYS`` keys or ``BATCH_BYTES`` bytes).
+request per node per batch (split past ``BATCH_KEYS`` keys or ``BATCH_BYTES``
+bytes), to every node at once.
 
 Failure modes, as LMCache expects of a remote tier: a daemon that is gone
-or restarting is a miss (``None``, ``False``, a put dropped with a warning),
-never an error, and the session is opened again on a later call (at most
-once per ``RECONNECT_EVERY`` seconds); a token the daemon refuses
-(``AUTH_FAILED``, ``TOKEN_EXPIRED``, ``FORBIDDEN``) raises
+or restarting is a miss (``None``, ``False``; a put goes to the chunk's next
+live node, or is dropped with a warning when none is left), never an error,
+and its session is opened again in the background (every
+``RECONNECT_EVERY`` seconds) while the endpoint list or the registry names
+it; a cluster none of whose nodes answered at start is opened again on a
+later call (at most once per ``RECONNECT_EVERY`` seconds).  A token a daemon
+refuses (``AUTH_FAILED``, ``TOKEN_EXPIRED``, ``FORBIDDEN``) raises
 ``RpcbufAuthError`` (LMCache's ``IrrecoverableException``), at start and on
 any later call, with the daemon's sentence.
 """
@@ -52,6 +63,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 import rpcbuf
 from rpcbuf.control.client.answers import MAX_BLOCK_NBYTES
 from rpcbuf.control.client.blockops import LIST_MAX_CHARS, LIST_MAX_KEYS, list_all
+from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
 from rpcbuf.control.wire.protocol import MAX_BLOCK_KEYS
 
 __all__ = ["RpcbufAuthError", "RpcbufConnector"]
@@ -62,7 +74,6 @@ BATCH_KEYS = 256  # chunks in one rpcbuf request
 BATCH_BYTES = 256 << 20  # bytes in one rpcbuf request
 RECONNECT_EVERY = 1.0  # seconds between attempts to open the session again
 CONNECT_TIMEOUT = 10.0
-_GONE = (rpcbuf.ConnectionLost, rpcbuf.ShuttingDown, rpcbuf.Timeout)
 _REFUSED = (rpcbuf.AuthFailed, rpcbuf.TokenExpired, rpcbuf.Forbidden)
 
 
@@ -94,8 +105,12 @@ class RpcbufConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         opts = _settings(config if config is not None else local_cpu_backend.config)
         endpoints = str(opts.get("endpoint") or os.environ.get("RPCBUF_ENDPOINTS")
-                        or "127.0.0.1:7700")
-        self.endpoint = endpoints.split(";")[0].strip().removeprefix("rpcbuf://")
+                        or "127.0.0.1:7700").strip()
+        self.endpoint = endpoints if endpoints.startswith("etcd") else ";".join(
+            e.strip().removeprefix("rpcbuf://") for e in endpoints.replace(",", ";").split(";")
+            if e.strip())
+        self.replicas = int(opts.get("replicas") or 1)
+        self.cluster = str(opts.get("cluster") or DEFAULT_CLUSTER)
         token = opts.get("token") or os.environ.get("RPCBUF_TOKEN")
         if not token:
             raise RpcbufAuthError("rpcbuf connector: no token (set extra_config "
@@ -105,16 +120,16 @@ class RpcbufConnector(RemoteConnector):
         self.timeout = float(opts.get("timeout") or 30.0)
         same = opts.get("same_host")
         self._same_host = None if same is None else bool(same)
-        self._ctx: rpcbuf.RpcContext | None = None
+        self._keys: rpcbuf.BlockCluster | None = None
         self._connecting: asyncio.Lock | None = None
         self._failed_at = -1e9
         self._closed = False
-        # Open the session now when the loop runs in another thread (LMCache's
+        # Open the sessions now when the loop runs in another thread (LMCache's
         # RemoteBackend): a refused token is a clear error at start; a daemon
         # that is not up yet only means misses until it is.
         if loop.is_running() and not _on(loop):
             try:
-                asyncio.run_coroutine_threadsafe(self._context(), loop).result(
+                asyncio.run_coroutine_threadsafe(self._space(), loop).result(
                     CONNECT_TIMEOUT + 5)
             except RpcbufAuthError:
                 raise
@@ -122,54 +137,43 @@ class RpcbufConnector(RemoteConnector):
                 log.warning("rpcbuf connector: %s not reachable yet (%s); misses until it is",
                             self.endpoint, exc)
 
-    # -- the session ----------------------------------------------------------------------
+    # -- the sessions -------------------------------------------------------------------
 
-    async def _context(self) -> rpcbuf.RpcContext | None:
-        """The session, opened if need be; None while the daemon is gone."""
-        if self._ctx is not None:
-            return self._ctx
+    async def _space(self) -> rpcbuf.BlockCluster | None:
+        """The key space, opened if need be; None while no node answers."""
+        if self._keys is not None:
+            return self._keys
         if self._closed or time.monotonic() - self._failed_at < RECONNECT_EVERY:
             return None
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._ctx is None:
+            if self._keys is None:
                 try:
-                    self._ctx = await rpcbuf.connect(self.endpoint, self._token,
-                                                     timeout=self.timeout,
-                                                     same_host=self._same_host)
+                    self._keys = await rpcbuf.BlockCluster.connect(
+                        self.endpoint, self._token, replicas=self.replicas,
+                        timeout=self.timeout, cluster=self.cluster,
+                        same_host=self._same_host,
+                        reconnect=(RECONNECT_EVERY, RECONNECT_EVERY))
                 except _REFUSED as exc:
                     raise self._refused(exc) from exc
                 except (rpcbuf.RpcBufError, OSError) as exc:
                     self._failed_at = time.monotonic()
                     log.warning("rpcbuf connector: cannot reach %s: %s", self.endpoint, exc)
                     return None
-                log.info("rpcbuf connector: session with %s (%s path)", self.endpoint,
-                         "same-host" if self._ctx.same_host else "ucx")
-        return self._ctx
-
-    def _lost(self, exc: BaseException) -> None:
-        """The session broke (a daemon restart, a lost connection): drop it;
-        a later call opens another."""
-        ctx, self._ctx = self._ctx, None
-        self._failed_at = time.monotonic()
-        log.warning("rpcbuf connector: session with %s lost: %s", self.endpoint, exc)
-        if ctx is not None:
-            ctx.abort()
+                log.info("rpcbuf connector: sessions with %s", ", ".join(self._keys.live))
+        return self._keys
 
     def _refused(self, exc: BaseException) -> RpcbufAuthError:
         return RpcbufAuthError(f"rpcbuf at {self.endpoint} refused the token: {exc}")
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
-        """The one translation of a session's errors, around every call on
-        it: a daemon gone (lost connection, restart, shutdown, a timeout) drops
-        the session and the block ends quietly (the caller answers as for a
-        miss, after the block); a refused token is ``RpcbufAuthError``."""
+        """The one translation of the key space's errors, around every call
+        on it: a refused token is ``RpcbufAuthError`` (a node that is gone
+        is a miss already, in ``BlockCluster``)."""
         try:
             yield
-        except _GONE as exc:
-            self._lost(exc)
         except _REFUSED as exc:
             raise self._refused(exc) from exc
 
@@ -177,16 +181,15 @@ class RpcbufConnector(RemoteConnector):
 
     async def _lookup(self, keys: Sequence[CacheEngineKey],
                       meta: bool = False) -> list[dict[str, Any] | None]:
-        ctx = await self._context()
-        if ctx is None:
+        space = await self._space()
+        if space is None:
             return [None] * len(keys)
         out: list[dict[str, Any] | None] = []
         with self._guarded():
             for at in range(0, len(keys), MAX_BLOCK_KEYS):
                 part = keys[at:at + MAX_BLOCK_KEYS]
-                out += await ctx.lookup_blocks([k.to_string() for k in part], meta=meta)
-            return out
-        return [None] * len(keys)
+                out += await space.lookup_blocks([k.to_string() for k in part], meta=meta)
+        return out
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return (await self._lookup([key]))[0] is not None
@@ -234,17 +237,17 @@ class RpcbufConnector(RemoteConnector):
         return objs
 
     async def _get_full(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        ctx = await self._context()
+        space = await self._space()
         objs: list[MemoryObj | None] = [None] * len(keys)
-        if ctx is None:
+        if space is None:
             return objs
         for i in range(len(keys)):
             objs[i] = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
                                                       self.meta_fmt)
         want = [i for i, o in enumerate(objs) if o is not None]
-        return await self._read(ctx, keys, objs, want)
+        return await self._read(space, keys, objs, want)
 
-    async def _read(self, ctx: rpcbuf.RpcContext, keys: Sequence[CacheEngineKey],
+    async def _read(self, space: rpcbuf.BlockCluster, keys: Sequence[CacheEngineKey],
                     objs: list[MemoryObj | None], want: list[int],
                     lengths: list[int] | None = None) -> list[MemoryObj | None]:
         """``get_blocks`` of ``keys[i]`` into ``objs[i]`` for each i in
@@ -253,7 +256,7 @@ class RpcbufConnector(RemoteConnector):
         try:
             with self._guarded():
                 for part in _batches(want, lambda i: _nbytes(objs[i])):
-                    hits = await ctx.get_blocks(
+                    hits = await space.get_blocks(
                         [keys[i].to_string() for i in part],
                         [_view(objs[i], None if lengths is None else lengths[i]) for i in part])
                     for i, hit in zip(part, hits, strict=True):
@@ -264,7 +267,6 @@ class RpcbufConnector(RemoteConnector):
         except BaseException:
             _release_all(objs)
             raise
-        return _release_all(objs)
 
     async def _get_described(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         found = await self._lookup(keys, meta=True)
@@ -275,10 +277,10 @@ class RpcbufConnector(RemoteConnector):
                 objs[i] = self._allocate(info)
                 lengths[i] = int(info["nbytes"])
         want = [i for i, o in enumerate(objs) if o is not None]
-        ctx = self._ctx
-        if not want or ctx is None:
+        space = self._keys
+        if not want or space is None:
             return _release_all(objs)
-        return await self._read(ctx, keys, objs, want, lengths)
+        return await self._read(space, keys, objs, want, lengths)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
@@ -332,8 +334,8 @@ class RpcbufConnector(RemoteConnector):
 
     async def batched_put(self, keys: Sequence[CacheEngineKey],
                           memory_objs: list[MemoryObj]) -> None:
-        ctx = await self._context()
-        if ctx is None:
+        space = await self._space()
+        if space is None:
             log.debug("rpcbuf connector: %d chunks not sent (no session)", len(keys))
             return
         metas = [RemoteMetadata(_nbytes(m), m.get_shapes(), m.get_dtypes(),
@@ -341,9 +343,9 @@ class RpcbufConnector(RemoteConnector):
         with self._guarded():
             for part in _batches(list(range(len(keys))),
                                  lambda i: _nbytes(memory_objs[i])):
-                await ctx.put_blocks([(keys[i].to_string(), _view(memory_objs[i]))
-                                      for i in part], ttl=self.ttl,
-                                     metas=[metas[i] for i in part])
+                await space.put_blocks([(keys[i].to_string(), _view(memory_objs[i]))
+                                        for i in part], ttl=self.ttl,
+                                       metas=[metas[i] for i in part])
 
     # -- the rest of the interface --------------------------------------------------------
 
@@ -352,12 +354,12 @@ class RpcbufConnector(RemoteConnector):
         ``LIST_MAX_CHARS`` characters) gathered within ``timeout``: past
         that the listing stops with a warning, whatever the daemon says of
         more pages (``blockops.list_all``); a malformed page is a miss."""
-        ctx = await self._context()
-        if ctx is None:
+        space = await self._space()
+        if space is None:
             return []
 
         async def page(after: str | None) -> tuple[list[str], bool]:
-            return await ctx.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
+            return await space.list_blocks(start_after=after, limit=MAX_BLOCK_KEYS)
 
         with self._guarded():
             try:
@@ -370,41 +372,37 @@ class RpcbufConnector(RemoteConnector):
                             "%d characters, %gs)", self.endpoint, len(keys), LIST_MAX_KEYS,
                             LIST_MAX_CHARS, self.timeout)
             return keys
-        return []
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         async def remove() -> bool:
-            ctx = await self._context()
-            if ctx is None:
+            space = await self._space()
+            if space is None:
                 return False
             with self._guarded():
-                return await ctx.remove_blocks([key.to_string()]) > 0
-            return False
+                return await space.remove_blocks([key.to_string()]) > 0
         return bool(self._sync(remove()))
 
     def support_ping(self) -> bool:
         return True
 
     async def ping(self) -> int:
-        ctx = await self._context()
-        if ctx is None:
+        space = await self._space()
+        if space is None:
             return 1
         with self._guarded():
-            await ctx.ping()
-            return 0
-        return 1
+            return 0 if await space.ping() else 1
 
     async def close(self) -> None:
-        """Close the session, within ``timeout`` (never hang a shutdown)."""
+        """Close the sessions, within ``timeout`` (never hang a shutdown)."""
         self._closed = True
-        ctx, self._ctx = self._ctx, None
-        if ctx is None:
+        space, self._keys = self._keys, None
+        if space is None:
             return
         try:
-            await asyncio.wait_for(ctx.close(), self.timeout)
+            await asyncio.wait_for(space.close(), self.timeout)
         except (TimeoutError, rpcbuf.RpcBufError) as exc:
-            log.warning("rpcbuf connector: closing the session: %s", exc)
-            ctx.abort()
+            log.warning("rpcbuf connector: closing the sessions: %s", exc)
+            space.cluster.abort()
 
     def _sync(self, coro: Any) -> Any:
         """Run a coroutine of ours on the connector's loop from another thread."""

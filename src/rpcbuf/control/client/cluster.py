@@ -34,6 +34,8 @@ unless a ``fallback`` endpoint list is given: then ``cluster.warnings`` says
 so and the list is used.  ``cluster.members()`` is the membership now;
 ``watch=True`` keeps it current while the cluster is open, and
 ``cluster.changes()`` yields each join and leave (``Change``).
+``add_node``, ``drop_node`` and ``forget_node`` change an open cluster's
+sessions (the block key space, ``keyspace.py``, follows its membership so).
 """
 
 from __future__ import annotations
@@ -116,10 +118,18 @@ class Cluster:
         self.discovery: Discovery | None = None  # from a registry: its members
         self.records: dict[str, NodeRecord] = {}  # endpoint -> its registry entry
         self.warnings: list[str] = []  # e.g. the registry was away, the fallback list used
+        # How connect dialed and with what token: ``add_node`` dials a later join alike.
+        self._dial: Dial | None = None
+        self._token: str | Mapping[str, str] = ""
 
     @property
     def endpoints(self) -> list[str]:
         return list(self.nodes)
+
+    @property
+    def listed(self) -> list[str]:
+        """Every endpoint in order: connected or not (``errors``), joined since included."""
+        return list(self._order)
 
     def __getitem__(self, endpoint: str) -> RpcContext:
         return self.nodes[endpoint]
@@ -134,7 +144,8 @@ class Cluster:
                 registry: EtcdOptions | None = None,
                 fallback: str | Sequence[str] | None = None, need: int | None = None,
                 watch: bool = False, tls: TlsOption = None,
-                insecure: bool | None = None) -> ClusterConnector:
+                insecure: bool | None = None,
+                same_host: bool | None = None) -> ClusterConnector:
         """Open a session with every node (in parallel).
 
         ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
@@ -153,13 +164,15 @@ class Cluster:
         (or ``$RPCBUF_CA``) makes each node prove with a certificate from
         that CA for the address dialed before it gets the token; from a
         registry, ``tls=True`` (the system's public CAs) is BAD_REQUEST: a
-        forged entry could name a host its writer has a public certificate for."""
+        forged entry could name a host its writer has a public certificate for.
+        ``same_host``: ``rpcbuf.connect``'s, for every node."""
         if endpoints is None:
             endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
             if not endpoints:
                 raise BadRequest("no endpoints given and $RPCBUF_REGISTRY is not set")
         dial = functools.partial(RpcContext.connect, timeout=timeout,
-                                 max_inflight=max_inflight, tls=tls, insecure=insecure)
+                                 max_inflight=max_inflight, tls=tls, insecure=insecure,
+                                 same_host=same_host)
         if isinstance(endpoints, str) and is_registry(endpoints):
             if tls is True:
                 # Whoever may write the registry names the address: with every
@@ -242,6 +255,7 @@ class Cluster:
             await discovery.close()
             raise ClusterError.of("connect", errors, registry=str(discovery.address))
         out = cls(nodes, errors, list(nodes))
+        out._dial, out._token = dial, token
         out.discovery = discovery
         out.records = {a: g[1] for a, g in got.items() if isinstance(g, tuple)}
         if watch:
@@ -285,7 +299,64 @@ class Cluster:
         if errors and not partial:
             await asyncio.gather(*(c.close() for c in nodes.values()), return_exceptions=True)
             raise ClusterError.of("connect", errors)
-        return cls(nodes, errors, endpoints)
+        out = cls(nodes, errors, endpoints)
+        out._dial, out._token = dial, token
+        return out
+
+    # -- nodes that join and leave (the key space, keyspace.py) ----------------------
+
+    async def add_node(self, address: str, record: NodeRecord | None = None) -> RpcContext:
+        """Open a session with one more node (a join, or a node back after
+        ``drop_node``), dialed as ``connect`` dialed the others, with its
+        token; ``record`` (its registry entry) must name the node id the
+        daemon answers (``StaleEntry`` otherwise).  The node joins
+        ``nodes`` at the end of the order.  Raises what dialing raises."""
+        if self._closed:
+            raise BadRequest("this cluster is closed")
+        if address in self.nodes:
+            return self.nodes[address]
+        if self._dial is None:
+            raise BadRequest("this cluster was not opened by Cluster.connect")
+        token = self._token
+        if not isinstance(token, str):
+            got = token.get(address) or (token.get(record.node_id) if record else None)
+            if got is None:
+                raise BadRequest(f"no token for {address}")
+            token = got
+        ctx = await self._dial(address, token)
+        if record is not None:
+            try:
+                check_node(record, ctx.node_id)
+            except RpcBufError:
+                await ctx.close()
+                raise
+            self.records[address] = record
+        if self._closed:  # closed while dialing
+            ctx.abort()
+            raise BadRequest("this cluster is closed")
+        self.nodes[address] = ctx
+        self.errors.pop(address, None)
+        if address not in self._order:
+            self._order.append(address)
+        return ctx
+
+    def drop_node(self, address: str, error: RpcBufError) -> None:
+        """Take a node out of ``nodes`` (its session aborted): it is gone
+        (``error`` says why, in ``errors``) until ``add_node`` again."""
+        ctx = self.nodes.pop(address, None)
+        if ctx is not None:
+            ctx.abort()
+        self.errors[address] = error
+
+    def forget_node(self, address: str) -> None:
+        """A node that left the membership: out of ``nodes``, ``errors`` and the order."""
+        ctx = self.nodes.pop(address, None)
+        if ctx is not None:
+            ctx.abort()
+        self.errors.pop(address, None)
+        self.records.pop(address, None)
+        if address in self._order:
+            self._order.remove(address)
 
     # -- running one operation on every node -----------------------------------------
 

@@ -139,16 +139,28 @@ class Discovery:
         if self._task is None:
             self._task = asyncio.create_task(self._follow(), name="rpcbuf-discovery")
 
-    async def changes(self) -> AsyncIterator[Change]:
-        """Every change from now on (starts the watch if needed)."""
+    def subscribe(self) -> asyncio.Queue[Change]:
+        """A queue of every change from now on (starts the watch if needed);
+        ``unsubscribe`` it when done.  Subscribed at once, unlike ``changes``
+        (whose generator subscribes when first awaited): a caller that then
+        reads ``members`` misses no change between the two."""
         queue: asyncio.Queue[Change] = asyncio.Queue(MAX_CHANGES)
         self._subscribers.append(queue)
         self.watch()
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[Change]) -> None:
+        if queue in self._subscribers:
+            self._subscribers.remove(queue)
+
+    async def changes(self) -> AsyncIterator[Change]:
+        """Every change from now on (starts the watch if needed)."""
+        queue = self.subscribe()
         try:
             while True:
                 yield await queue.get()
         finally:
-            self._subscribers.remove(queue)
+            self.unsubscribe(queue)
 
     def _tell(self, changes: list[Change]) -> None:
         for q in self._subscribers:
