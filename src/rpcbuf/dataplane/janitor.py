@@ -68,8 +68,11 @@ class Janitor:
     whose payload so goes fails with TIMEOUT ``payload_dropped``, as above).
     The reference is not moved: UCP keeps what its pools grew to, so a
     reference taken after a flood would let the next flood refill the pools
-    unseen and add the budget again.  A process whose memory stays above it
-    (after a flood, or a large daemon's own heap) stays in this mode.
+    unseen and add the budget again.  What the daemon's own heap grows by for
+    what tenants hold (``allowance``: buffers and blocks, sessions, frames
+    being received, each bounded by its quota) raises the bar with it, so a
+    daemon holding many blocks is not taken for a flood; a process whose
+    memory stays above the bar (after a flood) stays in this mode.
     Freed heap goes back to the kernel (``malloc_trim``) after a sweep under
     pressure, or one that dropped ``TRIM_AFTER`` bytes or more.
     """
@@ -80,8 +83,13 @@ class Janitor:
     TRIM_AFTER = 1 << 20  # bytes dropped in one sweep after which freed heap goes back
 
     def __init__(self, period: float, patience: float,
-                 claimable: Any = None, on_drop: Any = None, budget: int = 32 << 20) -> None:
+                 claimable: Any = None, on_drop: Any = None, budget: int = 32 << 20,
+                 allowance: Any = None) -> None:
         self.period, self.patience, self.budget = period, patience, budget
+        # Heap the daemon itself grew by for what tenants hold (their buffers,
+        # blocks, sessions and half-received frames, each bounded by its own
+        # quota): not the unexpected queue's, so it moves the bar up.
+        self._allowance = allowance or (lambda: 0)
         self._claimable = claimable or (lambda since: False)
         self._on_drop = on_drop or (lambda count, nbytes: None)
         self._ep: Any = None
@@ -94,6 +102,11 @@ class Janitor:
         self._sentinels: set[int] = set()  # sent, not yet swept
         self._sent: collections.deque[tuple[int, float]] = collections.deque()  # (tag, when)
         self._recent: dict[int, None] = {}  # the last RECORD tags dropped, oldest first
+
+    def over_budget(self, anon: int, ref: int) -> bool:
+        """Whether anonymous memory ``anon`` is past the bar: what it was at
+        the start (``ref``), the daemon's own growth and the budget."""
+        return anon - ref - self._allowance() > self.budget
 
     def was_dropped(self, tag: int) -> bool:
         """Whether a message of UCX tag ``tag`` was dropped (forgotten once asked)."""
@@ -152,7 +165,7 @@ class Janitor:
             while True:
                 await asyncio.sleep(self.TICK)
                 anon = _anon()
-                if ref is not None and anon is not None and anon - ref > self.budget:
+                if ref is not None and anon is not None and self.over_budget(anon, ref):
                     # Bytes first: everything a tick old goes, deferring for no one.
                     await self._mark()
                     self.pressed += 1

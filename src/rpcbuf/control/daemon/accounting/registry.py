@@ -135,6 +135,10 @@ class Registry:
             raise self._lapsed.not_found(tenant, "=" + name, f"no buffer named {name!r}")
         return self._buffers[bid]
 
+    def __len__(self) -> int:
+        """Buffers held, blocks included (what the daemon's own heap grows with)."""
+        return len(self._buffers)
+
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
 

@@ -77,6 +77,10 @@ from rpcbuf.dataplane.ucx import (
 
 __all__ = ["Daemon", "Limits"]
 log = logging.getLogger("rpcbuf.daemon")
+# The janitor's allowance for the daemon's own heap (``Daemon._own_heap``):
+# generous, so that a daemon holding many blocks is never taken for a UCX flood.
+OWN_HEAP_PER_BUFFER = 8 << 10
+OWN_HEAP_PER_SESSION = 512 << 10
 
 
 @contextlib.contextmanager
@@ -166,7 +170,7 @@ class Daemon:
         # Patience of one round: a store that waits longer for its buffer's
         # lock holds no one's sweep off; if its payload went, it fails TIMEOUT.
         self.janitor = Janitor(self.limits.hello_timeout, self.limits.hello_timeout,
-                               self._claimable, self._dropped)
+                               self._claimable, self._dropped, allowance=self._own_heap)
         await self.janitor.start()
         self._tls = tls
         with binding(f"--listen {host}:{port}", port):
@@ -399,6 +403,15 @@ class Daemon:
             pass
         finally:
             writer.close()
+
+    def _own_heap(self) -> int:
+        """A generous estimate of the heap the daemon grew by for what tenants
+        hold (the janitor's byte budget comes on top): a buffer's or block's
+        records, a session's objects and uncharged first frame bytes, and the
+        frame bytes charged to tenants."""
+        return (OWN_HEAP_PER_BUFFER * len(self.registry)
+                + OWN_HEAP_PER_SESSION * len(self.sessions)
+                + self.charges.total("frame_bytes"))
 
     def _claimable(self, since: float) -> bool:
         """Whether a session with a data endpoint may own an unexpected
