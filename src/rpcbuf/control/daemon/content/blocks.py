@@ -158,6 +158,28 @@ class BlockStore:
         if seg.live == 0:
             self._drop_segment(buf.tenant, buf.pool, seg)
 
+    def to_prepare(self, bufs: list[Buffer]) -> tuple[list[Buffer], list[Buffer]]:
+        """The segments of a put's pending ``bufs`` that need work before a
+        byte lands: (kept blocks still being zeroed, which nothing may write
+        before ``zeroed`` is done; new ones whose pages to back once, each
+        handed out once: ``populated``)."""
+        zeroing: list[Buffer] = []
+        fresh: list[Buffer] = []
+        seen: set[str] = set()
+        for buf in bufs:
+            seg_buf = buf.segment
+            if seg_buf is None or seg_buf.buffer_id in seen:
+                continue
+            seen.add(seg_buf.buffer_id)
+            if seg_buf.zeroed is not None and not seg_buf.zeroed.done():
+                zeroing.append(seg_buf)
+            seg = self._segment_of[seg_buf.buffer_id]
+            if not seg.populated:
+                seg.populated = True
+                if seg_buf.zeroed is None:  # a kept block is backed already
+                    fresh.append(seg_buf)
+        return zeroing, fresh
+
     def _drop_segment(self, tenant: str, pool: Pool, seg: Segment) -> None:
         pool_of(self._segments, tenant, pool).remove(seg)
         del self._segment_of[seg.buf.buffer_id]

@@ -81,6 +81,7 @@ class Segment:
     alloc: SlabAllocator | None  # None: ``single``, one block at offset 0
     live: int = 0  # blocks in it, pending or committed, freed or not yet
     failed_at: int = 1 << 62  # the smallest size it could not serve since its last free
+    populated: bool = False  # its pages backed once (``BlockStore.to_prepare``)
 
     def take(self, size: int) -> int | None:
         """A slot for ``size`` bytes: its offset in the segment, or None."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.locks import Grant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
@@ -82,11 +83,7 @@ class BlockOps:
             raise
         committed, nbytes = False, sent.nbytes
         try:
-            for buf in bufs:  # every pending buffer pinned already (``_allocate``)
-                # A kept block not zeroed yet is zeroed now, by this put's
-                # tenant, not after every block freed before it (as
-                # request_buffer does): its lock below waits for that.
-                zero_on_demand(buf, self._ops.daemon.sweeps)
+            await self._prepare(bufs)
             grants: list[tuple[Buffer, Grant]] = []
             try:
                 for buf in bufs:
@@ -114,6 +111,25 @@ class BlockOps:
         self._ops.count("bytes_stored", nbytes)
         self._ops.audit("block_put", bufs[0], 0, nbytes, note=f"blocks={n}")
         return {"blocks": n, "nbytes": nbytes}
+
+    async def _prepare(self, bufs: list[Buffer]) -> None:
+        """Before a byte lands in the put's slots: a segment on a kept block
+        not zeroed yet is zeroed now, by this put's tenant, not after every
+        block freed before it (as request_buffer does), and waited for (the
+        zeroer must not overwrite what lands); a new segment's pages are
+        backed (``prefault.populate``, as for a new buffer), so what lands
+        and every later put into it runs at warm speed.  The segments stay
+        (the put's pending blocks are in them)."""
+        sweeps = self._ops.daemon.sweeps
+        zeroing, fresh = self._blocks.to_prepare(bufs)
+        for seg in zeroing:
+            zero_on_demand(seg, sweeps)
+        for seg in fresh:
+            await prefault.populate(seg.pool.arena, seg.offset, seg.alloc_size, sweeps,
+                                    seg.tenant)
+        for seg in zeroing:
+            if seg.zeroed is not None:
+                await asyncio.wait([seg.zeroed])
 
     async def _allocate(self, call: Call, pool: Pool, sizes: list[int]) -> list[Buffer]:
         """The put's pending buffers, ``ALLOCATE_SLICE`` blocks at a time with
