@@ -134,3 +134,41 @@ def test_sorted_keys_against_sorted() -> None:
     for start in ("", "0500", "1499", "2999", "3000", "0"):
         assert list(s.since(start, True)) == [k for k in want if k >= start]
         assert list(s.since(start, False)) == [k for k in want if k > start]
+
+
+def test_blocks_fill_a_few_segments_and_reuse_their_slots() -> None:
+    """Issue 40: 20,000 blocks of 4 KiB in a 96 MiB quota take a handful of
+    segments (an fd and a mapping each: the tenant's charges), not 20,000
+    memfds; once the quota is full, puts evict into the slots they free (no
+    new segment, the fds constant); a failed put's slots go back; the last
+    block removed gives every segment back."""
+    reg, pool, store = make(256 * MIB, Quota(bytes_per_device=96 * MIB))
+    for i in range(0, 20_000, 500):
+        put(store, pool, "alice", [f"k{j}" for j in range(i, i + 500)])
+    st = store.stats("alice")
+    assert st["blocks"] == 20_000 and st["evictions"] == 0
+    fds = reg.charges.held("alice", "fds")
+    assert 1 <= st["segments"] == fds == reg.charges.held("alice", "mappings") <= 16
+    assert pool.arena.backed == fds  # host.backed: the memfds the arena holds  # type: ignore[attr-defined]
+    for i in range(0, 10_000, 500):  # the rest of the quota: a few more segments
+        put(store, pool, "alice", [f"m{j}" for j in range(i, i + 500)])
+    segments = store.stats("alice")["segments"]
+    assert segments == reg.charges.held("alice", "fds") <= 16
+    for i in range(10_000, 20_000, 500):  # past the quota: evictions into freed slots
+        put(store, pool, "alice", [f"m{j}" for j in range(i, i + 500)])
+    st = store.stats("alice")
+    assert st["blocks"] + st["evictions"] == 40_000 and st["evictions"] >= 10_000
+    assert st["segments"] == reg.charges.held("alice", "fds") == segments  # fds constant
+    store.remove("alice", [f"m{j}" for j in range(19_900, 20_000)])  # 100 free slots
+    st = store.stats("alice")
+    bufs = store.allocate("alice", pool, [PAGE] * 100)
+    store.discard(bufs)  # a failed put: its slots back, nothing else changed
+    assert store.stats("alice") == st
+    put(store, pool, "alice", [f"n{j}" for j in range(100)])  # into the same slots
+    assert store.stats("alice")["evictions"] == st["evictions"]
+    assert store.stats("alice")["segments"] == segments
+    store.remove("alice", [f"k{j}" for j in range(20_000)] + [f"m{j}" for j in range(20_000)]
+                 + [f"n{j}" for j in range(100)])
+    assert store.stats("alice")["segments"] == 0 and reg.charges.held("alice", "fds") == 0
+    assert pool.allocator.stats().used == 0
+    reg.charges.check_invariants()
