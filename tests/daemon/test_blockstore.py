@@ -172,3 +172,24 @@ def test_blocks_fill_a_few_segments_and_reuse_their_slots() -> None:
     assert store.stats("alice")["segments"] == 0 and reg.charges.held("alice", "fds") == 0
     assert pool.allocator.stats().used == 0
     reg.charges.check_invariants()
+
+
+def test_segment_sizes() -> None:
+    """A new segment: a power of two, at least 1 MiB, the rest of the put and
+    half of what the tenant's segments hold, at most 64 MiB, within the room
+    (``segments.py``); 0 when not even the block fits; a block past 64 MiB
+    alone in a segment of its size."""
+    from rpcbuf.control.daemon.content.segments import SEGMENT, segment_size, slot_size
+
+    assert segment_size(16 * KIB, 1 << 40) == MIB
+    assert segment_size(16 * KIB, 1 << 40, want=8 * MIB) == 8 * MIB
+    assert segment_size(16 * KIB, 1 << 40, want=8 * MIB, held=40 * MIB) == 32 * MIB
+    assert segment_size(16 * KIB, 1 << 40, held=1 << 30) == SEGMENT
+    assert segment_size(16 * KIB, 3 * MIB, held=1 << 30) == 2 * MIB  # the room's power of two
+    assert segment_size(16 * KIB, 20 * KIB) == 16 * KIB  # a small quota: the block's own
+    assert segment_size(16 * KIB, 12 * KIB) == 0
+    assert segment_size(3 * MIB, 1 << 40) == 4 * MIB  # a buddy block
+    assert segment_size(SEGMENT + 1, 1 << 40) == SEGMENT + PAGE
+    assert segment_size(SEGMENT + 1, SEGMENT) == 0
+    assert [slot_size(n) for n in (1, 4096, 4097, 16 * KIB, 100 * KIB)] == [
+        4096, 4096, 8192, 16 * KIB, 128 * KIB]

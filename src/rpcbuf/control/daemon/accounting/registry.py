@@ -226,17 +226,18 @@ class Registry:
             buf.block_key = SEGMENT_KEY
         return buf
 
-    def room(self, tenant: str, pool: Pool) -> int:
+    def room(self, tenant: str, pool: Pool) -> tuple[int, bool]:
         """The bytes ``tenant`` could still be given on ``pool`` in one
         block: the rest of its quota (less its waiters'), and no more than
-        the pool's largest free block."""
+        the pool's largest free block; and whether the quota is what bounds it."""
         key = (tenant, pool.key)
         room = pool.allocator.largest_free()
         q = self.quota_for(tenant).bytes_per_device
         if q is not None:
             used = self._tenant_bytes.get(key, 0) + self._tenant_waiting.get(key, 0)
-            room = min(room, q - used)
-        return max(0, room)
+            if q - used < room:
+                return max(0, q - used), True
+        return room, False
 
     def check_count(self, tenant: str) -> None:
         """QUOTA_EXCEEDED when ``tenant`` holds the quota's N buffers and

@@ -330,12 +330,14 @@ class BlockStore:
         reg.check_count(tenant)
         got = segs.take(size)
         if got is None:
-            nbytes = segment_size(size, reg.room(tenant, pool), want, segs.nbytes)
+            room, by_quota = reg.room(tenant, pool)
+            nbytes = segment_size(size, room, want, segs.nbytes)
             if not nbytes:
-                raise reg.out_of_memory(pool, size) if reg.quota_for(
-                    tenant).bytes_per_device is None else QuotaExceeded(
-                    f"no room in tenant {tenant!r}'s quota for a segment of {size} bytes "
-                    f"on {pool.key}", {"requested": size, "device": pool.key})
+                if not by_quota:
+                    raise reg.out_of_memory(pool, size)
+                raise QuotaExceeded(f"no room in tenant {tenant!r}'s quota for a segment of "
+                                    f"{size} bytes on {pool.key}",
+                                    {"requested": size, "room": room, "device": pool.key})
             seg_buf = reg.allocate_segment(tenant, pool, nbytes)
             if seg_buf is None:
                 return None
