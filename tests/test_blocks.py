@@ -491,10 +491,10 @@ async def test_a_put_of_many_blocks_is_all_or_nothing_across_its_slices(
         tier: DaemonProc) -> None:
     """A put allocates 256 blocks at a time, letting the event loop go
     between slices (4,096 blocks at once held every other tenant for about
-    100 ms: one memfd each).  It is still all or nothing: 600 blocks land
-    whole, and a put whose third slice finds no room (the rest of the quota
-    attached, nothing to evict) hands back every block of the first two and
-    stores nothing."""
+    100 ms when each was a memfd; slots of segments now).  It is still all
+    or nothing: 600 blocks land whole, and a put whose third slice finds no
+    room (the rest of the quota attached, nothing to evict) hands back
+    every block of the first two and stores nothing."""
     start = await pool_free(tier)
     small = np.arange(4096, dtype=np.uint8)
     many = {f"many/{i}": small for i in range(600)}

@@ -29,7 +29,7 @@ Manifest entries cost the daemon memory too: each one is charged
 ``ENTRY_BYTES`` against its tenant's bytes on the buffer's device, checked
 before a batch changes anything (``charge_entries``).
 
-A host buffer (a block of the KV tier too) holds a file descriptor and a
+A host buffer (a segment of the KV tier too) holds a file descriptor and a
 mapping for as long as its memory is backed (its memfd, mapped into the
 arena): both are charged to its tenant in ``charges`` (``charges.py``: the
 node's one table of what each tenant holds) with the allocation, checked

@@ -8,11 +8,13 @@ batch uses, one message (or one staging run) per block, straight into or
 out of the blocks' arena slices: a block is a buffer, so nothing here
 copies.
 
-``put`` is two-phase: the store hands out pending buffers (evicting the
-tenant's least recently used blocks if it must; a slice of blocks at a time,
-the loop let go between slices: ``_allocate``), each is pinned and locked
-exclusively (a kept block still being zeroed is zeroed now, by the put's
-tenant: ``backing.zero_on_demand``, and waited for), the bytes land,
+``put`` is two-phase: the store hands out pending buffers, slots of the
+tenant's segments (evicting the tenant's least recently used blocks if it
+must; a slice of blocks at a time, the loop let go between slices:
+``_allocate``), each is pinned and locked exclusively (a segment made on a
+kept block still being zeroed is zeroed now, by the put's tenant:
+``backing.zero_on_demand``, and waited for; a new one has its pages backed:
+``_prepare``), the bytes land,
 every block is hashed (xxh3-64, on the sweep threads for big puts) and
 compared with the client's checksums, and only then does ``commit`` make
 them the keys' blocks, all at once.  A put that fails anywhere (a refusal,
@@ -133,11 +135,13 @@ class BlockOps:
 
     async def _allocate(self, call: Call, pool: Pool, sizes: list[int]) -> list[Buffer]:
         """The put's pending buffers, ``ALLOCATE_SLICE`` blocks at a time with
-        the event loop let go between slices: each block is a memfd made and
-        mapped (about 25 us), so 4,096 at once held every other tenant's
-        request for 100 ms.  All or none: what a failed slice leaves is
-        handed back.  The whole batch is refused first if it could never fit
-        (``BlockStore.admit``: nothing evicted).  Each buffer is pinned by
+        the event loop let go between slices: a block is a slot of its
+        tenant's segments now, but a slice may still make a segment (a memfd
+        made and mapped) or evict, and when each block was a memfd 4,096 at
+        once held every other tenant's request for 100 ms.  All or none:
+        what a failed slice leaves is handed back.  The whole batch is
+        refused first if it could never fit (``BlockStore.admit``: nothing
+        evicted).  Each buffer is pinned by
         the request as it is made, before the next await."""
         owner = self._ops.owner
         self._blocks.admit(owner, pool, sizes)
