@@ -193,3 +193,24 @@ def test_segment_sizes() -> None:
     assert segment_size(SEGMENT + 1, SEGMENT) == 0
     assert [slot_size(n) for n in (1, 4096, 4097, 16 * KIB, 100 * KIB)] == [
         4096, 4096, 8192, 16 * KIB, 128 * KIB]
+
+
+def test_a_puts_blocks_are_evicted_in_their_order_though_its_request_lets_go_last_first() -> None:
+    """A put's request holds its blocks until it is answered and lets them go
+    last first (``Held.release``).  They entered the LRU order as let go, so
+    the put's last block was evicted first; now in the put's own order, and
+    eviction still looks at one entry per block (plus one per block it finds
+    still held by its put, once)."""
+    reg, pool, store = make(64 * MIB, Quota(bytes_per_device=1 * MIB))
+    keys = [f"k{i:03d}" for i in range(256)]  # 1 MiB of 4 KiB blocks: the whole quota
+    bufs = store.allocate("alice", pool, [PAGE] * 256)
+    for b in bufs:
+        reg.pin(b)  # what the put's request holds (``call.held.keep``)
+    store.commit("alice", keys, bufs, [PAGE] * 256, [0] * 256, None, None)
+    for b in reversed(bufs):
+        reg.unpin(b)  # ``Held.release``: last first
+    store.steps = 0
+    put(store, pool, "alice", ["new0", "new1", "new2"])
+    assert store.steps == 3
+    alive = [store.lookup("alice", k, touch=False) is not None for k in keys]
+    assert alive == [False] * 3 + [True] * 253  # k000, k001, k002 went first

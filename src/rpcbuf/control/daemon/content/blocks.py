@@ -40,10 +40,12 @@ device, only the blocks nobody holds (``pins == 0``), least recently used
 first, so eviction takes the first entry and never walks past attached or
 read blocks: the registry tells the store when a block's first pin is taken
 and its last one dropped (``Registry.on_pin``), and the block leaves the
-order or comes back as the most recently used (a detach is a use); and
-``order``, the keys sorted (``SortedKeys``), so a page of ``keys`` costs
-O(log n + page).  ``steps`` counts the entries eviction and listing looked
-at (what the tests bound).
+order or comes back as the most recently used (a detach is a use).  (A
+put's blocks enter the order at commit, in the put's key order, while its
+request still holds them; eviction drops such an entry from the order, once,
+if it finds one at the head.)  And ``order``, the keys sorted
+(``SortedKeys``), so a page of ``keys`` costs O(log n + page).  ``steps``
+counts the entries eviction and listing looked at (what the tests bound).
 """
 
 from __future__ import annotations
@@ -363,11 +365,20 @@ class BlockStore:
         none."""
         tier = self._tiers.get(tenant)
         lru = None if tier is None else tier.lru.get(pool.key)
-        if tier is None or not lru:
+        if tier is None:
             return False
-        self.steps += 1
-        self._drop(tenant, tier, next(iter(lru.values())), "evictions")
-        return True
+        while lru:
+            self.steps += 1
+            block = next(iter(lru.values()))
+            if block.buf.pins:
+                # Committed while its put's request still held it (``commit``):
+                # out of the order until let go, then the most recently used.
+                # Each such step is paid for by that commit: O(1) amortized.
+                del lru[block.key]
+                continue
+            self._drop(tenant, tier, block, "evictions")
+            return True
+        return False
 
     def discard(self, bufs: list[Buffer]) -> None:
         """Hand back a failed put's pending buffers (freed once unpinned)."""
@@ -393,8 +404,10 @@ class BlockStore:
             block = Block(key, buf, sizes[i], checksums[i], None if metas is None else metas[i],
                           now, expires)
             tier.blocks[key] = block
-            if buf.pins == 0:  # else the put still holds it: in the order when let go
-                tier.evictable(buf.pool)[key] = block
+            # In the order now, in the put's key order, even while the put's
+            # request still holds it: let go (``_pinned``) it keeps its place
+            # (its request unpins last key first, which reversed a put's order).
+            tier.evictable(buf.pool)[key] = block
             tier.nbytes += block.nbytes
             if expires is not None:
                 self._leases.count += 1
