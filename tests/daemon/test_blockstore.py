@@ -134,3 +134,83 @@ def test_sorted_keys_against_sorted() -> None:
     for start in ("", "0500", "1499", "2999", "3000", "0"):
         assert list(s.since(start, True)) == [k for k in want if k >= start]
         assert list(s.since(start, False)) == [k for k in want if k > start]
+
+
+def test_blocks_fill_a_few_segments_and_reuse_their_slots() -> None:
+    """Issue 40: 20,000 blocks of 4 KiB in a 96 MiB quota take a handful of
+    segments (an fd and a mapping each: the tenant's charges), not 20,000
+    memfds; once the quota is full, puts evict into the slots they free (no
+    new segment, the fds constant); a failed put's slots go back; the last
+    block removed gives every segment back."""
+    reg, pool, store = make(256 * MIB, Quota(bytes_per_device=96 * MIB))
+    for i in range(0, 20_000, 500):
+        put(store, pool, "alice", [f"k{j}" for j in range(i, i + 500)])
+    st = store.stats("alice")
+    assert st["blocks"] == 20_000 and st["evictions"] == 0
+    fds = reg.charges.held("alice", "fds")
+    assert 1 <= st["segments"] == fds == reg.charges.held("alice", "mappings") <= 16
+    assert pool.arena.backed == fds  # host.backed: the memfds the arena holds  # type: ignore[attr-defined]
+    for i in range(0, 10_000, 500):  # the rest of the quota: a few more segments
+        put(store, pool, "alice", [f"m{j}" for j in range(i, i + 500)])
+    segments = store.stats("alice")["segments"]
+    assert segments == reg.charges.held("alice", "fds") <= 16
+    for i in range(10_000, 20_000, 500):  # past the quota: evictions into freed slots
+        put(store, pool, "alice", [f"m{j}" for j in range(i, i + 500)])
+    st = store.stats("alice")
+    assert st["blocks"] + st["evictions"] == 40_000 and st["evictions"] >= 10_000
+    assert st["segments"] == reg.charges.held("alice", "fds") == segments  # fds constant
+    store.remove("alice", [f"m{j}" for j in range(19_900, 20_000)])  # 100 free slots
+    st = store.stats("alice")
+    bufs = store.allocate("alice", pool, [PAGE] * 100)
+    store.discard(bufs)  # a failed put: its slots back, nothing else changed
+    assert store.stats("alice") == st
+    put(store, pool, "alice", [f"n{j}" for j in range(100)])  # into the same slots
+    assert store.stats("alice")["evictions"] == st["evictions"]
+    assert store.stats("alice")["segments"] == segments
+    store.remove("alice", [f"k{j}" for j in range(20_000)] + [f"m{j}" for j in range(20_000)]
+                 + [f"n{j}" for j in range(100)])
+    assert store.stats("alice")["segments"] == 0 and reg.charges.held("alice", "fds") == 0
+    assert pool.allocator.stats().used == 0
+    reg.charges.check_invariants()
+
+
+def test_segment_sizes() -> None:
+    """A new segment: a power of two, at least 1 MiB, the rest of the put and
+    half of what the tenant's segments hold, at most 64 MiB, within the room
+    (``segments.py``); 0 when not even the block fits; a block past 64 MiB
+    alone in a segment of its size."""
+    from rpcbuf.control.daemon.content.segments import SEGMENT, segment_size, slot_size
+
+    assert segment_size(16 * KIB, 1 << 40) == MIB
+    assert segment_size(16 * KIB, 1 << 40, want=8 * MIB) == 8 * MIB
+    assert segment_size(16 * KIB, 1 << 40, want=8 * MIB, held=40 * MIB) == 32 * MIB
+    assert segment_size(16 * KIB, 1 << 40, held=1 << 30) == SEGMENT
+    assert segment_size(16 * KIB, 3 * MIB, held=1 << 30) == 2 * MIB  # the room's power of two
+    assert segment_size(16 * KIB, 20 * KIB) == 16 * KIB  # a small quota: the block's own
+    assert segment_size(16 * KIB, 12 * KIB) == 0
+    assert segment_size(3 * MIB, 1 << 40) == 4 * MIB  # a buddy block
+    assert segment_size(SEGMENT + 1, 1 << 40) == SEGMENT + PAGE
+    assert segment_size(SEGMENT + 1, SEGMENT) == 0
+    assert [slot_size(n) for n in (1, 4096, 4097, 16 * KIB, 100 * KIB)] == [
+        4096, 4096, 8192, 16 * KIB, 128 * KIB]
+
+
+def test_a_puts_blocks_are_evicted_in_their_order_though_its_request_lets_go_last_first() -> None:
+    """A put's request holds its blocks until it is answered and lets them go
+    last first (``Held.release``).  They entered the LRU order as let go, so
+    the put's last block was evicted first; now in the put's own order, and
+    eviction still looks at one entry per block (plus one per block it finds
+    still held by its put, once)."""
+    reg, pool, store = make(64 * MIB, Quota(bytes_per_device=1 * MIB))
+    keys = [f"k{i:03d}" for i in range(256)]  # 1 MiB of 4 KiB blocks: the whole quota
+    bufs = store.allocate("alice", pool, [PAGE] * 256)
+    for b in bufs:
+        reg.pin(b)  # what the put's request holds (``call.held.keep``)
+    store.commit("alice", keys, bufs, [PAGE] * 256, [0] * 256, None, None)
+    for b in reversed(bufs):
+        reg.unpin(b)  # ``Held.release``: last first
+    store.steps = 0
+    put(store, pool, "alice", ["new0", "new1", "new2"])
+    assert store.steps == 3
+    alive = [store.lookup("alice", k, touch=False) is not None for k in keys]
+    assert alive == [False] * 3 + [True] * 253  # k000, k001, k002 went first

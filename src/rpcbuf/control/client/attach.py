@@ -70,10 +70,12 @@ class Attachment:
 
     @classmethod
     def host(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
-             detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
-        """A host buffer's read-only memfd, mapped ``PROT_READ``."""
+             detach: Callable[[str], asyncio.Future[Any] | None],
+             offset: int = 0) -> Attachment:
+        """A host buffer's read-only memfd, mapped ``PROT_READ``; its bytes
+        from ``offset`` (a block in its tenant's segment)."""
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        base = np.frombuffer(mm, dtype=np.uint8, count=int(meta["size"]))
+        base = np.frombuffer(mm, dtype=np.uint8, count=int(meta["size"]), offset=offset)
         return cls(buffer_id, meta, base, base, _unmap, (mm,), detach)
 
     @classmethod
@@ -210,7 +212,10 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
     detach = detacher(asyncio.get_running_loop(), send_detach)
     try:
         size, alloc = meta.get("size"), meta.get("alloc_size")
-        if type(size) is not int or type(alloc) is not int or not 0 <= size <= alloc \
+        # A block lies at ``offset`` in its tenant's segment (the handle is the segment's).
+        offset = meta.get("offset", 0)
+        if type(size) is not int or type(alloc) is not int or type(offset) is not int \
+                or not 0 <= size <= alloc or not 0 <= offset <= alloc - size \
                 or nbytes != alloc:
             raise ConnectionLost("the daemon's attach answer does not match its handle")
         if meta.get("device_type") == "GPU":
@@ -218,9 +223,11 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
             if type(device) is not int or device < 0:
                 raise ConnectionLost("the daemon's attach answer names no GPU")
             fd, took = -1, fd  # the import takes the fd
+            if offset:
+                raise ConnectionLost("the daemon's attach answer places a GPU buffer at an offset")
             return Attachment.device(buffer_id, meta, took, alloc, device, detach)
         check_read_only(fd, alloc)
-        return Attachment.host(buffer_id, meta, fd, alloc, detach)
+        return Attachment.host(buffer_id, meta, fd, alloc, detach, offset)
     except BaseException:
         await send_detach(buffer_id)
         raise

@@ -105,6 +105,14 @@ class Buffer:
     # The key of the block it holds (``blocks.py``), pending or committed:
     # such a buffer is the block store's, never listed or named as a buffer.
     block_key: str | None = None
+    # A block of the KV tier lives in a slot of a segment (``segments.py``):
+    # that segment, a buffer of the block store with the memfd and the
+    # charges (bytes, fd, mapping); the block itself holds none of them, only
+    # its slot ``[offset, offset + alloc_size)`` of the same arena.
+    segment: Buffer | None = None
+    # Whether it counts as one of its tenant's buffers (the quota's N): not
+    # a segment, which is charged bytes, an fd and a mapping only.
+    counted: bool = True
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

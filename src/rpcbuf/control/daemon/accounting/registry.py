@@ -29,13 +29,21 @@ Manifest entries cost the daemon memory too: each one is charged
 ``ENTRY_BYTES`` against its tenant's bytes on the buffer's device, checked
 before a batch changes anything (``charge_entries``).
 
-A host buffer (a block of the KV tier too) holds a file descriptor and a
+A host buffer (a segment of the KV tier too) holds a file descriptor and a
 mapping for as long as its memory is backed (its memfd, mapped into the
 arena): both are charged to its tenant in ``charges`` (``charges.py``: the
 node's one table of what each tenant holds) with the allocation, checked
 with the quota before anything is allocated, and given back with the block
 (``_free``).  A byte quota alone let 19,967 blocks of 4 KiB take all of the
 daemon's 20,000 fds.
+
+The KV tier's blocks hold no memfd of their own: the block store carves them
+from a few large per-tenant *segments* (``segments.py``).  A segment is a
+buffer of the store (``allocate_segment``: bytes, an fd and a mapping
+charged, not one of the quota's N buffers); a block is a light buffer over a
+slot of one (``add_block``: one of the N, nothing else charged), pinned,
+locked and released like any buffer, and freed back into its segment
+(``on_block_free``), never to the allocator.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ __all__ = ["AGING", "ENTRY_BYTES", "MAX_WAITERS", "Buffer", "Pool", "Quota", "Re
 log = logging.getLogger("rpcbuf.daemon")
 ENTRY_BYTES = 512  # what one manifest entry is charged against its tenant's quota
 HANDLES = ("fds", "mappings")  # what a backed host block holds, one of each
+SEGMENT_KEY = "\0segment"  # a segment's ``block_key``: hidden like a block, never a key
 
 
 class Registry:
@@ -101,6 +110,9 @@ class Registry:
         # dropped (False): the block store keeps held blocks out of its
         # eviction order (``BlockStore._pinned``).
         self.on_pin: Callable[[Buffer, bool], None] | None = None
+        # Told when a block's slot is free again (its buffer freed): the block
+        # store hands it back to its segment (``BlockStore._slot_freed``).
+        self.on_block_free: Callable[[Buffer], None] | None = None
 
     # -- lookup ---------------------------------------------------------------
 
@@ -148,7 +160,8 @@ class Registry:
         return self.quotas.get(tenant, self.default_quota)
 
     def _check_quota(self, tenant: str, pool: Pool, size: int, extra: int = 0,
-                     alloc: int | None = None, new_buffer: bool = True) -> None:
+                     alloc: int | None = None, new_buffer: bool = True,
+                     counted: bool = True) -> None:
         """Would ``tenant`` stay within its quota holding ``alloc`` more bytes
         (default: the block ``size`` takes) on ``pool``?  ``extra``: bytes
         reserved besides what it holds (its waiters' blocks)."""
@@ -163,7 +176,7 @@ class Registry:
                 {"requested": alloc, "used": used, "quota": q.bytes_per_device},
             )
         count = self._tenant_count.get(tenant, 0)
-        if new_buffer and q.buffers is not None and count + 1 > q.buffers:
+        if new_buffer and counted and q.buffers is not None and count + 1 > q.buffers:
             raise QuotaExceeded(
                 f"tenant {tenant!r} holds {count} buffers, quota is {q.buffers}",
                 {"buffers": count, "quota": q.buffers},
@@ -173,7 +186,7 @@ class Registry:
                 self.charges.check(tenant, kind)
 
     def _validate(self, tenant: str, pool: Pool, size: int, name: str | None,
-                  extra: int = 0) -> None:
+                  extra: int = 0, counted: bool = True) -> None:
         if size <= 0:
             raise BadRequest("size must be positive")
         if size > pool.allocator.max_size:
@@ -184,7 +197,7 @@ class Registry:
             )
         if name is not None and (tenant, name) in self._names:
             raise BadRequest(f"a buffer named {name!r} already exists", {"name": name})
-        self._check_quota(tenant, pool, size, extra)
+        self._check_quota(tenant, pool, size, extra, counted=counted)
 
     def try_allocate(self, tenant: str, pool: Pool, size: int, *, name: str | None = None,
                      ttl: float | None = None, session_id: str | None = None,
@@ -201,6 +214,58 @@ class Registry:
         if queues and (tenant in queues.by_tenant or self._holding(pool) is not None):
             return None
         return self._allocate(tenant, pool, size, name, ttl, session_id, like)
+
+    def allocate_segment(self, tenant: str, pool: Pool, size: int) -> Buffer | None:
+        """A segment of ``size`` bytes for ``tenant``'s blocks on ``pool``
+        (see the module): as ``try_allocate`` (None: wait, or no block free),
+        charged its bytes, an fd and a mapping, but not one of the quota's N
+        buffers (its blocks are: ``add_block``)."""
+        queues = self._waiters[pool.key]
+        self._validate(tenant, pool, size, None,
+                       self._tenant_waiting.get((tenant, pool.key), 0), counted=False)
+        if queues and (tenant in queues.by_tenant or self._holding(pool) is not None):
+            return None
+        buf = self._allocate(tenant, pool, size, None, None, None, counted=False)
+        if buf is not None:
+            buf.block_key = SEGMENT_KEY
+        return buf
+
+    def room(self, tenant: str, pool: Pool) -> tuple[int, bool]:
+        """The bytes ``tenant`` could still be given on ``pool`` in one
+        block: the rest of its quota (less its waiters'), and no more than
+        the pool's largest free block; and whether the quota is what bounds it."""
+        key = (tenant, pool.key)
+        room = pool.allocator.largest_free()
+        q = self.quota_for(tenant).bytes_per_device
+        if q is not None:
+            used = self._tenant_bytes.get(key, 0) + self._tenant_waiting.get(key, 0)
+            if q - used < room:
+                return max(0, q - used), True
+        return room, False
+
+    def check_count(self, tenant: str) -> None:
+        """QUOTA_EXCEEDED when ``tenant`` holds the quota's N buffers and
+        blocks already (``add_block`` would pass it)."""
+        q = self.quota_for(tenant)
+        count = self._tenant_count.get(tenant, 0)
+        if q.buffers is not None and count + 1 > q.buffers:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} holds {count} buffers and blocks, quota is {q.buffers}",
+                {"buffers": count, "quota": q.buffers})
+
+    def add_block(self, segment: Buffer, offset: int, size: int, alloc_size: int) -> Buffer:
+        """A block of ``segment``'s tenant over its slot ``[offset, offset +
+        alloc_size)`` (arena offsets), given by the segment's own allocator:
+        one of the tenant's N (``check_count`` first), nothing else charged
+        (the segment is), in no view (the block store's: ``block_key``)."""
+        tenant = segment.tenant
+        self.check_count(tenant)
+        buf = Buffer(buffer_id=self._ids.next(), tenant=tenant, pool=segment.pool,
+                     offset=offset, size=size, alloc_size=alloc_size, name=None,
+                     session_id=None, ttl=None, created_at=self.clock(), expires_at=None,
+                     block_key="", segment=segment)
+        self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        return buf
 
     def queued_ahead(self, tenant: str, pool: Pool) -> bool:
         """Whether a ``try_allocate`` of ``tenant`` on ``pool`` would wait for
@@ -239,7 +304,7 @@ class Registry:
 
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   ttl: float | None, session_id: str | None,
-                  like: Buffer | None = None) -> Buffer | None:
+                  like: Buffer | None = None, counted: bool = True) -> Buffer | None:
         offset = kept_block(pool, size) if like is None else None
         if offset is None:
             offset = pool.allocator.allocate(size)
@@ -267,6 +332,7 @@ class Registry:
             alloc_size=alloc_size, name=name,
             session_id=session_id if name is None and ttl is None else None,
             ttl=ttl, created_at=now, expires_at=None if ttl is None else now + ttl,
+            counted=counted,
         )
         if zeroing is not None:
             lock_until_zeroed(buf, zeroing)
@@ -276,7 +342,8 @@ class Registry:
             self._names[(tenant, name)] = buf.buffer_id
         key = (tenant, pool.key)
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + buf.alloc_size
-        self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        if counted:
+            self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
         if buf.expires_at is not None:
             self._leases.count += 1
             self._leases.push(buf.buffer_id, buf.expires_at)
@@ -437,6 +504,11 @@ class Registry:
         if buf.freed:
             return
         buf.freed = True
+        if buf.segment is not None:  # a block: its slot goes back to its segment
+            self._tenant_count[buf.tenant] -= 1
+            if self.on_block_free is not None:
+                self.on_block_free(buf)
+            return
         pool = buf.pool
         if pool.owners.get(buf.offset) is not buf:
             raise RuntimeError(f"{buf.buffer_id}: block {buf.offset} of {pool.key} "
@@ -452,7 +524,8 @@ class Registry:
         kept = buf.alloc_size if buf.exported_to else 0
         self._tenant_bytes[key] -= buf.alloc_size - kept + buf.entries_charged * ENTRY_BYTES
         buf.entries_charged = 0
-        self._tenant_count[buf.tenant] -= 1
+        if buf.counted:
+            self._tenant_count[buf.tenant] -= 1
         self._grant(pool)
 
     def charge_entries(self, buf: Buffer, count: int, dry_run: bool = False) -> None:

@@ -2,15 +2,18 @@
 and counters.  Plain synchronous code (decide here; ``blockops`` does the
 I/O), as the ``Registry`` is.
 
-A block is a buffer of the registry (``Buffer.block_key`` set): its bytes
-live in an arena slice like any buffer's, so the data paths (UCX, the
-same-host staging area) carry them exactly as they carry buffers, and the
-registry's rules hold for them unchanged: charged to the tenant's quota
-(bytes per device and buffer count), pinned while a transfer reads them
-(a block removed or evicted meanwhile is freed when the read ends), freed
-once.  The block store owns those buffers: they have no name, no lease and
-no session, are never listed as buffers, and their ids never leave the
-daemon.
+A block is a light buffer of the registry (``Buffer.block_key`` set) over a
+slot of one of its tenant's segments (``segments.py``: a few large memfds per
+tenant, carved by a slab allocator; ``Registry.add_block``): its bytes lie in
+the arena like any buffer's, so the data paths (UCX, the same-host staging
+area) carry them exactly as they carry buffers, and the registry's rules
+hold for them: one of the tenant's N buffers, pinned while a transfer reads
+them (a block removed or evicted meanwhile is freed when the read ends),
+freed once, into its segment (``_slot_freed``).  The segments hold the
+memory and the charges (bytes, an fd and a mapping each), so the daemon's
+fds and mappings stay as they are while a tenant's block count grows.  The
+block store owns those buffers: they have no name, no lease and no
+session, are never listed as buffers, and their ids never leave the daemon.
 
 Writes are two-phase: ``allocate`` gives a put its buffers (pending: in no
 key map, so no reader can see them), and only ``commit``, once every byte
@@ -18,16 +21,18 @@ landed and matched its checksum, makes them the keys' blocks, all at once
 (replacing what the keys named before).  A put that fails hands its
 buffers back with ``discard``.
 
-A full tier evicts instead of refusing: when the tenant's quota (or the
-device) has no room for a new block, ``allocate`` releases the tenant's
-least recently used blocks that no transfer holds, one at a time, until it
-fits.  Only the tenant's own blocks are ever evicted, a batch bigger than
-the whole quota is refused before anything is evicted, and nothing is
-evicted when what the put waits for is the queue of requests waiting for
-memory, not room (``Registry.queued_ahead``): another tenant's waiter never
-costs a tenant its blocks.  Expired blocks (``ttl``) go when their time
-comes (``expire``, called by the daemon's expiry timer) and are never served
-after it (``lookup`` checks).
+A full tier evicts instead of refusing: when no segment of the tenant has a
+free slot for a new block and its quota (or the device) has no room for a
+new segment, ``allocate`` releases the tenant's least recently used blocks
+that no transfer holds, one at a time, until a slot is free or a segment
+emptied (and given back) makes room for one of the size needed. Only the
+tenant's own blocks are ever evicted, a batch bigger than the whole quota is
+refused before anything is evicted, and nothing is evicted when what the put
+waits for is the queue of requests waiting for memory, not room
+(``Registry.queued_ahead``): another tenant's waiter never costs a tenant
+its blocks. Expired blocks (``ttl``) go when their time comes (``expire``,
+called by the daemon's expiry timer) and are never served after it
+(``lookup`` checks).
 
 No tenant-sized work on the event loop: each tier keeps its blocks three
 ways, each O(1) or O(log n) to change.  ``blocks`` by key; ``lru``, per
@@ -35,10 +40,12 @@ device, only the blocks nobody holds (``pins == 0``), least recently used
 first, so eviction takes the first entry and never walks past attached or
 read blocks: the registry tells the store when a block's first pin is taken
 and its last one dropped (``Registry.on_pin``), and the block leaves the
-order or comes back as the most recently used (a detach is a use); and
-``order``, the keys sorted (``SortedKeys``), so a page of ``keys`` costs
-O(log n + page).  ``steps`` counts the entries eviction and listing looked
-at (what the tests bound).
+order or comes back as the most recently used (a detach is a use).  (A
+put's blocks enter the order at commit, in the put's key order, while its
+request still holds them; eviction drops such an entry from the order, once,
+if it finds one at the head.)  And ``order``, the keys sorted
+(``SortedKeys``), so a page of ``keys`` costs O(log n + page).  ``steps``
+counts the entries eviction and listing looked at (what the tests bound).
 """
 
 from __future__ import annotations
@@ -51,6 +58,14 @@ from typing import Any
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
 from rpcbuf.control.daemon.accounting.leases import Leases
 from rpcbuf.control.daemon.accounting.registry import Registry
+from rpcbuf.control.daemon.content.segments import (
+    SEGMENT,
+    Segment,
+    Segments,
+    pool_of,
+    segment_size,
+    slot_size,
+)
 from rpcbuf.control.daemon.content.sortedkeys import SortedKeys
 from rpcbuf.control.wire.errors import OutOfMemory, QuotaExceeded
 
@@ -107,7 +122,10 @@ class BlockStore:
         self._tiers: dict[str, Tier] = {}
         self._leases: Leases[tuple[str, str]] = Leases(self._expires_at, self._live_leases)
         self.steps = 0  # entries eviction and listing looked at (see the module)
+        self._segments: dict[tuple[str, str], Segments] = {}  # (tenant, pool key) ->
+        self._segment_of: dict[str, Segment] = {}  # a segment's buffer id -> it
         registry.on_pin = self._pinned
+        registry.on_block_free = self._slot_freed
 
     def _tier(self, tenant: str) -> Tier:
         tier = self._tiers.get(tenant)
@@ -130,6 +148,44 @@ class BlockStore:
             lru.pop(block.key, None)
         else:
             lru[block.key] = block
+
+    def _slot_freed(self, buf: Buffer) -> None:
+        """The registry's ``on_block_free``: ``buf``'s slot is free again; a
+        segment left empty goes back to the registry (and its bytes to the
+        tenant's quota)."""
+        seg_buf = buf.segment
+        assert seg_buf is not None
+        seg = self._segment_of[seg_buf.buffer_id]
+        seg.give(buf.offset - seg_buf.offset)
+        if seg.live == 0:
+            self._drop_segment(buf.tenant, buf.pool, seg)
+
+    def to_prepare(self, bufs: list[Buffer]) -> tuple[list[Buffer], list[Buffer]]:
+        """The segments of a put's pending ``bufs`` that need work before a
+        byte lands: (kept blocks still being zeroed, which nothing may write
+        before ``zeroed`` is done; new ones whose pages to back once, each
+        handed out once: ``populated``)."""
+        zeroing: list[Buffer] = []
+        fresh: list[Buffer] = []
+        seen: set[str] = set()
+        for buf in bufs:
+            seg_buf = buf.segment
+            if seg_buf is None or seg_buf.buffer_id in seen:
+                continue
+            seen.add(seg_buf.buffer_id)
+            if seg_buf.zeroed is not None and not seg_buf.zeroed.done():
+                zeroing.append(seg_buf)
+            seg = self._segment_of[seg_buf.buffer_id]
+            if not seg.populated:
+                seg.populated = True
+                if seg_buf.zeroed is None:  # a kept block is backed already
+                    fresh.append(seg_buf)
+        return zeroing, fresh
+
+    def _drop_segment(self, tenant: str, pool: Pool, seg: Segment) -> None:
+        pool_of(self._segments, tenant, pool).remove(seg)
+        del self._segment_of[seg.buf.buffer_id]
+        self._registry.release(seg.buf)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -190,7 +246,10 @@ class BlockStore:
 
     def stats(self, tenant: str) -> dict[str, Any]:
         tier = self._tiers.get(tenant) or Tier()
-        return {"blocks": len(tier.blocks), "bytes": tier.nbytes, **tier.counts}
+        segs = [s for (t, _), s in self._segments.items() if t == tenant]
+        return {"blocks": len(tier.blocks), "bytes": tier.nbytes, **tier.counts,
+                "segments": sum(len(s.all) for s in segs),
+                "segment_bytes": sum(s.nbytes for s in segs)}
 
     def totals(self) -> dict[str, dict[str, Any]]:
         """Every tenant's ``stats`` (the operator's view: metrics)."""
@@ -215,7 +274,7 @@ class BlockStore:
         of ``sizes`` that could never fit the tenant's quota or the device."""
         reg = self._registry
         alloc = pool.allocator
-        total = sum(alloc.block_size(s) for s in sizes)
+        total = sum(map(slot_size, sizes))
         quota = reg.quota_for(tenant)
         if quota.bytes_per_device is not None and total > quota.bytes_per_device:
             raise QuotaExceeded(
@@ -226,7 +285,8 @@ class BlockStore:
             raise QuotaExceeded(f"{len(sizes)} blocks; tenant {tenant!r} may hold "
                                 f"{quota.buffers} buffers and blocks",
                                 {"blocks": len(sizes), "quota": quota.buffers})
-        if any(s > alloc.max_size for s in sizes) or total > alloc.stats().total:
+        if any(alloc.block_size(s) > alloc.max_size for s in sizes if s > SEGMENT) \
+                or total > alloc.stats().total:
             raise OutOfMemory(f"{len(sizes)} blocks of {total} bytes can never fit on "
                               f"{pool.key}", {"requested": total, "device": pool.key})
 
@@ -234,13 +294,15 @@ class BlockStore:
         """``allocate`` of (a slice of) a put that ``admit`` let through."""
         reg = self._registry
         self.expire()
+        segs = pool_of(self._segments, tenant, pool)
         out: list[Buffer] = []
+        want = sum(map(slot_size, sizes))  # what the rest of the put takes: a new segment's hint
         try:
             for size in sizes:
                 while True:
                     error: Exception | None = None
                     try:
-                        buf = reg.try_allocate(tenant, pool, size)
+                        buf = self._slot(tenant, pool, segs, size, want)
                     except (QuotaExceeded, OutOfMemory) as exc:
                         buf, error = None, exc
                     if buf is not None:
@@ -253,12 +315,49 @@ class BlockStore:
                             {**pool.oom_details(size), "reason": "waiters"})
                     if not self._evict_one(tenant, pool):
                         raise error or reg.out_of_memory(pool, size)
-                buf.block_key = ""  # pending: the store's, in no key map yet
-                out.append(buf)
+                out.append(buf)  # pending: the store's, in no key map yet
+                want -= slot_size(size)
         except BaseException:
             self.discard(out)
             raise
         return out
+
+    def _slot(self, tenant: str, pool: Pool, segs: Segments, size: int,
+              want: int) -> Buffer | None:
+        """A pending block of ``size`` in a free slot of the tenant's
+        segments, or of a new one (``Registry.allocate_segment``); None when
+        there is neither (the caller evicts).  QUOTA_EXCEEDED: the tenant
+        holds its N already, or no segment may be charged."""
+        reg = self._registry
+        reg.check_count(tenant)
+        got = segs.take(size)
+        if got is None:
+            room, by_quota = reg.room(tenant, pool)
+            nbytes = segment_size(size, room, want, segs.nbytes)
+            if not nbytes:
+                if not by_quota:
+                    raise reg.out_of_memory(pool, size)
+                raise QuotaExceeded(f"no room in tenant {tenant!r}'s quota for a segment of "
+                                    f"{size} bytes on {pool.key}",
+                                    {"requested": size, "room": room, "device": pool.key})
+            seg_buf = reg.allocate_segment(tenant, pool, nbytes)
+            if seg_buf is None:
+                return None
+            seg = segs.add(seg_buf, single=size > SEGMENT)
+            self._segment_of[seg_buf.buffer_id] = seg
+            got = segs.take(size)
+            if got is None:  # a bug: a fresh segment is sized for it
+                self._drop_segment(tenant, pool, seg)
+                raise reg.out_of_memory(pool, size)
+        seg, offset = got
+        alloc = seg.buf.alloc_size if seg.alloc is None else seg.alloc.block_size(size)
+        try:
+            return reg.add_block(seg.buf, offset, size, alloc)
+        except BaseException:
+            seg.give(offset - seg.buf.offset)
+            if seg.live == 0:
+                self._drop_segment(tenant, pool, seg)
+            raise
 
     def _evict_one(self, tenant: str, pool: Pool) -> bool:
         """Release the tenant's least recently used block on ``pool`` that
@@ -266,11 +365,20 @@ class BlockStore:
         none."""
         tier = self._tiers.get(tenant)
         lru = None if tier is None else tier.lru.get(pool.key)
-        if tier is None or not lru:
+        if tier is None:
             return False
-        self.steps += 1
-        self._drop(tenant, tier, next(iter(lru.values())), "evictions")
-        return True
+        while lru:
+            self.steps += 1
+            block = next(iter(lru.values()))
+            if block.buf.pins:
+                # Committed while its put's request still held it (``commit``):
+                # out of the order until let go, then the most recently used.
+                # Each such step is paid for by that commit: O(1) amortized.
+                del lru[block.key]
+                continue
+            self._drop(tenant, tier, block, "evictions")
+            return True
+        return False
 
     def discard(self, bufs: list[Buffer]) -> None:
         """Hand back a failed put's pending buffers (freed once unpinned)."""
@@ -296,8 +404,10 @@ class BlockStore:
             block = Block(key, buf, sizes[i], checksums[i], None if metas is None else metas[i],
                           now, expires)
             tier.blocks[key] = block
-            if buf.pins == 0:  # else the put still holds it: in the order when let go
-                tier.evictable(buf.pool)[key] = block
+            # In the order now, in the put's key order, even while the put's
+            # request still holds it: let go (``_pinned``) it keeps its place
+            # (its request unpins last key first, which reversed a put's order).
+            tier.evictable(buf.pool)[key] = block
             tier.nbytes += block.nbytes
             if expires is not None:
                 self._leases.count += 1

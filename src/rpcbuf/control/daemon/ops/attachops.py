@@ -15,6 +15,13 @@ channel (``handles.py``), and makes the buffer *attached*:
   outlives a writer that went away): the memfd handed out is the one the
   buffer ends with, never one its clone or source goes on writing.
 
+A block of the KV tier (``block_attach``) has no memfd of its own: the fd
+handed out is its tenant's segment's (``content/segments.py``), read-only,
+and the answer's ``offset`` says where the block lies in it; the pin, the
+lock and the charge are the block's and the segment's as above.  Such a
+reader can map the rest of that segment: its tenant's other blocks and
+freed slots, never another tenant's bytes (docs/kvcache.md).
+
 Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
 attachments end with it, however it ends (the client killed: its socket
 closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
@@ -86,6 +93,10 @@ class AttachOps:
             raise BadRequest("attach needs the same-host path (a client on the daemon's "
                              "host, on its Unix socket)", {"reason": "not_same_host"})
         export = buf.pool.arena.export  # a GPU arena without handles raises UNSUPPORTED_DEVICE
+        # A block of the KV tier has no memfd of its own: its tenant's segment
+        # is handed out, read-only, and the answer says where in it the block
+        # lies (docs/kvcache.md: what such a reader can see).
+        mem = buf.segment or buf
         if sum(n for _, n in self._attached.values()) >= MAX_ATTACHED:
             raise QuotaExceeded(f"a session may hold at most {MAX_ATTACHED} attachments",
                                 {"limit": "attachments"})
@@ -96,17 +107,17 @@ class AttachOps:
             if buf.released:
                 raise NotFound(f"no buffer {buf.buffer_id!r}")
             try:
-                fd = export(buf.offset, buf.alloc_size)
+                fd = export(mem.offset, mem.alloc_size)
             except (NoVmm, CudaError) as exc:  # a GPU without VMM handles
                 raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached: "
                                         f"{exc}") from None
             try:
                 self._take(buf)  # before the record leaves: a detach may follow at once
-                if buf.buffer_id not in self._exported:  # the fd may arrive, sent or not
-                    self._owner.registry.export(buf)
-                    self._exported[buf.buffer_id] = buf
+                if mem.buffer_id not in self._exported:  # the fd may arrive, sent or not
+                    self._owner.registry.export(mem)
+                    self._exported[mem.buffer_id] = mem
                 try:
-                    await channel.send(call.req_id, buf.alloc_size, fd)
+                    await channel.send(call.req_id, mem.alloc_size, fd)
                 except (OSError, TimeoutError) as exc:
                     self._drop(buf)
                     raise ConnectionLost(f"the handle channel failed: {exc}") from None
@@ -115,7 +126,8 @@ class AttachOps:
         finally:
             unlock(grants)
         owner.audit("attach", buf, 0, buf.size, note=f"attached={buf.attached}")
-        return {"buffer_id": buf.buffer_id, "size": buf.size, "alloc_size": buf.alloc_size,
+        return {"buffer_id": buf.buffer_id, "size": buf.size, "alloc_size": mem.alloc_size,
+                "offset": buf.offset - mem.offset,
                 "device_type": buf.pool.arena.device_type, "device": buf.pool.arena.device,
                 "tensors": buf.tensors, "manifest_version": buf.manifest_version}
 

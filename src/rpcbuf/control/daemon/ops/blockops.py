@@ -8,11 +8,13 @@ batch uses, one message (or one staging run) per block, straight into or
 out of the blocks' arena slices: a block is a buffer, so nothing here
 copies.
 
-``put`` is two-phase: the store hands out pending buffers (evicting the
-tenant's least recently used blocks if it must; a slice of blocks at a time,
-the loop let go between slices: ``_allocate``), each is pinned and locked
-exclusively (a kept block still being zeroed is zeroed now, by the put's
-tenant: ``backing.zero_on_demand``, and waited for), the bytes land,
+``put`` is two-phase: the store hands out pending buffers, slots of the
+tenant's segments (evicting the tenant's least recently used blocks if it
+must; a slice of blocks at a time, the loop let go between slices:
+``_allocate``), each is pinned and locked exclusively (a segment made on a
+kept block still being zeroed is zeroed now, by the put's tenant:
+``backing.zero_on_demand``, and waited for; a new one has its pages backed:
+``_prepare``), the bytes land,
 every block is hashed (xxh3-64, on the sweep threads for big puts) and
 compared with the client's checksums, and only then does ``commit`` make
 them the keys' blocks, all at once.  A put that fails anywhere (a refusal,
@@ -38,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.locks import Grant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
@@ -82,11 +85,7 @@ class BlockOps:
             raise
         committed, nbytes = False, sent.nbytes
         try:
-            for buf in bufs:  # every pending buffer pinned already (``_allocate``)
-                # A kept block not zeroed yet is zeroed now, by this put's
-                # tenant, not after every block freed before it (as
-                # request_buffer does): its lock below waits for that.
-                zero_on_demand(buf, self._ops.daemon.sweeps)
+            await self._prepare(bufs)
             grants: list[tuple[Buffer, Grant]] = []
             try:
                 for buf in bufs:
@@ -115,13 +114,34 @@ class BlockOps:
         self._ops.audit("block_put", bufs[0], 0, nbytes, note=f"blocks={n}")
         return {"blocks": n, "nbytes": nbytes}
 
+    async def _prepare(self, bufs: list[Buffer]) -> None:
+        """Before a byte lands in the put's slots: a segment on a kept block
+        not zeroed yet is zeroed now, by this put's tenant, not after every
+        block freed before it (as request_buffer does), and waited for (the
+        zeroer must not overwrite what lands); a new segment's pages are
+        backed (``prefault.populate``, as for a new buffer), so what lands
+        and every later put into it runs at warm speed.  The segments stay
+        (the put's pending blocks are in them)."""
+        sweeps = self._ops.daemon.sweeps
+        zeroing, fresh = self._blocks.to_prepare(bufs)
+        for seg in zeroing:
+            zero_on_demand(seg, sweeps)
+        for seg in fresh:
+            await prefault.populate(seg.pool.arena, seg.offset, seg.alloc_size, sweeps,
+                                    seg.tenant)
+        for seg in zeroing:
+            if seg.zeroed is not None:
+                await asyncio.wait([seg.zeroed])
+
     async def _allocate(self, call: Call, pool: Pool, sizes: list[int]) -> list[Buffer]:
         """The put's pending buffers, ``ALLOCATE_SLICE`` blocks at a time with
-        the event loop let go between slices: each block is a memfd made and
-        mapped (about 25 us), so 4,096 at once held every other tenant's
-        request for 100 ms.  All or none: what a failed slice leaves is
-        handed back.  The whole batch is refused first if it could never fit
-        (``BlockStore.admit``: nothing evicted).  Each buffer is pinned by
+        the event loop let go between slices: a block is a slot of its
+        tenant's segments now, but a slice may still make a segment (a memfd
+        made and mapped) or evict, and when each block was a memfd 4,096 at
+        once held every other tenant's request for 100 ms.  All or none:
+        what a failed slice leaves is handed back.  The whole batch is
+        refused first if it could never fit (``BlockStore.admit``: nothing
+        evicted).  Each buffer is pinned by
         the request as it is made, before the next await."""
         owner = self._ops.owner
         self._blocks.admit(owner, pool, sizes)
