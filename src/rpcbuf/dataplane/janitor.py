@@ -106,7 +106,9 @@ class Janitor:
     def over_budget(self, anon: int, ref: int) -> bool:
         """Whether anonymous memory ``anon`` is past the bar: what it was at
         the start (``ref``), the daemon's own growth and the budget."""
-        return anon - ref - self._allowance() > self.budget
+        grown = anon - ref
+        # The allowance is asked only past the budget: not every tick's work.
+        return grown > self.budget and grown - self._allowance() > self.budget
 
     def was_dropped(self, tag: int) -> bool:
         """Whether a message of UCX tag ``tag`` was dropped (forgotten once asked)."""

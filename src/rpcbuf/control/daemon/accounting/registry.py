@@ -148,8 +148,10 @@ class Registry:
         return self._buffers[bid]
 
     def __len__(self) -> int:
-        """Buffers held, blocks included (what the daemon's own heap grows with)."""
-        return len(self._buffers)
+        """Records held, what the daemon's own heap grows with: buffers and
+        segments, and blocks (one of their tenant's N, in no view), each
+        counted once or twice (an allowance, generous by design)."""
+        return len(self._buffers) + sum(self._tenant_count.values())
 
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
