@@ -30,18 +30,28 @@ def install_adaptive_progress() -> None:
     transfer took 16 ms instead of 0.3 ms (measured; same with am/get_zcopy
     schemes and signal async mode).  So this mode polls only while this
     process has transfers in flight (``busy()``, entered by every
-    ``DataEndpoint`` send/recv) and for ``GRACE`` after the last activity,
-    and otherwise arms the worker and sleeps on its epoll fd: polling speed
-    while working, no CPU when idle.  A short grace (1 ms) measured worse
-    than 10 ms in back-to-back traffic (each lull re-armed the worker and
-    the next message waited on a UCX timer again), so the grace covers the
-    gaps of a busy client.  A 1 s guard wakes it in case an event is ever
-    missed.
+    ``DataEndpoint`` send/recv), and as soon as nothing is in flight and a
+    drain found nothing to do it arms the worker and sleeps on its epoll fd
+    (a message that arrives then wakes it through the fd): polling speed
+    while working, no CPU when idle.
+
+    It used to go on polling for a 10 ms grace after the last activity, to
+    cover the gaps of a busy client.  But a request/answer exchange is all
+    gaps: after a 4 KiB store's payload left, the client spun for 10 ms
+    waiting for the answer, and the daemon spun for 10 ms after each receive.
+    Two processes spinning share the CPUs with each other: on a loaded
+    2-core machine the daemon's answer waited for the client's time slice
+    to end and the next request for the daemon's, one after the other
+    (traced: the client's poll loop ran 3.5 ms while the daemon did not run
+    at all, then the other way round), and a 4 KiB block hit over UCX took
+    8-14 ms instead of 0.2-0.6 (``tests/test_blocks.py``
+    ``test_an_idle_client_does_not_poll_ucx``).  A 1 s guard wakes it in
+    case an event is ever missed.
     """
     from ucxx._lib_async import application_context, continuous_ucx_progress
 
     class AdaptiveProgress(continuous_ucx_progress.ProgressTask):
-        GRACE = 0.01  # seconds of polling after the last sign of activity
+        GRACE = 0.0  # seconds of polling after the last sign of activity (see above)
         DRAIN = DRAIN_CALLS  # progress calls per loop turn, at most
         DRAIN_SECONDS = DRAIN_BUDGET  # and about this long
 
