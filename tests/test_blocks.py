@@ -506,6 +506,9 @@ async def test_a_put_of_many_blocks_is_all_or_nothing_across_its_slices(
         assert await c.get_blocks(list(many), out) == [True] * 600
         assert all(np.array_equal(o, small) for o in out)
         await c.remove_blocks(list(many))
+    # A segment handed to a session stays the tenant's until the session ends.
+    assert await wait_free(tier, start) == start
+    async with tier.connect("small", same_host=True) as c:
         await c.put_blocks(big)  # 16 of the 18 MiB beside the staging area, all attached
         views = [await c.attach_block(k) for k in big]
         before = (await c.stats())["blocks"]
