@@ -280,6 +280,7 @@ class SegmentMaps:
     def __init__(self, handles: Handles) -> None:
         self._handles = handles
         self._maps: dict[str, tuple[int, int, np.ndarray]] = {}  # id -> (address, size, bytes)
+        self.inodes: dict[str, int] = {}  # id -> its memfd's inode (what it is, for tests)
 
     async def views(self, answer: Mapping[str, Any], sizes: list[int],
                     timeout: float | None) -> list[np.ndarray]:
@@ -316,6 +317,7 @@ class SegmentMaps:
         if old is not None:
             shm.unmap(old[0], old[1])
         addr = shm.map_shared(fd, size)
+        self.inodes[seg_id] = os.fstat(fd).st_ino
         mem = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
         self._maps[seg_id] = (addr, size, mem)
 
