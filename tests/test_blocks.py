@@ -508,6 +508,9 @@ async def test_a_put_of_many_blocks_is_all_or_nothing_across_its_slices(
         assert await c.get_blocks(list(many), out) == [True] * 600
         assert all(np.array_equal(o, small) for o in out)
         await c.remove_blocks(list(many))
+    # A segment handed to a session stays the tenant's until the session ends.
+    assert await wait_free(tier, start) == start
+    async with tier.connect("small", same_host=True) as c:
         await c.put_blocks(big)  # 16 of the 18 MiB beside the staging area, all attached
         views = [await c.attach_block(k) for k in big]
         before = (await c.stats())["blocks"]
@@ -574,9 +577,19 @@ async def test_fifty_thousand_blocks_with_the_daemons_fds_constant(
         for i in range(0, n, 4096):
             await c.remove_blocks([f"b/{j}" for j in range(i, min(n, i + 4096))])
         st = await c.stats()
-        assert st["blocks"]["blocks"] == 0 and st["blocks"]["segments"] == 0
+        assert st["blocks"]["blocks"] == 0
+        # Segments this session maps (puts and gets in place) stay the
+        # tenant's until it ends; others go back with their last block.
+        assert st["blocks"]["segments"] == (segments if same_host else 0)
+    async with d.connect("alice", same_host=False) as c:
+        for _ in range(100):
+            st = await c.stats()
+            if st["blocks"]["segments"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert st["blocks"]["segments"] == 0
         assert st["limits"]["fds"]["held"] == 0  # every segment given back
-        assert _fds(d) <= fds
+        assert _fds(d) <= fds + 2  # this session's own
 
 
 async def test_a_put_beside_thousands_of_attached_blocks_evicts_in_lru_order(
@@ -791,3 +804,207 @@ async def test_an_idle_client_does_not_poll_ucx(tier: DaemonProc,
             await asyncio.sleep(0.05)  # idle: nothing of ours in flight
             assert calls[0] <= 3, f"{calls[0]} progress drains while idle"
         await c.remove_blocks([f"idle/{i}" for i in range(5)])
+
+
+# -- same host, in place (issue 40 item 3) -----------------------------------------------
+
+
+async def test_in_place_puts_and_gets_are_byte_exact(tier: DaemonProc) -> None:
+    """Same host: a put copies straight into its slots and a get straight out
+    of them (the session's own mappings of its segments, no staging copy);
+    odd sizes, a batch and a key read twice all come back byte for byte."""
+    start = await pool_free(tier)
+    rng = np.random.default_rng(7)
+    sizes = [1, 4095, 4097, 65537, 256 << 10, 2 * MiB + 3]
+    blocks = {f"ip/{i}": rng.integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    async with tier.connect("alice", same_host=True) as c:
+        segs = c._blocks.segments
+        assert segs is not None
+        async def no_staging(*args: Any, **kw: Any) -> Any:
+            raise AssertionError("a block moved through the staging area")
+
+        c._paths.run = no_staging  # type: ignore[method-assign]
+        await c.put_blocks(blocks)
+        assert len(segs) >= 1  # the put went through the session's mappings
+        keys = [*blocks, "ip/2"]
+        out = [np.zeros(blocks[k].nbytes, np.uint8) for k in keys]
+        assert await c.get_blocks(keys, out) == [True] * len(keys)
+        for k, o in zip(keys, out, strict=True):
+            np.testing.assert_array_equal(o, blocks[k])
+        batch = {f"ipb/{i}": _numbered(i, 256 << 10) for i in range(64)}
+        await c.put_blocks(batch)
+        outs = [np.empty(256 << 10, np.uint8) for _ in batch]
+        assert await c.get_blocks(list(batch), outs) == [True] * 64
+        assert all(np.array_equal(o, _numbered(i, 256 << 10)) for i, o in enumerate(outs))
+        await c.remove_blocks(list(blocks) + list(batch))
+    assert "map_segment" in tier.log() and "unmap_segment" in tier.log()
+    assert await wait_free(tier, start) == start
+
+
+async def test_in_place_get_works_without_the_path_and_over_ucx(tier: DaemonProc,
+                                                                monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``RPCBUF_SAME_HOST=0`` (and ``same_host=False``): no mappings, the
+    UCX path moves the blocks as before; the in-place ops are refused
+    (BAD_REQUEST, reason not_same_host) on a session without the path."""
+    monkeypatch.setenv("RPCBUF_SAME_HOST", "0")
+    data = _numbered(3, 2 * MiB)
+    async with tier.connect("alice") as c:
+        assert not c.same_host and c._blocks.segments is None
+        await c.put_blocks({"ucx/1": data})
+        out = np.empty(2 * MiB, np.uint8)
+        assert await c.get_blocks(["ucx/1"], [out]) == [True]
+        np.testing.assert_array_equal(out, data)
+        with pytest.raises(rpcbuf.BadRequest) as err:
+            await c._call(P.BlockPlace(keys=["x"], sizes=P.pack_u64([16])))
+        assert err.value.details.get("reason") == "not_same_host"
+        with pytest.raises(rpcbuf.BadRequest):
+            await c._call(P.BlockLocate(keys=["ucx/1"], sizes=P.pack_u64([2 * MiB])))
+        await c.remove_blocks(["ucx/1"])
+
+
+async def test_an_in_place_hash_mismatch_stores_nothing(tier: DaemonProc) -> None:
+    """The daemon hashes what lies in the slots at commit: a checksum that
+    does not match is VERIFY_FAILED, the key keeps its old block, and the
+    pending slots go back (the next put takes them again)."""
+    start = await pool_free(tier)
+    async with tier.connect("alice", same_host=True) as c:
+        await c.put_blocks({"k": np.full(16, 5, np.uint8)})
+        data = _numbered(1, 64 << 10)
+        placed = await c._call(P.BlockPlace(keys=["k", "j"],
+                                            sizes=P.pack_u64([data.nbytes, 16])))
+        slots = await c._blocks.segments.views(placed, [data.nbytes, 16], 10)  # type: ignore[union-attr]
+        slots[0][:] = data
+        slots[1][:] = data[:16]
+        del slots
+        buffers = (await c.stats())["buffers"]
+        with pytest.raises(rpcbuf.VerifyFailed):
+            await c._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64(
+                [checksum(data), checksum(data[:16]) ^ 1])))
+        assert await c.blocks_exist(["k", "j"]) == [True, False]
+        assert (await c.get_block("k")).tolist() == [5] * 16  # type: ignore[union-attr]
+        assert (await c.stats())["buffers"] == buffers - 2  # the pending slots went back
+        with pytest.raises(rpcbuf.NotFound):  # the lease is gone with them
+            await c._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64([0, 0])))
+        again = await c._call(P.BlockPlace(keys=["k", "j"],
+                                           sizes=P.pack_u64([data.nbytes, 16])))
+        assert again["offsets"] == placed["offsets"]  # the same slots, reused
+        await c._call(P.BlockCommit(lease=again["lease"], checksums=P.pack_u64([]),
+                                    abort=True))
+        await c.remove_blocks(["k"])
+    assert await wait_free(tier, start) == start
+
+
+KILLED = """
+import asyncio, json, os, signal, sys
+import numpy as np
+import rpcbuf
+from rpcbuf.control.wire import protocol as P
+async def main():
+    async with rpcbuf.connect(sys.argv[1], token=sys.argv[2], same_host=True) as c:
+        n = 64 << 10
+        placed = await c._call(P.BlockPlace(keys=["dead/0", "dead/1"], sizes=P.pack_u64([n, n])))
+        slots = await c._blocks.segments.views(placed, [n, n], 10)
+        for s in slots:
+            s[:] = 7  # copied, not committed
+        print(json.dumps({"offsets": P.unpack_u64(placed["offsets"]).tolist(),
+                          "segments": [placed["segments"][w] for w in
+                                       P.unpack_u64(placed["which"]).tolist()]}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+"""
+
+
+async def test_a_client_killed_between_copy_and_commit_leaves_no_key(
+        tier: DaemonProc) -> None:
+    """A same-host put whose client copied its blocks in and was killed
+    before committing: no key, and its pending slots go back with its
+    session (the next put of the same sizes takes the very same slots)."""
+    import json
+    import subprocess
+    import sys
+
+    start = await pool_free(tier)
+    async with tier.connect("alice", same_host=True) as c:
+        await c.put_blocks({"keep": np.full(64 << 10, 1, np.uint8)})  # the segment stays
+        buffers = (await c.stats())["buffers"]
+        env = {**os.environ, "PYTHONPATH": "src", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        p = subprocess.run([sys.executable, "-c", KILLED, tier.addr, tier.token("alice")],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert p.returncode == -9, p.stderr
+        killed = json.loads(p.stdout)
+        for _ in range(100):  # the daemon sees the session end
+            if (await c.stats())["buffers"] == buffers:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.stats())["buffers"] == buffers
+        assert await c.blocks_exist(["dead/0", "dead/1"]) == [False, False]
+        assert await c.list_blocks() == (["keep"], False)
+        n = 64 << 10
+        placed = await c._call(P.BlockPlace(keys=["new/0", "new/1"], sizes=P.pack_u64([n, n])))
+        got = {"offsets": P.unpack_u64(placed["offsets"]).tolist(),
+               "segments": [placed["segments"][w] for w in
+                            P.unpack_u64(placed["which"]).tolist()]}
+        assert sorted(zip(got["segments"], got["offsets"], strict=True)) == \
+            sorted(zip(killed["segments"], killed["offsets"], strict=True))  # its slots, reused
+        await c._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64([]),
+                                    abort=True))
+        await c.remove_blocks(["keep"])
+    assert await wait_free(tier, start) == start
+
+
+async def test_no_tenant_ever_maps_another_tenants_segment(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Only the owning tenant's sessions are handed its segments: alice's and
+    bob's in-place puts and gets map disjoint memfds, each session only
+    its own tenant's; bob cannot locate, attach, commit or unpin anything
+    of alice's (her key is his miss; her lease is not his session's), and
+    a segment's handle is handed once per session."""
+    d = daemon_factory("--device", "cpu:64MiB", "--transfer-timeout", "30s")
+    size = 64 << 10
+    async with d.connect("alice", same_host=True) as a, d.connect("alice", same_host=True) as a2, \
+            d.connect("bob", same_host=True) as b:
+        await a.put_blocks({f"a/{i}": np.full(size, 0xAA, np.uint8) for i in range(8)})
+        await b.put_blocks({f"b/{i}": np.full(size, 0xBB, np.uint8) for i in range(8)})
+        out = [np.empty(size, np.uint8) for _ in range(8)]
+        assert await a2.get_blocks([f"a/{i}" for i in range(8)], out) == [True] * 8
+        assert all((o == 0xAA).all() for o in out)
+        ina = set(a._blocks.segments.inodes.values())  # type: ignore[union-attr]
+        ina2 = set(a2._blocks.segments.inodes.values())  # type: ignore[union-attr]
+        inb = set(b._blocks.segments.inodes.values())  # type: ignore[union-attr]
+        assert ina and inb and ina2 == ina and not ina & inb
+        with pytest.raises(rpcbuf.NotFound):
+            await b._call(P.BlockLocate(keys=["a/0"], sizes=P.pack_u64([size])))
+        with pytest.raises(rpcbuf.NotFound):
+            await b.attach_block("a/0")
+        placed = await a._call(P.BlockPlace(keys=["a/x"], sizes=P.pack_u64([size])))
+        assert placed["maps"] == []  # her segment was handed to this session already
+        with pytest.raises(rpcbuf.NotFound):  # a lease is its session's
+            await b._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64([0])))
+        with pytest.raises(rpcbuf.NotFound):
+            await b._call(P.BlockUnpin(lease=placed["lease"]))
+        await a._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64([]), abort=True))
+        assert set(b._blocks.segments.inodes.values()) == inb  # type: ignore[union-attr]
+        assert await b.blocks_exist(["a/x", "a/0"]) == [False, False]
+    log = d.log()
+    assert "map_segment" in log
+
+
+async def test_a_located_block_is_pinned_until_unpinned(tier: DaemonProc) -> None:
+    """A get in place pins its blocks while the client copies: a remove
+    and new puts meanwhile never reuse the slot, whose bytes stay until the
+    unpin (then the slot is free again)."""
+    start = await pool_free(tier)
+    size = 64 << 10
+    async with tier.connect("alice", same_host=True) as c, \
+            tier.connect("alice", same_host=True) as w:
+        await c.put_blocks({"p": np.full(size, 9, np.uint8)})
+        located = await c._call(P.BlockLocate(keys=["p"], sizes=P.pack_u64([size])))
+        (view,) = await c._blocks.segments.views(located, [size], 10)  # type: ignore[union-attr]
+        await w.remove_blocks(["p"])
+        await w.put_blocks({f"q/{i}": np.full(size, 1, np.uint8) for i in range(16)})
+        assert (view == 9).all(), "a pinned block's slot was reused"
+        del view
+        await c._call(P.BlockUnpin(lease=located["lease"]))
+        with pytest.raises(rpcbuf.NotFound):
+            await c._call(P.BlockUnpin(lease=located["lease"]))
+        await w.remove_blocks([f"q/{i}" for i in range(16)])
+    assert await wait_free(tier, start) == start

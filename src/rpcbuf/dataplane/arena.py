@@ -107,6 +107,7 @@ class HostArena:
         self.address = int(self._mem.ctypes.data)
         self._blocks = BackedBlocks(self.address, span, self.granularity)
         self._exported: set[int] = set()  # offsets of live blocks whose memfd left the daemon
+        self._owned: set[int] = set()  # offsets of live blocks their owner may write (segments)
         self.kept = KeptBlocks(self.address, self._map)
         self.clones = Clones(self._blocks, self.kept, self._bytes)
         self.prefault = Prefault(self.address, size, self._map)
@@ -138,9 +139,30 @@ class HostArena:
         self._blocks.put(offset, fd, nbytes)
         return None
 
-    def _new_memfd(self, offset: int, nbytes: int) -> int:
+    def back_owned(self, offset: int, nbytes: int) -> None:
+        """``back`` for memory its owning tenant writes in place (a block
+        segment, ``export_writable``): always a fresh memfd, sealed only
+        against resizing, never a kept one (those are sealed read-only), and
+        never kept once freed (a writable mapping of it may outlive it)."""
+        g = self.granularity
+        if offset % g or nbytes % g or nbytes <= 0 or offset + nbytes > self._blocks.span:
+            raise ValueError(f"[{offset}, +{nbytes}) is not whole pages of this arena")
+        if offset in self._blocks:
+            raise RuntimeError(f"block {offset} is backed already")  # a bug: say so
+        self.kept.drop_overlapping(offset, nbytes)
         try:
-            return shm.memfd_at(self.address + offset, nbytes, "rpcbuf-buffer")
+            fd = self._new_memfd(offset, nbytes, read_only=False)
+        except OSError:
+            if not self.kept.drop_all():
+                raise
+            fd = self._new_memfd(offset, nbytes, read_only=False)
+        self._blocks.put(offset, fd, nbytes)
+        self._owned.add(offset)
+
+    def _new_memfd(self, offset: int, nbytes: int, read_only: bool = True) -> int:
+        try:
+            return shm.memfd_at(self.address + offset, nbytes, "rpcbuf-buffer",
+                                read_only=read_only)
         except BaseException:
             shm.map_anonymous(self.address + offset, nbytes)  # the block as it was: unbacked
             raise
@@ -152,8 +174,9 @@ class HostArena:
         next ``back`` of the same block, zeroed first (``kept.keep``)."""
         fd = self._blocks.remove(offset, nbytes)
         self.kept.freed(offset)
-        exported = offset in self._exported
+        exported = offset in self._exported or offset in self._owned
         self._exported.discard(offset)
+        self._owned.discard(offset)
         if self.clones.release(offset, fd, nbytes):  # a shared memfd is never kept
             return
         if exported or not self.kept.keep(offset, fd, nbytes):
@@ -166,6 +189,16 @@ class HostArena:
         fd = self._blocks.fd_of(offset, nbytes)
         self._exported.add(offset)
         return shm.read_only_fd(fd)
+
+    def export_writable(self, offset: int, nbytes: int) -> int:
+        """A new read-write fd of the block at ``offset``, which must have
+        been backed by ``back_owned`` (anything else is sealed read-only:
+        RuntimeError, a bug); the caller closes it."""
+        if offset not in self._owned:
+            raise RuntimeError(f"block {offset} is not writable by its owner")  # a bug
+        fd = self._blocks.fd_of(offset, nbytes)
+        self._exported.add(offset)
+        return shm.writable_fd(fd)
 
     @property
     def backed(self) -> int:

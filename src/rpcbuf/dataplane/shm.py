@@ -106,19 +106,26 @@ def memfd(nbytes: int, name: str = "rpcbuf") -> int:
     return fd
 
 
-def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None) -> int:
+def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None,
+             read_only: bool = True) -> int:
     """A new memfd of ``nbytes`` holding ``fill``'s bytes (else zeros),
     mapped read-write and shared at exactly ``addr`` (``map_fixed``), then
     sealed read-only (``seal_read_only``): this mapping keeps writing, no
-    other ever can.  On failure the memfd is closed and the error raised
-    (whatever was mapped at ``addr`` may be replaced by then)."""
+    other ever can.  ``read_only=False``: only its size is sealed
+    (``seal_size``), so a writable handle of it can still be mapped writable
+    (a block segment, which its owning tenant writes in place).  On failure
+    the memfd is closed and the error raised (whatever was mapped at
+    ``addr`` may be replaced by then)."""
     fd = memfd(nbytes, name)
     try:
         at = 0
         while fill is not None and at < nbytes:  # the kernel copies from ``fill`` into the file
             at += os.pwrite(fd, fill[at:at + COPY_CHUNK], at)
         map_fixed(addr, nbytes, fd)
-        seal_read_only(fd)
+        if read_only:
+            seal_read_only(fd)
+        else:
+            seal_size(fd)
     except BaseException:
         os.close(fd)
         raise
@@ -145,6 +152,12 @@ def seals(fd: int) -> int:
 def read_only_fd(fd: int) -> int:
     """A new read-only open file description of the memfd ``fd``."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def writable_fd(fd: int) -> int:
+    """A new read-write open file description of the memfd ``fd`` (one that
+    is not sealed read-only: a block segment handed to its owner)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def _checked(addr: int | None, what: str) -> int:

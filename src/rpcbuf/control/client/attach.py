@@ -10,8 +10,17 @@ its CUDA VMM handle, imported with read-only access
 (``Attachment.device``): CuPy arrays, a write through one faults.  While
 the attachment is open the daemon refuses every store, clear and copy into
 the buffer (BUSY) and a release frees its memory only at the last detach.
-``attach_block`` maps a keyed block the same way.  ``Attacher`` is a
-context's part for the two verbs.
+``attach_block`` maps a keyed block the same way, but its handle is its
+tenant's segment, which that tenant's same-host sessions may also map
+writable (``SegmentMaps``, puts in place): it is opened read-only and
+sealed against resizing, not against writes, so the view's bytes are the
+daemon's and this tenant's own to change (docs/kvcache.md).  ``Attacher``
+is a context's part for the two verbs.
+
+``SegmentMaps``: a session's own mappings of its tenant's block segments,
+one per segment, read-write, made when the daemon first hands a segment's
+handle (``block_place``, ``block_locate``) and unmapped when the context
+closes; puts copy into them and gets copy out of them, one memcpy each.
 
 Closing: ``await view.close()`` (or leaving ``async with``) ends the
 attachment at once when no array of it is alive; otherwise the arrays keep
@@ -26,9 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import fcntl
 import math
 import mmap
 import os
+import stat
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -41,6 +53,7 @@ from rpcbuf.control.client.handles import Handles, check_read_only
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
 from rpcbuf.control.wire.manifest import RESERVED, np_dtype
+from rpcbuf.dataplane import shm
 
 
 class Attachment:
@@ -226,7 +239,10 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
             if offset:
                 raise ConnectionLost("the daemon's attach answer places a GPU buffer at an offset")
             return Attachment.device(buffer_id, meta, took, alloc, device, detach)
-        check_read_only(fd, alloc)
+        if isinstance(req, P.BlockAttach):
+            check_segment(fd, alloc, writable=False)
+        else:
+            check_read_only(fd, alloc)
         return Attachment.host(buffer_id, meta, fd, alloc, detach, offset)
     except BaseException:
         await send_detach(buffer_id)
@@ -234,6 +250,84 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def check_segment(fd: int, nbytes: int, writable: bool) -> None:
+    """A block segment's handle: a regular file of exactly ``nbytes``,
+    opened read-write (``writable``) or read-only, sealed against resizing
+    (no SIGBUS here).  Raises CONNECTION_LOST."""
+    st = os.fstat(fd)
+    if st.st_size != nbytes or not stat.S_ISREG(st.st_mode):
+        raise ConnectionLost(f"the daemon's segment handle is {st.st_size} bytes, not {nbytes}")
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    if mode != (os.O_RDWR if writable else os.O_RDONLY):
+        raise ConnectionLost("the daemon's segment handle has the wrong access mode")
+    try:
+        sealed = shm.seals(fd)
+    except OSError:
+        sealed = 0
+    if not sealed & shm.F_SEAL_SHRINK:
+        raise ConnectionLost("the daemon's segment handle can shrink (no F_SEAL_SHRINK)")
+
+
+class SegmentMaps:
+    """This session's mappings of its tenant's block segments, by segment
+    id (see the module).  ``views`` reads a ``block_place``/``block_locate``
+    answer: it maps the segments the daemon handed now and returns each
+    block's bytes as a writable uint8 array over them.  No array of it may
+    outlive the call that asked (``close`` unmaps)."""
+
+    def __init__(self, handles: Handles) -> None:
+        self._handles = handles
+        self._maps: dict[str, tuple[int, int, np.ndarray]] = {}  # id -> (address, size, bytes)
+        self.inodes: dict[str, int] = {}  # id -> its memfd's inode (what it is, for tests)
+
+    async def views(self, answer: Mapping[str, Any], sizes: list[int],
+                    timeout: float | None) -> list[np.ndarray]:
+        try:
+            ids, maps = answer["segments"], answer["maps"]
+            which = P.unpack_u64(answer["which"]).tolist()
+            offsets = P.unpack_u64(answer["offsets"]).tolist()
+            if not isinstance(ids, list) or not isinstance(maps, list) \
+                    or len(which) != len(sizes) or len(offsets) != len(sizes):
+                raise TypeError
+            for m in maps:
+                seg_id, tag, size = m
+                if type(seg_id) is not str or type(tag) is not int or type(size) is not int:
+                    raise TypeError
+        except (KeyError, TypeError, ValueError, BadRequest):
+            raise ConnectionLost("the daemon's block placement is malformed") from None
+        for seg_id, tag, size in maps:
+            _, fd = await self._handles.fd_for(tag, timeout)
+            try:
+                self._map(seg_id, fd, size)
+            finally:
+                os.close(fd)
+        out = []
+        for w, off, n in zip(which, offsets, sizes, strict=True):
+            got = self._maps.get(ids[w]) if 0 <= w < len(ids) else None
+            if got is None or off + n > got[1]:
+                raise ConnectionLost("the daemon placed a block outside its segments")
+            out.append(got[2][off:off + n])
+        return out
+
+    def _map(self, seg_id: str, fd: int, size: int) -> None:
+        check_segment(fd, size, writable=True)
+        old = self._maps.pop(seg_id, None)
+        if old is not None:
+            shm.unmap(old[0], old[1])
+        addr = shm.map_shared(fd, size)
+        self.inodes[seg_id] = os.fstat(fd).st_ino
+        mem = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
+        self._maps[seg_id] = (addr, size, mem)
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        for addr, size, _ in maps.values():
+            shm.unmap(addr, size)
+
+    def __len__(self) -> int:
+        return len(self._maps)
 
 
 def tensor_view(base: Any, entry: Mapping[str, Any], size: int) -> Any:

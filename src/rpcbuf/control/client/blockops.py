@@ -1,13 +1,24 @@
 """The client's side of the keyed block tier (``daemon/content/blocks.py``): put, get,
 lookup, remove and list blocks by key, each many keys in one call.
 
-A block's bytes travel as a batch's do, over whichever path the session
-has (``DataPaths``: same host, UCX): one UCX message per block, straight
-from the caller's arrays (a put) or straight into them (a get: no copy
-beside the transport's), or the staging area, back to back in key order.
-Every put carries each block's xxh3-64; the daemon hashes what landed and
-commits the blocks only if all match (VERIFY_FAILED, nothing stored,
-otherwise).
+On the same host blocks move in place (docs/kvcache.md, "Same host, in
+place"): a put asks for its pending slots (``block_place``: one round
+trip), copies each array straight into its slot through this session's
+mapping of the tenant's segment (``SegmentMaps``: one memcpy), hashes it
+and commits (``block_commit``); a get asks where its blocks lie
+(``block_locate``, which pins them), copies each straight into the
+caller's array and lets them go (``block_unpin``, not waited for: it goes
+out before any later request).  A failure between the two halves of a put
+aborts it (the slots go back; the session's end does the same for a
+killed client).  ``RPCBUF_BLOCKS_IN_PLACE=0`` takes the path below instead.
+
+Otherwise a block's bytes travel as a batch's do, over whichever path the
+session has (``DataPaths``: same host, UCX): one UCX message per block,
+straight from the caller's arrays (a put) or straight into them (a get: no
+copy beside the transport's), or the staging area, back to back in key
+order.  Every put carries each block's xxh3-64; the daemon hashes what
+landed and commits the blocks only if all match (VERIFY_FAILED, nothing
+stored, otherwise).
 
 A get names each key once on the wire (the daemon refuses a key named twice,
 so one request moves each block once): a key the caller names twice is read
@@ -28,6 +39,7 @@ names only up to ``max_nbytes`` (``MAX_BLOCK_NBYTES`` by default).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -41,11 +53,13 @@ from rpcbuf.control.client.answers import (
     parse_removed,
 )
 from rpcbuf.control.client.arrays import host_data
+from rpcbuf.control.client.attach import SegmentMaps
 from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
+from rpcbuf.control.client.handles import Handles
 from rpcbuf.control.client.tensors import XXH3
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest, NotFound
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, NotFound
 
 HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
 GET_TRIES = 3
@@ -74,8 +88,17 @@ class BlockOps:
     docstrings and defaults are the contract), over its ``caller`` (control
     ops) and ``paths``; ``check_open`` first, as every verb."""
 
-    def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None]) -> None:
+    def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None],
+                 handles: Handles | None = None) -> None:
         self._call, self._paths, self._check_open = caller.call, paths, check_open
+        self._caller = caller
+        in_place = os.environ.get("RPCBUF_BLOCKS_IN_PLACE", "1").strip() not in ("0", "no")
+        # This session's mappings of its tenant's segments (same host only).
+        self.segments = SegmentMaps(handles) if handles is not None and in_place else None
+
+    def close(self) -> None:
+        if self.segments is not None:
+            self.segments.close()
 
     async def put(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
                   ttl: float | None, metas: Sequence[bytes] | None, device_type: str,
@@ -95,12 +118,70 @@ class BlockOps:
         if any(d.nbytes == 0 for d in datas):
             raise BadRequest("every block holds at least one byte")
         sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
+        if self.segments is not None:
+            try:
+                return await self._put_in_place(keys, datas, sizes, metas, ttl, device_type,
+                                                device)
+            except BadRequest as exc:
+                if exc.details.get("reason") != "segments":
+                    raise  # else: too many segments to map at once; the path below
         sums = np.fromiter(map(XXH3, datas), dtype=np.uint64, count=len(datas))
         req = P.BlockPut(keys=keys, sizes=P.pack_u64(sizes), checksums=P.pack_u64(sums),
                          metas=None if metas is None else list(metas), ttl=ttl,
                          device_type=device_type, device=device)
 
         return await self._paths.run("", HOST, _transfer(req, datas))
+
+    async def _put_in_place(self, keys: list[str], datas: list[np.ndarray], sizes: np.ndarray,
+                            metas: Sequence[bytes] | None, ttl: float | None,
+                            device_type: str, device: int) -> dict[str, Any]:
+        """``put`` on the same host (see the module): place, copy, hash, commit."""
+        assert self.segments is not None
+        answer = await self._call(P.BlockPlace(keys=keys, sizes=P.pack_u64(sizes),
+                                               device_type=device_type, device=device))
+        lease = answer.get("lease")
+        if type(lease) is not int:
+            raise ConnectionLost("the daemon's block placement names no lease")
+        try:
+            slots = await self.segments.views(answer, sizes.tolist(), self._caller.timeout)
+            sums = np.empty(len(datas), dtype=np.uint64)
+            for i, (slot, data) in enumerate(zip(slots, datas, strict=True)):
+                src = _bytes(data)
+                np.copyto(slot, src)  # the one copy
+                sums[i] = XXH3(src)
+            del slots
+        except BaseException:
+            self._forget(P.BlockCommit(lease=lease, checksums=P.pack_u64([]), abort=True))
+            raise
+        return await self._call(P.BlockCommit(lease=lease, checksums=P.pack_u64(sums),
+                                              metas=None if metas is None else list(metas),
+                                              ttl=ttl))
+
+    async def _get_in_place(self, keys: list[str], targets: list[np.ndarray]) -> None:
+        """One try of ``get`` on the same host (see the module): locate
+        (pinned), copy out, unpin.  Raises NOT_FOUND as ``block_get``."""
+        assert self.segments is not None
+        sizes = [a.nbytes for a in targets]
+        answer = await self._call(P.BlockLocate(keys=keys, sizes=P.pack_u64(sizes)))
+        lease = answer.get("lease")
+        if type(lease) is not int:
+            raise ConnectionLost("the daemon's block location names no lease")
+        try:
+            blocks = await self.segments.views(answer, sizes, self._caller.timeout)
+            for block, target in zip(blocks, targets, strict=True):
+                np.copyto(_bytes(target), block)  # the one copy
+            del blocks
+        finally:
+            self._forget(P.BlockUnpin(lease=lease))
+
+    def _forget(self, req: P.Request) -> None:
+        """Send ``req`` and wait for nothing (its answer is dropped): it goes
+        out before any later request of this session."""
+        conn = self._caller.conn
+        if conn.lost is None:
+            req_id = conn.next_id()
+            conn.submit(req_id, req)
+            conn.forget(req_id)
 
     async def get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
         self._check_open()
@@ -142,7 +223,10 @@ class BlockOps:
                              sizes=P.pack_u64([a.nbytes for a in ask]))
 
             try:
-                await self._paths.run("", HOST, _transfer(req, ask), receive=True)
+                if self.segments is not None:
+                    await self._get_in_place(req.keys, ask)
+                else:
+                    await self._paths.run("", HOST, _transfer(req, ask), receive=True)
             except NotFound as exc:
                 missing = exc.details.get("missing")
                 if not isinstance(missing, list) or not missing:

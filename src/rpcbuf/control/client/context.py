@@ -102,7 +102,8 @@ class RpcContext:
         self._tensors = TensorOps(self)
         self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
         self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
-        self._blocks = BlockOps(self._caller, self._paths, self._check_open)
+        self._blocks = BlockOps(self._caller, self._paths, self._check_open,
+                                handles if self.same_host else None)
         self._attacher = Attacher(self._caller, handles if self.same_host else None,
                                   self._check_open,
                                   lambda: self._closed or self._conn.lost is not None)
@@ -165,6 +166,7 @@ class RpcContext:
         self._closed = True
         await self._paths.ucx.close()
         self._conn.close()
+        self._blocks.close()
         if self._handles is not None:
             self._handles.close()
 
@@ -174,6 +176,7 @@ class RpcContext:
         self._closed = True
         self._paths.ucx.abort()
         self._conn.close()
+        self._blocks.close()
         if self._handles is not None:
             self._handles.close()
 

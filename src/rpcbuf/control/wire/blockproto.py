@@ -81,3 +81,60 @@ class BlockList(Request):
     prefix: str | None = None
     start_after: str | None = None
     limit: int = 1000
+
+
+# -- same host, in place (docs/kvcache.md "Same host, in place") ------------------------
+
+
+@dataclass(frozen=True)
+class BlockPlace(Request):
+    """A same-host put's first half: pending slots for blocks of ``sizes``
+    in the tenant's segments (as ``block_put`` takes them), held for this
+    session under the answer's ``lease``.  The answer says where each slot
+    lies (``segments``: the distinct segment ids; ``which``: per block an
+    index into them; ``offsets``: per block its offset in its segment) and
+    ``maps``: ``[segment id, tag, size]`` for each segment whose writable
+    handle this session had not been sent yet, sent on the handle channel
+    tagged ``tag`` before the answer.  The client copies the bytes in and
+    sends ``block_commit``; nothing is any key's until then."""
+
+    op: ClassVar[str] = "block_place"
+    keys: BlockKeys
+    sizes: U64Array
+    device_type: str = "CPU"
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class BlockCommit(Request):
+    """The second half: the daemon hashes the lease's slots (xxh3-64) and,
+    when all match ``checksums``, makes them the keys' blocks at once;
+    otherwise VERIFY_FAILED and the slots go back.  ``abort``: hand them
+    back without committing."""
+
+    op: ClassVar[str] = "block_commit"
+    lease: int
+    checksums: U64Array
+    metas: list[bytes] | None = None
+    ttl: float | None = None
+    abort: bool | None = None
+
+
+@dataclass(frozen=True)
+class BlockLocate(Request):
+    """A same-host get in place: where the blocks lie (as ``block_place``
+    answers), each pinned for this session under ``lease`` until
+    ``block_unpin`` (or the session's end).  All or nothing as
+    ``block_get``: NOT_FOUND naming the missing ones, nothing pinned."""
+
+    op: ClassVar[str] = "block_locate"
+    keys: BlockKeys
+    sizes: U64Array
+
+
+@dataclass(frozen=True)
+class BlockUnpin(Request):
+    """The end of a ``block_locate``'s lease: the client has copied."""
+
+    op: ClassVar[str] = "block_unpin"
+    lease: int

@@ -30,11 +30,15 @@ import numpy as np
 
 from rpcbuf.control.wire.blockproto import (
     BlockAttach as BlockAttach,
+    BlockCommit as BlockCommit,
     BlockGet as BlockGet,
     BlockList as BlockList,
+    BlockLocate as BlockLocate,
     BlockLookup as BlockLookup,
+    BlockPlace as BlockPlace,
     BlockPut as BlockPut,
     BlockRemove as BlockRemove,
+    BlockUnpin as BlockUnpin,
 )
 from rpcbuf.control.wire.errors import BadRequest, RpcBufError
 from rpcbuf.control.wire.fields import (
@@ -393,6 +397,7 @@ OPS: dict[str, type[Request]] = {
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
         LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
+        BlockPlace, BlockCommit, BlockLocate, BlockUnpin,
     )
 }
 

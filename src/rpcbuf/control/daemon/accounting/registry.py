@@ -113,6 +113,8 @@ class Registry:
         # Told when a block's slot is free again (its buffer freed): the block
         # store hands it back to its segment (``BlockStore._slot_freed``).
         self.on_block_free: Callable[[Buffer], None] | None = None
+        # The block store: no live session holds an fd of this buffer any more.
+        self.on_unexported: Callable[[Buffer], None] | None = None
 
     # -- lookup ---------------------------------------------------------------
 
@@ -227,7 +229,7 @@ class Registry:
                        self._tenant_waiting.get((tenant, pool.key), 0), counted=False)
         if queues and (tenant in queues.by_tenant or self._holding(pool) is not None):
             return None
-        buf = self._allocate(tenant, pool, size, None, None, None, counted=False)
+        buf = self._allocate(tenant, pool, size, None, None, None, counted=False, owned=True)
         if buf is not None:
             buf.block_key = SEGMENT_KEY
         return buf
@@ -306,8 +308,12 @@ class Registry:
 
     def _allocate(self, tenant: str, pool: Pool, size: int, name: str | None,
                   ttl: float | None, session_id: str | None,
-                  like: Buffer | None = None, counted: bool = True) -> Buffer | None:
-        offset = kept_block(pool, size) if like is None else None
+                  like: Buffer | None = None, counted: bool = True,
+                  owned: bool = False) -> Buffer | None:
+        # ``owned``: a block segment, which its tenant's same-host sessions
+        # may map writable (``HostArena.back_owned``): never a kept memfd.
+        host = host_memory(pool.arena) if owned else None
+        offset = kept_block(pool, size) if like is None and host is None else None
         if offset is None:
             offset = pool.allocator.allocate(size)
         if offset is None:
@@ -316,6 +322,8 @@ class Registry:
         back = pool.arena.back  # the block's own shareable memory (arena.py, cuda_arena.py)
         if like is not None:
             back = functools.partial(share_of, pool.arena, like)
+        elif host is not None:
+            back = host.back_owned
         handles = self._charge_handles(tenant, pool, offset)
         try:
             zeroing = back(offset, alloc_size)
@@ -556,6 +564,8 @@ class Registry:
         buf.exported_to -= 1
         if buf.freed and not buf.exported_to:
             self.uncharge(buf.tenant, buf.pool, buf.alloc_size)
+        elif not buf.exported_to and self.on_unexported is not None:
+            self.on_unexported(buf)  # an empty block segment kept while handed out goes now
 
     def host_pool(self) -> Pool | None:
         """The first host-memory pool (what memory that is no buffer, such as

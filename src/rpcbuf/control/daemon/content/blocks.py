@@ -126,6 +126,7 @@ class BlockStore:
         self._segment_of: dict[str, Segment] = {}  # a segment's buffer id -> it
         registry.on_pin = self._pinned
         registry.on_block_free = self._slot_freed
+        registry.on_unexported = self._unexported
 
     def _tier(self, tenant: str) -> Tier:
         tier = self._tiers.get(tenant)
@@ -152,12 +153,22 @@ class BlockStore:
     def _slot_freed(self, buf: Buffer) -> None:
         """The registry's ``on_block_free``: ``buf``'s slot is free again; a
         segment left empty goes back to the registry (and its bytes to the
-        tenant's quota)."""
+        tenant's quota), unless a live session was handed its fd: then its
+        bytes stay charged whatever becomes of it (``Registry.export``), so
+        it stays the tenant's, its slots free for the next puts, until the
+        last such session ends (``_unexported``)."""
         seg_buf = buf.segment
         assert seg_buf is not None
         seg = self._segment_of[seg_buf.buffer_id]
         seg.give(buf.offset - seg_buf.offset)
-        if seg.live == 0:
+        if seg.live == 0 and not seg_buf.exported_to:
+            self._drop_segment(buf.tenant, buf.pool, seg)
+
+    def _unexported(self, buf: Buffer) -> None:
+        """The registry's ``on_unexported``: no live session holds an fd of
+        ``buf`` any more; an empty segment goes back now."""
+        seg = self._segment_of.get(buf.buffer_id)
+        if seg is not None and seg.live == 0 and seg.buf is buf:
             self._drop_segment(buf.tenant, buf.pool, seg)
 
     def to_prepare(self, bufs: list[Buffer]) -> tuple[list[Buffer], list[Buffer]]:

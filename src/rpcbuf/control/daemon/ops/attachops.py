@@ -22,6 +22,13 @@ lock and the charge are the block's and the segment's as above.  Such a
 reader can map the rest of that segment: its tenant's other blocks and
 freed slots, never another tenant's bytes (docs/kvcache.md).
 
+``hand_segments`` hands a same-host session writable handles of its own
+tenant's block segments, for puts and gets in place (``inplace.py``): each
+segment once per session (``map_segment`` in the audit log), charged to
+the tenant until the session ends (``unmap_segment``), as an attachment's
+handle is.  Only a segment of the session's own tenant ever leaves this way
+(anything else is a bug: RuntimeError, nothing sent).
+
 Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
 attachments end with it, however it ends (the client killed: its socket
 closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
@@ -51,16 +58,22 @@ from rpcbuf.control.wire.errors import (
     QuotaExceeded,
     UnsupportedDevice,
 )
+from rpcbuf.dataplane.arena import host_memory
 from rpcbuf.dataplane.cuda_vmm import CudaError, UnsupportedDevice as NoVmm
 
 log = logging.getLogger("rpcbuf.daemon")
 MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)
+MAX_NEW_MAPS = 32  # segment handles one answer sends (the client's inbox holds 64 records)
+MAP_TAG = 1 << 62  # segment handles' tags: above every request id
 
 
 class Owner(Protocol):
     registry: Registry
     session_id: str
     handles: HandleChannel | None
+
+    @property
+    def owner(self) -> str: ...
 
     def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
               note: str = "") -> None: ...
@@ -75,6 +88,8 @@ class AttachOps:
         # Buffers this session was handed an fd of, attached or not any more:
         # charged to their tenant until the session ends (``Registry.export``).
         self._exported: dict[str, Buffer] = {}
+        self._mapped: dict[str, Buffer] = {}  # segments handed writable (``hand_segments``)
+        self._tags = 0
 
     async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
         owner = self._owner
@@ -131,6 +146,60 @@ class AttachOps:
                 "device_type": buf.pool.arena.device_type, "device": buf.pool.arena.device,
                 "tensors": buf.tensors, "manifest_version": buf.manifest_version}
 
+    def check_same_host(self) -> None:
+        if self._owner.handles is None:
+            raise BadRequest("blocks in place need the same-host path (a client on the "
+                             "daemon's host, on its Unix socket)", {"reason": "not_same_host"})
+
+    async def hand_segments(self, call: Call, segs: list[Buffer]
+                            ) -> tuple[list[str], list[int], list[list[Any]]]:
+        """The distinct segments of ``segs`` (their ids), per entry its index
+        among them, and ``[id, tag, size]`` for each one this session had not
+        been handed yet, whose writable fd goes on the handle channel now,
+        tagged ``tag``.  BAD_REQUEST (reason ``segments``) when more than
+        ``MAX_NEW_MAPS`` would go at once, before any is sent."""
+        owner = self._owner
+        channel = owner.handles
+        if channel is None:
+            raise BadRequest("blocks in place need the same-host path", {"reason": "not_same_host"})
+        tenant = owner.owner
+        ids: dict[str, int] = {}
+        which: list[int] = []
+        new: list[Buffer] = []
+        for seg in segs:
+            i = ids.get(seg.buffer_id)
+            if i is None:
+                if seg.tenant != tenant:  # never another tenant's memory
+                    raise RuntimeError(f"segment {seg.buffer_id} is not {tenant!r}'s")
+                i = ids[seg.buffer_id] = len(ids)
+                if seg.buffer_id not in self._mapped:
+                    new.append(seg)
+            which.append(i)
+        if len(new) > MAX_NEW_MAPS:
+            raise BadRequest(f"{len(new)} segments to map at once, at most {MAX_NEW_MAPS}",
+                             {"reason": "segments"})
+        maps: list[list[Any]] = []
+        for seg in new:
+            host = host_memory(seg.pool.arena)
+            assert host is not None  # blocks live in host memory
+            fd = host.export_writable(seg.offset, seg.alloc_size)
+            try:
+                self._tags += 1
+                tag = MAP_TAG + self._tags
+                self._mapped[seg.buffer_id] = seg
+                if seg.buffer_id not in self._exported:  # charged until the session ends
+                    owner.registry.export(seg)
+                    self._exported[seg.buffer_id] = seg
+                try:
+                    await channel.send(tag, seg.alloc_size, fd)
+                except (OSError, TimeoutError) as exc:
+                    raise ConnectionLost(f"the handle channel failed: {exc}") from None
+            finally:
+                os.close(fd)
+            owner.audit("map_segment", seg, 0, seg.alloc_size, note="writable")
+            maps.append([seg.buffer_id, tag, seg.alloc_size])
+        return list(ids), which, maps
+
     def detach(self, req: P.Detach) -> dict[str, Any]:
         got = self._attached.get(req.buffer_id) if isinstance(req.buffer_id, str) else None
         if got is None:
@@ -147,6 +216,9 @@ class AttachOps:
             for _ in range(count):
                 self._drop(buf)
             self._owner.audit("detach", buf, 0, buf.size, note="session closed")
+        mapped, self._mapped = self._mapped, {}
+        for seg in mapped.values():
+            self._owner.audit("unmap_segment", seg, 0, seg.alloc_size, note="session closed")
         exported, self._exported = self._exported, {}
         for buf in exported.values():
             self._owner.registry.unexport(buf)

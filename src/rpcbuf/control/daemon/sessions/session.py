@@ -58,6 +58,7 @@ from rpcbuf.control.daemon.ops.controlops import ControlOps
 from rpcbuf.control.daemon.ops.dataops import DataOps
 from rpcbuf.control.daemon.ops.dedupops import DedupOps
 from rpcbuf.control.daemon.ops.fileops import FileOps
+from rpcbuf.control.daemon.ops.inplace import InPlace
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.daemon.sessions import greeting, hello
 from rpcbuf.control.daemon.sessions.intake import Intake, start
@@ -136,6 +137,7 @@ class Session:
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
         blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
+        self.in_place = in_place = InPlace(self, daemon.blocks, blocks, attach)
         # The one dispatch table: op -> (handler, may wait).  Quick ops answer
         # inline; ops that may wait (memory, locks, transfers) are coroutines,
         # started at once and made tasks only if they do wait (``intake.start``).
@@ -166,6 +168,10 @@ class Session:
             P.BlockRemove: (blocks.remove, False),
             P.BlockList: (blocks.list, False),
             P.BlockAttach: (blocks.attach, True),
+            P.BlockPlace: (in_place.place, True),
+            P.BlockCommit: (in_place.commit, True),
+            P.BlockLocate: (in_place.locate, True),
+            P.BlockUnpin: (in_place.unpin, False),
         }
 
     def abort(self, why: str) -> None:
@@ -447,6 +453,7 @@ class Session:
             if stuck:  # keep their buffers pinned rather than risk a use-after-free
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
         try:
+            self.in_place.close()  # before the attachments: a lease's pins, then the handles
             self.attachments.detach_all()
             if self.handles is not None:
                 self.handles.close()
