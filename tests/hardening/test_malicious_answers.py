@@ -137,7 +137,8 @@ async def test_get_block_allocates_only_up_to_its_cap() -> None:
     sizes = [4 << 30]
     missing = {"error": {"code": "NOT_FOUND", "message": "gone", "details": {"missing": [0]}}}
     async for c in _connected({"block_lookup": lambda req: {"sizes": list(sizes)},
-                               "block_get": lambda req: missing}):
+                               "block_get": lambda req: missing,
+                               "block_locate": lambda req: missing}):  # in place
         tracemalloc.start()
         try:
             with pytest.raises(BadRequest) as info:

@@ -170,7 +170,10 @@ def test_every_op_round_trips() -> None:
                           [b"m", b""], 3.0, "CPU", 0, 5),
                P.BlockGet(["k"], P.pack_u64([4]), 0xFFFF),
                P.BlockLookup(["k"], True), P.BlockRemove(["a", "b"]),
-               P.BlockList("k/", "k/1", 10), P.BlockAttach("k/1")]
+               P.BlockList("k/", "k/1", 10), P.BlockAttach("k/1"),
+               P.BlockPlace(["k/1"], P.pack_u64([4]), "CPU", 0),
+               P.BlockCommit(3, P.pack_u64([1]), [b"m"], 2.0, None),
+               P.BlockLocate(["k/1"], P.pack_u64([4])), P.BlockUnpin(3)]
     assert {type(s) for s in samples} == set(P.OPS.values())
     for i, s in enumerate(samples):
         wire = msgpack.unpackb(msgpack.packb(s.to_wire(i)))
