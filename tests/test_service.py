@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.certs import self_signed
 
 import rpcbuf
 from rpcbuf.control.daemon.service.sdnotify import Notifier, watchdog_interval
@@ -344,20 +345,6 @@ async def test_max_sessions_refuses_with_quota_exceeded(daemon_factory) -> None:
 
 
 # -- TLS -----------------------------------------------------------------------------------
-
-
-def self_signed(tmp: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1, made with the openssl CLI."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("needs the openssl CLI to make a test certificate")
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 async def test_tls_control_channel(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

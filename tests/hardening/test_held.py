@@ -9,37 +9,21 @@ import asyncio
 import contextlib
 import os
 import re
-import shutil
 import socket
 import ssl
 import struct
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pytest
+from tests.certs import self_signed
 from tests.conftest import metrics_url, start_daemon
 from tests.hardening.rawwire import hello
 
 import rpcbuf
 
 MiB = 1 << 20
-
-
-def self_signed(tmp: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1, made with the openssl CLI."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("needs the openssl CLI to make a test certificate")
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 def open_fds(pid: int) -> int:
