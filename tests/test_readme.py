@@ -6,12 +6,16 @@ at once with a sentence, not wait for the daemons forever)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import ROOT
 
@@ -31,13 +35,43 @@ def run_quick_start(folder: Path,
     env["PYTHONPATH"] = str(ROOT / "src")
     env["COLUMNS"] = "80"
     script = "set -euo pipefail\n" + quick_start()
-    res = subprocess.run(["bash", "-c", script], cwd=folder, env=env, capture_output=True,
-                         text=True, timeout=timeout)
+    # Its own session: whatever way it ends (a failed step under ``set -e``,
+    # the timeout), the daemons it started in the background end with it
+    # and leave its ports free (CI saw a timed-out run's daemons make the
+    # next test's bind fail).
+    proc = subprocess.Popen(["bash", "-c", script], cwd=folder, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    left = True
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        # What the script started, it stopped (SIGTERM: a moment to shut down).
+        deadline = time.monotonic() + 30
+        while left and time.monotonic() < deadline:
+            left = _group_alive(proc.pid)
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert not left, "the quick start left a daemon running:\n" + out + err
     logs = "".join((folder / f).read_text() for f in ("node0.log", "node1.log")
                    if (folder / f).exists())
     return res, logs
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# Two runs of up to 240 s each on a loaded machine: longer than the suite's
+# default (120 s), which killed the test before its own timeout could speak.
+@pytest.mark.timeout(540)
 def test_two_node_quick_start_runs_as_written_twice_in_one_folder(tmp_path: Path) -> None:
     for _ in range(2):
         res, logs = run_quick_start(tmp_path)
@@ -56,6 +90,7 @@ def test_two_node_quick_start_runs_as_written_twice_in_one_folder(tmp_path: Path
     assert sorted(ignored) == left, f"the quick start leaves files git would add: {left}"
 
 
+@pytest.mark.timeout(180)
 def test_quick_start_with_a_port_taken_stops_at_once_with_a_sentence(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.dataplane.progress import busy
+from rpcbuf.dataplane import progress
+from rpcbuf.dataplane.progress import Activity, busy
 from rpcbuf.dataplane.ucx import ucxx
 
 _log = logging.getLogger("rpcbuf.ucx")
@@ -59,8 +60,9 @@ class Janitor:
     By bytes: a peer with no token reaches UCX's port, and over loopback it
     sent 1.5 GB in seconds: a round of ``period`` seconds let it grow the
     daemon by GBs.
-    So every ``TICK`` the janitor reads the process's anonymous resident
-    memory (RssAnon: UCP's copies of unexpected messages are there; the
+    So every ``TICK`` while UCX is at work (``progress.Activity``: it takes
+    in bytes only when progressed) the janitor reads the process's anonymous
+    resident memory (RssAnon: UCP's copies of unexpected messages are there; the
     arenas and staging areas are shared memory, not counted) and, once it
     has grown by more than ``budget`` bytes over what it was when the
     janitor started, it sends a sentinel every tick and drops everything
@@ -81,6 +83,9 @@ class Janitor:
     # Seconds between two looks at the memory: at 20 ms a quiet loopback flood
     # grew the daemon by 170 MiB before a sweep caught up; at 10 ms, 105.
     TICK = 0.01
+    # Seconds without UCX work after which the looks stop until it works again
+    # (``progress.Activity``): UCX takes in bytes only while it progresses.
+    QUIET = 0.1
     PRESSED_BATCH = 16384  # messages dropped per loop step under pressure
     TRIM_AFTER = 1 << 20  # bytes dropped in one sweep after which freed heap goes back
 
@@ -162,12 +167,28 @@ class Janitor:
         with busy():
             await self._ep.send(np.zeros(1, dtype=np.uint8), tag=sentinel, force_tag=True)
 
+    async def _idle(self, activity: Activity) -> None:
+        """The wait between two looks: a tick while UCX is at work; while it
+        has been quiet for ``QUIET`` seconds, until it does something again
+        or the oldest sentinel's round is due (an idle daemon wakes once a
+        period, not a hundred times a second: with a tick each, 60 idle test
+        daemons took most of a core)."""
+        now = time.monotonic()
+        due = self._sent[0][1] + self.period - now if self._sent else 0.0
+        if now - activity.last < self.QUIET or due <= self.TICK:
+            await asyncio.sleep(self.TICK)
+            return
+        activity.woken.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(activity.woken.wait(), due)
+
     async def _run(self) -> None:
         ref = _anon()  # what the daemon held before any peer sent anything
+        activity = progress.activity()
         try:
             await self._mark()
             while True:
-                await asyncio.sleep(self.TICK)
+                await self._idle(activity)
                 anon = _anon()
                 if ref is not None and anon is not None and self.over_budget(anon, ref):
                     # Bytes first: everything a tick old goes, deferring for no one.

@@ -18,6 +18,34 @@ _log = logging.getLogger("rpcbuf.ucx")
 _PROGRESS: dict[asyncio.AbstractEventLoop, Any] = {}
 
 
+class Activity:
+    """When UCX last had something to do in this process (``last``, a
+    ``time.monotonic()``), and ``woken``, set on the next sign of it: what
+    a watcher of UCX's memory (the daemon's janitor) waits on instead of a
+    timer, so that an idle process wakes for nothing."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.woken = asyncio.Event()
+
+    def note(self) -> None:
+        self.last = time.monotonic()
+        self.woken.set()
+
+
+_ACTIVITY: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Activity] = \
+    weakref.WeakKeyDictionary()
+
+
+def activity() -> Activity:
+    """The running loop's ``Activity`` (noted by the progress mode below)."""
+    loop = asyncio.get_running_loop()
+    found = _ACTIVITY.get(loop)
+    if found is None:
+        found = _ACTIVITY[loop] = Activity()
+    return found
+
+
 def install_adaptive_progress() -> None:
     """Replace ucxx's blocking progress mode with an adaptive one.
 
@@ -61,6 +89,8 @@ def install_adaptive_progress() -> None:
             self.busy = 0
             self.stopped = False
             self._until = 0.0
+            self._activity = _ACTIVITY.get(event_loop) or _ACTIVITY.setdefault(
+                event_loop, Activity())
             self.poll_task: asyncio.Task[None] | None = None
             fd = worker.epoll_file_descriptor
             event_loop.add_reader(fd, self._on_fd)
@@ -87,6 +117,7 @@ def install_adaptive_progress() -> None:
 
         def begin(self) -> None:
             self.busy += 1
+            self._activity.note()
             self._wake()
 
         def end(self) -> None:
@@ -97,6 +128,7 @@ def install_adaptive_progress() -> None:
             # While polling, the fd (not armed) stays readable and this fires
             # on every loop turn: it must not extend the grace, or we never sleep.
             if self.poll_task is None or self.poll_task.done():
+                self._activity.note()
                 self._wake()
 
         def _wake(self, grace: float | None = None) -> None:
@@ -116,11 +148,12 @@ def install_adaptive_progress() -> None:
                 raise
 
         async def _poll_until_armed(self) -> None:
-            worker = self.worker
+            worker, activity = self.worker, self._activity
             while worker is not None and not self.stopped:
                 try:
                     if drain(worker, self.DRAIN, self.DRAIN_SECONDS):
                         self._until = time.monotonic() + self.GRACE
+                        activity.note()
                     elif not self.busy and time.monotonic() >= self._until:
                         if worker.arm():
                             return  # armed: the epoll fd calls _on_fd on the next event
