@@ -130,6 +130,39 @@ def test_local_problems_and_bad_flags_exit_2(cli_daemon: DaemonProc, tmp_path: P
     assert res.returncode == 2 and "no token" in res.stderr
 
 
+def test_bad_numbers_and_files_get_a_sentence_not_a_traceback(tmp_path: Path) -> None:
+    """Issue 37 items 1, 7 and 10: a port past 65535 was a traceback (or,
+    for rpcbufd --listen, silently another port); --timeout -1 was taken;
+    files got Python's and NumPy's own words; a mistyped flag no hint."""
+    (tmp_path / "README.md").write_text("# not an array\n")
+    cases = [
+        (["ls", "--endpoint", "127.0.0.1:99999", "--token", "x"],
+         "port 99999 is not a port (0 to 65535)"),
+        (["ls", "--timeout", "-1", "--token", "x"], "must be a number of seconds above 0"),
+        (["blocks", "--limit", "0", "--token", "x"], "0 is not from 1 to 4096"),
+        (["ls", "--endpont", "x"], "did you mean --endpoint?"),
+        (["put", str(tmp_path / "nope.npy")], "nope.npy: no such file"),
+        (["put", str(tmp_path / "README.md")], "README.md: not a .npy file"),
+        (["get", "x", "-o", str(tmp_path / "no" / "dir" / "x.npy"), "--token", "x"],
+         f"no such directory {tmp_path / 'no' / 'dir'}"),
+    ]
+    for argv, says in cases:
+        res = rpcbuf(None, *argv)
+        out = res.stdout + res.stderr
+        assert res.returncode in (1, 2) and says in out, (argv, out)
+        assert "Traceback" not in out and "Errno" not in out and "pickle" not in out, out
+        assert ".part" not in out, out
+    for argv, says in ((["--listen", "127.0.0.1:99999"], "port 99999 is not a port"),
+                       (["--ucx-port", "70000"], "port 70000 is not a port"),
+                       (["--hello-timeout", "0s"], "'0s' must be longer than 0"),
+                       (["--device", "cpu:lots"], "bad size 'lots'")):
+        res = subprocess.run([sys.executable, "-m", "rpcbuf.control.daemon", *argv],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert res.returncode == 2 and says in res.stderr, (argv, res.stderr)
+        assert len(res.stderr.splitlines()) == 2, res.stderr  # not the 27-line usage
+
+
 def test_every_command_has_help_with_an_example() -> None:
     for cmd in ("status", "ls", "blocks", "release", "put", "get", "bench", "devices", "load",
                 "unload"):
@@ -191,3 +224,16 @@ def test_units_and_device_names_match_across_commands(cli_daemon: DaemonProc,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
                                  "COLUMNS": "200"})
     assert "largest control frame accepted [16.0 MiB]" in helped.stdout, helped.stdout
+
+
+def test_ls_with_nothing_says_so_and_names_the_nodes_that_answered(cli_daemon: DaemonProc) -> None:
+    """Issue 37 item 9: ``ls`` with no buffers printed nothing at all, and
+    with one node of two down only that node's error."""
+    res = rpcbuf(cli_daemon, "ls", tenant="nobody-here")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"no buffers for this tenant on {cli_daemon.addr}", res.stdout
+    res = rpcbuf(cli_daemon, "ls", "--endpoints", f"{cli_daemon.addr};127.0.0.1:1",
+                 tenant="nobody-here")
+    assert res.returncode == 1, res.stderr
+    assert f"no buffers for this tenant on {cli_daemon.addr}" in res.stdout, res.stdout
+    assert "127.0.0.1:1" in res.stderr, res.stderr

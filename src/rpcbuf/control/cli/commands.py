@@ -23,6 +23,7 @@ import numpy as np
 from rich.text import Text
 
 from rpcbuf.control.cli import tables
+from rpcbuf.control.cli.errors import count_between
 from rpcbuf.control.cli.locate import Found
 from rpcbuf.control.client.tensors import calculate_buffer_size
 from rpcbuf.control.wire.errors import NotFound, VerifyFailed
@@ -52,7 +53,8 @@ def register_operator_commands(sub: Any,
                         epilog="example: rpcbuf blocks --keys --prefix vllm@ --limit 20")
     bl.add_argument("--keys", action="store_true", help="also list the keys (sorted)")
     bl.add_argument("--prefix", help="only keys starting with this")
-    bl.add_argument("--limit", type=int, default=100, help="keys to list, 1..4096 [100]")
+    bl.add_argument("--limit", type=count_between(1, 4096), default=100,
+                    help="keys to list, 1..4096 [100]")
     client_flags(bl)
     rl = sub.add_parser("release", help="release a buffer by id or by name, on whichever "
                         "node holds it",
@@ -166,10 +168,24 @@ def device_key(device_type: str, device: int) -> str:
 
 
 def load_npy(path: str) -> np.ndarray:
-    """The array in ``path``, memory-mapped. Raises OSError/ValueError (exit 2)."""
-    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    """The array in ``path``, memory-mapped.  Raises ValueError (exit 2) with
+    a sentence: Python's and NumPy's own words ("[Errno 2] ...", NumPy's
+    ``allow_pickle`` lecture for a file that is not an array) said nothing
+    a user could act on."""
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a .npy file") from None
+    except PermissionError:
+        raise ValueError(f"{path}: permission denied") from None
+    except (ValueError, EOFError, OSError):  # not an array NumPy saved (pickles included)
+        raise ValueError(f"{path}: not a .npy file (put stores one array saved with "
+                         "numpy.save)") from None
     if not isinstance(arr, np.ndarray):
-        raise ValueError(f"{path}: not a single .npy array")
+        raise ValueError(f"{path}: not a single .npy array (an .npz holds several: "
+                         "save each with numpy.save)")
     return arr
 
 
@@ -195,6 +211,9 @@ def get_target(ref: str, out: str | None, force: bool, tensor: str | None = None
         path += ".npy"  # np.save would add it: say the real name
     if Path(path).exists() and not force:
         raise ValueError(f"{path} exists: pass --force to overwrite it, or --out another file")
+    where = Path(path).parent
+    if not where.is_dir():  # (said before connecting, and not as the hidden .part file)
+        raise ValueError(f"{path}: no such directory {where}")
     return path
 
 

@@ -11,8 +11,10 @@ decoded (never verified) to say when it expired.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -34,6 +36,32 @@ _CAUSES = {
     errno.ENOENT: "no such socket",
     errno.EACCES: "permission denied",
 }
+
+
+def positive_seconds(text: str) -> float:
+    """A flag's number of seconds, above 0 and finite (argparse's ``type``):
+    ``--timeout -1`` was taken, then reported "took longer than -1.0s"."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds above 0")
+    return value
+
+
+def count_between(lo: int, hi: int) -> Any:
+    """argparse's ``type`` for a whole number from ``lo`` to ``hi``."""
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not from {lo} to {hi}")
+        return value
+    check.__name__ = f"a number from {lo} to {hi}"
+    return check
 
 
 def ago(seconds: float) -> str:
@@ -126,7 +154,8 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
         return f"{addr}: {msg} (this tenant has no such buffer there; `rpcbuf ls` lists them)"
     if code == "OUT_OF_MEMORY":
         free = details.get("free")
-        extra = f"; {format_size(free)} free" if isinstance(free, int) else ""
+        extra = f"; {format_size(free)} free" if isinstance(free, int) and "free" not in msg \
+            else ""
         return f"{addr}: out of memory ({msg}{extra}): free buffers or use another node"
     if code == "QUOTA_EXCEEDED":
         return f"{addr}: over quota ({msg}): release buffers or ask the operator for more"

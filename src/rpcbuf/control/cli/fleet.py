@@ -27,7 +27,14 @@ from rich.text import Text
 
 from rpcbuf.control.cli import tables
 from rpcbuf.control.cli.commands import bar
-from rpcbuf.control.cli.errors import EXIT_NODE, EXIT_OK, report, sentence, to_json
+from rpcbuf.control.cli.errors import (
+    EXIT_NODE,
+    EXIT_OK,
+    positive_seconds,
+    report,
+    sentence,
+    to_json,
+)
 from rpcbuf.control.client.cluster import Cluster, ClusterConnector
 from rpcbuf.control.client.discovery import Discovery
 from rpcbuf.control.client.model import record as LR
@@ -117,7 +124,7 @@ def register_fleet_commands(sub: Any) -> None:
                         epilog="example: rpcbuf nodes --registry etcd://10.0.0.1:2379")
     registry_flags(nd)
     nd.add_argument("--json", action="store_true", help="print JSON for scripts")
-    nd.add_argument("--timeout", type=float, default=5.0, help="seconds for etcd [5]")
+    nd.add_argument("--timeout", type=positive_seconds, default=5.0, help="seconds for etcd [5]")
     nd.add_argument("--wide", action="store_true", help="every table column")
 
 

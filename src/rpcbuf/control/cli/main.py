@@ -23,8 +23,17 @@ from typing import Any
 
 from rpcbuf.control.cli import commands as cliops, fleet, locate, tables
 from rpcbuf.control.cli.commands import register_operator_commands
-from rpcbuf.control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, report, sentence, to_json
+from rpcbuf.control.cli.errors import (
+    EXIT_NODE,
+    EXIT_OK,
+    EXIT_USAGE,
+    positive_seconds,
+    report,
+    sentence,
+    to_json,
+)
 from rpcbuf.control.cli.load import register_load_commands, run_hash_command, run_load_command
+from rpcbuf.control.flagparse import Parser
 from rpcbuf.control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
@@ -115,7 +124,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoints", help='several daemons: "h1:7700;h2:7700"')
     p.add_argument("--token", help="auth token (else $RPCBUF_TOKEN)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per daemon [10]")
+    p.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds per daemon [10]")
     p.add_argument("--wide", action="store_true",
                    help="every table column, however wide the terminal")
     fleet.node_tls_flags(p)
@@ -123,7 +132,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rpcbuf", description="rpcbuf command-line client.",
+    p = Parser(prog="rpcbuf", description="rpcbuf command-line client.",
                                 epilog="exit codes: 0 ok, 1 an error at a node (the others' "
                                        "results are still shown), 2 usage or a local problem")
     p.add_argument("--version", action="version", version=describe("rpcbuf"))
@@ -212,7 +221,10 @@ def _doctor(args: argparse.Namespace) -> int:
     if fleet.registry_url(args) is not None:
         raise UsageError("rpcbuf doctor checks an endpoint list: give it --endpoint(s) "
                          "(rpcbuf nodes lists the registry's)")
-    results = asyncio.run(doctor.doctor(_endpoints(args), _token(args), args.timeout,
+    # No token: the checks that need none still run (reachable, TLS, UCX
+    # here), and the token's is the one that fails.
+    token = args.token or os.environ.get("RPCBUF_TOKEN") or None
+    results = asyncio.run(doctor.doctor(_endpoints(args), token, args.timeout,
                                         fleet.dial_kw(args)))
     if args.json:
         print(json.dumps(doctor.as_json(results), indent=2, default=str))
@@ -252,6 +264,10 @@ def _node_command(args: argparse.Namespace) -> int:
         for table in made:
             if table.row_count:
                 console.print(table)
+        answered = [a for a, r in results.items() if not isinstance(r, RpcBufError)]
+        if args.cmd == "ls" and answered and not any(t.row_count for t in made):
+            # (as `models` says it: nothing printed read as nothing asked)
+            print(f"no buffers for this tenant on {', '.join(answered)}")
     if not args.json:
         _print_errors(results)
     return EXIT_NODE if failed else EXIT_OK

@@ -155,8 +155,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
     ``(host, port)``.  Raises BAD_REQUEST for a port that is not a number."""
     try:
         return split_host_port(addr, DEFAULT_PORT)
-    except ValueError:
-        raise BadRequest(f"bad address {addr!r}: want HOST:PORT") from None
+    except ValueError as exc:
+        raise BadRequest(f"bad address {addr!r}: {exc} (want HOST:PORT)") from None
 
 
 def with_port(addr: str) -> str:

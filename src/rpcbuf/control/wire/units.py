@@ -53,8 +53,20 @@ def join_host_port(host: str, port: int) -> str:
 
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
     """'h:p' -> (h, p); 'h' -> (h, default_port); ':p' or '' -> 127.0.0.1.
-    Raises ValueError for a port that is not a number."""
+    Raises ValueError for a port that is not a number from 0 to 65535 (the
+    kernel took 99999 as 99999 - 65536 and listened there, silently)."""
     host, sep, port = text.rpartition(":")
     if not sep:
         return text or "127.0.0.1", default_port
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return host.strip("[]") or "127.0.0.1", check_port(port)
+
+
+def check_port(text: str | int) -> int:
+    """A TCP port, 0 to 65535 (0: any free one); ValueError with a sentence."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"port {str(text)!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is not a port (0 to 65535)")
+    return port

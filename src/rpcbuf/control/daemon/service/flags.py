@@ -9,6 +9,7 @@ import argparse
 
 from rpcbuf.control.daemon.accounting.registry import Quota
 from rpcbuf.control.daemon.service.server import Limits
+from rpcbuf.control.flagparse import Parser
 from rpcbuf.control.wire.membership import (
     DEFAULT_CLUSTER,
     DEFAULT_TTL,
@@ -17,7 +18,13 @@ from rpcbuf.control.wire.membership import (
     check_node_id,
     parse_registry,
 )
-from rpcbuf.control.wire.units import format_size, parse_duration, parse_size, split_host_port
+from rpcbuf.control.wire.units import (
+    check_port,
+    format_size,
+    parse_duration,
+    parse_size,
+    split_host_port,
+)
 from rpcbuf.control.wire.version import describe
 from rpcbuf.dataplane.allocators import ALLOCATORS
 
@@ -29,8 +36,27 @@ GPU_BACKINGS: dict[str, bool | None] = {"auto": None, "vmm": True, "cupy": False
 def _host_port(text: str, default_port: int) -> tuple[str, int]:
     try:
         return split_host_port(text, default_port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad address {text!r} (want HOST:PORT)") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}: {exc} (want HOST:PORT)"
+                                         ) from None
+
+
+def _port(text: str) -> int:
+    try:
+        return check_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration(text: str) -> float:
+    """A duration above zero (``parse_duration``: 90s, 30m, 24h)."""
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be longer than 0")
+    return value
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -107,7 +133,7 @@ def _quota(text: str) -> tuple[str, Quota]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="rpcbufd",
         description="rpcbuf node daemon: owns this node's buffer pool and serves it to "
                     "authenticated clients (control: msgpack over TCP; data: UCX).",
@@ -118,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=("127.0.0.1", 7700), type=_listen, metavar="HOST:PORT",
                    help="control address HOST:PORT "
                    "(port 0 picks a free one) [127.0.0.1:7700]")
-    p.add_argument("--ucx-port", type=int, default=7701, help="UCX listener port (0 = any) "
+    p.add_argument("--ucx-port", type=_port, default=7701, help="UCX listener port (0 = any) "
                    "[%(default)s]")
     p.add_argument("--ucx-listen", type=_ucx_listen, default=None, metavar="HOST:PORT",
                    help="the UCX data plane's address: UCX's tcp transport uses only the "
@@ -163,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="authenticated sessions one tenant may have at once (of "
                         "--max-sessions); a hello beyond it is refused with QUOTA_EXCEEDED "
                         "[%(default)s]")
-    p.add_argument("--hello-timeout", type=parse_duration, default=Limits.hello_timeout,
+    p.add_argument("--hello-timeout", type=_duration, default=Limits.hello_timeout,
                    help="a connection must have said hello this long after it was accepted, "
                         "or it is closed (one deadline, however it trickles) [%(default)s]")
     p.add_argument("--max-unauthenticated", type=_positive_int,
@@ -187,15 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="control bytes one tenant's sessions may have sent that are not yet "
                         "a whole frame; past it the session ends with QUOTA_EXCEEDED "
                         f"[{format_size(Limits.max_buffered_per_tenant)}]")
-    p.add_argument("--frame-timeout", type=parse_duration, default=Limits.frame_timeout,
+    p.add_argument("--frame-timeout", type=_duration, default=Limits.frame_timeout,
                    help="a control frame must arrive whole this long after its first byte, "
                         "or the session ends [%(default)s]")
     p.add_argument("--copy-threads", type=_positive_int, default=Limits.copy_threads,
                    help="threads for same-host copies; one tenant may use at most half of "
                         "them at once [%(default)s]")
-    p.add_argument("--transfer-timeout", type=parse_duration, default=Limits.transfer_timeout,
+    p.add_argument("--transfer-timeout", type=_duration, default=Limits.transfer_timeout,
                    help="deadline of one data transfer, e.g. 300s [%(default)s]")
-    p.add_argument("--drain-timeout", type=parse_duration, default=Limits.drain_timeout,
+    p.add_argument("--drain-timeout", type=_duration, default=Limits.drain_timeout,
                    help="how long SIGTERM waits for in-flight transfers [%(default)s]")
     p.add_argument("--node-id", type=_node_id, default=None,
                    help="this daemon's name in hello, stats and the registry; unique in its "
