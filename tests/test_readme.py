@@ -116,3 +116,38 @@ def test_quick_start_with_a_port_taken_stops_at_once_with_a_sentence(tmp_path: P
         time.sleep(0.2)
     # Its ready file went before its listeners closed.
     assert not list(tmp_path.glob("*.ready")), list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(180)
+def test_quick_start_with_its_daemons_still_up_stops_and_says_so(tmp_path: Path) -> None:
+    """Issue 37 item 2: run a second time while the first run's daemons still
+    ran, the block saw their ready files, went on with the old daemons, and
+    its own daemons' refusal stayed in node0.log (which two processes then
+    wrote: NUL bytes).  Now it stops before starting anything, and says why."""
+    secret = tmp_path / "secret"
+    subprocess.run([str(ROOT / ".venv/bin/rpcbuf"), "token", "create", "--secret-file",
+                    str(secret), "--tenant", "alice", "--create"], check=True,
+                   capture_output=True, timeout=60)
+    env = {**os.environ, "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n",
+           "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "earlier.log", "wb") as log:
+        earlier = subprocess.Popen(
+            [str(ROOT / ".venv/bin/rpcbufd"), "--listen", "127.0.0.1:0", "--ucx-port", "0",
+             "--device", "cpu:16MiB", "--secret-file", str(secret),
+             "--ready-file", "./node0.ready"], cwd=tmp_path, env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "node0.ready").exists():
+            assert earlier.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "earlier.log").read_text()
+            time.sleep(0.1)
+        res, _ = run_quick_start(tmp_path, timeout=90)
+        out = res.stdout + res.stderr
+        assert res.returncode != 0, out
+        assert "node0.ready: a daemon of an earlier run still runs" in out, out
+        assert not (tmp_path / "node0.log").exists(), "it started daemons all the same"
+        assert earlier.poll() is None  # the earlier daemon is left as it was
+    finally:
+        earlier.terminate()
+        earlier.wait(30)
