@@ -207,6 +207,14 @@ def test_doctor_on_a_healthy_node_a_stopped_one_and_a_wrong_token(out_daemon: Da
     assert "FAIL  token" in wrong.stdout and "refused the token" in wrong.stdout
     narrow = run("doctor", "--endpoint", out_daemon.addr, token=token)
     assert max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout
+    # Issue 37 item 6: with no token it stopped at "no token" and checked nothing.
+    bare = run("doctor", "--endpoint", out_daemon.addr, "--json")
+    assert bare.returncode == 1, bare.stdout + bare.stderr
+    checks = {c["check"]: c for c in json.loads(bare.stdout)[out_daemon.addr]}
+    assert checks["reachable"]["status"] == "ok" and checks["tls"]["status"] == "ok", checks
+    assert checks["ucx here"]["status"] in ("ok", "warn"), checks
+    assert checks["token"]["status"] == "fail" and "no token" in checks["token"]["message"]
+    assert [c for c in checks.values() if c["status"] == "fail"] == [checks["token"]]
 
 
 async def test_a_protocol_mismatch_names_both_versions() -> None:

@@ -357,13 +357,30 @@ async def test_tls_control_channel(daemon_factory, tmp_path: Path) -> None:  # t
         await c.store_tensor(buf, data, verify="checksum")
         assert np.array_equal(await c.read_buffer(buf, 0, 4096), data)
         await c.release_buffer(buf)
-        with pytest.raises(rpcbuf.ConnectionLost):  # a plaintext client gets nowhere
+        with pytest.raises(rpcbuf.RpcBufError, match="speaks TLS"):  # a plaintext client
             await rpcbuf.connect(d.addr, token=d.token("alice"), timeout=10)
         with pytest.raises(rpcbuf.ConnectionLost, match="CERTIFICATE_VERIFY_FAILED"):
             await rpcbuf.connect(d.addr, token=d.token("alice"), timeout=10, tls=True)
         assert await c.ping()  # and the daemon keeps serving
     assert d.stop() == 0
 
+
+async def test_a_client_without_tls_is_told_the_node_speaks_tls(daemon_factory,  # type: ignore[no-untyped-def]
+                                                                 tmp_path: Path) -> None:
+    """Issue 37 item 3: TLS on the daemon, no --ca on the client: "closed the
+    connection (connection closed by the daemon): see the daemon's log", and
+    the log said nothing.  Now both say what to do."""
+    cert, key = self_signed(tmp_path)
+    d = daemon_factory("--device", "cpu:1MiB", "--tls-cert", str(cert), "--tls-key", str(key))
+    for _ in range(2):  # the log says it once (a stranger could send many)
+        with pytest.raises(rpcbuf.RpcBufError) as err:
+            await rpcbuf.connect(d.addr, token=d.token("alice"), timeout=10)
+        assert "this node speaks TLS" in str(err.value) and "--ca" in str(err.value), err.value
+        assert err.value.details.get("reason") == "tls_required", err.value.details
+    assert d.log().count("connected without TLS") == 1, d.log()[-2000:]
+    trust = ssl.create_default_context(cafile=str(cert))
+    async with rpcbuf.connect(d.addr, token=d.token("alice"), timeout=10, tls=trust) as c:
+        assert await c.ping()  # and TLS clients are served as before
 
 
 async def test_dedup_store_audit_records_name_device_and_bytes(daemon_factory,  # type: ignore[no-untyped-def]

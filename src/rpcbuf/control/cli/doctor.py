@@ -47,7 +47,7 @@ class Check:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
-async def check_node(addr: str, token: str, timeout: float,
+async def check_node(addr: str, token: str | None, timeout: float,
                      dial: dict[str, Any] | None = None) -> list[Check]:
     """Every check against one node, stopping where the next cannot run;
     ``dial``: ``connect``'s ``tls`` and ``insecure``."""
@@ -86,6 +86,14 @@ async def check_node(addr: str, token: str, timeout: float,
         out.append(Check("tls", "warn", "the control channel is plain TCP (--insecure): the "
                          "token travels in the clear to whoever answers; run the daemon with "
                          "--tls-cert/--tls-key and pass --ca (docs/security.md)"))
+    if token is None:  # what needs no token was checked: the rest needs one
+        rdma = rdma_devices()
+        out.extend(c for c in ucx_checks(ucx.library(), None, rdma, [])
+                   if c.check != "ucx node")
+        out.append(Check("token", "fail", "no token: pass --token or set RPCBUF_TOKEN "
+                         "(`rpcbuf token create` makes one); the checks of the session "
+                         "need one"))
+        return out
     try:
         ctx = await rpcbuf.connect(addr, token=token, timeout=timeout, **dial)
     except UcxUnusable:  # this side's UCX (RPCBUF_UCX) was refused: show what it is
@@ -96,7 +104,7 @@ async def check_node(addr: str, token: str, timeout: float,
                    if c.check == "ucx here")
         return out
     except RpcBufError as exc:  # refused before the token went out: a TLS failure
-        tls_why = exc.details.get("reason") in ("insecure_transport", "tls")
+        tls_why = exc.details.get("reason") in ("insecure_transport", "tls", "tls_required")
         out.append(Check("tls" if tls_why else "token", "fail", sentence(addr, exc)))
         return out
     try:
@@ -221,7 +229,7 @@ async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
                          {"store_s": store, "read_s": read, "bytes": size}))
 
 
-async def doctor(endpoints: list[str], token: str, timeout: float,
+async def doctor(endpoints: list[str], token: str | None, timeout: float,
                  dial: dict[str, Any] | None = None) -> dict[str, list[Check]]:
     results = await asyncio.gather(*(check_node(a, token, timeout, dial) for a in endpoints))
     return dict(zip(endpoints, results, strict=True))

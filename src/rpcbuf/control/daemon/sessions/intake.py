@@ -72,7 +72,7 @@ from typing import Any, Protocol
 
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import QuotaExceeded, RpcBufError, Timeout
+from rpcbuf.control.wire.errors import BadRequest, QuotaExceeded, RpcBufError, Timeout
 
 log = logging.getLogger("rpcbuf.daemon")
 READ_CHUNK = 1 << 16
@@ -466,18 +466,75 @@ def listen_tcp(host: str, port: int) -> list[socket.socket]:
     return out
 
 
+TLS_HANDSHAKE = 0x16  # the first byte of a TLS record that opens a handshake
+PLAIN_TO_TLS = ("this node speaks TLS and this client connected without it: pass --ca PEM "
+                "(or set $RPCBUF_CA; rpcbuf.connect(tls=...)) to trust the node's certificate")
+_said_plain = [0.0]  # when a plain client was last logged (once a minute at most)
+
+
+class PlainClient(ConnectionError):
+    """A client spoke our plain protocol to the TLS port (it was told so)."""
+
+
 async def handshake(handler: Handler, sock: socket.socket, limit: int, tls: ssl.SSLContext,
                     timeout: float) -> None:
     """The TLS handshake on an accepted ``sock``; then ``handler`` gets its
     streams, as from ``serve_tcp``.  Raises what the handshake raised (the
-    socket is closed then)."""
+    socket is closed then).
+
+    A client without TLS (no ``--ca``) used to meet a closed connection and
+    a log that said nothing.  The first byte tells: a TLS client opens with
+    a handshake record (0x16), ours with a frame's length (0x00 for any
+    frame under 16 MiB).  A plain client gets one error frame in plain text,
+    ``PLAIN_TO_TLS`` (``BAD_REQUEST``, reason ``tls_required``), and the log
+    a line (once a minute at most: a stranger could send many)."""
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     try:
+        async with asyncio.timeout(timeout):
+            first = await _peek(loop, sock)
+        if first and first[0] != TLS_HANDSHAKE:
+            with contextlib.suppress(OSError):
+                sock.send(P.encode_frame(P.error_response(None, BadRequest(
+                    PLAIN_TO_TLS, {"reason": "tls_required"}))))
+            if loop.time() - _said_plain[0] >= 60:
+                _said_plain[0] = loop.time()
+                log.info("a client connected without TLS (%s) and was told to use it: "
+                         "%s", _peer(sock), PLAIN_TO_TLS)
+            raise PlainClient("a client spoke plain TCP to the TLS port")
         await loop.connect_accepted_socket(_factory(handler, limit), sock, ssl=tls,
-                                           ssl_handshake_timeout=timeout)
+                                           ssl_handshake_timeout=max(0.1, deadline - loop.time()))
     except BaseException:
         sock.close()
         raise
+
+
+async def _peek(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The first byte ``sock`` received, left in it (b"" at EOF)."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fd = sock.fileno()
+    loop.add_reader(fd, readable)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+    try:
+        return sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return b"\x16"  # (spurious wake-up: let the handshake read it)
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "gone"
+    return f"{host}:{port}"
 
 
 async def serve_unix(handler: Handler, sock: socket.socket, limit: int) -> Any:
