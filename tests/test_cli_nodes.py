@@ -128,6 +128,14 @@ def test_get_one_tensor_of_a_model_from_whichever_node_holds_it(
         assert res.returncode == 1 and "no buffer or model 'no-model'" in res.stderr, res.stderr
     finally:
         assert cli(two, "unload", "m").returncode == 0
+    # Issue 37 item 5: a load with a node down printed each failure twice,
+    # once with its raw errno ("[Errno 111] Connect call failed").
+    res = cli(two, "load", str(tmp_path / "m.safetensors"), "--name", "m2",
+              "--placement", "0:prolog,1;1:all,epilog", endpoints=f"{a.addr};127.0.0.1:1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.count("127.0.0.1:1") == 1, res.stderr
+    assert "Errno" not in res.stderr and "cannot reach rpcbufd at 127.0.0.1:1" in res.stderr, \
+        res.stderr
 
 
 def test_a_lapsed_lease_is_named_in_not_found(two: tuple[DaemonProc, DaemonProc],

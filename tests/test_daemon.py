@@ -215,3 +215,18 @@ async def test_sigterm_finishes_in_flight_transfers(daemon_factory) -> None:  # 
     assert await asyncio.to_thread(d.proc.wait, 30) == 0
     with pytest.raises(rpcbuf.ConnectionLost):
         await rpcbuf.connect(d.addr, token=d.token("alice"), timeout=5)
+
+
+def test_an_arena_larger_than_the_machine_is_said_at_start(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 37 item 12: ``--device cpu:64GiB`` on a 24 GiB machine started
+    without a word, and failed only once the memory was used."""
+    from rpcbuf.control.daemon.service.main import host_ram
+
+    ram = host_ram()
+    if ram is None:
+        pytest.skip("no /proc/meminfo here")
+    too_big = ((ram >> 30) + 8) << 30
+    d = daemon_factory("--device", f"cpu:{too_big >> 30}GiB")
+    assert "more than this machine's" in d.log(), d.log()[-2000:]
+    small = daemon_factory("--device", "cpu:16MiB")
+    assert "more than this machine's" not in small.log()

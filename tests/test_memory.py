@@ -73,8 +73,8 @@ async def test_wait_for_memory(daemon_factory) -> None:  # type: ignore[no-untyp
         with pytest.raises(rpcbuf.OutOfMemory) as info:
             await b.request_buffer(4 << 20, timeout=0.3)
         assert time.monotonic() - t0 >= 0.25
-        assert info.value.details == {"requested": 4 << 20, "free": 0, "largest_free": 0,
-                                      "device": "cpu:0"}
+        assert info.value.details == {"requested": 4 << 20, "block": 4 << 20, "free": 0,
+                                      "largest_free": 0, "device": "cpu:0"}
         with pytest.raises(rpcbuf.OutOfMemory):
             await b.request_buffer(1 << 20)  # no timeout: fail at once
         # first come, first served: the 4 MiB waiter is ahead of the 1 MiB one
@@ -237,3 +237,20 @@ async def test_a_big_new_buffer_is_backed_with_memory_before_the_answer(
         for bid in (small, big):
             await c.release_buffer(bid)
     assert await wait_free(d, start) == start
+
+
+async def test_out_of_memory_names_what_fits_and_the_rounding(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 37 item 4: "no block of 200.0 MiB free on cpu:0; 254.9 MiB free"
+    read as a bug.  The refusal says the largest free block (what fits) and,
+    where the buddy allocator rounds up, the block the request takes."""
+    d = daemon_factory("--device", "cpu:16MiB")
+    async with d.connect("alice") as c:
+        small = await c.request_buffer(100 << 10)  # splits the arena: 8 MiB is the largest left
+        with pytest.raises(rpcbuf.OutOfMemory) as info:
+            await c.request_buffer(9 << 20)
+        msg = str(info.value)
+        assert "9.0 MiB" in msg and "block of 16.0 MiB" in msg, msg  # the rounding
+        assert "largest free block is 8.0 MiB" in msg, msg  # what fits
+        assert info.value.details["largest_free"] == 8 << 20
+        assert info.value.details["block"] == 16 << 20
+        await c.release_buffer(small)

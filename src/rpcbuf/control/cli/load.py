@@ -95,7 +95,11 @@ def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token
         _say(args, {"error": to_json(where, exc)}, f"rpcbuf: {exc.message}")
         return EXIT_USAGE
     except ClusterError as exc:
-        lines = [f"rpcbuf: {exc.message}"] + \
+        # One sentence per failing node (the message repeats each node's raw
+        # error, "[Errno 111] Connect call failed", for the API's users).
+        what = exc.details.get("what")
+        head = f"{what} failed on {len(exc.errors)} node(s):" if what else exc.message
+        lines = [f"rpcbuf: {head}"] + \
             [f"rpcbuf: {sentence(a, e)}" for a, e in exc.errors.items()]
         _say(args, {"error": exc.to_wire(),
                     "nodes": {a: to_json(a, e) for a, e in exc.errors.items()}},

@@ -88,7 +88,8 @@ class ClusterError(RpcBufError, wire=False):
     def of(cls, what: str, errors: Mapping[str, RpcBufError],
            results: Mapping[str, Any] | None = None, **details: Any) -> ClusterError:
         names = "; ".join(f"{a}: {e}" for a, e in errors.items())
-        return cls(f"{what} failed on {len(errors)} node(s): {names}", errors, results, details)
+        return cls(f"{what} failed on {len(errors)} node(s): {names}", errors, results,
+                   {"what": what, **details})
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:

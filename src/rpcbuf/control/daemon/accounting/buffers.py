@@ -60,8 +60,12 @@ class Pool:
         tenant to see (placement uses them); who holds the rest, and how it
         is laid out, is not said."""
         st = self.allocator.stats()
-        return {"requested": size, "free": st.free, "largest_free": st.largest_free,
-                "device": self.key}
+        try:
+            block = self.allocator.block_size(size)
+        except Exception:  # (a size no allocator takes: what was asked)
+            block = size
+        return {"requested": size, "block": block, "free": st.free,
+                "largest_free": st.largest_free, "device": self.key}
 
 
 @dataclass

@@ -81,6 +81,14 @@ HANDLES = ("fds", "mappings")  # what a backed host block holds, one of each
 SEGMENT_KEY = "\0segment"  # a segment's ``block_key``: hidden like a block, never a key
 
 
+def oom_sentence(device: str, size: int, block: int, largest: int, free: int) -> str:
+    """"no room for 200.0 MiB on cpu:0: the largest free block is 128.0 MiB
+    (254.9 MiB free in all)", and the allocator's rounding where it bites."""
+    rounded = f" (it takes a block of {format_size(block)})" if block > size * 1.01 else ""
+    return (f"no room for {format_size(size)}{rounded} on {device}: the largest free block "
+            f"is {format_size(largest)} ({format_size(free)} free in all)")
+
+
 class Registry:
     """Every pool's buffers, their tenants' quotas and leases, and the
     requests waiting for memory (see the module)."""
@@ -433,8 +441,12 @@ class Registry:
         return len(queues.by_tenant.get(tenant, ()))
 
     def out_of_memory(self, pool: Pool, size: int) -> OutOfMemory:
-        return OutOfMemory(f"no block of {format_size(size)} free on {pool.key}",
-                           pool.oom_details(size))
+        """What fits, not only what is free: "254.9 MiB free" next to a 200 MiB
+        refusal read as a bug until one knew the free bytes were in pieces,
+        and buddy rounding surprised (a 389 MiB model took 2 x 256 MiB)."""
+        details = pool.oom_details(size)
+        return OutOfMemory(oom_sentence(pool.key, size, details["block"],
+                                        details["largest_free"], details["free"]), details)
 
     def _grant(self, pool: Pool) -> None:
         """Serve what fits: the aged oldest waiter alone while it waits past

@@ -38,7 +38,7 @@ from rpcbuf.control.wire.auth import load_keys
 from rpcbuf.control.wire.membership import (
     parse_registry,
 )
-from rpcbuf.control.wire.units import join_host_port
+from rpcbuf.control.wire.units import format_size, join_host_port
 from rpcbuf.dataplane import progress, sockets, ucx, ucxlib
 from rpcbuf.dataplane.arena import HostArena, host_memory
 
@@ -67,6 +67,30 @@ def make_arenas(devices: list[tuple[str, int, int]], gpu_backing: str = "auto") 
             raise ValueError(f"--device {kind}:{index}: unknown device kind {kind!r} "
                              "(want cpu or cuda)")
     return arenas
+
+
+def _more_than_ram(devices: list[tuple[str, int, int]]) -> None:
+    """Warn when the host arenas add up to more than this machine's memory
+    (``cpu:64GiB`` on a 24 GiB machine started quietly, and failed only when
+    the memory was used): the arenas reserve address space, not memory."""
+    host = sum(size for kind, _, size in devices or [("cpu", 0, 1 << 30)] if kind == "cpu")
+    ram = host_ram()
+    if ram and host > ram:
+        log.warning("--device: the host arenas add up to %s, more than this machine's %s of "
+                    "memory: clients will run out of memory before the arenas are full",
+                    format_size(host), format_size(ram))
+
+
+def host_ram() -> int | None:
+    """This machine's memory (MemTotal), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -307,6 +331,7 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     keys = load_keys(args.secret_file)
     raise_fd_limit()  # one memfd per host buffer
     model_files = ModelFiles(args.model_dir) if args.model_dir else None  # ValueError: exit 2
+    _more_than_ram(args.device)
     arenas = make_arenas(args.device, args.gpu_backing)
     for arena in arenas:  # each new buffer's pages, in a worker thread (controlops)
         host = host_memory(arena)
