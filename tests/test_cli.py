@@ -237,3 +237,34 @@ def test_ls_with_nothing_says_so_and_names_the_nodes_that_answered(cli_daemon: D
     assert res.returncode == 1, res.stderr
     assert f"no buffers for this tenant on {cli_daemon.addr}" in res.stdout, res.stdout
     assert "127.0.0.1:1" in res.stderr, res.stderr
+
+
+def test_blocks_rm_removes_named_keys_and_a_prefix_only_when_told(cli_daemon: DaemonProc) -> None:
+    """Issue 37 item 12: ``rpcbuf blocks`` could not delete or flush keys."""
+    import asyncio
+
+    import rpcbuf as api
+
+    async def put(keys: list[str]) -> None:
+        async with api.connect(cli_daemon.addr, token=cli_daemon.token("kv"), timeout=30) as c:
+            for i in range(0, len(keys), 4096):  # (a put names 4,096 keys at most)
+                await c.put_blocks({k: np.full(64, 7, np.uint8) for k in keys[i:i + 4096]})
+
+    async def left() -> tuple[int, list[str]]:
+        async with api.connect(cli_daemon.addr, token=cli_daemon.token("kv"), timeout=30) as c:
+            return (await c.stats())["blocks"]["blocks"], (await c.list_blocks(limit=10))[0]
+
+    asyncio.run(put(["a1", "a2", "a3", "keep"] + [f"bulk{i:04d}" for i in range(5000)]))
+    res = rpcbuf(cli_daemon, "blocks", "rm", "a1", "a2", "nope", tenant="kv")
+    assert res.returncode == 0 and f"{cli_daemon.addr}: removed 2 of 3 keys named" in res.stdout
+    res = rpcbuf(cli_daemon, "blocks", "rm", "--prefix", "bulk", tenant="kv")  # no --yes
+    assert res.returncode == 2 and "add --yes" in res.stderr, res.stderr
+    assert asyncio.run(left())[0] == 5002  # nothing went
+    res = rpcbuf(cli_daemon, "blocks", "rm", "--prefix", "bulk", "--yes", tenant="kv")
+    assert res.returncode == 0, res.stderr
+    assert "removed 5000 keys starting with 'bulk'" in res.stdout, res.stdout  # two pages
+    assert asyncio.run(left()) == (2, ["a3", "keep"])
+    res = rpcbuf(cli_daemon, "blocks", "a3", tenant="kv")  # rm forgotten: said, not ignored
+    assert res.returncode == 2 and "invalid choice: 'a3' (choose from 'rm')" in res.stderr
+    res = rpcbuf(cli_daemon, "blocks", "rm", tenant="kv")
+    assert res.returncode == 2 and "name the KEYs" in res.stderr, res.stderr

@@ -145,7 +145,7 @@ async def test_a_tenant_sees_only_its_own_usage(daemon_factory) -> None:  # type
         assert (await a.get_buffer_meta(mine))["base_addr"] == 0
         with pytest.raises(rpcbuf.OutOfMemory) as info:
             await a.request_buffer(8 << 20)
-        assert set(info.value.details) == {"requested", "free", "largest_free", "device"}
+        assert set(info.value.details) == {"requested", "block", "free", "largest_free", "device"}
         assert (await b.stats())["buffers"] == 3
         for bid in theirs:
             await b.release_buffer(bid)

@@ -49,10 +49,18 @@ def register_operator_commands(sub: Any,
                         epilog="example: rpcbuf ls --endpoint 127.0.0.1:7700 --json")
     client_flags(ls)
     bl = sub.add_parser("blocks", help="this tenant's keyed block tier: blocks, bytes, hits, "
-                        "misses, evictions (--keys lists keys)",
-                        epilog="example: rpcbuf blocks --keys --prefix vllm@ --limit 20")
+                        "misses, evictions (--keys lists keys; rm KEY... removes keys, "
+                        "rm --prefix P --yes every key starting with P)",
+                        epilog="example: rpcbuf blocks --keys --prefix vllm@ --limit 20; "
+                        "rpcbuf blocks rm k1 k2; rpcbuf blocks rm --prefix vllm@ --yes")
+    bl.add_argument("action", nargs="?", choices=["rm"], metavar="rm",
+                    help="remove the KEYs named, or with --prefix every key starting with it")
+    bl.add_argument("rm_keys", nargs="*", metavar="KEY", help="keys to remove (with rm)")
     bl.add_argument("--keys", action="store_true", help="also list the keys (sorted)")
     bl.add_argument("--prefix", help="only keys starting with this")
+    bl.add_argument("--yes", action="store_true",
+                    help="rm --prefix: remove without asking (a flush of every key is "
+                    "refused without it)")
     bl.add_argument("--limit", type=count_between(1, 4096), default=100,
                     help="keys to list, 1..4096 [100]")
     client_flags(bl)
@@ -127,6 +135,30 @@ async def blocks(ctx: RpcContext, keys: bool, prefix: str | None,
     return out
 
 
+RM_BATCH = 4096  # keys one block_remove names (the protocol's MAX_BLOCK_KEYS)
+RM_MOST = 1 << 20  # keys one `blocks rm --prefix` removes at most (then: run it again)
+
+
+async def remove_blocks(ctx: RpcContext, keys: list[str], prefix: str | None) -> dict[str, Any]:
+    """``blocks rm``: the keys named, or every key starting with ``prefix``
+    (listed a page at a time, removed as listed; at most ``RM_MOST``)."""
+    removed = asked = 0
+    if prefix is None:
+        for i in range(0, len(keys), RM_BATCH):
+            batch = keys[i:i + RM_BATCH]
+            asked += len(batch)
+            removed += await ctx.remove_blocks(batch)
+        return {"removed": removed, "named": asked}
+    more = True
+    while more and asked < RM_MOST:
+        page, more = await ctx.list_blocks(prefix=prefix, limit=RM_BATCH)
+        if not page:
+            break
+        asked += len(page)
+        removed += await ctx.remove_blocks(page)
+    return {"removed": removed, "named": asked, "prefix": prefix, "more": more}
+
+
 def blocks_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
     """One row of figures per node; the keys listed, if asked for."""
     rows, keys = [], []
@@ -144,9 +176,9 @@ def blocks_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
     made = [tables.fit("rpcbuf blocks", [
         tables.Col("endpoint", key=True), tables.Col("blocks", right=True),
         tables.Col("bytes", right=True), tables.Col("hits", right=True),
-        tables.Col("misses", right=True), tables.Col("hit rate", right=True, drop=1),
-        tables.Col("puts", right=True, drop=2), tables.Col("evictions", right=True),
-        tables.Col("expired", right=True, drop=3), tables.Col("removed", right=True, drop=4)],
+        tables.Col("misses", right=True), tables.Col("hit rate", right=True, drop=4),
+        tables.Col("puts", right=True, drop=3), tables.Col("evictions", right=True),
+        tables.Col("expired", right=True, drop=2), tables.Col("removed", right=True, drop=1)],
         rows, wide=wide)]
     if keys:
         made.append(tables.fit("block keys", [tables.Col("endpoint", drop=1),

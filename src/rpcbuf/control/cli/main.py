@@ -200,8 +200,8 @@ async def _devices(args: argparse.Namespace) -> int:
         return EXIT_NODE if failed else EXIT_OK
     cols = [tables.Col("slot", right=True), tables.Col("endpoint", key=True),
             tables.Col("node", key=True), tables.Col("device", key=True),
-            tables.Col("allocator", drop=1), tables.Col("total", right=True),
-            tables.Col("free", right=True), tables.Col("largest free", right=True, drop=2)]
+            tables.Col("allocator", drop=1), tables.Col("total", right=True, drop=2),
+            tables.Col("free", right=True), tables.Col("largest free", right=True)]
     rows = [[str(d["slot"]) if not failed else "-", addr, str(d["node_id"]), str(d["key"]),
              str(d.get("allocator", "")), format_size(d["total"]), format_size(d["free"]),
              format_size(d["largest_free"])]
@@ -271,6 +271,29 @@ def _node_command(args: argparse.Namespace) -> int:
     if not args.json:
         _print_errors(results)
     return EXIT_NODE if failed else EXIT_OK
+
+
+def _blocks_rm(args: argparse.Namespace) -> int:
+    """``rpcbuf blocks rm KEY...`` or ``rm --prefix P --yes`` on every node."""
+    if bool(args.rm_keys) == (args.prefix is not None):
+        raise UsageError("rpcbuf blocks rm: name the KEYs to remove, or --prefix P "
+                         "(every key starting with P), not both")
+    if args.prefix is not None and not args.yes:
+        every = "every key of this tenant" if args.prefix == "" else \
+            f"every key starting with {args.prefix!r}"
+        raise UsageError(f"rpcbuf blocks rm --prefix removes {every} on every node: "
+                         "add --yes to do it")
+    results = asyncio.run(_per_node(
+        args, lambda c: cliops.remove_blocks(c, args.rm_keys, args.prefix)))
+    lines = []
+    for addr, r in results.items():
+        if isinstance(r, RpcBufError):
+            continue
+        what = f"{r['removed']} of {r['named']} keys named" if args.prefix is None else \
+            f"{r['removed']} keys starting with {r['prefix']!r}" + (
+                " (more left: run it again)" if r["more"] else "")
+        lines.append(f"{addr}: removed {what}")
+    return _finish(args, results, lines)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -420,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_load_command(args, _target(args), _token(args))
         if args.cmd == "hash":
             return run_hash_command(args)
+        if args.cmd == "blocks" and args.action == "rm":
+            return _blocks_rm(args)
         if args.cmd in ("status", "ls", "blocks"):
             return _node_command(args)
         by_buffer = {"release": _release, "get": _get, "bench": _bench, "put": _put}
