@@ -6,6 +6,7 @@ eviction passes by, and a put whose bytes never arrive (never visible)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import time
@@ -67,7 +68,8 @@ def _read_only(n: int) -> np.ndarray:
 
 
 @pytest.mark.both_paths
-async def test_put_get_lookup_list_remove(tier: DaemonProc) -> None:
+async def test_put_get_lookup_list_remove(tier: DaemonProc, caplog: pytest.LogCaptureFixture
+                                          ) -> None:
     start = await pool_free(tier)
     blocks = {**_blocks(3, 256 << 10, 1), **_blocks(2, 4 * MiB, 2),
               "tiny": np.arange(7, dtype=np.uint8)}
@@ -87,8 +89,18 @@ async def test_put_get_lookup_list_remove(tier: DaemonProc) -> None:
         other = [np.zeros(256 << 10, np.uint8), np.zeros(10, np.uint8)]
         assert await c.get_blocks([keys[0], "absent"], other) == [True, False]
         np.testing.assert_array_equal(other[0], blocks[keys[0]])
-        # A size other than the block's counts as missing.
-        assert await c.get_blocks([keys[0]], [np.zeros(100, np.uint8)]) == [False]
+        # A size other than the block's counts as missing, and says why: a
+        # debug line, or with strict=True BAD_REQUEST naming both sizes (a
+        # sizing bug otherwise looks like a cold cache for ever).
+        with caplog.at_level(logging.DEBUG, logger="rpcbuf.client"):
+            assert await c.get_blocks([keys[0]], [np.zeros(100, np.uint8)]) == [False]
+        assert f"block {keys[0]!r} is {256 << 10} bytes, its array 100" in caplog.text
+        with pytest.raises(rpcbuf.BadRequest, match="is 262144 bytes here; the array") as info:
+            await c.get_blocks(["absent", keys[0]], [np.zeros(5, np.uint8),
+                                                     np.zeros(100, np.uint8)], strict=True)
+        assert info.value.details == {"key": keys[0], "nbytes": 256 << 10,
+                                      "array_nbytes": 100, "reason": "size_mismatch"}
+        assert await c.get_blocks(["absent"], [np.zeros(5, np.uint8)], strict=True) == [False]
         one = await c.get_block("tiny")
         assert one is not None and one.tolist() == list(range(7))
         assert await c.list_blocks(prefix="chunk/1/") == ([f"chunk/1/{i}" for i in range(3)], False)

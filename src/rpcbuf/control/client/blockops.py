@@ -39,6 +39,7 @@ names only up to ``max_nbytes`` (``MAX_BLOCK_NBYTES`` by default).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -61,6 +62,7 @@ from rpcbuf.control.client.tensors import XXH3
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, NotFound
 
+log = logging.getLogger("rpcbuf.client")
 HOST = BufferPlace(gpu=False, checksum_kind="xxh3")  # blocks live in host memory
 GET_TRIES = 3
 # What ``list_all`` (LMCache's ``list``) gathers at most: 262,144 keys name
@@ -183,9 +185,10 @@ class BlockOps:
             conn.submit(req_id, req)
             conn.forget(req_id)
 
-    async def get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+    async def get(self, keys: Sequence[str], out: Sequence[Any], strict: bool = False
+                  ) -> list[bool]:
         self._check_open()
-        return await self._get(keys, out)
+        return await self._get(keys, out, strict)
 
     async def get_one(self, key: str, out: Any, max_nbytes: int = MAX_BLOCK_NBYTES
                       ) -> np.ndarray | None:
@@ -204,7 +207,8 @@ class BlockOps:
         (hit,) = await self._get([key], [out])
         return out if hit else None
 
-    async def _get(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+    async def _get(self, keys: Sequence[str], out: Sequence[Any], strict: bool = False
+                   ) -> list[bool]:
         keys = check_keys(keys)
         if len(out) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
@@ -214,7 +218,7 @@ class BlockOps:
         for i, key in enumerate(keys):
             first.setdefault(key, i)
         if len(first) < len(keys):
-            return await self._get_twice(keys, targets, first)
+            return await self._get_twice(keys, targets, first, strict)
         found = [False] * len(keys)
         want = list(range(len(keys)))
         for _ in range(GET_TRIES):
@@ -231,6 +235,7 @@ class BlockOps:
                 missing = exc.details.get("missing")
                 if not isinstance(missing, list) or not missing:
                     raise
+                _other_sizes(keys, want, ask, missing, exc.details.get("sizes"), strict)
                 gone = set(missing)
                 want = [k for j, k in enumerate(want) if j not in gone]
                 if not want:
@@ -242,7 +247,7 @@ class BlockOps:
         return found
 
     async def _get_twice(self, keys: list[str], targets: list[np.ndarray],
-                         first: dict[str, int]) -> list[bool]:
+                         first: dict[str, int], strict: bool) -> list[bool]:
         """A get that names a key more than once: each block read once (the
         daemon refuses a key named twice: one request moves each block
         once), into its first array, then copied into the others."""
@@ -250,7 +255,7 @@ class BlockOps:
             if targets[i].nbytes != targets[first[key]].nbytes:
                 raise BadRequest(f"key {key!r} is named twice with arrays of different sizes")
         once = list(first.values())
-        got = await self._get([keys[i] for i in once], [targets[i] for i in once])
+        got = await self._get([keys[i] for i in once], [targets[i] for i in once], strict)
         hit = {keys[i]: h for i, h in zip(once, got, strict=True)}
         for i, key in enumerate(keys):
             j = first[key]
@@ -329,3 +334,25 @@ def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray]) -> Transfe
 def _bytes(a: np.ndarray) -> np.ndarray:
     """A C-contiguous array's bytes, flat (``host_data`` gives only those)."""
     return a.reshape(-1).view(np.uint8)
+
+
+def _other_sizes(keys: list[str], want: list[int], ask: list[np.ndarray], missing: list[Any],
+                 sizes: Any, strict: bool) -> None:
+    """A miss because the block is there but of another size than its array
+    (a sizing bug would otherwise look like a cold cache for ever): a debug
+    line per key on ``rpcbuf.client``, and with ``strict`` BAD_REQUEST
+    ``size_mismatch`` naming the first.  ``sizes`` is the daemon's word,
+    index-aligned with ``missing``: None where no block is there."""
+    if not isinstance(sizes, list):
+        return
+    for j, size in zip(missing, sizes, strict=False):
+        if not (isinstance(j, int) and 0 <= j < len(want)) or type(size) is not int:
+            continue
+        key, nbytes = keys[want[j]], ask[j].nbytes
+        if strict:
+            raise BadRequest(f"block {key!r:.80} is {size} bytes here; the array to read it "
+                             f"into is {nbytes} bytes (get_blocks reads whole blocks)",
+                             {"key": key, "nbytes": size, "array_nbytes": nbytes,
+                              "reason": "size_mismatch"})
+        log.debug("get_blocks: block %.80r is %d bytes, its array %d: counted a miss",
+                  key, size, nbytes)

@@ -379,14 +379,18 @@ class RpcContext:
         """``put_blocks`` of one block."""
         return await self.put_blocks([(key, array)], ttl, None if meta is None else [meta])
 
-    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any],
+                         strict: bool = False) -> list[bool]:
         """Read blocks straight into ``out`` (index-aligned with ``keys``:
         host arrays, contiguous and writable, each exactly its block's size),
         in one round trip when all are there; returns which keys were read
         (the others' arrays are left as they were, or hold arbitrary bytes
-        when a block went away between tries).  A key of another size counts
-        as missing.  Raises BAD_REQUEST."""
-        return await self._blocks.get(keys, out)
+        when a block went away between tries).  A key whose block is there
+        but of another size than its array counts as missing, with a debug
+        line on the ``rpcbuf.client`` logger; with ``strict=True`` it raises
+        BAD_REQUEST (``details["reason"] == "size_mismatch"``, with the key
+        and both sizes) instead.  Raises BAD_REQUEST."""
+        return await self._blocks.get(keys, out, strict)
 
     async def get_block(self, key: str, out: Any = None,
                         max_nbytes: int = MAX_BLOCK_NBYTES) -> np.ndarray | None:

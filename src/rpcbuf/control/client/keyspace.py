@@ -485,11 +485,14 @@ class BlockCluster:
             todo = again  # type: ignore[assignment]
         return out
 
-    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any]) -> list[bool]:
+    async def get_blocks(self, keys: Sequence[str], out: Sequence[Any],
+                         strict: bool = False) -> list[bool]:
         """``RpcContext.get_blocks`` over the cluster: each key from its first
         live node that has it (of its ``replicas``); which keys were read.
-        A key whose nodes are gone is a miss.  Raises BAD_REQUEST, a token
-        refusal, ``ClusterError`` for another error of a node."""
+        A key whose nodes are gone is a miss; ``strict`` as there (a block
+        of another size than its array raises BAD_REQUEST).  Raises
+        BAD_REQUEST, a token refusal, ``ClusterError`` for another error of
+        a node."""
         self._check()
         keys = check_keys(keys)
         if len(out) != len(keys):
@@ -498,7 +501,7 @@ class BlockCluster:
                         writable=True)
 
         async def get(c: RpcContext, idx: list[int]) -> list[bool]:
-            return await c.get_blocks([keys[i] for i in idx], [out[i] for i in idx])
+            return await c.get_blocks([keys[i] for i in idx], [out[i] for i in idx], strict)
 
         got = await self._walk(keys, get, bool, "get_blocks")
         return [bool(g) for g in got]
