@@ -344,10 +344,10 @@ async def test_a_put_whose_bytes_never_arrive_is_never_visible(tier: DaemonProc)
                 keys=["half", "fresh"], sizes=P.pack_u64([new.nbytes, 16]),
                 checksums=P.pack_u64([checksum(new), checksum(new[:16])])))
             for _ in range(100):  # the daemon holds the two pending blocks, waiting for bytes
-                if (await c.stats())["buffers"] == 3:
+                if (await c.stats())["limits"]["buffers"]["held"] == 3:
                     break
                 await asyncio.sleep(0.05)
-            assert (await c.stats())["buffers"] == 3
+            assert (await c.stats())["limits"]["buffers"]["held"] == 3
             assert await c.blocks_exist(["half", "fresh"]) == [True, False]
             out = np.empty(4 * MiB, np.uint8)
             assert await c.get_blocks(["half"], [out]) == [True]
@@ -741,14 +741,14 @@ async def test_a_ucx_batch_with_one_bad_hash_stores_nothing(tier: DaemonProc) ->
     bad = 117
     sums[bad] ^= 1
     async with tier.connect("alice", same_host=False) as c:
-        before = (await c.stats())["buffers"]
+        before = (await c.stats())["limits"]["buffers"]["held"]
         req = P.BlockPut(keys=keys, sizes=P.pack_u64([a.nbytes for a in datas]),
                          checksums=P.pack_u64(sums))
         with pytest.raises(rpcbuf.VerifyFailed) as err:
             await c._paths.run("", HOST, _transfer(req, datas))
         assert err.value.details["items"] == [bad]
         assert await c.blocks_exist(keys) == [False] * len(keys)
-        assert (await c.stats())["buffers"] == before
+        assert (await c.stats())["limits"]["buffers"]["held"] == before
     assert await wait_free(tier, start) == start
 
 
@@ -762,7 +762,7 @@ async def test_a_client_gone_mid_batch_leaves_no_key_and_nothing_held(
     blocks = _blocks(64, 256 << 10, 43)
     keys, datas = list(blocks), list(blocks.values())
     async with tier.connect("alice", same_host=False) as c:
-        before = (await c.stats())["buffers"]
+        before = (await c.stats())["limits"]["buffers"]["held"]
         writer = await tier.connect("alice", same_host=False)
         try:
             ep = await writer._paths.ucx.endpoint()
@@ -773,20 +773,20 @@ async def test_a_client_gone_mid_batch_leaves_no_key_and_nothing_held(
             sent = [asyncio.ensure_future(ep.send(a, run_tag(req_id, i)))
                     for i, a in enumerate(datas[:32])]
             for _ in range(100):  # the daemon holds the 64 pending blocks, waiting for the rest
-                if (await c.stats())["buffers"] >= before + 64:
+                if (await c.stats())["limits"]["buffers"]["held"] >= before + 64:
                     break
                 await asyncio.sleep(0.05)
-            assert (await c.stats())["buffers"] >= before + 64
+            assert (await c.stats())["limits"]["buffers"]["held"] >= before + 64
             assert await c.blocks_exist(keys) == [False] * 64
         finally:
             writer.abort()
             await asyncio.gather(*sent, return_exceptions=True)
             await writer.close()
         for _ in range(100):
-            if (await c.stats())["buffers"] == before:
+            if (await c.stats())["limits"]["buffers"]["held"] == before:
                 break
             await asyncio.sleep(0.05)
-        assert (await c.stats())["buffers"] == before
+        assert (await c.stats())["limits"]["buffers"]["held"] == before
         assert await c.blocks_exist(keys) == [False] * 64
     assert await wait_free(tier, start) == start
 
@@ -888,13 +888,13 @@ async def test_an_in_place_hash_mismatch_stores_nothing(tier: DaemonProc) -> Non
         slots[0][:] = data
         slots[1][:] = data[:16]
         del slots
-        buffers = (await c.stats())["buffers"]
+        buffers = (await c.stats())["limits"]["buffers"]["held"]
         with pytest.raises(rpcbuf.VerifyFailed):
             await c._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64(
                 [checksum(data), checksum(data[:16]) ^ 1])))
         assert await c.blocks_exist(["k", "j"]) == [True, False]
         assert (await c.get_block("k")).tolist() == [5] * 16  # type: ignore[union-attr]
-        assert (await c.stats())["buffers"] == buffers - 2  # the pending slots went back
+        assert (await c.stats())["limits"]["buffers"]["held"] == buffers - 2  # pending slots went
         with pytest.raises(rpcbuf.NotFound):  # the lease is gone with them
             await c._call(P.BlockCommit(lease=placed["lease"], checksums=P.pack_u64([0, 0])))
         again = await c._call(P.BlockPlace(keys=["k", "j"],
@@ -938,17 +938,17 @@ async def test_a_client_killed_between_copy_and_commit_leaves_no_key(
     start = await pool_free(tier)
     async with tier.connect("alice", same_host=True) as c:
         await c.put_blocks({"keep": np.full(64 << 10, 1, np.uint8)})  # the segment stays
-        buffers = (await c.stats())["buffers"]
+        buffers = (await c.stats())["limits"]["buffers"]["held"]
         env = {**os.environ, "PYTHONPATH": "src", "UCX_WARN_UNUSED_ENV_VARS": "n"}
         p = subprocess.run([sys.executable, "-c", KILLED, tier.addr, tier.token("alice")],
                            capture_output=True, text=True, env=env, timeout=60)
         assert p.returncode == -9, p.stderr
         killed = json.loads(p.stdout)
         for _ in range(100):  # the daemon sees the session end
-            if (await c.stats())["buffers"] == buffers:
+            if (await c.stats())["limits"]["buffers"]["held"] == buffers:
                 break
             await asyncio.sleep(0.05)
-        assert (await c.stats())["buffers"] == buffers
+        assert (await c.stats())["limits"]["buffers"]["held"] == buffers
         assert await c.blocks_exist(["dead/0", "dead/1"]) == [False, False]
         assert await c.list_blocks() == (["keep"], False)
         n = 64 << 10

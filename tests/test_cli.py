@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +265,12 @@ def test_blocks_rm_removes_named_keys_and_a_prefix_only_when_told(cli_daemon: Da
     assert res.returncode == 0, res.stderr
     assert "removed 5000 keys starting with 'bulk'" in res.stdout, res.stdout  # two pages
     assert asyncio.run(left()) == (2, ["a3", "keep"])
+    # Item 9: status counted blocks as buffers ("buffers 1" while ls was empty).
+    (st,) = as_json(rpcbuf(cli_daemon, "status", "--json", tenant="kv")).values()
+    assert st["buffers"] == 0 and st["blocks"]["blocks"] == 2
+    assert st["limits"]["buffers"]["held"] == 2  # the quota counts both
+    table = rpcbuf(cli_daemon, "status", "--wide", tenant="kv").stdout
+    assert re.search(r"buffers ┃\s+blocks ┃", table) and re.search(r"│\s+0 │\s+2 │", table), table
     res = rpcbuf(cli_daemon, "blocks", "a3", tenant="kv")  # rm forgotten: said, not ignored
     assert res.returncode == 2 and "invalid choice: 'a3' (choose from 'rm')" in res.stderr
     res = rpcbuf(cli_daemon, "blocks", "rm", tenant="kv")

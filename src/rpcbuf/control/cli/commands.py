@@ -372,10 +372,12 @@ def status_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
     nodes = tables.fit("rpcbuf status", [
         tables.Col("endpoint", key=True), tables.Col("node", key=True),
         tables.Col("uptime", drop=3), tables.Col("sessions", right=True, drop=2),
-        tables.Col("buffers", right=True), tables.Col("stored", right=True, drop=1),
+        tables.Col("buffers", right=True), tables.Col("blocks", right=True, drop=2),
+        tables.Col("stored", right=True, drop=1),
         tables.Col("read", right=True, drop=1), tables.Col("path")],
         [[a, str(st["node_id"]), _dur(st["uptime"]), str(st["sessions"]), str(st["buffers"]),
-          format_size(st.get("bytes_stored", 0)), format_size(st.get("bytes_read", 0)),
+          str(st.get("blocks", {}).get("blocks", 0)), format_size(st.get("bytes_stored", 0)),
+          format_size(st.get("bytes_read", 0)),
           str(st.get("path", ""))] for a, st in ok.items()], wide=wide)
     devs = tables.fit("devices", [
         tables.Col("endpoint", key=True), tables.Col("device", key=True),

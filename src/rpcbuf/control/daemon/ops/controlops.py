@@ -205,6 +205,8 @@ class ControlOps:
         ``--metrics``)."""
         tenant = self._owner.owner
         mine = [s for s in self._node.sessions.values() if s.tenant == tenant]
+        blocks = self._node.blocks.stats(tenant)
+        held = self._registry.stats(tenant)
         counters = {"bytes_stored": 0, "bytes_read": 0, "verify_failures": 0,
                     "bytes_loaded_local": 0,
                     **self._node.tenant_counters.get(tenant, {})}
@@ -223,8 +225,10 @@ class ControlOps:
                 "listening": self._node.listening,
                 "ucx": self._node.ucx_library,
                 **counters, "expired_total": self._registry.expired_of(tenant),
-                "blocks": self._node.blocks.stats(tenant),
-                **self._registry.stats(tenant)}
+                "blocks": blocks, **held,
+                # the buffers ``list_buffers`` shows; what the quota counts
+                # (buffers and blocks) is ``limits["buffers"]``
+                "buffers": max(0, held["buffers"] - blocks["blocks"])}
 
     def ping(self, req: P.Ping) -> dict[str, Any]:
         """The node's clock (``rpcbuf doctor`` compares it with the client's)."""
