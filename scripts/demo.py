@@ -85,7 +85,7 @@ async def run(addr: str, token: str) -> None:
         meta = await ctx.get_buffer_meta(buf)
         await ctx.release_buffer(buf)
         free1 = sum(int(d["free"]) for d in await ctx.list_devices())
-    path = ("same-host (the daemon copies straight from this process)" if same_host
+    path = ("same-host (shared memory: a staging area the daemon made)" if same_host
             else "UCX (tcp)" + (f"; same-host refused: {why}" if why else ""))
     print(f"buffer {buf}: {meta.get('size')} bytes on {meta.get('device_type')}; data path: {path}")
     head = f"{'group':<10} {'tensors':>7} {'bytes':>12} {'store ms':>9} {'read ms':>9}  verified"

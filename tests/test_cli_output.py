@@ -304,6 +304,60 @@ def test_doctor_says_why_the_same_host_path_is_not_used(daemon_factory) -> None:
     assert "--local-socket none" in path["message"] and "slower" in path["message"], path
 
 
+def test_doctor_under_tls_on_loopback_says_why_ucx_and_what_same_host_is(
+        daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 37 item 11: with TLS on loopback doctor said `ok data path UCX`
+    with no reason (the same-host path leaves TLS out, so a TLS client takes
+    it only when asked); and its same-host sentence said the daemon "copies
+    straight" from the client's arrays, where they go through a staging area."""
+    from certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--tls-cert", str(cert),
+                                   "--tls-key", str(key))
+    res = run("doctor", "--endpoint", d.addr, "--ca", str(cert), "--json", token=d.token("doc"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
+    assert path["status"] == "warn" and "RPCBUF_SAME_HOST=1" in path["message"], path
+    env = {**cli_env(80, d.token("doc")), "RPCBUF_SAME_HOST": "1"}
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoint",
+                          d.addr, "--ca", str(cert), "--json"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=env)
+    (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
+    assert path["status"] == "ok" and "staging area" in path["message"], path
+
+
+def test_doctor_lines_fold_between_words_and_after_slashes() -> None:
+    """Issue 37 item 10: doctor broke a library path mid-word, and the label
+    "round trip 64.0 MiB" ran into its sentence; error sentences broke
+    mid-word at the terminal's edge ($RPC / BUF_TOKEN); a 60-character
+    buffer name wrapped into 7 lines."""
+    from rpcbuf.control.cli import doctor, tables
+
+    lib = "/work/main/.venv/lib/python3.11/site-packages/libucx/lib/libucp.so.0"
+    lines = doctor.render({"n": [doctor.Check("ucx here", "ok", f"UCX 1.21.0 at {lib}: fine"),
+                                 doctor.Check("round trip 64.0 MiB", "ok", "store 4 GiB/s")]},
+                          columns=80)
+    assert all(len(x) <= 80 for x in lines), lines
+    assert [x.strip() for x in lines[1:4]] == [  # broken after a slash, never inside a name
+        "ok    ucx here            UCX 1.21.0 at",
+        "/work/main/.venv/lib/python3.11/site-packages/", "libucx/lib/libucp.so.0: fine"]
+    assert lines[4] == "  ok    round trip 64.0 MiB store 4 GiB/s", lines[4]
+    said = tables.fold("rpcbuf: no token: pass --token, set $RPCBUF_TOKEN, or put one in a "
+                       "file", 40)
+    assert "$RPCBUF_TOKEN," in [w for x in said for w in x.split()] and \
+        all(len(x) <= 40 for x in said), said
+    name = "model-weights/llama-3.1-70b-instruct/layer-017/attn.q_proj.w"
+    t = tables.fit("b", [tables.Col("name", key=True, wrap=True), tables.Col("id", key=True)],
+                   [[name, "b-IYAsFN3Ff3Psnny7lclLylgI"]], columns=60)
+    from rich.console import Console
+    out = Console(width=60, record=True)
+    out.print(t)
+    cells = [x.split("│")[1].strip() for x in out.export_text().splitlines() if "│" in x]
+    assert "".join(cells) == name and len(cells) <= 3, cells
+    assert all(c.endswith(("/", "-", ".", "_")) for c in cells[:-1]), cells
+
+
 def test_table_cells_are_text_never_markup() -> None:
     """A buffer name, a block key or a node's record is someone else's
     string: a ``[`` in it shows as it is, and ``[/x]`` (rich raised

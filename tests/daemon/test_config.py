@@ -205,12 +205,24 @@ def test_a_setting_from_the_file_is_named_by_its_key(tmp_path: Path) -> None:
         res.stderr
 
 
+def test_a_missing_tls_file_from_the_file_is_named_by_its_key(tmp_path: Path) -> None:
+    """Issue 37 item 11: a TLS file missing from the config's [tls] section
+    was named as --tls-cert (a flag the user never gave)."""
+    path = write(tmp_path, 'listen = "127.0.0.1:0"\nucx_port = 0\ndevices = ["cpu:1MiB"]\n'
+                 f'secret_file = "{tmp_path / "s"}"\n[tls]\ncert = "/nonexistent/c.pem"\n'
+                 'key = "/nonexistent/k.pem"\n')
+    res = run_daemon("--config", path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f'tls.cert = "/nonexistent/c.pem" (in {path}): no such file' in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-sessions", "0"], "must be at least 1"),
     (["--metrics", "127.0.0.1:x"], "bad address"),
     (["--log-format", "xml"], "invalid choice"),
     (["--audit-log", "/nonexistent/dir/audit.log"], "--audit-log /nonexistent/dir/audit.log"),
-    (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert"),
+    (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"],
+     "--tls-cert /nonexistent.pem: no such file"),
 ])
 def test_bad_service_flags_fail_clearly(tmp_path: Path, flags: list[str], message: str) -> None:
     res = run_daemon("--secret-file", str(tmp_path / "s"), "--device", "cpu:1MiB", *flags)

@@ -108,7 +108,7 @@ async def check_node(addr: str, token: str | None, timeout: float,
         out.append(Check("tls" if tls_why else "token", "fail", sentence(addr, exc)))
         return out
     try:
-        await _with_session(ctx, addr, out)
+        await _with_session(ctx, addr, out, tls is not None)
     except RpcBufError as exc:  # the node went away or refused midway
         out.append(Check("session", "fail", sentence(addr, exc)))
     finally:
@@ -116,7 +116,8 @@ async def check_node(addr: str, token: str | None, timeout: float,
     return out
 
 
-async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
+async def _with_session(ctx: Any, addr: str, out: list[Check], dialed_tls: bool = False
+                        ) -> None:
     hello = ctx.hello
     exp = hello.get("token_expires_at")
     if exp is None:
@@ -131,8 +132,9 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
     out.append(Check("protocol", "ok" if version == P.PROTOCOL_VERSION else "warn",
                      f"node speaks protocol {version}, this client {P.PROTOCOL_VERSION}"))
     if ctx.same_host:
-        out.append(Check("data path", "ok", "same-host (the daemon copies straight between "
-                         "your arrays and its memory)"))
+        out.append(Check("data path", "ok", "same-host (shared memory over the node's Unix "
+                         "socket: your arrays are copied through a staging area the daemon "
+                         "made; no UCX)"))
     else:
         why = hello.get("same_host_why")
         local = "local" in hello or is_loopback(parse_addr(addr)[0])
@@ -141,6 +143,9 @@ async def _with_session(ctx: Any, addr: str, out: list[Check]) -> None:
                 why = "the daemon offers no same-host socket (it runs with --local-socket none)"
             elif same_host_default() is False:
                 why = "RPCBUF_SAME_HOST=0 here"
+            elif dialed_tls:
+                why = ("this client dialed TLS, and the same-host path (a Unix socket) leaves "
+                       "TLS out, so it is taken only when asked for: RPCBUF_SAME_HOST=1")
         msg = "UCX" + (f" (same-host path not used: {why})" if why else "")
         if local and why:
             msg += ("; on one host UCX moves every byte through loopback TCP, several times "
@@ -239,20 +244,23 @@ def render(results: dict[str, list[Check]], columns: int | None = None) -> list[
     """One line per check, its sentence wrapped to the terminal under itself,
     every part of it ``clean``: the node's hello, stats and errors are in
     them, and a malicious node's escape sequences would reach the terminal."""
-    import textwrap
-
-    from rpcbuf.control.cli.tables import clean, width
+    from rpcbuf.control.cli.tables import clean, fold, width
 
     mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
-    room = max(30, (width() if columns is None else columns) - 27)
+    # The labels' column as wide as the widest ("round trip 64.0 MiB" ran
+    # into its sentence), the sentences folded between words and a path
+    # after its slashes (``fold``), under themselves.
+    label = max([18] + [len(clean(c.check, limit=64)) for cs in results.values() for c in cs])
+    indent = 2 + 4 + 2 + label + 1
+    room = max(30, (width() if columns is None else columns) - indent)
     lines: list[str] = []
     for addr, checks in results.items():
         lines.append(clean(addr))
         for c in checks:
-            text = textwrap.wrap(clean(c.message), room, break_on_hyphens=False) or [""]
-            lines.append(f"  {mark.get(c.status, '?   ')}  {clean(c.check, limit=64):<18} "
+            text = fold(clean(c.message), room) or [""]
+            lines.append(f"  {mark.get(c.status, '?   ')}  {clean(c.check, limit=64):<{label}} "
                          f"{text[0]}")
-            lines += [" " * 27 + more for more in text[1:]]
+            lines += [" " * indent + more for more in text[1:]]
     return lines
 
 

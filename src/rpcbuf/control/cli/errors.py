@@ -15,10 +15,10 @@ import argparse
 import errno
 import json
 import math
-import sys
 import time
 from typing import Any
 
+from rpcbuf.control.cli import tables
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.units import format_size
 
@@ -173,5 +173,5 @@ def report(where: str, exc: RpcBufError, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
     else:
-        print(f"rpcbuf: {sentence(where, exc)}", file=sys.stderr)
+        tables.warn(f"rpcbuf: {sentence(where, exc)}")
     return EXIT_NODE

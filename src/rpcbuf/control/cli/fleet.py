@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 import time
 from typing import Any
 
@@ -284,8 +283,7 @@ def run_models(args: argparse.Namespace, target: Any, token: str) -> int:
     if not args.json:
         for name, g in models.items():
             if g["problems"]:
-                print(f"rpcbuf: {tables.clean(LR.incomplete(name, g['problems']).message)}",
-                      file=sys.stderr)
+                tables.warn(f"rpcbuf: {tables.clean(LR.incomplete(name, g['problems']).message)}")
         for addr, exc in failed.items():
-            print(f"rpcbuf: {sentence(addr, exc)}", file=sys.stderr)
+            tables.warn(f"rpcbuf: {sentence(addr, exc)}")
     return EXIT_NODE if failed else EXIT_OK

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -153,7 +152,7 @@ def _say(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     if args.json:
         print(json.dumps(obj, indent=2, default=str))
     else:
-        print(text, file=sys.stderr)
+        tables.warn(text)
 
 
 async def _run(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
@@ -208,7 +207,7 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
     need = model.nbytes if model is not None and not args.placement else None
     async with fleet.cluster(args, endpoints, token, partial=False, need=need) as cluster:
         for why in cluster.warnings:
-            print(f"rpcbuf: warning: {why}", file=sys.stderr)
+            tables.warn(f"rpcbuf: warning: {why}")
         if args.cmd == "unload":
             got = await unload_model(cluster, args.name)
             if args.json:

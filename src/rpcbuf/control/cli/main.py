@@ -210,8 +210,7 @@ async def _devices(args: argparse.Namespace) -> int:
         tables.console(args.wide).print(tables.fit("rpcbuf devices", cols, rows, wide=args.wide))
     _print_errors(got)
     if failed and rows:
-        print("rpcbuf: slot numbers (for --placement) need every node: none are shown",
-              file=sys.stderr)
+        tables.warn("rpcbuf: slot numbers (for --placement) need every node: none are shown")
     return EXIT_NODE if failed else EXIT_OK
 
 
@@ -237,7 +236,7 @@ def _print_errors(results: dict[str, Any]) -> None:
     """One sentence per failing node, on stderr."""
     for addr, res in results.items():
         if isinstance(res, RpcBufError):
-            print(f"rpcbuf: {sentence(addr, res)}", file=sys.stderr)
+            tables.warn(f"rpcbuf: {sentence(addr, res)}")
 
 
 def _print_json(results: dict[str, Any]) -> None:
@@ -388,8 +387,8 @@ async def _put(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(tables.clean(result["buffer_id"]))
     if len(endpoints) > 1:
-        print(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
-              "(--endpoint picks the node)", file=sys.stderr)
+        tables.warn(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
+                    "(--endpoint picks the node)")
     return EXIT_OK
 
 
@@ -455,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(args, "endpoint") else "rpcbuf"
         return report(where, exc, getattr(args, "json", False))
     except (OSError, ValueError) as exc:
-        print(f"rpcbuf: {exc}", file=sys.stderr)
+        tables.warn(f"rpcbuf: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("rpcbuf: interrupted", file=sys.stderr)

@@ -19,6 +19,7 @@ screen, rewrite what was printed above).
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,58 @@ def width() -> int:
     return shutil.get_terminal_size((80, 24)).columns
 
 
+SEPARATORS = "/-_.,:"  # where a word too long for a line (a path, a name) may break
+
+
+def _pieces(word: str, room: int) -> list[str]:
+    """``word`` cut into pieces of at most ``room`` characters, each after
+    a separator where the piece has one (``/work/.../lib/`` then
+    ``libucp.so.0``), mid-word only where it has none."""
+    out = []
+    while len(word) > room:
+        cut = max(word.rfind(sep, 0, room) for sep in SEPARATORS)
+        cut = cut + 1 if cut > 0 else room
+        out.append(word[:cut])
+        word = word[cut:]
+    return [*out, word]
+
+
+def fold(text: str, room: int) -> list[str]:
+    """``text`` in lines of at most ``room`` characters, broken between
+    words; a word longer than a line starts one and breaks after a
+    separator (``_pieces``), never mid-word where it has one (a terminal's
+    own wrap broke ``$RPC`` / ``BUF_TOKEN`` and library paths)."""
+    room = max(1, room)
+    lines: list[str] = []
+    for para in text.split("\n"):
+        cur = ""
+        for word in para.split(" "):
+            if not word:
+                continue
+            if len(cur) + 1 + len(word) <= room and cur:
+                cur += " " + word
+            elif len(word) <= room:
+                if cur:
+                    lines.append(cur)
+                cur = word
+            else:
+                if cur:
+                    lines.append(cur)
+                *whole, cur = _pieces(word, room)
+                lines += whole
+        lines.append(cur)
+    return lines
+
+
+def warn(text: str) -> None:
+    """One sentence for the user on stderr: folded between words to the
+    terminal's width when stderr is a terminal (as it is, one line, for a
+    pipe or a log, where grep finds it whole)."""
+    if sys.stderr.isatty():
+        text = "\n".join(fold(text, width() - 1))
+    print(text, file=sys.stderr)
+
+
 def _cell(cell: Any) -> Text:
     """A cell as rich text: a ``Text`` as it is (our own styling, ``bar``:
     whoever builds one cleans what goes in), anything else as plain text,
@@ -95,8 +148,8 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
     """A rich table of ``rows`` that fits ``columns`` (the terminal's width)."""
     columns = width() if columns is None else columns
     keep = list(range(len(cols)))
-    rows = [[_cell(c) for c in r] for r in rows]
-    need = [max([len(c.name)] + [_text_len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    cells = [[_cell(c) for c in r] for r in rows]
+    need = [max([len(c.name)] + [_text_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
 
     def total(idx: list[int]) -> int:  # cell padding 2 + one border per column, + 1
         return sum(need[i] + 3 for i in idx) + 1
@@ -106,6 +159,13 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
             if total(keep) <= columns:
                 break
             keep.remove(i)
+    for i in keep:  # a wrapped column (names) gets the room the others leave,
+        room = columns - total([j for j in keep if j != i]) - 3  # its lines broken
+        if cols[i].wrap and need[i] > room >= 8:  # after separators (``fold``)
+            for r in cells:
+                if _text_len(r[i]) > room:
+                    r[i] = Text("\n".join(fold(r[i].plain, room)), style=r[i].style)
+            need[i] = room
     # A column left out says so, so that its absence never reads as "none"
     # (a buffer with a lease looked permanent without its "ttl left").
     dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
@@ -116,7 +176,7 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
         table.add_column(c.name, justify="right" if c.right else "left",
                          min_width=None if c.wrap else need[i], no_wrap=not c.wrap,
                          overflow="fold")
-    for r in rows:
+    for r in cells:
         table.add_row(*[r[i] for i in keep])
     return table
 

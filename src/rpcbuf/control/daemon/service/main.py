@@ -96,12 +96,20 @@ def host_ram() -> int | None:
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     if not args.tls_cert:
         return None
+    # Each file named the way the user gave it: a flag, or the config
+    # file's key (a missing tls.cert was reported as --tls-cert).
+    names = {d: config.setting(args, d, f"--{d.replace('_', '-')}", getattr(args, d))
+             for d in ("tls_cert", "tls_key")}
+    for dest, name in names.items():
+        path = getattr(args, dest)
+        if not os.path.isfile(path):
+            raise OSError(f"{name}: " + ("no such file" if not os.path.exists(path)
+                                         else "not a file"))
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(args.tls_cert, args.tls_key)
     except (OSError, ssl.SSLError) as exc:
-        raise OSError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
-                      f"cannot load: {exc}") from None
+        raise OSError(f"{names['tls_cert']} / {names['tls_key']}: cannot load: {exc}") from None
     return ctx
 
 
