@@ -275,3 +275,37 @@ def test_blocks_rm_removes_named_keys_and_a_prefix_only_when_told(cli_daemon: Da
     assert res.returncode == 2 and "invalid choice: 'a3' (choose from 'rm')" in res.stderr
     res = rpcbuf(cli_daemon, "blocks", "rm", tenant="kv")
     assert res.returncode == 2 and "name the KEYs" in res.stderr, res.stderr
+
+
+def test_release_by_prefix_and_all_only_when_told(cli_daemon: DaemonProc) -> None:
+    """Issue 37 item 12: there was no ``release --all`` nor release by name
+    prefix (one ``rpcbuf release`` per buffer)."""
+    import asyncio
+
+    import rpcbuf as api
+
+    async def make() -> None:
+        async with api.connect(cli_daemon.addr, token=cli_daemon.token("rel"), timeout=30) as c:
+            for name in ("llama/a", "llama/b", "llamas", None, "keep"):
+                await c.request_buffer(4096, name=name, ttl=None if name else 3600)
+
+    async def names() -> list[str | None]:
+        async with api.connect(cli_daemon.addr, token=cli_daemon.token("rel"), timeout=30) as c:
+            return sorted((b["name"] or "") for b in await c.list_buffers())
+
+    asyncio.run(make())
+    res = rpcbuf(cli_daemon, "release", "--prefix", "llama/", tenant="rel")
+    assert res.returncode == 2 and "add --yes" in res.stderr, res.stderr
+    res = rpcbuf(cli_daemon, "release", "--prefix", "llama/", "x", "--yes", tenant="rel")
+    assert res.returncode == 2 and "name one buffer" in res.stderr, res.stderr
+    assert asyncio.run(names()) == ["", "keep", "llama/a", "llama/b", "llamas"]  # nothing went
+    res = rpcbuf(cli_daemon, "release", "--prefix", "llama/", "--yes", tenant="rel")
+    assert res.returncode == 0 and "released 2 buffer(s)" in res.stdout, res.stdout + res.stderr
+    assert asyncio.run(names()) == ["", "keep", "llamas"]
+    res = rpcbuf(cli_daemon, "release", "--all", "--yes", "--json", tenant="rel")
+    assert res.returncode == 0, res.stderr
+    (got,) = as_json(res).values()
+    assert got["released"] == 3 and "keep" in got["buffers"], got
+    assert asyncio.run(names()) == []
+    res = rpcbuf(cli_daemon, "release", tenant="rel")
+    assert res.returncode == 2 and "name one buffer" in res.stderr, res.stderr

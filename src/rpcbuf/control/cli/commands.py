@@ -65,9 +65,16 @@ def register_operator_commands(sub: Any,
                     help="keys to list, 1..4096 [100]")
     client_flags(bl)
     rl = sub.add_parser("release", help="release a buffer by id or by name, on whichever "
-                        "node holds it",
-                        epilog="example: rpcbuf release b-XXXX   or   rpcbuf release weights")
-    rl.add_argument("buffer", metavar="ID|NAME")
+                        "node holds it (--prefix P --yes: every buffer whose name starts "
+                        "with P; --all --yes: every buffer of this tenant)",
+                        epilog="example: rpcbuf release b-XXXX   or   rpcbuf release weights"
+                        "   or   rpcbuf release --prefix llama/ --yes")
+    rl.add_argument("buffer", metavar="ID|NAME", nargs="?")
+    rl.add_argument("--prefix", help="release every buffer whose name starts with this "
+                    "(needs --yes)")
+    rl.add_argument("--all", action="store_true",
+                    help="release every buffer of this tenant, named or not (needs --yes)")
+    rl.add_argument("--yes", action="store_true", help="--prefix/--all: release without asking")
     client_flags(rl)
     put = sub.add_parser("put", help="store a .npy file in a new buffer; prints its id",
                          epilog="example: rpcbuf put x.npy --name x --ttl 1h   "
@@ -190,6 +197,23 @@ def blocks_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
 async def release(ctx: RpcContext, found: Found) -> dict[str, Any]:
     await ctx.release_buffer(found.buffer_id)
     return {"released": found.buffer_id, "name": found.name}
+
+
+async def release_many(ctx: RpcContext, prefix: str | None) -> dict[str, Any]:
+    """Release this tenant's buffers on one node: those whose name starts
+    with ``prefix``, or all of them (``prefix`` None, unnamed ones too).  A
+    buffer gone meanwhile (another client, its lease) is not counted."""
+    released = []
+    for b in await ctx.list_buffers():
+        name = b.get("name")
+        if prefix is not None and not (isinstance(name, str) and name.startswith(prefix)):
+            continue
+        try:
+            await ctx.release_buffer(b["buffer_id"])
+        except NotFound:
+            continue
+        released.append(name or b["buffer_id"])
+    return {"released": len(released), "buffers": released}
 
 
 def device_key(device_type: str, device: int) -> str:

@@ -316,6 +316,21 @@ def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str])
     return EXIT_NODE if any(isinstance(r, RpcBufError) for r in results.values()) else EXIT_OK
 
 
+def _release_many(args: argparse.Namespace) -> int:
+    """``rpcbuf release --prefix P --yes`` / ``--all --yes`` on every node."""
+    if args.buffer is not None or (args.prefix is not None) == args.all:
+        raise UsageError("rpcbuf release: name one buffer (ID|NAME), or --prefix P, or --all")
+    if not args.yes:
+        every = "every buffer of this tenant" if args.all else \
+            f"every buffer whose name starts with {args.prefix!r}"
+        raise UsageError(f"rpcbuf release would release {every} on every node: add --yes "
+                         "to do it (`rpcbuf ls` lists them)")
+    results = asyncio.run(_per_node(args, lambda c: cliops.release_many(
+        c, None if args.all else args.prefix)))
+    return _finish(args, results, [f"{a}: released {r['released']} buffer(s)"
+                                   for a, r in results.items() if not isinstance(r, Exception)])
+
+
 async def _release(args: argparse.Namespace) -> int:
     """Release the buffer on each node that holds it (``locate``)."""
     async with _cluster(args) as cluster:
@@ -444,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_hash_command(args)
         if args.cmd == "blocks" and args.action == "rm":
             return _blocks_rm(args)
+        if args.cmd == "release" and (args.buffer is None or args.prefix is not None
+                                      or args.all):
+            return _release_many(args)
         if args.cmd in ("status", "ls", "blocks"):
             return _node_command(args)
         by_buffer = {"release": _release, "get": _get, "bench": _bench, "put": _put}
