@@ -233,6 +233,32 @@ async def test_missing_or_resized_copies_are_named(node: tuple[DaemonProc, Path,
         assert await cluster[d.addr].list_buffers() == []
 
 
+async def test_every_node_s_copy_is_checked_before_any_reads(
+        node: tuple[DaemonProc, Path, Path], tmp_path: Path) -> None:
+    """Issue 37 item 12: one node read 194 MiB of its copy before the other
+    said it had no ``--model-dir``.  Now every node opens its copy first:
+    the node that has one reads nothing, and the refusal names the other."""
+    d, _models, local = node
+    (tmp_path / "n2").mkdir()
+    shutil.copy(d.secret_file, tmp_path / "n2" / "secret")  # one secret: one token for both
+    bare = start_daemon(tmp_path / "n2", "--device", "cpu:64MiB")  # no --model-dir
+    try:
+        async with rpcbuf.Cluster.connect(f"{d.addr};{bare.addr}", d.token("dave"),
+                                          timeout=10) as cluster:
+            before = (await cluster[d.addr].stats())["bytes_loaded_local"]
+            with pytest.raises(rpcbuf.ClusterError) as info:
+                await rpcbuf.load_model(cluster, local / "tiny.safetensors", source="node",
+                                        node_path="tiny.safetensors",
+                                        placement="0:prolog,1;1:all,epilog", progress=False)
+            assert list(info.value.errors) == [bare.addr], info.value.errors
+            assert info.value.errors[bare.addr].details["reason"] == "no_model_dirs"
+            assert (await cluster[d.addr].stats())["bytes_loaded_local"] == before
+            for addr in (d.addr, bare.addr):
+                assert await cluster[addr].list_buffers() == []
+    finally:
+        assert bare.stop() == 0, bare.log()
+
+
 @pytest.fixture
 def refusals(node: tuple[DaemonProc, Path, Path], tmp_path: Path) -> Iterator[dict[str, Any]]:
     _d, models, local = node
@@ -410,7 +436,10 @@ async def test_the_audit_trail_names_who_loaded_which_file_escaped(
     await asyncio.sleep(0.2)
     lines = [json.loads(x) for x in (d.tmp.parent / "audit.log").read_text().splitlines()]
     mine = [x for x in lines if x["op"] == "load_file" and x["tenant"] == "carol"]
-    assert [x["code"] for x in mine] == ["OK", "FORBIDDEN"]
+    # Each load first has the node open its copy (no tensors: its header only).
+    assert [x["code"] for x in mine] == ["OK", "OK", "FORBIDDEN"]
+    assert "items=0 read=0" in mine[0]["note"]
+    mine = mine[1:]
     assert mine[0]["note"].startswith("file=plain.safetensors (") and "\n" in mine[0]["note"]
     assert mine[0]["bytes"] > 0 and "read=" in mine[0]["note"]
     assert mine[1]["note"].startswith("file=/etc/shadow ") and "root:" not in json.dumps(mine)

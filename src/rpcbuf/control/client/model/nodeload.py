@@ -13,21 +13,25 @@ upload does (``loader.py``), except that no tensor crosses the network:
    buffer per used slot, reused or created as ``acquire.acquire`` does, the
    same back-to-back layout), so a model loaded either way lies the same,
    and a re-load finds it in place;
-3. per slot, batches of at most ``batch_bytes`` (``NODE_BATCH``), two in flight: a
+3. every node opens its copy of each file its slots read (a ``load_file``
+   of no tensors: its header, nothing else; ``_check_copies``), so a node
+   without ``--model-dir``, or without the file, or with another size,
+   stops the load before any node reads a byte;
+4. per slot, batches of at most ``batch_bytes`` (``NODE_BATCH``), two in flight: a
    ``load_file`` request naming the file on the node (``node_path``; for a
    directory of shards, each shard inside it), each tensor's byte range in
    the file, its place in the buffer, its hashes, its source type and
    logical shape; the node reads and verifies them (``daemon/ops/fileops.py``)
    and records only what matched;
-4. the model file's metadata (from the header, or the hash manifest) is
+5. the model file's metadata (from the header, or the hash manifest) is
    stored as an upload stores it: the tensor ``__rpcbuf_metadata__``
    (``metadata``) right after the tensors of each node's first slot,
    from the driver (rpcbuf's own msgpack blob, not the file's bytes;
    deduplicated, so a re-load sends nothing; ``bytes_sent`` counts the
    file's tensors only, none);
-5. every slot's manifest is checked against the expected checksums;
-6. as for an upload, each slot's load record is planned before step 3 and
-   committed only after every slot passed step 5 (``commit``).
+6. every slot's manifest is checked against the expected checksums;
+7. as for an upload, each slot's load record is planned before step 4 and
+   committed only after every slot passed step 6 (``commit``).
 
 A node whose copy differs (missing, another size, a tensor that does not
 match) fails its load with an error naming the file and the tensor; the
@@ -161,6 +165,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
         lambda n: _spec(*tensors[n]), hm.blob(), placement, _ManifestHashes(hm))
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
     try:
+        await _check_copies(cluster, jobs, tensors, hm, files, batch_bytes)
         bar = start_progress(jobs, stats, progress, on_progress)
         try:
             await _read_on_nodes(cluster, jobs, tensors, hm, files, stats, bar, batch_bytes,
@@ -209,6 +214,33 @@ def _batches(job: SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
         open_[k] = (batch, size + t.nbytes)
     out.extend((k, b) for k, (b, _) in open_.items() if b)
     return out
+
+
+async def _check_copies(cluster: Cluster, jobs: list[SlotJob],
+                        tensors: dict[str, tuple[int, HashedTensor]], hm: HashedModel,
+                        files: list[str], batch_bytes: int) -> None:
+    """Before any node reads a byte: every node has each file its slots read,
+    of the right size and a model (a ``load_file`` of no tensors: the node
+    opens its copy and reads its header, nothing else).  Without it, one
+    node read 194 MiB before another said it had no ``--model-dir``."""
+    probes: dict[tuple[str, int], asyncio.Future[Any]] = {}
+
+    async def one(j: SlotJob) -> None:
+        ctx = cluster[j.plan.slot.endpoint]
+        used = sorted({k for k, _ in _batches(j, tensors, slot_offsets(j), batch_bytes)})
+        for k in used:
+            key = (j.plan.slot.endpoint, k)
+            if key not in probes:
+                probes[key] = asyncio.ensure_future(
+                    _load(ctx, j.buffer_id, files[k], hm.files[k].size, []))
+            await asyncio.shield(probes[key])
+
+    try:
+        await CM.each_slot(cluster, jobs, one, "checking the nodes' copies")
+    finally:
+        for p in probes.values():
+            p.cancel()
+        await asyncio.gather(*probes.values(), return_exceptions=True)
 
 
 async def _read_on_nodes(cluster: Cluster, jobs: list[SlotJob],
