@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import rpcbuf
+from conftest import ROOT
 from rpcbuf.control.wire.auth import load_or_create_secret, verify_token
 
 
@@ -220,7 +222,7 @@ async def test_sigterm_finishes_in_flight_transfers(daemon_factory) -> None:  # 
 def test_an_arena_larger_than_the_machine_is_said_at_start(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Issue 37 item 12: ``--device cpu:64GiB`` on a 24 GiB machine started
     without a word, and failed only once the memory was used."""
-    from rpcbuf.control.daemon.service.main import host_ram
+    from rpcbuf.dataplane.arena import host_ram
 
     ram = host_ram()
     if ram is None:
@@ -230,3 +232,14 @@ def test_an_arena_larger_than_the_machine_is_said_at_start(daemon_factory) -> No
     assert "more than this machine's" in d.log(), d.log()[-2000:]
     small = daemon_factory("--device", "cpu:16MiB")
     assert "more than this machine's" not in small.log()
+    # And in doctor (the issue asked for both).
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RPCBUF_TOKEN": d.token("doc")}
+    for node, warned in ((d, True), (small, False)):
+        res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoint",
+                              node.addr, "--json"], capture_output=True, text=True, timeout=120,
+                             env={**env, "RPCBUF_TOKEN": node.token("doc")})
+        checks = {c["check"]: c for c in json.loads(res.stdout)[node.addr]}
+        assert ("memory host" in checks) == warned, checks
+        if warned:
+            assert checks["memory host"]["status"] == "warn"
+            assert "more than the node's" in checks["memory host"]["message"]

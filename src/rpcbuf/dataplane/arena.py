@@ -244,3 +244,17 @@ def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbyte
         copy_device(src, src_offset, dst, dst_offset, nbytes)
         return
     np.copyto(dst.view(dst_offset, nbytes), src.view(src_offset, nbytes))
+
+
+def host_ram() -> int | None:
+    """This machine's memory (MemTotal), or None where it cannot be read:
+    host arenas reserve address space, so nothing stops their sum passing it
+    (``rpcbufd`` warns at start, ``rpcbuf doctor`` from ``stats``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -180,6 +180,13 @@ async def _with_session(ctx: Any, addr: str, out: list[Check], dialed_tls: bool 
         out.append(Check(f"memory {d['key']}", status, f"{format_size(free)} free of "
                          f"{format_size(total)} (largest block {format_size(d['largest_free'])})",
                          {"free": free, "total": total}))
+    ram = st.get("host_ram")
+    arenas = sum(int(d["total"]) for d in devices if str(d["key"]).startswith("cpu"))
+    if isinstance(ram, int) and ram > 0 and arenas > ram:
+        out.append(Check("memory host", "warn", f"the host arenas add up to "
+                         f"{format_size(arenas)}, more than the node's {format_size(ram)} of "
+                         "memory: clients run out of memory before the arenas are full "
+                         "(rpcbufd --device cpu:SIZE)", {"arenas": arenas, "host_ram": ram}))
     t0 = time.time()
     pong = await ctx._call(P.Ping())  # the node's clock (ping() gives the round trip)
     t1 = time.time()

@@ -25,6 +25,7 @@ from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError
+from rpcbuf.dataplane.arena import host_ram
 from rpcbuf.dataplane.ucx import rdma_devices
 
 RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
@@ -222,6 +223,7 @@ class ControlOps:
                 # how this node's data plane is set up (rpcbuf doctor shows it)
                 "ucx_tls": os.environ.get("UCX_TLS", ""),
                 "rdma_devices": rdma_devices(),
+                "host_ram": host_ram(),  # (doctor: host arenas past it)
                 "listening": self._node.listening,
                 "ucx": self._node.ucx_library,
                 **counters, "expired_total": self._registry.expired_of(tenant),

@@ -40,7 +40,7 @@ from rpcbuf.control.wire.membership import (
 )
 from rpcbuf.control.wire.units import format_size, join_host_port
 from rpcbuf.dataplane import progress, sockets, ucx, ucxlib
-from rpcbuf.dataplane.arena import HostArena, host_memory
+from rpcbuf.dataplane.arena import HostArena, host_memory, host_ram
 
 GC_GEN0 = 20_000  # allocations between young-generation collections (CPython: 700)
 log = logging.getLogger("rpcbuf.daemon")
@@ -79,18 +79,6 @@ def _more_than_ram(devices: list[tuple[str, int, int]]) -> None:
         log.warning("--device: the host arenas add up to %s, more than this machine's %s of "
                     "memory: clients will run out of memory before the arenas are full",
                     format_size(host), format_size(ram))
-
-
-def host_ram() -> int | None:
-    """This machine's memory (MemTotal), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) << 10
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
