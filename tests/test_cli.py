@@ -82,6 +82,25 @@ def test_put_without_a_name_names_the_buffer_after_the_file(cli_daemon: DaemonPr
     assert rpcbuf(cli_daemon, "release", "plain").returncode == 0
 
 
+def test_buddy_rounding_is_said_where_it_bites(cli_daemon: DaemonProc, tmp_path: Path) -> None:
+    """Issue 37 item 4: a 389 MiB model took 2 x 256 MiB without a word.
+    ``put`` says what its buffer takes when that is much more than it
+    asked; ``ls`` shows it (``takes``)."""
+    np.save(tmp_path / "odd.npy", np.zeros(300_000, np.uint8))  # a 512 KiB block
+    res = rpcbuf(cli_daemon, "put", str(tmp_path / "odd.npy"))
+    assert res.returncode == 0, res.stderr
+    assert "takes a block of 512.0 KiB on cpu:0" in res.stderr, res.stderr
+    (bufs,) = as_json(rpcbuf(cli_daemon, "ls", "--json")).values()
+    (row,) = [b for b in bufs if b["name"] == "odd"]
+    assert row["alloc_size"] == 512 << 10
+    assert re.search(r"512\.0 KiB", rpcbuf(cli_daemon, "ls", "--wide").stdout)
+    np.save(tmp_path / "even.npy", np.zeros(1 << 16, np.uint8))
+    res = rpcbuf(cli_daemon, "put", str(tmp_path / "even.npy"))
+    assert res.returncode == 0 and "takes a block" not in res.stderr, res.stderr
+    for name in ("odd", "even"):
+        assert rpcbuf(cli_daemon, "release", name).returncode == 0
+
+
 def test_status_shows_node_devices_and_sessions(cli_daemon: DaemonProc) -> None:
     (st,) = as_json(rpcbuf(cli_daemon, "status", "--json")).values()
     assert st["sessions"] >= 1 and st["uptime"] > 0 and st["devices"]

@@ -125,6 +125,7 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
     for b in await ctx.list_buffers():
         exp = b.get("expires_at")
         out.append({"buffer_id": b["buffer_id"], "name": b["name"], "size": b["size"],
+                    "alloc_size": b.get("alloc_size", b["size"]),
                     "device": device_key(b["device_type"], b["device"]),
                     "ttl_left": None if exp is None else max(0.0, exp - now),
                     "tensors": b.get("tensor_count", 0) - b.get("reserved_count", 0),
@@ -254,8 +255,21 @@ async def put(ctx: RpcContext, arr: np.ndarray, name: str | None,
     except BaseException:
         await asyncio.shield(ctx.release_buffer(buffer_id))
         raise
+    meta = await ctx.get_buffer_meta(buffer_id)
     return {"buffer_id": buffer_id, "name": name, "bytes": int(arr.nbytes),
-            "dtype": arr.dtype.str, "shape": list(arr.shape)}
+            "dtype": arr.dtype.str, "shape": list(arr.shape), "size": size,
+            "alloc_size": int(meta["alloc_size"]),
+            "device": device_key(meta["device_type"], meta["device"])}
+
+
+def rounding(size: int, alloc_size: int, device: str) -> str | None:
+    """A sentence when a buffer takes much more memory than it asked for
+    (buddy blocks are powers of two: 389 MiB took 512 MiB unsaid)."""
+    if alloc_size <= size * 1.25:
+        return None
+    return (f"{format_size(size)} takes a block of {format_size(alloc_size)} on {device} "
+            "(the node's buddy allocator rounds each buffer up to a power of two; "
+            "rpcbufd --allocator linear does not)")
 
 
 def get_target(ref: str, out: str | None, force: bool, tensor: str | None = None) -> str:
@@ -416,6 +430,7 @@ def status_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
 def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
     """This tenant's buffers on the nodes that answered."""
     rows = []
+    rounded = False  # a buffer whose block is larger than it: "takes" stays longer
     for addr, bufs in results.items():
         if isinstance(bufs, Exception):
             continue
@@ -424,19 +439,21 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
             if b["session_scoped"]:
                 ttl = "session"
             rows.append([addr, b["name"] or "-", b["buffer_id"], format_size(b["size"]),
-                         b["device"], ttl, str(b["tensors"])])
+                         format_size(b["alloc_size"]), b["device"], ttl, str(b["tensors"])])
+            rounded = rounded or b["alloc_size"] > b["size"] * 1.01
     one_node = len(results) == 1  # then the endpoint column goes first
     # A column that tells rows apart stays: any lease (a buffer that expires
     # must not look permanent), more than one device; one that says the
     # same for every row goes first when the terminal is narrow.
-    leases = any(r[5] != "-" for r in rows)
-    devices = len({r[4] for r in rows}) > 1
+    leases = any(r[6] != "-" for r in rows)
+    devices = len({r[5] for r in rows}) > 1
     return tables.fit("rpcbuf buffers", [
         tables.Col("endpoint", key=not one_node, drop=1 if one_node else 0),
         tables.Col("name", key=True, wrap=True), tables.Col("id", key=True),
-        tables.Col("size", right=True), tables.Col("device", drop=5 if devices else 2),
+        tables.Col("size", right=True), tables.Col("takes", right=True, drop=4 if rounded else 1),
+        tables.Col("device", drop=6 if devices else 2),
         tables.Col("ttl left", drop=0 if leases else 3),
-        tables.Col("tensors", right=True, drop=4)],
+        tables.Col("tensors", right=True, drop=5)],
         rows, wide=wide)
 
 

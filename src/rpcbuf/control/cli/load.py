@@ -228,26 +228,49 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
                                       batch_bytes=_or(args.batch_size, DEFAULT_BATCH),
                                       dedup=not args.no_dedup,
                                       hash_cache=not args.no_hash_cache)
+        takes = None if args.json else await _takes(cluster, result)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        tables.console(args.wide).print(result_table(result, args.wide))
+        tables.console(args.wide).print(result_table(result, args.wide, takes))
     return EXIT_OK
 
 
-def result_table(r: LoadResult, wide: bool = False) -> Any:
+async def _takes(cluster: Any, r: LoadResult) -> dict[str, int]:
+    """The memory each node's buffers of the load take (their blocks: the
+    buddy allocator rounds each up to a power of two, and a 389 MiB model
+    took 2 x 256 MiB without a word); a node that does not answer, none."""
+    async def one(addr: str, names: list[str]) -> int:
+        mine = set(names)
+        return sum(int(b["alloc_size"]) for b in await cluster[addr].list_buffers()
+                   if b.get("name") in mine)
+
+    addrs = [a for a, n in r.nodes.items() if n.tensors]
+    got = await asyncio.gather(*(one(a, r.nodes[a].buffers) for a in addrs),
+                               return_exceptions=True)
+    return {a: g for a, g in zip(addrs, got, strict=True) if isinstance(g, int)}
+
+
+def result_table(r: LoadResult, wide: bool = False, takes: dict[str, int] | None = None
+                 ) -> Any:
     """Per node: its buffers, tensors, bytes, what was sent and deduplicated
     (for a node-local load: what each node read from its disk)."""
+    takes = takes or {}
+    taken = [tables.Col("takes", right=True, drop=5)] if takes else []
+
+    def took(addr: str) -> list[str]:
+        return [format_size(takes[addr]) if addr in takes else "-"] if takes else []
+
     if isinstance(r, NodeLoadResult):
-        return _node_table(r, wide)
+        return _node_table(r, wide, taken, took)
     rows = [[addr, _names(r, n.buffers), str(n.tensors), format_size(n.bytes_total),
-             format_size(n.bytes_sent), format_size(n.bytes_placed), f"{n.seconds:.2f}"]
-            for addr, n in r.nodes.items() if n.tensors]
+             *took(addr), format_size(n.bytes_sent), format_size(n.bytes_placed),
+             f"{n.seconds:.2f}"] for addr, n in r.nodes.items() if n.tensors]
     return tables.fit(
         f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s "
         f"(placement {r.placement.spec})",
         [tables.Col("node", key=True), tables.Col("buffers", key=True, wrap=True),
-         tables.Col("tensors", right=True, drop=2), tables.Col("bytes", right=True),
+         tables.Col("tensors", right=True, drop=2), tables.Col("bytes", right=True), *taken,
          tables.Col("sent", right=True, drop=3), tables.Col("deduped", right=True, drop=1),
          tables.Col("seconds", right=True, drop=4)], rows, wide=wide)
 
@@ -259,9 +282,10 @@ def _names(r: LoadResult, names: list[str]) -> str:
     return ", ".join(f"{n} (clone)" if n in cloned else n for n in names)
 
 
-def _node_table(r: NodeLoadResult, wide: bool) -> Any:
+def _node_table(r: NodeLoadResult, wide: bool, taken: list[Any],
+                took: Callable[[str], list[str]]) -> Any:
     rows = [[addr, _names(r, n.buffers), str(n.tensors), format_size(n.bytes_total),
-             format_size(getattr(n, "bytes_read", 0)),
+             *took(addr), format_size(getattr(n, "bytes_read", 0)),
              format_size(getattr(n, "bytes_in_place", 0)), f"{n.seconds:.2f}"]
             for addr, n in r.nodes.items() if n.tensors]
     hashes = {"manifest": "hash manifest", "cache": "hash cache",
@@ -270,7 +294,7 @@ def _node_table(r: NodeLoadResult, wide: bool) -> Any:
         f"{r.name}: {format_size(r.bytes_total)} in {r.seconds:.2f} s, read by the nodes "
         f"from their {r.node_path}, nothing sent ({hashes}; placement {r.placement.spec})",
         [tables.Col("node", key=True), tables.Col("buffers", key=True, wrap=True),
-         tables.Col("tensors", right=True, drop=3), tables.Col("bytes", right=True),
+         tables.Col("tensors", right=True, drop=3), tables.Col("bytes", right=True), *taken,
          tables.Col("read there", right=True), tables.Col("in place", right=True, drop=2),
          tables.Col("seconds", right=True, drop=4)], rows, wide=wide)
 

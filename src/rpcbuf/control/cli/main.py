@@ -401,6 +401,9 @@ async def _put(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, default=str))
         return EXIT_OK
     print(tables.clean(result["buffer_id"]))
+    said = cliops.rounding(result["size"], result["alloc_size"], result["device"])
+    if said:
+        tables.warn(f"rpcbuf: {said}")
     if len(endpoints) > 1:
         tables.warn(f"rpcbuf: stored on {addr}, the first of {len(endpoints)} endpoints "
                     "(--endpoint picks the node)")
