@@ -356,6 +356,20 @@ def test_doctor_lines_fold_between_words_and_after_slashes() -> None:
     cells = [x.split("│")[1].strip() for x in out.export_text().splitlines() if "│" in x]
     assert "".join(cells) == name and len(cells) <= 3, cells
     assert all(c.endswith(("/", "-", ".", "_")) for c in cells[:-1]), cells
+    # Two nodes (an endpoint column), no lease: optional columns go before
+    # the name gets less than 24 characters (it had 7: seven lines).  (A
+    # lease's "ttl left" stays whatever the name's room: issue 28 item 13.)
+    t = tables.fit("b", [tables.Col("endpoint", key=True), tables.Col("name", key=True, wrap=True),
+                         tables.Col("id", key=True), tables.Col("size", right=True),
+                         tables.Col("ttl left", drop=3), tables.Col("tensors", drop=5)],
+                   [["127.0.0.1:7810", name, "b-IYAsFN3Ff3Psnny7lclLylgI", "4.0 KiB", "-",
+                     "0"]], columns=80)
+    out = Console(width=80, record=True)
+    out.print(t)
+    text = out.export_text()
+    cells = [x.split("│")[2].strip() for x in text.splitlines() if "│" in x]
+    assert "".join(cells) == name and len(cells) <= 4, text
+    assert "not shown at this width: ttl left, tensors" in " ".join(text.split()), text
 
 
 def test_table_cells_are_text_never_markup() -> None:

@@ -77,6 +77,7 @@ def width() -> int:
     return shutil.get_terminal_size((80, 24)).columns
 
 
+WRAP_ROOM = 24  # the room a wrapped column (names) is given before optional columns stay
 SEPARATORS = "/-_.,:"  # where a word too long for a line (a path, a name) may break
 
 
@@ -152,7 +153,10 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
     need = [max([len(c.name)] + [_text_len(r[i]) for r in cells]) for i, c in enumerate(cols)]
 
     def total(idx: list[int]) -> int:  # cell padding 2 + one border per column, + 1
-        return sum(need[i] + 3 for i in idx) + 1
+        # (a wrapped column counts as WRAP_ROOM at most: optional columns go
+        # until a long name has that much room, not until it fits on one line)
+        return sum((min(need[i], WRAP_ROOM) if cols[i].wrap else need[i]) + 3
+                   for i in idx) + 1
 
     if not wide:
         for i in sorted((i for i, c in enumerate(cols) if c.drop), key=lambda i: cols[i].drop):
