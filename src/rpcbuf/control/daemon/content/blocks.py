@@ -392,9 +392,11 @@ class BlockStore:
         return False
 
     def discard(self, bufs: list[Buffer]) -> None:
-        """Hand back a failed put's pending buffers (freed once unpinned)."""
+        """Hand back a failed put's pending buffers (freed once unpinned); one
+        a key names already (committed: ``block_key`` set) is never handed back."""
         for buf in bufs:
-            self._registry.release(buf)
+            if not buf.block_key:
+                self._registry.release(buf)
 
     def commit(self, tenant: str, keys: list[str], bufs: list[Buffer], sizes: list[int],
                checksums: list[int], metas: list[bytes] | None,

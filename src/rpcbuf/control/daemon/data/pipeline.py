@@ -134,8 +134,8 @@ class Call:
 class Plan:
     """One data op after validation, as data (see the module's steps)."""
 
-    __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "move",
-                 "nbytes", "note", "offset", "op", "ranges", "sources")
+    __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "more",
+                 "move", "nbytes", "note", "offset", "op", "ranges", "sources")
 
     def __init__(self, op: str, buf: Buffer, ranges: list[Range], *, exclusive: bool,
                  move: Callable[[], Awaitable[None]], nbytes: int,
@@ -145,12 +145,13 @@ class Plan:
                  after: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  early: dict[str, Any] | None = None,
                  sources: list[tuple[Buffer, Range]] | None = None,
-                 forget: bool = True) -> None:
+                 forget: bool = True, more: list[Buffer] | None = None) -> None:
         self.op, self.buf, self.ranges, self.exclusive = op, buf, ranges, exclusive
         self.move, self.nbytes, self.counter, self.note = move, nbytes, counter, note
         self.offset = ranges[0][0] if offset is None else offset  # what the audit says
         self.answer, self.after, self.early = answer, after, early
         self.sources, self.forget = sources, forget
+        self.more = more  # more buffers, locked whole as ``buf`` is (a block put's blocks)
 
 
 class Pipeline:
@@ -161,7 +162,7 @@ class Pipeline:
 
     async def run(self, call: Call, plan: Plan) -> dict[str, Any]:
         grants = await self.lock(call.held, plan.buf, plan.ranges, plan.exclusive,
-                                 plan.sources, plan.forget)
+                                 plan.sources, plan.forget, plan.more)
         try:
             if plan.early is not None:
                 call.answer_first(plan.early)
@@ -190,7 +191,8 @@ class Pipeline:
 
     async def lock(self, held: Held, buf: Buffer, ranges: list[Range], exclusive: bool,
                    sources: list[tuple[Buffer, Range]] | None = None,
-                   forget: bool = True) -> list[tuple[Buffer, Grant]]:
+                   forget: bool = True, more: list[Buffer] | None = None
+                   ) -> list[tuple[Buffer, Grant]]:
         """Step 1: pin (``held``) and lock ``ranges`` of ``buf`` (exclusive or
         shared) and each source range shared, one grant per buffer (a source
         inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
@@ -199,13 +201,17 @@ class Pipeline:
         work would be lost.  A buffer locked exclusively gets memory of its
         own first if it shares some (``own``); an op that passes
         ``forget=False`` decides what it writes once locked, forgets it
-        itself, and calls ``own`` before it writes.  Unlock with ``unlock``."""
-        if not sources:  # the common case: one buffer
+        itself, and calls ``own`` before it writes.  ``more`` buffers (pinned
+        by the caller: a block put's pending blocks) are locked whole, as
+        ``buf`` is.  Unlock with ``unlock``."""
+        if not sources and not more:  # the common case: one buffer
             groups = [(buf, ranges, exclusive)]
         else:
             by_id: dict[str, tuple[Buffer, list[Range], bool]] = {
                 buf.buffer_id: (buf, list(ranges), exclusive)}
-            for b, rng in sources:
+            for b in more or ():
+                by_id[b.buffer_id] = (b, [(0, b.alloc_size)], exclusive)
+            for b, rng in sources or ():
                 if b.buffer_id not in by_id:
                     if not held.keep(b):
                         raise NotFound(f"no buffer {b.buffer_id!r}")

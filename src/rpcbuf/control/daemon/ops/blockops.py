@@ -42,11 +42,10 @@ import numpy as np
 
 from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
-from rpcbuf.control.daemon.accounting.locks import Grant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import Block, BlockStore
 from rpcbuf.control.daemon.data.paths import Items, Region
-from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan, unlock
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
 
@@ -83,36 +82,60 @@ class BlockOps:
         except RpcBufError:
             await path.drain(call.req_id, sent)
             raise
-        committed, nbytes = False, sent.nbytes
         try:
             await self._prepare(bufs)
-            grants: list[tuple[Buffer, Grant]] = []
-            try:
-                for buf in bufs:
-                    grants += await self._pipe.lock(call.held, buf, [(0, buf.alloc_size)], True)
-                offsets = [b.offset for b in bufs]
-                items = _each_alone(offsets, sizes, req.stage)
-                await path.receive(call.req_id, Region(pool.arena), items)
-                got = await self._pipe.in_thread(nbytes, pool.arena.checksums, offsets, sizes)
-                bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
-                if len(bad):
-                    self._ops.count("verify_failures", 1)
-                    raise VerifyFailed(f"{len(bad)} of {n} blocks do not match their checksums; "
-                                       "none was stored", {"items": bad[:20].tolist()})
-                metas = None if req.metas is None else list(req.metas)
-                leased = self._blocks.commit(self._ops.owner, keys, bufs, sizes,
-                                             [int(s) for s in sums], metas, req.ttl)
-                committed = True
-            finally:
-                unlock(grants)
+        except BaseException:
+            self._blocks.discard(bufs)
+            raise
+        items = _each_alone([b.offset for b in bufs], sizes, req.stage)
+
+        async def move() -> None:
+            await path.receive(call.req_id, Region(pool.arena), items)
+
+        return await self.commit_put(call, pool, keys, bufs, sizes, sums, req.metas, req.ttl,
+                                     move, f"blocks={n}")
+
+    async def commit_put(self, call: Call, pool: Pool, keys: list[str], bufs: list[Buffer],
+                         sizes: list[int], sums: np.ndarray, metas: list[bytes] | None,
+                         ttl: float | None, move: Callable[[], Awaitable[None]],
+                         note: str) -> dict[str, Any]:
+        """A put's end, over the wire (``put``) or in place (``InPlace.commit``),
+        as one plan of the pipeline (``Pipeline.run``: pinned, every pending
+        block locked exclusively, counted, audited): ``move`` lands the bytes
+        (the wire's; in place they are there), every block is hashed (off the
+        event loop for big puts) and compared with the client's checksums,
+        and only then do the keys name them, all at once.  Any failure hands
+        the pending blocks back (``BlockStore.discard``): no reader saw them."""
+        n, nbytes = len(bufs), sum(sizes)
+        leased = False
+
+        async def land() -> None:
+            await move()
+            got = await self._pipe.in_thread(nbytes, pool.arena.checksums,
+                                             [b.offset for b in bufs], sizes)
+            bad = np.flatnonzero(np.asarray(got, dtype=np.uint64) != sums)
+            if len(bad):
+                self._ops.count("verify_failures", 1)
+                raise VerifyFailed(f"{len(bad)} of {n} blocks do not match their checksums; "
+                                   "none was stored", {"items": bad[:20].tolist()})
+
+        async def commit() -> dict[str, Any]:
+            nonlocal leased
+            leased = self._blocks.commit(self._ops.owner, keys, bufs, sizes,
+                                         [int(s) for s in sums],
+                                         None if metas is None else list(metas), ttl)
+            return {"blocks": n, "nbytes": nbytes}
+
+        try:
+            answer = await self._pipe.run(call, Plan(
+                "block_put", bufs[0], [(0, bufs[0].alloc_size)], exclusive=True, more=bufs[1:],
+                forget=False, move=land, after=commit, nbytes=nbytes, counter="bytes_stored",
+                note=note))
         finally:
-            if not committed:
-                self._blocks.discard(bufs)
+            self._blocks.discard(bufs)  # those not committed
         if leased:
             self._ops.schedule_expiry()
-        self._ops.count("bytes_stored", nbytes)
-        self._ops.audit("block_put", bufs[0], 0, nbytes, note=f"blocks={n}")
-        return {"blocks": n, "nbytes": nbytes}
+        return answer
 
     async def _prepare(self, bufs: list[Buffer]) -> None:
         """Before a byte lands in the put's slots: a segment on a kept block
