@@ -298,6 +298,9 @@ async def test_an_unauthenticated_scrape_names_no_tenant(daemon_factory) -> None
         assert value(m, "rpcbuf_tenant_buffers") == 3  # the sum (the block too), no label
         assert value(m, "rpcbuf_block_hits_total") == 5
         assert value(m, "rpcbuf_blocks") == 1
+        st = (await alice.stats())["blocks"]  # the block's segment: fds and bytes it holds
+        assert st["segments"] == 1 and value(m, "rpcbuf_block_segments") == 1
+        assert value(m, "rpcbuf_block_segment_bytes") == st["segment_bytes"] >= 4096
         for ctx in (alice, bob):
             listening = (await ctx.stats())["listening"]
             assert listening and not any(x.endswith(f":{port}") for x in listening)

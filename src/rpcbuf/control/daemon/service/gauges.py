@@ -144,7 +144,11 @@ def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
     """The block tier per tenant (``blocks.BlockStore.stats``)."""
     gauges = {k: GaugeMetricFamily(f"rpcbuf_{k}", doc, labels=["tenant"]) for k, doc in (
         ("blocks", "Keyed blocks a tenant holds"),
-        ("block_bytes", "Bytes of a tenant's keyed blocks"))}
+        ("block_bytes", "Bytes of a tenant's keyed blocks"),
+        ("block_segments", "Segments (one fd and mapping each) a tenant's blocks are "
+                           "carved from"),
+        ("block_segment_bytes", "Bytes of a tenant's block segments (charged to its "
+                                "quota; its blocks are slots of them)"))}
     counters = {k: CounterMetricFamily(f"rpcbuf_block_{k}", doc, labels=["tenant"])
                 for k, doc in (
         ("hits", "Blocks served by block_get"),
@@ -156,6 +160,8 @@ def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
     for tenant, st in totals.items():
         gauges["blocks"].add_metric([tenant], st["blocks"])
         gauges["block_bytes"].add_metric([tenant], st["bytes"])
+        gauges["block_segments"].add_metric([tenant], st["segments"])
+        gauges["block_segment_bytes"].add_metric([tenant], st["segment_bytes"])
         for k, fam in counters.items():
             fam.add_metric([tenant], st[k])
     yield from gauges.values()
