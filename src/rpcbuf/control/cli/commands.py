@@ -57,7 +57,8 @@ def register_operator_commands(sub: Any,
                     help="remove the KEYs named, or with --prefix every key starting with it")
     bl.add_argument("rm_keys", nargs="*", metavar="KEY", help="keys to remove (with rm)")
     bl.add_argument("--keys", action="store_true", help="also list the keys (sorted)")
-    bl.add_argument("--prefix", help="only keys starting with this")
+    bl.add_argument("--prefix", help="only keys starting with this (with rm and --yes: "
+                    "remove them)")
     bl.add_argument("--yes", action="store_true",
                     help="rm --prefix: remove without asking (a flush of every key is "
                     "refused without it)")
