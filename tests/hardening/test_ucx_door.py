@@ -249,6 +249,47 @@ async def test_a_store_waiting_on_its_own_lock_does_not_hold_off_the_sweep(
         await ctx.release_buffer(buf)
 
 
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+async def test_a_daemon_that_held_many_blocks_is_not_taken_for_a_flood(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Issue 40's benchmark: after a tenant put and removed 250,000 blocks,
+    every UCX put on that daemon failed TIMEOUT ``payload_dropped``.  Its
+    heap kept what it grew to for the blocks' records, the janitor's
+    allowance followed only what was held now, so the daemon looked flooded
+    and dropped every payload that waited a tick.  The allowance now follows
+    the most records there have been."""
+    d = daemon_factory("--device", "cpu:256MiB", "--hello-timeout", "1s",
+                       "--transfer-timeout", "60s")
+    start = _rss_anon(d.proc.pid)
+    keys = [f"k{j}" for j in range(60_000)]
+    async with d.connect("alice") as c:  # same host: no UCX, the janitor sleeps
+        for i in range(0, len(keys), 4096):
+            await c.put_blocks({k: np.full(256, 7, np.uint8) for k in keys[i:i + 4096]})
+        assert (await c.stats())["blocks"]["blocks"] == len(keys)
+        for i in range(0, len(keys), 4096):
+            await c.remove_blocks(keys[i:i + 4096])
+    grown = _rss_anon(d.proc.pid) - start
+    assert grown > 32 << 20, f"the heap kept only {grown >> 20} MiB: nothing to show"
+    n = 1 << 20
+    async with d.connect("alice", same_host=False) as ctx:
+        buf = await ctx.request_buffer(size=n)
+        ep = await ctx._paths.ucx.endpoint()
+        first, first_answer = await _withheld_store(ctx, buf, n)
+        second = asyncio.create_task(ctx.store_tensor(buf, np.full(n, 2, np.uint8)))
+        await asyncio.sleep(0.5)  # its payload waits unexpected, 50 janitor ticks
+        assert not second.done()
+        await ep.send(np.full(n, 1, np.uint8), run_tag(first, 0))
+        assert (await asyncio.wait_for(first_answer, 30))["ok"]
+        await asyncio.wait_for(second, 30)  # was TIMEOUT payload_dropped
+        assert bytes(await ctx.read_buffer(buf, offset=0, nbytes=16)) == b"\2" * 16
+        assert (await ctx.stats())["ucx_unexpected_dropped"] == 0
+        await ctx.release_buffer(buf)
+
+
 async def test_a_store_behind_max_inflight_fails_cleanly_when_its_payload_was_dropped(
         daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """After hello the reader pauses at --max-inflight without setting the

@@ -106,6 +106,7 @@ class Registry:
         self._names: dict[tuple[str, str], str] = {}
         self._tenant_bytes: dict[tuple[str, str], int] = {}
         self._tenant_count: dict[str, int] = {}
+        self.records_peak = 0  # the most ``len(self)`` has been (``_grew``)
         self._tenant_waiting: dict[tuple[str, str], int] = {}  # bytes reserved by waiters
         self._waiters: dict[str, Queues] = {k: Queues() for k in self.pools}
         self._leases: Leases[str] = Leases(self._expires_at, self._live_leases)
@@ -162,6 +163,16 @@ class Registry:
         segments, and blocks (one of their tenant's N, in no view), each
         counted once or twice (an allowance, generous by design)."""
         return len(self._buffers) + sum(self._tenant_count.values())
+
+    def _grew(self) -> None:
+        """Keep ``records_peak``: the daemon's heap keeps what it grew to for
+        records once they are freed (Python's and glibc's allocators reuse it,
+        rarely give it back), so the UCX janitor's allowance follows the peak,
+        not what is held now (a daemon that held 250,000 blocks and removed
+        them was taken for a flood, and dropped every store that waited a tick)."""
+        n = len(self._buffers) + sum(self._tenant_count.values())
+        if n > self.records_peak:
+            self.records_peak = n
 
     def buffers_of(self, tenant: str) -> list[Buffer]:
         return [b for b in self._buffers.values() if b.tenant == tenant]
@@ -277,6 +288,7 @@ class Registry:
                      session_id=None, ttl=None, created_at=self.clock(), expires_at=None,
                      block_key="", segment=segment)
         self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        self._grew()
         return buf
 
     def queued_ahead(self, tenant: str, pool: Pool) -> bool:
@@ -362,6 +374,7 @@ class Registry:
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + buf.alloc_size
         if counted:
             self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        self._grew()
         if buf.expires_at is not None:
             self._leases.count += 1
             self._leases.push(buf.buffer_id, buf.expires_at)

@@ -406,10 +406,11 @@ class Daemon:
 
     def _own_heap(self) -> int:
         """A generous estimate of the heap the daemon grew by for what tenants
-        hold (the janitor's byte budget comes on top): a buffer's or block's
-        records, a session's objects and uncharged first frame bytes, and the
-        frame bytes charged to tenants."""
-        return (OWN_HEAP_PER_BUFFER * len(self.registry)
+        hold (the janitor's byte budget comes on top): buffers' and blocks'
+        records (the most there have been: freed records' heap stays the
+        process's, ``Registry.records_peak``), a session's objects and
+        uncharged first frame bytes, and the frame bytes charged to tenants."""
+        return (OWN_HEAP_PER_BUFFER * self.registry.records_peak
                 + OWN_HEAP_PER_SESSION * len(self.sessions)
                 + self.charges.total("frame_bytes"))
 
