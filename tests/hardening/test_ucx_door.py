@@ -207,6 +207,19 @@ async def _withheld_store(ctx, buf: str, nbytes: int) -> tuple[int, asyncio.Futu
     return req_id, conn.submit(req_id, P.Store(buffer_id=buf, offset=0, nbytes=nbytes))
 
 
+async def _a_store_behind_another(ctx, n: int):  # type: ignore[no-untyped-def]
+    """A buffer of ``n`` bytes, a UCX store into it whose payload is withheld
+    (it holds the buffer's lock), and a second store waiting for that lock,
+    its payload sent (unexpected meanwhile: half a second, 50 janitor ticks)."""
+    buf = await ctx.request_buffer(size=n)
+    ep = await ctx._paths.ucx.endpoint()
+    first, first_answer = await _withheld_store(ctx, buf, n)
+    second = asyncio.create_task(ctx.store_tensor(buf, np.full(n, 2, np.uint8)))
+    await asyncio.sleep(0.5)
+    assert not second.done()
+    return buf, ep, first, first_answer, second
+
+
 async def _dropped(ctx, at_least: int, rounds: int = 150) -> int:  # type: ignore[no-untyped-def]
     for _ in range(rounds):
         n = (await ctx.stats())["ucx_unexpected_dropped"]
@@ -228,12 +241,7 @@ async def test_a_store_waiting_on_its_own_lock_does_not_hold_off_the_sweep(
                        "--transfer-timeout", "300s")
     n = 1 << 20
     async with d.connect("alice", same_host=False) as ctx:
-        buf = await ctx.request_buffer(size=n)
-        ep = await ctx._paths.ucx.endpoint()
-        first, first_answer = await _withheld_store(ctx, buf, n)
-        second = asyncio.create_task(ctx.store_tensor(buf, np.full(n, 2, np.uint8)))
-        await asyncio.sleep(0.5)
-        assert not second.done()
+        buf, ep, first, first_answer, second = await _a_store_behind_another(ctx, n)
         out = _attack(rma_peer, d, 2000, 8000, "flood")
         assert out == "flood 2000", out
         assert await _dropped(ctx, 2001) >= 2001  # the flood and the waiting payload
@@ -276,12 +284,7 @@ async def test_a_daemon_that_held_many_blocks_is_not_taken_for_a_flood(
     assert grown > 32 << 20, f"the heap kept only {grown >> 20} MiB: nothing to show"
     n = 1 << 20
     async with d.connect("alice", same_host=False) as ctx:
-        buf = await ctx.request_buffer(size=n)
-        ep = await ctx._paths.ucx.endpoint()
-        first, first_answer = await _withheld_store(ctx, buf, n)
-        second = asyncio.create_task(ctx.store_tensor(buf, np.full(n, 2, np.uint8)))
-        await asyncio.sleep(0.5)  # its payload waits unexpected, 50 janitor ticks
-        assert not second.done()
+        buf, ep, first, first_answer, second = await _a_store_behind_another(ctx, n)
         await ep.send(np.full(n, 1, np.uint8), run_tag(first, 0))
         assert (await asyncio.wait_for(first_answer, 30))["ok"]
         await asyncio.wait_for(second, 30)  # was TIMEOUT payload_dropped
