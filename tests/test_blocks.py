@@ -853,6 +853,35 @@ async def test_in_place_puts_and_gets_are_byte_exact(tier: DaemonProc) -> None:
     assert await wait_free(tier, start) == start
 
 
+async def test_a_get_over_more_segments_than_one_answer_maps_still_reads(
+        daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A same-host get whose blocks lie in more than 32 segments new to its
+    session (``MAX_NEW_MAPS``: one answer hands at most 32) was refused
+    BAD_REQUEST (reason ``segments``), where a put of as many takes the
+    staging area.  It reads them all now, in place, in halves that each map
+    their own.  (33 full segments: 2.1 GB.)"""
+    d = daemon_factory("--device", "cpu:3GiB", "--quota", "big:3GiB:-")
+    block = 4 * MiB
+    keys: list[str] = []
+    async with d.connect("big", same_host=True) as c:
+        for seg in range(33):  # a put of 64 MiB fills one full-size segment
+            batch = {f"s{seg}/{i}": _numbered(seg * 16 + i, block) for i in range(16)}
+            await c.put_blocks(batch)
+            keys.append(f"s{seg}/0")
+        assert (await c.stats())["blocks"]["segments"] >= 33
+    async with d.connect("big", same_host=True) as c:  # none mapped in this session yet
+        assert c._blocks.segments is not None
+
+        async def no_staging(*args: Any, **kw: Any) -> Any:
+            raise AssertionError("a block moved through the staging area")
+
+        c._paths.run = no_staging  # type: ignore[method-assign]  # in place, in halves
+        out = [np.empty(block, np.uint8) for _ in keys]
+        assert await c.get_blocks(keys, out) == [True] * len(keys)
+        assert all(np.array_equal(o, _numbered(seg * 16, block)) for seg, o in enumerate(out))
+        assert await c.get_blocks(keys[:2], out[:2]) == [True, True]  # and in place again
+
+
 async def test_in_place_get_works_without_the_path_and_over_ucx(tier: DaemonProc,
                                                                 monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``RPCBUF_SAME_HOST=0`` (and ``same_host=False``): no mappings, the

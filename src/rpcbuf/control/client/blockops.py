@@ -176,6 +176,32 @@ class BlockOps:
         finally:
             self._forget(P.BlockUnpin(lease=lease))
 
+    async def _get_in_place_halves(self, keys: list[str], targets: list[np.ndarray]) -> None:
+        """``_get_in_place``, in halves while the daemon says the blocks lie
+        in more segments new to this session than one answer maps
+        (BAD_REQUEST, reason ``segments``: ``MAX_NEW_MAPS``), each half
+        mapping its own; NOT_FOUND names the missing of both halves."""
+        try:
+            return await self._get_in_place(keys, targets)
+        except BadRequest as exc:
+            if exc.details.get("reason") != "segments" or len(keys) < 2:
+                raise
+        half = len(keys) // 2
+        missing: list[Any] = []
+        sizes: list[Any] = []
+        for lo, hi in ((0, half), (half, len(keys))):
+            try:
+                await self._get_in_place_halves(keys[lo:hi], targets[lo:hi])
+            except NotFound as exc:
+                m, z = exc.details.get("missing"), exc.details.get("sizes")
+                if not isinstance(m, list) or not m:
+                    raise
+                missing += [j + lo if type(j) is int else j for j in m]
+                sizes += z if isinstance(z, list) and len(z) == len(m) else [None] * len(m)
+        if missing:
+            raise NotFound(f"{len(missing)} of {len(keys)} blocks are not here (or of another "
+                           "size)", {"missing": missing, "sizes": sizes})
+
     def _forget(self, req: P.Request) -> None:
         """Send ``req`` and wait for nothing (its answer is dropped): it goes
         out before any later request of this session."""
@@ -228,7 +254,7 @@ class BlockOps:
 
             try:
                 if self.segments is not None:
-                    await self._get_in_place(req.keys, ask)
+                    await self._get_in_place_halves(req.keys, ask)
                 else:
                     await self._paths.run("", HOST, _transfer(req, ask), receive=True)
             except NotFound as exc:
