@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -851,6 +852,36 @@ async def test_in_place_puts_and_gets_are_byte_exact(tier: DaemonProc) -> None:
         await c.remove_blocks(list(blocks) + list(batch))
     assert "map_segment" in tier.log() and "unmap_segment" in tier.log()
     assert await wait_free(tier, start) == start
+
+
+def _mapped_kib(addr: int) -> int:
+    """Rss of this process's mapping at ``addr`` (pages it has mapped), KiB."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"{addr:x}-"):
+            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+async def test_a_session_maps_its_segments_pages_ahead_of_its_copies(tier: DaemonProc) -> None:
+    """Issue 40's profile: a same-host put's copy into pages this process
+    had never touched took a fault per 4 KiB page (a 2 MiB put 1.49 ms,
+    0.74 ms with the pages mapped; 16 MiB 10.9 against 3.9).  A session
+    now maps every page of a segment it is handed, in a thread, off the
+    put's path."""
+    async with tier.connect("alice", same_host=True) as c:
+        segs = c._blocks.segments
+        assert segs is not None
+        await c.put_blocks({"pf/0": np.ones(4096, np.uint8)})  # one page written here
+        ((addr, size, _),) = segs._maps.values()
+        for _ in range(200):
+            if _mapped_kib(addr) == size >> 10:
+                break
+            await asyncio.sleep(0.05)
+        assert _mapped_kib(addr) == size >> 10, (_mapped_kib(addr), size >> 10)
+        out = np.zeros(4096, np.uint8)
+        assert await c.get_blocks(["pf/0"], [out]) == [True] and out.all()
+        await c.remove_blocks(["pf/0"])
 
 
 async def test_a_get_over_more_segments_than_one_answer_maps_still_reads(

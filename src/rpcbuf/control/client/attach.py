@@ -41,6 +41,7 @@ import math
 import mmap
 import os
 import stat
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -54,6 +55,9 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
 from rpcbuf.control.wire.manifest import RESERVED, np_dtype
 from rpcbuf.dataplane import shm
+from rpcbuf.dataplane.prefault import populate_pages
+
+POPULATE_CHUNK = 2 << 20  # bytes of a mapping populated under the lock at a time
 
 
 class Attachment:
@@ -281,6 +285,8 @@ class SegmentMaps:
         self._handles = handles
         self._maps: dict[str, tuple[int, int, np.ndarray]] = {}  # id -> (address, size, bytes)
         self.inodes: dict[str, int] = {}  # id -> its memfd's inode (what it is, for tests)
+        # A mapping is unmapped only between two chunks of its populating (``_populate``).
+        self._lock = threading.Lock()
 
     async def views(self, answer: Mapping[str, Any], sizes: list[int],
                     timeout: float | None) -> list[np.ndarray]:
@@ -313,18 +319,37 @@ class SegmentMaps:
 
     def _map(self, seg_id: str, fd: int, size: int) -> None:
         check_segment(fd, size, writable=True)
-        old = self._maps.pop(seg_id, None)
-        if old is not None:
-            shm.unmap(old[0], old[1])
+        with self._lock:
+            old = self._maps.pop(seg_id, None)
+            if old is not None:
+                shm.unmap(old[0], old[1])
         addr = shm.map_shared(fd, size)
         self.inodes[seg_id] = os.fstat(fd).st_ino
         mem = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
-        self._maps[seg_id] = (addr, size, mem)
+        entry = self._maps[seg_id] = (addr, size, mem)
+        threading.Thread(target=self._populate, args=(seg_id, entry), daemon=True,
+                         name="rpcbuf-populate").start()
+
+    def _populate(self, seg_id: str, entry: tuple[int, int, np.ndarray]) -> None:
+        """In a thread: map every page of a new mapping now (``MADV_POPULATE_WRITE``;
+        the daemon backed them, bytes unchanged), off the put's path.  A
+        put's copy into pages this process never touched took a fault per
+        4 KiB page: a 2 MiB put 1.49 ms against 0.74 ms populated, 16 MiB
+        10.9 ms against 3.9 (issue 40's profile).  In chunks, each under the
+        lock and only while the mapping is still this one; any failure (a
+        kernel without it) leaves the faults to the copies."""
+        addr, size, _ = entry
+        for off in range(0, size, POPULATE_CHUNK):
+            with self._lock:
+                if self._maps.get(seg_id) is not entry or \
+                        populate_pages(addr + off, min(POPULATE_CHUNK, size - off)) != 0:
+                    return
 
     def close(self) -> None:
-        maps, self._maps = self._maps, {}
-        for addr, size, _ in maps.values():
-            shm.unmap(addr, size)
+        with self._lock:
+            maps, self._maps = self._maps, {}
+            for addr, size, _ in maps.values():
+                shm.unmap(addr, size)
 
     def __len__(self) -> int:
         return len(self._maps)
