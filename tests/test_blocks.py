@@ -221,6 +221,14 @@ async def _raw(c: rpcbuf.RpcContext, msg: dict[str, Any]) -> dict[str, Any]:
     {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
      "ttl": -1},
     {"op": "block_put", "keys": ["k"], "sizes": 4, "checksums": P.pack_u64([0])},
+    # bytes in the frame: not as many as the sizes say, more than a frame may
+    # carry, both a frame and a staging slot
+    {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
+     "data": b"abc"},
+    {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([P.INLINE_MAX + 1]),
+     "checksums": P.pack_u64([0]), "data": b"x" * (P.INLINE_MAX + 1)},
+    {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
+     "data": b"abcd", "stage": 0},
 ])
 async def test_bad_requests_are_refused_and_leave_no_trace(tier: DaemonProc,
                                                            msg: dict[str, Any]) -> None:
@@ -911,6 +919,47 @@ async def test_a_get_over_more_segments_than_one_answer_maps_still_reads(
         assert await c.get_blocks(keys, out) == [True] * len(keys)
         assert all(np.array_equal(o, _numbered(seg * 16, block)) for seg, o in enumerate(out))
         assert await c.get_blocks(keys[:2], out[:2]) == [True, True]  # and in place again
+
+
+async def test_a_small_block_of_a_network_session_rides_in_its_frames(
+        tier: DaemonProc) -> None:
+    """Issue 40's profile of the UCX rows: a 4 KiB hit was three loopback
+    sends (request, answer, UCX message) and a progress poll each side,
+    where a small read of a buffer rides in its answer.  A block of at
+    most ``inline_max`` bytes now does the same, put and get; bigger
+    ones, and batches, still go over UCX."""
+    async with tier.connect("alice", same_host=False) as c:
+        assert c.hello["block_inline"] is True
+        ucx = c._paths.ucx
+        moved: list[str] = []
+        send, receive = ucx.send, ucx.receive
+
+        async def counted_send(t: Any) -> Any:
+            moved.append("send")
+            return await send(t)
+
+        async def counted_receive(t: Any) -> Any:
+            moved.append("receive")
+            return await receive(t)
+
+        ucx.send, ucx.receive = counted_send, counted_receive  # type: ignore[method-assign]
+        small = _numbered(5, 4096)
+        await c.put_blocks({"in/small": small})
+        out = np.zeros(4096, np.uint8)
+        assert await c.get_blocks(["in/small"], [out]) == [True]
+        np.testing.assert_array_equal(out, small)
+        assert moved == []  # no UCX message either way
+        big = _numbered(6, 256 << 10)
+        await c.put_blocks({"in/big": big})
+        back = np.zeros(256 << 10, np.uint8)
+        assert await c.get_blocks(["in/big"], [back]) == [True]
+        np.testing.assert_array_equal(back, big)
+        assert moved == ["send", "receive"]  # past inline_max: UCX
+        with pytest.raises(rpcbuf.BadRequest, match="travel in a frame"):  # asked all the same
+            await c._call(P.BlockGet(keys=["in/big"], sizes=P.pack_u64([256 << 10]),
+                                     inline=True))
+        assert await c.ping() > 0
+        await c.remove_blocks(["in/small", "in/big"])
 
 
 async def test_in_place_get_works_without_the_path_and_over_ucx(tier: DaemonProc,

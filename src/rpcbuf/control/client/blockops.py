@@ -91,9 +91,10 @@ class BlockOps:
     ops) and ``paths``; ``check_open`` first, as every verb."""
 
     def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None],
-                 handles: Handles | None = None) -> None:
+                 handles: Handles | None = None, inline: bool = False) -> None:
         self._call, self._paths, self._check_open = caller.call, paths, check_open
         self._caller = caller
+        self._inline = inline  # the daemon takes a small put's or get's bytes in frames
         in_place = os.environ.get("RPCBUF_BLOCKS_IN_PLACE", "1").strip() not in ("0", "no")
         # This session's mappings of its tenant's segments (same host only).
         self.segments = SegmentMaps(handles) if handles is not None and in_place else None
@@ -132,7 +133,7 @@ class BlockOps:
                          metas=None if metas is None else list(metas), ttl=ttl,
                          device_type=device_type, device=device)
 
-        return await self._paths.run("", HOST, _transfer(req, datas))
+        return await self._paths.run("", HOST, _transfer(req, datas, self._inline))
 
     async def _put_in_place(self, keys: list[str], datas: list[np.ndarray], sizes: np.ndarray,
                             metas: Sequence[bytes] | None, ttl: float | None,
@@ -256,7 +257,8 @@ class BlockOps:
                 if self.segments is not None:
                     await self._get_in_place_halves(req.keys, ask)
                 else:
-                    await self._paths.run("", HOST, _transfer(req, ask), receive=True)
+                    await self._paths.run("", HOST, _transfer(req, ask, self._inline),
+                                          receive=True)
             except NotFound as exc:
                 missing = exc.details.get("missing")
                 if not isinstance(missing, list) or not missing:
@@ -347,14 +349,24 @@ async def list_all(page: Page, timeout: float, max_keys: int = LIST_MAX_KEYS,
         after = got[-1]
 
 
-def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray]) -> Transfer:
+def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray],
+              inline: bool = False) -> Transfer:
     """Blocks as a transfer: one message per block (the daemon never
-    coalesces them), the staging area's bytes back to back in key order."""
+    coalesces them), the staging area's bytes back to back in key order;
+    with ``inline`` (the daemon's hello says ``block_inline``) one small
+    block of a network session in the frames instead (``InlinePath``: a
+    4 KiB hit over UCX was three loopback sends and a progress poll each
+    side)."""
 
     def request(stage: int | None) -> P.Request:
         return req if stage is None else dataclasses.replace(req, stage=stage)
 
-    return Transfer(request, arrays, lambda: arrays)
+    def in_frames(payload: Any) -> P.Request:
+        if isinstance(req, P.BlockPut):
+            return dataclasses.replace(req, data=payload)
+        return dataclasses.replace(req, inline=True)
+
+    return Transfer(request, arrays, lambda: arrays, in_frames if inline else None)
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

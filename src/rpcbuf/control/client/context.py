@@ -103,7 +103,7 @@ class RpcContext:
         self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
         self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
         self._blocks = BlockOps(self._caller, self._paths, self._check_open,
-                                handles if self.same_host else None)
+                                handles if self.same_host else None, hello.block_inline)
         self._attacher = Attacher(self._caller, handles if self.same_host else None,
                                   self._check_open,
                                   lambda: self._closed or self._conn.lost is not None)

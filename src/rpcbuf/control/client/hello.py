@@ -80,6 +80,7 @@ class HelloAnswer:
     local: Local | None
     handles_nonce: bytes | None = None  # same_host: what binds the handle channel
     inline_max: int = 0  # stores/reads up to this many bytes may ride in their frames
+    block_inline: bool = False  # ... and block puts and gets (a daemon that says so)
 
     def checksum_kind(self, device_type: str, device: int) -> str:
         """The checksum the daemon verifies a plain store into that device with."""
@@ -207,4 +208,5 @@ def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
         ucx_port=port, max_inflight=inflight, max_frame=frame,
         transfer_timeout=float(timeout), devices=parse_devices(devices, "hello"),
         checksum_kinds=_checksum_kinds(msg), same_host=same_host, same_host_why=why,
-        local=local, handles_nonce=handles if same_host else None, inline_max=inline)
+        local=local, handles_nonce=handles if same_host else None, inline_max=inline,
+        block_inline=msg.get("block_inline") is True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rpcbuf.control.wire.fields import BlockKeys, Request, U64Array
+from rpcbuf.control.wire.fields import BlockKeys, Inline, Request, U64Array
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,10 @@ class BlockPut(Request):
     device_type: str = "CPU"
     device: int = 0
     stage: int | None = None
+    # The blocks' bytes themselves, back to back in key order (at most the
+    # hello's ``inline_max``; a daemon whose hello says ``block_inline``):
+    # a small put of a network session in its frame, no UCX message.
+    data: Inline | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class BlockGet(Request):
     keys: BlockKeys
     sizes: U64Array
     stage: int | None = None
+    # True: the blocks' bytes come in the answer (``data``, back to back, at
+    # most ``inline_max``; a daemon whose hello says ``block_inline``).
+    inline: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -244,10 +244,13 @@ class BlockOps:
         def move() -> Any:
             return path.send(call.req_id, Region(first.pool.arena), items)
 
+        async def carried() -> dict[str, Any]:  # inline: the bytes themselves
+            return {**answer, **path.carried()}
+
         return await self._pipe.run(call, Plan(
             "block_get", first, [(0, blocks[0].nbytes)], exclusive=False, move=move,
             sources=[(b.buf, (0, b.nbytes)) for b in blocks[1:]], nbytes=nbytes,
-            counter="bytes_read", answer=answer, early=answer if path.answer_first else None,
+            counter="bytes_read", after=carried, early=answer if path.answer_first else None,
             note=f"blocks={n}"))
 
     # -- in place -------------------------------------------------------------------------

@@ -52,6 +52,8 @@ def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
         # Stores and reads up to this many bytes may carry their bytes in
         # their frames (``Store.data``, ``Read.inline``) instead of UCX.
         "inline_max": P.inline_max(node.limits.max_frame),
+        # ... and so may block puts and gets (``BlockPut.data``, ``BlockGet.inline``).
+        "block_inline": True,
     }
     if handles_nonce is not None:
         result["handles_nonce"] = handles_nonce
