@@ -66,6 +66,31 @@ def test_the_ready_file_exists_while_the_daemon_listens(daemon_factory) -> None:
     assert not ready.exists(), d.log()
 
 
+def test_the_signals_are_the_daemons_before_it_says_it_is_ready() -> None:
+    """A fresh-clone run: the test above stopped its daemon as soon as the
+    ready file appeared, and the daemon died of the SIGTERM (-15), because
+    ``serve`` wrote the ready file (and told systemd READY=1) before it
+    installed its signal handlers.  The window is a few statements wide, so
+    the order itself is what is held here: every ``add_signal_handler``
+    comes before the ready file and the notification."""
+    import ast
+    import inspect
+
+    from rpcbuf.control.daemon.service import main as service
+
+    tree = ast.parse(inspect.getsource(service.serve))
+    lines: dict[str, list[int]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            if name == "notify" and any(k.arg == "READY" for k in node.keywords):
+                name = "notify READY"
+            lines.setdefault(name, []).append(node.lineno)
+    handlers, written, told = (lines["add_signal_handler"], lines["write"],
+                               lines["notify READY"])
+    assert max(handlers) < min(written) and max(handlers) < min(told), lines
+
+
 def test_a_second_daemon_leaves_the_first_ones_ready_file_alone(daemon_factory,  # type: ignore[no-untyped-def]
                                                                 tmp_path: Path) -> None:
     """Seen: a second rpcbufd given a running one's --ready-file took it

@@ -380,17 +380,20 @@ async def serve(args: argparse.Namespace, ready: ReadyFile) -> int:
     # of 700 ran collections in the middle of it, 15-20 ms each, measured).
     gc.freeze()
     gc.set_threshold(GC_GEN0, *gc.get_threshold()[1:])
+    # The signals are ours before anyone is told we are ready: a SIGTERM sent
+    # as soon as the ready file appeared killed the daemon outright (-15, no
+    # drain, the ready file left behind), once in a fresh-clone run.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     ready.write(f"{daemon.address[0]}:{daemon.address[1]} {daemon.ucx_port}\n")
     announcer = _announcer(args, daemon)
     if announcer is not None:
         announcer.start()  # its own task: serving never waits for etcd
     notifier.notify(READY=1, STATUS=daemon.status_line())
     notifier.start_heartbeat(daemon.status_line)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _reload, args, daemon, notifier)
     await stop.wait()
     ready.remove()  # before the listeners close: it never names a port that is gone
     notifier.notify(STOPPING=1, STATUS=f"stopping: {len(daemon.sessions)} sessions")
