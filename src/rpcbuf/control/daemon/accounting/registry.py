@@ -106,6 +106,7 @@ class Registry:
         self._names: dict[tuple[str, str], str] = {}
         self._tenant_bytes: dict[tuple[str, str], int] = {}
         self._tenant_count: dict[str, int] = {}
+        self._counted = 0  # the sum of ``_tenant_count`` (``len``, on every allocation)
         self.records_peak = 0  # the most ``len(self)`` has been (``_grew``)
         self._tenant_waiting: dict[tuple[str, str], int] = {}  # bytes reserved by waiters
         self._waiters: dict[str, Queues] = {k: Queues() for k in self.pools}
@@ -162,7 +163,7 @@ class Registry:
         """Records held, what the daemon's own heap grows with: buffers and
         segments, and blocks (one of their tenant's N, in no view), each
         counted once or twice (an allowance, generous by design)."""
-        return len(self._buffers) + sum(self._tenant_count.values())
+        return len(self._buffers) + self._counted
 
     def _grew(self) -> None:
         """Keep ``records_peak``: the daemon's heap keeps what it grew to for
@@ -170,7 +171,7 @@ class Registry:
         rarely give it back), so the UCX janitor's allowance follows the peak,
         not what is held now (a daemon that held 250,000 blocks and removed
         them was taken for a flood, and dropped every store that waited a tick)."""
-        n = len(self._buffers) + sum(self._tenant_count.values())
+        n = len(self)
         if n > self.records_peak:
             self.records_peak = n
 
@@ -288,6 +289,7 @@ class Registry:
                      session_id=None, ttl=None, created_at=self.clock(), expires_at=None,
                      block_key="", segment=segment)
         self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+        self._counted += 1
         self._grew()
         return buf
 
@@ -374,6 +376,7 @@ class Registry:
         self._tenant_bytes[key] = self._tenant_bytes.get(key, 0) + buf.alloc_size
         if counted:
             self._tenant_count[tenant] = self._tenant_count.get(tenant, 0) + 1
+            self._counted += 1
         self._grew()
         if buf.expires_at is not None:
             self._leases.count += 1
@@ -541,6 +544,7 @@ class Registry:
         buf.freed = True
         if buf.segment is not None:  # a block: its slot goes back to its segment
             self._tenant_count[buf.tenant] -= 1
+            self._counted -= 1
             if self.on_block_free is not None:
                 self.on_block_free(buf)
             return
@@ -561,6 +565,7 @@ class Registry:
         buf.entries_charged = 0
         if buf.counted:
             self._tenant_count[buf.tenant] -= 1
+            self._counted -= 1
         self._grant(pool)
 
     def charge_entries(self, buf: Buffer, count: int, dry_run: bool = False) -> None:
