@@ -14,6 +14,7 @@ them before any transfer.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from collections.abc import Sequence
@@ -246,10 +247,12 @@ def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbyte
     np.copyto(dst.view(dst_offset, nbytes), src.view(src_offset, nbytes))
 
 
+@functools.cache
 def host_ram() -> int | None:
     """This machine's memory (MemTotal), or None where it cannot be read:
     host arenas reserve address space, so nothing stops their sum passing it
-    (``rpcbufd`` warns at start, ``rpcbuf doctor`` from ``stats``)."""
+    (``rpcbufd`` warns at start, ``rpcbuf doctor`` from ``stats``).  Read
+    once: it does not change, and every ``stats`` answer carries it."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
