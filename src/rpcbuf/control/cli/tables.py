@@ -163,9 +163,9 @@ def fit(title: str, cols: Sequence[Col], rows: Sequence[Sequence[Any]], *, wide:
             if total(keep) <= columns:
                 break
             keep.remove(i)
-    for i in keep:  # a wrapped column (names) gets the room the others leave,
-        room = columns - total([j for j in keep if j != i]) - 3  # its lines broken
-        if cols[i].wrap and need[i] > room >= 8:  # after separators (``fold``)
+    for i in (i for i in keep if cols[i].wrap):  # a wrapped column (names) gets the
+        room = columns - total([j for j in keep if j != i]) - 3  # room the others leave,
+        if need[i] > room >= 8:  # its lines broken after separators (``fold``)
             for r in cells:
                 if _text_len(r[i]) > room:
                     r[i] = Text("\n".join(fold(r[i].plain, room)), style=r[i].style)
