@@ -105,9 +105,10 @@ def test_the_rules_see_the_code() -> None:
 def test_only_rpcbuf_names_are_installed() -> None:
     """The package puts no generic top-level import names (``control``,
     ``dataplane``) into its users' environments: everything it ships lives
-    under ``rpcbuf``, but for the LMCache connector's own ``rpcbuf_lmcache``."""
+    under ``rpcbuf``, but for the LMCache connector's own ``rpcbuf_lmcache`` and the
+    SGLang backend's ``rpcbuf_sglang``."""
     packages = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["rpcbuf", "rpcbuf_lmcache"]
+    assert packages == ["rpcbuf", "rpcbuf_lmcache", "rpcbuf_sglang"]
 
 
 DAEMON_ROOMS = ("observe", "accounting", "content", "data", "ops", "sessions", "service")
