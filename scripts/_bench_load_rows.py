@@ -2,9 +2,11 @@
 
 Rows are built from the results ``bench_load.py`` measures (and stores in
 its JSON): medians of the per-repetition ratios, so a ratio compares the
-two sides of one repetition.  Goals: the first ``load_model`` >= 0.8 x one
-warm ``store_tensor`` of the same bytes, and (issue 15, marked "(15)") at
-least 2.1 GB/s absolute, ten times llama.cpp ``rpc-server``'s 0.21 GB/s
+two sides of one repetition.  ``one`` is the UCX path's, ``one_same_host``
+(when measured) the same rows over the same-host path, marked "(same
+host)".  Goals: the first ``load_model`` >= 0.8 x one warm ``store_tensor``
+of the same bytes, and (issue 15, marked "(15)") at least 2.1 GB/s absolute,
+ten times llama.cpp ``rpc-server``'s 0.21 GB/s
 (issue 15's figure, not measured here); re-loads <= 10 % of the first load's
 time and <= 1 % of its bytes; a fresh daemon's first store not below 1/6 of
 a warm one; three nodes' aggregate >= 0.8 x the sum of their single stores.
@@ -39,27 +41,29 @@ def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
     def gbs(seconds: float, n: int = nbytes) -> str:
         return f"{n / seconds / 1e9:.2f} GB/s"
 
-    one = res.get("one")
-    if one:
+    for path_key, on in (("one", ""), ("one_same_host", " (same host)")):
+        one = res.get(path_key)
+        if not one:
+            continue
         store = med(one["store"])
         ratios = [s / f["seconds"] for s, f in zip(one["store"], one["first"], strict=True)]
         first = med([f["seconds"] for f in one["first"]])
-        add("load_model, first", gbs(first), f"store_tensor {gbs(store)}",
+        add(f"load_model, first{on}", gbs(first), f"store_tensor {gbs(store)}",
             med(ratios), ">= 0.8x", med(ratios) >= 0.8)
         speed = nbytes / first / 1e9
-        add("load_model, first", gbs(first),
+        add(f"load_model, first{on}", gbs(first),
             f"llama.cpp rpc-server {LLAMA_RPC_GBPS:g} GB/s (not run)", speed / LLAMA_RPC_GBPS,
             f">= {LOAD_GBPS_GOAL / LLAMA_RPC_GBPS:.0f}x = {LOAD_GBPS_GOAL:g} GB/s (15)",
             speed >= LOAD_GBPS_GOAL)
         ck = med(one["store_checksum"])
         ratios_ck = [s / f["seconds"] for s, f in zip(one["store_checksum"], one["first"],
                                                        strict=True)]
-        add("load_model, first", gbs(first),
+        add(f"load_model, first{on}", gbs(first),
             f"store_tensor verify=checksum {gbs(ck)}", med(ratios_ck), "-", None)
         if one.get("first_requested"):
             req = one["first_requested"]
             r_req = [s / f["seconds"] for s, f in zip(one["store"], req, strict=True)]
-            add("load_model, first, slot buffer requested before (not timed: "
+            add(f"load_model, first{on}, slot buffer requested before (not timed: "
                 f"{med([f['request_seconds'] for f in req]) * 1e3:.0f} ms)",
                 gbs(med([f["seconds"] for f in req])), f"store_tensor {gbs(store)}",
                 med(r_req), "-", None)
@@ -77,11 +81,13 @@ def build_rows(res: dict[str, Any], nbytes: int) -> list[dict[str, Any]]:
                                                                             strict=True)]
             secs = med([x["seconds"] for x in one[key]])
             goal = key != "new_name_requested"  # a breakdown, not what the goal measures
-            add(f"{label}: time", f"{secs * 1e3:.0f} ms", f"first load {first * 1e3:.0f} ms",
+            add(f"{label}{on}: time", f"{secs * 1e3:.0f} ms", f"first load {first * 1e3:.0f} ms",
                 med(t), "<= 0.10x" if goal else "-", med(t) <= 0.10 if goal else None)
-            add(f"{label}: bytes", f"{med([x['bytes_sent'] for x in one[key]]) / MiB:.2f} MiB",
+            add(f"{label}{on}: bytes",
+                f"{med([x['bytes_sent'] for x in one[key]]) / MiB:.2f} MiB",
                 f"first load {nbytes / MiB:.0f} MiB", med(b), "<= 0.01x" if goal else "-",
                 med(b) <= 0.01 if goal else None)
+    one = res.get("one")
     cold = res.get("cold")
     if cold:
         r = [w / c for w, c in zip(cold["warm_store"], cold["cold_store"], strict=True)]

@@ -1,16 +1,31 @@
 """Model-load benchmark: ``load_model`` against one plain store of the same bytes.
 
 Run as ``.venv/bin/python scripts/bench_load.py [--json bench_load.json] [--quick]
-[--only one,cold,netns]`` (``make bench`` runs it whole).
+[--only one,cold,netns] [--paths ucx,same-host] [--reps 5]`` (``make bench`` runs
+it whole).
 
 A llama-like float16 safetensors model (``--size``, 1 GiB by default, 256
 tensors: ``bench_dedup.write_model`` with 28 layers) is written to a
 temporary directory, and its tensor bytes are read back into one contiguous,
 touched array: "the same bytes" the stores send.  Clients take the UCX path
 (``RPCBUF_SAME_HOST=0``: what a client on another host gets), over loopback
-tcp, in this process under uvloop.  Each comparison runs back to back in one
-run, ``--reps`` times, and the table shows medians; ratios are of the same
-repetition.
+tcp, in this process under uvloop; section *one* runs again over the
+same-host path (``RPCBUF_SAME_HOST=1``, rows marked "same host").  Each
+comparison runs back to back in one run, ``--reps`` times, and the table
+shows medians; ratios are of the same repetition.
+
+The daemon's state is the same for both sides of a comparison (``Quiet``):
+before each timed operation the daemon's background zeroer is idle (a
+released 1 GiB block is zeroed in the background, and that competed with
+whichever row came next), the garbage collector has run and ``SETTLE_S``
+passed; the warm store, the checksum store and the first load run in
+alternating order (even repetitions in that order, odd ones reversed); and
+every timed first load lands on a block an earlier first load released
+(the warm-up ends with one more such load: the block the warm-up's clone
+shared was never kept, and the first repetition paid ~0.12 s of fresh
+pages on it).  The JSON records, per repetition, the order, whether the
+first load got a kept block (``first_kept``) and how long the zeroer kept
+it waiting (``zeroer_wait``).
 
 * **one** (a daemon with a 4 GiB arena, kept for all repetitions, warmed
   up first: one store and one load of each kind before timing): per
@@ -59,11 +74,15 @@ does not change the exit status.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +104,9 @@ from benchkit.report import machine_meta, progress_printer, write_json  # noqa: 
 progress = progress_printer("bench_load")
 SECTIONS = ("one", "cold", "netns")
 LAYERS = 28  # 28 x 9 + 4 = 256 tensors
+PATHS = ("ucx", "same-host")
+ONE_KEYS = {"ucx": "one", "same-host": "one_same_host"}  # the results' key of each
+SETTLE_S = 0.3  # of rest before each timed operation, once the daemon's zeroer is idle
 
 
 def model_bytes(path: Path) -> np.ndarray:
@@ -142,16 +164,74 @@ async def store_time(ctx: rpcbuf.RpcContext, bid: str, data: np.ndarray,
     return time.perf_counter() - t
 
 
-async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int) -> dict[str, Any]:
+class Quiet:
+    """The daemon's state before each timed operation, made the same for
+    every row: its background zeroer idle (a released block is zeroed in
+    the background, which competes with whatever runs next; ``--metrics``'s
+    ``rpcbuf_pool_zeroing_bytes``), the garbage collector run, then
+    ``SETTLE_S`` of nothing.  ``reused`` counts the new buffers a kept block
+    backed (``rpcbuf_pool_reused_blocks``), so each first load records
+    whether it landed on a kept block, as the timed ones should."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+
+    def read(self) -> dict[str, float]:
+        """Each series' value, summed over its labels (devices)."""
+        with urllib.request.urlopen(self.url, timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                key = name.split("{")[0]
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
+    async def settle(self, timeout: float = 60.0) -> float:
+        """Wait until the zeroer is idle (at most ``timeout``), collect, rest;
+        the seconds it waited for the zeroer."""
+        t = time.perf_counter()
+        for _ in range(int(timeout / 0.02)):  # polled: the metrics page is all it says
+            if (await asyncio.to_thread(self.read)).get("rpcbuf_pool_zeroing_bytes", 0) <= 0:
+                break
+            await asyncio.sleep(0.02)
+        waited = time.perf_counter() - t
+        gc.collect()
+        await asyncio.sleep(SETTLE_S)
+        return waited
+
+    async def reused(self) -> int:
+        got = await asyncio.to_thread(self.read)
+        return int(got.get("rpcbuf_pool_reused_blocks_total",
+                           got.get("rpcbuf_pool_reused_blocks", 0)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int,
+                      path: str = "ucx") -> dict[str, Any]:
+    """The paired rows on one daemon, over ``path`` (``ucx``: RPCBUF_SAME_HOST=0,
+    ``same-host``: =1).  Each repetition times the warm store, the checksum
+    store and the first load in turn, in alternating order (even
+    repetitions in that order, odd ones reversed), each after ``Quiet.settle``."""
     nbytes = int(data.nbytes)
     arena = 4 * GiB if nbytes > 512 * MiB else 1 << max(24, (4 * nbytes - 1).bit_length())
-    with Daemon(tmp / "one", "--device", f"cpu:{arena}", ready_timeout=60,
-                stop_timeout=60) as daemon:
+    port = free_port()
+    os.environ["RPCBUF_SAME_HOST"] = "0" if path == "ucx" else "1"
+    with Daemon(tmp / f"one-{path}", "--device", f"cpu:{arena}", "--metrics",
+                f"127.0.0.1:{port}", ready_timeout=60, stop_timeout=60) as daemon:
         async with rpcbuf.Cluster.connect(daemon.addr, daemon.token, timeout=120) as cluster:
             c = Client(cluster, model, tmp)
+            quiet = Quiet(port)
             ctx = c.ctx
             bid = await ctx.request_buffer(nbytes)
-            progress("one: warm-up (a store, a load of each kind)")
+            progress(f"one ({path}): warm-up (a store, a load of each kind, a first load "
+                     "on a kept block)")
             await ctx.store_tensor(bid, data)
             c.fresh_hash_cache()
             await c.load("m")
@@ -159,27 +239,61 @@ async def section_one(tmp: Path, model: Path, data: np.ndarray, reps: int) -> di
             await c.load("m2")
             await c.unload("m2")
             await c.unload("m")
+            # Once more, so that the first timed load lands on a block a
+            # first load released, as every later one does (the block the
+            # clone above shared was never kept: fresh pages to back).
+            c.fresh_hash_cache()
+            await c.load("m")
+            await c.unload("m")
             rows: dict[str, list[Any]] = {k: [] for k in (
                 "store", "store_checksum", "first", "same_name", "new_name",
-                "new_name_no_hash_cache", "first_requested", "new_name_requested")}
-            for r in range(reps):
-                rows["store"].append(await store_time(ctx, bid, data))
-                rows["store_checksum"].append(await store_time(ctx, bid, data, "checksum"))
+                "new_name_no_hash_cache", "first_requested", "new_name_requested",
+                "order", "first_kept", "zeroer_wait")}
+
+            async def first() -> dict[str, Any]:
                 c.fresh_hash_cache()
-                rows["first"].append(await c.load("m"))
+                before = await quiet.reused()
+                got = await c.load("m")
+                rows["first_kept"].append(await quiet.reused() - before)
+                return got
+
+            timed = {"store": lambda: store_time(ctx, bid, data),
+                     "store_checksum": lambda: store_time(ctx, bid, data, "checksum"),
+                     "first": first}
+            for r in range(reps):
+                order = list(timed) if r % 2 == 0 else list(reversed(timed))
+                rows["order"].append(order)
+                waited = 0.0
+                for key in order:
+                    waited += await quiet.settle()
+                    rows[key].append(await timed[key]())
+                    if key == "first":
+                        await c.unload("m")
+                rows["zeroer_wait"].append(waited)
+                await quiet.settle()
+                c.fresh_hash_cache()
+                await c.load("m")
+                await quiet.settle()
                 rows["same_name"].append(await c.load("m"))
+                await quiet.settle()
                 rows["new_name"].append(await c.load("m2"))
                 await c.unload("m2")
+                await quiet.settle()
                 rows["new_name_no_hash_cache"].append(await c.load("m2", hash_cache=False))
                 await c.unload("m2")
+                await quiet.settle()
                 rows["new_name_requested"].append(await c.load_requested("m2", slot))
                 await c.unload("m2")
                 await c.unload("m")
+                await quiet.settle()
                 c.fresh_hash_cache()
                 rows["first_requested"].append(await c.load_requested("m", slot))
                 await c.unload("m")
-                progress(f"one: repetition {r + 1}/{reps}: store {rows['store'][-1]:.3f} s, "
-                         f"first load {rows['first'][-1]['seconds']:.3f} s, same name "
+                progress(f"one ({path}): repetition {r + 1}/{reps} ({', '.join(order)}): "
+                         f"store {rows['store'][-1]:.3f} s, checksum store "
+                         f"{rows['store_checksum'][-1]:.3f} s, first load "
+                         f"{rows['first'][-1]['seconds']:.3f} s (kept block: "
+                         f"{rows['first_kept'][-1]}), same name "
                          f"{rows['same_name'][-1]['seconds']:.3f} s, new name "
                          f"{rows['new_name'][-1]['seconds']:.3f} s")
             await ctx.release_buffer(bid)
@@ -244,10 +358,14 @@ def section_netns(tmp: Path, model: Path, reps: int) -> dict[str, Any]:
 
 
 async def run(tmp: Path, model: Path, data: np.ndarray, reps: int,
-              sections: tuple[str, ...]) -> dict[str, Any]:
+              sections: tuple[str, ...], paths: tuple[str, ...] = ("ucx",)) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "one" in sections:
-        out["one"] = await section_one(tmp, model, data, reps)
+        for path in paths:
+            try:
+                out[ONE_KEYS[path]] = await section_one(tmp, model, data, reps, path)
+            finally:
+                os.environ["RPCBUF_SAME_HOST"] = "0"  # what the other sections measure
     if "cold" in sections:
         out["cold"] = await section_cold(tmp, model, data, reps)
     return out
@@ -257,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--json", default="bench_load.json", help="write every number here")
     p.add_argument("--size", type=int, default=1024, help="model size in MiB [%(default)s]")
-    p.add_argument("--reps", type=int, default=3, help="[%(default)s]")
+    p.add_argument("--reps", type=int, default=5, help="[%(default)s]")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help="comma-separated paths the section 'one' runs over [%(default)s]")
     p.add_argument("--quick", action="store_true", help="one repetition of a 256 MiB model")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help="comma-separated sections [%(default)s]")
@@ -265,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     sections = tuple(s for s in SECTIONS if s in args.only.split(","))
     if not sections or set(args.only.split(",")) - set(SECTIONS):
         p.error(f"--only: choose from {', '.join(SECTIONS)}")
+    paths = tuple(x for x in PATHS if x in args.paths.split(","))
+    if not paths or set(args.paths.split(",")) - set(PATHS):
+        p.error(f"--paths: choose from {', '.join(PATHS)}")
     if args.quick:
         args.size, args.reps = 256, 1
     started = time.time()
@@ -275,18 +398,21 @@ def main(argv: list[str] | None = None) -> int:
         data = model_bytes(model)
         nbytes = int(data.nbytes)
         progress(f"model {nbytes / MiB:.0f} MiB, {LAYERS * 9 + 4} tensors")
-        results = uvloop.run(run(tmp, model, data, args.reps, sections))
+        results = uvloop.run(run(tmp, model, data, args.reps, sections, paths))
         del data
         if "netns" in sections:
             progress("netns: three namespaced daemons, the client in a child process")
             results["netns"] = section_netns(tmp, model, args.reps)
     rows = build_rows(results, nbytes)
     print(f"model {nbytes / MiB:.0f} MiB ({LAYERS * 9 + 4} tensors, float16 safetensors), "
-          f"UCX path over loopback tcp, medians of {args.reps} repetition(s)")
+          f"UCX path over loopback tcp (rows marked 'same host': the same-host path), "
+          f"medians of {args.reps} repetition(s), the paired rows in alternating order, "
+          "each after the daemon's zeroer went idle")
     print(render(rows))
     write_json(args.json, {"meta": {"started_at": started, "seconds": time.time() - started,
                                     "model_bytes": nbytes, "reps": args.reps,
-                                    "sections": list(sections), **machine_meta()},
+                                    "sections": list(sections), "paths": list(paths),
+                                    "settle_seconds": SETTLE_S, **machine_meta()},
                            "results": results, "rows": rows})
     progress(f"wrote {args.json}")
     return 0

@@ -301,6 +301,23 @@ def test_load_rows_absolute_goal() -> None:
     assert ">= 10x = 2.1 GB/s (15)" in load_rows.render(rows)
 
 
+def test_load_rows_per_path() -> None:
+    """The same-host path's rows (``one_same_host``) stand beside the UCX
+    path's, each with its own goal row, marked "(same host)"."""
+    gib = 1 << 30
+    first = [{"seconds": 0.5, "bytes_sent": gib}]
+    one = {"store": [0.45], "store_checksum": [0.5], "first": first}
+    local = {"store": [0.1], "store_checksum": [0.3], "first": first}
+    rows = load_rows.build_rows({"one": one, "one_same_host": local}, gib)
+    goals = [r for r in rows if r["goal"] == ">= 0.8x"]
+    assert [r["what"] for r in goals] == ["load_model, first",
+                                         "load_model, first (same host)"]
+    assert [r["met"] for r in goals] == [True, False]  # 0.9x, 0.2x
+    assert goals[1]["ratio"] == pytest.approx(0.2)
+    alone = load_rows.build_rows({"one_same_host": local}, gib)
+    assert all(r["what"].startswith("load_model, first (same host)") for r in alone)
+
+
 def kv_side(put_ms: float, get_ms: float, hit_us: float,
             hold: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``_bench_kv_store_rows.run_side``-shaped side: every row put_ms / get_ms
