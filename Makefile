@@ -111,14 +111,17 @@ bench-kv-store: install  ## blocks: rpcbuf beside Mooncake Store and memcpy, one
 # first), then KV chunks through LMCache's connector interface: rpcbuf as LMCache's
 # remote tier beside LMCache's local CPU backend and its Redis connector against
 # Debian's redis-server (installed here when root, named otherwise; the benchmark
-# starts it on loopback), in the LMCache venv.
-bench-kv: bench-kv-store $(LMC_STAMP)  ## the KV tier: bench-kv-store, then chunks through LMCache's connectors (rpcbuf, redis, local CPU); writes bench_kv.json too
+# starts it on loopback), in the LMCache venv; then pages through SGLang's HiCache
+# storage backends (rpcbuf beside SGLang's file backend on /dev/shm and Mooncake
+# Store at the calls SGLang's Mooncake backend makes), in the SGLang venv.
+bench-kv: bench-kv-store $(LMC_STAMP) $(SGL_STAMP)  ## the KV tier: bench-kv-store, then chunks through LMCache's connectors (rpcbuf, redis, local CPU) and pages through SGLang's HiCache backends (rpcbuf, file, Mooncake); writes bench_kv.json and bench_kv_sglang.json too
 	@if command -v redis-server >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then echo "bench-kv: apt-get install -y redis-server"; \
 		apt-get install -y -q redis-server >/dev/null || echo "bench-kv: apt-get failed: redis is not measured"; \
 	else echo "bench-kv: redis-server is not installed and this is not root: redis is not measured" \
 		"(sudo apt-get install -y redis-server)"; fi
 	PYTHONHASHSEED=0 $(LMC)/bin/python scripts/bench_kv.py --json bench_kv.json
+	$(SGL)/bin/python scripts/_bench_kv_sglang.py --json bench_kv_sglang.json
 
 # As root: rpcbufd as a systemd service. Creates the rpcbuf system user and
 # /var/lib/rpcbuf, /var/log/rpcbuf if missing, a venv in $(PREFIX), the unit in
