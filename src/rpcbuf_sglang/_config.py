@@ -8,10 +8,12 @@ import: the storage config is read by attribute, as SGLang's own backends
 read it.
 
 **Keys.**  A page's blocks are ``<prefix><page hash>.<part>``: the prefix
-names the model and the shard (``"sgl:<tag>:<model>:<shard>:"``, the shard
-as SGLang's file backend names it: the TP rank and size unless the model's
-KV is replicated across ranks (MLA), then the PP and CP coordinates where
-they are more than one), the part is ``k`` or ``v`` (one block per half of
+names the model, the shard and the bytes' form
+(``"sgl:<tag>:<model>:<shard>:<layout>.<dtype>:"``, the shard as SGLang's
+file backend names it: the TP rank and size unless the model's KV is
+replicated across ranks (MLA), then the PP and CP coordinates where they
+are more than one; the host pool's layout and dtype, since a page's bytes
+lie in another order under another layout), the part is ``k`` or ``v`` (one block per half of
 the page: the host pool keeps a page's K and V apart), or ``k`` alone for
 MLA.  So two models, two TP ranks or two tags never share a key, and two
 tenants never share a key space at all (the daemon's own rule).  A page
@@ -127,7 +129,10 @@ class Names:
     parts: tuple[str, ...]  # ("k", "v"), or ("k",) for MLA
 
     @classmethod
-    def of(cls, storage_config: Any, tag: str = "") -> Names:
+    def of(cls, storage_config: Any, tag: str = "", pool: Any = None) -> Names:
+        """The names of ``storage_config``'s model and shard; with the host
+        ``pool``, of its byte format too (its layout and dtype: a page's bytes
+        lie in another order under another layout)."""
         c = storage_config
         model = _name(str(getattr(c, "model_name", None) or ""))
         mla = bool(getattr(c, "is_mla_model", False))
@@ -138,7 +143,11 @@ class Names:
             shard += f"cp{int(c.attn_cp_rank)}of{int(c.attn_cp_size)}"
         if int(getattr(c, "dcp_size", 1) or 1) > 1:
             shard += f"dcp{int(c.dcp_rank)}of{int(c.dcp_size)}page{c.logical_page_size}"
-        return cls(f"sgl:{_name(tag)}:{model}:{shard}:", ("k",) if mla else ("k", "v"))
+        form = ""
+        if pool is not None:
+            dtype = str(getattr(pool, "dtype", "")).removeprefix("torch.")
+            form = _name(f"{getattr(pool, 'layout', '')}.{dtype}")
+        return cls(f"sgl:{_name(tag)}:{model}:{shard}:{form}:", ("k",) if mla else ("k", "v"))
 
     def keys(self, page_hash: Any) -> list[str] | None:
         """The block keys of one page, or None for a hash that cannot be one."""

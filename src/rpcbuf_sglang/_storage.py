@@ -225,6 +225,7 @@ class RpcbufHiCacheStorage(HiCacheStorage):
                              f"are contiguous ({', '.join(PAGE_LAYOUTS)}), not "
                              f"{views.layout!r}")
         self._views = views
+        self.names = Names.of(self.storage_config, self.settings.tag, mem_pool_host)
 
     # -- the one read and the one write -----------------------------------------------
 

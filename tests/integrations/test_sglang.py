@@ -329,3 +329,32 @@ def test_a_node_leaving_a_cluster_named_by_the_registry(
         _leave_and_come_back(ours, pool, nodes[1], lambda: [_blocks(d, tok) for d in nodes])
     finally:
         server.stop()
+
+
+def test_the_pools_layout_is_in_the_keys_and_v1_needs_whole_pages(
+        node: DaemonProc, backends: Callable[..., Any]) -> None:
+    """A page's bytes lie in another order under another host layout: a
+    server with another layout misses, never reads them as its own; and the
+    zero-copy forms refuse a layout whose pages are not contiguous (as SGLang's
+    Mooncake backend does), when the pool is registered."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang_harness import storage_config
+
+    pool = pool_of()
+    pool.fill(0, 2, seed=9)
+    keys = hashes(2, "layout")
+    tok = node.token("sg8")
+    a = backends("dynamic", pool, extra=rpcbuf_extra(node.addr, tok))
+    assert a.batch_set_v1(keys, pool.slots(0, 2)) == [True, True]
+    other = pool_of()
+    other.layout = "layer_first"
+    made = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra=rpcbuf_extra(node.addr, tok)), other)
+    try:
+        with pytest.raises(ValueError, match="interface_v1 needs a host layout"):
+            made.register_mem_pool_host(other)
+    finally:
+        made.close()
+    generic = backends("dynamic", other, extra=rpcbuf_extra(node.addr, tok, interface_v1=0))
+    assert generic.batch_exists(keys) == 0
+    assert a.batch_exists(keys) == 2
