@@ -211,6 +211,13 @@ def render(report: dict[str, Any]) -> str:
     text = [format_table(["side", f"{PAGES} pages of", "set ms", "set GB/s", "get ms",
                           "get GB/s", "note"], rows, right=range(2, 6))]
     goal = []
+    for ours, peer in (("rpcbuf same-host", "Mooncake same-host"),
+                       ("rpcbuf ucx", "Mooncake tcp")):  # like for like first
+        for shape in ROWS:
+            mine, theirs = res.get(ours, {}).get(shape, {}), res.get(peer, {}).get(shape, {})
+            if "set_ms" in mine and "set_ms" in theirs:
+                st, gt = theirs["set_ms"] / mine["set_ms"], theirs["get_ms"] / mine["get_ms"]
+                goal.append(f"{ours} / {peer}, {shape}: set {st:.2f}x, get {gt:.2f}x its speed")
     for ours in ("rpcbuf same-host", "rpcbuf ucx"):
         for shape in ROWS:
             mine = res.get(ours, {}).get(shape, {})
