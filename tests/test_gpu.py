@@ -165,6 +165,29 @@ async def test_torch_cuda_tensors(cp, gpu_daemon) -> None:  # type: ignore[no-un
             await c.release_buffer(buf)
 
 
+async def test_gpu_map_writes_in_place(cp, gpu_daemon) -> None:  # type: ignore[no-untyped-def]
+    """``ctx.map`` of a GPU buffer: its CUDA VMM handle imported writable, a
+    CuPy array over the daemon's allocation; other sessions are BUSY while
+    it is open; the verbs never map a GPU buffer by themselves (issue 35)."""
+    async with gpu_daemon.connect() as c, gpu_daemon.connect() as other:
+        devs = {d["key"]: d for d in await c.list_devices()}
+        if devs["cuda:0"].get("backing") != "vmm":
+            pytest.skip(f"no VMM backing: {devs['cuda:0'].get('backing_why')}")
+        bid = await c.request_buffer(4 << 20, device_type="GPU", device=0)
+        try:
+            async with c.map(bid) as m:
+                assert isinstance(m.array, cp.ndarray) and m.array.nbytes == 4 << 20
+                m.array[:] = 7
+                cp.cuda.Device(0).synchronize()
+                with pytest.raises(rpcbuf.Busy):
+                    await other.read_buffer(bid, 0, 16)
+            assert (await other.read_buffer(bid, 0, 4 << 20) == 7).all()
+            await c.store_tensor(bid, cp.ones(16, cp.uint8))
+            assert c.in_place_counts()["stores"] == 0
+        finally:
+            await c.release_buffer(bid)
+
+
 async def test_gpu_attach_is_zero_copy_and_busy(cp, gpu_daemon) -> None:  # type: ignore[no-untyped-def]
     """A GPU buffer attached through its CUDA VMM handle (read-only import):
     CuPy arrays over the daemon's allocation, stores BUSY, detach on close.

@@ -371,3 +371,21 @@ async def test_checksum_kind_is_the_daemons_word(fake_gpu_daemon) -> None:  # ty
         finally:
             await owner.release_buffer(buf)
             await owner.release_buffer(host)
+
+
+async def test_gpu_buffers_are_not_written_in_place(fake_gpu_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Writing in place is for host buffers (docs/dataplane.md): a GPU
+    buffer cannot be mapped, and the verbs carry its bytes over UCX as ever."""
+    async with fake_gpu_daemon.connect() as c:
+        buf = await c.request_buffer(1 << 16, device_type="GPU", device=1)
+        try:
+            if c.same_host:
+                with pytest.raises(rpcbuf.UnsupportedDevice):
+                    async with c.map(buf):
+                        pass
+            data = np.arange(4096, dtype=np.uint8)
+            await c.store_tensor(buf, data)
+            assert np.array_equal(await c.read_buffer(buf, 0, 4096), data)
+            assert c.in_place_counts()["stores"] == 0
+        finally:
+            await c.release_buffer(buf)

@@ -19,6 +19,13 @@ pytestmark = pytest.mark.both_paths  # the same-host and the UCX data path
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _through_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These writers copy through the daemon: a block its owner wrote in
+    place is never kept at all (``test_map.py`` shows that)."""
+    monkeypatch.setenv("RPCBUF_IN_PLACE", "0")
+
+
 @pytest.fixture(scope="module")
 def keeping(daemon_factory):  # type: ignore[no-untyped-def]
     return daemon_factory("--device", "cpu:256MiB", "--metrics", "127.0.0.1:0")

@@ -26,9 +26,11 @@ from rpcbuf.dataplane import shm, staging
 
 @pytest.fixture(autouse=True)
 def _default_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the same-host path: a RPCBUF_SAME_HOST=0 run of
-    the suite (the UCX path) must not turn it off here."""
+    """These tests are about the same-host path's staging area: a
+    RPCBUF_SAME_HOST=0 run of the suite (the UCX path) must not turn it off
+    here, and the verbs copy through it, not in place (``test_map.py``)."""
     monkeypatch.delenv("RPCBUF_SAME_HOST", raising=False)
+    monkeypatch.setenv("RPCBUF_IN_PLACE", "0")
 
 
 async def _raw(c: rpcbuf.RpcContext, req: P.Request) -> dict:

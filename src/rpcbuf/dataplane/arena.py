@@ -201,6 +201,43 @@ class HostArena:
         self._exported.add(offset)
         return shm.writable_fd(fd)
 
+    def make_writable(self, offset: int, nbytes: int, zero: bool = False) -> bool:
+        """Give the live block at ``offset`` a memfd its owner may map
+        writable (a buffer written in place): a fresh one holding its bytes,
+        sealed only against resizing, mapped here in place of the read-only
+        one (which readers that still map it keep, unchanged).  From then
+        on it is never kept once freed (a writable mapping may outlive it).
+        ``zero``: its bytes are all zero (never written since it was
+        backed), so the fresh memfd needs no copy.  False: it was writable
+        already.  The caller holds the buffer's whole-range lock, and the
+        block shares no memfd (``clones.needs_own``)."""
+        if offset in self._owned:
+            return False
+        self._blocks.fd_of(offset, nbytes)  # ValueError: not one live block
+        fill = None if zero else self._bytes[offset:offset + nbytes]
+        fd = shm.memfd_at(self.address + offset, nbytes, "rpcbuf-buffer", fill=fill,
+                          read_only=False, resealable=True)
+        os.close(self._blocks.swap(offset, fd))
+        self._owned.add(offset)
+        self._exported.add(offset)
+        return True
+
+    def reseal(self, offset: int, nbytes: int) -> bool:
+        """The reverse, for a block about to be handed out read-only: its
+        memfd sealed read-only now (``F_SEAL_FUTURE_WRITE``; no copy): no
+        new writable mapping or ``write`` from here on.  A writable mapping
+        made before keeps writing, which only a client that broke the grant
+        protocol does (docs/dataplane.md).  False: it was read-only already."""
+        if offset not in self._owned:
+            return False
+        shm.seal_read_only(self._blocks.fd_of(offset, nbytes))
+        self._owned.discard(offset)
+        return True
+
+    def writable(self, offset: int) -> bool:
+        """Whether the block at ``offset`` may be handed out writable."""
+        return offset in self._owned
+
     @property
     def backed(self) -> int:
         """How many blocks are backed now (buffers' and clones')."""

@@ -107,13 +107,15 @@ def memfd(nbytes: int, name: str = "rpcbuf") -> int:
 
 
 def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None,
-             read_only: bool = True) -> int:
+             read_only: bool = True, resealable: bool = False) -> int:
     """A new memfd of ``nbytes`` holding ``fill``'s bytes (else zeros),
     mapped read-write and shared at exactly ``addr`` (``map_fixed``), then
     sealed read-only (``seal_read_only``): this mapping keeps writing, no
     other ever can.  ``read_only=False``: only its size is sealed
     (``seal_size``), so a writable handle of it can still be mapped writable
-    (a block segment, which its owning tenant writes in place).  On failure
+    (a block segment, which its owning tenant writes in place);
+    ``resealable`` too leaves the seals open, so ``seal_read_only`` can
+    still close it (a buffer its owner writes in place).  On failure
     the memfd is closed and the error raised (whatever was mapped at
     ``addr`` may be replaced by then)."""
     fd = memfd(nbytes, name)
@@ -124,6 +126,8 @@ def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None,
         map_fixed(addr, nbytes, fd)
         if read_only:
             seal_read_only(fd)
+        elif resealable:
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
         else:
             seal_size(fd)
     except BaseException:

@@ -42,6 +42,7 @@ from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, Uc
 from rpcbuf.control.client.dedup import DedupOps
 from rpcbuf.control.client.handles import Handles
 from rpcbuf.control.client.hello import HelloAnswer
+from rpcbuf.control.client.mapped import MappedBuffer, OwnMaps, in_place_on
 from rpcbuf.control.client.opening import (
     DEFAULT_PORT,
     Opening,
@@ -55,7 +56,7 @@ from rpcbuf.control.client.rangeops import Places, RangeOps
 from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import ManifestTable, Packed
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import ConnectionLost, Timeout
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, Timeout
 from rpcbuf.control.wire.manifest import Source
 
 __all__ = ["DEFAULT_PORT", "Opening", "RpcContext", "check_unix_peer",
@@ -97,8 +98,11 @@ class RpcContext:
             else None)
         self._places = Places(hello)  # what the daemon stated about each buffer
         self._paths.on_device_memory = self._places.device_memory
+        # Our host buffers written and read in place (``mapped.py``).
+        self._own = OwnMaps(self._caller, handles) \
+            if handles is not None and self.same_host else None
         self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
-                                self._check_open)
+                                self._check_open, self._own if in_place_on() else None)
         self._tensors = TensorOps(self)
         self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
         self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
@@ -167,6 +171,8 @@ class RpcContext:
         await self._paths.ucx.close()
         self._conn.close()
         self._blocks.close()
+        if self._own is not None:
+            self._own.close()
         if self._handles is not None:
             self._handles.close()
 
@@ -177,6 +183,8 @@ class RpcContext:
         self._paths.ucx.abort()
         self._conn.close()
         self._blocks.close()
+        if self._own is not None:
+            self._own.close()
         if self._handles is not None:
             self._handles.close()
 
@@ -226,6 +234,39 @@ class RpcContext:
         QUOTA_EXCEEDED (too many attachments in this session)."""
         return Opening(lambda: self._attacher.attach(buffer_id))
 
+    def map(self, buffer_id: str) -> Opening[MappedBuffer]:
+        """A buffer of ours written in place: ``async with ctx.map(buf) as m``
+        gives ``m.array``, a writable uint8 array over the daemon's memory of
+        the buffer (same host; a CuPy array for a GPU buffer on a CUDA VMM
+        arena).  No copy and no round trip per
+        write; while it is open, other sessions' ops on the buffer (attach,
+        read, store, copy) are BUSY, and the buffer leaves the content index
+        for good.  A release ends it; the pages
+        stay this process's (charged to the tenant until the session ends),
+        never another buffer's.  See docs/dataplane.md ("Writing in place").
+        Raises NOT_FOUND, BUSY (attached, or mapped by another session),
+        BAD_REQUEST (not same-host), UNSUPPORTED_DEVICE (a GPU buffer
+        without VMM handles), QUOTA_EXCEEDED (too many mapped in this session)."""
+        own = self._own
+
+        async def opened() -> MappedBuffer:
+            self._check_open()
+            if own is None:
+                raise BadRequest("map needs the same-host path (a client on the daemon's "
+                                 "host, on its Unix socket)", {"reason": "not_same_host"})
+            return await own.map(buffer_id)
+        return Opening(opened)
+
+    def in_place_counts(self) -> dict[str, int]:
+        """What this context did in place (``store_tensor``/``read_buffer``
+        into and out of its own mappings, which the daemon does not see):
+        stores, reads, their bytes, grants asked for, and ops that went the
+        daemon's way instead (fallbacks).  All zero without the same-host path."""
+        own = self._own
+        return dict(own.counts) if own is not None else {
+            "stores": 0, "reads": 0, "bytes_stored": 0, "bytes_read": 0, "grants": 0,
+            "fallbacks": 0}
+
     def attach_block(self, key: str) -> Opening[Attachment]:
         """A block served in place: a zero-copy, read-only view of it on this
         node (same host only), ``async with ctx.attach_block(key) as view``;
@@ -240,6 +281,8 @@ class RpcContext:
     async def release_buffer(self, buffer_id: str, timeout: float | None = None) -> None:
         """Raises NOT_FOUND."""
         await self._buffers.release_buffer(buffer_id, timeout)
+        if self._own is not None:
+            self._own.forget(buffer_id)
 
     async def renew_buffer(self, buffer_id: str, ttl: float | None = None,
                            timeout: float | None = None) -> float | None:

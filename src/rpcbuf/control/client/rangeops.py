@@ -24,6 +24,7 @@ from rpcbuf.control.client.answers import BufferMeta, parse_meta
 from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
 from rpcbuf.control.client.hello import HelloAnswer
+from rpcbuf.control.client.mapped import OwnMaps
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, VerifyFailed
 from rpcbuf.control.wire.gpuops import check_wire_dtype
@@ -71,9 +72,30 @@ class RangeOps:
     """The byte-range verbs of one context over its ``paths``."""
 
     def __init__(self, paths: DataPaths, places: Places, meta: MetaCall,
-                 check_open: Callable[[], None]) -> None:
+                 check_open: Callable[[], None], own: OwnMaps | None = None) -> None:
         self._paths, self._places, self._meta = paths, places, meta
         self._check_open = check_open
+        self._own = own  # our host buffers in place (same host: ``mapped.py``)
+
+    async def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
+        """An op done in place at once (``OwnMaps.copy_now``): no lookup
+        beyond two dicts, and the event loop runs first once a millisecond
+        (``OwnMaps.due``; then the context is checked again: a daemon that
+        died is noticed there).  False: take the usual way."""
+        own = self._own
+        if own is None or type(data) is not np.ndarray or type(offset) is not int:
+            return False
+        if own.due():
+            await asyncio.sleep(0)
+            self._check_open()
+        place = self._places.get(buffer_id)
+        return place is not None and not place.gpu \
+            and own.copy_now(buffer_id, offset, data, store)
+
+    def _in_place(self, place: BufferPlace | None, offset: Any, arrays: Sequence[Any]) -> bool:
+        """Whether an op may go in place: same host, a host buffer, host arrays."""
+        return self._own is not None and place is not None and not place.gpu \
+            and type(offset) is int and all(type(a) is np.ndarray for a in arrays)
 
     async def place(self, buffer_id: str) -> BufferPlace | None:
         """Where the buffer lives, as the daemon stated it: from this
@@ -102,6 +124,8 @@ class RangeOps:
         kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
         if wire_dtype is None:
             data, landed = as_bytes(array), None
+            if sync and verify is None and await self._now(buffer_id, offset, data, True):
+                return {"nbytes": int(data.nbytes)}
         else:
             data, landed = to_wire_f16(array)
         coro = self.store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
@@ -120,6 +144,11 @@ class RangeOps:
         place = await self.place(buffer_id)
         if kind is None:
             kind = place.checksum_kind if place is not None else "xxh3"
+        if verify is None and wire_dtype is None and landed is None \
+                and self._in_place(place, offset, (data,)):
+            assert self._own is not None
+            if await self._own.store(buffer_id, offset, data):
+                return {"nbytes": int(data.nbytes)}
         final = data if landed is None else landed
         digest = None
         if verify:
@@ -159,8 +188,15 @@ class RangeOps:
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
+        if await self._now(buffer_id, offset, dest, False):
+            return out if out is not None else target
         prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
         size = nbytes
+        place = await self.place(buffer_id)
+        if self._in_place(place, offset, (dest,)):
+            assert self._own is not None
+            if await self._own.read(buffer_id, offset, dest):
+                return out if out is not None else target
 
         def request(stage: int | None) -> P.Request:
             return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
@@ -168,8 +204,7 @@ class RangeOps:
         def inline(_: Any) -> P.Request:
             return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
 
-        await self._paths.run(buffer_id, await self.place(buffer_id),
-                              _one(request, dest, inline), receive=True)
+        await self._paths.run(buffer_id, place, _one(request, dest, inline), receive=True)
         return out if out is not None else target
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
@@ -179,13 +214,42 @@ class RangeOps:
         self._check_open()
         t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
                                           checksums=checksums)
-        return in_order(await self._paths.run(buffer_id, await self.place(buffer_id), t))
+        place = await self.place(buffer_id)
+        req = t.request(None)
+        assert isinstance(req, P.StoreBatch)
+        if verify is None and manifest is None and manifest_version is None \
+                and self._in_place(place, 0, t.arrays):
+            got = await self._batch_in_place(buffer_id, req.offsets, req.sizes, t.arrays, True)
+            if got is not None:
+                return in_order({"nbytes": got, "items": len(t.arrays), "messages": 0})
+        return in_order(await self._paths.run(buffer_id, place, t))
+
+    async def _batch_in_place(self, buffer_id: str, offsets: bytes, sizes: bytes,
+                              arrays: Sequence[np.ndarray], store: bool) -> int | None:
+        """A batch's ranges (sorted) in place, when they are disjoint and
+        within what one op may move (else the daemon's way, which refuses
+        them as it always did); their bytes, or None: not done."""
+        offs, lens = P.unpack_u64(offsets), P.unpack_u64(sizes)
+        if len(offs) != len(arrays) or not len(offs):
+            return None
+        if len(offs) > 1 and (offs[1:] < offs[:-1] + lens[:-1]).any():
+            return None
+        own = self._own
+        assert own is not None
+        done = await (own.store_many if store else own.read_many)(
+            buffer_id, offs.tolist(), list(arrays))
+        return int(lens.sum()) if done else None
 
     async def read_batch(self, buffer_id: str,
                          ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         self._check_open()
         t, views = batches.read_batch(buffer_id, ranges)
-        await self._paths.run(buffer_id, await self.place(buffer_id), t, receive=True)
+        place = await self.place(buffer_id)
+        req = t.request(None)
+        assert isinstance(req, P.ReadBatch)
+        if not self._in_place(place, 0, t.arrays) or await self._batch_in_place(
+                buffer_id, req.offsets, req.sizes, t.arrays, False) is None:
+            await self._paths.run(buffer_id, place, t, receive=True)
         return views()
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:

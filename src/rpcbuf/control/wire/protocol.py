@@ -358,6 +358,26 @@ class Detach(Request):
 
 
 @dataclass(frozen=True)
+class MapBuffer(Request):
+    """Write a host buffer of ours in place (same host): a slot of the
+    session's write-grant page and, the first time, a writable handle of
+    the buffer on the handle channel (``daemon/ops/mapops.py``).
+    ``explicit``: held for the client's own code (``ctx.map``), so the
+    daemon cannot take it back: other sessions' ops on the buffer are BUSY
+    until ``unmap_buffer``."""
+
+    op: ClassVar[str] = "map_buffer"
+    buffer_id: BufferId
+    explicit: bool = False
+
+
+@dataclass(frozen=True)
+class UnmapBuffer(Request):
+    op: ClassVar[str] = "unmap_buffer"
+    buffer_id: BufferId
+
+
+@dataclass(frozen=True)
 class Release(Request):
     op: ClassVar[str] = "release"
     buffer_id: BufferId
@@ -397,7 +417,7 @@ OPS: dict[str, type[Request]] = {
         ListDevices, ListBuffers, Stats, Ping, StoreBatch, ReadBatch, OpenBuffer,
         ClearBuffer, CopyBuffer, CloneBuffer, DedupStore, BindHandles, Attach, Detach,
         LoadFile, BlockPut, BlockGet, BlockLookup, BlockRemove, BlockList, BlockAttach,
-        BlockPlace, BlockCommit, BlockLocate, BlockUnpin,
+        BlockPlace, BlockCommit, BlockLocate, BlockUnpin, MapBuffer, UnmapBuffer,
     )
 }
 

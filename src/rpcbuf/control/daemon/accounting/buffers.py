@@ -117,6 +117,10 @@ class Buffer:
     # Whether it counts as one of its tenant's buffers (the quota's N): not
     # a segment, which is charged bytes, an fd and a mapping only.
     counted: bool = True
+    # The live write grant of a session writing it in place (``mapops``):
+    # taken back before any other op touches its bytes, ended by its release.
+    mapped: Any = None
+    written: bool = False  # ever locked for writing (``Pipeline.lock``) or mapped writable
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
     renews_unlogged: int = 0
 

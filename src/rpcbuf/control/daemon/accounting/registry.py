@@ -507,6 +507,9 @@ class Registry:
         if buf.released:
             return
         buf.released = True
+        if buf.mapped is not None:  # written in place: the client stops at its next copy
+            buf.mapped.end()
+            buf.mapped = None
         if self._buffers.get(buf.buffer_id) is buf:
             del self._buffers[buf.buffer_id]
         if buf.name is not None and self._names.get((buf.tenant, buf.name)) == buf.buffer_id:

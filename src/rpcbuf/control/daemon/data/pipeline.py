@@ -191,8 +191,8 @@ class Pipeline:
 
     async def lock(self, held: Held, buf: Buffer, ranges: list[Range], exclusive: bool,
                    sources: list[tuple[Buffer, Range]] | None = None,
-                   forget: bool = True, more: list[Buffer] | None = None
-                   ) -> list[tuple[Buffer, Grant]]:
+                   forget: bool = True, more: list[Buffer] | None = None,
+                   writes: bool = True) -> list[tuple[Buffer, Grant]]:
         """Step 1: pin (``held``) and lock ``ranges`` of ``buf`` (exclusive or
         shared) and each source range shared, one grant per buffer (a source
         inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
@@ -237,6 +237,10 @@ class Pipeline:
                     if b.released:  # released while we waited: its memory is only pinned
                         raise NotFound(f"no buffer {b.buffer_id!r}")
                 self._granted(b, rngs, excl, forget)
+                if excl and writes:  # ``writes=False``: the caller marks it (mapops)
+                    b.written = True
+                if b.mapped is not None:  # written in place: taken back first (mapops)
+                    await b.mapped.take_back(b, self._ops.session_id)
             if forget:  # a writer: a buffer sharing memory (a clone) gets its own first
                 for b, _, excl in groups:
                     if excl:

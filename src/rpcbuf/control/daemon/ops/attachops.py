@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
 from rpcbuf.control.daemon.data.handles import HandleChannel
 from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
+from rpcbuf.control.daemon.ops.mapops import seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -121,6 +122,8 @@ class AttachOps:
                 await asyncio.wait([buf.owning])  # its writer: hand out the memfd it ends with
             if buf.released:
                 raise NotFound(f"no buffer {buf.buffer_id!r}")
+            if mem is buf:  # once written in place: a sealed copy goes out (mapops)
+                seal(buf)
             try:
                 fd = export(mem.offset, mem.alloc_size)
             except (NoVmm, CudaError) as exc:  # a GPU without VMM handles

@@ -58,6 +58,7 @@ from rpcbuf.control.daemon.data.pipeline import (
     unlock,
 )
 from rpcbuf.control.daemon.ops import manifest as M
+from rpcbuf.control.daemon.ops.mapops import seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, UnsupportedDevice
 from rpcbuf.dataplane.arena import copy_between, host_memory
@@ -210,6 +211,7 @@ class DedupOps:
         try:
             if src.released:
                 raise NotFound(f"no buffer {src.buffer_id!r}")
+            seal(src)  # never share a memfd its owner writes
             new = registry.clone(src, name=req.name, ttl=req.ttl,
                                  session_id=self._ops.session_id)
             if new is None:
@@ -221,6 +223,7 @@ class DedupOps:
                 raise
             new.tensors = {k: dict(v) for k, v in src.tensors.items()}
             new.tensors_end, new.trusted = src.tensors_end, src.trusted
+            new.written = True  # the source's bytes: never taken for zeros (mapops)
             new.manifest_version = 1 if new.tensors else 0
             self._content.clone(src, new)
         finally:

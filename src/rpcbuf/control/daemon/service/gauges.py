@@ -64,6 +64,10 @@ class StateCollector(Collector):
                                 value=len(d.sessions))
         yield GaugeMetricFamily("rpcbuf_sessions_limit", "--max-sessions",
                                 value=d.limits.max_sessions)
+        yield GaugeMetricFamily("rpcbuf_buffers_mapped_writable",
+                                "Buffers a same-host client holds a write grant of "
+                                "(written in place)",
+                                value=sum(s.write_grants.mapped() for s in d.sessions.values()))
         yield GaugeMetricFamily("rpcbuf_transfers_in_flight", "Data transfers running",
                                 value=sum(len(s.transfers) for s in d.sessions.values()))
         pools = {k: GaugeMetricFamily(f"rpcbuf_pool_{k}", doc, labels=["device"]) for k, doc in (

@@ -59,6 +59,7 @@ from rpcbuf.control.daemon.ops.dataops import DataOps
 from rpcbuf.control.daemon.ops.dedupops import DedupOps
 from rpcbuf.control.daemon.ops.fileops import FileOps
 from rpcbuf.control.daemon.ops.inplace import InPlace
+from rpcbuf.control.daemon.ops.mapops import WriteGrants
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.daemon.sessions import greeting, hello
 from rpcbuf.control.daemon.sessions.intake import Intake, start
@@ -138,6 +139,7 @@ class Session:
         self.attachments = attach = AttachOps(self, pipeline)
         blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
         self.in_place = in_place = InPlace(self, daemon.blocks, blocks, attach)
+        self.write_grants = grants = WriteGrants(self, pipeline)
         # The one dispatch table: op -> (handler, may wait).  Quick ops answer
         # inline; ops that may wait (memory, locks, transfers) are coroutines,
         # started at once and made tasks only if they do wait (``intake.start``).
@@ -172,6 +174,8 @@ class Session:
             P.BlockCommit: (in_place.commit, True),
             P.BlockLocate: (in_place.locate, True),
             P.BlockUnpin: (in_place.unpin, False),
+            P.MapBuffer: (grants.map, True),
+            P.UnmapBuffer: (grants.unmap, False),
         }
 
     def abort(self, why: str) -> None:
@@ -454,6 +458,7 @@ class Session:
                 log.error("session %s: %d transfers did not end", self.session_id, len(stuck))
         try:
             self.in_place.close()  # before the attachments: a lease's pins, then the handles
+            self.write_grants.close()
             self.attachments.detach_all()
             if self.handles is not None:
                 self.handles.close()

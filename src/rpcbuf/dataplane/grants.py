@@ -1,0 +1,133 @@
+"""Write grants in shared memory: a page of slots that one daemon session
+and its client both map, one slot per buffer the client writes in place.
+
+A slot is a lock word, a generation and a state word.  The client takes
+the lock around every copy into or out of its mapping of the buffer, and
+copies only while the state says LIVE and the generation is the one its
+grant came with (a slot freed by a released buffer is granted again for
+another: a mapping of the old one never passes).  The daemon takes a
+grant back (``revoke``) by setting the state to REVOKED (or ENDED: the
+buffer is gone) and then taking the lock once: from then on no copy of
+that client is in flight, and none starts.  The lock is glibc's
+process-shared spinlock (``pthread_spin_*``: an atomic compare-and-swap, a
+full barrier on every CPU Linux runs on), so neither side needs a system
+call on the way.
+
+The page is the client's to write, so the daemon trusts nothing in it: a
+client that ignores the protocol can only tear its own tenant's reads of
+that buffer (the daemon never reads its state to decide anything about
+another tenant, and a read-only attachment gets a sealed copy: attachops).
+Two processes whose glibcs disagree on the spinlock's unlocked value fail
+safe: the client never takes the lock and copies through the daemon.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from rpcbuf.dataplane import shm
+
+SLOT = 64  # bytes per slot: one cache line, so two slots never share one
+LIVE, REVOKED, ENDED = 0, 1, 2  # the state word
+_GEN, _STATE = 4, 8  # the words' offsets in a slot (the lock word is at 0)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_trylock = _libc.pthread_spin_trylock
+_unlock = _libc.pthread_spin_unlock
+_init = _libc.pthread_spin_init
+for _f in (_trylock, _unlock):
+    _f.restype, _f.argtypes = ctypes.c_int, [ctypes.c_void_p]
+_init.restype, _init.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]
+PTHREAD_PROCESS_SHARED = 1
+
+
+class GrantPage:
+    """``slots`` slots over one mapping of a memfd (``fd``, ours to close)."""
+
+    def __init__(self, fd: int, slots: int, addr: int) -> None:
+        self.fd, self.slots, self._addr = fd, slots, addr
+        self.size = slots * SLOT
+        self._words = (ctypes.c_uint32 * (self.size // 4)).from_address(addr)
+
+    @classmethod
+    def create(cls, slots: int) -> GrantPage:
+        """A new page (the daemon's side), sealed against resizing."""
+        size = -(-slots * SLOT // shm.PAGE) * shm.PAGE
+        fd = shm.memfd(size, "rpcbuf-grants")
+        try:
+            shm.seal_size(fd)
+            addr = shm.map_shared(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, size // SLOT, addr)
+
+    @classmethod
+    def open(cls, fd: int, size: int) -> GrantPage:
+        """The client's side: a page the daemon handed over (``fd`` is
+        ours now); ValueError when its size is not what the daemon said."""
+        if size <= 0 or size % SLOT or os.fstat(fd).st_size != size:
+            raise ValueError("the grant page is not the size the daemon stated")
+        return cls(fd, size // SLOT, shm.map_shared(fd, size))
+
+    def _lock(self, slot: int) -> int:
+        if self.fd < 0:
+            raise ValueError("the grant page is closed")
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"no grant slot {slot}")
+        return self._addr + slot * SLOT
+
+    def state(self, slot: int) -> int:
+        """Its state word (ENDED once the page is closed: nothing is mapped)."""
+        if self.fd < 0:
+            return ENDED
+        return int(self._words[(self._lock(slot) - self._addr + _STATE) // 4])
+
+    def set_state(self, slot: int, state: int) -> None:
+        self._words[(self._lock(slot) - self._addr + _STATE) // 4] = state
+
+    def generation(self, slot: int) -> int:
+        if self.fd < 0:
+            return -1
+        return int(self._words[(self._lock(slot) - self._addr + _GEN) // 4])
+
+    def grant(self, slot: int) -> int:
+        """The daemon (re)opens ``slot``: unlocked, LIVE, its next
+        generation (returned: the client's grant names it)."""
+        at = self._lock(slot)
+        if _init(at, PTHREAD_PROCESS_SHARED) != 0:
+            raise OSError(ctypes.get_errno(), "pthread_spin_init failed")
+        gen = (self.generation(slot) + 1) & 0xFFFFFFFF
+        self._words[(at - self._addr + _GEN) // 4] = gen
+        self.set_state(slot, LIVE)
+        return gen
+
+    def take(self, slot: int) -> bool:
+        """Take ``slot``'s lock if it is free (never waits; never on a closed page)."""
+        return self.fd >= 0 and _trylock(self._lock(slot)) == 0
+
+    def give(self, slot: int) -> None:
+        if self.fd >= 0:
+            _unlock(self._lock(slot))
+
+    def live(self, slot: int, gen: int) -> bool:
+        """Whether ``slot`` is LIVE in generation ``gen``."""
+        return self.state(slot) == LIVE and self.generation(slot) == gen
+
+    def enter(self, slot: int, gen: int) -> bool:
+        """The client, before a copy: the lock taken and the grant of
+        generation ``gen`` LIVE (then ``give`` after the copy), else False
+        with nothing held."""
+        if not self.take(slot):
+            return False
+        if not self.live(slot, gen):
+            self.give(slot)
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            shm.unmap(self._addr, self.size)
+            os.close(self.fd)
+            self.fd = -1
