@@ -94,3 +94,6 @@ SMALL_VS_UCXX_15 = at_most(1.5, "15")  # 4 KiB store+ack p50 over tcp / raw ucxx
 SAME_HOST_VS_TCP_15 = at_most(0.5, "15")  # 4 KiB store p50 same-host / over tcp
 SAME_HOST_VS_COPY_15 = at_least(1.0, "15")  # 64 MiB same-host / np.copyto
 PIPELINED_VS_ECHO_15 = at_least(0.8, "15")  # pipelined request+release / pipelined echos
+# Issue 35 (performance round 3): the owner's stores and reads in place
+SAME_HOST_VS_COPY_35 = at_least(0.9, "35")  # 1 MiB same-host / np.copyto
+SMALL_VS_COPY_35 = at_most(12.5, "35")  # 4 KiB store p50 same-host / np.copyto's (0.08 x)

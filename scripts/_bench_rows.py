@@ -32,8 +32,10 @@ from _bench_plan import (
     RTT_BYTES,
     SAME_HOST_VS_COPY,
     SAME_HOST_VS_COPY_15,
+    SAME_HOST_VS_COPY_35,
     SAME_HOST_VS_TCP_15,
     SMALL,
+    SMALL_VS_COPY_35,
     SMALL_VS_RTT,
     SMALL_VS_UCXX_15,
     TCP_VS_SOCKET,
@@ -144,8 +146,12 @@ def data_rows(data: Any) -> list[Row]:
             if small:
                 _add(rows, compare(f"{op} {name} p50, same-host", "time", local, "rpcbuf tcp",
                                    tcp, SAME_HOST_VS_TCP_15 if op == "store" else None))
+                _add(rows, compare(f"{op} {name} p50, same-host", "time", local, "np.copyto",
+                                   d.get("memcpy"), SMALL_VS_COPY_35 if op == "store" else None))
             if isinstance(nbytes, int) and nbytes >= MiB:
-                for goal in ((SAME_HOST_VS_COPY, SAME_HOST_VS_COPY_15) if big else (None,)):
+                goals = (SAME_HOST_VS_COPY, SAME_HOST_VS_COPY_15) if big else (
+                    (SAME_HOST_VS_COPY_35,) if nbytes == MiB else (None,))
+                for goal in goals:
                     _add(rows, compare(f"{op} {name} GB/s, same-host", "gbps", local,
                                        "np.copyto", d.get("memcpy"), goal))
             rtt = d.get("raw_socket_rtt_40B")

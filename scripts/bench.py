@@ -143,6 +143,15 @@ need a peer (Mooncake, NIXL) are ``bench_peers.py``'s, the load_model ones
 * pipelined request+release: >= 0.8 x pipelined echos over the same kind
   of connection.
 
+Issue 35's (performance round 3: the owner's stores and reads in place),
+marked "(35)": the same-host context writes its own buffers in place
+(docs/dataplane.md, "Writing in place"), so its rows are one copy each:
+
+* 1 MiB store and read, same-host: >= 0.9 x ``np.copyto`` throughput;
+* one 4 KiB store, same-host: p50 <= 12.5 x ``np.copyto``'s of 4 KiB (the
+  issue's "at least 0.08 x"; about 5 us here);
+* 64 MiB, same-host: >= 1.0 x ``np.copyto`` (issue 15's row).
+
 Output: one aligned table on stdout (value, reference, ratio, goal, met;
 medians, within about 100 columns, the words its rows share in notes under
 it) and every number (including each sample, in microseconds) as JSON at
