@@ -13,7 +13,9 @@
    Meanwhile a worker thread hashes the tensors the hash cache does not know
    (``HashAhead``: a node backs a new buffer's memory before it answers);
    then every slot gets its planned load record (``commit.start``);
-3. per slot, concurrently: read a batch of at most ``batch_bytes`` (a worker
+3. per slot, concurrently: read a batch of at most ``batch_bytes`` (the
+   first one at most ``FIRST_BATCH``, each next one up to twice the one
+   before: the first bytes go out soon, the rest in few batches; a worker
    thread reads and hashes the next batch, each tensor once, while this one
    travels), place it with ``store_tensors_dedup`` (the node places what
    this tenant already holds; the rest is sent and checksum-verified, with
@@ -55,6 +57,7 @@ from rpcbuf.control.client.model.acquire import acquire, as_if_released
 from rpcbuf.control.client.model.modelfile import ModelFile, TensorSpec, open_model
 from rpcbuf.control.client.model.reading import (
     DEFAULT_BATCH,
+    FIRST_BATCH,
     HashAhead,
     Hashes,
     KnownHashes,
@@ -185,7 +188,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
     ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
     split by free memory; ``name`` defaults to the file's stem (a
     directory's name); ``progress`` shows rich progress bars on stderr when
-    it is a terminal; ``batch_bytes`` (64 MiB) bounds one batch of a slot;
+    it is a terminal; ``batch_bytes`` (256 MiB) bounds one batch of a slot;
     ``dedup`` (default) sends only what a node does not hold already
     (``store_tensors_dedup``), False sends every byte (``store_batch``);
     ``on_progress(endpoint, done, total)`` is called after every batch;
@@ -312,7 +315,7 @@ async def _upload(cluster: Cluster, model: ModelFile, jobs: list[SlotJob],
         node = stats[j.plan.slot.endpoint]
         offsets = slot_offsets(j)
         sums: dict[str, int] = {}
-        parts = list(batches(j.specs, batch_bytes))
+        parts = list(batches(j.specs, batch_bytes, FIRST_BATCH))
 
         async def store(arrays: dict[str, np.ndarray], hashes: dict[str, tuple[int, int]]
                         ) -> None:
