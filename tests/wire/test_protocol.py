@@ -162,6 +162,7 @@ def test_every_op_round_trips() -> None:
                P.DedupStore("b", P.pack_u64([0]), P.pack_u64([8]), P.pack_u64([1, 2]),
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
                P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
+               P.MapBuffer("b"), P.MapBuffer("b", explicit=True), P.UnmapBuffer("b"),
                P.Hello(b"p" * 32, handles=True), P.Store("b", 0, 1, stage=3),
                P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
                           P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],

@@ -83,7 +83,8 @@ class RangeOps:
         (``OwnMaps.due``; then the context is checked again: a daemon that
         died is noticed there).  False: take the usual way."""
         own = self._own
-        if own is None or type(data) is not np.ndarray or type(offset) is not int:
+        if own is None or type(data) is not np.ndarray or type(offset) is not int \
+                or type(buffer_id) is not str:
             return False
         if own.due():
             await asyncio.sleep(0)
@@ -95,7 +96,7 @@ class RangeOps:
     def _in_place(self, place: BufferPlace | None, offset: Any, arrays: Sequence[Any]) -> bool:
         """Whether an op may go in place: same host, a host buffer, host arrays."""
         return self._own is not None and place is not None and not place.gpu \
-            and type(offset) is int and all(type(a) is np.ndarray for a in arrays)
+            and type(offset) is int and all(type(a) is np.ndarray for a in arrays)  # place: str id
 
     async def place(self, buffer_id: str) -> BufferPlace | None:
         """Where the buffer lives, as the daemon stated it: from this

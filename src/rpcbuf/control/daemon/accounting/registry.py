@@ -508,7 +508,7 @@ class Registry:
             return
         buf.released = True
         if buf.mapped is not None:  # written in place: the client stops at its next copy
-            buf.mapped.end()
+            buf.mapped.end(buf)
             buf.mapped = None
         if self._buffers.get(buf.buffer_id) is buf:
             del self._buffers[buf.buffer_id]

@@ -92,11 +92,12 @@ class WriteGrant:
                        {"buffer_id": buf.buffer_id, "reason": "mapped"})
         await self.grants.revoke(buf, self)
 
-    def end(self) -> None:
+    def end(self, buf: Buffer) -> None:
         """The buffer is released: the client stops at its next copy."""
         page = self.grants.page
         if page is not None:
             page.set_state(self.slot, ENDED)
+        self.grants.ended(buf)
 
 
 class WriteGrants:
@@ -254,6 +255,9 @@ class WriteGrants:
         if buf.mapped is grant:
             buf.mapped = None
             self._holder.audit("unmap", buf, 0, buf.size, note="revoked")
+
+    def ended(self, buf: Buffer) -> None:
+        self._holder.audit("unmap", buf, 0, buf.size, note="released")
 
     def mapped(self) -> int:
         """How many buffers this session holds live grants of."""
