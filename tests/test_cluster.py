@@ -232,6 +232,27 @@ async def test_node_killed_mid_upload(tmp_path: Path, model_dir: Path) -> None:
         assert a.stop() == 0, a.log()
 
 
+def mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (``/proc/self/maps``)."""
+    target = str(path.resolve())
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + target) for line in f)
+
+
+async def test_load_unmaps_the_model_before_it_returns(cluster: rpcbuf.Cluster,
+                                                       model_dir: Path, tmp_path: Path) -> None:
+    """The model file's mapping is closed while the nodes commit (in a worker
+    thread), and before ``load_model`` returns."""
+    path = Path(shutil.copy(model_dir / "tiny.safetensors", tmp_path))  # mapped by us only
+    seen: list[bool] = []
+    model = open_model(path)  # the caller's: load_model closes it all the same
+    await rpcbuf.load_model(cluster, model, progress=False, batch_bytes=64 << 10,
+                            on_progress=lambda *_: seen.append(mapped(path)))
+    assert seen and all(seen)  # mapped while it was sent
+    assert not mapped(path)
+    await rpcbuf.unload_model(cluster, "tiny")
+
+
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout,
