@@ -194,6 +194,7 @@ def host_bytes(array: Any, writable: bool = False) -> np.ndarray:
 
 
 _C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
+_U8 = np.dtype(np.uint8)
 _WRITEABLE = operator.attrgetter("flags.writeable")
 
 
@@ -254,6 +255,9 @@ def as_bytes(array: Any, *, writable: bool = False) -> Any:
     """A flat uint8 view of ``array``: NumPy for host memory, CuPy for device
     memory.  A non-contiguous source is copied once for a store; a read
     target must be contiguous and writable (``BAD_REQUEST`` otherwise)."""
+    if type(array) is np.ndarray and array.dtype is _U8 and array.ndim == 1 \
+            and array.flags.c_contiguous and (not writable or array.flags.writeable):
+        return array  # already what it would become (the common case: no new views)
     if is_cuda(array):
         return device_bytes(array, writable)
     return host_bytes(array, writable)

@@ -356,6 +356,9 @@ class RpcContext:
         the array unchanged until then).  Raises NOT_FOUND, OUT_OF_RANGE,
         VERIFY_FAILED, BAD_REQUEST, BUSY (the buffer is attached),
         CONNECTION_LOST."""
+        done = self._ranges.store_now(buffer_id, array, offset, sync, verify, wire_dtype)
+        if done is not None:  # in place, at once (docs/dataplane.md "Writing in place")
+            return done
         return await self._ranges.store_tensor(buffer_id, array, offset, sync, verify, wire_dtype)
 
     async def read_buffer(self, buffer_id: str, offset: int = 0, nbytes: int | None = None,
@@ -364,6 +367,9 @@ class RpcContext:
         straight into ``out`` (or a new uint8 array), which is returned.
 
         Raises NOT_FOUND, OUT_OF_RANGE, BAD_REQUEST, CONNECTION_LOST."""
+        done = self._ranges.read_now(buffer_id, offset, nbytes, out)
+        if done is not None:  # in place, at once
+            return done
         return await self._ranges.read_buffer(buffer_id, offset, nbytes, out)
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],

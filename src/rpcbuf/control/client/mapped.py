@@ -63,11 +63,12 @@ def in_place_on() -> bool:
 
 
 class _Mapping:
-    __slots__ = ("array", "explicit", "gen", "mm", "size", "slot")
+    __slots__ = ("array", "explicit", "gen", "mm", "size", "slot", "words")
 
     def __init__(self, mm: mmap.mmap, size: int, slot: int) -> None:
         self.mm, self.size, self.slot, self.explicit = mm, size, slot, False
         self.gen = -1
+        self.words = (0, 0, 0)  # the slot's lock address, generation and state indices
         self.array = np.frombuffer(mm, dtype=np.uint8, count=size)
 
 
@@ -126,15 +127,14 @@ class OwnMaps:
                        "grants": 0, "fallbacks": 0}
 
     def due(self) -> bool:
-        """Whether the caller should let the event loop run first: an
-        in-place op never waits, so a loop of them would starve every other
-        task (the control connection's reader, which notices a daemon that
-        died, above all).  True once per ``YIELD_EVERY`` seconds."""
-        now = time.monotonic()
-        if now - self._yielded < YIELD_EVERY:
-            return False
-        self._yielded = now
-        return True
+        """Whether the caller should let the event loop run first (then
+        ``yielded``): an in-place op never waits, so a loop of them would
+        starve every other task (the control connection's reader, which
+        notices a daemon that died, above all).  Once per ``YIELD_EVERY``."""
+        return time.monotonic() - self._yielded >= YIELD_EVERY
+
+    def yielded(self) -> None:
+        self._yielded = time.monotonic()
 
     def copy_now(self, buffer_id: str, offset: int, arr: np.ndarray, store: bool) -> bool:
         """The common case, with nothing to wait for: a mapping under a LIVE
@@ -147,7 +147,10 @@ class OwnMaps:
         if offset < 0 or offset + n > m.size or n >= THREAD_COPY:
             return False
         page = self._page
-        if page is None or not page.enter(m.slot, m.gen):
+        if page is None or self._closed:
+            return False
+        lock, gen_at, state_at = m.words
+        if not page.fast_enter(lock, gen_at, state_at, m.gen):
             return False
         try:
             if store:
@@ -155,7 +158,7 @@ class OwnMaps:
             else:
                 arr[...] = m.array[offset:offset + n]
         finally:
-            page.give(m.slot)
+            page.fast_give(lock)
         counts = self.counts
         if store:
             counts["stores"] += 1
@@ -189,8 +192,9 @@ class OwnMaps:
         # Only a store asks for a grant: a read of a buffer we do not write
         # in place goes the daemon's way, so reading never costs the buffer
         # its shared memory (a clone's) or a writable copy (an attached one's).
-        if self.due():  # as ``RangeOps._now`` does
+        if self.due():  # as ``RangeOps`` does
             await asyncio.sleep(0)
+            self.yielded()
             if self._closed:
                 return False
         m = await self._live(buffer_id) if store else self._held(buffer_id)
@@ -310,6 +314,7 @@ class OwnMaps:
         elif m is None:
             raise ConnectionLost("the daemon granted a buffer it never handed over")
         m.slot, m.gen, m.explicit = slot, gen, explicit or m.explicit
+        m.words = self._page.words(slot)
         self.counts["grants"] += 1
         return m
 

@@ -77,18 +77,54 @@ class RangeOps:
         self._check_open = check_open
         self._own = own  # our host buffers in place (same host: ``mapped.py``)
 
-    async def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
+    def store_now(self, buffer_id: str, array: Any, offset: int, sync: bool,
+                  verify: str | None, wire_dtype: str | None) -> dict[str, Any] | None:
+        """``store_tensor`` done in place with nothing to wait for (no
+        coroutine at all), or None: the caller awaits ``store_tensor``."""
+        own = self._own
+        if own is None or not sync or verify is not None or wire_dtype is not None \
+                or own.due():
+            return None
+        self._check_open()
+        data = as_bytes(array)
+        if self._now(buffer_id, offset, data, True):
+            return {"nbytes": int(data.nbytes)}
+        return None
+
+    def read_now(self, buffer_id: str, offset: int, nbytes: int | None,
+                 out: Any) -> np.ndarray | None:
+        """``read_buffer`` into ``out`` done in place at once, or None."""
+        own = self._own
+        if own is None or out is None or own.due():
+            return None
+        self._check_open()
+        target = as_bytes(out, writable=True)
+        if nbytes is None:
+            nbytes = int(target.nbytes)
+        if type(nbytes) is not int or not 0 <= nbytes <= target.nbytes:
+            return None
+        if self._now(buffer_id, offset, target[:nbytes], False):
+            return out
+        return None
+
+    async def _let_loop_run(self) -> None:
+        """Once a millisecond of in-place ops: a turn of the event loop, then
+        the context checked again (``OwnMaps.due``)."""
+        own = self._own
+        if own is not None and own.due():
+            await asyncio.sleep(0)
+            own.yielded()
+            self._check_open()
+
+    def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
         """An op done in place at once (``OwnMaps.copy_now``): no lookup
-        beyond two dicts, and the event loop runs first once a millisecond
-        (``OwnMaps.due``; then the context is checked again: a daemon that
-        died is noticed there).  False: take the usual way."""
+        beyond two dicts.  The caller lets the event loop run first once a
+        millisecond (``OwnMaps.due``) and checks the context again: a daemon
+        that died is noticed there.  False: take the usual way."""
         own = self._own
         if own is None or type(data) is not np.ndarray or type(offset) is not int \
                 or type(buffer_id) is not str:
             return False
-        if own.due():
-            await asyncio.sleep(0)
-            self._check_open()
         place = self._places.get(buffer_id)
         return place is not None and not place.gpu \
             and own.copy_now(buffer_id, offset, data, store)
@@ -125,8 +161,10 @@ class RangeOps:
         kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
         if wire_dtype is None:
             data, landed = as_bytes(array), None
-            if sync and verify is None and await self._now(buffer_id, offset, data, True):
-                return {"nbytes": int(data.nbytes)}
+            if sync and verify is None:
+                await self._let_loop_run()
+                if self._now(buffer_id, offset, data, True):
+                    return {"nbytes": int(data.nbytes)}
         else:
             data, landed = to_wire_f16(array)
         coro = self.store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
@@ -189,7 +227,8 @@ class RangeOps:
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
-        if await self._now(buffer_id, offset, dest, False):
+        await self._let_loop_run()
+        if self._now(buffer_id, offset, dest, False):
             return out if out is not None else target
         prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
         size = nbytes
