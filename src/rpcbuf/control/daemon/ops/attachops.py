@@ -45,12 +45,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any
 
-from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
-from rpcbuf.control.daemon.data.handles import HandleChannel
+from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
-from rpcbuf.control.daemon.ops.mapops import seal
+from rpcbuf.control.daemon.ops.mapops import Holder, seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -68,22 +67,10 @@ MAX_NEW_MAPS = 32  # segment handles one answer sends (the client's inbox holds 
 MAP_TAG = 1 << 62  # segment handles' tags: above every request id
 
 
-class Owner(Protocol):
-    registry: Registry
-    session_id: str
-    handles: HandleChannel | None
-
-    @property
-    def owner(self) -> str: ...
-
-    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
-              note: str = "") -> None: ...
-
-
 class AttachOps:
     """One session's attachments."""
 
-    def __init__(self, owner: Owner, pipeline: Pipeline) -> None:
+    def __init__(self, owner: Holder, pipeline: Pipeline) -> None:
         self._owner, self._pipe = owner, pipeline
         self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
         # Buffers this session was handed an fd of, attached or not any more:

@@ -61,6 +61,9 @@ GRANT_TAG = 1 << 61  # handles' tags: above every request id, below attachops.MA
 
 
 class Holder(Protocol):
+    """What the ops that hand out fds (``mapops``, ``attachops``) see of
+    their session."""
+
     registry: Registry
     session_id: str
     handles: HandleChannel | None
