@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from _bench_kv_store_mooncake import CLIENT_PORT, HOST, MASTER_PORT, lo_up, wait_port
+from _bench_kv_store_mooncake import CLIENT_PORT, HOST, MASTER_PORT, finish, lo_up, wait_port
 
 MiB = 1 << 20
 
@@ -174,13 +174,7 @@ def main() -> int:
     except Exception as exc:
         out["notes"].append(f"Mooncake: {type(exc).__name__}: {exc}")
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        finish(procs, out, args.out)
     sys.stdout.flush()
     os._exit(0)  # Mooncake's threads must not keep the process alive
 

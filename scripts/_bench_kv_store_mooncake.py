@@ -202,15 +202,20 @@ def main() -> int:
     except Exception as exc:
         out["notes"].append(f"Mooncake: {type(exc).__name__}: {exc}")
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        finish(procs, out, args.out)
     sys.stdout.flush()
     os._exit(0)  # Mooncake's threads must not keep the process alive
+
+
+def finish(procs: list[subprocess.Popen[Any]], out: dict[str, Any], path: str) -> None:
+    """Stop the master and the holders (bounded), then write ``out`` to ``path``."""
+    for proc in reversed(procs):
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
