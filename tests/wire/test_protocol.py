@@ -300,3 +300,18 @@ def test_a_refusal_quotes_a_bounded_value(msg: dict[str, object]) -> None:
         P.parse_request(msg)
     assert info.value.error.code == "BAD_REQUEST"
     assert len(info.value.error.message) < 300
+
+
+def test_only_stores_on_the_ucx_path_send_ucx_messages() -> None:
+    """The janitor spares unexpected UCX messages while a request that sends
+    some has not posted its receives: a dedup store sends none (issue 39,
+    item 6: it held the sweep off for a whole dedup)."""
+    u64 = P.pack_u64([0])
+    assert P.sends_over_ucx(P.Store("b", 0, 8))
+    assert P.sends_over_ucx(P.StoreBatch("b", u64, u64))
+    assert P.sends_over_ucx(P.BlockPut(["k"], u64, u64))
+    assert not P.sends_over_ucx(P.Store("b", 0, 8, stage=0))
+    assert not P.sends_over_ucx(P.Store("b", 0, 8, data=P.Inline(b"x" * 8)))
+    assert not P.sends_over_ucx(P.DedupStore("b", u64, u64, P.pack_u64([0, 0]), u64, ["t"],
+                                             ["u1"], [[8]]))
+    assert not P.sends_over_ucx(P.Read("b", 0, 8))

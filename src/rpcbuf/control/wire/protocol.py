@@ -458,6 +458,15 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
             f"{op}: malformed request ({type(exc).__name__})")) from None
 
 
+def sends_over_ucx(req: Request) -> bool:
+    """Whether the client sends ``req``'s bytes as UCX messages beside it (a
+    store-like op on the UCX path): the daemon's janitor spares unexpected
+    messages while such a request has not posted its receives.  A dedup
+    store sends none (the client stores what it did not place afterwards)."""
+    return isinstance(req, (Store, StoreBatch, BlockPut)) and req.stage is None and \
+        getattr(req, "data", None) is None
+
+
 def speaks(lo: int, hi: int) -> str:
     """A version range as a sentence says it: "2", or "1..3"."""
     return str(lo) if lo == hi else f"{lo}..{hi}"
@@ -507,6 +516,6 @@ __all__ = [
     "FrameDecoder",
     "FrameError", "Request", "RequestError", "encode_frame", "error_response",
     "hello_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
-    "source_type_ok", "speaks", "unpack_u64", "version_mismatch",
+    "sends_over_ucx", "source_type_ok", "speaks", "unpack_u64", "version_mismatch",
     *[c.__name__ for c in OPS.values()],
 ]

@@ -82,12 +82,6 @@ ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborte
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
 
 
-def _carries_payload(req: P.Request) -> bool:
-    """Whether ``req`` comes with UCX messages of its own (a network store)."""
-    return isinstance(req, (P.Store, P.StoreBatch, P.DedupStore, P.BlockPut)) and \
-        getattr(req, "stage", None) is None and getattr(req, "data", None) is None
-
-
 class Session:
     """One control connection: its tenant, its data paths, its requests."""
 
@@ -388,7 +382,7 @@ class Session:
         assert self.tenant is not None
         held = Held(self.registry, self.tenant)  # what the handler looks up stays pinned
         call = Call(req_id, held, self._reply)
-        if self.ep is not None and _carries_payload(req):
+        if self.ep is not None and P.sends_over_ucx(req):
             self.unposted[req_id] = time.monotonic()
         task = start(self._run_op(call, handler(call, req), op))
         if task is None:
