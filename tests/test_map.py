@@ -447,3 +447,18 @@ async def test_a_writer_that_seals_its_memfd_gets_no_attach(d: DaemonProc) -> No
             await other.attach(bid)
         assert info.value.details["reason"] == "sealed"
         assert (await other.read_buffer(bid) == 1).all()  # everything else goes on
+
+
+async def test_many_tasks_storing_at_once_share_one_grant(d: DaemonProc) -> None:
+    """The daemon hands a buffer's fd with its first grant only: tasks that
+    ask at once wait for one another's grant rather than race it."""
+    async with d.connect() as c:
+        bids = [await c.request_buffer(64 * 1024) for _ in range(4)]
+        await asyncio.gather(*(c.store_tensor(b, np.full(4096, i % 251, np.uint8),
+                                              offset=(i // 4) * 4096)
+                               for i in range(64) for b in bids[i % 4:i % 4 + 1]))
+        for j, b in enumerate(bids):
+            got = await c.read_buffer(b, 0, 16 * 4096)
+            assert [int(got[k * 4096]) for k in range(16)] == [(4 * k + j) % 251
+                                                               for k in range(16)]
+        assert c.in_place_counts()["grants"] == 4

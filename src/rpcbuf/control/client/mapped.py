@@ -119,6 +119,7 @@ class OwnMaps:
         self._page: GrantPage | None = None
         self._maps: dict[str, _Mapping] = {}
         self._refused: dict[str, float] = {}  # buffer id -> when to ask again
+        self._opening: dict[str, asyncio.Future[None]] = {}  # grants being asked for
         self._yielded = time.monotonic()  # when an op of ours last let the loop run
         self._copying = 0  # copies in flight (a thread's may outlive ``close``)
         self._closed = False
@@ -248,6 +249,12 @@ class OwnMaps:
             if time.monotonic() < when:
                 return None
             del self._refused[buffer_id]
+        pending = self._opening.get(buffer_id)
+        if pending is not None:  # another task of ours is asking: its grant may do
+            await asyncio.shield(pending)
+            m = self._held(buffer_id)
+            if m is not None:
+                return m
         try:
             return await self.open(buffer_id, explicit=False)
         except _REFUSED:
@@ -264,7 +271,20 @@ class OwnMaps:
 
     async def open(self, buffer_id: str, explicit: bool,
                    timeout: float | None = None) -> Any:
-        """Ask for a grant of ``buffer_id`` and map what comes with it."""
+        """Ask for a grant of ``buffer_id`` and map what comes with it.  One
+        request per buffer at a time: the daemon hands a buffer's fd only
+        with the first grant of its memfd, so a second answer may name a
+        mapping the first is still making."""
+        while (pending := self._opening.get(buffer_id)) is not None:
+            await asyncio.shield(pending)
+        done = self._opening[buffer_id] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._open(buffer_id, explicit, timeout)
+        finally:
+            del self._opening[buffer_id]
+            done.set_result(None)
+
+    async def _open(self, buffer_id: str, explicit: bool, timeout: float | None) -> Any:
         ans = await self._caller.call(P.MapBuffer(buffer_id=buffer_id, explicit=explicit),
                                       timeout)
         try:
