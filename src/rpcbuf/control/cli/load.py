@@ -54,8 +54,8 @@ def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentPa
                          "the i-th device of the endpoint list); default: by free memory")
     ld.add_argument("--name", help="model name; buffers are NAME/slotN [the file's stem]")
     ld.add_argument("--batch-size", type=parse_size, metavar="SIZE",
-                    help="bytes read and sent per round trip [64MiB; with --from-node, read "
-                         "by a node per request: 256MiB]")
+                    help="the most bytes read and sent per round trip [256MiB, the first "
+                         "16MiB; with --from-node, read by a node per request: 256MiB]")
     ld.add_argument("--no-dedup", action="store_true",
                     help="send every tensor, even those the node already holds")
     ld.add_argument("--no-hash-cache", action="store_true",
