@@ -224,11 +224,11 @@ async def _raw(c: rpcbuf.RpcContext, msg: dict[str, Any]) -> dict[str, Any]:
     # bytes in the frame: not as many as the sizes say, more than a frame may
     # carry, both a frame and a staging slot
     {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
-     "data": b"abc"},
+     "data": b"abc", "path": "inline"},
     {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([P.INLINE_MAX + 1]),
-     "checksums": P.pack_u64([0]), "data": b"x" * (P.INLINE_MAX + 1)},
+     "checksums": P.pack_u64([0]), "data": b"x" * (P.INLINE_MAX + 1), "path": "inline"},
     {"op": "block_put", "keys": ["k"], "sizes": P.pack_u64([4]), "checksums": P.pack_u64([0]),
-     "data": b"abcd", "stage": 0},
+     "data": b"abcd", "stage": 0, "path": "inline"},
 ])
 async def test_bad_requests_are_refused_and_leave_no_trace(tier: DaemonProc,
                                                            msg: dict[str, Any]) -> None:
@@ -448,7 +448,8 @@ async def test_a_refused_get_leaves_the_lru_order_and_the_counts_as_they_were(
         before = (await c.stats())["blocks"]
         with pytest.raises(rpcbuf.BadRequest, match="staging slot"):
             await _raw(c, {"op": "block_get", "keys": [keys[0]],
-                           "sizes": P.pack_u64([4 * MiB]), "stage": 99})
+                           "sizes": P.pack_u64([4 * MiB]), "stage": 99,
+                           "path": "staged"})
         after = (await c.stats())["blocks"]
         assert after["hits"] == before["hits"] and after["misses"] == before["misses"]
         await c.put_block(keys[4], blocks[keys[4]])  # evicts the least recently used
@@ -957,7 +958,7 @@ async def test_a_small_block_of_a_network_session_rides_in_its_frames(
         assert moved == ["send", "receive"]  # past inline_max: UCX
         with pytest.raises(rpcbuf.BadRequest, match="travel in a frame"):  # asked all the same
             await c._call(P.BlockGet(keys=["in/big"], sizes=P.pack_u64([256 << 10]),
-                                     inline=True))
+                                     path="inline"))
         assert await c.ping() > 0
         await c.remove_blocks(["in/small", "in/big"])
 

@@ -101,31 +101,34 @@ async def test_hostile_inline_requests_are_refused_and_leave_no_trace(
                 ({"nbytes": P.INLINE_MAX + 1, "data": b"x" * (P.INLINE_MAX + 1)},
                  "BAD_REQUEST"),  # over the limit
                 ({"nbytes": 4, "data": b"xxxx", "stage": 0}, "BAD_REQUEST"),  # both ways
+                ({"nbytes": 4, "data": b"xxxx", "path": "ucx"}, "BAD_REQUEST"),  # off its path
+                ({"nbytes": 4}, "BAD_REQUEST"),  # path "inline", no bytes
                 ({"nbytes": 4, "data": b"xxxx", "offset": 8190}, "OUT_OF_RANGE"),
                 ({"nbytes": 4, "data": b"xxxx", "buffer_id": "nope"}, "NOT_FOUND"),
             ]
             for fields, code in cases:
-                req = {"buffer_id": bid, "offset": 0, **fields}
+                req = {"buffer_id": bid, "offset": 0, "path": "inline", **fields}
                 answer = raw.call("store", **req)
                 assert not answer["ok"] and answer["error"]["code"] == code, (fields, answer)
             for fields, code in [({"nbytes": P.INLINE_MAX + 1}, "BAD_REQUEST"),
                                  ({"nbytes": 4, "offset": 8190}, "OUT_OF_RANGE"),
                                  ({"nbytes": 4, "stage": 0}, "BAD_REQUEST"),
-                                 ({"nbytes": 4, "inline": "yes"}, "BAD_REQUEST")]:
-                answer = raw.call("read", **{"buffer_id": bid, "offset": 0, "inline": True,
+                                 ({"nbytes": 4, "path": "yes"}, "BAD_REQUEST")]:
+                answer = raw.call("read", **{"buffer_id": bid, "offset": 0, "path": "inline",
                                              **fields})
                 assert not answer["ok"] and answer["error"]["code"] == code, (fields, answer)
             # Another tenant's buffer does not exist for bob, either way.
             bob = _hello(daemon, "bob")
             try:
-                answer = bob.call("store", buffer_id=bid, offset=0, nbytes=4, data=b"evil")
+                answer = bob.call("store", buffer_id=bid, offset=0, nbytes=4, data=b"evil",
+                                  path="inline")
                 assert answer["error"]["code"] == "NOT_FOUND"
-                answer = bob.call("read", buffer_id=bid, offset=0, nbytes=4, inline=True)
+                answer = bob.call("read", buffer_id=bid, offset=0, nbytes=4, path="inline")
                 assert answer["error"]["code"] == "NOT_FOUND"
             finally:
                 bob.sock.close()
             # The session is fine and the bytes are what they were.
-            ok = raw.call("read", buffer_id=bid, offset=16, nbytes=8, inline=True)
+            ok = raw.call("read", buffer_id=bid, offset=16, nbytes=8, path="inline")
             assert ok["ok"] and ok["result"]["data"] == before[16:24].tobytes()
         finally:
             raw.sock.close()
@@ -148,10 +151,11 @@ async def test_small_ops_keep_their_turn_behind_earlier_requests(daemon: DaemonP
                 raw.send(frame({"op": "clear_buffer", "id": 100 + value, "buffer_id": bid,
                                 "value": 1}) +
                          frame({"op": "store", "id": 200 + value, "buffer_id": bid,
-                                "offset": 0, "nbytes": 4, "data": bytes([value] * 4)}))
+                                "offset": 0, "nbytes": 4, "data": bytes([value] * 4),
+                                "path": "inline"}))
                 answers = [raw.recv(), raw.recv()]
                 assert all(a is not None and a["ok"] for a in answers), answers
-                got = raw.call("read", buffer_id=bid, offset=0, nbytes=8, inline=True)
+                got = raw.call("read", buffer_id=bid, offset=0, nbytes=8, path="inline")
                 assert got["result"]["data"] == bytes([value] * 4 + [1] * 4), value
         finally:
             raw.sock.close()
@@ -231,15 +235,16 @@ def test_a_bad_inline_store_behind_a_task_is_refused_before_its_lock(
     raw = _hello(daemon)
     try:
         bid = raw.call("request_buffer", size=8192)["result"]["buffer_id"]
-        assert raw.call("store", buffer_id=bid, offset=0, nbytes=4, data=b"good")["ok"]
+        assert raw.call("store", buffer_id=bid, offset=0, nbytes=4, data=b"good",
+                        path="inline")["ok"]
         raw.send(frame({"op": "clear_buffer", "id": 500, "buffer_id": bid, "offset": 4096,
                         "nbytes": 4096, "value": 3})
                  + frame({"op": "store", "id": 501, "buffer_id": bid, "offset": 0,
-                          "nbytes": 4, "data": b"bad"}))
+                          "nbytes": 4, "data": b"bad", "path": "inline"}))
         answers = {m["id"]: m for m in (raw.recv(), raw.recv()) if m is not None}
         assert answers[500]["ok"]
         assert answers[501]["error"]["code"] == "BAD_REQUEST", answers[501]
-        got = raw.call("read", buffer_id=bid, offset=0, nbytes=4, inline=True)
+        got = raw.call("read", buffer_id=bid, offset=0, nbytes=4, path="inline")
         assert got["result"]["data"] == b"good"
         assert raw.call("release", buffer_id=bid)["ok"]
     finally:

@@ -166,15 +166,23 @@ async def test_bad_stages_are_bad_requests(daemon: DaemonProc) -> None:
         await c.clear_buffer(bid, 9)
         for stage, nbytes in ((staging.SMALL_SLOTS, 8), (staging.RING + 1, 8),
                               (0, staging.SMALL + 1)):
-            msg = await _raw(c, P.Store(buffer_id=bid, offset=0, nbytes=nbytes, stage=stage))
+            msg = await _raw(c, P.Store(buffer_id=bid, offset=0, nbytes=nbytes,
+                                        path="staged", stage=stage))
             assert msg["error"]["code"] == "BAD_REQUEST", (stage, nbytes)
-            msg = await _raw(c, P.Read(buffer_id=bid, offset=0, nbytes=nbytes, stage=stage))
+            msg = await _raw(c, P.Read(buffer_id=bid, offset=0, nbytes=nbytes,
+                                       path="staged", stage=stage))
             assert msg["error"]["code"] == "BAD_REQUEST", (stage, nbytes)
+        for req in (P.Store(buffer_id=bid, offset=0, nbytes=8, stage=0),  # off its path
+                    P.Read(buffer_id=bid, offset=0, nbytes=8, path="staged")):  # no slot
+            msg = await _raw(c, req)
+            assert "staging slot" in msg["error"]["message"], msg
         # staging slots on a session that is not same-host
-        msg = await _raw(net, P.Store(buffer_id=bid, offset=0, nbytes=8, stage=0))
+        msg = await _raw(net, P.Store(buffer_id=bid, offset=0, nbytes=8, path="staged",
+                                      stage=0))
         assert msg["error"]["details"]["reason"] == "not_same_host"
         # out of range is checked before any copy
-        msg = await _raw(c, P.Store(buffer_id=bid, offset=(1 << 20) - 4, nbytes=8, stage=0))
+        msg = await _raw(c, P.Store(buffer_id=bid, offset=(1 << 20) - 4, nbytes=8,
+                                    path="staged", stage=0))
         assert msg["error"]["code"] == "OUT_OF_RANGE"
         assert (await c.read_buffer(bid) == 9).all()  # nothing landed anywhere
         assert await c.ping() and await net.ping()
@@ -191,10 +199,12 @@ async def test_one_ring_op_at_a_time(daemon_factory) -> None:  # type: ignore[no
         area = c._handles.area
         area.reset()  # a store of 8 chunks whose chunks we produce by hand
         first = c._conn.submit(c._conn.next_id(), P.Store(
-            buffer_id=bid, offset=0, nbytes=8 * staging.RING_CHUNK, stage=staging.RING))
+            buffer_id=bid, offset=0, nbytes=8 * staging.RING_CHUNK, path="staged",
+            stage=staging.RING))
         await asyncio.sleep(0.2)  # it waits for chunk 0 now
         msg = await _raw(c, P.Store(buffer_id=bid, offset=10 << 20,
-                                    nbytes=2 * staging.RING_CHUNK, stage=staging.RING))
+                                    nbytes=2 * staging.RING_CHUNK, path="staged",
+                                    stage=staging.RING))
         assert msg["error"]["details"]["reason"] == "ring_busy", msg
         pieces = [np.full(8 * staging.RING_CHUNK, 4, np.uint8)]
         await asyncio.to_thread(area.pump, pieces, True, lambda: False, 1e18)
@@ -245,14 +255,15 @@ async def test_client_killed_mid_copy_frees_its_memory(daemon: DaemonProc) -> No
 
 
 def test_store_request_fields_round_trip() -> None:
-    req = P.Store(buffer_id="b", offset=0, nbytes=8, stage=3)
+    req = P.Store(buffer_id="b", offset=0, nbytes=8, path="staged", stage=3)
     assert P.parse_request(req.to_wire(5)) == (5, req)
     with pytest.raises(P.RequestError):
         P.parse_request({**req.to_wire(5), "stage": -1})
     with pytest.raises(P.RequestError):  # protocol 2's addresses are gone
         P.parse_request({**req.to_wire(5), "addr": 4096})
     batch = dataclasses.replace(P.StoreBatch(buffer_id="b", offsets=P.pack_u64([0]),
-                                             sizes=P.pack_u64([8])), stage=staging.RING)
+                                             sizes=P.pack_u64([8])),
+                                path="staged", stage=staging.RING)
     assert P.parse_request(batch.to_wire(6)) == (6, batch)
 
 

@@ -402,7 +402,7 @@ async def test_an_inline_read_answer_must_carry_exactly_the_bytes_asked(data: An
         elif req["op"] == "get_buffer_meta":
             conn.answer(req, {**META, "device_type": "CPU", "device": 0})
         elif req["op"] == "read":
-            assert req.get("inline") is True, req  # small: it asks for the bytes inline
+            assert req.get("path") == "inline", req  # small: it asks for the bytes inline
             conn.answer(req, {"nbytes": req["nbytes"], **({} if data is None else
                                                           {"data": data})})
         else:

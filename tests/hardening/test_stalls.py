@@ -39,7 +39,7 @@ def _stall(c: rpcbuf.RpcContext, bid: str, nbytes: int, read: bool = False
     c._handles.area.reset()
     cls = P.Read if read else P.Store
     return c._conn.submit(c._conn.next_id(), cls(buffer_id=bid, offset=0, nbytes=nbytes,
-                                                  stage=staging.RING))
+                                                  path="staged", stage=staging.RING))
 
 
 @pytest.mark.parametrize("read", [False, True], ids=["store", "read"])

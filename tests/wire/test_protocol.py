@@ -163,13 +163,14 @@ def test_every_op_round_trips() -> None:
                             P.pack_u64([3]), ["a"], ["<f4"], [[2]]),
                P.BindHandles(b"n" * 16), P.Attach("b"), P.Detach("b"),
                P.MapBuffer("b"), P.MapBuffer("b", explicit=True), P.UnmapBuffer("b"),
-               P.Hello(b"p" * 32, handles=True), P.Store("b", 0, 1, stage=3),
+               P.Hello(b"p" * 32, handles=True), P.Store("b", 0, 1, path="staged", stage=3),
                P.LoadFile("b", "llama/model.safetensors", 100, P.pack_u64([8]), P.pack_u64([0]),
                           P.pack_u64([8]), P.pack_u64([1, 2]), P.pack_u64([3]), ["a"],
                           ["<f4"], [[2]]),
                P.BlockPut(["k/1", "k/2"], P.pack_u64([4, 8]), P.pack_u64([1, 2]),
-                          [b"m", b""], 3.0, "CPU", 0, 5),
-               P.BlockGet(["k"], P.pack_u64([4]), 0xFFFF),
+                          [b"m", b""], 3.0, "CPU", 0, "staged", 5),
+               P.BlockGet(["k"], P.pack_u64([4]), "staged", 0xFFFF),
+               P.Read("b", 1, 2, path="inline"),
                P.BlockLookup(["k"], True), P.BlockRemove(["a", "b"]),
                P.BlockList("k/", "k/1", 10), P.BlockAttach("k/1"),
                P.BlockPlace(["k/1"], P.pack_u64([4]), "CPU", 0),
@@ -310,8 +311,8 @@ def test_only_stores_on_the_ucx_path_send_ucx_messages() -> None:
     assert P.sends_over_ucx(P.Store("b", 0, 8))
     assert P.sends_over_ucx(P.StoreBatch("b", u64, u64))
     assert P.sends_over_ucx(P.BlockPut(["k"], u64, u64))
-    assert not P.sends_over_ucx(P.Store("b", 0, 8, stage=0))
-    assert not P.sends_over_ucx(P.Store("b", 0, 8, data=P.Inline(b"x" * 8)))
+    assert not P.sends_over_ucx(P.Store("b", 0, 8, path="staged", stage=0))
+    assert not P.sends_over_ucx(P.Store("b", 0, 8, path="inline", data=P.Inline(b"x" * 8)))
     assert not P.sends_over_ucx(P.DedupStore("b", u64, u64, P.pack_u64([0, 0]), u64, ["t"],
                                              ["u1"], [[8]]))
     assert not P.sends_over_ucx(P.Read("b", 0, 8))

@@ -12,7 +12,6 @@ what turns the answer into what the caller gets back.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,14 +89,11 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
                        manifest_version=manifest_version,
                        **(packed.fields() if packed is not None else {}))
 
-    def request(stage: int | None) -> P.Request:
-        return req if stage is None else dataclasses.replace(req, stage=stage)
-
     def messages() -> list[Any]:
         return [_payload(datas[first:stop])
                 for _, _, first, stop in plan_runs(offsets_u, sizes)]
 
-    return Transfer(request, datas, messages), lambda r: _in_caller_order(r, order)
+    return Transfer(req, datas, messages), lambda r: _in_caller_order(r, order)
 
 
 def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
@@ -128,13 +124,10 @@ def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
     in_block = starts - np.array([off for off, _, _, _ in runs], dtype=np.int64)[block_of] \
         if runs else starts
 
-    def request(stage: int | None) -> P.Request:
-        return req if stage is None else dataclasses.replace(req, stage=stage)
-
     def views() -> list[np.ndarray]:
         return _byte_views(blocks, block_of, in_block, span_of, offsets, starts, sizes, order)
 
-    return Transfer(request, blocks, lambda: blocks), views
+    return Transfer(req, blocks, lambda: blocks), views
 
 
 _FIRST = operator.itemgetter(0)

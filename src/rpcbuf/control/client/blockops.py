@@ -38,7 +38,6 @@ names only up to ``max_nbytes`` (``MAX_BLOCK_NBYTES`` by default).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -357,16 +356,7 @@ def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray],
     block of a network session in the frames instead (``InlinePath``: a
     4 KiB hit over UCX was three loopback sends and a progress poll each
     side)."""
-
-    def request(stage: int | None) -> P.Request:
-        return req if stage is None else dataclasses.replace(req, stage=stage)
-
-    def in_frames(payload: Any) -> P.Request:
-        if isinstance(req, P.BlockPut):
-            return dataclasses.replace(req, data=payload)
-        return dataclasses.replace(req, inline=True)
-
-    return Transfer(request, arrays, lambda: arrays, in_frames if inline else None)
+    return Transfer(req, arrays, lambda: arrays, inline)
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

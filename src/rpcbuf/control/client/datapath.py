@@ -28,8 +28,9 @@ RDMA), touching nothing else on the client side:
    ``receive(t)`` (read-like: the daemon says yes, then the bytes land in
    ``t.arrays``), each within the call's in-flight slot and timeout
    (``Caller``) and, for the transfer, the daemon's transfer deadline;
-2. whatever it adds to the request (a staging slot, handles, keys) made
-   from ``t`` in one place, as ``StagedPath`` asks ``t.request(slot)``;
+2. its name on the wire (``P.PathName``) and whatever it adds to the
+   request (a staging slot, handles, keys), set in one place, as
+   ``StagedPath`` sends ``t.request.replace(path="staged", stage=slot)``;
 3. every array the transport may touch stays referenced until it is done
    with it, even when we stop waiting (UCX: the orphan grace,
    ``ControlConnection.orphan``; the staged path's own threads hold theirs);
@@ -72,19 +73,18 @@ class BufferPlace:
 class Transfer(NamedTuple):
     """One data op's bytes, described once for every path.
 
-    ``request(None)``: the request as the network path sends it;
-    ``request(stage)``: naming a staging slot (the same-host path), whose
-    bytes are those of ``arrays`` (host arrays, contiguous), back to back
-    in order -- the order of the UCX runs; ``messages()``: the UCX
-    messages, message ``i`` on ``run_tag(id, i)``.  (A named tuple and
-    closures: made per op, so cheap to make.)"""
+    ``request``: the op's request on the UCX path; each other path sends a
+    copy naming itself (``path``): the staged path's names a staging slot,
+    whose bytes are those of ``arrays`` (host arrays, contiguous), back to
+    back in order -- the order of the UCX runs.  ``messages()``: the UCX
+    messages, message ``i`` on ``run_tag(id, i)``.  ``inline``: a plain
+    store or read, whose bytes may ride in its frames (``InlinePath``).
+    (A named tuple and a closure: made per op, so cheap to make.)"""
 
-    request: Callable[[int | None], P.Request]
+    request: P.DataRequest
     arrays: Sequence[Any]
     messages: Callable[[], list[Any]]
-    # A plain store or read: the request carrying its bytes (a store's, as a
-    # buffer) or asking for them in the answer (a read: None); see InlinePath.
-    inline: Callable[[Any], P.Request] | None = None
+    inline: bool = False
 
 
 class DataPath(Protocol):
@@ -143,7 +143,7 @@ class StagedPath:
         try:
             if store:  # our bytes first, then the request
                 staging.gather(pieces, area.small(slot, self._live(nbytes)))
-            result = await self._caller.call(t.request(slot))
+            result = await self._caller.call(t.request.replace(path="staged", stage=slot))
             if not store:  # the answer says the slot holds them
                 staging.scatter(area.small(slot, self._live(nbytes)), pieces)
             ok = True
@@ -194,8 +194,9 @@ class StagedPath:
             if produce and one:  # one chunk: in place before the request, no thread
                 staging.gather(pieces, area.chunk(0))
                 area.put(staging.PRODUCED, 1)
-            result = await caller.call(t.request(staging.RING), moves=_Ring(
-                self._shared, pieces, one, produce, self._timeout))
+            ring = _Ring(self._shared, pieces, one, produce, self._timeout)
+            result = await caller.call(t.request.replace(path="staged", stage=staging.RING),
+                                       moves=ring)
             retire = False
             return result
         except RpcBufError as exc:
@@ -269,8 +270,8 @@ def inline_on() -> bool:
 
 class InlinePath:
     """Small host ops of a network session in the control frames themselves:
-    a store's bytes in its request (``Store.data``), a read's in its answer
-    (``Read.inline``), at most the daemon's ``inline_max``.  One round trip
+    a store's bytes in its request (``Store.data``), a read's in its answer,
+    at most the daemon's ``inline_max``.  One round trip
     and nothing else: no UCX message, so neither side's progress engine
     polls for it (a 4 KiB store over UCX cost twice as much, measured in
     docs/performance.md).  The answer's bytes are checked for their count
@@ -280,20 +281,18 @@ class InlinePath:
         self._caller, self.limit = caller, limit
 
     def takes(self, t: Transfer) -> bool:
-        if t.inline is None or len(t.arrays) != 1:
+        if not t.inline or len(t.arrays) != 1:
             return False
         a = t.arrays[0]
         return isinstance(a, np.ndarray) and a.nbytes <= self.limit
 
     async def send(self, t: Transfer) -> dict[str, Any]:
-        assert t.inline is not None
         (piece,) = _flat(t.arrays)
-        return await self._caller.call(t.inline(piece.data))
+        return await self._caller.call(t.request.replace(path="inline", data=piece.data))
 
     async def receive(self, t: Transfer) -> dict[str, Any]:
-        assert t.inline is not None
         (piece,) = _flat(t.arrays)
-        result = await self._caller.call(t.inline(None))
+        result = await self._caller.call(t.request.replace(path="inline"))
         data = result.pop("data", None)
         if not isinstance(data, bytes) or len(data) != piece.nbytes:
             got = len(data) if isinstance(data, bytes) else type(data).__name__
@@ -361,16 +360,14 @@ class UcxPath:
         at once, while the daemon checks the request (one round trip)."""
         payloads = t.messages()
         ep = await self.endpoint() if payloads else None
-        return await self._caller.call(t.request(None), moves=_UcxMoves(self, ep, payloads,
-                                                                        out=True))
+        return await self._caller.call(t.request, moves=_UcxMoves(self, ep, payloads, out=True))
 
     async def receive(self, t: Transfer) -> dict[str, Any]:
         """A read-like request: once the daemon says yes, run ``i`` is received
         straight into ``messages()[i]``; on an error answer nothing was sent."""
         targets = t.messages()
         ep = await self.endpoint() if targets else None
-        return await self._caller.call(t.request(None), moves=_UcxMoves(self, ep, targets,
-                                                                        out=False))
+        return await self._caller.call(t.request, moves=_UcxMoves(self, ep, targets, out=False))
 
     async def transfer(self, coros: Sequence[Awaitable[None]], arrays: Sequence[Any]) -> None:
         """UCX transfers under the daemon's transfer deadline, all awaited even

@@ -192,23 +192,12 @@ class RangeOps:
         digest = None
         if verify:
             digest = devsum(final) if kind == "devsum" else checksum(final)
-        nbytes, stated = int(final.nbytes), kind if verify and kind != "xxh3" else None
-
-        def request(stage: int | None) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           wire_dtype=wire_dtype,  # type: ignore[arg-type]
-                           stage=stage)
-
-        def inline(payload: Any) -> P.Request:
-            return P.Store(buffer_id=buffer_id, offset=offset, nbytes=nbytes,
-                           checksum=digest, verify=verify,  # type: ignore[arg-type]
-                           checksum_kind=stated,  # type: ignore[arg-type]
-                           data=payload)
-
-        return await self._paths.run(buffer_id, place, _one(
-            request, data, inline if wire_dtype is None else None))
+        stated = kind if verify and kind != "xxh3" else None
+        req = P.Store(buffer_id=buffer_id, offset=offset, nbytes=int(final.nbytes),
+                      checksum=digest, verify=verify,  # type: ignore[arg-type]
+                      checksum_kind=stated,  # type: ignore[arg-type]
+                      wire_dtype=wire_dtype)  # type: ignore[arg-type]
+        return await self._paths.run(buffer_id, place, _one(req, data, wire_dtype is None))
 
     async def read_buffer(self, buffer_id: str, offset: int, nbytes: int | None,
                           out: Any) -> np.ndarray:
@@ -231,20 +220,13 @@ class RangeOps:
         if self._now(buffer_id, offset, dest, False):
             return out if out is not None else target
         prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
-        size = nbytes
         place = await self.place(buffer_id)
         if self._in_place(place, offset, (dest,)):
             assert self._own is not None
             if await self._own.read(buffer_id, offset, dest):
                 return out if out is not None else target
-
-        def request(stage: int | None) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, stage=stage)
-
-        def inline(_: Any) -> P.Request:
-            return P.Read(buffer_id=buffer_id, offset=offset, nbytes=size, inline=True)
-
-        await self._paths.run(buffer_id, place, _one(request, dest, inline), receive=True)
+        req = P.Read(buffer_id=buffer_id, offset=offset, nbytes=nbytes)
+        await self._paths.run(buffer_id, place, _one(req, dest, True), receive=True)
         return out if out is not None else target
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
@@ -255,7 +237,7 @@ class RangeOps:
         t, in_order = batches.store_batch(buffer_id, items, verify, manifest, manifest_version,
                                           checksums=checksums)
         place = await self.place(buffer_id)
-        req = t.request(None)
+        req = t.request
         assert isinstance(req, P.StoreBatch)
         if verify is None and manifest is None and manifest_version is None \
                 and self._in_place(place, 0, t.arrays):
@@ -285,7 +267,7 @@ class RangeOps:
         self._check_open()
         t, views = batches.read_batch(buffer_id, ranges)
         place = await self.place(buffer_id)
-        req = t.request(None)
+        req = t.request
         assert isinstance(req, P.ReadBatch)
         if not self._in_place(place, 0, t.arrays) or await self._batch_in_place(
                 buffer_id, req.offsets, req.sizes, t.arrays, False) is None:
@@ -304,8 +286,7 @@ class RangeOps:
         return True
 
 
-def _one(request: Callable[[int | None], P.Request], array: Any,
-         inline: Callable[[Any], P.Request] | None = None) -> Transfer:
+def _one(req: P.Store | P.Read, array: Any, inline: bool) -> Transfer:
     """The transfer of a one-array op (store, read): one UCX message, one
     piece through the staging area, or (``inline``) the bytes in a frame."""
-    return Transfer(request, (array,), lambda: [array] if array.nbytes else [], inline)
+    return Transfer(req, (array,), lambda: [array] if array.nbytes else [], inline)

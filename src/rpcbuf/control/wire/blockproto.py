@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from rpcbuf.control.wire.fields import BlockKeys, Inline, Request, U64Array
+from rpcbuf.control.wire.fields import BlockKeys, Inline, PathName, Request, U64Array
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,11 @@ class BlockPut(Request):
     ttl: float | None = None
     device_type: str = "CPU"
     device: int = 0
+    path: PathName = "ucx"  # as ``Store.path``
     stage: int | None = None
-    # The blocks' bytes themselves, back to back in key order (at most the
-    # hello's ``inline_max``; a daemon whose hello says ``block_inline``):
-    # a small put of a network session in its frame, no UCX message.
+    # Path "inline": the blocks' bytes themselves, back to back in key order
+    # (at most the hello's ``inline_max``; a daemon whose hello says
+    # ``block_inline``): a small put of a network session in its frame.
     data: Inline | None = None
 
 
@@ -47,10 +48,10 @@ class BlockGet(Request):
     op: ClassVar[str] = "block_get"
     keys: BlockKeys
     sizes: U64Array
+    # "inline": the blocks' bytes come in the answer (``data``, back to back,
+    # at most ``inline_max``; a daemon whose hello says ``block_inline``).
+    path: PathName = "ucx"
     stage: int | None = None
-    # True: the blocks' bytes come in the answer (``data``, back to back, at
-    # most ``inline_max``; a daemon whose hello says ``block_inline``).
-    inline: bool | None = None
 
 
 @dataclass(frozen=True)

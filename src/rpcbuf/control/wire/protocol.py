@@ -58,6 +58,7 @@ from rpcbuf.control.wire.fields import (
     Claims,
     FilePath,
     Inline,
+    PathName as PathName,
     Request,
     Shape,
     SourceType,
@@ -155,13 +156,14 @@ class Store(Request):
     # "float16": the payload is nbytes/2 bytes of float16 that the daemon
     # widens into the float32 range [offset, offset + nbytes).
     wire_dtype: Literal["float16"] | None = None
-    # Same-host sessions: the payload is in the session's staging area, in
-    # small slot ``stage`` or (``stage == 0xFFFF``) streamed through its ring;
-    # nothing comes over UCX.  See dataplane/staging.py.
+    path: PathName = "ucx"
+    # Path "staged" (same-host sessions): the payload is in the session's
+    # staging area, in small slot ``stage`` or (``stage == 0xFFFF``) streamed
+    # through its ring; nothing comes over UCX.  See dataplane/staging.py.
     stage: int | None = None
-    # The payload itself, exactly ``nbytes`` (at most INLINE_MAX, the hello's
-    # ``inline_max``): a small store of a network session rides in its frame,
-    # one round trip with no UCX message.
+    # Path "inline": the payload itself, exactly ``nbytes`` (at most
+    # INLINE_MAX, the hello's ``inline_max``): a small store of a network
+    # session rides in its frame, one round trip with no UCX message.
     data: Inline | None = None
 
 
@@ -182,7 +184,8 @@ class StoreBatch(Request):
     dtypes: list[str] | None = None
     shapes: list[Shape] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
-    stage: int | None = None  # same-host sessions: as ``Store.stage``, the items' runs in order
+    path: Literal["ucx", "staged"] = "ucx"
+    stage: int | None = None  # path "staged": as ``Store.stage``, the items' runs in order
     # The manifest packed, instead of dtypes/shapes (with names as above):
     # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
     # (no kinds with a one-kind table: every item is of that kind).
@@ -208,10 +211,10 @@ class ReadBatch(Request):
     buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
-    stage: int | None = None  # same-host sessions: as ``Store.stage``
-    # True: answer with the bytes (``data`` in the result), at most
-    # INLINE_MAX of them; the network path's small reads.
-    inline: bool | None = None
+    # "inline": the answer carries the bytes (``data``), at most INLINE_MAX
+    # of them; the network path's small reads.
+    path: PathName = "ucx"
+    stage: int | None = None  # path "staged": as ``Store.stage``
 
 
 @dataclass(frozen=True)
@@ -323,10 +326,10 @@ class Read(Request):
     buffer_id: BufferId
     offset: int
     nbytes: int
-    stage: int | None = None  # same-host sessions: as ``Store.stage``
-    # True: answer with the bytes (``data`` in the result), at most
-    # INLINE_MAX of them; the network path's small reads.
-    inline: bool | None = None
+    # "inline": the answer carries the bytes (``data``), at most INLINE_MAX
+    # of them; the network path's small reads.
+    path: PathName = "ucx"
+    stage: int | None = None  # path "staged": as ``Store.stage``
 
 
 @dataclass(frozen=True)
@@ -458,13 +461,16 @@ def parse_request(msg: dict[str, Any]) -> tuple[int, Request]:
             f"{op}: malformed request ({type(exc).__name__})")) from None
 
 
+# The requests whose bytes take a data path (their ``path`` says which).
+DataRequest = Store | StoreBatch | Read | ReadBatch | BlockPut | BlockGet
+
+
 def sends_over_ucx(req: Request) -> bool:
     """Whether the client sends ``req``'s bytes as UCX messages beside it (a
     store-like op on the UCX path): the daemon's janitor spares unexpected
     messages while such a request has not posted its receives.  A dedup
     store sends none (the client stores what it did not place afterwards)."""
-    return isinstance(req, (Store, StoreBatch, BlockPut)) and req.stage is None and \
-        getattr(req, "data", None) is None
+    return isinstance(req, (Store, StoreBatch, BlockPut)) and req.path == "ucx"
 
 
 def speaks(lo: int, hi: int) -> str:

@@ -16,7 +16,7 @@ paths exist:
   the daemon copies between it and the region (small ops on the loop, big
   ones streamed through the ring on its copy threads, ``copypool.py``);
 * ``InlinePath``: a small op's bytes in its own frames (a network session's
-  ``Store.data``, a ``Read.inline`` answer's ``data``), copied on the loop.
+  ``Store.data``, an inline read answer's ``data``), copied on the loop.
 
 The first two run under the transfer deadline (``transfer_all``): past it
 the session is aborted, and a transfer is always waited for to its end, even when its
@@ -388,7 +388,7 @@ class StagedPath:
 
 
 class InlinePath:
-    """A small op's bytes in its own frames (``Store.data``; a ``Read.inline``
+    """A small op's bytes in its own frames (``Store.data``; an inline read's
     answer's ``data``): one request's path, made for it by the session.  At
     most ``INLINE_MAX`` bytes, copied on the loop (a memcpy between the
     frame and the arena); nothing else travels, so nothing is drained.

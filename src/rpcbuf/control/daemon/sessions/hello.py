@@ -50,9 +50,9 @@ def answer(node: Node, session_id: str, grant: Grant, nonce: bytes, unix: bool,
         "limits": node.limits.to_wire(),
         "same_host": handles_nonce is not None,
         # Stores and reads up to this many bytes may carry their bytes in
-        # their frames (``Store.data``, ``Read.inline``) instead of UCX.
+        # their frames (path "inline": ``Store.data``, the answer's) instead of UCX.
         "inline_max": P.inline_max(node.limits.max_frame),
-        # ... and so may block puts and gets (``BlockPut.data``, ``BlockGet.inline``).
+        # ... and so may block puts and gets (``BlockPut.data``, the answer's).
         "block_inline": True,
     }
     if handles_nonce is not None:

@@ -80,6 +80,7 @@ from rpcbuf.dataplane.ucx import NONCE_BYTES, DataEndpoint
 log = logging.getLogger("rpcbuf.daemon")
 ABORT_GRACE = 2.0  # seconds for transfers to end after their endpoint is aborted
 END_GRACE = 2.0  # seconds a session ended by us (Session.end) waits for the client to go
+_FRAMED = (P.Store, P.BlockPut)  # the stores whose bytes may ride in their frame (data)
 
 
 class Session:
@@ -237,18 +238,22 @@ class Session:
         assert tenant is not None
         return tenant
 
-    def path(self, req: P.Request) -> DataPath:
-        """The request's data path: the same-host path when it names a
-        staging slot, its own frames when it carries its bytes
-        (``Store.data``, ``Read.inline``), else the UCX endpoint."""
-        staged = getattr(req, "stage", None) is not None
-        data = getattr(req, "data", None)
-        if data is not None or getattr(req, "inline", None):
-            if staged:
-                raise BadRequest("a request names a staging slot or carries its bytes, "
-                                 "not both")
+    def path(self, req: P.DataRequest) -> DataPath:
+        """The data path the request names (``path``): the same-host path,
+        its own frames (``Store.data``, an inline read's answer), or the UCX
+        endpoint.  Raises BAD_REQUEST for a path this session lacks, or a
+        staging slot or frame bytes given off their path."""
+        name = req.path
+        if (req.stage is not None) != (name == "staged"):
+            raise BadRequest(f"{req.op}: a staging slot (stage) goes with path 'staged', "
+                             "and only with it")
+        data = req.data if isinstance(req, _FRAMED) else None
+        if (data is not None) != (name == "inline" and isinstance(req, _FRAMED)):
+            raise BadRequest(f"{req.op}: the bytes in the frame (data) go with path "
+                             "'inline', and a store on that path carries them")
+        if name == "inline":
             return InlinePath(data)
-        if not staged:
+        if name == "ucx":
             if self.ucx is None:
                 raise BadRequest("no data endpoint is bound to this session")
             return self.ucx
