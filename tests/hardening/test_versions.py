@@ -1,8 +1,8 @@
 """Protocol versions: a client and a daemon agree on the newest version both
 speak, or refuse with one sentence naming both (``P.version_mismatch``), in
-both directions.  Versions 1 and 2 are gone (issue 24, item 12), and 3,
-whose hello carried the bearer token (issue 34, H3): a real daemon refuses
-a hello of any of them with that sentence, and this client says hello once:
+both directions.  Versions 1 to 3 were development builds, and their hello
+fields are gone (issue 39, item 6): a real daemon refuses a hello of any of
+them (it carried the bearer token) and opens nothing, and this client says hello once:
 it never tries again "the old way" on an error's wording, and never sends
 the token to a daemon that cannot prove it holds the node's key."""
 
@@ -36,13 +36,11 @@ def test_negotiate_picks_the_newest_common_version() -> None:
                                   "client": [3, 4]}
 
 
-def test_hello_versions() -> None:
-    assert P.hello_versions(P.Hello(version=1)) == (1, 1)  # a version-1 client
-    assert P.hello_versions(P.Hello(versions=[1, 2])) == (1, 2)
-    assert P.hello_versions(P.Challenge("c", b"n", [4, 5])) == (4, 5)
+def test_challenge_versions() -> None:
+    assert P.challenge_versions(P.Challenge("c", b"n", [4, 5])) == (4, 5)
     for bad in ([2, 1], [1], [0, 1], [1, 2, 3]):
         with pytest.raises(BadRequest, match="versions"):
-            P.hello_versions(P.Hello(versions=bad))
+            P.challenge_versions(P.Challenge("c", b"n", bad))
 
 
 # -- a real daemon ---------------------------------------------------------------------
@@ -62,25 +60,23 @@ def test_daemon_negotiates_or_names_both_ranges(daemon_factory) -> None:  # type
         raw.close()
 
 
-@pytest.mark.parametrize(("fields", "speaks"), [
-    ({"version": 1}, "1"),  # a version-1 client: no ``versions``
-    ({"version": 2, "versions": [1, 2]}, "1..2"),
-    ({"versions": [3, 3]}, "3"),  # protocol 3: the bearer token in hello
+@pytest.mark.parametrize("fields", [
+    {"version": 1},  # a version-1 client: no ``versions``
+    {"version": 2, "versions": [1, 2], "probe": b"p", "probe_addr": 4096},
+    {"versions": [3, 3]},  # protocol 3: the bearer token in hello
 ], ids=["v1", "v2", "v3"])
-def test_daemon_refuses_versions_1_to_3_naming_both(  # type: ignore[no-untyped-def]
-        daemon_factory, fields: dict[str, Any], speaks: str) -> None:
-    """An old client's hello, as it said it (the token in it), is refused by
-    its version; nothing of it opens a session."""
+def test_daemon_refuses_the_hellos_of_versions_1_to_3(  # type: ignore[no-untyped-def]
+        daemon_factory, fields: dict[str, Any]) -> None:
+    """An old client's hello, as it said it (the token in it), is refused
+    for the fields protocol 4 does not know; nothing of it opens a session."""
     d = daemon_factory("--device", "cpu:16MiB")
     raw = Raw(d.addr)
     try:
         msg = raw.call_raw("hello", token=d.token(), **fields)
         assert not msg["ok"] and msg["error"]["code"] == "BAD_REQUEST", msg
-        assert msg["error"]["message"].startswith(
-            f"the node speaks protocol {P.speaks(P.PROTOCOL_MIN, P.PROTOCOL_VERSION)}, "
-            f"this client speaks {speaks}: "
-            "upgrade the older side"), msg
-        assert msg["error"]["details"]["reason"] == "protocol_version"
+        assert msg["error"]["message"].startswith("hello: unknown field(s)"), msg
+        assert "token" in msg["error"]["message"], msg
+        assert raw.call_raw("ping")["error"]["code"] == "AUTH_FAILED"
     finally:
         raw.close()
 

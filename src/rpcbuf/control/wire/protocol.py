@@ -78,15 +78,11 @@ from rpcbuf.control.wire.frames import (
 )
 
 # The protocol versions this code speaks, oldest to newest (see ``negotiate``).
-# 3: hello carries ``versions`` both ways and the daemon's ``checksum_kinds``;
-# the same-host path shares memory by handle (``handles``, ``bind_handles``,
-# ``stage``, ``attach``/``detach``, the BUSY code); ``store_batch`` and
-# ``dedup_store`` may give each tensor's source type and logical shape.
-# 4: the token never crosses the wire: ``challenge`` (the claims and a client
-# nonce; the daemon answers its nonce and its proof), then ``hello`` with the
-# client's proof (``auth.py``, "The token never crosses the wire").
-# Versions 1 to 3 (3 sent the bearer token in hello; none released) are
-# refused by both sides with ``version_mismatch``: there is no fallback to them.
+# 4, the first released: the token never crosses the wire: ``challenge`` (the
+# claims, a client nonce and its versions; the daemon answers its nonce and
+# its proof), then ``hello`` with the client's proof (``auth.py``).  Versions
+# 1 to 3 were development builds: their hellos (a bearer token, no proof)
+# are refused, with no fallback.
 PROTOCOL_MIN = 4
 PROTOCOL_VERSION = 4
 @dataclass(frozen=True)
@@ -104,24 +100,14 @@ class Challenge(Request):
 @dataclass(frozen=True)
 class Hello(Request):
     op: ClassVar[str] = "hello"
-    # The client's proof over the challenge's transcript (protocol 4).
+    # The client's proof over the challenge's transcript (absent: refused,
+    # ``no_proof``).
     proof: bytes | None = None
-    # Protocol 3's bearer token, read only so that such a client is refused
-    # by its version, in one sentence, not by an unknown field.
-    token: str | None = None
-    # ``versions`` below: [oldest, newest] the client speaks (see ``negotiate``;
-    # from protocol 4 on, said in the challenge).  ``version`` (a client before
-    # ``versions`` said only its one version) and protocol 2's same-host
-    # ``probe`` are read likewise only to refuse such a client by its version.
-    version: int | None = None
-    probe: bytes | None = None
-    probe_addr: int | None = None
     # The bind nonce of this client's TCP session that this Unix socket
     # session replaces (it takes over that session's --max-sessions slot).
     replaces: bytes | None = None
-    versions: list[int] | None = None
-    # Protocol 3: on the daemon's Unix socket, ask for the same-host path
-    # (a handle channel and a staging area; see ``BindHandles``).
+    # On the daemon's Unix socket, ask for the same-host path (a handle
+    # channel and a staging area; see ``BindHandles``).
     handles: bool | None = None
 
 
@@ -486,15 +472,12 @@ def version_mismatch(node: tuple[int, int], client: tuple[int, int]) -> BadReque
                        "client": list(client)})
 
 
-def hello_versions(req: Hello | Challenge) -> tuple[int, int]:
-    """The [oldest, newest] versions a hello says its client speaks: its
-    ``versions``, or (a client from before the field, refused by
-    ``negotiate``) just its ``version``.  Raises BAD_REQUEST for a malformed
-    range."""
-    if req.versions is None:
-        return (req.version, req.version) if req.version is not None else (0, 0)
+def challenge_versions(req: Challenge) -> tuple[int, int]:
+    """The [oldest, newest] versions a challenge says its client speaks.
+    Raises BAD_REQUEST for a malformed range."""
     if len(req.versions) != 2 or not 0 < req.versions[0] <= req.versions[1]:
-        raise BadRequest(f"hello: versions must be [oldest, newest], got {shown(req.versions)}")
+        raise BadRequest(f"challenge: versions must be [oldest, newest], got "
+                         f"{shown(req.versions)}")
     return req.versions[0], req.versions[1]
 
 
@@ -521,7 +504,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME", "HELLO_MAX_FRAME", "OPS", "PROTOCOL_MIN", "PROTOCOL_VERSION",
     "FrameDecoder",
     "FrameError", "Request", "RequestError", "encode_frame", "error_response",
-    "hello_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
+    "challenge_versions", "negotiate", "ok_response", "pack_u64", "parse_request",
     "sends_over_ucx", "source_type_ok", "speaks", "unpack_u64", "version_mismatch",
     *[c.__name__ for c in OPS.values()],
 ]

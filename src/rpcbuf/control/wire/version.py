@@ -10,5 +10,5 @@ VERSION = "0.1.0"  # pyproject.toml's version (tests/test_cli.py holds them toge
 
 
 def describe(prog: str) -> str:
-    """``rpcbuf 0.1.0 (protocol 3)``."""
+    """``rpcbuf 0.1.0 (protocol 4)``."""
     return f"{prog} {VERSION} (protocol {PROTOCOL_VERSION})"

@@ -13,8 +13,9 @@ with our nonce and our proof, so the client knows it reached a holder of the
 node's key; the ``hello`` then carries the client's proof over the same
 transcript.  The challenge is said once per connection, and a hello uses it
 up (right or wrong): a captured hello, or a proof for another connection's
-nonce, opens nothing.  The bearer token itself never arrives; a protocol 3
-hello that carries one is refused by its version.
+nonce, opens nothing.  The bearer token itself never arrives: a hello that
+carries one (a development build's, versions 1 to 3) has a field protocol 4
+does not know, and is refused.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def challenge(s: Session, req: P.Challenge) -> dict[str, Any]:
     if s.tenant is not None or s.challenged is not None:
         raise BadRequest("challenge is said once per connection, before hello")
     s.challenged = USED  # once, right or wrong: no probing key ids on one connection
-    version = P.negotiate(P.hello_versions(req))  # else BAD_REQUEST naming both
+    version = P.negotiate(P.challenge_versions(req))  # else BAD_REQUEST naming both
     if len(req.nonce) != auth.NONCE_BYTES:
         raise BadRequest(f"challenge: nonce must be {auth.NONCE_BYTES} bytes")
     _, secret = auth.signature(s.daemon.keys, req.claims)
@@ -114,8 +115,6 @@ def hello(s: Session, req: P.Hello) -> dict[str, Any]:
     if s.tenant is not None:
         raise BadRequest("hello was already said on this connection")
     if req.proof is None:
-        if req.versions is not None or req.version is not None or req.token is not None:
-            P.negotiate(P.hello_versions(req))  # an older client: refused by its version
         raise BadRequest("hello carries a proof over the challenge's nonces (protocol "
                          f"{P.PROTOCOL_VERSION}); the token itself is never sent",
                          {"reason": "no_proof"})
@@ -187,7 +186,7 @@ def _too_many_of(s: Session, tenant: str) -> QuotaExceeded | None:
 
 def _same_host(s: Session, req: P.Hello) -> tuple[bool, str]:
     """Grant the same-host path to a Unix socket session that asks for it
-    (protocol 3's ``handles``): the client binds the handle channel next
+    (``handles``): the client binds the handle channel next
     with ``handles_nonce``.  Nothing of the client's is trusted: the
     daemon only hands out handles and copies its own memory."""
     if not req.handles:
