@@ -345,7 +345,7 @@ async def test_fake_gpu_buffers(fake_gpu_daemon) -> None:  # type: ignore[no-unt
             bad = P.Store(buffer_id=buf, offset=0, nbytes=data.nbytes, checksum=12345,
                           verify="checksum", checksum_kind="devsum")
             with pytest.raises(rpcbuf.VerifyFailed):  # a wrong devsum is caught
-                await c._paths.ucx.send(Transfer(lambda local: bad, [data], lambda: [data]))
+                await c._paths.ucx.send(Transfer(bad, [data], lambda: [data]))
         finally:
             await c.release_buffer(buf)
         assert (await c.stats())["buffers"] == 0

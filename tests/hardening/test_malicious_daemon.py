@@ -394,7 +394,7 @@ async def test_a_manifest_entry_outside_the_buffer_is_refused() -> None:
 
 @pytest.mark.parametrize("data", [b"x" * 4095, b"x" * 4097, "x" * 4096, None, 7])
 async def test_an_inline_read_answer_must_carry_exactly_the_bytes_asked(data: Any) -> None:
-    """A read whose bytes ride in its answer (``Read.inline``): fewer, more,
+    """A read whose bytes ride in its answer (path "inline"): fewer, more,
     or no bytes is CONNECTION_LOST, and nothing was written into ``out``."""
     async def handler(conn: Conn, req: dict[str, Any]) -> None:
         if req["op"] == "hello":
