@@ -88,7 +88,7 @@ async def test_client_and_daemon_speak_the_newest(daemon_factory) -> None:  # ty
         assert c.hello["versions"] == [P.PROTOCOL_MIN, P.PROTOCOL_VERSION]
         assert c.hello["checksum_kinds"] == {"cpu:0": "xxh3"}
         buf = await c.request_buffer(4096)
-        # the batch states its checksum kind: a daemon of this version takes it
+        # a verified batch (xxh3-64, the manifest's kind) with a daemon of this version
         await c.store_batch(buf, [(0, np.ones(64, np.uint8))], verify="checksum")
         await c.release_buffer(buf)
 

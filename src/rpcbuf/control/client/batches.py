@@ -85,7 +85,6 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
     req = P.StoreBatch(buffer_id=buffer_id, offsets=P.pack_u64(offsets_u),
                        sizes=P.pack_u64(sizes), checksums=sums,
                        verify=verify,  # type: ignore[arg-type]
-                       checksum_kind="xxh3" if sums is not None else None,
                        manifest_version=manifest_version,
                        **(packed.fields() if packed is not None else {}))
 

@@ -164,6 +164,8 @@ class StoreBatch(Request):
     buffer_id: BufferId
     offsets: U64Array
     sizes: U64Array
+    # xxh3-64, whatever the buffer's device: they are the manifest's
+    # checksums (dedup and the disk cache key on them).
     checksums: U64Array | None = None
     verify: Literal["checksum"] | None = None
     names: list[str] | None = None
@@ -178,12 +180,9 @@ class StoreBatch(Request):
     kinds: U64Array | None = None
     kind_dtypes: list[str] | None = None
     kind_shapes: list[Shape] | None = None
-    # Which checksum ``checksums`` are (absent: xxh3; protocol 2 on).  The
-    # manifest's checksums are xxh3-64 (dedup and the disk cache key on it).
-    checksum_kind: Literal["xxh3"] | None = None
-    # Protocol 3 on, each optional, null for a tensor without: the tensors'
-    # source types and logical shapes (what a model file says they are, beside
-    # the NumPy view dtypes/shapes), one per item with ``dtypes``/``shapes`` ...
+    # Each optional, null for a tensor without: the tensors' source types and
+    # logical shapes (what a model file says they are, beside the NumPy view
+    # dtypes/shapes), one per item with ``dtypes``/``shapes`` ...
     source_types: list[SourceType | None] | None = None
     logical_shapes: list[Shape | None] | None = None
     # ... or one per kind with ``kind_dtypes``/``kind_shapes``.
