@@ -75,7 +75,8 @@ async def test_disjoint_transfers_share_the_buffer(clean_pool) -> None:  # type:
             await c.__aexit__(None, None, None)
 
 
-async def test_client_in_flight_limit(clean_pool) -> None:  # type: ignore[no-untyped-def]
+async def test_client_in_flight_limit(clean_pool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("RPCBUF_IN_PLACE", "0")  # requests on the wire: in-place stores send none
     async with rpcbuf.connect(clean_pool.addr, clean_pool.token("alice"), max_inflight=3) as c:
         assert c.max_inflight == 3
         conn = c._conn

@@ -63,10 +63,11 @@ def in_place_on() -> bool:
 
 
 class _Mapping:
-    __slots__ = ("array", "explicit", "gen", "mm", "size", "slot", "words")
+    __slots__ = ("array", "explicit", "gen", "inode", "mm", "size", "slot", "words")
 
-    def __init__(self, mm: mmap.mmap, size: int, slot: int) -> None:
+    def __init__(self, mm: mmap.mmap, size: int, slot: int, inode: int) -> None:
         self.mm, self.size, self.slot, self.explicit = mm, size, slot, False
+        self.inode = inode  # of the memfd it maps (``map_buffer``'s ``have``)
         self.gen = -1
         self.words = (0, 0, 0)  # the slot's lock address, generation and state indices
         self.array = np.frombuffer(mm, dtype=np.uint8, count=size)
@@ -242,8 +243,10 @@ class OwnMaps:
         if m is not None and page is not None:
             if page.live(m.slot, m.gen):
                 return m
-            if page.state(m.slot) == ENDED or page.generation(m.slot) != m.gen:
-                self.forget(buffer_id)  # released (or its slot another's now): unmap it
+            if page.state(m.slot) == ENDED and page.generation(m.slot) == m.gen:
+                self.forget(buffer_id)  # released: unmap it
+            # (Another generation: a grant of ours being answered now, or the
+            # slot another buffer's since ours was released: asking tells.)
         when = self._refused.get(buffer_id)
         if when is not None:
             if time.monotonic() < when:
@@ -257,6 +260,9 @@ class OwnMaps:
                 return m
         try:
             return await self.open(buffer_id, explicit=False)
+        except NotFound:
+            self.forget(buffer_id)  # gone: its mapping goes with it
+            backoff = BUSY_BACKOFF
         except _REFUSED:
             backoff = BUSY_BACKOFF
         except BadRequest as exc:  # holds recorded tensors: the daemon's way for good
@@ -271,10 +277,10 @@ class OwnMaps:
 
     async def open(self, buffer_id: str, explicit: bool,
                    timeout: float | None = None) -> Any:
-        """Ask for a grant of ``buffer_id`` and map what comes with it.  One
-        request per buffer at a time: the daemon hands a buffer's fd only
-        with the first grant of its memfd, so a second answer may name a
-        mapping the first is still making."""
+        """Ask for a grant of ``buffer_id`` and map what comes with it (a
+        handle unless we map its memfd already: ``have``).  One request per
+        buffer at a time: tasks storing at once share one grant rather than
+        each mapping the buffer anew."""
         while (pending := self._opening.get(buffer_id)) is not None:
             await asyncio.shield(pending)
         done = self._opening[buffer_id] = asyncio.get_running_loop().create_future()
@@ -285,7 +291,9 @@ class OwnMaps:
             done.set_result(None)
 
     async def _open(self, buffer_id: str, explicit: bool, timeout: float | None) -> Any:
-        ans = await self._caller.call(P.MapBuffer(buffer_id=buffer_id, explicit=explicit),
+        had = self._maps.get(buffer_id)
+        ans = await self._caller.call(P.MapBuffer(buffer_id=buffer_id, explicit=explicit,
+                                                  have=had.inode if had is not None else 0),
                                       timeout)
         try:
             slot, size, alloc = ans["slot"], ans["size"], ans["alloc_size"]
@@ -326,11 +334,12 @@ class OwnMaps:
                     raise ConnectionLost("the daemon's buffer handle is not its size")
                 check_segment(fd, alloc, writable=True)
                 mm = mmap.mmap(fd, alloc, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                inode = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
             if m is not None:
                 _drop(m)
-            m = self._maps[buffer_id] = _Mapping(mm, size, slot)
+            m = self._maps[buffer_id] = _Mapping(mm, size, slot, inode)
         elif m is None:
             raise ConnectionLost("the daemon granted a buffer it never handed over")
         m.slot, m.gen, m.explicit = slot, gen, explicit or m.explicit

@@ -348,8 +348,8 @@ class Detach(Request):
 @dataclass(frozen=True)
 class MapBuffer(Request):
     """Write a host buffer of ours in place (same host): a slot of the
-    session's write-grant page and, the first time, a writable handle of
-    the buffer on the handle channel (``daemon/ops/mapops.py``).
+    session's write-grant page and, unless the client maps it already
+    (``have``), a writable handle of the buffer on the handle channel (``daemon/ops/mapops.py``).
     ``explicit``: held for the client's own code (``ctx.map``), so the
     daemon cannot take it back: other sessions' ops on the buffer are BUSY
     until ``unmap_buffer``."""
@@ -357,6 +357,9 @@ class MapBuffer(Request):
     op: ClassVar[str] = "map_buffer"
     buffer_id: BufferId
     explicit: bool = False
+    # The inode of the memfd the client maps of this buffer already (0:
+    # none): the daemon sends the buffer's handle unless it is that one.
+    have: int = 0
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,6 @@ class WriteGrants:
         self.page: GrantPage | None = None
         self._page_charge: Pool | None = None  # where the page is charged
         self._slots: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, slot)
-        self._handed: dict[str, int] = {}  # buffer id -> inode of the memfd handed over
         self._exported: dict[str, Buffer] = {}  # charged until the session ends
         self._tags = 0
 
@@ -148,7 +147,7 @@ class WriteGrants:
             buf.written = True
             buf.trusted = False  # written behind the pipeline from now on
             if host is None:  # a GPU buffer: its CUDA VMM handle, imported writable
-                return await self._grant(buf, _device_export(buf), True, channel)
+                return await self._grant(buf, _device_export(buf), True, channel, 0)
             if not host.writable(buf.offset):
                 try:
                     await self._pipe.in_thread(0 if zero else buf.alloc_size,
@@ -157,13 +156,14 @@ class WriteGrants:
                 except OSError as exc:
                     raise OutOfMemory(f"cannot map buffer {buf.buffer_id} writable: "
                                       f"{exc.strerror or exc}", {"reason": "backing"}) from None
-            answer = await self._grant(buf, host.export_writable, req.explicit, channel)
+            answer = await self._grant(buf, host.export_writable, req.explicit, channel,
+                                       req.have)
         finally:
             unlock(grants)
         return answer
 
     async def _grant(self, buf: Buffer, export: Any, explicit: bool,
-                     channel: HandleChannel) -> dict[str, Any]:
+                     channel: HandleChannel, have: int) -> dict[str, Any]:
         holder = self._holder
         arena = buf.pool.arena
         answer: dict[str, Any] = {"size": buf.size, "alloc_size": buf.alloc_size,
@@ -197,13 +197,12 @@ class WriteGrants:
             slot = got[1]
         fd = export(buf.offset, buf.alloc_size)
         try:
-            inode = os.fstat(fd).st_ino
-            # Its memfd changed (or a GPU handle, which the client closes with
-            # each mapping): a new handle.
-            if host_memory(arena) is None or self._handed.get(buf.buffer_id) != inode:
+            # Unless the client maps this very memfd already (what it says:
+            # lying costs only itself), a handle; a GPU buffer's always (the
+            # client closes its import with each mapping).
+            if host_memory(arena) is None or have != os.fstat(fd).st_ino:
                 answer["handle"] = [await self._send(channel, fd, buf.alloc_size),
                                     buf.alloc_size]
-                self._handed[buf.buffer_id] = inode
         finally:
             os.close(fd)
         self._slots[buf.buffer_id] = (buf, slot)
