@@ -22,7 +22,7 @@ from rpcbuf.dataplane import cuda_arena
 from rpcbuf.dataplane.allocator import BuddyAllocator
 from rpcbuf.dataplane.cuda_backing import BackingError, Ledger, VmmBacking
 from rpcbuf.dataplane.cuda_import import import_mapping
-from rpcbuf.dataplane.cuda_vmm import CudaError, RealDriver, Support, UnsupportedDevice, open_driver
+from rpcbuf.dataplane.cuda_vmm import CudaError, NoHandleSharing, RealDriver, Support, open_driver
 from rpcbuf.dataplane.devsum import devsum
 
 G = 2 * MiB
@@ -273,7 +273,7 @@ def test_import_on_a_device_without_vmm() -> None:
     gpu = FakeGpu()
     b, daemon, fd = _exported(gpu)
     client = FakeDriver(gpu, support=Support(vmm=True, posix_fd=False))
-    with pytest.raises(UnsupportedDevice, match="POSIX file descriptor"):
+    with pytest.raises(NoHandleSharing, match="POSIX file descriptor"):
         import_mapping(fd, 4 * MiB, client)
     assert not daemon.open_exports() and client.calls == []
     b.close()
@@ -412,7 +412,7 @@ def test_the_cupy_backing_by_default(fake_cupy: Any) -> None:
         arena.back(256, 256)
     with pytest.raises(BackingError):
         arena.back(100, 256)
-    with pytest.raises(UnsupportedDevice, match="cannot be shared by handle"):
+    with pytest.raises(NoHandleSharing, match="cannot be shared by handle"):
         arena.export(0, 4096)
     arena.view(8192, 16)[...] = 3  # views need no backing here (one allocation)
     arena.unback(0, 4096)
@@ -429,7 +429,7 @@ def test_falls_back_where_vmm_is_missing(fake_cupy: Any, support: Support, why: 
     drv = FakeDriver(support=support)
     arena = cuda_arena.CudaArena(16 * MiB, 0, vmm=None, driver=drv)
     assert arena.backing == "cupy" and why in arena.describe()["backing_why"]
-    with pytest.raises(UnsupportedDevice, match=why):
+    with pytest.raises(NoHandleSharing, match=why):
         arena.export(0, 256)
     with pytest.raises(cuda_arena.DeviceUnavailable,
                        match=f"cuda:0: CUDA VMM was asked for.*{why}"):
@@ -439,7 +439,7 @@ def test_falls_back_where_vmm_is_missing(fake_cupy: Any, support: Support, why: 
 
 def test_falls_back_without_a_driver(fake_cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_driver(device: int) -> Any:
-        raise UnsupportedDevice("no usable CUDA driver (DynamicLibNotFoundError: ...)")
+        raise NoHandleSharing("no usable CUDA driver (DynamicLibNotFoundError: ...)")
 
     monkeypatch.setattr(cuda_arena, "open_driver", no_driver)
     arena = cuda_arena.CudaArena(16 * MiB, 0, vmm=None)
@@ -465,7 +465,7 @@ def test_a_failed_view_of_the_range_gives_it_back(fake_cupy: Any,
 
 def test_open_driver_without_libcuda_is_unsupported_device() -> None:
     pytest.importorskip("cuda.bindings.driver")
-    with pytest.raises(UnsupportedDevice, match="no usable CUDA driver"):
+    with pytest.raises(NoHandleSharing, match="no usable CUDA driver"):
         open_driver(0)
 
 
@@ -724,7 +724,7 @@ def test_real_driver_errors(bindings: Any) -> None:
         raise OSError("libcuda.so.1: cannot open shared object file")
 
     fake.cuInit = no_library  # type: ignore[method-assign]
-    with pytest.raises(UnsupportedDevice, match=r"no usable CUDA driver.*libcuda"):
+    with pytest.raises(NoHandleSharing, match=r"no usable CUDA driver.*libcuda"):
         RealDriver(1, cu=fake)
 
 
@@ -733,7 +733,7 @@ def test_real_driver_checks_what_cuinit_returns(bindings: Any) -> None:
     raising it: the driver is unusable, and says why."""
     fake = FakeBindings(bindings)
     fake.init_result = bindings.CUresult.CUDA_ERROR_NO_DEVICE
-    with pytest.raises(UnsupportedDevice, match=r"no usable CUDA driver.*cuInit.*NO_DEVICE"):
+    with pytest.raises(NoHandleSharing, match=r"no usable CUDA driver.*cuInit.*NO_DEVICE"):
         RealDriver(1, cu=fake)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from rpcbuf.dataplane.arena import HostArena
 from rpcbuf.dataplane.checksum import checksum, digest128
-from rpcbuf.dataplane.fileread import Item, Outcome, Stopped, read_ranges
+from rpcbuf.dataplane.fileread import Item, Outcome, ReadStopped, read_ranges
 
 DATA = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8)
 
@@ -75,11 +75,11 @@ def test_stop_and_deadline_end_it_within_a_chunk(fd: int) -> None:
     arena = HostArena(1 << 18)
     out = Outcome()
     calls = iter([False, False, True])
-    with pytest.raises(Stopped):
+    with pytest.raises(ReadStopped):
         read_ranges(fd, arena, [item(0, 90_000, 0)], out, deadline=far(),
                     stopped=lambda: next(calls), chunk=1000)
     assert out.nbytes == 2000 and out.written == [(0, 90_000)]
-    with pytest.raises(Stopped):
+    with pytest.raises(ReadStopped):
         read_ranges(fd, arena, [item(0, 10, 0)], Outcome(), deadline=time.monotonic() - 1,
                     stopped=lambda: False)
 

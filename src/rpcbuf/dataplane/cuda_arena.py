@@ -20,7 +20,7 @@ Two backings, one interface (``granularity``, ``back``, ``unback``,
   poison the daemon's CUDA context for every tenant.
 * **cupy**: one ``cupy.empty(size, uint8)`` allocation, as before VMM; the
   granularity is 256, ``back``/``unback`` only keep the books, and
-  ``export`` raises ``UnsupportedDevice``.  Used when asked for
+  ``export`` raises ``NoHandleSharing``.  Used when asked for
   (``vmm=False``, the constructor's default; the daemon's ``--gpu-backing
   cupy``) and, with ``vmm=None``, where the device
   or node lacks VMM or POSIX-fd handles, or where the probe at creation
@@ -45,7 +45,7 @@ from typing import Any, TypeGuard
 from rpcbuf.dataplane.checksum import xxh3
 
 from .cuda_backing import Ledger, VmmBacking, undo
-from .cuda_vmm import CudaError, Driver, UnsupportedDevice, open_driver
+from .cuda_vmm import CudaError, Driver, NoHandleSharing, open_driver
 from .devsum import devsum
 
 CUPY_GRANULARITY = 256  # the cupy backing: the allocator's own alignment
@@ -135,7 +135,7 @@ class CudaArena:
         try:
             drv = driver if driver is not None else open_driver(self.device)
             why = drv.support.why_not
-        except (UnsupportedDevice, CudaError) as exc:
+        except (NoHandleSharing, CudaError) as exc:
             why = str(exc)
         if not why:
             try:
@@ -196,11 +196,11 @@ class CudaArena:
 
     def export(self, offset: int, nbytes: int) -> int:
         """A new POSIX fd for one backed block's memory; the caller closes it
-        after sending it.  Raises ``UnsupportedDevice`` on the cupy backing,
+        after sending it.  Raises ``NoHandleSharing`` on the cupy backing,
         ``BackingError`` unless the range is exactly one backed block,
         ``CudaError`` when the driver refuses."""
         if self._vmm is None:
-            raise UnsupportedDevice(
+            raise NoHandleSharing(
                 f"cuda:{self.device}: GPU buffers here are one CuPy allocation and cannot "
                 f"be shared by handle ({self.backing_why})")
         return self._vmm.export(offset, nbytes)

@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from .cuda_backing import map_with_access, undo
-from .cuda_vmm import Driver, UnsupportedDevice, open_driver
+from .cuda_vmm import Driver, NoHandleSharing, open_driver
 
 
 class Mapping:
@@ -69,13 +69,13 @@ class Mapping:
 def import_mapping(fd: int, nbytes: int, driver: Driver, *, writable: bool = False) -> Mapping:
     """Map the allocation behind ``fd`` (``nbytes``: its size, a multiple of the
     granularity, as the exporter said).  Takes ownership of ``fd`` and closes
-    it.  Raises ``ValueError`` for a bad size, ``UnsupportedDevice`` where the
+    it.  Raises ``ValueError`` for a bad size, ``NoHandleSharing`` where the
     device cannot import, ``CudaError`` when the driver refuses; nothing is
     left mapped or held then."""
     try:
         why = driver.support.why_not
         if why:
-            raise UnsupportedDevice(f"cuda:{driver.device}: {why}")
+            raise NoHandleSharing(f"cuda:{driver.device}: {why}")
         g = driver.granularity()
         if type(nbytes) is not int or nbytes <= 0 or nbytes % g:
             raise ValueError(f"nbytes must be a positive multiple of {g}, got {nbytes!r}")

@@ -27,9 +27,9 @@ driver is opened.
 Every failed call is a ``CudaError`` naming the call and the ``CUresult``
 (``CUDA_ERROR_OUT_OF_MEMORY``, ...); a node where VMM cannot be used at all
 (no driver library, no bindings, a device without VMM or POSIX-fd handles)
-is an ``UnsupportedDevice`` whose message says which.  ``cuInit`` returns
+is an ``NoHandleSharing`` whose message says which.  ``cuInit`` returns
 its error (no device, a driver too old, a sandbox without one) rather than
-raising it: that, too, is an ``UnsupportedDevice``.
+raising it: that, too, is an ``NoHandleSharing``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CudaError(RuntimeError):
         super().__init__(f"{call}: {name}" + (f" ({detail})" if detail else ""))
 
 
-class UnsupportedDevice(RuntimeError):
+class NoHandleSharing(RuntimeError):
     """This device or node cannot share GPU memory by handle (message says why)."""
 
 
@@ -112,7 +112,7 @@ def _bindings() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
-        raise UnsupportedDevice(f"cuda-bindings is not installed ({exc})") from None
+        raise NoHandleSharing(f"cuda-bindings is not installed ({exc})") from None
     return driver
 
 
@@ -129,7 +129,7 @@ class RealDriver:
             # device, a driver too old for the bindings) otherwise.
             self._call("cuInit", cu.cuInit, 0)
         except CudaError as exc:
-            raise UnsupportedDevice(f"no usable CUDA driver ({exc})") from None
+            raise NoHandleSharing(f"no usable CUDA driver ({exc})") from None
         self._dev = self._call("cuDeviceGet", cu.cuDeviceGet, device)
         self._ctx = self._call("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain, self._dev)
         attr = cu.CUdevice_attribute
@@ -149,7 +149,7 @@ class RealDriver:
         if self.support.fabric:
             try:
                 self._fabric_prop = self._allocation_prop(fabric=True)
-            except UnsupportedDevice as exc:
+            except NoHandleSharing as exc:
                 self._no_fabric = str(exc)
 
     def _allocation_prop(self, *, fabric: bool) -> Any:
@@ -262,7 +262,7 @@ def _request_also(prop: Any, first: Any, also: Any) -> None:
 
     field = ctypes.c_uint32.from_address(int(prop.getPtr()) + 4)  # after the type
     if field.value != int(first):
-        raise UnsupportedDevice("cuda-bindings' CUmemAllocationProp has an unexpected layout")
+        raise NoHandleSharing("cuda-bindings' CUmemAllocationProp has an unexpected layout")
     field.value = int(first) | int(also)
 
 
@@ -272,7 +272,7 @@ _lock = threading.Lock()
 
 def open_driver(device: int) -> RealDriver:
     """The process's ``RealDriver`` for ``device`` (made, and its support read,
-    once).  Raises ``UnsupportedDevice`` when CUDA's driver or the bindings
+    once).  Raises ``NoHandleSharing`` when CUDA's driver or the bindings
     are missing, ``CudaError`` when the device cannot be opened."""
     with _lock:
         drv = _drivers.get(device)

@@ -42,7 +42,7 @@ from rpcbuf.dataplane.cuda_arena import active, is_device_arena
 CHUNK = 8 << 20
 
 
-class Stopped(Exception):
+class ReadStopped(Exception):
     """The read was told to stop (its deadline passed, its session went away)."""
 
 
@@ -75,7 +75,7 @@ def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
     """Read ``items`` of the open file ``fd`` into ``arena``, in the order
     given (sorted by file offset reads sequentially), verifying each; what
     happened goes into ``out`` (also when this raises: ``out.written`` says
-    which arena ranges may hold unverified bytes).  Raises ``Stopped`` past
+    which arena ranges may hold unverified bytes).  Raises ``ReadStopped`` past
     ``deadline`` or once ``stopped()``; OSError as ``preadv`` does."""
     if not items:
         return out
@@ -97,7 +97,7 @@ def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
         done = 0
         while done < item.nbytes:
             if stopped() or time.monotonic() > deadline:
-                raise Stopped
+                raise ReadStopped
             n = min(chunk, item.nbytes - done)
             if bounce is None:
                 assert host is not None

@@ -114,7 +114,7 @@ class Area:
         ``landed(i)``: pieces ``[0, i)`` are complete (consumer side)."""
         total = sum(p.nbytes for p in pieces)
         chunks = math.ceil(total / RING_CHUNK)
-        cursor = _Cursor(pieces)
+        cursor = _PieceCursor(pieces)
         for k in range(chunks):
             if produce:  # slot k % RING_SLOTS is free once chunk k - RING_SLOTS is out
                 self.wait(CONSUMED, k - RING_SLOTS, stop, deadline)
@@ -172,7 +172,7 @@ class Shared:
             shm.unmap(self.address, SIZE)
 
 
-class _Cursor:
+class _PieceCursor:
     """Where the next byte of a sequence of pieces is."""
 
     __slots__ = ("_ends", "done", "offset", "pieces")
@@ -237,7 +237,7 @@ def gather(pieces: Sequence[np.ndarray], slot: np.ndarray) -> None:
         piece = pieces[0]
         slot[:piece.nbytes] = piece
         return
-    _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], True)
+    _PieceCursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], True)
 
 
 def scatter(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
@@ -246,4 +246,4 @@ def scatter(slot: np.ndarray, pieces: Sequence[np.ndarray]) -> None:
         piece = pieces[0]
         piece[:] = slot[:piece.nbytes]
         return
-    _Cursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], False)
+    _PieceCursor(pieces).copy(slot[:sum(p.nbytes for p in pieces)], False)

@@ -127,7 +127,7 @@ Ranges = dict[str, tuple[int, int]]  # tensor name -> [start, stop) in the file
 Read = Callable[[int, int], bytes]  # (offset, n) -> the file's bytes there, at most n
 
 
-class _Cursor:
+class _GgufReader:
     """Reads a GGUF header through ``read`` (a file's ``pread``), a window
     at a time, refusing any read past the file's end or its bound; a read
     that comes back short means the file shrank meanwhile."""
@@ -210,7 +210,7 @@ def gguf_ranges(read: Read, size: int) -> Ranges:
     """Where each tensor's bytes lie in a GGUF file (``gguf_walk``), its
     key/values walked past but not built (a vocabulary of 10^6 strings is
     skipped at their lengths, never decoded)."""
-    return _walk(_Cursor(read, size, "<", keep=False))[0]
+    return _walk(_GgufReader(read, size, "<", keep=False))[0]
 
 
 def gguf_walk(read: Read, size: int) -> tuple[Ranges, dict[str, Any]]:
@@ -219,10 +219,10 @@ def gguf_walk(read: Read, size: int) -> tuple[Ranges, dict[str, Any]]:
     its ``size``: where each tensor's bytes lie, and the key/values as plain
     Python (see the module docstring).  Raises ``Malformed`` saying what is
     wrong first (a file that shrank while it was read, too)."""
-    return _walk(_Cursor(read, size, "<", keep=True))
+    return _walk(_GgufReader(read, size, "<", keep=True))
 
 
-def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
+def _walk(cur: _GgufReader) -> tuple[Ranges, dict[str, Any]]:
     from gguf.constants import GGML_QUANT_SIZES
 
     if cur.take(4, "magic") != b"GGUF":
@@ -319,7 +319,7 @@ def _walk(cur: _Cursor) -> tuple[Ranges, dict[str, Any]]:
     return out, meta
 
 
-def _gguf_value(cur: _Cursor, vtype: int, key: str, depth: int) -> Any:
+def _gguf_value(cur: _GgufReader, vtype: int, key: str, depth: int) -> Any:
     """One metadata value, read as plain Python; every length is checked
     (against the file, the metadata's bounds) before its bytes are read."""
     size = _GGUF_SCALARS.get(vtype)

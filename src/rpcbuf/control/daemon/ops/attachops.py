@@ -59,7 +59,7 @@ from rpcbuf.control.wire.errors import (
     UnsupportedDevice,
 )
 from rpcbuf.dataplane.arena import host_memory
-from rpcbuf.dataplane.cuda_vmm import CudaError, UnsupportedDevice as NoVmm
+from rpcbuf.dataplane.cuda_vmm import CudaError, NoHandleSharing
 
 log = logging.getLogger("rpcbuf.daemon")
 MAX_ATTACHED = 1024  # attachments per session (each is an fd and a mapping in the client)
@@ -113,7 +113,7 @@ class AttachOps:
                 seal(buf)
             try:
                 fd = export(mem.offset, mem.alloc_size)
-            except (NoVmm, CudaError) as exc:  # a GPU without VMM handles
+            except (NoHandleSharing, CudaError) as exc:  # a GPU without VMM handles
                 raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be attached: "
                                         f"{exc}") from None
             try:

@@ -71,7 +71,7 @@ from rpcbuf.control.wire.errors import (
 from rpcbuf.control.wire.manifest import Packed
 from rpcbuf.control.wire.modelcheck import Ranges
 from rpcbuf.dataplane.devops import fill
-from rpcbuf.dataplane.fileread import Item, Outcome, Stopped, read_ranges
+from rpcbuf.dataplane.fileread import Item, Outcome, ReadStopped, read_ranges
 
 
 class FileNode(Protocol):
@@ -239,7 +239,7 @@ class FileOps:
 
     def _failure(self, f: Opened, out: Outcome, error: BaseException | None,
                  names: list[str]) -> RpcBufError:
-        if isinstance(error, Stopped):
+        if isinstance(error, ReadStopped):
             if self._stop.is_set() or self._node.stopped:
                 return ConnectionLost("the session closed while its load was read")
             return Timeout(f"{f.name}: reading this node's copy took longer than "
@@ -300,7 +300,7 @@ def _read(fd: int, arena: Any, reads: list[Item], deadline: float,
     out, error = Outcome(), None
     try:
         read_ranges(fd, arena, reads, out, deadline=deadline, stopped=stopping)
-    except (Stopped, OSError) as exc:
+    except (ReadStopped, OSError) as exc:
         error = exc
     if error is not None or out.bad is not None:
         for a, b in out.written:

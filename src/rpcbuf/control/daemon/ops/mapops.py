@@ -51,7 +51,7 @@ from rpcbuf.control.wire.errors import (
     UnsupportedDevice,
 )
 from rpcbuf.dataplane.arena import host_memory
-from rpcbuf.dataplane.cuda_vmm import CudaError, UnsupportedDevice as NoVmm
+from rpcbuf.dataplane.cuda_vmm import CudaError, NoHandleSharing
 from rpcbuf.dataplane.grants import ENDED, LIVE, REVOKED, SLOT, GrantPage
 
 MAX_MAPPED = 256  # buffers one session holds grants of (slots of its page)
@@ -291,7 +291,7 @@ def _device_export(buf: Buffer) -> Any:
     def export(offset: int, nbytes: int) -> int:
         try:
             return int(buf.pool.arena.export(offset, nbytes))
-        except (NoVmm, CudaError) as exc:  # a GPU without VMM handles
+        except (NoHandleSharing, CudaError) as exc:  # a GPU without VMM handles
             raise UnsupportedDevice(f"buffers on {buf.pool.key} cannot be mapped: "
                                     f"{exc}") from None
     return export
