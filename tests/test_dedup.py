@@ -72,10 +72,10 @@ async def test_dedup_store_validates_its_request(ctx: rpcbuf.RpcContext) -> None
     bid = await ctx.request_buffer(4096)
     good = dict(buffer_id=bid, offsets=P.pack_u64([0]), sizes=P.pack_u64([16]),
                 hashes=P.pack_u64([1, 2]), checksums=P.pack_u64([3]), names=["x"],
-                dtypes=["<f4"], shapes=[[4]])
+                kind_dtypes=["<f4"], kind_shapes=[[4]])
     assert P.unpack_u64((await ctx._call(P.DedupStore(**good)))["placed"]).size == 0
     for bad in ({"hashes": P.pack_u64([1])}, {"sizes": P.pack_u64([8])},
-                {"offsets": P.pack_u64([4090])}, {"names": ["x", "y"]}, {"dtypes": ["O"]}):
+                {"offsets": P.pack_u64([4090])}, {"names": ["x", "y"]}, {"kind_dtypes": ["O"]}):
         with pytest.raises((rpcbuf.BadRequest, rpcbuf.OutOfRange)):
             await ctx._call(P.DedupStore(**{**good, **bad}))  # type: ignore[arg-type]
     with pytest.raises(rpcbuf.NotFound):

@@ -344,8 +344,8 @@ async def test_raw_requests_are_bounded_typed_and_whole_tensors_only(
                     file_offsets=P.pack_u64([t.file_offset]), offsets=P.pack_u64([0]),
                     sizes=P.pack_u64([t.nbytes]),
                     hashes=P.pack_u64([t.digest & (2**64 - 1), t.digest >> 64]),
-                    checksums=P.pack_u64([t.checksum]), names=[VICTIM], dtypes=[t.dtype],
-                    shapes=[list(t.shape)])
+                    checksums=P.pack_u64([t.checksum]), names=[VICTIM],
+                    kind_dtypes=[t.dtype], kind_shapes=[list(t.shape)])
         answer = raw_load(raw, **good)
         assert answer["ok"] and answer["result"]["read"] == t.nbytes, answer
         for bad, code, match in [
@@ -359,10 +359,10 @@ async def test_raw_requests_are_bounded_typed_and_whole_tensors_only(
             ({"sizes": P.pack_u64([t.nbytes - 1])}, "BAD_REQUEST", "shape"),
             ({"offsets": P.pack_u64([(1 << 20) - 8])}, "OUT_OF_RANGE", "outside buffer"),
             ({"names": ["x", "y"]}, "BAD_REQUEST", "names"),
-            ({"dtypes": ["O"]}, "BAD_REQUEST", "dtype"),
+            ({"kind_dtypes": ["O"]}, "BAD_REQUEST", "dtype"),
             # a few bytes of a tensor, or one shifted by a byte: never (no byte oracle)
             ({"file_offsets": P.pack_u64([t.file_offset + 1])}, "VERIFY_FAILED", "differs"),
-            ({"sizes": P.pack_u64([8]), "shapes": [[8 // np.dtype(t.dtype).itemsize]]},
+            ({"sizes": P.pack_u64([8]), "kind_shapes": [[8 // np.dtype(t.dtype).itemsize]]},
              "VERIFY_FAILED", "differs"),
             ({"names": ["no.such.tensor"]}, "VERIFY_FAILED", "node's copy does not"),
         ]:
@@ -407,8 +407,8 @@ async def test_a_file_that_is_no_model_leaks_none_of_its_bytes(
                 answer = raw_load(raw, buffer_id=bid, path=path, file_size=len(ENV),
                                   file_offsets=P.pack_u64([8]), offsets=P.pack_u64([0]),
                                   sizes=P.pack_u64([8]), hashes=P.pack_u64([1, 2]),
-                                  checksums=P.pack_u64([3]), names=["t"], dtypes=["uint8"],
-                                  shapes=[[8]])
+                                  checksums=P.pack_u64([3]), names=["t"],
+                                  kind_dtypes=["uint8"], kind_shapes=[[8]])
                 assert answer["error"]["code"] == "BAD_REQUEST", answer
                 message = answer["error"]["message"]
                 assert "not a safetensors header" in message and str(len(ENV)) in message
@@ -532,7 +532,8 @@ def big_request(bid: str, hm: Any) -> dict[str, Any]:
                 hashes=P.pack_u64([w for t in ts for w in (t.digest & (2**64 - 1),
                                                            t.digest >> 64)]),
                 checksums=P.pack_u64([t.checksum for t in ts]), names=[t.name for t in ts],
-                dtypes=[t.dtype for t in ts], shapes=[list(t.shape) for t in ts])
+                kinds=P.pack_u64(range(len(ts))), kind_dtypes=[t.dtype for t in ts],
+                kind_shapes=[list(t.shape) for t in ts])
 
 
 async def test_a_load_past_its_deadline_records_nothing(big: tuple[Path, Any],

@@ -250,7 +250,8 @@ async def test_a_batch_records_its_manifest_with_the_checksums_it_saw() -> None:
     offsets, sizes = np.array([0, 16], np.uint64), np.array([16, 8], np.uint64)
     rig.path.sent[call.req_id] = bytes(range(24))  # the two items touch: one run
     req = P.StoreBatch(buf.buffer_id, P.pack_u64(offsets), P.pack_u64(sizes),
-                       names=["w", "b"], dtypes=["float32", "int64"], shapes=[[4], [1]])
+                       names=["w", "b"], kinds=P.pack_u64([0, 1]),
+                       kind_dtypes=["float32", "int64"], kind_shapes=[[4], [1]])
     res = await run(call, rig.ops.store_batch(call, req))
     assert res["messages"] == 1 and res["items"] == 2 and res["dropped"] == []
     sums = P.unpack_u64(res["checksums"]).tolist()

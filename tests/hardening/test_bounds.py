@@ -30,13 +30,13 @@ async def test_huge_shapes_are_refused_without_freezing_the_loop(daemon_factory)
         one = P.pack_u64([0])
         for op, fields in [
             ("dedup_store", {"hashes": P.pack_u64([1, 2]), "checksums": P.pack_u64([3]),
-                             "names": ["t"], "dtypes": ["u1"]}),
-            ("store_batch", {"names": ["t"], "dtypes": ["u1"]}),
+                             "names": ["t"], "kind_dtypes": ["u1"]}),
+            ("store_batch", {"names": ["t"], "kind_dtypes": ["u1"]}),
         ]:
             for shape in ([1 << 62] * 60_000, [3] * 40, [1 << 62, 1 << 62]):
                 t0 = time.monotonic()
                 raw.send(frame({"op": op, "id": 1, "buffer_id": bid, "offsets": one,
-                                "sizes": P.pack_u64([8]), "shapes": [shape], **fields}))
+                                "sizes": P.pack_u64([8]), "kind_shapes": [shape], **fields}))
                 answer = raw.recv()
                 assert answer is not None and not answer["ok"]
                 assert answer["error"]["code"] == "BAD_REQUEST", answer

@@ -58,7 +58,7 @@ item_lists = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40)
 bounded = st.builds(
     lambda op, bid, items, shape, n: {
         "op": op, "id": 11, "buffer_id": bid, "offsets": items[0], "sizes": items[1],
-        **({"names": [f"t{i}" for i in range(n)], "dtypes": ["f4"] * n, "shapes": [shape] * n,
+        **({"names": [f"t{i}" for i in range(n)], "kind_dtypes": ["f4"], "kind_shapes": [shape],
             "hashes": P.pack_u64([1, 2] * n), "checksums": P.pack_u64([3] * n)}
            if op == "dedup_store" else {}),
         **({"names": [f"t{i}" for i in range(n)], "kind_dtypes": ["u1"],

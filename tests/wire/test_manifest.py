@@ -1,5 +1,5 @@
-"""The one manifest model (``control/wire/manifest.py``), with no daemon: both
-wire forms built and checked, the dtype table, bounds, unique names, and the
+"""The one manifest model (``control/wire/manifest.py``), with no daemon: the
+packed wire form built and checked, the dtype table, bounds, unique names, and the
 merge rule that the daemon (entry dicts) and the client (``ManifestTable``)
 apply alike."""
 
@@ -34,7 +34,8 @@ def test_packed_manifest_fields_round_trip_and_bad_types() -> None:
     for bad in ({"kinds": [0, 0, 1]}, {"kinds": b"\x00" * 7}, {"kinds": "abc"},
                 {"kind_dtypes": "<f4"}, {"kind_dtypes": [4, 5]}, {"kind_dtypes": ["x" * 2000]},
                 {"kind_shapes": [4, 4]}, {"kind_shapes": [[-1], [4]]}, {"kind_shapes": [["4"]]},
-                {"kind_shapes": [[2.0, 2]]}, {"kind_shapes": [[True]]}):
+                {"kind_shapes": [[2.0, 2]]}, {"kind_shapes": [[True]]},
+                {"dtypes": ["<f4"] * 3, "shapes": [[4]] * 3}):  # no list form
         with pytest.raises(P.RequestError) as info:
             P.parse_request({**req.to_wire(3), **bad})
         assert info.value.req_id == 3 and info.value.error.code == "BAD_REQUEST"
@@ -44,7 +45,7 @@ def _sizes(req: P.StoreBatch) -> np.ndarray:
     return P.unpack_u64(req.sizes)
 
 
-def test_manifest_check_accepts_both_forms() -> None:
+def test_manifest_check_accepts_packed_manifests() -> None:
     cols = check(_batch(), _sizes(_batch()))
     assert cols is not None and cols.dtypes == ["<f4", "<i2"]
     offsets = P.unpack_u64(_batch().offsets)
@@ -56,11 +57,6 @@ def test_manifest_check_accepts_both_forms() -> None:
     one = _batch(kinds=None, kind_dtypes=["<f4"], kind_shapes=[[4]],
                  sizes=P.pack_u64([16, 16, 16]))
     assert check(one, _sizes(one)) is not None
-    listed = _batch(kinds=None, kind_dtypes=None, kind_shapes=None, dtypes=["<f4", "<f4", "<i2"],
-                    shapes=[[2, 2], [4], [4]])
-    cols = check(listed, _sizes(listed))
-    assert cols is not None and len(cols.dtypes) == 3  # (dtype, shape) pairs: three kinds
-    assert cols.entries(offsets, _sizes(listed), [None] * 3)["b"]["shape"] == [4]
     nothing = _batch(names=None, kinds=None, kind_dtypes=None, kind_shapes=None)
     assert check(nothing, _sizes(nothing)) is None
 
@@ -73,20 +69,12 @@ def test_manifest_check_accepts_both_forms() -> None:
     ({"kinds": None}, "of 2 kinds needs kinds"),
     ({"names": None}, "needs names"),
     ({"kind_dtypes": None}, "needs names, kind_dtypes and kind_shapes"),
-    ({"dtypes": ["<f4"] * 3}, "either dtypes and shapes or kinds"),
     ({"kind_dtypes": ["<f4", "nonsense"]}, "unknown dtype 'nonsense'"),
     ({"kind_dtypes": ["<f4", "O"]}, "holds Python objects"),
     ({"kind_dtypes": ["<f4", "i4,O"]}, "holds Python objects"),
     ({"kind_shapes": [[2, 2], [3]]}, "tensor 'c': shape [3] of int16 is not 8 bytes"),
     ({"kind_shapes": [[2, 2], [1 << 62, 1 << 62]]}, "is not 8 bytes"),
     ({"names": ["a", "b", "a"]}, "must be unique"),
-    # the list form keeps its checks
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
-      "shapes": [[4], [4]]}, "names, dtypes and shapes must each list all 3"),
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4"] * 3,
-      "shapes": [[4], [4], [4]]}, "tensor 'c': shape [4] of <f4 is not 8 bytes"),
-    ({"kinds": None, "kind_dtypes": None, "kind_shapes": None, "dtypes": ["<f4", "<f4", "O"],
-      "shapes": [[4], [4], [1]]}, "holds Python objects"),
 ])
 def test_manifest_check_refuses_bad_manifests(change: dict[str, object], words: str) -> None:
     req = _batch(**change)
@@ -145,14 +133,13 @@ def test_what_the_client_builds_the_daemon_checks_back(specs: list[tuple[str, tu
     sizes = np.array([a.nbytes for a in arrays], dtype=np.uint64)
     offsets = np.cumsum(np.concatenate(([0], sizes[:-1]))).astype(np.uint64) \
         if len(sizes) else sizes
-    if as_columns:  # the list form, as dedup and load_model send it
-        cols = WM.manifest_columns(dict(zip(names, arrays, strict=True)), names)
-        req = P.StoreBatch("b", P.pack_u64(offsets), P.pack_u64(sizes), names=cols[0],
-                           dtypes=cols[1], shapes=cols[2])
+    if as_columns:  # as store_batch's (names, dtypes, shapes) and load_model build it
+        packed = Packed.of_columns(*WM.manifest_columns(dict(zip(names, arrays, strict=True)),
+                                                        names))
     else:
         packed = Packed.of_arrays(names, arrays)
         assert np.array_equal(packed.item_nbytes(), sizes)
-        req = P.StoreBatch("b", P.pack_u64(offsets), P.pack_u64(sizes), **packed.fields())
+    req = P.StoreBatch("b", P.pack_u64(offsets), P.pack_u64(sizes), **packed.fields())
     req = P.parse_request(req.to_wire(1))[1]  # through the wire's own validation
     got = check(req, sizes)  # type: ignore[arg-type]
     if not arrays:

@@ -1,8 +1,9 @@
 """Source types and logical shapes in the one manifest model (``wire/manifest.py``)
-and on the wire (``wire/protocol.py``): both batch forms and ``dedup_store``
-carry them, the wire bounds them before any check, ``check`` records them per
-kind, entries hold them only when given, and the client's ``ManifestTable``
-keeps and merges them as the daemon's entry dicts do."""
+and on the wire (``wire/protocol.py``): ``store_batch``, ``dedup_store`` and
+``load_file`` carry them per kind, the wire bounds them before any check,
+``check`` records them per kind, entries hold them only when given, and the
+client's ``ManifestTable`` keeps and merges them as the daemon's entry dicts
+do."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ from rpcbuf.control.wire.manifest import (
 OFFSETS, SIZES = [0, 512, 1024], [16, 16, 8]
 
 
-def _listed(**kw: object) -> P.StoreBatch:
-    fields: dict[str, object] = dict(
-        buffer_id="b", offsets=P.pack_u64(OFFSETS), sizes=P.pack_u64(SIZES),
-        names=["q", "r", "s"], dtypes=["|u1", "|u1", "<f4"], shapes=[[2, 8], [2, 8], [2]],
-        source_types=["Q8_0", "Q4_0", "F32"], logical_shapes=[[2, 32], [2, 32], [2]])
-    fields.update(kw)
-    return P.StoreBatch(**fields)  # type: ignore[arg-type]
+def _listed(source_types: list[str | None] | None = ["Q8_0", "Q4_0", "F32"],  # noqa: B006
+            logical_shapes: list[list[int] | None] | None = [[2, 32], [2, 32], [2]],  # noqa: B006
+            ) -> P.StoreBatch:
+    """A batch of per-tensor columns, packed as the client packs them."""
+    packed = Packed.of_columns(["q", "r", "s"], ["|u1", "|u1", "<f4"], [[2, 8], [2, 8], [2]],
+                               source_types, logical_shapes)
+    return P.StoreBatch("b", P.pack_u64(OFFSETS), P.pack_u64(SIZES), **packed.fields())
 
 
 def _packed(**kw: object) -> P.StoreBatch:
@@ -57,45 +58,38 @@ def _entries(req: P.StoreBatch | P.DedupStore) -> dict[str, dict[str, Any]]:
 # -- the wire ---------------------------------------------------------------------------
 
 
-def test_every_form_round_trips_through_the_wire() -> None:
-    dedup = P.DedupStore("b", P.pack_u64(OFFSETS), P.pack_u64(SIZES), P.pack_u64([0] * 6),
-                         P.pack_u64([0] * 3), ["q", "r", "s"], ["|u1", "|u1", "<f4"],
-                         [[2, 8], [2, 8], [2]], ["Q8_0", None, "F32"], [[2, 32], None, None])
-    for req in (_listed(), _packed(), dedup, _listed(source_types=None),
+def test_every_request_round_trips_through_the_wire() -> None:
+    for req in (_listed(), _packed(), _dedup(), _listed(source_types=None),
                 _packed(kind_logical_shapes=None)):
         assert P.parse_request(req.to_wire(7)) == (7, req)
     assert P.PROTOCOL_VERSION >= 3  # the version that says a daemon knows the fields
 
 
-@pytest.mark.parametrize("field", ["source_types", "kind_source_types"])
 @pytest.mark.parametrize("bad", [
     ["Q8-0", "Q4_0", "F32"], ["Q8 0", "Q4_0", "F32"], ["", "Q4_0", "F32"],
     ["x" * (P.MAX_SOURCE_TYPE + 1), "Q4_0", "F32"], [8, "Q4_0", "F32"],
     ["Q8_0\n", "Q4_0", "F32"], ["Q8_0é", "Q4_0", "F32"], "Q8_0", [["Q8_0"], "Q4_0", "F32"]])
-def test_a_bad_source_type_is_refused_by_the_wire(field: str, bad: object) -> None:
-    wire = (_listed() if field == "source_types" else _packed()).to_wire(3)
+def test_a_bad_source_type_is_refused_by_the_wire(bad: object) -> None:
     with pytest.raises(P.RequestError) as info:
-        P.parse_request({**wire, field: bad})
+        P.parse_request({**_packed().to_wire(3), "kind_source_types": bad})
     assert info.value.req_id == 3 and info.value.error.code == "BAD_REQUEST"
     assert "source type" in info.value.error.message or "a list" in info.value.error.message
     assert "é" not in info.value.error.message and "\n" not in info.value.error.message
 
 
-@pytest.mark.parametrize("field", ["logical_shapes", "kind_logical_shapes"])
 @pytest.mark.parametrize("bad", [
     [[1] * (P.MAX_NDIM + 1), None, None], [[1 << 40, 1 << 40], None, None], [[-1], None, None],
     [[2.0], None, None], [[True], None, None], [3, None, None], [(2, 32), None, None]])
-def test_a_bad_logical_shape_is_refused_by_the_wire(field: str, bad: object) -> None:
-    wire = (_listed() if field == "logical_shapes" else _packed()).to_wire(4)
+def test_a_bad_logical_shape_is_refused_by_the_wire(bad: object) -> None:
     with pytest.raises(P.RequestError) as info:
-        P.parse_request({**wire, field: bad})
+        P.parse_request({**_packed().to_wire(4), "kind_logical_shapes": bad})
     assert info.value.error.code == "BAD_REQUEST" and "shapes" in info.value.error.message
 
 
 def test_the_largest_accepted_source_type_and_logical_shape() -> None:
     name = "A_z9" * (P.MAX_SOURCE_TYPE // 4)
-    req = _listed(source_types=[name, None, None], logical_shapes=[[1] * P.MAX_NDIM, None,
-                                                                   [(1 << 63) - 1]])
+    req = _packed(kind_source_types=[name, None, None],
+                  kind_logical_shapes=[[1] * P.MAX_NDIM, None, [(1 << 63) - 1]])
     assert P.parse_request(req.to_wire(1))[1] == req
     assert _entries(req)["q"]["source_type"] == name
 
@@ -105,7 +99,7 @@ def test_the_largest_accepted_source_type_and_logical_shape() -> None:
 
 def test_entries_hold_what_was_given_and_nothing_else() -> None:
     got = _entries(_listed())
-    assert got["q"] == {"dtype": "|u1", "shape": [2, 8], "offset": 0, "nbytes": 16,
+    assert got["q"] == {"dtype": "|u1", "shape": (2, 8), "offset": 0, "nbytes": 16,
                         "checksum": 1, "source_type": "Q8_0", "logical_shape": (2, 32)}
     assert got["s"]["source_type"] == "F32" and got["s"]["logical_shape"] == (2,)
     packed = _entries(_packed())
@@ -131,13 +125,9 @@ def test_kinds_differ_by_source_type_and_logical_shape() -> None:
 
 
 @pytest.mark.parametrize(("req", "words"), [
-    (_listed(source_types=["Q8_0"]), "source_types must list all 3 items"),
-    (_listed(logical_shapes=[[1]] * 4), "logical_shapes must list all 3 items"),
     (_packed(kind_source_types=["Q8_0"]), "1 kind_source_types for 3 kinds"),
     (_packed(kind_logical_shapes=[None] * 4), "4 kind_logical_shapes for 3 kinds"),
-    (_packed(source_types=["Q8_0"] * 3), "not source_types and logical_shapes"),
-    (_listed(kind_source_types=["Q8_0"]), "go with a packed manifest"),
-    (_listed(names=None, dtypes=None, shapes=None), "need a manifest"),
+    (_packed(names=None, kinds=None, kind_dtypes=None, kind_shapes=None), "need a manifest"),
 ])
 def test_check_refuses_what_does_not_add_up(req: P.StoreBatch, words: str) -> None:
     with pytest.raises(BadRequest) as info:
@@ -145,21 +135,23 @@ def test_check_refuses_what_does_not_add_up(req: P.StoreBatch, words: str) -> No
     assert words in info.value.message
 
 
-def test_dedup_store_records_them_in_its_list_form() -> None:
-    req = P.DedupStore("b", P.pack_u64(OFFSETS), P.pack_u64(SIZES), P.pack_u64([0] * 6),
-                       P.pack_u64([0] * 3), ["q", "r", "s"], ["|u1", "|u1", "<f4"],
-                       [[2, 8], [2, 8], [2]], ["Q8_0", None, "F32"], None)
-    got = _entries(req)
+def test_dedup_store_records_them() -> None:
+    got = _entries(_dedup(kind_logical_shapes=None))
     assert got["q"]["source_type"] == "Q8_0" and "source_type" not in got["r"]
     assert not any("logical_shape" in e for e in got.values())
-    with pytest.raises(BadRequest, match="source_types must list all 3"):
-        check(_dedup_short(), _sizes())
+    with pytest.raises(BadRequest, match="1 kind_source_types for 3 kinds"):
+        check(_dedup(kind_source_types=["Q8_0"]), _sizes())
 
 
-def _dedup_short() -> P.DedupStore:
-    return P.DedupStore("b", P.pack_u64(OFFSETS), P.pack_u64(SIZES), P.pack_u64([0] * 6),
-                        P.pack_u64([0] * 3), ["q", "r", "s"], ["|u1", "|u1", "<f4"],
-                        [[2, 8], [2, 8], [2]], ["Q8_0"])
+def _dedup(**kw: object) -> P.DedupStore:
+    fields: dict[str, object] = dict(
+        buffer_id="b", offsets=P.pack_u64(OFFSETS), sizes=P.pack_u64(SIZES),
+        hashes=P.pack_u64([0] * 6), checksums=P.pack_u64([0] * 3), names=["q", "r", "s"],
+        kinds=P.pack_u64([0, 1, 2]), kind_dtypes=["|u1", "|u1", "<f4"],
+        kind_shapes=[[2, 8], [2, 8], [2]], kind_source_types=["Q8_0", None, "F32"],
+        kind_logical_shapes=[[2, 32], None, None])
+    fields.update(kw)
+    return P.DedupStore(**fields)  # type: ignore[arg-type]
 
 
 # -- what the client builds --------------------------------------------------------------
@@ -276,16 +268,12 @@ def _load_file(**kw: object) -> P.LoadFile:
     return P.LoadFile(**fields)  # type: ignore[arg-type]
 
 
-def test_load_file_records_them_in_either_form() -> None:
+def test_load_file_records_them() -> None:
     req = _load_file()
     assert P.parse_request(req.to_wire(3)) == (3, req)
     got = _entries(req)  # type: ignore[arg-type]
     assert (got["q"]["source_type"], got["q"]["logical_shape"]) == ("Q8_0", (2, 32))
     assert "logical_shape" not in got["r"] and "source_type" not in got["s"]
-    listed = _load_file(kinds=None, kind_dtypes=None, kind_shapes=None, kind_source_types=None,
-                        kind_logical_shapes=None, dtypes=["|u1", "|u1", "<f4"],
-                        shapes=[[2, 8], [2, 8], [2]], source_types=["Q8_0", None, "F32"])
-    assert _entries(listed)["s"]["source_type"] == "F32"  # type: ignore[arg-type]
     with pytest.raises(BadRequest, match="3 kind_source_types for"):
         check(_load_file(kind_source_types=["Q8_0"] * 3, kinds=None, kind_dtypes=["|u1"],
                          kind_shapes=[[16]]), _sizes())
@@ -293,8 +281,8 @@ def test_load_file_records_them_in_either_form() -> None:
 
 @pytest.mark.parametrize(("field", "bad"), [
     ("kind_source_types", ["Q8-0", None, None]), ("kind_source_types", ["x" * 33, None, None]),
-    ("kind_logical_shapes", [[-1], None, None]), ("source_types", "Q8_0"),
-    ("logical_shapes", [[1 << 62, 4]]),
+    ("kind_logical_shapes", [[-1], None, None]), ("kind_logical_shapes", [[1 << 62, 4]]),
+    ("source_types", ["Q8_0"] * 3), ("dtypes", ["|u1"] * 3),  # no list form
 ])
 def test_load_file_source_fields_are_bounded_by_the_wire(field: str, bad: object) -> None:
     wire = _load_file().to_wire(1)

@@ -28,13 +28,12 @@ from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.tensors import (
     ManifestTable,
     Packed,
-    manifest_columns,
     named_arrays,
     plan_layout,
     with_bits,
 )
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.manifest import ManifestColumns, Source, source_columns
+from rpcbuf.control.wire.manifest import Source, source_columns
 from rpcbuf.control.wire.units import THREAD_BYTES
 from rpcbuf.dataplane.checksum import digests
 
@@ -59,7 +58,7 @@ class BatchStore(Protocol):
     """Where the missing tensors go (``RangeOps``)."""
 
     async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
-                          verify: str | None, manifest: ManifestColumns | Packed | None,
+                          verify: str | None, manifest: Packed | None,
                           manifest_version: int | None,
                           checksums: Sequence[int] | None) -> dict[str, Any]: ...
 
@@ -96,11 +95,10 @@ class DedupOps:
                                               arrays, offsets, hashes, sources)
         missing = [n for n in names if n not in placed]
         if missing:
-            cols = manifest_columns(arrays, missing)
             await self._store.store_batch(
                 buffer_id, [(offsets[n], arrays[n]) for n in missing], verify,
-                Packed.of_columns(*cols, *source_columns(missing, sources)) if sources else cols,
-                None, [hashes[n][1] for n in missing])  # hashed once, above
+                _manifest(arrays, missing, sources), None,
+                [hashes[n][1] for n in missing])  # hashed once, above
         return {"tensors": len(names), "placed": len(placed), "sent": len(missing),
                 "bytes_placed": sum(int(arrays[n].nbytes) for n in placed),
                 "bytes_sent": sum(int(arrays[n].nbytes) for n in missing)}
@@ -115,15 +113,19 @@ class DedupOps:
         words = np.empty(2 * len(items), dtype="<u8")
         words[0::2] = [hashes[n][0] & 0xFFFF_FFFF_FFFF_FFFF for n in items]
         words[1::2] = [hashes[n][0] >> 64 for n in items]
-        names, dtypes, shapes = manifest_columns(arrays, items)
-        source_types, logical_shapes = source_columns(items, sources)
         req = P.DedupStore(
             buffer_id=buffer_id,
             offsets=P.pack_u64([offsets[n] for n in items]),
             sizes=P.pack_u64([arrays[n].nbytes for n in items]),
             hashes=P.U64Array(words.tobytes()),
             checksums=P.pack_u64([hashes[n][1] for n in items]),
-            names=names, dtypes=dtypes, shapes=shapes, source_types=source_types,
-            logical_shapes=logical_shapes)
+            **_manifest(arrays, items, sources).fields())
         result = await self._call(req)
         return {items[int(i)] for i in P.unpack_u64(result["placed"])}
+
+
+def _manifest(arrays: Mapping[str, np.ndarray], names: list[str],
+              sources: Mapping[str, Source] | None) -> Packed:
+    """The packed manifest of ``names``, with their source types and logical shapes."""
+    return Packed.of_arrays(names, [arrays[n] for n in names]).described(
+        *source_columns(names, sources))

@@ -3,7 +3,7 @@ disk, named with where they lie and what their hashes are.
 
 ``FileTensor`` is one tensor as the driver knows it from the model's header
 or hash manifest (``model/hashfile.py``); ``request`` packs a batch of them
-into one ``P.LoadFile`` (the packed manifest form: a few kinds of dtype and
+into one ``P.LoadFile`` (its manifest packed: a few kinds of dtype and
 shape, one per item); ``RpcContext.load_file`` sends it.  The daemon's side,
 and what it checks, is ``control/daemon/ops/fileops.py``.
 """
@@ -58,14 +58,11 @@ def request(buffer_id: str, path: str, file_size: int,
     packed = Packed.of_columns([t.name for t in items], [t.dtype for t in items],
                                [t.shape for t in items],
                                [t.source_type for t in items],
-                               [t.logical_shape for t in items]).fields()
+                               [t.logical_shape for t in items])
     return P.LoadFile(
         buffer_id=buffer_id, path=path, file_size=file_size,
         file_offsets=P.pack_u64([t.file_offset for t in items]),
         offsets=P.pack_u64([t.offset for t in items]),
         sizes=P.pack_u64([t.nbytes for t in items]),
         hashes=P.U64Array(words.tobytes()),
-        checksums=P.pack_u64([t.checksum for t in items]),
-        names=packed["names"], kinds=packed["kinds"], kind_dtypes=packed["kind_dtypes"],
-        kind_shapes=packed["kind_shapes"], kind_source_types=packed.get("kind_source_types"),
-        kind_logical_shapes=packed.get("kind_logical_shapes"))
+        checksums=P.pack_u64([t.checksum for t in items]), **packed.fields())

@@ -5,16 +5,12 @@ A buffer's manifest maps tensor names to entries (``dtype``, ``shape``,
 model file, ``source_type`` and ``logical_shape``: what the file says they
 are beside the NumPy view, e.g. a Q8_0 matrix of logical shape (512, 256)
 stored as uint8 rows of shape (512, 272); each key only when given).  A
-batch that records tensors names their dtypes and shapes in one of two wire
-forms:
-
-* the list form: ``dtypes`` and ``shapes`` (and optionally ``source_types``,
-  ``logical_shapes``), one per item;
-* the packed form: a small table of *kinds* (``kind_dtypes[k]``,
-  ``kind_shapes[k]``, optionally ``kind_source_types[k]``,
-  ``kind_logical_shapes[k]``) and ``kinds``, each item's kind as packed
-  uint64s — 10,000 tensors of a few distinct shapes encode, decode and check
-  in a fraction of the time, since the work per item is NumPy's, not Python's.
+batch that records tensors names their dtypes and shapes packed: a small
+table of *kinds* (``kind_dtypes[k]``, ``kind_shapes[k]``, optionally
+``kind_source_types[k]``, ``kind_logical_shapes[k]``) and ``kinds``, each
+item's kind as packed uint64s — 10,000 tensors of a few distinct shapes
+encode, decode and check in a fraction of the time a list per item would
+take, since the work per item is NumPy's, not Python's.
 
 A source type or logical shape may be null for some tensors and not others;
 the wire bounds them (``protocol.SourceType``: ``[A-Za-z0-9_]{1,32}``; a
@@ -23,16 +19,16 @@ bytes: the daemon records them as said.
 
 ``Packed`` is both: the client builds it from arrays (``of_arrays``) or
 columns (``of_columns``) and sends ``fields()``; the daemon rebuilds it from
-a request with ``check`` (either form), which checks it per kind (a dtype
-NumPy knows, not of Python objects; shape product x itemsize == the item's
-nbytes, for every item at once; unique names) and makes the entries it
-records.  ``ManifestTable`` is a whole manifest as NumPy columns (the
-client's cache); ``merge_plan``, ``merge_entries`` and
-``ManifestTable.merged`` are the one merge rule: a recorded name keeps its
-place, a new one is appended, and entries whose bytes other tensors just
-overwrote are dropped.  One dtype cache (``np_dtype``) serves both sides.
-Nothing here touches buffer bytes; the daemon's part that needs the
-registry and the arena stays in ``control/daemon/ops/manifest.py``.
+a request with ``check``, which checks it per kind (a dtype NumPy knows,
+not of Python objects; shape product x itemsize == the item's nbytes, for
+every item at once; unique names) and makes the entries it records.
+``ManifestTable`` is a whole manifest as NumPy columns (the client's
+cache); ``merge_plan``, ``merge_entries`` and ``ManifestTable.merged`` are
+the one merge rule: a recorded name keeps its place, a new one is
+appended, and entries whose bytes other tensors just overwrote are dropped.
+One dtype cache (``np_dtype``) serves both sides.  Nothing here touches
+buffer bytes; the daemon's part that needs the registry and the arena
+stays in ``control/daemon/ops/manifest.py``.
 """
 
 from __future__ import annotations
@@ -117,85 +113,46 @@ def source_columns(names: Sequence[str], sources: Mapping[str, Source] | None
 
 def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
           ) -> Packed | None:
-    """The batch's manifest (either form), checked against the items'
-    ``sizes``, with canonical dtypes and ``kind_nbytes``; None when the
-    request records none.  BAD_REQUEST says what is wrong."""
+    """The batch's packed manifest, checked against the items' ``sizes``,
+    with canonical dtypes; None when the request
+    records none.  BAD_REQUEST says what is wrong."""
     n = len(sizes)
-    names, dtypes, shapes = req.names, req.dtypes, req.shapes
-    packed = getattr(req, "kinds", None), getattr(req, "kind_dtypes", None), \
-        getattr(req, "kind_shapes", None)
-    srcs = req.source_types
-    logs = req.logical_shapes
-    kind_srcs = getattr(req, "kind_source_types", None)  # a dedup_store has no packed form
-    kind_logs = getattr(req, "kind_logical_shapes", None)
-    if all(c is None for c in packed):
+    names, kind_dtypes, kind_shapes = req.names, req.kind_dtypes, req.kind_shapes
+    kind_srcs, kind_logs = req.kind_source_types, req.kind_logical_shapes
+    if names is None and kind_dtypes is None and kind_shapes is None and req.kinds is None:
         if kind_srcs is not None or kind_logs is not None:
-            raise BadRequest("kind_source_types and kind_logical_shapes go with a packed "
-                             "manifest (kind_dtypes, kind_shapes)")
-        if names is None and dtypes is None and shapes is None:
-            if srcs is not None or logs is not None:
-                raise BadRequest("source_types and logical_shapes need a manifest (names, "
-                                 "dtypes and shapes)")
-            return None
-        if names is None or dtypes is None or shapes is None \
-                or not len(names) == len(dtypes) == len(shapes) == n:
-            raise BadRequest(f"names, dtypes and shapes must each list all {n} items")
-        for what, col in (("source_types", srcs), ("logical_shapes", logs)):
-            if col is not None and len(col) != n:
-                raise BadRequest(f"{what} must list all {n} items (got {len(col)})")
-        _unique(names)
-        if srcs is None and logs is None:
-            table, kinds = intern_kinds(list(zip(dtypes, map(tuple, shapes), strict=True)))
-            cols = Packed(names, kinds, [], [s for _, s in table], item_shapes=shapes)
-            raw_dtypes = [d for d, _ in table]
-        else:
-            none: list[Any] = [None] * n
-            rich, kinds = intern_kinds(list(zip(
-                dtypes, map(tuple, shapes), none if srcs is None else srcs,
-                none if logs is None else [None if s is None else tuple(s) for s in logs],
-                strict=True)))
-            cols = Packed(names, kinds, [], [r[1] for r in rich], item_shapes=shapes,
-                          sources=[r[2] for r in rich] if srcs is not None else None,
-                          logicals=[r[3] for r in rich] if logs is not None else None)
-            raw_dtypes = [r[0] for r in rich]
+            raise BadRequest("kind_source_types and kind_logical_shapes need a manifest "
+                             "(names, kind_dtypes and kind_shapes)")
+        return None
+    if names is None or kind_dtypes is None or kind_shapes is None:
+        raise BadRequest("a manifest needs names, kind_dtypes and kind_shapes "
+                         "(and kinds, unless there is one kind)")
+    if req.kinds is None:
+        if len(kind_dtypes) != 1:
+            raise BadRequest(f"a manifest of {len(kind_dtypes)} kinds needs kinds")
+        ids = np.zeros(n, dtype=np.uint64)
     else:
-        if dtypes is not None or shapes is not None:
-            raise BadRequest("a manifest is either dtypes and shapes or kinds, kind_dtypes "
-                             "and kind_shapes, not both")
-        if srcs is not None or logs is not None:
-            raise BadRequest("a packed manifest gives kind_source_types and "
-                             "kind_logical_shapes, not source_types and logical_shapes")
-        ids_raw, kind_dtypes, kind_shapes = packed
-        if names is None or kind_dtypes is None or kind_shapes is None:
-            raise BadRequest("a packed manifest needs names, kind_dtypes and kind_shapes "
-                             "(and kinds, unless there is one kind)")
-        if ids_raw is None:
-            if len(kind_dtypes) != 1:
-                raise BadRequest(f"a packed manifest of {len(kind_dtypes)} kinds needs kinds")
-            ids = np.zeros(n, dtype=np.uint64)
-        else:
-            ids = P.unpack_u64(ids_raw)
-        if not len(names) == len(ids) == n:
-            raise BadRequest(f"names and kinds must each list all {n} items "
-                             f"(got {len(names)} and {len(ids)})")
-        if len(kind_dtypes) != len(kind_shapes):
-            raise BadRequest(f"{len(kind_dtypes)} kind_dtypes for {len(kind_shapes)} kind_shapes")
-        if n and int(ids.max()) >= len(kind_dtypes):
-            i = int(np.argmax(ids >= len(kind_dtypes)))
-            raise BadRequest(f"tensor {names[i]!r}: kind {int(ids[i])} is not in the "
-                             f"table of {len(kind_dtypes)} kinds")
-        for what, col in (("kind_source_types", kind_srcs), ("kind_logical_shapes", kind_logs)):
-            if col is not None and len(col) != len(kind_dtypes):
-                raise BadRequest(f"{len(col)} {what} for {len(kind_dtypes)} kinds")
-        _unique(names)
-        cols = Packed(names, ids.astype(np.intp), [], [tuple(s) for s in kind_shapes],
-                      sources=list(kind_srcs) if kind_srcs is not None else None,
-                      logicals=None if kind_logs is None else
-                      [None if s is None else tuple(s) for s in kind_logs])
-        raw_dtypes = list(kind_dtypes)
+        ids = P.unpack_u64(req.kinds)
+    if not len(names) == len(ids) == n:
+        raise BadRequest(f"names and kinds must each list all {n} items "
+                         f"(got {len(names)} and {len(ids)})")
+    if len(kind_dtypes) != len(kind_shapes):
+        raise BadRequest(f"{len(kind_dtypes)} kind_dtypes for {len(kind_shapes)} kind_shapes")
+    if n and int(ids.max()) >= len(kind_dtypes):
+        i = int(np.argmax(ids >= len(kind_dtypes)))
+        raise BadRequest(f"tensor {names[i]!r}: kind {int(ids[i])} is not in the "
+                         f"table of {len(kind_dtypes)} kinds")
+    for what, col in (("kind_source_types", kind_srcs), ("kind_logical_shapes", kind_logs)):
+        if col is not None and len(col) != len(kind_dtypes):
+            raise BadRequest(f"{len(col)} {what} for {len(kind_dtypes)} kinds")
+    _unique(names)
+    cols = Packed(names, ids.astype(np.intp), [], [tuple(s) for s in kind_shapes],
+                  sources=list(kind_srcs) if kind_srcs is not None else None,
+                  logicals=None if kind_logs is None else
+                  [None if s is None else tuple(s) for s in kind_logs])
     # Per kind: the dtype, and the bytes its shape takes; then every item at once.
-    nbytes = np.empty(len(raw_dtypes), dtype=np.uint64)
-    for k, (dt, shape) in enumerate(zip(raw_dtypes, cols.shapes, strict=True)):
+    nbytes = np.empty(len(kind_dtypes), dtype=np.uint64)
+    for k, (dt, shape) in enumerate(zip(kind_dtypes, cols.shapes, strict=True)):
         canonical, itemsize = dtype_of(dt)
         cols.dtypes.append(canonical)
         total = math.prod(shape) * itemsize
@@ -205,9 +162,8 @@ def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
         if bad.any():
             i = int(np.argmax(bad))
             k = int(cols.kinds[i])
-            said = list(cols.shapes[k]) if cols.item_shapes is None else cols.item_shapes[i]
-            raise BadRequest(f"tensor {names[i]!r}: shape {said} of {raw_dtypes[k]} is not "
-                             f"{int(sizes[i])} bytes")
+            raise BadRequest(f"tensor {names[i]!r}: shape {list(cols.shapes[k])} of "
+                             f"{kind_dtypes[k]} is not {int(sizes[i])} bytes")
     return cols
 
 

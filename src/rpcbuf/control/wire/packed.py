@@ -35,7 +35,7 @@ def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
 
 
 def manifest_columns(arrays: Mapping[str, Any], names: Iterable[str]) -> ManifestColumns:
-    """(names, dtypes, shapes) of ``names``: the list form a batch records."""
+    """(names, dtypes, shapes) of ``names``, for ``Packed.of_columns``."""
     names = list(names)
     return (names, [arrays[n].dtype.str for n in names],
             [list(arrays[n].shape) for n in names])
@@ -46,17 +46,13 @@ class Packed:
     ``dtypes[kinds[i]]`` and shape ``shapes[kinds[i]]`` (the
     ``kinds``/``kind_dtypes``/``kind_shapes`` fields of ``StoreBatch``).
     ``kind_nbytes``: each kind's bytes (None when built from columns).
-    ``item_shapes``: a checked list-form batch's own shape lists, which its
-    entries keep (None otherwise: entries of one kind share its tuple).
     ``sources``/``logicals``: each kind's source type / logical shape (None
     entries for kinds without; None as a whole when no kind has one)."""
 
-    __slots__ = ("dtypes", "item_shapes", "kind_nbytes", "kinds", "logicals", "names",
-                 "shapes", "sources")
+    __slots__ = ("dtypes", "kind_nbytes", "kinds", "logicals", "names", "shapes", "sources")
 
     def __init__(self, names: list[str], kinds: np.ndarray, dtypes: list[str],
                  shapes: list[tuple[int, ...]], kind_nbytes: np.ndarray | None = None,
-                 item_shapes: list[list[int]] | None = None,
                  sources: list[str | None] | None = None,
                  logicals: list[tuple[int, ...] | None] | None = None) -> None:
         self.names = names
@@ -64,7 +60,6 @@ class Packed:
         self.dtypes = dtypes
         self.shapes = shapes
         self.kind_nbytes = kind_nbytes
-        self.item_shapes = item_shapes
         self.sources = sources
         self.logicals = logicals
 
@@ -146,7 +141,6 @@ class Packed:
         return Packed(self.names, kinds, [self.dtypes[k] for k in base.tolist()],
                       [self.shapes[k] for k in base.tolist()],
                       None if self.kind_nbytes is None else self.kind_nbytes[base],
-                      self.item_shapes,
                       [s for _, s, _ in table] if srcs is not None else None,
                       [s for _, _, s in table] if logs is not None else None)
 
@@ -183,8 +177,7 @@ class Packed:
         hi = len(self.names) if hi is None else hi
         kinds = self.kinds[lo:hi].tolist()
         dts = map(self.dtypes.__getitem__, kinds)
-        shapes: Iterable[Any] = self.item_shapes[lo:hi] if self.item_shapes is not None \
-            else map(self.shapes.__getitem__, kinds)
+        shapes = map(self.shapes.__getitem__, kinds)
         out = {n: {"dtype": d, "shape": s, "offset": o, "nbytes": z, "checksum": c}
                for n, d, s, o, z, c in zip(self.names[lo:hi], dts, shapes,
                                            offsets[lo:hi].tolist(), sizes[lo:hi].tolist(),

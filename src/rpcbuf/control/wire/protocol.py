@@ -157,8 +157,13 @@ class Store(Request):
 class StoreBatch(Request):
     """Many ranges of one buffer in one round trip; see ``runs.plan_runs``.
 
-    ``names``/``dtypes``/``shapes``, when given, are index-aligned with the
-    items and recorded as the buffer's tensor manifest."""
+    ``names``, when given, are index-aligned with the items and recorded,
+    with the packed manifest, as the buffer's tensor manifest: item i has
+    dtype ``kind_dtypes[kinds[i]]`` and shape ``kind_shapes[kinds[i]]`` (no
+    ``kinds`` with a one-kind table: every item is of that kind), and,
+    where given, the source type and logical shape of its kind (what a
+    model file says a tensor is beside the NumPy view; null for a kind
+    without)."""
 
     op: ClassVar[str] = "store_batch"
     buffer_id: BufferId
@@ -169,23 +174,12 @@ class StoreBatch(Request):
     checksums: U64Array | None = None
     verify: Literal["checksum"] | None = None
     names: list[str] | None = None
-    dtypes: list[str] | None = None
-    shapes: list[Shape] | None = None
     manifest_version: int | None = None  # refuse if the manifest changed since
     path: Literal["ucx", "staged"] = "ucx"
     stage: int | None = None  # path "staged": as ``Store.stage``, the items' runs in order
-    # The manifest packed, instead of dtypes/shapes (with names as above):
-    # item i has dtype kind_dtypes[kinds[i]] and shape kind_shapes[kinds[i]]
-    # (no kinds with a one-kind table: every item is of that kind).
     kinds: U64Array | None = None
     kind_dtypes: list[str] | None = None
     kind_shapes: list[Shape] | None = None
-    # Each optional, null for a tensor without: the tensors' source types and
-    # logical shapes (what a model file says they are, beside the NumPy view
-    # dtypes/shapes), one per item with ``dtypes``/``shapes`` ...
-    source_types: list[SourceType | None] | None = None
-    logical_shapes: list[Shape | None] | None = None
-    # ... or one per kind with ``kind_dtypes``/``kind_shapes``.
     kind_source_types: list[SourceType | None] | None = None
     kind_logical_shapes: list[Shape | None] | None = None
 
@@ -220,11 +214,12 @@ class DedupStore(Request):
     hashes: U64Array
     checksums: U64Array
     names: list[str]
-    dtypes: list[str]
-    shapes: list[Shape]
-    # As in ``StoreBatch``'s list form (protocol 3 on).
-    source_types: list[SourceType | None] | None = None
-    logical_shapes: list[Shape | None] | None = None
+    kind_dtypes: list[str]
+    kind_shapes: list[Shape]
+    # As in ``StoreBatch``.
+    kinds: U64Array | None = None
+    kind_source_types: list[SourceType | None] | None = None
+    kind_logical_shapes: list[Shape | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -242,11 +237,7 @@ class LoadFile(Request):
     (exactly one tensor of the file's own header), ``sizes[i]`` bytes long,
     and go to ``offsets[i]`` of the buffer; ``hashes`` holds two uint64 per
     item (xxh3-128, low word first), ``checksums`` each item's xxh3-64.  The
-    manifest comes in the list form (``dtypes``, ``shapes``) or packed
-    (``kinds``, ``kind_dtypes``, ``kind_shapes``), as for ``StoreBatch``,
-    and so, optionally, do the tensors' source types and logical shapes
-    (``source_types``/``logical_shapes`` or ``kind_source_types``/
-    ``kind_logical_shapes``: what the model file says they are)."""
+    manifest comes packed, as for ``StoreBatch``."""
 
     op: ClassVar[str] = "load_file"
     buffer_id: BufferId
@@ -258,13 +249,9 @@ class LoadFile(Request):
     hashes: U64Array
     checksums: U64Array
     names: list[str]
-    dtypes: list[str] | None = None
-    shapes: list[Shape] | None = None
+    kind_dtypes: list[str]
+    kind_shapes: list[Shape]
     kinds: U64Array | None = None
-    kind_dtypes: list[str] | None = None
-    kind_shapes: list[Shape] | None = None
-    source_types: list[SourceType | None] | None = None
-    logical_shapes: list[Shape | None] | None = None
     kind_source_types: list[SourceType | None] | None = None
     kind_logical_shapes: list[Shape | None] | None = None
 
