@@ -43,7 +43,7 @@ async def test_a_request_on_its_way_at_the_cancel_is_waited_for_and_released_by_
     making = asyncio.create_task(acquire.make(j, node.request_buffer(1 << 20)))
     await asyncio.sleep(0)
     making.cancel()  # the load is cancelled while the request is on its way
-    aborting = asyncio.create_task(CM.abort({"n0": node}, [j], {}))  # type: ignore[arg-type]
+    aborting = asyncio.create_task(CM.abort({"n0": node}, [j]))  # type: ignore[arg-type]
     await asyncio.sleep(0.05)
     assert not aborting.done()  # it waits for the request
     node.granted.set()  # the node makes the buffer after the cancel

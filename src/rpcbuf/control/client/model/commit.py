@@ -174,16 +174,15 @@ async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str
     return out
 
 
-async def abort(cluster: Cluster, jobs: list[J],
-                existing: dict[str, list[dict[str, Any]]]) -> None:
+async def abort(cluster: Cluster, jobs: list[J]) -> None:
     """Release what a failed or interrupted load created, even when
     cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
     request or clone still on its way has ended (``acquire.make`` records
     the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
     given up, and what it made, if anything, holds no committed record).
     Buffers it reused keep their planned record: incomplete until a load
-    finishes.  ``existing``: the listing taken before the load (unused: a
-    buffer is released by the id this load got, never found by name)."""
+    finishes.  A buffer is released by the id this load got, never found
+    by name."""
     await settle(_abort(cluster, jobs))
 
 

@@ -243,7 +243,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
             await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
             await CM.commit(cluster, jobs)  # PutEnd: only now is the model complete
         except BaseException:
-            await CM.abort(cluster, jobs, existing)
+            await CM.abort(cluster, jobs)
             raise
     finally:
         if unmapping is not None:
@@ -288,7 +288,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
                     j.expect[MD.META_TENSOR] = checksum(j.metadata)
         await CM.start(cluster, jobs)  # PutStart, before any byte of a slot changes
     except BaseException:
-        await CM.abort(cluster, jobs, existing)
+        await CM.abort(cluster, jobs)
         raise
     return plan, existing, jobs
 

@@ -175,7 +175,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
         await _release_stale(cluster, existing, name, {j.buffer_name for j in jobs})
         await CM.commit(cluster, jobs)
     except BaseException:
-        await CM.abort(cluster, jobs, existing)
+        await CM.abort(cluster, jobs)
         raise
     return NodeLoadResult(name, str(local), hm.format, plan, dict(stats), described(jobs),
                           time.perf_counter() - t0, node_path=node_path, hashes=hm.source,
