@@ -6,7 +6,7 @@ All but the wait for memory are synchronous: they decide with the
 ``Registry`` and answer at once, inline in the session's read loop, so they
 may use the plain lookup ``_get`` (no await follows it; the data ops get
 their buffers pinned, from ``pipeline.Held``).  They see their session
-through ``Owner`` and the daemon through ``node.Node``.
+through ``ControlOwner`` and the daemon through ``node.Node``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
 
 
-class Owner(Protocol):
+class ControlOwner(Protocol):
     """What the control ops see of their session."""
 
     session_id: str
@@ -46,7 +46,7 @@ class Owner(Protocol):
 class ControlOps:
     """The quick ops of one session (``owner``) on ``node``."""
 
-    def __init__(self, owner: Owner, node: Node) -> None:
+    def __init__(self, owner: ControlOwner, node: Node) -> None:
         self._owner, self._node, self._registry = owner, node, node.registry
 
     def try_request(self, req: P.RequestBuffer) -> Buffer | None:

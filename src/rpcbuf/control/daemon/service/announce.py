@@ -76,7 +76,7 @@ class Taken(Exception):
     """The node's key is held by another lease; the message says by whom."""
 
 
-class Owner(Protocol):
+class AnnouncedDaemon(Protocol):
     """What the announcer reads from the daemon."""
 
     node_id: str
@@ -91,7 +91,7 @@ class Owner(Protocol):
 class Announcer:
     """Registers ``owner`` under ``cluster`` in ``etcd``; see the module docstring."""
 
-    def __init__(self, owner: Owner, etcd: Etcd, cluster: str, *,
+    def __init__(self, owner: AnnouncedDaemon, etcd: Etcd, cluster: str, *,
                  advertise: str | None = None, ttl: int = DEFAULT_TTL,
                  refresh: float = REFRESH) -> None:
         self.owner = owner

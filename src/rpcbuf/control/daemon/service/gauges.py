@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rpcbuf.control.daemon.content.blocks import BlockStore
 
 
-class Daemon(Protocol):
+class GaugedDaemon(Protocol):
     """What the gauges read of the daemon (``server.Daemon`` is one)."""
 
     @property
@@ -42,7 +42,7 @@ class Daemon(Protocol):
 class StateCollector(Collector):
     """Reads the daemon's state at scrape time (on the event loop)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: GaugedDaemon) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Any]:
@@ -112,7 +112,7 @@ class StateCollector(Collector):
         yield from _held_families(d)
 
 
-def _held_families(d: Daemon) -> Iterator[Any]:
+def _held_families(d: GaugedDaemon) -> Iterator[Any]:
     """The table of what tenants make the node hold (``charges.Charges``),
     and what peers that have not authenticated hold (``admission.Pending``),
     as node-wide aggregates by kind: no tenant or source is named."""

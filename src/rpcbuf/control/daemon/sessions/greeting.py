@@ -4,7 +4,7 @@ the slot of the TCP session a Unix socket session replaces), its token's
 deadline set, and the same-host path granted to a Unix socket session that
 asks for it; then the handle channel that path needs, bound by the client's
 second connection (``bind_handles``, ``take_handles``).  Functions of the
-session they serve (``session.py``, seen through ``Session`` here), which calls
+session they serve (``session.py``, seen through ``GreetedSession`` here), which calls
 them from its dispatch.
 
 Hello is two frames (protocol 4; ``wire/auth.py`` has the design): the
@@ -45,7 +45,7 @@ from rpcbuf.dataplane.ucx import NONCE_BYTES
 log = logging.getLogger("rpcbuf.daemon")
 
 
-class Session(Protocol):
+class GreetedSession(Protocol):
     """What a hello sets and reads of its session (``session.Session``)."""
 
     daemon: Node
@@ -92,7 +92,7 @@ class Challenged:
 USED = Challenged("", b"", 0)  # a hello took it: no second challenge on this connection
 
 
-def challenge(s: Session, req: P.Challenge) -> dict[str, Any]:
+def challenge(s: GreetedSession, req: P.Challenge) -> dict[str, Any]:
     """Our nonce and our proof for the claims the client names; one try per
     connection, whatever its outcome.  Raises BAD_REQUEST (said twice, or
     after hello; versions that do not meet; a nonce not 32 bytes) or
@@ -111,7 +111,7 @@ def challenge(s: Session, req: P.Challenge) -> dict[str, Any]:
             "nonce": ours, "proof": auth.prove(secret, auth.DAEMON, said)}
 
 
-def hello(s: Session, req: P.Hello) -> dict[str, Any]:
+def hello(s: GreetedSession, req: P.Hello) -> dict[str, Any]:
     if s.tenant is not None:
         raise BadRequest("hello was already said on this connection")
     if req.proof is None:
@@ -141,7 +141,7 @@ def hello(s: Session, req: P.Hello) -> dict[str, Any]:
     return hello_answer(s.daemon, s.session_id, grant, s.nonce, s.unix,
                         s.handles_nonce, why, version)
 
-def take_slot(s: Session, tenant: str, replaces: bytes | None) -> None:
+def take_slot(s: GreetedSession, tenant: str, replaces: bytes | None) -> None:
     """A Unix socket session may take over the slot of the TCP session it
     replaces (which ends now); any other checks --max-sessions and
     --max-sessions-per-tenant, and past either gets a connection-level
@@ -171,7 +171,7 @@ def take_slot(s: Session, tenant: str, replaces: bytes | None) -> None:
     s.daemon.charges.charge(tenant, "sessions")  # checked above: the table counts it
     s.slot_charged = True
 
-def _too_many_of(s: Session, tenant: str) -> QuotaExceeded | None:
+def _too_many_of(s: GreetedSession, tenant: str) -> QuotaExceeded | None:
     """QUOTA_EXCEEDED when ``tenant`` holds its --max-sessions-per-tenant
     already (so one tenant cannot take every session of the node)."""
     limit = s.daemon.limits.max_sessions_per_tenant
@@ -184,7 +184,7 @@ def _too_many_of(s: Session, tenant: str) -> QuotaExceeded | None:
         {"limit": "max_sessions_per_tenant", "max_sessions_per_tenant": limit,
          "sessions": held})
 
-def _same_host(s: Session, req: P.Hello) -> tuple[bool, str]:
+def _same_host(s: GreetedSession, req: P.Hello) -> tuple[bool, str]:
     """Grant the same-host path to a Unix socket session that asks for it
     (``handles``): the client binds the handle channel next
     with ``handles_nonce``.  Nothing of the client's is trusted: the
@@ -207,7 +207,7 @@ def _same_host(s: Session, req: P.Hello) -> tuple[bool, str]:
     s.daemon.by_handles_nonce[s.handles_nonce] = s
     return True, ""
 
-def bind_handles(s: Session, req: P.BindHandles) -> None:
+def bind_handles(s: GreetedSession, req: P.BindHandles) -> None:
     """This connection is a session's handle channel: check it, hand its
     socket to that session, and let this one go (it never says hello)."""
     if s.tenant is not None or not s.unix:
@@ -226,12 +226,12 @@ def bind_handles(s: Session, req: P.BindHandles) -> None:
     _closed_quietly(s)
     take_handles(owner, sock)
 
-def _closed_quietly(s: Session) -> None:
+def _closed_quietly(s: GreetedSession) -> None:
     """Drop this connection's transport (its socket lives on as a dup)."""
     with contextlib.suppress(Exception):
         s.writer.transport.abort()
 
-def take_handles(s: Session, sock: socket.socket) -> None:
+def take_handles(s: GreetedSession, sock: socket.socket) -> None:
     """Our handle channel is bound: make the staging area, send it, and
     turn on the same-host path."""
     try:
@@ -254,7 +254,7 @@ def take_handles(s: Session, sock: socket.socket) -> None:
     task.add_done_callback(s.transfers.discard)
     log.debug("session %s bound its handle channel", s.session_id)
 
-async def _send_staging(s: Session, channel: HandleChannel) -> None:
+async def _send_staging(s: GreetedSession, channel: HandleChannel) -> None:
     try:
         await channel.start()
     except (OSError, TimeoutError) as exc:

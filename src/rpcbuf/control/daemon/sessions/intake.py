@@ -82,7 +82,7 @@ EAGER = sys.version_info >= (3, 12)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-class Session(Protocol):
+class IntakeSession(Protocol):
     """What the intake sees of its session (``session.Session``)."""
 
     daemon: Node
@@ -104,7 +104,7 @@ class Session(Protocol):
 class Intake:
     """The requests of one session as they arrive."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: IntakeSession) -> None:
         self._s = session
         self.paused = False  # reading waits for a task to end (Session.may_claim)
         self._slot = asyncio.Event()

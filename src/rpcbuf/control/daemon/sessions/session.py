@@ -18,7 +18,7 @@ the metrics (``metrics.py``) and writes its audit records with the result
 code (``logs.py``).
 
 The ops are composed, not mixed in: each is an object that sees this
-session through a small Protocol (``pipeline.Ops``, ``controlops.Owner``)
+session through a small Protocol (``pipeline.Ops``, ``controlops.ControlOwner``)
 and the daemon through ``node.Node``.
 
 Data paths (``paths.py``): the UCX endpoint the client binds after hello
@@ -229,7 +229,7 @@ class Session:
                            self._posted)
         log.debug("session %s bound its data endpoint", self.session_id)
 
-    # -- what the ops see (pipeline.Ops, controlops.Owner) ------------------------------
+    # -- what the ops see (pipeline.Ops, controlops.ControlOwner) -----------------------
 
     @property
     def owner(self) -> str:
