@@ -18,7 +18,7 @@ import xxhash
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
-from rpcbuf.control.daemon.data.paths import DataPath, Items, Region
+from rpcbuf.control.daemon.data.paths import DataPath, Region, TransferItems
 from rpcbuf.control.daemon.data.pipeline import Call, Held, Pipeline
 from rpcbuf.control.daemon.ops.dataops import DataOps
 from rpcbuf.control.daemon.ops.dedupops import DedupOps
@@ -50,30 +50,30 @@ class MemPath:
     def check(self, buf: Buffer) -> None:
         pass
 
-    def messages(self, items: Items) -> int:
+    def messages(self, items: TransferItems) -> int:
         return len(items.runs())
 
-    def admit(self, items: Items) -> None:
+    def admit(self, items: TransferItems) -> None:
         pass  # every transfer is awaited (through the gate)
 
     def carried(self) -> dict[str, Any]:
         return {}
 
-    async def receive(self, req_id: int, region: Region, items: Items,
+    async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Any = None) -> None:
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
                 region.view(off, n)[:] = np.frombuffer(self.sent[run_tag(req_id, i)], np.uint8)
 
-    async def send(self, req_id: int, region: Region, items: Items) -> None:
+    async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
         self.events.append("send")
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
                 self.got[run_tag(req_id, i)] = region.view(off, n).tobytes()
 
-    async def drain(self, req_id: int, items: Items) -> None:
+    async def drain(self, req_id: int, items: TransferItems) -> None:
         self.drained += [run_tag(req_id, i) for i, r in enumerate(items.runs()) if r[1]]
 
 

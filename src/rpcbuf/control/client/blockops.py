@@ -353,7 +353,7 @@ def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray],
     """Blocks as a transfer: one message per block (the daemon never
     coalesces them), the staging area's bytes back to back in key order;
     with ``inline`` (the daemon's hello says ``block_inline``) one small
-    block of a network session in the frames instead (``InlinePath``: a
+    block of a network session in the frames instead (``InlineClientPath``: a
     4 KiB hit over UCX was three loopback sends and a progress poll each
     side)."""
     return Transfer(req, arrays, lambda: arrays, inline)

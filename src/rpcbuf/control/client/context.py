@@ -38,7 +38,13 @@ from rpcbuf.control.client.attach import Attacher, Attachment
 from rpcbuf.control.client.blockops import BlockOps
 from rpcbuf.control.client.bufferops import BufferOps
 from rpcbuf.control.client.connection import ORPHAN_GRACE, Caller, ControlConnection
-from rpcbuf.control.client.datapath import DataPaths, InlinePath, StagedPath, UcxPath, inline_on
+from rpcbuf.control.client.datapath import (
+    DataPaths,
+    InlineClientPath,
+    StagedClientPath,
+    UcxClientPath,
+    inline_on,
+)
 from rpcbuf.control.client.dedup import DedupOps
 from rpcbuf.control.client.handles import Handles
 from rpcbuf.control.client.hello import HelloAnswer
@@ -90,11 +96,11 @@ class RpcContext:
         self._closed = False
         self._pid = os.getpid()  # a context belongs to the process that opened it
         self._paths = DataPaths(
-            UcxPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
+            UcxClientPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
                     self.transfer_timeout, self._expired, self._check_open),
-            StagedPath(self._caller, handles.staging, self.transfer_timeout)
+            StagedClientPath(self._caller, handles.staging, self.transfer_timeout)
             if handles is not None and handles.staging is not None else None,
-            InlinePath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
+            InlineClientPath(self._caller, hello.inline_max) if hello.inline_max and inline_on()
             else None)
         self._places = Places(hello)  # what the daemon stated about each buffer
         self._paths.on_device_memory = self._places.device_memory

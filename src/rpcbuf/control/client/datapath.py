@@ -1,12 +1,12 @@
 """The data path: how the bytes of a data op travel, chosen once per session.
 
-A session has two ``DataPath`` implementations: ``UcxPath`` (a UCX
+A session has two ``ClientPath`` implementations: ``UcxClientPath`` (a UCX
 endpoint bound to the session by its nonce, dialled on first use on a
 same-host session) and either, when ``hello`` granted it and the handle
-channel is bound (``handles.py``), ``StagedPath`` (our host arrays are
+channel is bound (``handles.py``), ``StagedClientPath`` (our host arrays are
 copied into or out of the session's staging area, shared memory the daemon
 made; the daemon copies between it and its arena) or, on a network session
-whose daemon allows it (``inline_max``), ``InlinePath`` (a small op's bytes
+whose daemon allows it (``inline_max``), ``InlineClientPath`` (a small op's bytes
 in its control frames).  ``DataPaths.choose`` is the one rule that picks a
 path per op: for host arrays of a host buffer the same-host path, else
 the inline path when it is a small plain store or read; UCX for everything
@@ -30,7 +30,7 @@ RDMA), touching nothing else on the client side:
    (``Caller``) and, for the transfer, the daemon's transfer deadline;
 2. its name on the wire (``P.PathName``) and whatever it adds to the
    request (a staging slot, handles, keys), set in one place, as
-   ``StagedPath`` sends ``t.request.replace(path="staged", stage=slot)``;
+   ``StagedClientPath`` sends ``t.request.replace(path="staged", stage=slot)``;
 3. every array the transport may touch stays referenced until it is done
    with it, even when we stop waiting (UCX: the orphan grace,
    ``ControlConnection.orphan``; the staged path's own threads hold theirs);
@@ -78,7 +78,7 @@ class Transfer(NamedTuple):
     whose bytes are those of ``arrays`` (host arrays, contiguous), back to
     back in order -- the order of the UCX runs.  ``messages()``: the UCX
     messages, message ``i`` on ``run_tag(id, i)``.  ``inline``: a plain
-    store or read, whose bytes may ride in its frames (``InlinePath``).
+    store or read, whose bytes may ride in its frames (``InlineClientPath``).
     (A named tuple and a closure: made per op, so cheap to make.)"""
 
     request: P.DataRequest
@@ -87,7 +87,7 @@ class Transfer(NamedTuple):
     inline: bool = False
 
 
-class DataPath(Protocol):
+class ClientPath(Protocol):
     """See the module's checklist."""
 
     async def send(self, t: Transfer) -> dict[str, Any]: ...
@@ -95,7 +95,7 @@ class DataPath(Protocol):
     async def receive(self, t: Transfer) -> dict[str, Any]: ...
 
 
-class StagedPath:
+class StagedClientPath:
     """The same-host path: our bytes meet the daemon's in the session's
     staging area (``dataplane/staging.py``, shared memory the daemon made
     and sent over the handle channel, ``handles.py``); we copy our arrays
@@ -268,7 +268,7 @@ def inline_on() -> bool:
     return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
 
 
-class InlinePath:
+class InlineClientPath:
     """Small host ops of a network session in the control frames themselves:
     a store's bytes in its request (``Store.data``), a read's in its answer,
     at most the daemon's ``inline_max``.  One round trip
@@ -319,7 +319,7 @@ def _flat(arrays: Sequence[Any]) -> list[np.ndarray]:
             for a in arrays]
 
 
-class UcxPath:
+class UcxClientPath:
     """The bytes travel over the session's UCX endpoint (bound on first use)."""
 
     def __init__(self, caller: Caller, host: str, port: int, nonce: bytes,
@@ -391,7 +391,7 @@ class _UcxMoves:
     failure is raised after the answer: the daemon's word comes first); a
     read's are received once the daemon said yes."""
 
-    def __init__(self, path: UcxPath, ep: ucx.DataEndpoint | None, arrays: list[Any],
+    def __init__(self, path: UcxClientPath, ep: ucx.DataEndpoint | None, arrays: list[Any],
                  out: bool) -> None:
         self._path, self._ep, self._arrays, self._out = path, ep, arrays, out
 
@@ -422,14 +422,14 @@ class _UcxMoves:
 class DataPaths:
     """The session's paths and the one rule that picks one per op."""
 
-    def __init__(self, ucx_path: UcxPath, same_host: StagedPath | None,
-                 inline: InlinePath | None = None) -> None:
+    def __init__(self, ucx_path: UcxClientPath, same_host: StagedClientPath | None,
+                 inline: InlineClientPath | None = None) -> None:
         self.ucx = ucx_path
         self.same_host = same_host
         self.inline = inline
         self.on_device_memory: Callable[[str], None] = _ignore  # the context notes the place
 
-    def choose(self, place: BufferPlace | None, t: Transfer) -> DataPath:
+    def choose(self, place: BufferPlace | None, t: Transfer) -> ClientPath:
         """Host arrays of a host buffer take the same-host path when the
         session has one, else (a plain store or read, small enough) ride in
         the control frames; everything else (GPU arrays, GPU buffers, a

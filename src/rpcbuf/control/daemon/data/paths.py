@@ -4,7 +4,7 @@ client and the daemon's memory, behind one small interface, ``DataPath``.
 The data pipeline (``pipeline.py``) decides everything else — which buffer,
 which ranges, pins and range locks, verification, counters, the audit record
 and the answer — and then asks the session's path to move the bytes of a
-batch of items (``Items``) into or out of a ``Region`` of daemon memory (a
+batch of items (``TransferItems``) into or out of a ``Region`` of daemon memory (a
 buffer's slice of its arena, or scratch memory for a wire-fp16 store).  Three
 paths exist:
 
@@ -87,7 +87,7 @@ class Scratch:
         return self.array[offset:offset + nbytes]
 
 
-class Items:
+class TransferItems:
     """The items of one transfer: ``offsets`` (in the region) and ``sizes``,
     ``nbytes`` in all, and on the same-host path the request's staging
     ``stage``.  Lists for a single item (no NumPy on the 4 KiB path), uint64
@@ -103,7 +103,7 @@ class Items:
         self._runs = runs
 
     @classmethod
-    def one(cls, offset: int, nbytes: int, stage: int | None = None) -> Items:
+    def one(cls, offset: int, nbytes: int, stage: int | None = None) -> TransferItems:
         """A plain store or read: a batch of one item, one run (tag = request id)."""
         return cls([offset], [nbytes], nbytes, stage, [(offset, nbytes, 0, 1)])
 
@@ -167,13 +167,13 @@ class DataPath(Protocol):
     lands_in_parts: bool
 
     def check(self, buf: Buffer) -> None: ...
-    def messages(self, items: Items) -> int: ...
-    def admit(self, items: Items) -> None: ...
+    def messages(self, items: TransferItems) -> int: ...
+    def admit(self, items: TransferItems) -> None: ...
     def carried(self) -> dict[str, Any]: ...
-    async def receive(self, req_id: int, region: Region, items: Items,
+    async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Landed | None = None) -> None: ...
-    async def send(self, req_id: int, region: Region, items: Items) -> None: ...
-    async def drain(self, req_id: int, items: Items) -> None: ...
+    async def send(self, req_id: int, region: Region, items: TransferItems) -> None: ...
+    async def drain(self, req_id: int, items: TransferItems) -> None: ...
 
 
 class UcxPath:
@@ -191,16 +191,16 @@ class UcxPath:
     def check(self, buf: Buffer) -> None:
         pass
 
-    def messages(self, items: Items) -> int:
+    def messages(self, items: TransferItems) -> int:
         return len(items.runs())  # as the client plans them (an empty run sends nothing)
 
-    def admit(self, items: Items) -> None:
+    def admit(self, items: TransferItems) -> None:
         pass  # what arrives is checked against the posted receives (Truncated)
 
     def carried(self) -> dict[str, Any]:
         return {}
 
-    async def receive(self, req_id: int, region: Region, items: Items,
+    async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Landed | None = None) -> None:
         ep = self.ep
         self._posted(req_id)
@@ -209,7 +209,7 @@ class UcxPath:
                                 for i, (off, n, _, _) in enumerate(items.runs()) if n],
                                self._timeout, self._expired)
 
-    async def send(self, req_id: int, region: Region, items: Items) -> None:
+    async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
         ep = self.ep
         try:
             with ucx_errors("read transfer"):
@@ -220,7 +220,7 @@ class UcxPath:
             log.warning("read transfer of request %d failed: %s", req_id, exc)
             raise
 
-    async def drain(self, req_id: int, items: Items) -> None:
+    async def drain(self, req_id: int, items: TransferItems) -> None:
         # The client sends only non-empty runs: a 1-byte receive for an empty
         # one would wait for a message that never comes (until the deadline).
         self._posted(req_id)
@@ -271,27 +271,27 @@ class StagedPath:
     def check(self, buf: Buffer) -> None:
         host_only(buf, "the same-host path serves host buffers")
 
-    def messages(self, items: Items) -> int:
+    def messages(self, items: TransferItems) -> int:
         return 0
 
-    async def receive(self, req_id: int, region: Region, items: Items,
+    async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Landed | None = None) -> None:
         await self._copy(False, region, items, landed)
 
-    async def send(self, req_id: int, region: Region, items: Items) -> None:
+    async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
         await self._copy(True, region, items)
 
-    async def drain(self, req_id: int, items: Items) -> None:
+    async def drain(self, req_id: int, items: TransferItems) -> None:
         pass  # the bytes wait in the staging area: nothing to swallow
 
-    def _pieces(self, region: Region, items: Items) -> list[np.ndarray]:
+    def _pieces(self, region: Region, items: TransferItems) -> list[np.ndarray]:
         return [region.view(off, n) for off, n, _, _ in items.runs() if n]
 
-    def admit(self, items: Items) -> None:
+    def admit(self, items: TransferItems) -> None:
         """A bad stage is BAD_REQUEST (see ``_small``)."""
         self._small(items)
 
-    def _small(self, items: Items) -> bool:
+    def _small(self, items: TransferItems) -> bool:
         """Whether ``items`` go through a small slot (copied right away,
         ``_move``) rather than the ring; a bad stage is BAD_REQUEST."""
         stage = items.stage
@@ -312,7 +312,7 @@ class StagedPath:
     def carried(self) -> dict[str, Any]:
         return {}
 
-    def _move(self, out: bool, slot: np.ndarray, region: Region, items: Items,
+    def _move(self, out: bool, slot: np.ndarray, region: Region, items: TransferItems,
               landed: Landed | None) -> None:
         """A copy between ``slot`` and the region (``out``: region -> slot, a
         read) on the loop: a memcpy of daemon memory, nothing can block it."""
@@ -324,7 +324,7 @@ class StagedPath:
         if landed is not None:
             landed(0, len(items))
 
-    async def _copy(self, out: bool, region: Region, items: Items,
+    async def _copy(self, out: bool, region: Region, items: TransferItems,
                     landed: Landed | None = None) -> None:
         """``out``: region -> staging (a read); else staging -> region."""
         area = self.area
@@ -348,7 +348,7 @@ class StagedPath:
         finally:
             self._ring_busy = False
 
-    async def _ring(self, out: bool, region: Region, items: Items,
+    async def _ring(self, out: bool, region: Region, items: TransferItems,
                     landed: Landed | None) -> None:
         """A ring op on a copy thread, under the deadline; a task cancelled
         meanwhile still waits for its copy, which writes into the region
@@ -406,10 +406,10 @@ class InlinePath:
     def check(self, buf: Buffer) -> None:
         host_only(buf, "bytes in a frame are for host buffers")
 
-    def messages(self, items: Items) -> int:
+    def messages(self, items: TransferItems) -> int:
         return 0
 
-    def admit(self, items: Items) -> None:
+    def admit(self, items: TransferItems) -> None:
         if items.nbytes > P.INLINE_MAX:
             raise BadRequest(f"at most {P.INLINE_MAX} bytes travel in a frame, not "
                              f"{items.nbytes}")
@@ -417,7 +417,7 @@ class InlinePath:
             raise BadRequest(f"the frame carries {len(self._data)} bytes for a store of "
                              f"{items.nbytes}")
 
-    def _move(self, out: bool, region: Region, items: Items) -> None:
+    def _move(self, out: bool, region: Region, items: TransferItems) -> None:
         pieces = [region.view(off, n) for off, n, _, _ in items.runs() if n]
         if out:
             self._out = b"".join(p.tobytes() for p in pieces)  # one piece: no extra copy
@@ -428,18 +428,18 @@ class InlinePath:
     def carried(self) -> dict[str, Any]:
         return {} if self._out is None else {"data": self._out}
 
-    async def receive(self, req_id: int, region: Region, items: Items,
+    async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Landed | None = None) -> None:
         self.admit(items)
         self._move(False, region, items)
         if landed is not None:
             landed(0, len(items))
 
-    async def send(self, req_id: int, region: Region, items: Items) -> None:
+    async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
         self.admit(items)
         self._move(True, region, items)
 
-    async def drain(self, req_id: int, items: Items) -> None:
+    async def drain(self, req_id: int, items: TransferItems) -> None:
         pass  # the bytes came in the request's frame: nothing to swallow
 
 

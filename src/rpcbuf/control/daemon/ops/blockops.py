@@ -44,7 +44,7 @@ from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import Block, BlockStore
-from rpcbuf.control.daemon.data.paths import Items, Region
+from rpcbuf.control.daemon.data.paths import Region, TransferItems
 from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, RpcBufError, VerifyFailed
@@ -292,11 +292,11 @@ class BlockOps:
         return {"keys": keys, "more": more}
 
 
-def _each_alone(offsets: list[int], sizes: list[int], stage: int | None) -> Items:
+def _each_alone(offsets: list[int], sizes: list[int], stage: int | None) -> TransferItems:
     """Blocks as a batch's items, each its own run (one UCX message, tag
     ``run_tag(id, i)``): blocks never coalesce, even when their slices touch
     in the arena (the client cannot know where they lie)."""
-    return Items(offsets, sizes, sum(sizes), stage,
+    return TransferItems(offsets, sizes, sum(sizes), stage,
                  [(o, s, i, i + 1) for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))])
 
 

@@ -6,7 +6,7 @@ lock, how to move the bytes and what to check afterwards; the pipeline runs
 the steps (pins, locks, the transfer, verification, counters, audit, the
 answer) once for all of them, over the session's ``DataPath`` (UCX or same
 host, ``paths.py``).  A plain store or read is a batch of one item
-(``Items.one``: one run, tag = request id).  Every op is one ``async def``;
+(``TransferItems.one``: one run, tag = request id).  Every op is one ``async def``;
 one that never waits (a small same-host or inline op on a free range) ends
 in its first step, with no task (the session starts ops eagerly,
 ``intake.start``).
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rpcbuf.control.daemon.accounting.registry import Buffer
-from rpcbuf.control.daemon.data.paths import DataPath, Items, Region, Scratch
+from rpcbuf.control.daemon.data.paths import DataPath, Region, Scratch, TransferItems
 from rpcbuf.control.daemon.data.pipeline import (
     Call,
     Ops,
@@ -75,11 +75,11 @@ class DataOps:
             # What the path can tell before anything is locked (a bad stage,
             # a frame's byte count): refused here, it leaves no trace.
             wire = req.nbytes // 2 if req.wire_dtype is not None else req.nbytes
-            items = Items.one(req.offset, wire, req.stage)
+            items = TransferItems.one(req.offset, wire, req.stage)
             path.admit(items)
         except RpcBufError:
             if req.nbytes:
-                await path.drain(call.req_id, Items.one(req.offset, req.nbytes))
+                await path.drain(call.req_id, TransferItems.one(req.offset, req.nbytes))
             raise
         move: Callable[[], Any]
         if req.wire_dtype is not None:
@@ -131,7 +131,7 @@ class DataOps:
             return
         arena, half = buf.pool.arena, req.nbytes // 2
         wire = scratch(arena, half)
-        await path.receive(req_id, Region(Scratch(wire)), Items.one(0, half, req.stage))
+        await path.receive(req_id, Region(Scratch(wire)), TransferItems.one(0, half, req.stage))
         await self._pipe.in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
 
     async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
@@ -143,7 +143,7 @@ class DataOps:
                 # which aborts the endpoint and with it any payload in flight.
                 self._ops.abort("store_batch with offsets and sizes of different lengths")
             raise BadRequest("offsets and sizes differ in length")
-        items = Items(offsets, sizes, 0, req.stage)
+        items = TransferItems(offsets, sizes, 0, req.stage)
         try:
             buf = call.held.get(req.buffer_id)
             check_items(buf, offsets, sizes)
@@ -215,7 +215,7 @@ class DataOps:
 
     async def read(self, call: Call, req: P.Read) -> dict[str, Any]:
         path = self._ops.path(req)
-        items = Items.one(req.offset, req.nbytes, req.stage)
+        items = TransferItems.one(req.offset, req.nbytes, req.stage)
         path.admit(items)  # a bad stage or an over-long inline read, whatever the buffer
         buf = call.held.get(req.buffer_id)
         check_range(buf, req.offset, req.nbytes)
@@ -242,7 +242,7 @@ class DataOps:
         check_items(buf, offsets, sizes, disjoint=False)  # reads may overlap
         path = self._ops.path(req)
         path.check(buf)
-        items = Items(offsets, sizes, int(sizes.sum()), req.stage)
+        items = TransferItems(offsets, sizes, int(sizes.sum()), req.stage)
         region = Region(buf.pool.arena, buf.offset)
         answer = {"nbytes": items.nbytes, "messages": path.messages(items)}
 
