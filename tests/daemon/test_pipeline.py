@@ -21,7 +21,7 @@ from rpcbuf.control.daemon.content.index import ContentIndex
 from rpcbuf.control.daemon.data.paths import DataPath, Region, TransferItems
 from rpcbuf.control.daemon.data.pipeline import Call, Held, Pipeline
 from rpcbuf.control.daemon.ops.dataops import DataOps
-from rpcbuf.control.daemon.ops.dedupops import DedupOps
+from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import OutOfRange, VerifyFailed
 from rpcbuf.control.wire.runs import plan_runs, run_tag
@@ -115,7 +115,7 @@ class Rig:
         self.path = MemPath(answer_first)
         self.session = FakeSession(self.registry, self.path)
         pipeline = Pipeline(self.session)
-        self.ops = DataOps(self.session, pipeline, DedupOps(self.session, pipeline))
+        self.ops = DataOps(self.session, pipeline, DedupHandlers(self.session, pipeline))
         self.answers: list[tuple[int, dict[str, Any]]] = []
         self._ids = 0
 
@@ -298,7 +298,7 @@ async def test_an_attach_during_an_orphaned_own_gets_the_memfd_the_clone_ends_wi
     arena.view(src.offset, n)[:] = 1
     pipeline = Pipeline(rig.session)
     call = rig.call()
-    meta = await run(call, DedupOps(rig.session, pipeline).clone(
+    meta = await run(call, DedupHandlers(rig.session, pipeline).clone(
         call, P.CloneBuffer(src_id=src.buffer_id)))
     clone = rig.registry.get(TENANT, meta["buffer_id"])
     gate = threading.Event()
@@ -366,7 +366,7 @@ async def test_an_own_whose_writer_and_buffer_went_before_it_started_leaves_noth
     src = rig.buffer(4096)
     pipeline = Pipeline(rig.session)
     call = rig.call()
-    meta = await run(call, DedupOps(rig.session, pipeline).clone(
+    meta = await run(call, DedupHandlers(rig.session, pipeline).clone(
         call, P.CloneBuffer(src_id=src.buffer_id)))
     held = Held(rig.registry, TENANT)
     clone = held.get(meta["buffer_id"])

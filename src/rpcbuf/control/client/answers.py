@@ -147,7 +147,7 @@ def parse_expiry(msg: dict[str, Any], answer: str) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Stats:
+class TenantStats:
     """What ``stats`` says of this tenant (the dict has more: see the daemon)."""
 
     node_id: str
@@ -158,15 +158,15 @@ class Stats:
     verify_failures: int
 
 
-def parse_stats(msg: dict[str, Any]) -> Stats:
+def parse_stats(msg: dict[str, Any]) -> TenantStats:
     """Each field the daemon sent must have its type; one it left out
     (an older daemon) reads as 0.  Raises BAD_REQUEST naming the field."""
     def count(key: str) -> int:
         return _int(msg, key, "stats") if key in msg else 0
 
     node_id = _str(msg, "node_id", "stats", optional=True) or ""
-    return Stats(node_id, count("sessions"), count("buffers"), count("bytes_stored"),
-                 count("bytes_read"), count("verify_failures"))
+    return TenantStats(node_id, count("sessions"), count("buffers"), count("bytes_stored"),
+                       count("bytes_read"), count("verify_failures"))
 
 
 # -- the block tier's answers (``blockops.py``) -----------------------------------------

@@ -97,7 +97,7 @@ class RpcContext:
         self._pid = os.getpid()  # a context belongs to the process that opened it
         self._paths = DataPaths(
             UcxClientPath(self._caller, ucx_host, hello.ucx_port, hello.bind_nonce,
-                    self.transfer_timeout, self._expired, self._check_open),
+                          self.transfer_timeout, self._expired, self._check_open),
             StagedClientPath(self._caller, handles.staging, self.transfer_timeout)
             if handles is not None and handles.staging is not None else None,
             InlineClientPath(self._caller, hello.inline_max) if hello.inline_max and inline_on()

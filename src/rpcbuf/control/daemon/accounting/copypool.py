@@ -54,7 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-class Job:
+class CopyJob:
     """One copy: ``fn(*args)`` for ``tenant``, its result in ``future``."""
 
     __slots__ = ("alone", "args", "done", "error", "finished", "fn", "future", "loop",
@@ -96,7 +96,7 @@ class CopyPool:
         self.name = name  # its threads' names: NAME-0, NAME-1, ...
         self.per_tenant = max(1, threads // 2) if per_tenant is None else per_tenant
         self._cond = threading.Condition()
-        self._waiting: OrderedDict[str, deque[Job]] = OrderedDict()  # round-robin order
+        self._waiting: OrderedDict[str, deque[CopyJob]] = OrderedDict()  # round-robin order
         self._running: dict[str, int] = {}  # per tenant, stuck copies included
         self._live = 0  # threads taking work (not written off)
         self._spares = threads  # replacements still allowed
@@ -105,10 +105,10 @@ class CopyPool:
 
     # -- the loop's side ----------------------------------------------------------------
 
-    def submit(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Job:
+    def submit(self, tenant: str, fn: Callable[..., Any], *args: Any) -> CopyJob:
         """Queue ``fn(*args)``; await ``job.future`` for its result (its
         exception).  Call from the event loop."""
-        job = Job(tenant, fn, args, asyncio.get_running_loop())
+        job = CopyJob(tenant, fn, args, asyncio.get_running_loop())
         with self._cond:
             if self._closed:
                 raise RuntimeError("the copy pool is closed")
@@ -136,7 +136,7 @@ class CopyPool:
                 await asyncio.wait([job.future])
             raise
 
-    def wait(self, job: Job, timeout: float, alone: bool = True) -> bool:
+    def wait(self, job: CopyJob, timeout: float, alone: bool = True) -> bool:
         """Block (GIL released) up to ``timeout`` s for ``job`` (``alone``:
         only if it was its tenant's only copy when submitted); True: it has
         ended and ``job.future`` is settled.  Call from the event loop, right
@@ -155,7 +155,7 @@ class CopyPool:
             _settle(job.future, job.result, job.error)
         return finished
 
-    def cancel(self, job: Job) -> bool:
+    def cancel(self, job: CopyJob) -> bool:
         """Drop ``job`` if it has not started (its future is cancelled);
         False: it runs or ran, wait for its future."""
         with self._cond:
@@ -170,7 +170,7 @@ class CopyPool:
         job.future.cancel()
         return True
 
-    def written_off(self, job: Job) -> None:
+    def written_off(self, job: CopyJob) -> None:
         """``job`` passed its deadline and may never return: let another
         thread take its place (while spares last)."""
         with self._cond:
@@ -214,7 +214,7 @@ class CopyPool:
         self._live += 1
         worker.thread.start()
 
-    def _next(self) -> Job | None:  # under the lock: the first tenant below its share
+    def _next(self) -> CopyJob | None:  # under the lock: the first tenant below its share
         for tenant, queue in self._waiting.items():
             if self._running.get(tenant, 0) < self.per_tenant:
                 job = queue.popleft()

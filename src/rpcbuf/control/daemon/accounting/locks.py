@@ -8,7 +8,7 @@ only when it conflicts with no held lock and with no earlier waiter, so a
 stream of readers cannot starve a writer.
 
 Plain synchronous bookkeeping (decide here, await in the daemon): ``acquire``
-returns a ``Grant`` whose ``ready`` callback fires when it is granted.
+returns a ``LockGrant`` whose ``ready`` callback fires when it is granted.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 
 @dataclass(eq=False, slots=True)
-class Grant:
+class LockGrant:
     ranges: list[tuple[int, int]]  # half-open [start, end)
     exclusive: bool
     ready: Callable[[], None] = field(default=lambda: None)
     granted: bool = False
 
-    def conflicts(self, other: Grant) -> bool:
+    def conflicts(self, other: LockGrant) -> bool:
         if not (self.exclusive or other.exclusive):
             return False
         return any(a < d and c < b for a, b in self.ranges for c, d in other.ranges)
@@ -34,12 +34,12 @@ class RangeLocks:
     __slots__ = ("held", "waiting")
 
     def __init__(self) -> None:
-        self.held: list[Grant] = []
-        self.waiting: list[Grant] = []
+        self.held: list[LockGrant] = []
+        self.waiting: list[LockGrant] = []
 
     def acquire(self, ranges: list[tuple[int, int]], exclusive: bool,
-                ready: Callable[[], None] = lambda: None) -> Grant:
-        g = Grant([(s, e) for s, e in ranges if e > s], exclusive, ready)
+                ready: Callable[[], None] = lambda: None) -> LockGrant:
+        g = LockGrant([(s, e) for s, e in ranges if e > s], exclusive, ready)
         if not self.held and not self.waiting:  # the common case: nobody else here
             g.granted = True
             self.held.append(g)
@@ -51,7 +51,7 @@ class RangeLocks:
             self.waiting.append(g)
         return g
 
-    def release(self, g: Grant) -> None:
+    def release(self, g: LockGrant) -> None:
         """Release a held grant, or withdraw a waiting one (cancellation)."""
         if g.granted and g in self.held:
             self.held.remove(g)
@@ -63,7 +63,7 @@ class RangeLocks:
             self._wake()
 
     def _wake(self) -> None:
-        still: list[Grant] = []
+        still: list[LockGrant] = []
         for w in self.waiting:
             blocked = any(w.conflicts(h) for h in self.held) or \
                 any(w.conflicts(e) for e in still)

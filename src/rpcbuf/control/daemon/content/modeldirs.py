@@ -71,7 +71,7 @@ class ModelDir:
 
 
 @dataclass
-class Opened:
+class OpenedFile:
     """A model file opened for a load: close ``fd`` when done."""
 
     fd: int
@@ -114,7 +114,7 @@ class ModelFiles:
         raise Forbidden(f"{name!r} is outside this node's model directories (--model-dir)",
                         {"path": name, "reason": "outside_model_dirs"})
 
-    def open(self, name: str) -> Opened:
+    def open(self, name: str) -> OpenedFile:
         """Open the model file ``name`` for reading, confined as the module
         says.  Raises FORBIDDEN, NOT_FOUND."""
         for path in self.candidates(name):
@@ -147,7 +147,7 @@ class ModelFiles:
     def _within(self, real: str) -> bool:
         return any(_inside(real, d.real) and real != d.real for d in self.dirs)
 
-    def _check(self, fd: int, name: str, real: str) -> Opened:
+    def _check(self, fd: int, name: str, real: str) -> OpenedFile:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Forbidden(f"{name!r} is not a regular file on this node", {"path": name})
@@ -161,10 +161,10 @@ class ModelFiles:
                             "(it changed while it was opened)",
                             {"path": name, "reason": "outside_model_dirs"})
         os.set_blocking(fd, True)
-        return Opened(fd, name, really, st.st_size,
-                      (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return OpenedFile(fd, name, really, st.st_size,
+                          (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
-    def prepare(self, name: str, size: int) -> tuple[Opened, Ranges]:
+    def prepare(self, name: str, size: int) -> tuple[OpenedFile, Ranges]:
         """``open``, then the node's copy must be ``size`` bytes (VERIFY_FAILED
         naming the file), then its ``layout``: one trip to a pool thread.
         The caller closes the descriptor; on failure it is closed here."""
@@ -181,7 +181,7 @@ class ModelFiles:
 
     # -- what is in a file -------------------------------------------------------------
 
-    def layout(self, f: Opened) -> Ranges:
+    def layout(self, f: OpenedFile) -> Ranges:
         """Where each tensor of the opened file lies (safetensors or GGUF),
         its header checked against the file; remembered by the file's
         identity.  Raises BAD_REQUEST naming the file."""

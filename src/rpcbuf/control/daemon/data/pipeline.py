@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rpcbuf.control.daemon.accounting.copypool import CopyPool
-from rpcbuf.control.daemon.accounting.locks import Grant
+from rpcbuf.control.daemon.accounting.locks import LockGrant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
 from rpcbuf.control.daemon.data.paths import DataPath
@@ -192,7 +192,7 @@ class Pipeline:
     async def lock(self, held: Held, buf: Buffer, ranges: list[Range], exclusive: bool,
                    sources: list[tuple[Buffer, Range]] | None = None,
                    forget: bool = True, more: list[Buffer] | None = None,
-                   writes: bool = True) -> list[tuple[Buffer, Grant]]:
+                   writes: bool = True) -> list[tuple[Buffer, LockGrant]]:
         """Step 1: pin (``held``) and lock ``ranges`` of ``buf`` (exclusive or
         shared) and each source range shared, one grant per buffer (a source
         inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
@@ -218,7 +218,7 @@ class Pipeline:
                     by_id[b.buffer_id] = (b, [], False)
                 by_id[b.buffer_id][1].append(rng)
             groups = [by_id[k] for k in sorted(by_id)]
-        grants: list[tuple[Buffer, Grant]] = []
+        grants: list[tuple[Buffer, LockGrant]] = []
         try:
             for b, rngs, excl in groups:
                 if b.released:
@@ -305,7 +305,7 @@ async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
         registry.unpin(buf)
 
 
-def unlock(grants: list[tuple[Buffer, Grant]]) -> None:
+def unlock(grants: list[tuple[Buffer, LockGrant]]) -> None:
     for b, grant in reversed(grants):
         b.locks.release(grant)
 

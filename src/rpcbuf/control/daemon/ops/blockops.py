@@ -53,7 +53,7 @@ MAX_MISSING = 4096  # indices a NOT_FOUND names (a request has at most MAX_BLOCK
 ALLOCATE_SLICE = 256  # blocks a put allocates between two turns of the event loop
 
 
-class BlockOps:
+class BlockHandlers:
     """The block ops of one session (``ops``) on the node's ``blocks``."""
 
     def __init__(self, ops: Ops, pipeline: Pipeline, blocks: BlockStore,
@@ -296,8 +296,8 @@ def _each_alone(offsets: list[int], sizes: list[int], stage: int | None) -> Tran
     """Blocks as a batch's items, each its own run (one UCX message, tag
     ``run_tag(id, i)``): blocks never coalesce, even when their slices touch
     in the arena (the client cannot know where they lie)."""
-    return TransferItems(offsets, sizes, sum(sizes), stage,
-                 [(o, s, i, i + 1) for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))])
+    runs = [(o, s, i, i + 1) for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))]
+    return TransferItems(offsets, sizes, sum(sizes), stage, runs)
 
 
 def _size(block: Block | None) -> int | None:

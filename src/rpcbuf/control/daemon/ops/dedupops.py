@@ -65,7 +65,7 @@ from rpcbuf.dataplane.arena import copy_between, host_memory
 from rpcbuf.dataplane.checksum import digest128, digests
 
 
-class DedupOps:
+class DedupHandlers:
     """The ``dedup_store`` op and the store-side indexing of one session."""
 
     def __init__(self, ops: Ops, pipeline: Pipeline) -> None:

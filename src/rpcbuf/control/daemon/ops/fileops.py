@@ -52,9 +52,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rpcbuf.control.daemon.accounting.copypool import Job
+from rpcbuf.control.daemon.accounting.copypool import CopyJob
 from rpcbuf.control.daemon.accounting.registry import Buffer
-from rpcbuf.control.daemon.content.modeldirs import ModelFiles, Opened
+from rpcbuf.control.daemon.content.modeldirs import ModelFiles, OpenedFile
 from rpcbuf.control.daemon.data.paths import outlast
 from rpcbuf.control.daemon.data.pipeline import Call, Held, Ops, Pipeline, Plan, check_items
 from rpcbuf.control.daemon.ops import manifest as M
@@ -82,8 +82,8 @@ class FileNode(Protocol):
     stopped: bool
 
 
-class Pending(Protocol):
-    """The dedup index's catch-up (``dedupops.DedupOps``): what the tenant
+class IndexCatchUp(Protocol):
+    """The dedup index's catch-up (``dedupops.DedupHandlers``): what the tenant
     stored lately becomes findable in place."""
 
     async def index_pending(self, held: Held) -> None: ...
@@ -123,7 +123,7 @@ class _Items:
             if n else (0, 0)
         self.file_order = np.argsort(self.file_offsets, kind="stable").tolist()
 
-    def match(self, f: Opened, layout: Ranges) -> None:
+    def match(self, f: OpenedFile, layout: Ranges) -> None:
         """Step 3: every item is exactly one tensor of the node's copy."""
         names, fo, sz = self.cols.names, self.file_offsets, self.sizes
         for i in self.file_order:
@@ -146,7 +146,7 @@ class FileOps:
     upload put in place are found there."""
 
     def __init__(self, ops: Ops, pipeline: Pipeline, node: FileNode, stop: threading.Event,
-                 pending: Pending) -> None:
+                 pending: IndexCatchUp) -> None:
         self._ops, self._pipe, self._node, self._stop = ops, pipeline, node, stop
         self._pending = pending
 
@@ -177,7 +177,7 @@ class FileOps:
             os.close(f.fd)
 
     async def _load(self, call: Call, buf: Buffer, items: _Items, files: ModelFiles,
-                    f: Opened, deadline: float, where: dict[str, str]) -> dict[str, Any]:
+                    f: OpenedFile, deadline: float, where: dict[str, str]) -> dict[str, Any]:
         """Steps 4 and 5, under the pipeline's pin and lock."""
         index, tenant, arena = self._ops.content, self._ops.owner, buf.pool.arena
         offsets, sizes, names = items.offsets, items.sizes, items.cols.names
@@ -237,7 +237,7 @@ class FileOps:
         finally:
             where["read"] = str(got.nbytes)
 
-    def _failure(self, f: Opened, out: Outcome, error: BaseException | None,
+    def _failure(self, f: OpenedFile, out: Outcome, error: BaseException | None,
                  names: list[str]) -> RpcBufError:
         if isinstance(error, ReadStopped):
             if self._stop.is_set() or self._node.stopped:
@@ -271,7 +271,7 @@ class FileOps:
         if self._stopping():
             raise ConnectionLost("the session is closing")
         pool = files.pool
-        job: Job = pool.submit(self._ops.owner, fn, *args)
+        job: CopyJob = pool.submit(self._ops.owner, fn, *args)
         stuck = asyncio.get_running_loop().call_later(
             max(0.0, deadline - time.monotonic()), pool.written_off, job)
         try:

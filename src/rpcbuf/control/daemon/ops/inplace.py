@@ -4,7 +4,7 @@ out of its blocks, through its own mapping of its tenant's segments; the
 daemon moves no byte.
 
 A put is two requests: ``block_place`` takes the put's pending slots (as
-``block_put`` does: ``BlockOps._allocate``, ``_prepare``) and holds them
+``block_put`` does: ``BlockHandlers._allocate``, ``_prepare``) and holds them
 for the session under a *lease*; ``block_commit`` hashes what the client
 copied in (xxh3-64, on the ``sweeps`` threads, never the event loop) and,
 when every hash matches, commits them (``BlockStore.commit``).  Anything
@@ -32,14 +32,14 @@ from typing import Any, Protocol
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import BlockStore
 from rpcbuf.control.daemon.data.pipeline import Call, Ops
-from rpcbuf.control.daemon.ops.blockops import MAX_MISSING, BlockOps
+from rpcbuf.control.daemon.ops.blockops import MAX_MISSING, BlockHandlers
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, QuotaExceeded
 
 MAX_LEASES = 64  # leases a session holds at once (a client has one per call in flight)
 
 
-class Segments(Protocol):
+class SegmentHandout(Protocol):
     """``AttachOps``: how a session is handed its tenant's segments."""
 
     def check_same_host(self) -> None: ...
@@ -59,8 +59,8 @@ class Lease:
 class InPlace:
     """One session's in-place puts and gets, and their leases."""
 
-    def __init__(self, ops: Ops, blocks: BlockStore, block_ops: BlockOps,
-                 segments: Segments) -> None:
+    def __init__(self, ops: Ops, blocks: BlockStore, block_ops: BlockHandlers,
+                 segments: SegmentHandout) -> None:
         self._ops, self._blocks, self._bops, self._segs = ops, blocks, block_ops, segments
         self._leases: dict[int, Lease] = {}
         self._next = 0

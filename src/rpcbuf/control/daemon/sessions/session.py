@@ -53,10 +53,10 @@ from rpcbuf.control.daemon.data.paths import DataPath, InlinePath, StagedPath, U
 from rpcbuf.control.daemon.data.pipeline import Call, Held, Pipeline
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.attachops import AttachOps
-from rpcbuf.control.daemon.ops.blockops import BlockOps
+from rpcbuf.control.daemon.ops.blockops import BlockHandlers
 from rpcbuf.control.daemon.ops.controlops import ControlOps
 from rpcbuf.control.daemon.ops.dataops import DataOps
-from rpcbuf.control.daemon.ops.dedupops import DedupOps
+from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
 from rpcbuf.control.daemon.ops.fileops import FileOps
 from rpcbuf.control.daemon.ops.inplace import InPlace
 from rpcbuf.control.daemon.ops.mapops import WriteGrants
@@ -127,12 +127,12 @@ class Session:
         self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
         # The ops, composed: each sees this session through a small Protocol.
         pipeline = Pipeline(self)
-        dedup = DedupOps(self, pipeline)
+        dedup = DedupHandlers(self, pipeline)
         data = DataOps(self, pipeline, dedup)
         files = FileOps(self, pipeline, daemon, self.copy_stop, dedup)
         self.control = control = ControlOps(self, daemon)
         self.attachments = attach = AttachOps(self, pipeline)
-        blocks = BlockOps(self, pipeline, daemon.blocks, attach.attach_buffer)
+        blocks = BlockHandlers(self, pipeline, daemon.blocks, attach.attach_buffer)
         self.in_place = in_place = InPlace(self, daemon.blocks, blocks, attach)
         self.write_grants = grants = WriteGrants(self, pipeline)
         # The one dispatch table: op -> (handler, may wait).  Quick ops answer
