@@ -18,11 +18,11 @@ and written from its host KV pool in place); ``endpoints`` is one node, a
 list, or the fleet registry ("etcd://h:2379"); ``ttl``, ``timeout``,
 ``replicas``, ``cluster``, ``same_host`` and ``namespace`` are optional.
 A daemon that is gone is a miss, never an exception into the scheduler; a
-refused token is ``RpcbufAuthError`` at start.
+refused token is ``TokenRefused`` at start.
 """
 
 from __future__ import annotations
 
-from ._storage import RpcbufAuthError, RpcbufHiCacheStorage
+from ._storage import RpcbufHiCacheStorage, TokenRefused
 
-__all__ = ["RpcbufAuthError", "RpcbufHiCacheStorage"]
+__all__ = ["RpcbufHiCacheStorage", "TokenRefused"]

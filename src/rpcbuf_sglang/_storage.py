@@ -10,7 +10,7 @@ each call of SGLang's is one coroutine run there and waited for, bounded by
 
 * a node that is gone, a timeout, a refused request: a **miss** (False,
   None, 0 pages), with a warning at most every ``WARN_EVERY`` seconds;
-* a token the daemons refuse: at start, ``RpcbufAuthError`` (one sentence;
+* a token the daemons refuse: at start, ``TokenRefused`` (one sentence;
   SGLang then fails the attach and says why); later (a token that
   expired), an error logged once and misses from then on;
 * no node answering at start is no error: misses, and the key space is
@@ -49,7 +49,7 @@ from rpcbuf.control.wire.protocol import MAX_BLOCK_KEYS
 from ._config import Names, Settings
 from ._pages import PAGE_LAYOUTS, PoolViews, split, tensor_bytes
 
-__all__ = ["RpcbufAuthError", "RpcbufHiCacheStorage"]
+__all__ = ["RpcbufHiCacheStorage", "TokenRefused"]
 
 log = logging.getLogger("rpcbuf.sglang")
 T = TypeVar("T")
@@ -62,7 +62,7 @@ _REFUSED = (rpcbuf.AuthFailed, rpcbuf.TokenExpired, rpcbuf.Forbidden)
 _MISSES = (rpcbuf.RpcBufError, OSError, ValueError, TimeoutError, asyncio.TimeoutError)
 
 
-class RpcbufAuthError(RuntimeError):
+class TokenRefused(RuntimeError):
     """The daemons refused this backend's token: no retry helps."""
 
 
@@ -150,8 +150,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
             self._lt.run(self._space(), self.settings.timeout + 5)
         except _REFUSED as exc:
             self._lt.close()
-            raise RpcbufAuthError(f"rpcbuf at {self.settings.endpoints} refused the "
-                                  f"token: {exc}") from None
+            raise TokenRefused(f"rpcbuf at {self.settings.endpoints} refused the "
+                               f"token: {exc}") from None
         except _MISSES as exc:
             log.warning("rpcbuf_sglang: %s not reachable yet (%s); misses until it is",
                         _say(self.settings.endpoints), _say(exc))

@@ -205,16 +205,16 @@ def test_two_models_two_ranks_and_two_tenants_never_see_each_others_pages(
 
 
 def test_a_refused_token_says_so_once_at_start(node: DaemonProc, tmp_path: Path) -> None:
-    from rpcbuf_sglang import RpcbufAuthError
+    from rpcbuf_sglang import TokenRefused
 
     pool = pool_of()
     bad = node.token("sg4")[:-4] + "AAAA"
-    with pytest.raises(RpcbufAuthError, match="AUTH_FAILED") as info:
+    with pytest.raises(TokenRefused, match="AUTH_FAILED") as info:
         make("dynamic", pool, extra=rpcbuf_extra(node.addr, bad))
     assert "\n" not in str(info.value)
     other = tmp_path / "other-secret"
     foreign = create_token(load_or_create_secret(other), "sg4")  # another cluster's key
-    with pytest.raises(RpcbufAuthError, match="refused the token"):
+    with pytest.raises(TokenRefused, match="refused the token"):
         make("dynamic", pool, extra=rpcbuf_extra(node.addr, foreign))
     extra = rpcbuf_extra(node.addr, "")
     with pytest.raises(ValueError, match="no token"):
