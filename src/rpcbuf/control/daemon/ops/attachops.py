@@ -49,7 +49,7 @@ from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
-from rpcbuf.control.daemon.ops.mapops import Holder, seal
+from rpcbuf.control.daemon.ops.mapops import Holder, handle_channel, seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -80,21 +80,14 @@ class AttachOps:
         self._tags = 0
 
     async def attach(self, call: Call, req: P.Attach) -> dict[str, Any]:
-        owner = self._owner
-        channel = owner.handles
-        if channel is None:
-            raise BadRequest("attach needs the same-host path (a client on the daemon's "
-                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        handle_channel(self._owner, "attach needs")  # before the lookup: BAD_REQUEST first
         return await self.attach_buffer(call, call.held.get(req.buffer_id))  # pinned now
 
     async def attach_buffer(self, call: Call, buf: Buffer) -> dict[str, Any]:
         """``attach`` of a buffer the request holds pinned already (a block,
         found by its key: ``blockops``)."""
         owner = self._owner
-        channel = owner.handles
-        if channel is None:
-            raise BadRequest("attach needs the same-host path (a client on the daemon's "
-                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        channel = handle_channel(owner, "attach needs")
         export = buf.pool.arena.export  # a GPU arena without handles raises UNSUPPORTED_DEVICE
         # A block of the KV tier has no memfd of its own: its tenant's segment
         # is handed out, read-only, and the answer says where in it the block
@@ -137,9 +130,7 @@ class AttachOps:
                 "tensors": buf.tensors, "manifest_version": buf.manifest_version}
 
     def check_same_host(self) -> None:
-        if self._owner.handles is None:
-            raise BadRequest("blocks in place need the same-host path (a client on the "
-                             "daemon's host, on its Unix socket)", {"reason": "not_same_host"})
+        handle_channel(self._owner, "blocks in place need")
 
     async def hand_segments(self, call: Call, segs: list[Buffer]
                             ) -> tuple[list[str], list[int], list[list[Any]]]:
@@ -149,9 +140,7 @@ class AttachOps:
         tagged ``tag``.  BAD_REQUEST (reason ``segments``) when more than
         ``MAX_NEW_MAPS`` would go at once, before any is sent."""
         owner = self._owner
-        channel = owner.handles
-        if channel is None:
-            raise BadRequest("blocks in place need the same-host path", {"reason": "not_same_host"})
+        channel = handle_channel(owner, "blocks in place need")
         tenant = owner.owner
         ids: dict[str, int] = {}
         which: list[int] = []

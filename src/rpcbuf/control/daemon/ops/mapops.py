@@ -75,6 +75,16 @@ class Holder(Protocol):
               note: str = "") -> None: ...
 
 
+def handle_channel(holder: Holder, what: str) -> HandleChannel:
+    """The session's handle channel, which ``what`` (an op: "attach needs")
+    needs; BAD_REQUEST (reason ``not_same_host``) for a session without one."""
+    channel = holder.handles
+    if channel is None:
+        raise BadRequest(f"{what} the same-host path (a client on the daemon's host, on its "
+                         "Unix socket)", {"reason": "not_same_host"})
+    return channel
+
+
 class WriteGrant:
     """One buffer's live grant: which session's page, which slot."""
 
@@ -119,11 +129,7 @@ class WriteGrants:
         return self._holder.session_id
 
     async def map(self, call: Call, req: P.MapBuffer) -> dict[str, Any]:
-        holder = self._holder
-        channel = holder.handles
-        if channel is None:
-            raise BadRequest("map_buffer needs the same-host path (a client on the daemon's "
-                             "host, on its Unix socket)", {"reason": "not_same_host"})
+        channel = handle_channel(self._holder, "map_buffer needs")
         buf = call.held.get(req.buffer_id)  # pinned now; only the tenant's own
         host = host_memory(buf.pool.arena)
         if host is None and not req.explicit:  # a kernel's writes take no lock of ours
@@ -319,4 +325,5 @@ def seal(buf: Buffer) -> None:
                          {"buffer_id": buf.buffer_id, "reason": "sealed"}) from None
 
 
-__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "WriteGrant", "WriteGrants", "seal"]
+__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "Holder", "WriteGrant", "WriteGrants",
+           "handle_channel", "seal"]
