@@ -63,10 +63,10 @@ def in_place_on() -> bool:
 
 
 class _Mapping:
-    __slots__ = ("array", "explicit", "gen", "inode", "mm", "size", "slot", "words")
+    __slots__ = ("array", "gen", "inode", "mm", "size", "slot", "words")
 
     def __init__(self, mm: mmap.mmap, size: int, slot: int, inode: int) -> None:
-        self.mm, self.size, self.slot, self.explicit = mm, size, slot, False
+        self.mm, self.size, self.slot = mm, size, slot
         self.inode = inode  # of the memfd it maps (``map_buffer``'s ``have``)
         self.gen = -1
         self.words = (0, 0, 0)  # the slot's lock address, generation and state indices
@@ -161,22 +161,16 @@ class OwnMaps:
                 arr[...] = m.array[offset:offset + n]
         finally:
             page.fast_give(lock)
-        counts = self.counts
-        if store:
-            counts["stores"] += 1
-            counts["bytes_stored"] += n
-        else:
-            counts["reads"] += 1
-            counts["bytes_read"] += n
+        self._count(store, n)
         return True
 
     async def store(self, buffer_id: str, offset: int, data: np.ndarray) -> bool:
         """Copy ``data`` (flat uint8) into the buffer at ``offset`` in place;
         False: not done, the caller goes the daemon's way."""
-        return await self._copy(buffer_id, offset, data, True)
+        return await self._copy_many(buffer_id, [offset], [data], True)
 
     async def read(self, buffer_id: str, offset: int, dest: np.ndarray) -> bool:
-        return await self._copy(buffer_id, offset, dest, False)
+        return await self._copy_many(buffer_id, [offset], [dest], False)
 
     async def store_many(self, buffer_id: str, offsets: list[int],
                          datas: list[np.ndarray]) -> bool:
@@ -185,9 +179,6 @@ class OwnMaps:
     async def read_many(self, buffer_id: str, offsets: list[int],
                         dests: list[np.ndarray]) -> bool:
         return await self._copy_many(buffer_id, offsets, dests, False)
-
-    async def _copy(self, buffer_id: str, offset: int, arr: np.ndarray, store: bool) -> bool:
-        return await self._copy_many(buffer_id, [offset], [arr], store)
 
     async def _copy_many(self, buffer_id: str, offsets: list[int], arrs: list[np.ndarray],
                          store: bool) -> bool:
@@ -224,10 +215,13 @@ class OwnMaps:
             self._copying -= 1
             if self._closed and not self._copying:  # the last copy after ``close``
                 page.close()
-        key = "stores" if store else "reads"
-        self.counts[key] += 1
-        self.counts["bytes_stored" if store else "bytes_read"] += nbytes
+        self._count(store, nbytes)
         return True
+
+    def _count(self, store: bool, nbytes: int) -> None:
+        counts = self.counts
+        counts["stores" if store else "reads"] += 1
+        counts["bytes_stored" if store else "bytes_read"] += nbytes
 
     def _held(self, buffer_id: str) -> _Mapping | None:
         """Our mapping of ``buffer_id`` if its grant is LIVE now."""
@@ -342,7 +336,7 @@ class OwnMaps:
             m = self._maps[buffer_id] = _Mapping(mm, size, slot, inode)
         elif m is None:
             raise ConnectionLost("the daemon granted a buffer it never handed over")
-        m.slot, m.gen, m.explicit = slot, gen, explicit or m.explicit
+        m.slot, m.gen = slot, gen
         m.words = self._page.words(slot)
         self.counts["grants"] += 1
         return m
@@ -350,20 +344,14 @@ class OwnMaps:
     async def map(self, buffer_id: str) -> MappedBuffer:
         """``ctx.map``: an explicit grant (raises what the daemon answers)."""
         m = await self.open(buffer_id, explicit=True)
-        if isinstance(m, _DeviceMapping):
-            dev = m
-
-            async def close_device() -> None:
-                dev.close()
-                with contextlib.suppress(NotFound, ConnectionLost):
-                    await self._caller.call(P.UnmapBuffer(buffer_id=buffer_id))
-            return MappedBuffer(buffer_id, dev.array, close_device)
+        dev = m if isinstance(m, _DeviceMapping) else None
 
         async def close() -> None:
-            m.explicit = False
+            if dev is not None:
+                dev.close()
             with contextlib.suppress(NotFound, ConnectionLost):
                 await self._caller.call(P.UnmapBuffer(buffer_id=buffer_id))
-        return MappedBuffer(buffer_id, m.array[:m.size], close)
+        return MappedBuffer(buffer_id, m.array if dev is not None else m.array[:m.size], close)
 
     def forget(self, buffer_id: Any) -> None:
         """The buffer was released by us: its mapping goes (unless arrays of it live)."""
