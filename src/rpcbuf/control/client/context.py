@@ -105,7 +105,7 @@ class RpcContext:
         self._places = Places(hello)  # what the daemon stated about each buffer
         self._paths.on_device_memory = self._places.device_memory
         # Our host buffers written and read in place (``mapped.py``).
-        self._own = OwnMaps(self._caller, handles) \
+        self._own = OwnMaps(self._caller, handles, self._check_open) \
             if handles is not None and self.same_host else None
         self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
                                 self._check_open, self._own if in_place_on() else None)

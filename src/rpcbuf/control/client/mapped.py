@@ -115,8 +115,9 @@ class MappedBuffer:
 class OwnMaps:
     """This session's grants and mappings, by buffer id."""
 
-    def __init__(self, caller: Caller, handles: Handles) -> None:
-        self._caller, self._handles = caller, handles
+    def __init__(self, caller: Caller, handles: Handles,
+                 check_open: Callable[[], None]) -> None:
+        self._caller, self._handles, self._check_open = caller, handles, check_open
         self._page: GrantPage | None = None
         self._maps: dict[str, _Mapping] = {}
         self._refused: dict[str, float] = {}  # buffer id -> when to ask again
@@ -185,11 +186,10 @@ class OwnMaps:
         # Only a store asks for a grant: a read of a buffer we do not write
         # in place goes the daemon's way, so reading never costs the buffer
         # its shared memory (a clone's) or a writable copy (an attached one's).
-        if self.due():  # as ``RangeOps`` does
+        if self.due():  # the loop runs, then the context is checked again
             await asyncio.sleep(0)
             self.yielded()
-            if self._closed:
-                return False
+            self._check_open()  # CONNECTION_LOST once the daemon died
         m = await self._live(buffer_id) if store else self._held(buffer_id)
         if m is None:
             return False

@@ -107,20 +107,11 @@ class RangeOps:
             return out
         return None
 
-    async def _let_loop_run(self) -> None:
-        """Once a millisecond of in-place ops: a turn of the event loop, then
-        the context checked again (``OwnMaps.due``)."""
-        own = self._own
-        if own is not None and own.due():
-            await asyncio.sleep(0)
-            own.yielded()
-            self._check_open()
-
     def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
         """An op done in place at once (``OwnMaps.copy_now``): no lookup
-        beyond two dicts.  The caller lets the event loop run first once a
-        millisecond (``OwnMaps.due``) and checks the context again: a daemon
-        that died is noticed there.  False: take the usual way."""
+        beyond two dicts.  Never when the event loop is due a turn
+        (``OwnMaps.due``): the async way yields first.  False: take the
+        usual way."""
         own = self._own
         if own is None or type(data) is not np.ndarray or type(offset) is not int \
                 or type(buffer_id) is not str:
@@ -161,10 +152,6 @@ class RangeOps:
         kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
         if wire_dtype is None:
             data, landed = as_bytes(array), None
-            if sync and verify is None:
-                await self._let_loop_run()
-                if self._now(buffer_id, offset, data, True):
-                    return {"nbytes": int(data.nbytes)}
         else:
             data, landed = to_wire_f16(array)
         coro = self.store(buffer_id, data, offset, verify, kind, wire_dtype, landed)
@@ -216,9 +203,6 @@ class RangeOps:
         elif target.nbytes < nbytes:
             raise BadRequest(f"out holds {target.nbytes} bytes, {nbytes} requested")
         dest = target[:nbytes]
-        await self._let_loop_run()
-        if self._now(buffer_id, offset, dest, False):
-            return out if out is not None else target
         prepare(dest)  # GPU work still using ``out`` finishes before it is overwritten
         place = await self.place(buffer_id)
         if self._in_place(place, offset, (dest,)):
