@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import rpcbuf
-from rpcbuf.control.client.arrays import as_bytes, is_cuda
+from rpcbuf.control.client.arrays import as_bytes
 from rpcbuf.control.client.datapath import Transfer
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane import devsum as D, ucx
@@ -183,7 +183,7 @@ async def test_torch_tensors_round_trip(ctx: rpcbuf.RpcContext, dtype: str) -> N
     src = (torch.randn(33, 7) * 10).to(dt)
     view = as_bytes(src)
     assert view.ctypes.data == src.data_ptr() and view.nbytes == src.nbytes  # zero-copy
-    assert not is_cuda(src)
+    assert D.memory_kind(src) != "cuda"
     buf = await ctx.request_buffer(src.nbytes + 64)
     try:
         await ctx.store_tensor(buf, src, offset=8, verify="checksum")
@@ -236,7 +236,7 @@ async def test_dlpack_objects(ctx: rpcbuf.RpcContext) -> None:
 
 def test_fake_device_arrays_take_the_device_path(fake_cupy) -> None:  # type: ignore[no-untyped-def]
     arr = fake_cupy.asarray(np.arange(10, dtype=np.float32))
-    assert not isinstance(arr, np.ndarray) and is_cuda(arr)
+    assert not isinstance(arr, np.ndarray) and D.memory_kind(arr) == "cuda"
     view = as_bytes(arr)
     assert isinstance(view, fake_cupy.ndarray) and view.nbytes == 40
     assert D.devsum(np.arange(10, dtype=np.float32)) == D.host_devsum(arr.get())

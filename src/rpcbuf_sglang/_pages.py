@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from rpcbuf.dataplane.devsum import memory_kind
+
 PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")  # one span per K/V per page
 
 
@@ -30,7 +32,7 @@ def tensor_bytes(t: Any) -> np.ndarray | None:
         return t.reshape(-1).view(np.uint8)
     import torch
 
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+    if not isinstance(t, torch.Tensor) or memory_kind(t) != "host" or not t.is_contiguous():
         return None
     out: np.ndarray = t.detach().reshape(-1).view(torch.uint8).numpy()
     return out

@@ -24,9 +24,35 @@ adversarial-resistant hash (neither is xxh3).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
+
+_CUDA_DLPACK = (2, 13)  # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is host memory)
+
+
+def memory_kind(obj: Any) -> str:
+    """Where an array's memory lives, the one place this is asked: "host",
+    "cuda", or another torch device's type ("meta", "mps", ...).  NumPy, the
+    buffer protocol and unknown objects are "host"; ``__cuda_array_interface__``
+    and DLPack's CUDA devices are "cuda"."""
+    if isinstance(obj, np.ndarray):
+        return "host"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        device = str(obj.device.type)
+        return "host" if device == "cpu" else device
+    if hasattr(obj, "__cuda_array_interface__"):
+        return "cuda"
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return "cuda" if int(dev()[0]) in _CUDA_DLPACK else "host"
+        except Exception:
+            return "host"
+    return "host"
+
 
 M64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -134,6 +160,6 @@ def device_devsum(arr: Any) -> int:
 def devsum(data: Any) -> int:
     """``devsum`` of host bytes (anything with the buffer protocol) or of a
     CuPy array (on its GPU)."""
-    if hasattr(data, "__cuda_array_interface__") and not isinstance(data, np.ndarray):
+    if memory_kind(data) == "cuda":
         return device_devsum(data)
     return host_devsum(data)

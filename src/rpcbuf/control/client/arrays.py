@@ -39,30 +39,12 @@ from typing import Any
 import numpy as np
 
 from rpcbuf.control.wire.errors import BadRequest
-
-_CUDA_DLPACK = (2, 13)  # kDLCUDA, kDLCUDAManaged (kDLCUDAHost, 3, is host memory)
+from rpcbuf.dataplane.devsum import memory_kind
 
 
 def _torch_tensor(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def is_cuda(obj: Any) -> bool:
-    """Whether ``obj`` lives in CUDA device memory."""
-    if isinstance(obj, np.ndarray):
-        return False
-    if _torch_tensor(obj):
-        return bool(obj.is_cuda)
-    if hasattr(obj, "__cuda_array_interface__"):
-        return True
-    dev = getattr(obj, "__dlpack_device__", None)
-    if dev is not None:
-        try:
-            return int(dev()[0]) in _CUDA_DLPACK
-        except Exception:
-            return False
-    return False
 
 
 def dtype_name(obj: Any) -> str:
@@ -92,7 +74,7 @@ def host_array(obj: Any) -> tuple[np.ndarray, str | None]:
     import torch
 
     t = obj.detach()
-    if t.device.type != "cpu":
+    if memory_kind(t) != "host":
         raise BadRequest(f"this tensor is on {t.device}, not in host memory")
     if t.layout != torch.strided:
         raise BadRequest(f"this tensor is {t.layout} (convert it first: .to_dense())")
@@ -204,7 +186,7 @@ def refuse_device(values: Sequence[Any], refusal: str,
     ``store_batch``, the block verbs), before any value is converted:
     BAD_REQUEST for one in GPU memory (``refusal`` says why; ``names``, when
     given, name it), which ``np.asarray`` would refuse (CuPy, torch) or copy."""
-    on_gpu = next((i for i, v in enumerate(values) if is_cuda(v)), None)
+    on_gpu = next((i for i, v in enumerate(values) if memory_kind(v) == "cuda"), None)
     if on_gpu is not None:
         what = f"tensor {names[on_gpu]!r}" if names is not None else "an array"
         raise BadRequest(f"{what} is in GPU memory: {refusal}")
@@ -258,7 +240,7 @@ def as_bytes(array: Any, *, writable: bool = False) -> Any:
     if type(array) is np.ndarray and array.dtype is _U8 and array.ndim == 1 \
             and array.flags.c_contiguous and (not writable or array.flags.writeable):
         return array  # already what it would become (the common case: no new views)
-    if is_cuda(array):
+    if memory_kind(array) == "cuda":
         return device_bytes(array, writable)
     return host_bytes(array, writable)
 
@@ -266,7 +248,7 @@ def as_bytes(array: Any, *, writable: bool = False) -> Any:
 def prepare(data: Any) -> None:
     """Before a transfer: wait for the GPU work that produces (or last used)
     ``data``'s memory.  A no-op for host arrays."""
-    if isinstance(data, np.ndarray):
+    if memory_kind(data) != "cuda":
         return
     cp = sys.modules.get("cupy")
     if cp is not None and isinstance(data, cp.ndarray):
@@ -283,7 +265,7 @@ def to_wire_f16(array: Any) -> tuple[Any, Any]:
         t = array.detach()
         half = t.to(torch.float16).contiguous()
         return as_bytes(half), as_bytes(half.to(torch.float32))
-    if is_cuda(array):
+    if memory_kind(array) == "cuda":
         cp = _cupy()
         values = device_bytes(array).view(cp.float32)
         with values.device:

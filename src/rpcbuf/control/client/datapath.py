@@ -59,6 +59,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError, Timeout
 from rpcbuf.control.wire.runs import run_tag
 from rpcbuf.dataplane import staging, ucx
+from rpcbuf.dataplane.devsum import memory_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +285,7 @@ class InlineClientPath:
         if not t.inline or len(t.arrays) != 1:
             return False
         a = t.arrays[0]
-        return isinstance(a, np.ndarray) and a.nbytes <= self.limit
+        return memory_kind(a) == "host" and a.nbytes <= self.limit
 
     async def send(self, t: Transfer) -> dict[str, Any]:
         (piece,) = _flat(t.arrays)
@@ -438,7 +439,7 @@ class DataPaths:
             return self.ucx
         same = self.same_host
         if same is not None:
-            if all(isinstance(a, np.ndarray) for a in t.arrays) and same.takes(t.arrays):
+            if all(memory_kind(a) == "host" for a in t.arrays) and same.takes(t.arrays):
                 return same
         elif self.inline is not None and self.inline.takes(t):
             return self.inline

@@ -21,7 +21,7 @@ import numpy as np
 
 from rpcbuf.control.client import batches
 from rpcbuf.control.client.answers import BufferMeta, parse_meta
-from rpcbuf.control.client.arrays import as_bytes, dtype_name, is_cuda, prepare, to_wire_f16
+from rpcbuf.control.client.arrays import as_bytes, dtype_name, prepare, to_wire_f16
 from rpcbuf.control.client.datapath import BufferPlace, DataPaths, Transfer
 from rpcbuf.control.client.hello import HelloAnswer
 from rpcbuf.control.client.mapped import OwnMaps
@@ -29,7 +29,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, VerifyFailed
 from rpcbuf.control.wire.gpuops import check_wire_dtype
 from rpcbuf.dataplane.checksum import checksum
-from rpcbuf.dataplane.devsum import devsum
+from rpcbuf.dataplane.devsum import devsum, memory_kind
 
 PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
 
@@ -149,7 +149,7 @@ class RangeOps:
             raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
         if wire_dtype is not None:
             check_wire_dtype(wire_dtype, dtype_name(array))
-        kind = "devsum" if is_cuda(array) else None  # None: the buffer's own
+        kind = "devsum" if memory_kind(array) == "cuda" else None  # None: the buffer's own
         if wire_dtype is None:
             data, landed = as_bytes(array), None
         else:
@@ -260,7 +260,7 @@ class RangeOps:
 
     async def verify_write(self, buffer_id: str, offset: int, array: Any) -> bool:
         data = as_bytes(array)
-        if not isinstance(data, np.ndarray):  # device memory: compare on the host
+        if memory_kind(data) != "host":  # device memory: compare on the host
             data = data.get()
         back = await self.read_buffer(buffer_id, offset, int(data.nbytes), None)
         if not np.array_equal(back, data):

@@ -42,6 +42,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, ConnectionLost
 from rpcbuf.control.wire.runs import plan_runs, run_tag
 from rpcbuf.dataplane import staging
+from rpcbuf.dataplane.devsum import memory_kind
 from rpcbuf.dataplane.ucx import DataEndpoint, TransferError, transfer_all
 
 log = logging.getLogger("rpcbuf.daemon")
@@ -81,7 +82,7 @@ class Scratch:
 
     def __init__(self, array: Any) -> None:
         self.array = array
-        self.address: int | None = array.ctypes.data if isinstance(array, np.ndarray) else None
+        self.address: int | None = array.ctypes.data if memory_kind(array) == "host" else None
 
     def view(self, offset: int, nbytes: int) -> Any:
         return self.array[offset:offset + nbytes]
