@@ -327,7 +327,7 @@ def test_parse_tensors_refuses_a_manifest_that_is_no_map() -> None:
 def test_the_manifest_cache_refuses_entries_that_are_no_entries() -> None:
     from rpcbuf.control.client.tensorops import TensorOps
 
-    ops = TensorOps(None)  # type: ignore[arg-type]  # remember() is synchronous: no I/O
+    ops = TensorOps(None, None)  # type: ignore[arg-type]  # remember() is synchronous: no I/O
     meta = {"manifest_version": 1, "tensors_end": 256}
     ops.remember("b-1", {**meta, "tensors": {"a": GOOD}})
     assert ops.manifests["b-1"].table["a"] == GOOD

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from rpcbuf.control.client.answers import (
     parse_buffers,
@@ -24,19 +24,14 @@ from rpcbuf.control.client.answers import (
 )
 from rpcbuf.control.client.connection import Caller
 from rpcbuf.control.client.rangeops import Places
+from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.wire import protocol as P
-
-
-class Remember(Protocol):
-    """The manifest cache (``TensorOps``)."""
-
-    def remember(self, buffer_id: str, meta: dict[str, Any]) -> None: ...
 
 
 class BufferOps:
     """The quick control ops of one context."""
 
-    def __init__(self, caller: Caller, places: Places, manifests: Remember,
+    def __init__(self, caller: Caller, places: Places, manifests: TensorOps,
                  check_open: Callable[[], None]) -> None:
         self._caller, self._places, self._manifests = caller, places, manifests
         self._check_open = check_open

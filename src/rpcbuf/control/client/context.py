@@ -109,7 +109,7 @@ class RpcContext:
             if handles is not None and self.same_host else None
         self._ranges = RangeOps(self._paths, self._places, self.get_buffer_meta,
                                 self._check_open, self._own if in_place_on() else None)
-        self._tensors = TensorOps(self)
+        self._tensors = TensorOps(self._ranges, self.get_buffer_meta)
         self._buffers = BufferOps(self._caller, self._places, self._tensors, self._check_open)
         self._dedup = DedupOps(self._check_open, self._caller, self._tensors, self._ranges)
         self._blocks = BlockOps(self._caller, self._paths, self._check_open,

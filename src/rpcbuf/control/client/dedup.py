@@ -10,23 +10,20 @@ and verifies them), then sends only the missing tensors in one
 Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
 caller that hashed already (the model loader hashes while it reads ahead)
 passes ``hashes`` to skip it.
-
-``DedupOps`` holds no connection: it is handed what it needs of its
-context's parts (its ``Caller``, the manifest cache as ``Manifests``, the
-batch store as ``BatchStore``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from rpcbuf.control.client.connection import Caller
+from rpcbuf.control.client.rangeops import RangeOps
+from rpcbuf.control.client.tensorops import TensorOps
 from rpcbuf.control.client.tensors import (
-    ManifestTable,
     Packed,
     named_arrays,
     plan_layout,
@@ -48,27 +45,12 @@ def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int
             for n, a in arrays.items()}
 
 
-class Manifests(Protocol):
-    """The manifest cache (``TensorOps``)."""
-
-    async def manifest_of(self, buffer_id: str) -> ManifestTable: ...
-
-
-class BatchStore(Protocol):
-    """Where the missing tensors go (``RangeOps``)."""
-
-    async def store_batch(self, buffer_id: str, items: Sequence[tuple[int, Any]],
-                          verify: str | None, manifest: Packed | None,
-                          manifest_version: int | None,
-                          checksums: Sequence[int] | None) -> dict[str, Any]: ...
-
-
 class DedupOps:
     """``store_tensors_dedup`` over a context's parts; ``check_open`` first,
     as every verb."""
 
-    def __init__(self, check_open: Callable[[], None], caller: Caller, manifests: Manifests,
-                 store: BatchStore) -> None:
+    def __init__(self, check_open: Callable[[], None], caller: Caller, manifests: TensorOps,
+                 store: RangeOps) -> None:
         self._check_open, self._call = check_open, caller.call
         self._manifests, self._store = manifests, store
 

@@ -14,8 +14,8 @@ take every argument, and, as every verb, check the context is open first.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from rpcbuf.control.wire.errors import BadRequest, NotFound, VerifyFailed
 from rpcbuf.control.wire.gpuops import check_wire_dtype
 from rpcbuf.dataplane.checksum import checksum
 from rpcbuf.dataplane.devsum import devsum, memory_kind
+
+# The context's get_buffer_meta(buffer_id, tensors), which notes the place it answers.
+MetaOf = Callable[[str, bool], Awaitable[dict[str, Any]]]
 
 PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotten first)
 
@@ -61,17 +64,10 @@ class Places:
             self._places.pop(buffer_id, None)
 
 
-class MetaCall(Protocol):
-    """The context's ``get_buffer_meta`` (which notes the place it answers)."""
-
-    async def __call__(self, buffer_id: str, tensors: bool = True,
-                       timeout: float | None = None) -> dict[str, Any]: ...
-
-
 class RangeOps:
     """The byte-range verbs of one context over its ``paths``."""
 
-    def __init__(self, paths: DataPaths, places: Places, meta: MetaCall,
+    def __init__(self, paths: DataPaths, places: Places, meta: MetaOf,
                  check_open: Callable[[], None], own: OwnMaps | None = None) -> None:
         self._paths, self._places, self._meta = paths, places, meta
         self._check_open = check_open
@@ -136,7 +132,7 @@ class RangeOps:
         place = self._places.get(buffer_id)
         if place is None:
             try:
-                await self._meta(buffer_id, tensors=False)
+                await self._meta(buffer_id, False)
             except NotFound:
                 return None
             place = self._places.get(buffer_id)
@@ -194,7 +190,7 @@ class RangeOps:
             if target is not None:
                 nbytes = int(target.nbytes)
             else:
-                meta = parse_meta(await self._meta(buffer_id))
+                meta = parse_meta(await self._meta(buffer_id, True))
                 nbytes = meta.size - offset
         if not isinstance(nbytes, int) or nbytes < 0:
             raise BadRequest(f"nbytes must be a non-negative int, got {nbytes!r}")

@@ -10,19 +10,19 @@ arrays a kind at a time, checking each against its xxh3-64 in the manifest.
 
 The cache is per context and per buffer, valid while the daemon's
 ``manifest_version`` is: a small ``get_buffer_meta(tensors=False)`` tells.
-The layer holds no connection: it calls the context through ``BatchOps``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from rpcbuf.control.client.answers import bad_answer
 from rpcbuf.control.client.arrays import check_framework, torch_view
+from rpcbuf.control.client.rangeops import MetaOf, RangeOps
 from rpcbuf.control.client.tensors import (
     XXH3,
     Items,
@@ -56,28 +56,12 @@ class _Manifest:
         self.end = max(self.end, written.end)
 
 
-class BatchOps(Protocol):
-    """What the named-tensor layer needs of a context."""
-
-    async def get_buffer_meta(self, buffer_id: str, tensors: bool = True,
-                              timeout: float | None = None) -> dict[str, Any]: ...
-
-    async def store_batch(
-        self, buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | None = None,
-        manifest: tuple[list[str], list[str], list[list[int]]] | Packed | None = None,
-        manifest_version: int | None = None,
-    ) -> dict[str, Any]: ...
-
-    async def read_batch(self, buffer_id: str,
-                         ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]: ...
-
-
 class TensorOps:
     """The named-tensor layer over a context's batch ops, and its cache of
     manifests (buffer id -> the manifest as of a version)."""
 
-    def __init__(self, ops: BatchOps) -> None:
-        self._ops = ops
+    def __init__(self, ranges: RangeOps, meta: MetaOf) -> None:
+        self._ranges, self._meta = ranges, meta
         self.manifests: dict[str, _Manifest] = {}
 
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any], offset: int | None,
@@ -94,13 +78,13 @@ class TensorOps:
         for attempt in (0, 1):
             cached = self.manifests.get(buffer_id)
             if cached is None:
-                await self._ops.get_buffer_meta(buffer_id)  # fills the cache
+                await self._meta(buffer_id, True)  # fills the cache
                 cached = self.manifests[buffer_id]
             offsets = plan_offsets(names, sizes, cached.table, offset, cached.end)
             try:
-                result = await self._ops.store_batch(
-                    buffer_id, Items(offsets, arrays, sizes), verify=verify,
-                    manifest=packed, manifest_version=cached.version)
+                result = await self._ranges.store_batch(
+                    buffer_id, Items(offsets, arrays, sizes), verify, packed, cached.version,
+                    None)
                 break
             except BadRequest as exc:
                 # Another client changed the manifest since we cached it: the
@@ -133,10 +117,10 @@ class TensorOps:
         (a small answer) and from the daemon otherwise."""
         cached = self.manifests.get(buffer_id)
         if cached is not None:
-            meta = await self._ops.get_buffer_meta(buffer_id, tensors=False)
+            meta = await self._meta(buffer_id, False)
             if meta["manifest_version"] == cached.version:
                 return cached.table
-        meta = await self._ops.get_buffer_meta(buffer_id)
+        meta = await self._meta(buffer_id, True)
         cached = self.manifests.get(buffer_id)
         return cached.table if cached is not None \
             else ManifestTable.of_entries(meta.get("tensors") or {})
@@ -179,8 +163,8 @@ class TensorOps:
         if order is not None:
             rows, offsets = rows[order], offsets[order]
         starts, lengths, span_of = plan_spans(offsets, table.nbytes[rows])
-        blocks = await self._ops.read_batch(buffer_id, list(zip(starts.tolist(), lengths.tolist(),
-                                                           strict=True)))
+        spans = list(zip(starts.tolist(), lengths.tolist(), strict=True))
+        blocks = await self._ranges.read_batch(buffer_id, spans)
         arrays = bulk_views(blocks, span_of, offsets - starts[span_of], table.kinds[rows],
                             LazyDtypes(table.dtypes), table.shapes)
         return in_caller_order(arrays, order)
