@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 import rpcbuf
 from conftest import DaemonProc
-from rpcbuf.control.client.keyspace import node_seed, rank, ranks
+from rpcbuf.control.client.rendezvous import node_seed, rank, ranks
 from rpcbuf.control.wire.auth import create_token, load_or_create_secret
 
 TENANT = "kv"

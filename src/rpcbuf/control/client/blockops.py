@@ -84,6 +84,23 @@ def check_keys(keys: Any) -> list[str]:
     return out
 
 
+def put_pairs(blocks: Mapping[str, Any] | Sequence[tuple[str, Any]]
+              ) -> tuple[list[str], list[np.ndarray]]:
+    """The keys and host bytes of a put, checked.  Raises BAD_REQUEST."""
+    pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
+    try:
+        keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
+    except (TypeError, ValueError):
+        raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
+    keys = check_keys(keys)
+    if len(set(keys)) != len(keys):
+        raise BadRequest("put_blocks names each key once")
+    datas = host_data(arrays, "put_blocks takes host arrays (blocks live in host memory)")
+    if any(d.nbytes == 0 for d in datas):
+        raise BadRequest("every block holds at least one byte")
+    return keys, datas
+
+
 class BlockOps:
     """The block verbs of one context (``RpcContext.put_blocks`` ...: their
     docstrings and defaults are the contract), over its ``caller`` (control
@@ -106,19 +123,7 @@ class BlockOps:
                   ttl: float | None, metas: Sequence[bytes] | None, device_type: str,
                   device: int) -> dict[str, Any]:
         self._check_open()
-        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
-        try:
-            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
-        except (TypeError, ValueError):
-            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
-        keys = check_keys(keys)
-        if len(arrays) != len(keys):
-            raise BadRequest(f"{len(keys)} keys and {len(arrays)} arrays")
-        if len(set(keys)) != len(keys):
-            raise BadRequest("put_blocks names each key once")
-        datas = host_data(list(arrays), "put_blocks takes host arrays (blocks live in host memory)")
-        if any(d.nbytes == 0 for d in datas):
-            raise BadRequest("every block holds at least one byte")
+        keys, datas = put_pairs(blocks)
         sizes = np.fromiter((d.nbytes for d in datas), dtype=np.uint64, count=len(datas))
         if self.segments is not None:
             try:

@@ -1,44 +1,18 @@
-"""The data path: how the bytes of a data op travel, chosen once per session.
+"""The data path: how the bytes of a data op travel, chosen per op by one rule.
 
-A session has two ``ClientPath`` implementations: ``UcxClientPath`` (a UCX
-endpoint bound to the session by its nonce, dialled on first use on a
-same-host session) and either, when ``hello`` granted it and the handle
-channel is bound (``handles.py``), ``StagedClientPath`` (our host arrays are
-copied into or out of the session's staging area, shared memory the daemon
-made; the daemon copies between it and its arena) or, on a network session
-whose daemon allows it (``inline_max``), ``InlineClientPath`` (a small op's bytes
-in its control frames).  ``DataPaths.choose`` is the one rule that picks a
-path per op: for host arrays of a host buffer the same-host path, else
-the inline path when it is a small plain store or read; UCX for everything
-else (GPU arrays, GPU buffers, big ops).  A buffer's
-device is what the daemon stated (``BufferPlace``, from its metadata), never
-guessed; the one fallback left, in ``DataPaths.run``, is for a daemon whose
-buffer turned out to be device memory after all (it refuses the staged op
-with reason ``device_memory`` before touching a byte): noted, and rerun over
-UCX.
+A session has ``UcxClientPath`` (an endpoint bound to the session by its
+nonce, dialled on first use) and at most one of ``StagedClientPath`` (same
+host: we copy through the session's staging area, the daemon copies between
+it and its arena) and ``InlineClientPath`` (network: a small op's bytes in
+its control frames).  ``DataPaths.choose``: host arrays of a host buffer take
+the staged or inline path, everything else UCX.  A buffer's device is what
+the daemon stated (``BufferPlace``), never guessed; a staged op the daemon
+refuses with ``device_memory`` is noted and rerun over UCX.
 
-The ops (``rangeops.py``, ``batches.py``, ``blockops.py``) describe their bytes once, as a
-``Transfer``; each path takes what it needs from it.
-
-Checklist for a new path (shared-memory handles, CUDA device-to-device,
-RDMA), touching nothing else on the client side:
-
-1. a class here with ``send(t)`` (store-like: the bytes of ``t.arrays``
-   leave, the daemon's result comes back once they landed) and
-   ``receive(t)`` (read-like: the daemon says yes, then the bytes land in
-   ``t.arrays``), each within the call's in-flight slot and timeout
-   (``Caller``) and, for the transfer, the daemon's transfer deadline;
-2. its name on the wire (``P.PathName``) and whatever it adds to the
-   request (a staging slot, handles, keys), set in one place, as
-   ``StagedClientPath`` sends ``t.request.replace(path="staged", stage=slot)``;
-3. every array the transport may touch stays referenced until it is done
-   with it, even when we stop waiting (UCX: the orphan grace,
-   ``ControlConnection.orphan``; the staged path's own threads hold theirs);
-4. on a lost control connection every wait ends at once with
-   CONNECTION_LOST (``conn.lost_future()``);
-5. its case in ``DataPaths.choose`` (which buffers and arrays it takes) and
-   its ``close``/``abort`` in ``DataPaths``;
-6. its counterpart on the daemon (``control/daemon``'s data path).
+Every path: keeps each array it may touch referenced until the transport is
+done with it (UCX: the orphan grace; staged: the ring thread's hold), ends
+every wait at once with CONNECTION_LOST when the control connection is lost,
+and names itself in the request (``path``).
 """
 
 from __future__ import annotations
@@ -64,23 +38,17 @@ from rpcbuf.dataplane.devsum import memory_kind
 
 @dataclass(frozen=True, slots=True)
 class BufferPlace:
-    """Where a buffer lives, as the daemon stated it (its metadata, and the
-    hello's ``checksum_kinds``): what routes its bytes and checks them."""
+    """Where a buffer lives, as the daemon stated it: routes and checks its bytes."""
 
     gpu: bool
     checksum_kind: str  # what a plain store into it is verified with
 
 
 class Transfer(NamedTuple):
-    """One data op's bytes, described once for every path.
-
-    ``request``: the op's request on the UCX path; each other path sends a
-    copy naming itself (``path``): the staged path's names a staging slot,
-    whose bytes are those of ``arrays`` (host arrays, contiguous), back to
-    back in order -- the order of the UCX runs.  ``messages()``: the UCX
-    messages, message ``i`` on ``run_tag(id, i)``.  ``inline``: a plain
-    store or read, whose bytes may ride in its frames (``InlineClientPath``).
-    (A named tuple and a closure: made per op, so cheap to make.)"""
+    """One data op's bytes, described once for every path.  ``request`` is
+    the UCX form; the other paths send a copy naming themselves.  Message
+    ``i`` of ``messages()`` travels on ``run_tag(id, i)``; ``inline``: a plain
+    store or read, small enough for its frames."""
 
     request: P.DataRequest
     arrays: Sequence[Any]
@@ -89,7 +57,7 @@ class Transfer(NamedTuple):
 
 
 class ClientPath(Protocol):
-    """See the module's checklist."""
+    """A way for a data op's bytes: UCX, staged or inline."""
 
     async def send(self, t: Transfer) -> dict[str, Any]: ...
 
@@ -97,22 +65,13 @@ class ClientPath(Protocol):
 
 
 class StagedClientPath:
-    """The same-host path: our bytes meet the daemon's in the session's
-    staging area (``dataplane/staging.py``, shared memory the daemon made
-    and sent over the handle channel, ``handles.py``); we copy our arrays
-    in or out, the daemon copies between it and its arena.  The daemon never
-    touches our memory.
-
-    An op of at most ``staging.SMALL`` bytes takes one of the small slots: a
-    store copies its bytes in, then asks; a read asks, then copies out.  A
-    bigger op takes the ring (one op at a time): we copy chunk ``k + 1`` in
-    (or out) on a worker thread while the daemon copies chunk ``k``.  A slot
-    (or the ring) whose request we stopped waiting for (timeout, cancel) may
-    still be in use by the daemon: it is retired for good, never reused; the
-    ring retired, big ops go over UCX.  The mapping is the session's
-    (``handles.py`` unmaps it when the context closes): every copy here
-    first checks it is still there (``_live``), and a ring thread holds it
-    (``staging.Shared.hold``) until the thread returned."""
+    """Same host: our bytes meet the daemon's in the session's staging area;
+    the daemon never touches our memory.  An op of at most ``staging.SMALL``
+    bytes takes a small slot; a bigger one the ring (one op at a time), our
+    thread copying chunk ``k + 1`` while the daemon copies chunk ``k``.  A
+    slot or ring whose request we stopped waiting for may still be in use:
+    it is retired for good (then big ops go over UCX).  Every copy first
+    checks the mapping is still there (``_live``)."""
 
     def __init__(self, caller: Caller, shared: staging.Shared, transfer_timeout: float) -> None:
         self._caller, self._conn, self._shared = caller, caller.conn, shared
@@ -125,7 +84,6 @@ class StagedClientPath:
         self.ring_ok = True  # False once retired
 
     def takes(self, arrays: Sequence[Any]) -> bool:
-        """Whether this path can carry an op of these host arrays now."""
         return self.ring_ok or sum(int(a.nbytes) for a in arrays) <= staging.SMALL
 
     async def send(self, t: Transfer) -> dict[str, Any]:
@@ -157,9 +115,8 @@ class StagedClientPath:
                 self._free.put_nowait(slot)
 
     def _live(self, nbytes: int) -> int:
-        """``nbytes``, once we know the mapping is still there (a copy
-        resumed after the context closed would touch unmapped memory).
-        Raises CONNECTION_LOST."""
+        """``nbytes``, once the mapping is known to be there.  Raises
+        CONNECTION_LOST."""
         if self._shared.closed:
             raise ConnectionLost("context is closed")
         return nbytes
@@ -178,11 +135,8 @@ class StagedClientPath:
 
     async def _ring_op(self, t: Transfer, pieces: list[np.ndarray], nbytes: int,
                        produce: bool) -> dict[str, Any]:
-        """A big op through the ring.  Store (``produce``): the request goes
-        first (the daemon looks up and locks while we copy), then our thread
-        fills the ring; read: the request goes, our thread empties the ring
-        as the daemon fills it.  The daemon answers once it is done with the
-        ring; our thread stops early only when the answer is an error."""
+        """A big op through the ring: the request goes first (the daemon locks
+        while we copy); the daemon answers once it is done with the ring."""
         if not self.ring_ok:
             raise ConnectionLost("the staging ring was retired")  # DataPaths picks UCX first
         await self._ring.acquire()
@@ -212,12 +166,9 @@ class StagedClientPath:
 
 
 class _Ring:
-    """The bytes of a big same-host op beside its answer.  One chunk
-    (``one``) needs no thread: a store's is in the ring before the request
-    goes, a read's is copied out once the daemon answered (it answers when
-    it is done with the ring).  Otherwise our thread fills the ring (store)
-    or empties it (read) as the daemon copies, and stops early only when
-    the answer is an error."""
+    """A big staged op's bytes beside its answer: one chunk needs no
+    thread; else our thread fills (store) or empties (read) the ring, and
+    stops early only on an error answer."""
 
     def __init__(self, shared: staging.Shared, pieces: list[np.ndarray], one: bool,
                  produce: bool, timeout: float) -> None:
@@ -263,20 +214,14 @@ class _Ring:
 
 
 def inline_on() -> bool:
-    """Whether small ops of network sessions ride in their frames:
-    ``RPCBUF_INLINE=0`` sends every payload as a UCX message (to test or
-    compare the UCX path itself)."""
+    """``RPCBUF_INLINE=0`` sends every payload over UCX (to test that path)."""
     return os.environ.get("RPCBUF_INLINE", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 class InlineClientPath:
-    """Small host ops of a network session in the control frames themselves:
-    a store's bytes in its request (``Store.data``), a read's in its answer,
-    at most the daemon's ``inline_max``.  One round trip
-    and nothing else: no UCX message, so neither side's progress engine
-    polls for it (a 4 KiB store over UCX cost twice as much, measured in
-    docs/performance.md).  The answer's bytes are checked for their count
-    before they are copied (a daemon could lie)."""
+    """Small host ops of a network session in the control frames (at most
+    the daemon's ``inline_max``): one round trip, no UCX message to poll for.
+    A read's bytes are checked for their count before they are copied."""
 
     def __init__(self, caller: Caller, limit: int) -> None:
         self._caller, self.limit = caller, limit
@@ -304,24 +249,21 @@ class InlineClientPath:
 
 
 def _read_exception(fut: asyncio.Future[Any]) -> None:
-    """Mark ``fut``'s exception as retrieved (whoever needs it reads it again)."""
     if not fut.cancelled():
         fut.exception()
 
 
 def _refused(fut: asyncio.Future[dict[str, Any]]) -> bool:
-    """Whether an answer future ended in anything but success."""
     return fut.cancelled() or fut.exception() is not None or not fut.result().get("ok")
 
 
 def _flat(arrays: Sequence[Any]) -> list[np.ndarray]:
-    """Each host array as its bytes (a flat uint8 view: they are contiguous)."""
+    """Each host array as a flat uint8 view (they are contiguous)."""
     return [a.reshape(-1).view(np.uint8) if a.dtype != np.uint8 or a.ndim != 1 else a
             for a in arrays]
 
 
 class UcxClientPath:
-    """The bytes travel over the session's UCX endpoint (bound on first use)."""
 
     def __init__(self, caller: Caller, host: str, port: int, nonce: bytes,
                  transfer_timeout: float, on_expired: Callable[[], None],
@@ -336,7 +278,7 @@ class UcxClientPath:
         self._lock = asyncio.Lock()
 
     async def endpoint(self) -> ucx.DataEndpoint:
-        """The UCX endpoint, bound on first use (unless the context closed meanwhile)."""
+        """The endpoint, bound on first use (unless the context closed meanwhile)."""
         if self.ep is not None:
             return self.ep
         async with self._lock:
@@ -357,28 +299,23 @@ class UcxClientPath:
             await self.ep.close()
 
     async def send(self, t: Transfer) -> dict[str, Any]:
-        """A store-like request: payload run ``i`` goes out on ``run_tag(id, i)``
-        at once, while the daemon checks the request (one round trip)."""
+        """Payload run ``i`` goes out on ``run_tag(id, i)`` at once, while the
+        daemon checks the request."""
         payloads = t.messages()
         ep = await self.endpoint() if payloads else None
         return await self._caller.call(t.request, moves=_UcxMoves(self, ep, payloads, out=True))
 
     async def receive(self, t: Transfer) -> dict[str, Any]:
-        """A read-like request: once the daemon says yes, run ``i`` is received
-        straight into ``messages()[i]``; on an error answer nothing was sent."""
+        """Once the daemon says yes, run ``i`` lands in ``messages()[i]``."""
         targets = t.messages()
         ep = await self.endpoint() if targets else None
         return await self._caller.call(t.request, moves=_UcxMoves(self, ep, targets, out=False))
 
     async def transfer(self, coros: Sequence[Awaitable[None]], arrays: Sequence[Any]) -> None:
-        """UCX transfers under the daemon's transfer deadline, all awaited even
-        when one fails (UCX may touch the arrays until each ends).  Past the
-        deadline the context is aborted (``on_expired``: UCX lets go of the
-        arrays) and the call fails with CONNECTION_LOST; the daemon does the
-        same on its side.  When the control connection is lost (EOF, reset,
-        deadline) the wait ends at once, whatever state the transfers are in:
-        the endpoint is aborted by then and ``arrays`` stay referenced for the
-        orphan grace, in case UCX still holds them."""
+        """UCX transfers under the transfer deadline, all awaited even when one
+        fails.  Past the deadline the context is aborted; on a lost control
+        connection the wait ends at once and ``arrays`` stay referenced for the
+        orphan grace.  Raises CONNECTION_LOST."""
         try:
             await ucx.transfer_all(coros, self.transfer_timeout, self._on_expired,
                                    self._conn.lost_future())
@@ -421,7 +358,6 @@ class _UcxMoves:
 
 
 class DataPaths:
-    """The session's paths and the one rule that picks one per op."""
 
     def __init__(self, ucx_path: UcxClientPath, same_host: StagedClientPath | None,
                  inline: InlineClientPath | None = None) -> None:
@@ -431,10 +367,6 @@ class DataPaths:
         self.on_device_memory: Callable[[str], None] = _ignore  # the context notes the place
 
     def choose(self, place: BufferPlace | None, t: Transfer) -> ClientPath:
-        """Host arrays of a host buffer take the same-host path when the
-        session has one, else (a plain store or read, small enough) ride in
-        the control frames; everything else (GPU arrays, GPU buffers, a
-        buffer whose place is not known, big ops) goes over UCX."""
         if place is None or place.gpu:
             return self.ucx
         same = self.same_host
@@ -465,9 +397,8 @@ def _ignore(buffer_id: str) -> None:
 
 async def bind_ucx(host: str, port: int, nonce: bytes, timeout: float | None,
                    lost: asyncio.Future[None] | None = None) -> ucx.DataEndpoint:
-    """A UCX endpoint to the daemon, bound to this session by its nonce:
-    within ``timeout``, and at once CONNECTION_LOST when ``lost`` (the
-    control connection) ends first."""
+    """A UCX endpoint bound to this session by its nonce, within
+    ``timeout``.  Raises TIMEOUT, CONNECTION_LOST (at once when ``lost`` ends)."""
     limit = timeout if timeout else 30.0
     with ucx_errors(f"UCX connection to {host}"):
         ep = await ucx.connect(host, port, timeout=limit)

@@ -1,61 +1,33 @@
 """The cluster's key space: keyed blocks spread over the live nodes.
 
-``BlockCluster.connect("h1:7700;h2:7700;h3:7700", token)`` (or
-``"etcd://h:2379"``: the fleet registry's live members) gives the block
-verbs of one node (``RpcContext.put_blocks`` ...) over many.  Each key
-belongs to the live nodes in the order of rendezvous (highest random
-weight) hashing: node ``n``'s weight for ``key`` is the xxh3-64 of the key
-seeded with the xxh3-64 of the node's address, and the key's nodes are the
-live ones by weight, highest first (``rank``).  Every client computes the
-same order from the same membership, with no table and no master: etcd (or
-the endpoint list) is the membership, and this is all of the placement.
-Rendezvous hashing moves the fewest keys: a node that leaves moves only its
-own keys (each to its next node), one that joins takes only the ~1/N keys
-it now weighs most for.
+Placement is rendezvous hashing (``rendezvous.py``) over the live nodes:
+every client computes the same order from the same membership, and a node
+that leaves moves only its own keys.
 
-A put goes to each key's first ``replicas`` live nodes; a get, lookup or
-exists asks each key's first live node, then (a miss) the next of its
-``replicas``.  Each verb sends one request per node per batch (up to the
-node's limit of keys), to every node at once, each within ``timeout``.
-
-What a node's loss does, as a cache wants it: a node that stops answering
-(CONNECTION_LOST, SHUTTING_DOWN, TIMEOUT) is dropped from the live set at
-once, its session aborted, and dialed again in the background (backoff
-``RECONNECT``) for as long as the membership lists it.  Its keys are then
-misses, never errors: a get or a lookup of them asks their next node (which
-has them only with ``replicas`` > 1), and a put of them goes to their next
-live node.  A put to nodes that are all gone is dropped (``dropped`` in its
-answer).  A token a node refuses (AUTH_FAILED, TOKEN_EXPIRED, FORBIDDEN) is
-no miss: it raises, at connect and on every later call.  Any other error of
-a node (QUOTA_EXCEEDED, VERIFY_FAILED ...) raises ``ClusterError`` naming it,
-after the other nodes' requests have finished.
-
-A put is all or nothing on each node (the single-node contract), not
-across nodes: when one node refuses its part, the others' parts are stored.
-
-Why an object of its own beside ``Cluster``: ``Cluster`` answers for every
-node it was given or raises per node (what placing a model's slices
-needs); the key space answers for the live nodes and turns a lost one into
-misses.  It keeps its sessions in a ``Cluster`` (connect, registry,
-``add_node``/``drop_node``) and adds only liveness and the hashing.
+- A put goes to each key's first ``replicas`` live nodes; a read asks each
+  key's first live node, then (a miss) the next.  One request per node per
+  batch, all nodes at once, each within ``timeout``.
+- A node that stops answering (CONNECTION_LOST, SHUTTING_DOWN, TIMEOUT)
+  leaves the live set and is dialed again in the background while listed:
+  its keys are misses, never errors.  A token refusal raises, always; any
+  other error raises ``ClusterError`` after the other nodes finished.
+- A put is all or nothing per node, not across nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import xxhash
-
 from rpcbuf.control.client.arrays import host_data
-from rpcbuf.control.client.blockops import check_keys
+from rpcbuf.control.client.blockops import check_keys, put_pairs
 from rpcbuf.control.client.cluster import Cluster, ClusterError, parse_endpoints
 from rpcbuf.control.client.context import RpcContext
 from rpcbuf.control.client.opening import Opening, TlsOption
+from rpcbuf.control.client.rendezvous import node_seed, ranks
 from rpcbuf.control.fleet.etcd import EtcdOptions
 from rpcbuf.control.wire.errors import (
     AuthFailed,
@@ -77,40 +49,8 @@ REFUSED = (AuthFailed, TokenExpired, Forbidden)  # a token refused: an error, ne
 MAX_REPLICAS = 16
 
 
-def node_seed(node: str) -> int:
-    return xxhash.xxh3_64_intdigest(node.encode())
-
-
-def rank(key: str, seeds: Mapping[str, int], n: int | None = None) -> list[str]:
-    """The nodes of ``seeds`` (node -> ``node_seed``) for ``key``, highest
-    weight first (ties, which need a 64-bit collision, by name); the first
-    ``n`` only when given."""
-    data = key.encode()
-    weighed = ((xxhash.xxh3_64_intdigest(data, seed=s), node) for node, s in seeds.items())
-    top = heapq.nlargest(n, weighed) if n is not None else sorted(weighed, reverse=True)
-    return [node for _, node in top]
-
-
-def ranks(keys: Sequence[str], seeds: Mapping[str, int], n: int | None = None
-          ) -> list[list[str]]:
-    """``rank`` of every key (read-only lists: one node's are one list, shared),
-    at about 1.4 us a key with three nodes; with one node, no hashing at all."""
-    items = list(seeds.items())
-    if len(items) <= 1:
-        only = [node for node, _ in items]
-        return [only] * len(keys)
-    h = xxhash.xxh3_64_intdigest
-    out: list[list[str]] = []
-    add = out.append
-    for k in keys:
-        data = k.encode()
-        weighed = sorted([(h(data, s), node) for node, s in items], reverse=True)
-        add([node for _, node in weighed[:n]])
-    return out
-
-
 class BlockCluster:
-    """Keyed blocks over the live nodes of a cluster; see the module docstring."""
+    """Keyed blocks over the live nodes of a cluster."""
 
     def __init__(self, cluster: Cluster, replicas: int = 1, timeout: float = 30.0,
                  reconnect: tuple[float, float] = RECONNECT) -> None:
@@ -138,13 +78,9 @@ class BlockCluster:
                 insecure: bool | None = None, same_host: bool | None = None,
                 reconnect: tuple[float, float] = RECONNECT) -> Opening[BlockCluster]:
         """The key space of ``endpoints`` ("h1:7700;h2:7700", a list, or
-        "etcd://h:2379": the registry's live members of ``cluster``,
-        followed while open).  Dials every node at once (``Cluster.connect``,
-        whose ``token``, ``registry``, ``tls``, ``insecure`` and ``same_host``
-        these are); a node that cannot be reached is left out and dialed
-        again in the background (after ``reconnect[0]`` seconds, doubling up
-        to ``reconnect[1]``).  Raises the refusal when a node refuses
-        the token, ``ClusterError`` when no node answers, BAD_REQUEST for a
+        "etcd://h:2379", followed while open).  A node that cannot be reached is
+        dialed again in the background (``reconnect``: first wait, cap).  Raises a
+        token refusal, ``ClusterError`` when no node answers, BAD_REQUEST for a
         bad list or ``replicas`` (1 to 16)."""
         if not 1 <= replicas <= MAX_REPLICAS:
             raise BadRequest(f"replicas must be 1 to {MAX_REPLICAS}, not {replicas}")
@@ -191,28 +127,23 @@ class BlockCluster:
 
     @property
     def live(self) -> list[str]:
-        """The addresses of the nodes the keys are spread over now."""
         return list(self._seeds)
 
     @property
     def members(self) -> list[str]:
-        """The membership: every node listed, live or being dialed again."""
+        """Every node listed, live or being dialed again."""
         return list(self._wanted)
 
     async def set_endpoints(self, endpoints: str | Sequence[str]) -> None:
-        """A new endpoint list: nodes no longer listed leave at once (their
-        keys become misses); new ones are dialed now, once (one that does not
-        answer is dialed again in the background), and take their share of
-        later puts.  Raises a token refusal."""
+        """A new endpoint list: nodes no longer listed leave at once; new ones
+        are dialed now.  Raises a token refusal."""
         if self.cluster.discovery is not None:
             raise BadRequest("this key space follows a registry: its membership is etcd's")
         await asyncio.gather(*self._reconcile({a: None for a in parse_endpoints(endpoints)}))
         self._check()
 
     async def refresh(self) -> None:
-        """Read the registry's members now (the watch does so on its own),
-        and dial every member that is not live now, once (with an endpoint
-        list: its nodes that are not live)."""
+        """Read the registry's members now and dial each member not live, once."""
         d = self.cluster.discovery
         wanted: dict[str, NodeRecord | None]
         if d is not None:
@@ -225,9 +156,8 @@ class BlockCluster:
 
     def _reconcile(self, wanted: Mapping[str, NodeRecord | None],
                    now: bool = True) -> list[Awaitable[None]]:
-        """Make ``wanted`` the membership: forget who left it; who is not
-        live is dialed by the awaitables returned (``now``: one try each, then
-        in the background), else in the background after ``reconnect[0]``."""
+        """Make ``wanted`` the membership; who is not live is dialed by the
+        awaitables returned (``now``) or in the background."""
         for addr in [a for a in self._wanted if a not in wanted]:
             self._leave(addr)
         self._wanted = dict(wanted)
@@ -267,8 +197,7 @@ class BlockCluster:
                 self._dial_again(addr, delay), name=f"rpcbuf-keyspace-dial {addr}")
 
     async def _dial_now(self, addr: str) -> None:
-        """One try now (a background dial waiting for its turn is dropped);
-        when it fails, the background dialing."""
+        """One try now; when it fails, the background dialing."""
         task = self._revivers.pop(addr, None)
         if task is not None:
             task.cancel()
@@ -297,8 +226,7 @@ class BlockCluster:
         return True
 
     async def _dial_again(self, addr: str, wait: float) -> None:
-        """Dial ``addr`` after ``wait``, doubling up to ``reconnect[1]``, until it
-        is live, refuses the token, or leaves the membership."""
+        """Dial after ``wait``, doubling, until live, refused, or no member."""
         try:
             while not self._closed and addr in self._wanted and addr not in self.cluster.nodes:
                 await asyncio.sleep(wait)
@@ -310,7 +238,6 @@ class BlockCluster:
                 del self._revivers[addr]
 
     def _down(self, addr: str, exc: RpcBufError) -> None:
-        """A node stopped answering: out of the live set, dialed again later."""
         if addr not in self._seeds:
             return
         log.warning("key space: %s is gone (%s): its keys are misses until it is back",
@@ -330,8 +257,7 @@ class BlockCluster:
 
     async def _on(self, addr: str, fn: Callable[[RpcContext], Awaitable[T]]
                   ) -> T | RpcBufError:
-        """``fn`` on ``addr``'s session within ``timeout``: its answer, or the
-        error (a gone node is dropped from the live set; a refusal kept)."""
+        """``fn`` on ``addr``'s session within ``timeout``: its answer or error."""
         ctx = self.cluster.nodes.get(addr)
         if ctx is None:
             return ConnectionLost(f"{addr} is not live")
@@ -361,7 +287,7 @@ class BlockCluster:
         return dict(zip(addrs, got, strict=True))
 
     def _raise(self, what: str, got: Mapping[str, Any]) -> None:
-        """Raise a refusal as itself, any other error but a gone node's as ``ClusterError``."""
+        """Raise a refusal as itself, another error but a gone node's as ``ClusterError``."""
         self._check()
         errors = {a: r for a, r in got.items()
                   if isinstance(r, RpcBufError) and not isinstance(r, GONE)}
@@ -374,27 +300,12 @@ class BlockCluster:
     async def put_blocks(self, blocks: Mapping[str, Any] | Sequence[tuple[str, Any]],
                          ttl: float | None = None, metas: Sequence[bytes] | None = None,
                          replicas: int | None = None) -> dict[str, Any]:
-        """``RpcContext.put_blocks`` over the cluster: each block on its
-        key's first ``replicas`` (default: the cluster's) live nodes, one
-        request per node, all at once; a block whose node is gone goes to
-        the key's next live node.  Returns ``{"stored": keys stored on at
-        least one node, "dropped": keys no live node took, "nodes":
-        {address: its answer}, "placed": {key: [address, ...]}}``.  Raises
-        BAD_REQUEST (keys, arrays: before anything is sent), a token refusal, or
-        ``ClusterError`` naming each node that refused its part (the other
-        nodes' parts are stored)."""
+        """``RpcContext.put_blocks`` over the cluster: each block on its key's
+        first ``replicas`` live nodes.  Returns ``{"stored", "dropped", "nodes",
+        "placed"}``.  Raises BAD_REQUEST (before anything is sent), a token
+        refusal, or ``ClusterError`` naming each node that refused its part."""
         self._check()
-        pairs = list(blocks.items()) if isinstance(blocks, Mapping) else list(blocks)
-        try:
-            keys, arrays = [k for k, _ in pairs], [a for _, a in pairs]
-        except (TypeError, ValueError):
-            raise BadRequest("blocks must be a mapping or (key, array) pairs") from None
-        keys = check_keys(keys)
-        if len(set(keys)) != len(keys):
-            raise BadRequest("put_blocks names each key once")
-        arrays = host_data(arrays, "put_blocks takes host arrays (blocks live in host memory)")
-        if any(a.nbytes == 0 for a in arrays):
-            raise BadRequest("every block holds at least one byte")
+        keys, arrays = put_pairs(blocks)
         if metas is not None and len(metas) != len(keys):
             raise BadRequest(f"{len(keys)} keys and {len(metas)} metas")
         r = self.replicas if replicas is None else replicas
@@ -452,7 +363,7 @@ class BlockCluster:
                                                          Awaitable[list[T]]],
                     hit: Callable[[T], bool], what: str) -> list[T | None]:
         """Each key's first ``replicas`` live nodes in turn, one request per
-        node per round, until the key is a hit; None where every one missed."""
+        node per round, until a hit; None where every one missed."""
         order = ranks(keys, self._seeds, self.replicas)
         out: list[T | None] = [None] * len(keys)
         at = [0] * len(keys)
@@ -488,11 +399,7 @@ class BlockCluster:
     async def get_blocks(self, keys: Sequence[str], out: Sequence[Any],
                          strict: bool = False) -> list[bool]:
         """``RpcContext.get_blocks`` over the cluster: each key from its first
-        live node that has it (of its ``replicas``); which keys were read.
-        A key whose nodes are gone is a miss; ``strict`` as there (a block
-        of another size than its array raises BAD_REQUEST).  Raises
-        BAD_REQUEST, a token refusal, ``ClusterError`` for another error of
-        a node."""
+        live node that has it.  Raises BAD_REQUEST, a token refusal, ``ClusterError``."""
         self._check()
         keys = check_keys(keys)
         if len(out) != len(keys):
@@ -508,8 +415,7 @@ class BlockCluster:
 
     async def lookup_blocks(self, keys: Sequence[str], meta: bool = False
                             ) -> list[dict[str, Any] | None]:
-        """``RpcContext.lookup_blocks`` over the cluster: per key, what its
-        first live node that has it says, or None; a gone node's keys are None."""
+        """``RpcContext.lookup_blocks`` over the cluster; a gone node's keys are None."""
         self._check()
         keys = check_keys(keys)
 
@@ -519,13 +425,11 @@ class BlockCluster:
         return await self._walk(keys, look, lambda info: info is not None, "lookup_blocks")
 
     async def blocks_exist(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, whether a live node of its holds it."""
         return [info is not None for info in await self.lookup_blocks(keys)]
 
     async def remove_blocks(self, keys: Sequence[str]) -> int:
-        """Remove the keys from every live node (a key may sit on a node that
-        no longer ranks first for it, after a join); returns how many blocks
-        were removed (a key held on two nodes counts twice)."""
+        """Remove the keys from every live node (after a join a key may sit on a
+        node that no longer ranks first); return how many blocks were removed."""
         self._check()
         keys = check_keys(keys)
         every = list(range(len(keys)))
@@ -536,9 +440,8 @@ class BlockCluster:
 
     async def list_blocks(self, prefix: str | None = None, start_after: str | None = None,
                           limit: int = 1000) -> tuple[list[str], bool]:
-        """``RpcContext.list_blocks`` over the live nodes: their keys merged,
-        sorted and each once, at most ``limit`` after ``start_after``, and
-        whether more follow (page on with ``start_after=`` the last key)."""
+        """``RpcContext.list_blocks`` over the live nodes: keys merged, sorted,
+        each once."""
         self._check()
         got = await self._fan({a: [0] for a in self._seeds},
                               lambda c, _: c.list_blocks(prefix, start_after, limit))
@@ -549,7 +452,7 @@ class BlockCluster:
         return merged[:limit], more
 
     async def ping(self) -> int:
-        """Ping every live node at once; how many answered (a refusal raises)."""
+        """Ping every live node; how many answered (a refusal raises)."""
         self._check()
         got = await self._fan({a: [0] for a in self._seeds}, lambda c, _: c.ping())
         self._raise("ping", got)
