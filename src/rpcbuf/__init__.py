@@ -1,9 +1,7 @@
 """rpcbuf: remote GPU/host buffers for distributed LLM inference.
 
-The public face only re-exports; the logic lives in ``rpcbuf.control`` and
-``rpcbuf.dataplane``.  The names are listed in ``__init__.pyi`` and imported on
-first use (``lazy_loader``): a process that imports only a part, such as the
-daemon (``rpcbuf.control.daemon``) or the CLI, never loads the client for it.
+Re-exports only: the names are listed in ``__init__.pyi`` and imported on
+first use (``lazy_loader``), so the daemon or the CLI never loads the client.
 """
 
 import lazy_loader

@@ -1,8 +1,6 @@
-"""Device-agnostic operations on arena ranges: checksums of either kind,
-scratch buffers and the float16 -> float32 widening of wire-fp16 stores.
-
-Host arenas use NumPy, device arenas (``CudaArena``) CuPy on their own
-device; the caller does not need to know which.
+"""Operations on arena ranges of either kind (NumPy host arenas, CuPy device
+arenas): checksums, scratch buffers, fills and the float16 -> float32
+widening of wire-fp16 stores.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def scratch(arena: Any, nbytes: int) -> Any:
 
 
 def widen_f16(arena: Any, offset: int, src: Any) -> None:
-    """Write the float16 values in ``src`` (uint8 bytes) as float32 into
-    ``arena[offset : offset + 2 * src.nbytes]``."""
+    """Write ``src``'s float16 values (uint8 bytes) as float32 at ``offset``."""
     xp = array_module(arena)
     n = int(src.nbytes)
     with active(arena):
@@ -50,7 +47,7 @@ def widen_f16(arena: Any, offset: int, src: Any) -> None:
 
 
 def fill(arena: Any, view: Any, value: int) -> None:
-    """``view.fill(value)`` on the arena's device (any thread)."""
+    """``view.fill(value)`` on the arena's device, from any thread."""
     with active(arena):
         view.fill(value)
         if is_device_arena(arena):

@@ -1,25 +1,22 @@
 """``devsum``: one 64-bit checksum that NumPy (host) and a CUDA kernel
-(device, through CuPy) compute identically.
+(device) compute identically; xxh3 is sequential and runs badly on a GPU.
 
-xxh3 (the checksum of host buffers, ``rpcbuf.dataplane.checksum``) is a sequential
-hash: it does not run well on a GPU.  ``devsum`` is a weighted word sum,
-which is embarrassingly parallel (every word is independent and addition
-mod 2**64 is associative and commutative, so any reduction order gives the
-same bits).  Definition, for bytes ``b[0..n)``:
+For bytes ``b[0..n)``:
 
-1. Pad ``b`` with zero bytes to a multiple of 8 and read it as
-   ``m = ceil(n / 8)`` little-endian uint64 words ``w[0..m)`` (word ``i`` is
-   bytes ``8i .. 8i+7``, counted from the start of the data, not from any
-   memory address, so unaligned slices give the same answer).
-2. ``S = sum(w[i] * (2*i + 1)) mod 2**64`` (odd weights: every single-word
-   change and almost every reordering changes ``S``).
-3. ``h = S xor (n * 0x9E3779B97F4A7C15 mod 2**64)`` (the length is mixed in,
-   so trailing zero bytes count), then the murmur3 64-bit finaliser:
-   ``h ^= h >> 33; h *= 0xFF51AFD7ED558CCD; h ^= h >> 33;
+1. Pad ``b`` with zeros to a multiple of 8 and read ``m = ceil(n / 8)``
+   little-endian uint64 words ``w[i]`` (bytes ``8i .. 8i+7`` of the data,
+   not of any address: unaligned slices give the same answer).
+2. ``S = sum(w[i] * (2*i + 1)) mod 2**64`` (odd weights; addition mod 2**64
+   is associative, so any reduction order gives the same bits).
+3. ``h = S xor (n * 0x9E3779B97F4A7C15 mod 2**64)``, then the murmur3 64-bit
+   finaliser: ``h ^= h >> 33; h *= 0xFF51AFD7ED558CCD; h ^= h >> 33;
    h *= 0xC4CEB9FE1A85EC53; h ^= h >> 33`` (all mod 2**64).
 
-It detects transfer and memory corruption; it is not a cryptographic or
-adversarial-resistant hash (neither is xxh3).
+It detects transfer and memory corruption; it is not adversarial-resistant
+(neither is xxh3).
+
+``memory_kind`` is the one test of where an array's memory lives, for every
+layer above (the question ``devsum`` asks first).
 """
 
 from __future__ import annotations
@@ -83,7 +80,6 @@ def reference(data: bytes) -> int:
 
 
 def host_devsum(data: Any) -> int:
-    """``devsum`` of a host buffer (NumPy, vectorised, any alignment)."""
     b = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     n = int(b.nbytes)
     full = n // 8
@@ -136,8 +132,7 @@ _kernels: dict[int, Any] = {}
 
 
 def device_devsum(arr: Any) -> int:
-    """``devsum`` of a CuPy array's bytes, computed on its GPU (one kernel,
-    one 8-byte copy back).  The array must be C-contiguous."""
+    """``devsum`` of a C-contiguous CuPy array, on its GPU (one kernel)."""
     import cupy
 
     if not arr.flags.c_contiguous:
@@ -158,8 +153,7 @@ def device_devsum(arr: Any) -> int:
 
 
 def devsum(data: Any) -> int:
-    """``devsum`` of host bytes (anything with the buffer protocol) or of a
-    CuPy array (on its GPU)."""
+    """``devsum`` of host bytes or of a CuPy array (on its GPU)."""
     if memory_kind(data) == "cuda":
         return device_devsum(data)
     return host_devsum(data)

@@ -1,15 +1,9 @@
 """The daemon's answers as frozen dataclasses, parsed and checked once, at the edge.
 
-The daemon is not trusted blindly (see ``hello.py``): an answer the client
-acts on (a buffer's size, its device, the devices' free bytes) is read
-field by field here by one function per answer, and the rest of the client
-reads attributes, never keys.  A malformed answer is BAD_REQUEST naming the
-field (``details["field"]``, ``details["reason"] == "bad_answer"`` or
-``"bad_hello"``).  The public API still returns the wire dicts it always
-returned (``get_buffer_meta`` a dict, ``list_devices`` a list of dicts):
-they are checked by these parsers first, then handed out as they came.
-
-Sans-I/O: plain functions over decoded msgpack, testable on their own.
+An answer the client acts on is read field by field here, one function per
+answer; the rest of the client reads attributes, never keys.  A malformed
+answer is BAD_REQUEST naming the field (``reason: bad_answer``).  The
+public API still returns the wire dicts, checked first.  Sans-I/O.
 """
 
 from __future__ import annotations
@@ -69,7 +63,7 @@ class Device:
 
 
 def parse_device(msg: Any, answer: str = "list_devices") -> Device:
-    """Raises BAD_REQUEST naming the field (``devices.<key>``)."""
+    """Raises BAD_REQUEST naming the field."""
     if not isinstance(msg, dict):
         raise bad_answer(answer, "devices", f"must hold maps, got {type(msg).__name__}")
     try:
@@ -92,8 +86,7 @@ def parse_devices(msgs: Any, answer: str = "list_devices") -> tuple[Device, ...]
 
 @dataclass(frozen=True, slots=True)
 class BufferMeta:
-    """A buffer's metadata (``request_buffer``, ``get_buffer_meta``,
-    ``open_buffer``); ``tensors``, the manifest's entries, stay on the dict."""
+    """A buffer's metadata; the manifest's entries stay on the dict."""
 
     buffer_id: str
     size: int
@@ -124,8 +117,8 @@ def parse_meta(msg: dict[str, Any], answer: str = "buffer meta") -> BufferMeta:
 
 
 def parse_buffers(msg: dict[str, Any]) -> list[dict[str, Any]]:
-    """``list_buffers``'s answer: a list of buffer metadata maps, each
-    checked as ``parse_meta`` checks one.  Raises BAD_REQUEST."""
+    """``list_buffers``'s answer, each checked as ``parse_meta``.  Raises
+    BAD_REQUEST."""
     buffers = msg.get("buffers")
     if not isinstance(buffers, list) or not all(isinstance(b, dict) for b in buffers):
         raise bad_answer("list_buffers answer", "buffers", "must be a list of maps")
@@ -135,7 +128,7 @@ def parse_buffers(msg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def parse_expiry(msg: dict[str, Any], answer: str) -> float | None:
-    """An ``expires_at``: unix time (a finite number), or None (no lease)."""
+    """An ``expires_at``: a finite unix time, or None (no lease)."""
     if "expires_at" not in msg:
         raise bad_answer(answer, "expires_at", "is missing")
     value = msg["expires_at"]
@@ -148,7 +141,7 @@ def parse_expiry(msg: dict[str, Any], answer: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class TenantStats:
-    """What ``stats`` says of this tenant (the dict has more: see the daemon)."""
+    """What ``stats`` says of this tenant."""
 
     node_id: str
     sessions: int
@@ -159,8 +152,7 @@ class TenantStats:
 
 
 def parse_stats(msg: dict[str, Any]) -> TenantStats:
-    """Each field the daemon sent must have its type; one it left out
-    (an older daemon) reads as 0.  Raises BAD_REQUEST naming the field."""
+    """A field left out reads as 0.  Raises BAD_REQUEST naming the field."""
     def count(key: str) -> int:
         return _int(msg, key, "stats") if key in msg else 0
 
@@ -176,8 +168,6 @@ MAX_BLOCK_NBYTES = 1 << 30  # the largest block ``get_block`` allocates on the d
 
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
-    """One key's block as ``block_lookup`` described it."""
-
     nbytes: int
     meta: bytes | None
     expires_at: float | None
@@ -194,9 +184,8 @@ def _per_key(msg: dict[str, Any], key: str, n: int, answer: str) -> list[Any]:
 
 
 def parse_block_lookup(msg: dict[str, Any], n: int) -> list[BlockInfo | None]:
-    """``block_lookup``'s answer for ``n`` keys: per key None (a miss) or
-    its size (an integer of at least 1), its meta (bytes or None) and its
-    expiry (a finite number or None).  Raises BAD_REQUEST naming the field."""
+    """Per key None (a miss) or its size (>= 1), meta and expiry.  Raises
+    BAD_REQUEST."""
     answer = "block_lookup answer"
     if not isinstance(msg.get("sizes"), list):
         raise bad_answer(answer, "sizes", "must be a list")
@@ -220,11 +209,9 @@ def parse_block_lookup(msg: dict[str, Any], n: int) -> list[BlockInfo | None]:
 
 def parse_block_list(msg: dict[str, Any], limit: int, prefix: str | None,
                      start_after: str | None) -> tuple[list[str], bool]:
-    """``block_list``'s answer: at most ``limit`` keys, each a key the
-    protocol takes, in strictly increasing order, after ``start_after`` and
-    starting with ``prefix``; ``more`` a bool.  So a daemon cannot make a
-    caller that pages through the keys go round for ever on one page, nor
-    hand it more than it asked for.  Raises BAD_REQUEST naming the field."""
+    """At most ``limit`` keys, strictly increasing, after ``start_after``,
+    starting with ``prefix``: a daemon cannot make a pager go round for ever
+    nor hand it more than asked.  Raises BAD_REQUEST."""
     answer = "block_list answer"
     keys, more = msg.get("keys"), msg.get("more")
     if type(more) is not bool:
@@ -246,7 +233,7 @@ def parse_block_list(msg: dict[str, Any], limit: int, prefix: str | None,
 
 
 def parse_removed(msg: dict[str, Any], n: int) -> int:
-    """``block_remove``'s count: 0 to the ``n`` keys asked."""
+    """``block_remove``'s count: 0 to ``n``."""
     removed = _int(msg, "removed", "block_remove answer")
     if removed > n:
         raise bad_answer("block_remove answer", "removed", f"must be at most {n}")

@@ -1,30 +1,16 @@
 """The client's view of user arrays: a flat ``uint8`` array over the same
 memory, host (NumPy) or device (CuPy), without copying.
 
-Accepted: NumPy arrays and anything with the buffer protocol; PyTorch
-tensors (CPU or CUDA, any dtype including bfloat16); CuPy arrays; anything
-exposing ``__cuda_array_interface__`` (Numba, JAX on GPU, ...) or DLPack
-(``__dlpack__``/``__dlpack_device__``).  Device memory is handed to UCX as a
-CuPy array (ucxx takes ``__cuda_array_interface__`` buffers).
-
-PyTorch's dtypes that NumPy lacks (bfloat16, the float8s) are seen as their
-bits, an unsigned integer of the same width, beside the safetensors name of
-their dtype (``BF16``, ``F8_E4M3``, ...): ``host_array`` is the one place a
-torch tensor becomes a NumPy array, for every verb, and a manifest records
-that name as the tensor's source type, as the model loader does for a BF16
-file tensor.  ``torch_view`` is the way back: a tensor over the same memory
-(DLPack, which carries a read-only array without torch's "not writable"
-warning), of the dtype the source type names.
-
-The verbs that take host arrays only (the batch and block verbs,
-``store_tensors``) refuse GPU memory in one place, ``refuse_device``, before
-converting anything; ``host_data`` is their bytes.
-
-Streams: the producer's pending work must be finished before UCX touches the
-memory.  ``cupy.from_dlpack``/``cupy.asarray`` make CuPy's current stream wait
-for the producer's stream (the DLPack / CUDA array interface stream
-handshake); ``prepare`` then synchronises that stream, so a transfer starts
-only after every kernel that wrote the tensor has finished.
+- Accepted: NumPy, the buffer protocol, torch (CPU or CUDA), CuPy, the CUDA
+  array interface, DLPack.  Device memory goes to UCX as a CuPy array.
+- Torch dtypes NumPy lacks (bfloat16, float8s) are seen as their bits
+  beside their safetensors name (``BF16`` ...): ``host_array`` is the one
+  place a tensor becomes a NumPy array, ``torch_view`` the way back.
+- Verbs that take host arrays only refuse GPU memory in one place,
+  ``refuse_device``, before converting anything.
+- Streams: ``cupy.from_dlpack``/``asarray`` make CuPy's stream wait for the
+  producer's; ``prepare`` then synchronises it, so a transfer starts only
+  after every kernel that wrote the tensor finished.
 """
 
 from __future__ import annotations
@@ -48,7 +34,6 @@ def _torch_tensor(obj: Any) -> bool:
 
 
 def dtype_name(obj: Any) -> str:
-    """'float32', 'bfloat16', ... of an array-like (for wire-dtype checks)."""
     return str(getattr(obj, "dtype", "uint8")).removeprefix("torch.")
 
 
@@ -61,12 +46,10 @@ FRAMEWORKS = ("numpy", "torch")
 
 
 def host_array(obj: Any) -> tuple[np.ndarray, str | None]:
-    """A NumPy array over ``obj``'s host memory (no copy for a NumPy array or
-    a CPU torch tensor) and, for a torch dtype NumPy lacks, the safetensors
-    name of it (the array is then its bits: ``uint16`` for bfloat16, ``uint8``
-    for a float8).  BAD_REQUEST for a tensor off the host (GPU, meta), a
-    sparse one, or a torch dtype no model file holds (complex32, the packed
-    float4s)."""
+    """A NumPy array over ``obj``'s host memory (no copy) and, for a torch
+    dtype NumPy lacks, its safetensors name (the array is then its bits).
+    BAD_REQUEST for a tensor off the host, a sparse one, or a dtype no model
+    file holds."""
     if isinstance(obj, np.ndarray):
         return obj, None
     if not _torch_tensor(obj):
@@ -103,10 +86,8 @@ def check_framework(framework: str) -> None:
 
 def torch_view(array: Any, source_type: str | None = None,
                logical_shape: Any = None) -> Any:
-    """A torch tensor over ``array``'s memory (NumPy or CuPy; no copy, and
-    no warning for a read-only one), of the dtype ``source_type`` names
-    where NumPy had none (``BF16`` bits become bfloat16), shaped as
-    ``logical_shape`` when that is the same elements."""
+    """A torch tensor over ``array``'s memory (no copy), of the dtype
+    ``source_type`` names, shaped as ``logical_shape`` when the same elements."""
     import torch
 
     t = torch.from_dlpack(array)
@@ -130,8 +111,6 @@ def _cupy() -> Any:
 
 
 def _torch_u8(t: Any, writable: bool) -> Any:
-    """A contiguous flat uint8 torch view of ``t`` (a copy only for a
-    non-contiguous store source)."""
     import torch
 
     t = t.detach()
@@ -145,10 +124,7 @@ def _torch_u8(t: Any, writable: bool) -> Any:
 
 
 def host_bytes(array: Any, writable: bool = False) -> np.ndarray:
-    """A flat uint8 view of ``array``'s host memory (``as_bytes`` for an
-    array known to be on the host): NumPy, a CPU torch tensor (``host_array``),
-    DLPack, or the buffer protocol.  BAD_REQUEST as ``as_bytes`` says, and for
-    anything else."""
+    """A flat uint8 view of a host array.  BAD_REQUEST as ``as_bytes``."""
     if isinstance(array, np.ndarray):
         arr = array
     elif _torch_tensor(array):
@@ -182,10 +158,8 @@ _WRITEABLE = operator.attrgetter("flags.writeable")
 
 def refuse_device(values: Sequence[Any], refusal: str,
                   names: Sequence[str] | None = None) -> None:
-    """The check of every verb that takes host arrays only (``store_tensors``,
-    ``store_batch``, the block verbs), before any value is converted:
-    BAD_REQUEST for one in GPU memory (``refusal`` says why; ``names``, when
-    given, name it), which ``np.asarray`` would refuse (CuPy, torch) or copy."""
+    """BAD_REQUEST for a value in GPU memory (``refusal`` says why,
+    ``names`` name it), before any value is converted."""
     on_gpu = next((i for i, v in enumerate(values) if memory_kind(v) == "cuda"), None)
     if on_gpu is not None:
         what = f"tensor {names[on_gpu]!r}" if names is not None else "an array"
@@ -193,11 +167,9 @@ def refuse_device(values: Sequence[Any], refusal: str,
 
 
 def host_data(values: list[Any], refusal: str, writable: bool = False) -> list[np.ndarray]:
-    """The bytes of ``values`` in host memory, for a verb that takes host
-    arrays only: ``values`` itself when all are C-contiguous NumPy arrays (and
-    writable, for ``writable``: the common case, no per-array work), else
-    each as a flat uint8 view (``host_bytes``).  BAD_REQUEST for an array in
-    GPU memory (``refuse_device``) or one ``host_bytes`` refuses."""
+    """The bytes of ``values`` for a verb that takes host arrays only:
+    ``values`` itself when all are contiguous NumPy arrays (the common case),
+    else flat uint8 views.  BAD_REQUEST for GPU memory."""
     if all(map(isinstance, values, itertools.repeat(np.ndarray))) \
             and all(map(_C_CONTIGUOUS, values)) \
             and (not writable or all(map(_WRITEABLE, values))):
@@ -215,7 +187,6 @@ def _has_buffer(obj: Any) -> bool:
 
 
 def device_bytes(array: Any, writable: bool = False) -> Any:
-    """A flat CuPy uint8 array over ``array``'s device memory."""
     cp = _cupy()
     if _torch_tensor(array):
         arr = cp.from_dlpack(_torch_u8(array, writable))
@@ -234,9 +205,9 @@ def device_bytes(array: Any, writable: bool = False) -> Any:
 
 
 def as_bytes(array: Any, *, writable: bool = False) -> Any:
-    """A flat uint8 view of ``array``: NumPy for host memory, CuPy for device
-    memory.  A non-contiguous source is copied once for a store; a read
-    target must be contiguous and writable (``BAD_REQUEST`` otherwise)."""
+    """A flat uint8 view of ``array``: NumPy or CuPy.  A non-contiguous source
+    is copied once; a read target must be contiguous and writable
+    (BAD_REQUEST)."""
     if type(array) is np.ndarray and array.dtype is _U8 and array.ndim == 1 \
             and array.flags.c_contiguous and (not writable or array.flags.writeable):
         return array  # already what it would become (the common case: no new views)
@@ -246,8 +217,7 @@ def as_bytes(array: Any, *, writable: bool = False) -> Any:
 
 
 def prepare(data: Any) -> None:
-    """Before a transfer: wait for the GPU work that produces (or last used)
-    ``data``'s memory.  A no-op for host arrays."""
+    """Before a transfer: wait for the GPU work on ``data``'s memory."""
     if memory_kind(data) != "cuda":
         return
     cp = sys.modules.get("cupy")
@@ -257,8 +227,7 @@ def prepare(data: Any) -> None:
 
 
 def to_wire_f16(array: Any) -> tuple[Any, Any]:
-    """(float16 wire bytes, the float32 values the daemon will hold) of a
-    float32 tensor, on the tensor's own device."""
+    """(float16 wire bytes, the float32 values the daemon will hold)."""
     if _torch_tensor(array):
         import torch
 

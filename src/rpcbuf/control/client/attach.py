@@ -1,34 +1,18 @@
-"""Zero-copy, read-only views of buffers on this host (``ctx.attach``).
+"""Zero-copy, read-only views of buffers and blocks on this host.
 
-``attach`` asks the daemon for a read-only handle of one buffer
-(``control/daemon/ops/attachops.py``), which arrives on the session's handle
-channel, and maps it here read-only.  A host buffer's handle is its own
-memfd: ``view.array()`` and ``view.tensors()`` are NumPy arrays over the
-daemon's pages, no copy, not writeable (the mapping is ``PROT_READ`` and
-the memfd is sealed, so nothing can make them writable).  A GPU buffer's is
-its CUDA VMM handle, imported with read-only access
-(``Attachment.device``): CuPy arrays, a write through one faults.  While
-the attachment is open the daemon refuses every store, clear and copy into
-the buffer (BUSY) and a release frees its memory only at the last detach.
-``attach_block`` maps a keyed block the same way, but its handle is its
-tenant's segment, which that tenant's same-host sessions may also map
-writable (``SegmentMaps``, puts in place): it is opened read-only and
-sealed against resizing, not against writes, so the view's bytes are the
-daemon's and this tenant's own to change (docs/kvcache.md).  ``Attacher``
-is a context's part for the two verbs.
-
-``SegmentMaps``: a session's own mappings of its tenant's block segments,
-one per segment, read-write, made when the daemon first hands a segment's
-handle (``block_place``, ``block_locate``) and unmapped when the context
-closes; puts copy into them and gets copy out of them, one memcpy each.
-
-Closing: ``await view.close()`` (or leaving ``async with``) ends the
-attachment at once when no array of it is alive; otherwise the arrays keep
-the mapping *and* the attachment (so their bytes never change under them)
-until the last of them is gone, and the detach goes then.  A closed view
-hands out no new arrays.  When the session ends (the context closes, the
-process dies) the daemon ends its attachments; arrays still alive in this
-process keep the old pages mapped (the daemon no longer counts them).
+- A host buffer's handle is its sealed memfd, mapped ``PROT_READ``: nothing
+  can make its arrays writable.  A GPU buffer's is its CUDA VMM handle,
+  imported read-only (a write faults).  While attached, the daemon refuses
+  writes into the buffer (BUSY) and frees it only at the last detach.
+- A block's handle is its tenant's segment, which the tenant's same-host
+  sessions also map writable (``SegmentMaps``): sealed against resizing,
+  not against writes.
+- ``close`` detaches at once when no array of the view is alive; else the
+  last array's end detaches (its bytes never change under it).  When the
+  session ends, the daemon ends its attachments; live arrays keep the old
+  pages mapped.
+- ``SegmentMaps``: the session's read-write mappings of its tenant's block
+  segments, one per segment, unmapped when the context closes.
 """
 
 from __future__ import annotations
@@ -66,11 +50,9 @@ class Attachment:
     def __init__(self, buffer_id: str, meta: Mapping[str, Any], base: Any, owner: Any,
                  release: Callable[..., None], release_args: tuple[Any, ...],
                  detach: Callable[[str], asyncio.Future[Any] | None]) -> None:
-        """``base``: the whole buffer as a uint8 array (NumPy over a
-        read-only mapping, or CuPy over an imported GPU allocation);
-        ``owner``: what every array over it keeps alive (``base`` itself on
-        the host; the import's mapping on a GPU); ``release(*release_args)``
-        unmaps once ``owner`` is gone (it must not reference ``owner``)."""
+        """``base``: the whole buffer as uint8; ``owner``: what every array
+        keeps alive; ``release(*release_args)`` unmaps once ``owner`` is gone (it
+        must not reference ``owner``)."""
         self.buffer_id = buffer_id
         self.size: int = meta["size"]
         self.device_type: str = str(meta.get("device_type") or "CPU")
@@ -89,8 +71,7 @@ class Attachment:
     def host(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
              detach: Callable[[str], asyncio.Future[Any] | None],
              offset: int = 0) -> Attachment:
-        """A host buffer's read-only memfd, mapped ``PROT_READ``; its bytes
-        from ``offset`` (a block in its tenant's segment)."""
+        """A host buffer's read-only memfd, mapped ``PROT_READ``, from ``offset``."""
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
         base = np.frombuffer(mm, dtype=np.uint8, count=int(meta["size"]), offset=offset)
         return cls(buffer_id, meta, base, base, _unmap, (mm,), detach)
@@ -98,9 +79,8 @@ class Attachment:
     @classmethod
     def device(cls, buffer_id: str, meta: Mapping[str, Any], fd: int, nbytes: int,
                device: int, detach: Callable[[str], asyncio.Future[Any] | None]) -> Attachment:
-        """A GPU buffer's CUDA VMM handle, imported with read-only access
-        (``dataplane/cuda_import.py``); CUDA cannot stop a hostile process
-        from importing it writable (docs/security.md)."""
+        """A GPU buffer's CUDA VMM handle, imported read-only (CUDA cannot stop
+        a hostile process importing it writable: docs/security.md)."""
         from rpcbuf.dataplane.cuda_import import import_buffer
 
         imported = import_buffer(fd, nbytes, device, writable=False)  # takes the fd
@@ -112,7 +92,6 @@ class Attachment:
 
     @property
     def address(self) -> int:
-        """Where the mapping starts in this process (for tests and tools)."""
         base = self._live()
         return int(base.data.ptr) if self.device_type == "GPU" else int(base.ctypes.data)
 
@@ -122,7 +101,7 @@ class Attachment:
         return self._base
 
     def array(self, offset: int = 0, nbytes: int | None = None) -> Any:
-        """``nbytes`` (default: to the end) from ``offset``, as a read-only uint8 array."""
+        """``nbytes`` (default: to the end) from ``offset``, read-only uint8."""
         base = self._live()
         if nbytes is None:
             nbytes = self.size - offset
@@ -132,13 +111,9 @@ class Attachment:
         return base[offset:offset + nbytes]
 
     def tensors(self, framework: str = "numpy") -> dict[str, Any]:
-        """The manifest's tensors (as of attach; not the model loader's
-        reserved entries, see ``load_tensors``), by name, with their dtypes
-        and shapes, over the buffer's pages: read-only NumPy arrays (host),
-        CuPy arrays (GPU: CuPy has no read-only flag; the import is
-        read-only, a write faults); ``framework="torch"``: torch tensors over
-        the same pages, of the dtype each was stored with (``torch_view``; a
-        write through one faults too).  BAD_REQUEST for another framework."""
+        """The manifest's tensors as of attach, by name, over the buffer's pages
+        (NumPy, CuPy, or ``framework="torch"``).  BAD_REQUEST for another
+        framework."""
         check_framework(framework)
         base = self._live()
         out: dict[str, Any] = {}
@@ -150,7 +125,7 @@ class Attachment:
         return out
 
     async def close(self) -> None:
-        """End the attachment (see the module: deferred while arrays live)."""
+        """End the attachment (deferred while arrays live)."""
         self.closed = True
         self._base = None  # the finalizer runs now if no array is left
         if self._sent:  # it did: the detach is on its way; let it land
@@ -175,11 +150,8 @@ class _Sent:
 
 
 class Attacher:
-    """The attach verbs of one context (``RpcContext.attach``,
-    ``attach_block``: their docstrings are the contract), over its caller and
-    handle channel (None: no same-host path, every attach is refused).  A
-    closed view's detach is sent unless the session ``ended`` (its end
-    detached everything)."""
+    """The attach verbs of one context (``handles`` None: every attach is
+    refused).  A closed view's detach is sent unless the session ``ended``."""
 
     def __init__(self, caller: Caller, handles: Handles | None, check_open: Callable[[], None],
                  ended: Callable[[], bool]) -> None:
@@ -211,11 +183,9 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
                           timeout: float | None,
                           send_detach: Callable[[str], Any],
                           req: P.Request | None = None) -> Attachment:
-    """``attach`` over the control connection, its handle from the handle
-    channel, checked (``check_read_only``; a GPU handle is imported read-only)
-    and mapped.  Anything wrong after the daemon said yes detaches again.
-    ``req``: another request that answers as ``attach`` does (``block_attach``:
-    the answer names the buffer id, which ``buffer_id`` then is not)."""
+    """``attach``, its handle from the handle channel, checked and mapped;
+    anything wrong after the daemon said yes detaches again.  ``req``: another
+    request that answers as ``attach`` does (``block_attach``)."""
     req = P.Attach(buffer_id=buffer_id) if req is None else req
     sent = _Sent()
     meta = await caller.call(req, moves=sent)
@@ -257,9 +227,8 @@ async def open_attachment(caller: Caller, handles: Handles, buffer_id: str,
 
 
 def check_segment(fd: int, nbytes: int, writable: bool) -> None:
-    """A block segment's handle: a regular file of exactly ``nbytes``,
-    opened read-write (``writable``) or read-only, sealed against resizing
-    (no SIGBUS here).  Raises CONNECTION_LOST."""
+    """A segment's handle: a regular file of exactly ``nbytes``, opened as
+    asked, sealed against resizing (no SIGBUS).  Raises CONNECTION_LOST."""
     st = os.fstat(fd)
     if st.st_size != nbytes or not stat.S_ISREG(st.st_mode):
         raise ConnectionLost(f"the daemon's segment handle is {st.st_size} bytes, not {nbytes}")
@@ -275,11 +244,9 @@ def check_segment(fd: int, nbytes: int, writable: bool) -> None:
 
 
 class SegmentMaps:
-    """This session's mappings of its tenant's block segments, by segment
-    id (see the module).  ``views`` reads a ``block_place``/``block_locate``
-    answer: it maps the segments the daemon handed now and returns each
-    block's bytes as a writable uint8 array over them.  No array of it may
-    outlive the call that asked (``close`` unmaps)."""
+    """This session's mappings of its tenant's block segments.  ``views``
+    maps the segments an answer hands and returns each block's bytes; no
+    array of it may outlive the call that asked (``close`` unmaps)."""
 
     def __init__(self, handles: Handles) -> None:
         self._handles = handles
@@ -331,13 +298,10 @@ class SegmentMaps:
                          name="rpcbuf-populate").start()
 
     def _populate(self, seg_id: str, entry: tuple[int, int, np.ndarray]) -> None:
-        """In a thread: map every page of a new mapping now (``MADV_POPULATE_WRITE``;
-        the daemon backed them, bytes unchanged), off the put's path.  A
-        put's copy into pages this process never touched took a fault per
-        4 KiB page: a 2 MiB put 1.49 ms against 0.74 ms populated, 16 MiB
-        10.9 ms against 3.9 (issue 40's profile).  In chunks, each under the
-        lock and only while the mapping is still this one; any failure (a
-        kernel without it) leaves the faults to the copies."""
+        """In a thread: fault in every page of a new mapping
+        (``MADV_POPULATE_WRITE``), off the put's path (a 2 MiB put: 1.49 ms
+        unpopulated, 0.74 ms populated).  In chunks, each under the lock and only
+        while the mapping is this one; a failure leaves the faults to the copies."""
         addr, size, _ = entry
         for off in range(0, size, POPULATE_CHUNK):
             with self._lock:
@@ -356,8 +320,8 @@ class SegmentMaps:
 
 
 def tensor_view(base: Any, entry: Mapping[str, Any], size: int) -> Any:
-    """One manifest entry over ``base``; a malformed entry (the daemon may
-    be hostile) is CONNECTION_LOST, never an array past the mapping."""
+    """One manifest entry over ``base``; a malformed one (the daemon may be
+    hostile) is CONNECTION_LOST, never an array past the mapping."""
     try:
         dtype = np_dtype(entry["dtype"])
         shape = tuple(map(int, entry["shape"]))
@@ -386,9 +350,8 @@ def _unmap(mm: mmap.mmap) -> None:
 
 
 def _unimport(driver: Any, ptr: int, nbytes: int, handle: int) -> None:
-    """An imported GPU allocation's release (``cuda_import.Mapping.close``'s
-    steps): synchronize, unmap, release, free the range; a failed unmap
-    keeps the rest (a leak, never a range freed under a mapping)."""
+    """Release an imported GPU allocation; a failed unmap keeps the rest (a
+    leak, never a range freed under a mapping)."""
     driver.synchronize()
     driver.unmap(ptr, nbytes)
     driver.release(handle)
@@ -397,9 +360,8 @@ def _unimport(driver: Any, ptr: int, nbytes: int, handle: int) -> None:
 
 def detacher(loop: asyncio.AbstractEventLoop,
              send: Callable[[str], Any]) -> Callable[[str], asyncio.Future[Any] | None]:
-    """A detach that may be called from any thread (a finalizer): the
-    request goes from ``loop``; on the loop's own thread the task is
-    returned (``close`` waits for it), else nobody waits."""
+    """A detach callable from any thread (a finalizer): sent from ``loop``;
+    on the loop's thread the task is returned, else nobody waits."""
     def go(buffer_id: str) -> asyncio.Future[Any]:
         task = loop.create_task(send(buffer_id))
         task.add_done_callback(_swallow)

@@ -1,13 +1,10 @@
-"""Batches: many ranges of one buffer in one round trip, described for the data path.
+"""Batches: many ranges of one buffer in one round trip, as a ``Transfer``.
 
-``store_batch`` and ``read_batch`` are columns all the way (10,000 small
-tensors are one request): items are put in offset order once (``order``
-remembers the caller's), touching items are planned into runs
-(``runs.plan_runs``: one UCX message each) and nearby read ranges into spans
-(``tensors.plan_spans``: one range each, cut into views afterwards).  The
-functions here are synchronous: they check the items, build the request and
-return a ``Transfer`` (``datapath.py``) that either path can carry, plus
-what turns the answer into what the caller gets back.
+Columns all the way (10,000 small tensors are one request): items are put
+in offset order once (``order`` keeps the caller's), touching items become
+runs (one UCX message each), nearby read ranges spans.  Synchronous: check
+the items, build the request, and return the transfer and what turns the
+answer into what the caller gets.
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
                 checksums: Sequence[int] | None = None,
                 ) -> tuple[Transfer, Callable[[dict[str, Any]], dict[str, Any]]]:
     """The transfer of a ``store_batch`` and what puts its answer in the
-    caller's order; the request states its checksum kind and carries the
-    manifest's source types and logical shapes, if any.  ``checksums``: the items' xxh3-64,
-    index-aligned, when the caller computed them already (else, with
-    ``verify``, they are computed here).  Raises BAD_REQUEST."""
+    caller's order.  ``checksums``: the items' xxh3-64 when known (else, with
+    ``verify``, computed here).  Raises BAD_REQUEST."""
     if verify not in (None, "checksum"):
         raise BadRequest(f"verify must be None or 'checksum', got {verify!r}")
     n = len(items)
@@ -98,7 +93,7 @@ def store_batch(buffer_id: str, items: Sequence[tuple[int, Any]], verify: str | 
 def read_batch(buffer_id: str, ranges: Sequence[tuple[int, int]]
                ) -> tuple[Transfer, Callable[[], list[np.ndarray]]]:
     """The transfer of a ``read_batch`` and what cuts its blocks into the
-    ranges asked for, in the order asked.  Raises BAD_REQUEST."""
+    ranges asked, in the order asked.  Raises BAD_REQUEST."""
     n = len(ranges)
     try:
         offsets = np.fromiter(map(_FIRST, ranges), dtype=np.int64, count=n)
@@ -157,7 +152,6 @@ def _given_checksums(checksums: Sequence[int] | None, n: int) -> np.ndarray | No
 
 
 def _payload(datas: list[np.ndarray]) -> np.ndarray:
-    """One UCX message: the bytes of a run of touching items, back to back."""
     if len(datas) == 1:
         return as_bytes(datas[0])
     if len({d.dtype for d in datas}) == 1:  # one dtype: NumPy flattens and joins in C
@@ -166,8 +160,7 @@ def _payload(datas: list[np.ndarray]) -> np.ndarray:
 
 
 def _in_caller_order(result: dict[str, Any], order: np.ndarray | None) -> dict[str, Any]:
-    """The daemon answers per item in offset order: put ``checksums`` back
-    in the order the caller gave the items."""
+    """Answers come per item in offset order: ``checksums`` in the caller's."""
     if order is not None and result.get("checksums"):
         sums = P.unpack_u64(result["checksums"])
         back = np.empty_like(sums)
@@ -179,8 +172,7 @@ def _in_caller_order(result: dict[str, Any], order: np.ndarray | None) -> dict[s
 def _byte_views(blocks: list[np.ndarray], block_of: np.ndarray, in_block: np.ndarray,
                 span_of: np.ndarray, offsets: np.ndarray, starts: np.ndarray,
                 sizes: np.ndarray, order: np.ndarray | None) -> list[np.ndarray]:
-    """read_batch's answer: each (offset-sorted) item as a uint8 view into
-    its block, in the order the caller asked."""
+    """Each item as a uint8 view into its block, in the caller's order."""
     if not len(sizes):
         return []
     rel = offsets - starts[span_of] + in_block[span_of]

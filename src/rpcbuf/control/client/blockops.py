@@ -1,39 +1,20 @@
-"""The client's side of the keyed block tier (``daemon/content/blocks.py``): put, get,
-lookup, remove and list blocks by key, each many keys in one call.
+"""The client's side of the keyed block tier: put, get, lookup, remove and
+list blocks by key, many keys a call.
 
-On the same host blocks move in place (docs/kvcache.md, "Same host, in
-place"): a put asks for its pending slots (``block_place``: one round
-trip), copies each array straight into its slot through this session's
-mapping of the tenant's segment (``SegmentMaps``: one memcpy), hashes it
-and commits (``block_commit``); a get asks where its blocks lie
-(``block_locate``, which pins them), copies each straight into the
-caller's array and lets them go (``block_unpin``, not waited for: it goes
-out before any later request).  A failure between the two halves of a put
-aborts it (the slots go back; the session's end does the same for a
-killed client).  ``RPCBUF_BLOCKS_IN_PLACE=0`` takes the path below instead.
-
-Otherwise a block's bytes travel as a batch's do, over whichever path the
-session has (``DataPaths``: same host, UCX): one UCX message per block,
-straight from the caller's arrays (a put) or straight into them (a get: no
-copy beside the transport's), or the staging area, back to back in key
-order.  Every put carries each block's xxh3-64; the daemon hashes what
-landed and commits the blocks only if all match (VERIFY_FAILED, nothing
-stored, otherwise).
-
-A get names each key once on the wire (the daemon refuses a key named twice,
-so one request moves each block once): a key the caller names twice is read
-once and copied.  ``get`` is all or nothing on the daemon (a missing key is
-NOT_FOUND with the missing indices, and nothing moves): here it is asked again
-for the keys that were there, at most ``GET_TRIES`` times (a block may be
-evicted between two tries), and the answer says which keys were read.
-
-What the daemon answers is checked before the client acts on it
-(``answers.py``): a lookup's sizes, metas and expiries, one per key; a
-listing's keys, at most the page asked, in order and past the last page (so
-``list_all`` always moves forward, and stops at ``LIST_MAX_KEYS`` keys,
-``LIST_MAX_CHARS`` characters and its deadline, whatever the daemon says
-of "more"); ``get_block`` without ``out`` allocates the size the daemon
-names only up to ``max_nbytes`` (``MAX_BLOCK_NBYTES`` by default).
+- Same host, in place (docs/kvcache.md): a put asks for its slots
+  (``block_place``), copies each array into this session's mapping of the
+  tenant's segment, hashes it and commits; a get locates (pins), copies out
+  and unpins (not waited for).  A failure between a put's halves aborts it.
+  ``RPCBUF_BLOCKS_IN_PLACE=0`` turns this off.
+- Otherwise blocks travel as a batch's items over the session's path, one
+  UCX message per block.  Every put carries each block's xxh3-64; the
+  daemon commits only if all match.
+- A get names each key once on the wire (a key asked twice is read once and
+  copied).  The daemon's get is all or nothing: here it is asked again for
+  the keys that were there, at most ``GET_TRIES`` times.
+- Answers are checked before use: ``list_all`` always moves forward and
+  stops at its key, character and time bounds whatever the daemon says of
+  "more"; ``get_block`` allocates at most ``max_nbytes``.
 """
 
 from __future__ import annotations
@@ -71,7 +52,7 @@ LIST_MAX_CHARS = 32 << 20
 
 
 def check_keys(keys: Any) -> list[str]:
-    """``keys`` as a list the daemon takes (BAD_REQUEST before anything is sent)."""
+    """``keys`` as a list the daemon takes.  Raises BAD_REQUEST."""
     if isinstance(keys, str):
         raise BadRequest("keys must be a sequence of strings, not one string")
     try:
@@ -102,9 +83,7 @@ def put_pairs(blocks: Mapping[str, Any] | Sequence[tuple[str, Any]]
 
 
 class BlockOps:
-    """The block verbs of one context (``RpcContext.put_blocks`` ...: their
-    docstrings and defaults are the contract), over its ``caller`` (control
-    ops) and ``paths``; ``check_open`` first, as every verb."""
+    """The block verbs of one context; ``check_open`` first, as every verb."""
 
     def __init__(self, caller: Caller, paths: DataPaths, check_open: Callable[[], None],
                  handles: Handles | None = None, inline: bool = False) -> None:
@@ -142,7 +121,6 @@ class BlockOps:
     async def _put_in_place(self, keys: list[str], datas: list[np.ndarray], sizes: np.ndarray,
                             metas: Sequence[bytes] | None, ttl: float | None,
                             device_type: str, device: int) -> dict[str, Any]:
-        """``put`` on the same host (see the module): place, copy, hash, commit."""
         assert self.segments is not None
         answer = await self._call(P.BlockPlace(keys=keys, sizes=P.pack_u64(sizes),
                                                device_type=device_type, device=device))
@@ -165,8 +143,8 @@ class BlockOps:
                                               ttl=ttl))
 
     async def _get_in_place(self, keys: list[str], targets: list[np.ndarray]) -> None:
-        """One try of ``get`` on the same host (see the module): locate
-        (pinned), copy out, unpin.  Raises NOT_FOUND as ``block_get``."""
+        """One try of a get on the same host: locate (pinned), copy out, unpin.
+        Raises NOT_FOUND."""
         assert self.segments is not None
         sizes = [a.nbytes for a in targets]
         answer = await self._call(P.BlockLocate(keys=keys, sizes=P.pack_u64(sizes)))
@@ -182,10 +160,8 @@ class BlockOps:
             self._forget(P.BlockUnpin(lease=lease))
 
     async def _get_in_place_halves(self, keys: list[str], targets: list[np.ndarray]) -> None:
-        """``_get_in_place``, in halves while the daemon says the blocks lie
-        in more segments new to this session than one answer maps
-        (BAD_REQUEST, reason ``segments``: ``MAX_NEW_MAPS``), each half
-        mapping its own; NOT_FOUND names the missing of both halves."""
+        """``_get_in_place`` in halves while the blocks lie in more new segments
+        than one answer maps (BAD_REQUEST ``segments``)."""
         try:
             return await self._get_in_place(keys, targets)
         except BadRequest as exc:
@@ -208,8 +184,7 @@ class BlockOps:
                            "size)", {"missing": missing, "sizes": sizes})
 
     def _forget(self, req: P.Request) -> None:
-        """Send ``req`` and wait for nothing (its answer is dropped): it goes
-        out before any later request of this session."""
+        """Send ``req`` and drop its answer; it goes out before any later request."""
         conn = self._caller.conn
         if conn.lost is None:
             req_id = conn.next_id()
@@ -280,9 +255,7 @@ class BlockOps:
 
     async def _get_twice(self, keys: list[str], targets: list[np.ndarray],
                          first: dict[str, int], strict: bool) -> list[bool]:
-        """A get that names a key more than once: each block read once (the
-        daemon refuses a key named twice: one request moves each block
-        once), into its first array, then copied into the others."""
+        """Each block read once into its first array, then copied into the others."""
         for i, key in enumerate(keys):
             if targets[i].nbytes != targets[first[key]].nbytes:
                 raise BadRequest(f"key {key!r} is named twice with arrays of different sizes")
@@ -332,12 +305,9 @@ Page = Callable[[str | None], Awaitable[tuple[list[str], bool]]]
 
 async def list_all(page: Page, timeout: float, max_keys: int = LIST_MAX_KEYS,
                    max_chars: int = LIST_MAX_CHARS) -> tuple[list[str], bool]:
-    """Every key, page after page (``page(start_after)``: one ``list_blocks``
-    call), and whether the listing is complete: it stops, incomplete, at
-    ``max_keys`` keys, ``max_chars`` characters of keys or ``timeout``
-    seconds, whatever the daemon says of more (a daemon that said "more"
-    for ever grew a client by 1 GB in 5 s).  Each page is checked to move
-    forward (``parse_block_list``).  Raises what ``page`` raises."""
+    """Every key, page after page, and whether the listing is complete: it
+    stops at ``max_keys`` keys, ``max_chars`` characters or ``timeout``
+    seconds, whatever the daemon says of more.  Raises what ``page`` raises."""
     keys: list[str] = []
     chars = 0
     after: str | None = None
@@ -355,27 +325,19 @@ async def list_all(page: Page, timeout: float, max_keys: int = LIST_MAX_KEYS,
 
 def _transfer(req: P.BlockPut | P.BlockGet, arrays: list[np.ndarray],
               inline: bool = False) -> Transfer:
-    """Blocks as a transfer: one message per block (the daemon never
-    coalesces them), the staging area's bytes back to back in key order;
-    with ``inline`` (the daemon's hello says ``block_inline``) one small
-    block of a network session in the frames instead (``InlineClientPath``: a
-    4 KiB hit over UCX was three loopback sends and a progress poll each
-    side)."""
+    """Blocks as a transfer: one message per block; with ``inline``, one
+    small block of a network session in the frames."""
     return Transfer(req, arrays, lambda: arrays, inline)
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous array's bytes, flat (``host_data`` gives only those)."""
     return a.reshape(-1).view(np.uint8)
 
 
 def _other_sizes(keys: list[str], want: list[int], ask: list[np.ndarray], missing: list[Any],
                  sizes: Any, strict: bool) -> None:
-    """A miss because the block is there but of another size than its array
-    (a sizing bug would otherwise look like a cold cache for ever): a debug
-    line per key on ``rpcbuf.client``, and with ``strict`` BAD_REQUEST
-    ``size_mismatch`` naming the first.  ``sizes`` is the daemon's word,
-    index-aligned with ``missing``: None where no block is there."""
+    """A miss because the block is of another size than its array: a debug
+    line per key, and with ``strict`` BAD_REQUEST ``size_mismatch``."""
     if not isinstance(sizes, list):
         return
     for j, size in zip(missing, sizes, strict=False):

@@ -1,12 +1,7 @@
 """The quick control ops of a context: buffers made, found, described,
-renewed, released, cleared and copied on the node (no bytes cross the
-network), and what the node says of itself (devices, buffers, counters, a
-ping).  Each is one request over the context's ``Caller`` and its answer,
-checked at the edge (``answers.py``); a metadata answer notes the buffer's
-place (``rangeops.Places``: it routes the data ops) and, with the manifest,
-updates the manifest cache.  The verbs' docstrings and defaults are
-``RpcContext``'s (the contract); these methods take every argument and, as
-every verb, check the context is open first.
+renewed, released, cleared and copied on the node, and what the node says
+of itself.  One request each; a metadata answer notes the buffer's place
+and, with the manifest, updates the manifest cache.
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ from rpcbuf.control.wire import protocol as P
 
 
 class BufferOps:
-    """The quick control ops of one context."""
-
     def __init__(self, caller: Caller, places: Places, manifests: TensorOps,
                  check_open: Callable[[], None]) -> None:
         self._caller, self._places, self._manifests = caller, places, manifests
@@ -41,8 +34,7 @@ class BufferOps:
         return await self._caller.call(req, timeout)
 
     async def _buffer(self, req: P.Request, timeout: float | None) -> str:
-        """The id in the metadata that answers ``req`` (a buffer made or
-        found), its place noted."""
+        """The id in the metadata answering ``req``, its place noted."""
         meta = parse_meta(await self._call(req, timeout), f"{req.op} answer")
         self._places.note(meta)
         return meta.buffer_id

@@ -1,41 +1,17 @@
 """Many nodes: one ``RpcContext`` per rpcbufd, addressed in endpoint order.
 
-``Cluster.connect("h1:7700;h2:7700;h3:7700", token=...)`` opens a session with
-every node at once (``await`` it, or use it with ``async with``).  The order
-of the endpoint list is meaningful: slot ``i`` of a placement is the ``i``-th
-device of that list (each node's devices in the order it lists them).
-
-Failures are reported per node, never as one opaque error: an operation on
-every node either returns ``{endpoint: result}`` or raises ``ClusterError``,
-whose ``errors`` map each failed endpoint to its own ``RpcBufError`` (and
-whose ``results`` keep what the other nodes answered).  ``each`` returns the
-mixed map instead of raising, for callers that report per node (the CLI).
-A node that cannot be reached makes ``connect`` fail, closing the sessions it
-had opened, unless ``partial=True``: then the cluster keeps the reachable
-nodes and ``cluster.errors`` says why the others are missing.
-
-From the fleet registry: ``Cluster.connect("etcd://h:2379", token=...)`` (or
-``endpoints=None`` with ``$RPCBUF_REGISTRY``) reads the cluster's live
-members (``client/discovery.py``) and connects to them, in node-id order.
-Anyone who can write the registry's prefix can list an address of their
-own, so an entry proves nothing: each node is dialed exactly as
-``rpcbuf.connect`` dials it, and the token goes out only once the peer has
-proved it is a node (TLS: a certificate from the cluster's CA, ``tls=`` or
-``$RPCBUF_CA``, naming the address dialed; plain TCP only on loopback, or
-with ``insecure=True``).  The registry may list a node up to its lease's
-TTL after it died, so a listed node that cannot be reached or cannot prove
-itself, or whose ``hello`` names another node id than its entry (a stale
-entry, or a forged one naming another node: ``StaleEntry``), is left out
-(it is in ``cluster.errors``); ``connect`` fails only when none is left.  ``need``
-(bytes) chooses the nodes with the most free memory by the registry's
-figures before connecting, so placement by free memory connects only to
-those.  An unreachable registry raises ``RegistryUnavailable`` naming it,
-unless a ``fallback`` endpoint list is given: then ``cluster.warnings`` says
-so and the list is used.  ``cluster.members()`` is the membership now;
-``watch=True`` keeps it current while the cluster is open, and
-``cluster.changes()`` yields each join and leave (``Change``).
-``add_node``, ``drop_node`` and ``forget_node`` change an open cluster's
-sessions (the block key space, ``keyspace.py``, follows its membership so).
+- The endpoint list's order is meaningful: slot ``i`` of a placement is the
+  ``i``-th device of that list (each node's devices in its own order).
+- Failures are per node: an op on every node returns ``{endpoint: result}``
+  or raises ``ClusterError`` (``errors`` per failed node, ``results`` of
+  the others); ``each`` returns the mixed map.  ``connect`` fails (closing
+  what it opened) unless ``partial``, which keeps the reachable nodes.
+- From the fleet registry ("etcd://..."), an entry proves nothing (anyone
+  who can write the prefix can list an address): each node is dialed as
+  ``rpcbuf.connect`` dials it, gets the token only once it proved it is a
+  node, and is left out when its hello names another node id than its entry
+  (``StaleEntry``).  ``need`` picks the nodes with the most free memory by
+  the registry's figures; ``watch`` keeps the membership current.
 """
 
 from __future__ import annotations
@@ -68,11 +44,8 @@ Dial = Callable[[str, str], Awaitable[RpcContext]]  # (address, token) -> a sess
 
 
 class ClusterError(RpcBufError, wire=False):
-    """One or more nodes failed; ``errors``: endpoint -> ``RpcBufError``.
-
-    Raised on the client only (never sent on the wire).  ``results`` holds
-    what the nodes that did not fail returned; ``details["nodes"]`` the
-    failed nodes' errors in wire form."""
+    """One or more nodes failed (client only, never on the wire): ``errors``
+    maps endpoint -> ``RpcBufError``, ``results`` what the others returned."""
 
     code = "CLUSTER_ERROR"
 
@@ -93,7 +66,7 @@ class ClusterError(RpcBufError, wire=False):
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """``"h1:7700;h2:7700"`` (or a list) -> ``["h1:7700", "h2:7700"]``, in order.
+    """``"h1:7700;h2:7700"`` (or a list) -> the endpoints in order.
     Raises BAD_REQUEST when empty or when an endpoint repeats."""
     items = endpoints.replace(",", ";").split(";") if isinstance(endpoints, str) \
         else list(endpoints)
@@ -107,7 +80,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
 
 
 class Cluster:
-    """Sessions with several rpcbufd nodes; see the module docstring."""
+    """Sessions with several rpcbufd nodes."""
 
     def __init__(self, nodes: dict[str, RpcContext],
                  errors: dict[str, RpcBufError] | None = None,
@@ -129,7 +102,7 @@ class Cluster:
 
     @property
     def listed(self) -> list[str]:
-        """Every endpoint in order: connected or not (``errors``), joined since included."""
+        """Every endpoint in order, connected or not, joined since included."""
         return list(self._order)
 
     def __getitem__(self, endpoint: str) -> RpcContext:
@@ -147,26 +120,14 @@ class Cluster:
                 watch: bool = False, tls: TlsOption = None,
                 insecure: bool | None = None,
                 same_host: bool | None = None) -> ClusterConnector:
-        """Open a session with every node (in parallel).
-
-        ``token`` is one token for all nodes or ``{endpoint: token}`` (nodes
-        with their own secrets; from a registry, keyed by endpoint or node
-        id).  Raises ``ClusterError`` naming each node that failed
-        (AUTH_FAILED, CONNECTION_LOST, TIMEOUT ...), unless ``partial`` (from
-        a registry: only when no node is left; a node without a token in
-        the map is one that failed, BAD_REQUEST); BAD_REQUEST for a bad
-        endpoint list or a registry that lists no live node;
-        ``RegistryUnavailable`` for a registry that cannot be reached (unless
-        ``fallback``).  ``endpoints`` "etcd://..."
-        (or None and ``$RPCBUF_REGISTRY``): the registry's live members of
-        ``cluster``, reached with ``registry`` (TLS, user); ``fallback``,
-        ``need`` and ``watch`` as the module docstring says.  ``tls`` and
-        ``insecure`` are ``rpcbuf.connect``'s, for every node: a CA file
-        (or ``$RPCBUF_CA``) makes each node prove with a certificate from
-        that CA for the address dialed before it gets the token; from a
-        registry, ``tls=True`` (the system's public CAs) is BAD_REQUEST: a
-        forged entry could name a host its writer has a public certificate for.
-        ``same_host``: ``rpcbuf.connect``'s, for every node."""
+        """Open a session with every node, in parallel.  ``token``: one for all,
+        or ``{endpoint or node id: token}``.  ``endpoints`` "etcd://..." (or None
+        and ``$RPCBUF_REGISTRY``): the registry's live members of ``cluster``;
+        ``fallback``: a list for an unreachable registry.  ``tls``, ``insecure``,
+        ``same_host``: ``rpcbuf.connect``'s, for every node (from a registry
+        ``tls=True`` is BAD_REQUEST: a forged entry could name a host with a
+        public certificate).  Raises ``ClusterError`` naming each failed node
+        (unless ``partial``), BAD_REQUEST, ``RegistryUnavailable``."""
         if endpoints is None:
             endpoints = os.environ.get("RPCBUF_REGISTRY") or ""
             if not endpoints:
@@ -266,12 +227,11 @@ class Cluster:
     # -- membership (from a registry) ------------------------------------------------
 
     def members(self) -> dict[str, NodeRecord]:
-        """``{node_id: record}``: the registry's live members (current while
-        watching, else as read at connect); empty without a registry."""
+        """``{node_id: record}``: the registry's live members; empty without one."""
         return dict(self.discovery.members) if self.discovery is not None else {}
 
     async def changes(self) -> AsyncIterator[Change]:
-        """Each node that joins, changes or leaves from now on (watches)."""
+        """Each node that joins, changes or leaves from now on."""
         if self.discovery is None:
             raise BadRequest("this cluster was not opened from a registry (etcd://...)")
         async for change in self.discovery.changes():
@@ -307,11 +267,9 @@ class Cluster:
     # -- nodes that join and leave (the key space, keyspace.py) ----------------------
 
     async def add_node(self, address: str, record: NodeRecord | None = None) -> RpcContext:
-        """Open a session with one more node (a join, or a node back after
-        ``drop_node``), dialed as ``connect`` dialed the others, with its
-        token; ``record`` (its registry entry) must name the node id the
-        daemon answers (``StaleEntry`` otherwise).  The node joins
-        ``nodes`` at the end of the order.  Raises what dialing raises."""
+        """Open a session with one more node, dialed as ``connect`` dials;
+        ``record`` must name the node id the daemon answers (``StaleEntry``).
+        Raises what dialing raises."""
         if self._closed:
             raise BadRequest("this cluster is closed")
         if address in self.nodes:
@@ -342,8 +300,7 @@ class Cluster:
         return ctx
 
     def drop_node(self, address: str, error: RpcBufError) -> None:
-        """Take a node out of ``nodes`` (its session aborted): it is gone
-        (``error`` says why, in ``errors``) until ``add_node`` again."""
+        """Take a node out of ``nodes`` (session aborted) until ``add_node``."""
         ctx = self.nodes.pop(address, None)
         if ctx is not None:
             ctx.abort()
@@ -363,8 +320,7 @@ class Cluster:
 
     async def each(self, fn: Callable[[RpcContext], Awaitable[T]],
                    endpoints: Sequence[str] | None = None) -> dict[str, T | RpcBufError]:
-        """``fn(ctx)`` on every node at once; ``{endpoint: result or error}``.
-        Nodes missing since ``connect(partial=True)`` appear with their error."""
+        """``fn(ctx)`` on every node at once; ``{endpoint: result or error}``."""
         addrs = self._order if endpoints is None else list(endpoints)
 
         async def one(addr: str) -> T | RpcBufError:
@@ -380,7 +336,7 @@ class Cluster:
 
     async def gather(self, fn: Callable[[RpcContext], Awaitable[T]], what: str = "operation",
                      endpoints: Sequence[str] | None = None) -> dict[str, T]:
-        """Like ``each``, but raise ``ClusterError`` if any node failed."""
+        """``each``, raising ``ClusterError`` if any node failed."""
         got = await self.each(fn, endpoints)
         errors = {a: r for a, r in got.items() if isinstance(r, RpcBufError)}
         results: dict[str, T] = {a: r for a, r in got.items()
@@ -392,11 +348,8 @@ class Cluster:
     # -- views ------------------------------------------------------------------------
 
     async def devices_by_node(self) -> dict[str, list[dict[str, Any]] | RpcBufError]:
-        """``{endpoint: [device, ...] or error}``, in endpoint order; each device
-        has ``slot``, ``endpoint``, ``node_id``, ``key``, ``total``, ``free``,
-        ``largest_free``.  Slot numbers mean something only when every node
-        answered (a failed node's devices cannot be counted): placement uses
-        ``devices``, which raises instead."""
+        """``{endpoint: [device, ...] or error}``, in endpoint order (slot
+        numbers hold only when every node answered: placement uses ``devices``)."""
         got = await self.each(lambda c: c.list_devices())
         slot = 0
         out: dict[str, list[dict[str, Any]] | RpcBufError] = {}
@@ -413,8 +366,7 @@ class Cluster:
         return out
 
     async def devices(self) -> list[dict[str, Any]]:
-        """Every node's devices, in slot order (see ``devices_by_node``).
-        Raises ``ClusterError`` naming each node that did not answer."""
+        """Every node's devices, in slot order.  Raises ``ClusterError``."""
         got = await self.devices_by_node()
         errors = {a: r for a, r in got.items() if isinstance(r, RpcBufError)}
         if errors:
@@ -423,18 +375,17 @@ class Cluster:
         return [d for devs in got.values() if not isinstance(devs, RpcBufError) for d in devs]
 
     async def slots(self) -> list[Slot]:
-        """The devices as placement slots. Raises ``ClusterError``."""
+        """The devices as placement slots.  Raises ``ClusterError``."""
         return [Slot.from_device(d["slot"], d["endpoint"], d) for d in await self.devices()]
 
     async def list_buffers(self) -> dict[str, list[dict[str, Any]]]:
-        """``{endpoint: this tenant's buffers}``. Raises ``ClusterError``."""
+        """``{endpoint: this tenant's buffers}``.  Raises ``ClusterError``."""
         return await self.gather(lambda c: c.list_buffers(), "list_buffers")
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close every session (idempotent); session-scoped buffers are released,
-        named ones (a loaded model's) stay."""
+        """Close every session (idempotent); named buffers stay."""
         if self._closed:
             return
         self._closed = True
@@ -445,8 +396,7 @@ class Cluster:
     aclose = close
 
     def abort(self) -> None:
-        """Close at once, waiting for nothing (idempotent): every session
-        aborts (``RpcContext.abort``) and the registry watch stops."""
+        """Close at once, waiting for nothing (idempotent)."""
         self._closed = True
         if self.discovery is not None and self.discovery._task is not None:
             self.discovery._task.cancel()
@@ -461,4 +411,4 @@ class Cluster:
 
 
 class ClusterConnector(Opening["Cluster"]):
-    """What ``Cluster.connect`` returns: ``await`` it, or use it with ``async with``."""
+    """What ``Cluster.connect`` returns: awaited or used with ``async with``."""

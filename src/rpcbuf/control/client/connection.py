@@ -1,21 +1,14 @@
 """The control connection: framing, request ids, answers, in-flight slots, loss.
 
-``ControlConnection`` is an asyncio protocol: answers are decoded and their
-futures resolved in ``data_received`` itself (no reader task, so one
-event-loop wake-up less per answer than with streams).  Many tasks may share
-one connection: every call gets its own request id and answers are matched
-by id.  When the daemon goes away every pending call fails with
-``CONNECTION_LOST`` (or the daemon's own reason: TOKEN_EXPIRED, AUTH_FAILED);
-arrays UCX may still touch after we stopped waiting stay referenced for a
-grace period (``orphan``).
-
-``Caller`` sits on top, with the one call sequence every request takes (take
-an in-flight slot, a request id, submit, the answer, give the slot back): a
-semaphore sized by the daemon's ``max_inflight`` gives back-pressure instead
-of unbounded queues, and every wait of a call (the wait for an in-flight
-slot included) is inside the call's timeout, so a daemon that never answers
-cannot make a call hang.  A data op's bytes move beside its answer: its
-``Moves`` (``datapath.py``) says how.
+- ``ControlConnection`` is an asyncio protocol: answers are decoded and
+  their futures resolved in ``data_received`` (no reader task).  Answers are
+  matched by request id, so many tasks share one connection.
+- When the daemon goes away every pending call fails with CONNECTION_LOST
+  (or the daemon's reason: TOKEN_EXPIRED, AUTH_FAILED); arrays UCX may still
+  touch stay referenced for a grace period (``orphan``).
+- ``Caller`` is the one call sequence: an in-flight slot (at most the
+  daemon's ``max_inflight``), a request id, submit, the answer, the slot
+  back.  Every wait, the slot's included, is inside the call's timeout.
 """
 
 from __future__ import annotations
@@ -46,10 +39,6 @@ _ORPHANS: list[Any] = []  # see ControlConnection.orphan
 
 
 class ControlConnection(asyncio.Protocol):
-    """The control connection as a protocol: answers are decoded and their
-    futures resolved in ``data_received`` itself (no reader task, so one
-    event-loop wake-up less per answer than with streams)."""
-
     def __init__(self, max_frame: int = P.DEFAULT_MAX_FRAME) -> None:
         self.on_lost: Callable[[], None] | None = None  # e.g. abort the UCX endpoint
         self._transport: Any = None  # an asyncio (or uvloop) transport
@@ -64,8 +53,7 @@ class ControlConnection(asyncio.Protocol):
         self.heard = False  # any byte from the peer yet (a silent peer is not rpcbufd)
 
     def proven(self) -> None:
-        """The daemon proved it holds the node's key: take frames up to
-        ``max_frame`` from now on."""
+        """The daemon proved its key: take frames up to ``max_frame`` from now on."""
         self._decoder.max_frame, self._decoder.why = self._max_frame, ""
 
     @property
@@ -73,8 +61,7 @@ class ControlConnection(asyncio.Protocol):
         return self._lost
 
     def lost_future(self) -> asyncio.Future[None]:
-        """Done once the connection is lost: what every wait on the data
-        plane races against (``ucx.transfer_all``'s ``abandon``)."""
+        """Done once the connection is lost: what every data-plane wait races."""
         if self._lost_fut is None:
             self._lost_fut = asyncio.get_running_loop().create_future()
             if self._lost is not None:
@@ -82,9 +69,8 @@ class ControlConnection(asyncio.Protocol):
         return self._lost_fut
 
     def orphan(self, arrays: Any) -> None:
-        """Keep ``arrays`` referenced for ``orphan_grace``: UCX may still
-        touch them after we stopped waiting (the same-host path never lets
-        the daemon near our memory: its own threads hold theirs)."""
+        """Keep ``arrays`` referenced for ``orphan_grace``: UCX may still touch
+        them after we stopped waiting."""
         _ORPHANS.append(arrays)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().call_later(self.orphan_grace, _ORPHANS.remove, arrays)
@@ -93,10 +79,8 @@ class ControlConnection(asyncio.Protocol):
         return next(self._ids)
 
     def lost_error(self) -> RpcBufError:
-        """What a call on the lost connection fails with: CONNECTION_LOST, or
-        the daemon's own reason when it ended the session over its token
-        (TOKEN_EXPIRED, AUTH_FAILED: a revoked key), whose cure is a new token,
-        not a retry."""
+        """CONNECTION_LOST, or the daemon's reason when it ended the session
+        over its token (TOKEN_EXPIRED, AUTH_FAILED): the cure is a new token."""
         err = self._lost if self._lost is not None else ConnectionLost("connection closed")
         if isinstance(err, (TokenExpired, AuthFailed)):
             return type(err)(err.message, err.details)
@@ -104,7 +88,6 @@ class ControlConnection(asyncio.Protocol):
         return ConnectionLost(err.message, {"cause": err.code, **reason})
 
     def submit(self, req_id: int, req: P.Request) -> asyncio.Future[dict[str, Any]]:
-        """Send one request; the future resolves with the answer message."""
         if self._lost is not None:
             raise self.lost_error()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -180,20 +163,18 @@ class ControlConnection(asyncio.Protocol):
 
 
 class Moves(Protocol):
-    """How a data op's bytes travel beside its answer (``Caller.call``)."""
+    """How a data op's bytes travel beside its answer."""
 
     async def run(self, req_id: int, fut: asyncio.Future[dict[str, Any]],
                   answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Move the bytes of request ``req_id`` (submitted: ``fut`` is its
-        answer's future) and return its result; ``answer()`` is that
-        answer, within the call's timeout (await it once)."""
+        """Move request ``req_id``'s bytes and return its result; ``answer()``
+        is the answer within the call's timeout (await it once)."""
         ...
 
 
 class Caller:
-    """Requests over one ``ControlConnection``: each takes an in-flight slot
-    (at most ``max_inflight`` on the wire) and gets its answer within a
-    timeout (default ``timeout``: the context's)."""
+    """Requests over one ``ControlConnection``, each in an in-flight slot and
+    within a timeout (default: the context's)."""
 
     def __init__(self, conn: ControlConnection, max_inflight: int,
                  timeout: float | None) -> None:
@@ -204,10 +185,8 @@ class Caller:
 
     async def call(self, req: P.Request, timeout: float | None = None,
                    moves: Moves | None = None) -> dict[str, Any]:
-        """Send ``req`` and return its result: the one call sequence.
-        ``moves``: how the op's bytes travel beside its answer (a data op's
-        path, ``datapath.py``).  Raises what the daemon answers, TIMEOUT,
-        CONNECTION_LOST."""
+        """Send ``req`` and return its result; ``moves``: its bytes beside the
+        answer.  Raises what the daemon answers, TIMEOUT, CONNECTION_LOST."""
         left = await self.take_slot(req.op, timeout)
         try:
             req_id = self.conn.next_id()
@@ -219,10 +198,8 @@ class Caller:
             self._slots.release()
 
     async def take_slot(self, op: str, timeout: float | None) -> float | None:
-        """Take an in-flight slot within ``timeout`` (default: the context's)
-        and return what is left of it for the answer: the wait for a slot is
-        part of the call's timeout, so a daemon that never answers cannot
-        make later calls wait for ever.  Raises TIMEOUT."""
+        """Take an in-flight slot within ``timeout``; return what is left of
+        it for the answer.  Raises TIMEOUT."""
         timeout = self.timeout if timeout is None else timeout
         if not self._slots.locked() or timeout is None:
             await self._slots.acquire()  # a free slot: no suspension, no timer
@@ -239,8 +216,8 @@ class Caller:
 
     async def answer(self, req_id: int, fut: asyncio.Future[dict[str, Any]], op: str,
                      timeout: float | None = None) -> dict[str, Any]:
-        """The answer to request ``req_id``, within ``timeout`` (default: the
-        context's); on TIMEOUT the request is forgotten, the connection stays."""
+        """The answer within ``timeout``; on TIMEOUT the request is forgotten
+        and the connection stays."""
         timeout = self.timeout if timeout is None else timeout
         if timeout is None:
             return await fut
@@ -262,7 +239,6 @@ def _expire(fut: asyncio.Future[Any]) -> None:
 
 
 def result_of(msg: dict[str, Any]) -> dict[str, Any]:
-    """An answer's result, or its error raised."""
     if msg.get("ok"):
         result = msg.get("result")
         return result if isinstance(result, dict) else {}

@@ -162,18 +162,16 @@ class RpcContext:
             return
         self._closed = True
         await self._paths.ucx.close()
-        self._conn.close()
-        self._blocks.close()
-        if self._own is not None:
-            self._own.close()
-        if self._handles is not None:
-            self._handles.close()
+        self._close_parts()
 
     def abort(self) -> None:
         """Close at once, waiting for nothing (idempotent): posted UCX
         requests fail, and the daemon ends the session as on ``close``."""
         self._closed = True
         self._paths.ucx.abort()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
         self._conn.close()
         self._blocks.close()
         if self._own is not None:

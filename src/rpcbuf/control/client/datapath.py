@@ -264,7 +264,6 @@ def _flat(arrays: Sequence[Any]) -> list[np.ndarray]:
 
 
 class UcxClientPath:
-
     def __init__(self, caller: Caller, host: str, port: int, nonce: bytes,
                  transfer_timeout: float, on_expired: Callable[[], None],
                  check_open: Callable[[], None]) -> None:
@@ -358,7 +357,6 @@ class _UcxMoves:
 
 
 class DataPaths:
-
     def __init__(self, ucx_path: UcxClientPath, same_host: StagedClientPath | None,
                  inline: InlineClientPath | None = None) -> None:
         self.ucx = ucx_path

@@ -1,15 +1,10 @@
 """Client side of content-hash dedup: send only what the daemon does not hold.
 
-``store_tensors_dedup`` hashes each tensor (xxh3-128 to find it, xxh3-64 to
-verify it), asks the daemon in one round trip which contents this tenant
-already holds (``dedup_store``: the daemon copies those into place locally
-and verifies them), then sends only the missing tensors in one
-``store_batch`` with the manifest.  The result is the same manifest as
-``store_tensors`` would record; only the bytes on the wire differ.
-
-Hashing runs in a worker thread for big batches (xxhash drops the GIL), and a
-caller that hashed already (the model loader hashes while it reads ahead)
-passes ``hashes`` to skip it.
+Each tensor is hashed (xxh3-128 to find it, xxh3-64 to verify it); one round
+trip asks the daemon to place the contents this tenant holds, and the rest
+goes in one ``store_batch`` with the manifest: the same manifest as
+``store_tensors`` records.  Big batches hash in a thread (xxhash drops the
+GIL); ``hashes`` skips it.
 """
 
 from __future__ import annotations
@@ -38,17 +33,12 @@ CHUNK_ITEMS = P.MAX_ITEMS // 2  # two hash words per item must fit one packed ar
 
 
 def content_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int]]:
-    """``{name: (xxh3-128, xxh3-64)}`` of each array's bytes, each array read
-    once (``checksum.digests``: the low half of a long input's xxh3-128 is its
-    xxh3-64)."""
+    """``{name: (xxh3-128, xxh3-64)}``, each array read once."""
     return {n: digests(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
             for n, a in arrays.items()}
 
 
 class DedupOps:
-    """``store_tensors_dedup`` over a context's parts; ``check_open`` first,
-    as every verb."""
-
     def __init__(self, check_open: Callable[[], None], caller: Caller, manifests: TensorOps,
                  store: RangeOps) -> None:
         self._check_open, self._call = check_open, caller.call
@@ -58,8 +48,6 @@ class DedupOps:
                                   offsets: Mapping[str, int] | None, verify: str | None,
                                   hashes: Mapping[str, tuple[int, int]] | None,
                                   sources: Mapping[str, Source] | None) -> dict[str, Any]:
-        """``RpcContext.store_tensors_dedup`` (its docstring is the contract):
-        ask the daemon to place what it holds, send the rest."""
         self._check_open()
         arrays, bits = named_arrays(tensors)
         sources = with_bits(sources, bits)
@@ -108,6 +96,5 @@ class DedupOps:
 
 def _manifest(arrays: Mapping[str, np.ndarray], names: list[str],
               sources: Mapping[str, Source] | None) -> Packed:
-    """The packed manifest of ``names``, with their source types and logical shapes."""
     return Packed.of_arrays(names, [arrays[n] for n in names]).described(
         *source_columns(names, sources))

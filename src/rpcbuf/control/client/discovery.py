@@ -1,34 +1,16 @@
 """Finding the live nodes of a cluster in the fleet registry (etcd).
 
-``Discovery(etcd://h:2379, cluster)`` reads the records the daemons keep
-under their cluster's prefix (``wire/membership.py``): ``read()`` is one
-snapshot, ``{node_id: NodeRecord}``; ``watch()`` keeps a snapshot current
-from etcd's watch stream and tells each subscriber what changed (``Change``:
-joined, updated, left).  A record that does not parse is skipped with a
-warning, never trusted: the prefix may be writable by more than the nodes.
-
-A watch that breaks (etcd restarted, the member we watched went away) lists
-the prefix again once etcd answers (backoff ``BACKOFF``), reports the
-difference as changes, and watches on from that listing's revision: a
-subscriber sees every node that joined or left meanwhile, once.  While etcd
-is away the snapshot stays as it was last read (``stale`` says so): rpcbuf
-cannot learn of a death it cannot hear about, but every data call to a dead
-node still fails on its own deadline.
-
-A record is a claim, not a proof: anyone who can write the prefix can
-publish one pointing at a listener of their own.  So ``Cluster`` dials an
-advertised node exactly as ``rpcbuf.connect`` dials any address
-(``opening.py``): the token goes out in ``hello`` only after the peer has
-proved it is a node, by a TLS certificate that the cluster's CA (``tls=``,
-``$RPCBUF_CA``) signed for the address in the record; plain TCP is used
-only to a loopback address, or when told ``insecure=True``.  After hello it
-checks that the node id the daemon names is the record's (``check_node``):
-a stale record, or a forged one pointing at another node, is refused.
-The record names the address, so this holds only for a CA that signs
-nothing but the cluster's nodes (with public CAs, ``tls=True``, a forger
-names a host it has a certificate for).  Without TLS off loopback
-(``insecure=True``) a forged record does get the token: that mode trusts
-the network and whoever can write the registry.
+- ``read()`` is one snapshot, ``{node_id: NodeRecord}``; ``watch()`` keeps
+  it current and tells subscribers each ``Change``.  A record that does not
+  parse is skipped with a warning, never trusted.
+- A broken watch lists the prefix again once etcd answers (backoff
+  ``BACKOFF``), reports the difference, and watches on from that revision:
+  every join and leave is seen once.  While etcd is away the snapshot stays
+  (``stale``).
+- A record is a claim, not a proof: the dialer checks the peer as for any
+  address, and ``check_node`` that its hello names the record's node id.
+  This holds only for a CA that signs nothing but the cluster's nodes;
+  ``insecure`` trusts the network and whoever can write the registry.
 """
 
 from __future__ import annotations
@@ -76,8 +58,7 @@ class Change:
 
 
 def check_node(record: NodeRecord, node_id: str) -> None:
-    """The daemon at ``record.address`` said ``node_id`` in hello: refuse it
-    unless that is the record's node (``StaleEntry``)."""
+    """Refuse a hello whose ``node_id`` is not the record's (``StaleEntry``)."""
     if node_id != record.node_id:
         raise StaleEntry(f"the registry lists {record.node_id!r} at {record.address}, but the "
                          f"daemon there is {node_id!r}: a stale or forged entry, refused",
@@ -96,7 +77,7 @@ def diff(old: dict[str, NodeRecord], new: dict[str, NodeRecord]) -> list[Change]
 
 
 class Discovery:
-    """The members of one cluster; see the module docstring."""
+    """The members of one cluster."""
 
     def __init__(self, address: str | RegistryAddress, cluster: str = DEFAULT_CLUSTER,
                  options: EtcdOptions | None = None) -> None:
@@ -115,8 +96,7 @@ class Discovery:
         self._revision = 0
 
     async def read(self) -> dict[str, NodeRecord]:
-        """The live members now, ``{node_id: record}`` in node-id order.
-        Raises ``RegistryUnavailable``."""
+        """The live members now, in node-id order.  Raises ``RegistryUnavailable``."""
         try:
             rows, revision = await self.etcd.get_prefix(self.prefix)
         except EtcdUnavailable as exc:
@@ -140,10 +120,9 @@ class Discovery:
             self._task = asyncio.create_task(self._follow(), name="rpcbuf-discovery")
 
     def subscribe(self) -> asyncio.Queue[Change]:
-        """A queue of every change from now on (starts the watch if needed);
-        ``unsubscribe`` it when done.  Subscribed at once, unlike ``changes``
-        (whose generator subscribes when first awaited): a caller that then
-        reads ``members`` misses no change between the two."""
+        """A queue of every change from now on (starts the watch).  Subscribed
+        at once, unlike ``changes``: a caller that then reads ``members`` misses
+        nothing."""
         queue: asyncio.Queue[Change] = asyncio.Queue(MAX_CHANGES)
         self._subscribers.append(queue)
         self.watch()
@@ -154,7 +133,7 @@ class Discovery:
             self._subscribers.remove(queue)
 
     async def changes(self) -> AsyncIterator[Change]:
-        """Every change from now on (starts the watch if needed)."""
+        """Every change from now on (starts the watch)."""
         queue = self.subscribe()
         try:
             while True:
@@ -219,8 +198,8 @@ class Discovery:
 
 
 def choose_by_free(records: list[NodeRecord], need: int) -> list[NodeRecord]:
-    """The fewest nodes, most free memory first, whose free bytes (the
-    registry's figures) add up to ``need``; every node when they do not."""
+    """The fewest nodes, most free memory first, whose free bytes add up to
+    ``need``; every node when they do not."""
     ranked = sorted(records, key=lambda r: (-r.free, r.node_id))
     out: list[NodeRecord] = []
     total = 0

@@ -1,11 +1,5 @@
 """The client's half of ``load_file``: tensors of a file on the node's own
-disk, named with where they lie and what their hashes are.
-
-``FileTensor`` is one tensor as the driver knows it from the model's header
-or hash manifest (``model/hashfile.py``); ``request`` packs a batch of them
-into one ``P.LoadFile`` (its manifest packed: a few kinds of dtype and
-shape, one per item); ``RpcContext.load_file`` sends it.  The daemon's side,
-and what it checks, is ``control/daemon/ops/fileops.py``.
+disk, named with where they lie and their hashes.
 """
 
 from __future__ import annotations
@@ -24,11 +18,9 @@ MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class FileTensor:
-    """A tensor of a model file: its manifest entry (``name``, ``dtype``,
-    ``shape``), its bytes ``[file_offset, file_offset + nbytes)`` in the file,
-    where it goes in the buffer (``offset``), its xxh3-128 and xxh3-64, and
-    what the file says it is (``source_type``, ``logical_shape``: recorded
-    beside the view, as an upload records them; None: not known)."""
+    """A tensor of a model file: its manifest entry, its bytes in the file,
+    its ``offset`` in the buffer, its xxh3-128 and xxh3-64, and what the file
+    says it is (None: not known)."""
 
     name: str
     dtype: str
@@ -44,10 +36,8 @@ class FileTensor:
 
 def request(buffer_id: str, path: str, file_size: int,
             tensors: Sequence[FileTensor]) -> P.LoadFile:
-    """One ``load_file`` request for ``tensors`` (any order: sorted here by
-    buffer offset, as the daemon wants them), with their source types and
-    logical shapes.  Raises BAD_REQUEST for more tensors than one request
-    may carry."""
+    """One ``load_file`` request, sorted by buffer offset.  Raises
+    BAD_REQUEST for more tensors than one request may carry."""
     if len(tensors) > P.MAX_ITEMS // 2:
         raise BadRequest(f"one load_file carries at most {P.MAX_ITEMS // 2} tensors, "
                          f"got {len(tensors)}")

@@ -1,19 +1,13 @@
-"""Our end of a same-host session's handle channel (the daemon's end and
-the protocol: ``control/daemon/data/handles.py``).
+"""Our end of a same-host session's handle channel.
 
-``bind``: a second connection to the daemon's Unix socket, from this
-process, checked to lead to the same daemon process as the control
-connection; its one frame is ``bind_handles`` with the nonce the hello gave.
-Then only the daemon writes, records with fds: first the staging area
-(mapped here read-write, ``dataplane/staging.py``: a ``staging.Shared``, so
-``close`` unmaps it at once, or when the last ring thread using it lets
-go; nothing waits for the garbage collector), then one per attach,
-tagged with its request id (``fd_for``).  Everything the daemon sends is
-checked as a hostile peer's would be: the staging fd must be a memfd of
-exactly the staging size, sealed against shrinking (else its mapping could
-turn into SIGBUS here); an attach fd must be read-only, sealed against
-writes, and exactly the size the answer says; records nobody waits for are
-closed, and at most ``INBOX_MAX`` wait.
+A second connection to the daemon's Unix socket, checked to reach the same
+daemon process, bound with the hello's nonce.  Then only the daemon writes
+records with fds: the staging area first, then one per attach, tagged with
+its request id.  Every record is checked as a hostile peer's: the staging
+fd a memfd of exactly the staging size, sealed against shrinking (no
+SIGBUS); an attach fd read-only, write-sealed and of the size answered.
+Records nobody waits for are closed; at most ``INBOX_MAX`` wait.  ``close``
+unmaps the staging area at once, or when the ring thread lets go.
 """
 
 from __future__ import annotations
@@ -33,8 +27,6 @@ INBOX_MAX = 64  # records received before anyone asked for them (then the oldest
 
 
 class Handles:
-    """The handle channel's socket, the staging area, the records waiting."""
-
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self._sock = sock
@@ -48,9 +40,8 @@ class Handles:
 
     @classmethod
     async def bind(cls, sock: socket.socket, nonce: bytes, timeout: float) -> Handles:
-        """Bind ``sock`` (connected, checked) as the channel of the session
-        whose hello gave ``nonce``, and map its staging area.  Raises
-        CONNECTION_LOST (refused, malformed) or TIMEOUT."""
+        """Bind ``sock`` as the channel of the session whose hello gave ``nonce``,
+        and map its staging area.  Raises CONNECTION_LOST, TIMEOUT."""
         self = cls(sock)
         try:
             loop = asyncio.get_running_loop()
@@ -81,9 +72,8 @@ class Handles:
         self.staging = staging.Shared(fd)
 
     async def fd_for(self, tag: int, timeout: float | None) -> tuple[int, int]:
-        """The record tagged ``tag``: (its value, its fd; ours to close).
-        The daemon sends it before its answer, so after the answer it is
-        here at once.  Raises CONNECTION_LOST or TIMEOUT."""
+        """The record tagged ``tag``: (value, fd; ours to close).  Raises
+        CONNECTION_LOST, TIMEOUT."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
@@ -102,7 +92,6 @@ class Handles:
         return self._inbox.pop(tag)
 
     def _pull(self) -> bool:
-        """Read what records are there; False when none was."""
         got = False
         while True:
             try:
@@ -127,9 +116,7 @@ class Handles:
             self._inbox[tag] = (value, fds[0])
 
     def close(self) -> None:
-        """Close the channel (the daemon then ends its side) and unmap the
-        staging area now, or as soon as the ring thread using it lets go
-        (within a chunk: the closed connection stops it).  Idempotent."""
+        """Close the channel and unmap the staging area (idempotent)."""
         if self.closed:
             return
         self.closed = True
@@ -143,9 +130,8 @@ class Handles:
 
 
 def check_read_only(fd: int, nbytes: int) -> None:
-    """An attach handle must be exactly ``nbytes``, opened read-only, and
-    sealed against writes: what lets us hand out arrays over it that
-    nothing can change but the daemon.  Raises CONNECTION_LOST."""
+    """An attach handle: exactly ``nbytes``, read-only, write-sealed.  Raises
+    CONNECTION_LOST."""
     st = os.fstat(fd)
     if st.st_size != nbytes:
         raise ConnectionLost(f"the daemon's handle is {st.st_size} bytes, not {nbytes}")

@@ -1,29 +1,15 @@
 """What the daemon says in ``hello``, checked before the client trusts it.
 
-The client sizes its semaphore, its deadlines and its frame limit from this
-answer, dials the UCX port it names and may reconnect on the Unix socket it
-names: a malicious or broken daemon must not turn any of that into a hang,
-a crash or a huge allocation.  ``parse_hello`` takes the decoded answer and
-returns a frozen ``HelloAnswer`` (what the rest of the client reads, by
-attribute) or raises BAD_REQUEST naming the field (``details["field"]``,
-``details["reason"] == "bad_hello"``); ``check_hello`` is the same check
-returning the dict (what ``ctx.hello`` shows).  Sans-I/O: no asyncio here,
-so the checks are testable on their own and the same for TCP and Unix
-sockets.
+The client sizes its slots, deadlines and frame limit from this answer and
+dials what it names: a malicious or broken daemon must not turn any of that
+into a hang, a crash or a huge allocation.  Sans-I/O.
 
-The protocol version is checked here too: the daemon answers the version it
-chose from the client's range (``P.negotiate``); one outside that range, or
-none, is refused with the sentence ``P.version_mismatch`` makes (both ranges
-named).  There is no fallback to an older version.
-
-Before the hello, the challenge's answer (``check_challenge``): the
-daemon's nonce and its proof that it holds the key that signed our token
-(``wire/auth.py``).  A proof that does not match is AUTH_FAILED
-(``reason: daemon_unproven``), raised before anything derived from the
-token's secret is sent: an impostor holding the daemon's port during a
-restart learns only the token's claims and our nonce.  The client cannot
-tell an impostor from a node whose key did not sign this token (a token of
-another node or cluster, a forged one), so the sentence names both.
+- ``parse_hello`` returns a frozen ``HelloAnswer`` or raises BAD_REQUEST
+  naming the field (``reason: bad_hello``).  A version outside the client's
+  range is refused naming both ranges; there is no fallback.
+- ``check_challenge``: a proof that the daemon holds the key that signed our
+  token, else AUTH_FAILED (``daemon_unproven``) before anything derived from
+  the token's secret is sent.
 """
 
 from __future__ import annotations
@@ -62,8 +48,6 @@ class Local:
 
 @dataclass(frozen=True, slots=True)
 class HelloAnswer:
-    """The daemon's hello, checked: what the client sizes itself by."""
-
     session_id: str
     tenant: str
     node_id: str
@@ -83,7 +67,7 @@ class HelloAnswer:
     block_inline: bool = False  # ... and block puts and gets (a daemon that says so)
 
     def checksum_kind(self, device_type: str, device: int) -> str:
-        """The checksum the daemon verifies a plain store into that device with."""
+        """The checksum a plain store into that device is verified with."""
         gpu = device_type.upper() == "GPU"
         stated = self.checksum_kinds.get(f"{'cuda' if gpu else 'cpu'}:{device}")
         return stated if stated is not None else ("devsum" if gpu else "xxh3")
@@ -129,9 +113,8 @@ def _version(msg: dict[str, Any]) -> int:
 
 def check_challenge(msg: dict[str, Any], addr: str, claims: str, nonce: bytes,
                     secret: bytes) -> tuple[int, bytes]:
-    """The version the daemon chose and the transcript both proofs cover,
-    once the daemon's proof matches.  Raises BAD_REQUEST (a version we do not
-    speak, a malformed answer) or AUTH_FAILED (``daemon_unproven``)."""
+    """The version the daemon chose and the transcript both proofs cover.
+    Raises BAD_REQUEST, AUTH_FAILED (``daemon_unproven``)."""
     version = _version(msg)
     ours = msg.get("nonce")
     proof = msg.get("proof")
@@ -159,9 +142,8 @@ def _checksum_kinds(msg: dict[str, Any]) -> dict[str, str]:
 
 
 def parse_hello(msg: dict[str, Any], unix: bool) -> HelloAnswer:
-    """The hello as a ``HelloAnswer`` if every field the client uses is sane;
-    ``unix``: it came over the daemon's Unix socket (only there can it offer
-    the same-host path).  Raises BAD_REQUEST naming the field."""
+    """The hello as a ``HelloAnswer``; ``unix``: it came over the Unix socket
+    (only there may it offer the same-host path).  Raises BAD_REQUEST."""
     ids = [_str(msg, key, key, MAX_ID) for key in ("session_id", "tenant", "node_id")]
     version = _version(msg)
     nonce = msg.get("bind_nonce")

@@ -1,25 +1,17 @@
-"""Our own host buffers written and read in place (same host): the client's
-side of ``map_buffer`` (``daemon/ops/mapops.py``, docs/dataplane.md).
+"""Our own host buffers written and read in place (same host, docs/dataplane.md).
 
-The first store of a buffer asks the daemon for a write grant: a
-writable fd of the buffer's memfd and a slot of the session's grant page
-(``dataplane/grants.py``), both on the handle channel.  From then on
-``store_tensor``/``read_buffer`` (and ``store_batch``/``read_batch``
-without a manifest or a check) are copies into or out of our mapping, with
-no round trip: each inside the slot's lock, and only while the slot is
-LIVE.  Reads go in place only under a grant we hold (a read never asks for
-one: it would cost a clone its shared memory, an attached buffer a copy).
-When the daemon took the grant back (another op touched the buffer:
-REVOKED) the next store asks again; when the buffer is gone (ENDED) the op
-goes the daemon's way, which says NOT_FOUND.  Any refusal of a grant
-(BUSY: attached; UNSUPPORTED_DEVICE; a full page) sends the op the
-daemon's way too, so the verbs answer exactly as they did without it.
-
-``ctx.map`` asks for an *explicit* grant: the array is the caller's, so the
-daemon makes other sessions' ops on the buffer BUSY until it is closed.
-
-A mapping is a Python ``mmap``: one the caller still holds arrays of is
-never unmapped under them (``BufferError``: left to the garbage collector).
+- The first store of a buffer asks for a write grant: a writable fd of its
+  memfd and a slot of the session's grant page.  From then on stores and
+  reads (batches without a manifest or check too) are copies into or out of
+  our mapping, no round trip: each inside the slot's lock, only while the
+  slot is LIVE.  A read never asks for a grant (it would cost a clone its
+  shared memory).
+- REVOKED: the next store asks again; ENDED, or any refusal (BUSY,
+  UNSUPPORTED_DEVICE, a full page): the op goes the daemon's way, so the
+  verbs answer exactly as without this.
+- ``ctx.map`` asks for an explicit grant: other sessions' ops on the
+  buffer are BUSY until it closes.
+- A mapping the caller still holds arrays of is never unmapped under them.
 """
 
 from __future__ import annotations
@@ -57,8 +49,7 @@ _REFUSED = (Busy, NotFound, QuotaExceeded, UnsupportedDevice)
 
 
 def in_place_on() -> bool:
-    """``RPCBUF_IN_PLACE=0`` turns writing in place off: same-host ops then
-    copy through the staging area (for comparison, and for tests of it)."""
+    """``RPCBUF_IN_PLACE=0`` turns writing in place off (for comparison, tests)."""
     return os.environ.get("RPCBUF_IN_PLACE", "1") != "0"
 
 
@@ -100,8 +91,7 @@ class _DeviceMapping:
 
 
 class MappedBuffer:
-    """``ctx.map``'s answer: ``array``, the buffer's bytes, writable, in
-    place.  ``close`` (or leaving ``async with``) ends the grant."""
+    """``ctx.map``'s answer: ``array``, writable, in place; ``close`` ends it."""
 
     def __init__(self, buffer_id: str, array: np.ndarray,
                  close: Callable[[], Any]) -> None:
@@ -130,19 +120,16 @@ class OwnMaps:
                        "grants": 0, "fallbacks": 0}
 
     def due(self) -> bool:
-        """Whether the caller should let the event loop run first (then
-        ``yielded``): an in-place op never waits, so a loop of them would
-        starve every other task (the control connection's reader, which
-        notices a daemon that died, above all).  Once per ``YIELD_EVERY``."""
+        """Whether to let the loop run first (then ``yielded``): in-place ops
+        never wait, so a loop of them would starve the connection's reader."""
         return time.monotonic() - self._yielded >= YIELD_EVERY
 
     def yielded(self) -> None:
         self._yielded = time.monotonic()
 
     def copy_now(self, buffer_id: str, offset: int, arr: np.ndarray, store: bool) -> bool:
-        """The common case, with nothing to wait for: a mapping under a LIVE
-        grant already, a copy small enough for the loop.  False: not done
-        (the caller takes the async way, which may ask for a grant)."""
+        """The copy under a LIVE grant, with nothing to wait for; False: take
+        the async way."""
         m = self._maps.get(buffer_id)
         if m is None:
             return False
@@ -166,8 +153,7 @@ class OwnMaps:
         return True
 
     async def store(self, buffer_id: str, offset: int, data: np.ndarray) -> bool:
-        """Copy ``data`` (flat uint8) into the buffer at ``offset`` in place;
-        False: not done, the caller goes the daemon's way."""
+        """Copy ``data`` into the buffer in place; False: go the daemon's way."""
         return await self._copy_many(buffer_id, [offset], [data], True)
 
     async def read(self, buffer_id: str, offset: int, dest: np.ndarray) -> bool:
@@ -224,14 +210,13 @@ class OwnMaps:
         counts["bytes_stored" if store else "bytes_read"] += nbytes
 
     def _held(self, buffer_id: str) -> _Mapping | None:
-        """Our mapping of ``buffer_id`` if its grant is LIVE now."""
         m = self._maps.get(buffer_id)
         page = self._page
         return m if m is not None and page is not None and page.live(m.slot, m.gen) else None
 
     async def _live(self, buffer_id: str) -> _Mapping | None:
-        """Our mapping of ``buffer_id`` under a LIVE grant, asking the daemon
-        for one if needed; None when it refused (or the grant is gone)."""
+        """Our mapping under a LIVE grant, asking for one if needed; None when
+        refused."""
         m = self._maps.get(buffer_id)
         page = self._page
         if m is not None and page is not None:
@@ -271,10 +256,8 @@ class OwnMaps:
 
     async def open(self, buffer_id: str, explicit: bool,
                    timeout: float | None = None) -> Any:
-        """Ask for a grant of ``buffer_id`` and map what comes with it (a
-        handle unless we map its memfd already: ``have``).  One request per
-        buffer at a time: tasks storing at once share one grant rather than
-        each mapping the buffer anew."""
+        """Ask for a grant and map what comes with it; one request per buffer
+        at a time (tasks storing at once share one grant)."""
         while (pending := self._opening.get(buffer_id)) is not None:
             await asyncio.shield(pending)
         done = self._opening[buffer_id] = asyncio.get_running_loop().create_future()
@@ -354,14 +337,13 @@ class OwnMaps:
         return MappedBuffer(buffer_id, m.array if dev is not None else m.array[:m.size], close)
 
     def forget(self, buffer_id: Any) -> None:
-        """The buffer was released by us: its mapping goes (unless arrays of it live)."""
+        """We released the buffer: its mapping goes (unless arrays of it live)."""
         m = self._maps.pop(buffer_id, None) if isinstance(buffer_id, str) else None
         if m is not None:
             _drop(m)
 
     def close(self) -> None:
-        """Unmap what no array holds any more; the grant page once no copy
-        is in flight (a copy in a thread finishes first: it unmaps then)."""
+        """Unmap what no array holds; the grant page once no copy is in flight."""
         self._closed = True
         maps, self._maps = self._maps, {}
         for m in maps.values():

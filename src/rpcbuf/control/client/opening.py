@@ -1,39 +1,20 @@
 """Opening a session: reach the daemon, say hello, maybe switch to its Unix socket.
 
-``open_session`` does every step of ``rpcbuf.connect`` before the data path
-exists: dial TCP (TLS, or plain TCP on loopback; see below) or the daemon's
-Unix socket, say hello
-(with the protocol versions this client speaks, see below), check the answer
-(``hello.parse_hello``), and, when the daemon is on this host, reconnect on
-its Unix socket to take the same-host path: a second connection there, from
-this process, becomes the session's handle channel (``handles.py``).  The
-peer of a Unix socket is checked (``check_unix_peer``) before hello is said
-on it: the daemon may be an impostor there.
+The token never crosses the wire (``wire/auth.py``): the client sends its
+claims and a nonce, checks the daemon's proof that it holds the node's key,
+then proves it holds the token's signature over both nonces.  An impostor
+gets no token and nothing to replay; TLS stops an active relay.  So the
+session goes only to a peer that proved who it is before hello:
 
-The token itself never crosses the wire (protocol 4, ``wire/auth.py``):
-the client sends its claims and a nonce (``challenge``), checks the
-daemon's proof that it holds the node's key (``hello.check_challenge``)
-before it goes on, then proves it holds the token's signature over both
-nonces (``hello``).  An impostor gets no token, and nothing it can replay.
-What an active relay to a live daemon gets (that one session), TLS stops;
-and the claims (tenant, audience, expiry) are not secret but still
-readable.  So the session still goes only to a peer
-that proved who it is before hello: over TLS, a certificate that the
-trusted CAs signed for the host dialed (``tls_context``: ``tls=``, else
-``$RPCBUF_CA``; an SSLContext that checks less counts as plaintext); on a
-Unix socket, the peer check; over plain TCP, only to a
-loopback address (``is_loopback``), where the peer is on this host (not
-proof of who it is: any local user may hold the port while the daemon
-restarts, which is what the daemon's proof is for).  Plain TCP
-to any other address is refused before anything is dialed
-(``InsecureTransport``) unless ``insecure=True`` (or ``$RPCBUF_INSECURE=1``)
-says the network is trusted.  A registry entry (``Cluster``) is dialed the
-same way, so a forged one gets nothing without the CA's signature.
+- TLS: a certificate from the trusted CAs for the host dialed (an
+  SSLContext that checks less counts as plaintext);
+- a Unix socket: the kernel's peer credentials (``check_unix_peer``);
+- plain TCP: loopback only, unless ``insecure`` (``InsecureTransport``).
 
-Versions: the challenge says ``versions: [oldest, newest]``; the daemon answers
-the newest both speak, or BAD_REQUEST naming both ranges.  The hello is said
-once: a refusal is raised as it came, never answered by a second hello "the
-old way" chosen from the wording of an error.
+On the daemon's host the session reconnects on its Unix socket; a second
+connection there becomes the handle channel.  Hello is said once, with
+``versions: [oldest, newest]``: a refusal is raised as it came, never
+retried "the old way".
 """
 
 from __future__ import annotations
@@ -80,9 +61,8 @@ class InsecureTransport(BadRequest):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this host's loopback (127/8, ::1, localhost): a
-    literal, never resolved, so no name server can make it one (a plaintext
-    ``localhost`` is dialed as 127.0.0.1, see ``open_session``)."""
+    """Whether ``host`` is loopback (127/8, ::1, localhost) as a literal,
+    never resolved: no name server can make it one."""
     if host.lower() == "localhost":
         return True
     try:
@@ -92,14 +72,13 @@ def is_loopback(host: str) -> bool:
 
 
 def insecure_default() -> bool:
-    """``RPCBUF_INSECURE=1``: plain TCP off loopback is allowed (a trusted network)."""
     return os.environ.get("RPCBUF_INSECURE", "").strip().lower() in _YES
 
 
 def tls_context(tls: TlsOption) -> ssl.SSLContext | None:
-    """The TLS context ``tls`` asks for (None: plain TCP).  Server
-    verification is always on (the default context: the chain and the host
-    name).  Raises BAD_REQUEST naming a CA file that cannot be loaded."""
+    """The TLS context ``tls`` asks for (None: plain TCP); server
+    verification always on.  Raises BAD_REQUEST for a CA file that cannot be
+    loaded."""
     if tls is None:
         env = os.environ.get("RPCBUF_CA", "").strip()
         if not env or env.lower() in _NO:
@@ -123,8 +102,7 @@ def _with_ca(path: str, given: str) -> ssl.SSLContext:
 
 
 def _verifies(ctx: ssl.SSLContext | None) -> bool:
-    """Whether a handshake under ``ctx`` proves who the peer is: its chain
-    checked against the CAs, and its name against the host dialed."""
+    """Whether ``ctx`` checks the peer's chain and its name."""
     return ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
 
 
@@ -151,8 +129,8 @@ def same_host_default() -> bool | None:
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[V6]:PORT``; ``HOST`` alone: ``DEFAULT_PORT``) ->
-    ``(host, port)``.  Raises BAD_REQUEST for a port that is not a number."""
+    """``HOST:PORT`` (``[V6]:PORT``; ``HOST``: ``DEFAULT_PORT``) -> ``(host,
+    port)``.  Raises BAD_REQUEST."""
     try:
         return split_host_port(addr, DEFAULT_PORT)
     except ValueError as exc:
@@ -160,9 +138,8 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def with_port(addr: str) -> str:
-    """``addr`` as errors and tables name it, with the port tried
-    (``HOST`` -> ``HOST:7700``); a Unix socket (``unix:...``), a URL, or an
-    address that does not parse as it is (dialing it says why)."""
+    """``addr`` with the port tried (``HOST`` -> ``HOST:7700``); anything
+    else as it is."""
     if "://" in addr or addr.startswith("unix:"):
         return addr
     try:
@@ -173,8 +150,7 @@ def with_port(addr: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Opened:
-    """A session whose hello succeeded: the connection, the answer (as
-    checked, and as it came), and the host its UCX endpoint dials."""
+    """A session whose hello succeeded, and the host its UCX endpoint dials."""
 
     conn: ControlConnection
     hello: HelloAnswer
@@ -186,14 +162,10 @@ class Opened:
 async def open_session(addr: str, token: str, timeout: float | None,
                        tls: TlsOption, same_host: bool | None,
                        insecure: bool | None = None) -> Opened:
-    """Connect and say hello; on the daemon's host, switch to its Unix socket
-    (``same_host``: None when possible, False never, True required).
-    Raises AUTH_FAILED, TOKEN_EXPIRED, CONNECTION_LOST (a failed TLS
-    handshake too), TIMEOUT, QUOTA_EXCEEDED, SHUTTING_DOWN, FORBIDDEN (an
-    untrusted Unix socket peer: ``check_unix_peer``), BAD_REQUEST (a
-    malformed hello, protocol versions that do not meet, a required
-    same-host path not available, a CA file that cannot be loaded, plain
-    TCP off loopback without ``insecure``: ``InsecureTransport``)."""
+    """Connect and say hello; on the daemon's host, switch to its Unix
+    socket (``same_host``).  Raises AUTH_FAILED, TOKEN_EXPIRED,
+    CONNECTION_LOST, TIMEOUT, QUOTA_EXCEEDED, SHUTTING_DOWN, FORBIDDEN,
+    BAD_REQUEST."""
     if same_host is None:
         same_host = same_host_default()
     if addr.startswith("unix:"):  # the daemon's Unix socket itself: unix:PATH, unix:@NAME
@@ -234,12 +206,10 @@ _Hello = tuple[ControlConnection, HelloAnswer, dict[str, Any], Handles | None]
 
 async def _hello(conn: ControlConnection, req: P.Request, timeout: float | None,
                  addr: str) -> dict[str, Any]:
-    """Say hello (or its challenge; within ``timeout``).  Raises what the daemon refused it
-    with (BAD_REQUEST naming both versions, AUTH_FAILED, ...), and TIMEOUT
-    (``reason: silent_peer``) after ``SILENT_PEER`` seconds without a byte
-    back: rpcbufd answers a hello in milliseconds, while a UCX listener (a
-    daemon's --ucx-port) takes the connection and says nothing, so a user
-    who gave the wrong port hears so at once, not after the whole timeout."""
+    """Say hello within ``timeout``.  Raises the daemon's refusal, and
+    TIMEOUT (``silent_peer``) after ``SILENT_PEER`` s without a byte: a UCX
+    listener takes the connection and says nothing, so a wrong port shows at
+    once."""
     fut = conn.submit(conn.next_id(), req)
     async with asyncio.timeout(timeout):
         if timeout is None or timeout > SILENT_PEER:
@@ -256,12 +226,9 @@ async def _open(addr: str, timeout: float | None, token: str, *,
                 tcp: tuple[str, int, ssl.SSLContext | None] | None = None,
                 unix: str | None = None, handles: bool = False, replaces: bytes | None = None,
                 daemon_pid: int | None = None) -> _Hello:
-    """Connect (TCP or Unix socket) and say hello; with ``handles`` (a Unix
-    socket) the hello asks for the same-host path, and once granted its
-    handle channel is bound.  On a Unix socket the peer is checked
-    (``check_unix_peer``; ``daemon_pid``: the pid the daemon's TCP hello
-    named) before the token goes out.  The answer is checked
-    (``hello.parse_hello``) before anything trusts it."""
+    """Connect and say hello; with ``handles`` (a Unix socket) ask for the
+    same-host path and bind its channel.  A Unix socket's peer is checked
+    before the token goes out; the answer before anything trusts it."""
     peer_pid = 0
     try:
         async with asyncio.timeout(timeout):
@@ -321,8 +288,7 @@ async def _open(addr: str, timeout: float | None, token: str, *,
 
 def _unreached(addr: str, tcp: tuple[str, int, ssl.SSLContext | None] | None,
                exc: OSError) -> ConnectionLost:
-    """CONNECTION_LOST for a dial that failed; a failed TLS handshake says so
-    (``details["reason"] == "tls"``): the peer may be an impostor."""
+    """CONNECTION_LOST for a failed dial (``reason: tls``: a failed handshake)."""
     if tcp is not None and tcp[2] is not None and isinstance(
             exc, (ssl.SSLError, ConnectionResetError)):
         why = exc if isinstance(exc, ssl.SSLError) else \
@@ -335,9 +301,8 @@ def _unreached(addr: str, tcp: tuple[str, int, ssl.SSLContext | None] | None,
 
 async def _bind(unix: str, daemon_pid: int, nonce: bytes, timeout: float | None
                 ) -> tuple[Handles | None, str]:
-    """The session's handle channel: a second connection to the same
-    daemon process, bound with ``nonce``.  (None, why) when it cannot be
-    had: the session then goes on without the same-host path."""
+    """The handle channel: a second connection to the same daemon process,
+    bound with ``nonce``; (None, why) when it cannot be had."""
     try:
         sock = await _unix_socket(unix)
     except OSError as exc:
@@ -352,8 +317,8 @@ async def _bind(unix: str, daemon_pid: int, nonce: bytes, timeout: float | None
 
 
 async def _unix_socket(name: str) -> socket.socket:
-    """A socket connected to a Unix socket: a path, or "@NAME" for an abstract
-    one.  We connect it ourselves: uvloop refuses abstract names (EINVAL)."""
+    """A socket connected to a path or "@NAME" (uvloop refuses abstract
+    names, so we connect it ourselves)."""
     path = "\0" + name[1:] if name.startswith("@") else name
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -367,15 +332,11 @@ async def _unix_socket(name: str) -> socket.socket:
 
 def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
                     trusted: frozenset[int] | None = None) -> int:
-    """Check who listens on Unix socket ``name`` (connected ``sock``) before
-    our token goes to it; returns the peer's pid (0: outside our pid
-    namespace).  ``SO_PEERCRED`` is what the kernel says, not what the peer
-    claims.  Trusted: a peer running as root, as us, or (a path socket) as
-    the owner of the socket file; ``trusted`` replaces the first two (tests).
-    The peer must be a live process, and the one the daemon's TCP hello
-    named (``daemon_pid``) when we came from there: an abstract name has no
-    owner, anyone may bind one the daemon is not holding, so there the pid
-    is what proves it.  Raises FORBIDDEN."""
+    """Check who listens on ``name`` before our token goes to it; return the
+    peer's pid (0: outside our pid namespace).  Trusted (by ``SO_PEERCRED``):
+    root, us, or the socket file's owner; the peer must be alive, and the pid
+    the TCP hello named (``daemon_pid``) when given: an abstract name has no
+    owner, so there the pid is the proof.  Raises FORBIDDEN."""
     pid, uid, _ = shm.peer_cred(sock)
     ok_uids = {0, os.getuid()} if trusted is None else set(trusted)
     if not name.startswith("@"):
@@ -393,8 +354,7 @@ def check_unix_peer(sock: socket.socket, name: str, daemon_pid: int | None,
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (signal 0: checks, sends nothing; works
-    where /proc hides other users' processes, hidepid)."""
+    """Whether ``pid`` exists (signal 0; works under hidepid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -430,8 +390,7 @@ _C = TypeVar("_C", bound=_Closable)
 
 
 class Opening(Generic[_C]):
-    """Something being opened: ``await`` it, or use it with ``async with``
-    (closed on the way out)."""
+    """Something being opened: ``await`` it, or ``async with`` (closed on exit)."""
 
     def __init__(self, open_: Callable[[], Awaitable[_C]]) -> None:
         self._open = open_

@@ -1,11 +1,9 @@
 """A client-side pool of remote buffers, reused instead of released.
 
-``acquire(size)`` hands out the smallest held, idle buffer that is at least
-``size`` bytes and at most ``max_slack`` times it (best fit by binary search
-over a sorted list per device, not a scan); only when none fits does it ask
-the daemon.  ``release`` returns a buffer to the pool; ``close`` gives every
-held buffer back to the daemon.  Bookkeeping is synchronous and done before
-any await, so a cancelled ``acquire`` never leaves the pool inconsistent.
+``acquire`` hands out the smallest idle buffer of at least ``size`` and at
+most ``max_slack`` times it (binary search per device), else asks the
+daemon.  Bookkeeping is synchronous and done before any await, so a
+cancelled call never leaves the pool inconsistent.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ class PoolStatistics:
 
 
 class BufferPool:
-    """A pool of one context's remote buffers (see the module docstring).
-    ``max_slack``: how many times larger than asked an idle buffer may be
-    and still be handed out (at least 1.0, else BAD_REQUEST); ``ttl``: the
-    lease each new buffer gets (None: it is released with the session)."""
+    """A pool of one context's buffers.  ``max_slack`` >= 1.0 (else
+    BAD_REQUEST); ``ttl``: each new buffer's lease."""
 
     def __init__(self, ctx: RpcContext, max_slack: float = 2.0, ttl: float | None = None) -> None:
         if max_slack < 1.0:
@@ -54,9 +50,8 @@ class BufferPool:
 
     async def acquire(self, size: int, device_type: str = "CPU", device: int = 0,
                       timeout: float | None = None) -> str:
-        """A buffer id of at least ``size`` bytes; reuses an idle one when it fits.
-        Raises BAD_REQUEST for a size that is no positive int, and what
-        ``request_buffer`` raises when the daemon must be asked."""
+        """A buffer id of at least ``size`` bytes.  Raises BAD_REQUEST, and what
+        ``request_buffer`` raises."""
         if not isinstance(size, int) or size <= 0:
             raise BadRequest(f"size must be a positive int, got {size!r}")
         key = (device_type.upper(), device)
@@ -75,8 +70,8 @@ class BufferPool:
         return buffer_id
 
     def release(self, buffer_id: str) -> None:
-        """Give a buffer back to the pool (not to the daemon). Raises BAD_REQUEST
-        for an id this pool did not hand out or that is already released."""
+        """Give a buffer back to the pool.  Raises BAD_REQUEST for an id not
+        handed out or already released."""
         if buffer_id not in self._in_use:
             raise BadRequest(f"buffer {buffer_id!r} is not in use from this pool")
         self._in_use.discard(buffer_id)
@@ -84,11 +79,8 @@ class BufferPool:
         bisect.insort(self._idle.setdefault(key, []), (size, buffer_id))
 
     async def trim(self) -> int:
-        """Release every idle buffer to the daemon; return how many.  Each
-        leaves the pool's books just before its own release (bookkeeping
-        before the await, as everywhere here): if a release fails or is
-        cancelled, its error is raised and the buffers not yet released stay
-        idle in the pool, so a second ``trim`` or ``close`` goes on."""
+        """Release every idle buffer to the daemon; return how many.  A failed
+        release raises, and the rest stay idle in the pool."""
         released = 0
         while self._idle:
             key, idle = next(iter(self._idle.items()))
@@ -102,8 +94,7 @@ class BufferPool:
         return released
 
     async def close(self) -> None:
-        """Release every buffer this pool holds, in use or idle, to the daemon
-        (one at a time, as ``trim``: a failed release leaves the rest held)."""
+        """Release every buffer held, in use or idle, as ``trim`` does."""
         await self.trim()
         while self._in_use:
             buffer_id = self._in_use.pop()
@@ -111,8 +102,7 @@ class BufferPool:
             await self._ctx.release_buffer(buffer_id)
 
     def statistics(self) -> PoolStatistics:
-        """Hits and misses of ``acquire`` so far; buffers idle and in use now,
-        and the bytes the pool holds (as asked for, not as allocated)."""
+        """Hits, misses, buffers idle and in use, bytes held (as asked for)."""
         idle = sum(len(v) for v in self._idle.values())
         held = sum(size for _, size in self._owned.values())
         return PoolStatistics(self._stats.hits, self._stats.misses, idle, len(self._in_use),

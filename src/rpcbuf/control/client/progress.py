@@ -1,9 +1,5 @@
-"""Byte progress bars (rich) in the units the tables use: KiB, MiB, GiB.
-
-rich's own columns count in kB/MB and show the speed as ``?`` until two
-updates fall within its estimate window, which a bar advanced per 64 MiB
-chunk or per batch rarely gets; the speed here falls back to the average
-since the bar started.  Both ``rpcbuf get`` and model loads use these.
+"""Byte progress bars (rich) in KiB, MiB, GiB; the speed falls back to the
+average since the start (rich shows ``?`` for bars advanced rarely).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""The byte-range verbs: one array at an offset (``store_tensor``,
-``read_buffer``), many ranges of one buffer (``store_batch``, ``read_batch``,
-described by ``batches.py``) and the read-back check (``verify_write``).
+"""The byte-range verbs: one array at an offset, many ranges of one buffer,
+and the read-back check.
 
-Each builds a ``Transfer`` and runs it over the session's paths
-(``DataPaths.run``), routed and checked by what the daemon stated about the
-buffer: its ``BufferPlace`` (device, checksum kind), which ``Places`` keeps
-from every metadata answer of the context and ``RangeOps`` asks for once
-(``get_buffer_meta`` without the manifest) when it has none.  The verbs'
-docstrings and defaults are ``RpcContext``'s (the contract); these methods
-take every argument, and, as every verb, check the context is open first.
+Each builds a ``Transfer`` and runs it over the session's paths, routed and
+checked by what the daemon stated about the buffer (``Places``, filled by
+every metadata answer, asked once when empty).  Same-host ops of our own
+buffers go in place when they can (``OwnMaps``), else the daemon's way.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ PLACES_MAX = 1 << 16  # buffers whose place a context remembers (oldest forgotte
 
 
 class Places:
-    """What the daemon stated about each buffer of one context (buffer id ->
-    ``BufferPlace``), from its metadata and the hello's checksum kinds."""
+    """What the daemon stated about each buffer of one context."""
 
     def __init__(self, hello: HelloAnswer) -> None:
         self._hello = hello
@@ -56,7 +51,7 @@ class Places:
             meta.gpu, self._hello.checksum_kind(meta.device_type, meta.device))
 
     def device_memory(self, buffer_id: str) -> None:
-        """The buffer turned out to be device memory (``DataPaths.on_device_memory``)."""
+        """The buffer turned out to be device memory."""
         self._places[buffer_id] = BufferPlace(True, self._hello.checksum_kind("GPU", 0))
 
     def forget(self, buffer_id: Any) -> None:
@@ -65,8 +60,6 @@ class Places:
 
 
 class RangeOps:
-    """The byte-range verbs of one context over its ``paths``."""
-
     def __init__(self, paths: DataPaths, places: Places, meta: MetaOf,
                  check_open: Callable[[], None], own: OwnMaps | None = None) -> None:
         self._paths, self._places, self._meta = paths, places, meta
@@ -75,8 +68,8 @@ class RangeOps:
 
     def store_now(self, buffer_id: str, array: Any, offset: int, sync: bool,
                   verify: str | None, wire_dtype: str | None) -> dict[str, Any] | None:
-        """``store_tensor`` done in place with nothing to wait for (no
-        coroutine at all), or None: the caller awaits ``store_tensor``."""
+        """``store_tensor`` done in place, no coroutine at all; None: await
+        ``store_tensor``."""
         own = self._own
         if own is None or not sync or verify is not None or wire_dtype is not None \
                 or own.due():
@@ -89,7 +82,6 @@ class RangeOps:
 
     def read_now(self, buffer_id: str, offset: int, nbytes: int | None,
                  out: Any) -> np.ndarray | None:
-        """``read_buffer`` into ``out`` done in place at once, or None."""
         own = self._own
         if own is None or out is None or own.due():
             return None
@@ -104,10 +96,8 @@ class RangeOps:
         return None
 
     def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
-        """An op done in place at once (``OwnMaps.copy_now``): no lookup
-        beyond two dicts.  Never when the event loop is due a turn
-        (``OwnMaps.due``): the async way yields first.  False: take the
-        usual way."""
+        """An op in place at once; never when the loop is due a turn
+        (``OwnMaps.due``).  False: the usual way."""
         own = self._own
         if own is None or type(data) is not np.ndarray or type(offset) is not int \
                 or type(buffer_id) is not str:
@@ -117,16 +107,12 @@ class RangeOps:
             and own.copy_now(buffer_id, offset, data, store)
 
     def _in_place(self, place: BufferPlace | None, offset: Any, arrays: Sequence[Any]) -> bool:
-        """Whether an op may go in place: same host, a host buffer, host arrays."""
         return self._own is not None and place is not None and not place.gpu \
             and type(offset) is int and all(type(a) is np.ndarray for a in arrays)  # place: str id
 
     async def place(self, buffer_id: str) -> BufferPlace | None:
-        """Where the buffer lives, as the daemon stated it: from this
-        context's answers, else asked once (``get_buffer_meta`` without the
-        manifest).  None for an id that is no string or no buffer of ours:
-        the op itself then gets the daemon's refusal (BAD_REQUEST for bad
-        arguments before NOT_FOUND, as the daemon checks them)."""
+        """Where the buffer lives, from this context's answers, else asked once.
+        None for a bad id: the op itself then gets the daemon's refusal."""
         if not isinstance(buffer_id, str):
             return None
         place = self._places.get(buffer_id)
@@ -158,10 +144,9 @@ class RangeOps:
     async def store(self, buffer_id: str, data: Any, offset: int, verify: str | None,
                     kind: str | None = None, wire_dtype: str | None = None,
                     landed: Any = None) -> dict[str, Any]:
-        """The ``store`` request of ``data`` (a flat uint8 array), as given.
-        ``landed``: the bytes the buffer will hold when they differ from
-        the payload (wire fp16); the checksum covers what lands.  ``kind``:
-        the checksum to send (None: the one the daemon states for the buffer)."""
+        """The ``store`` request of ``data``.  ``landed``: what the buffer will
+        hold when it differs (wire fp16; the checksum covers it); ``kind``: the
+        checksum (None: the buffer's)."""
         prepare(data)
         place = await self.place(buffer_id)
         if kind is None:
@@ -228,9 +213,8 @@ class RangeOps:
 
     async def _batch_in_place(self, buffer_id: str, offsets: bytes, sizes: bytes,
                               arrays: Sequence[np.ndarray], store: bool) -> int | None:
-        """A batch's ranges (sorted) in place, when they are disjoint and
-        within what one op may move (else the daemon's way, which refuses
-        them as it always did); their bytes, or None: not done."""
+        """A batch's sorted ranges in place when disjoint and within one op's
+        bounds; their bytes, or None."""
         offs, lens = P.unpack_u64(offsets), P.unpack_u64(sizes)
         if len(offs) != len(arrays) or not len(offs):
             return None
@@ -267,6 +251,4 @@ class RangeOps:
 
 
 def _one(req: P.Store | P.Read, array: Any, inline: bool) -> Transfer:
-    """The transfer of a one-array op (store, read): one UCX message, one
-    piece through the staging area, or (``inline``) the bytes in a frame."""
     return Transfer(req, (array,), lambda: [array] if array.nbytes else [], inline)

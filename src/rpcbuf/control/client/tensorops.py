@@ -1,15 +1,11 @@
-"""The named-tensor layer: ``store_tensors`` and ``load_tensors`` over the batch ops.
+"""The named-tensor layer: ``store_tensors`` and ``load_tensors``.
 
-``store_tensors`` plans aligned slots (``tensors.plan_offsets``) against the
-client's cached copy of the buffer's manifest and stores them in one
-``store_batch`` that records the manifest, with the manifest version it
-planned against: if another client changed the manifest meanwhile, the
-daemon refuses before any byte lands and the layout is planned again, once.
-``load_tensors`` reads the tensors as a few spans and cuts them into typed
-arrays a kind at a time, checking each against its xxh3-64 in the manifest.
-
-The cache is per context and per buffer, valid while the daemon's
-``manifest_version`` is: a small ``get_buffer_meta(tensors=False)`` tells.
+A store plans slots against the cached manifest and sends one
+``store_batch`` naming the manifest version it planned against: if another
+client changed it meanwhile, the daemon refuses before any byte lands and
+the layout is planned again, once.  A load reads a few spans and checks
+each tensor's xxh3-64.  The cache is per buffer, valid while its
+``manifest_version`` is.
 """
 
 from __future__ import annotations
@@ -44,8 +40,6 @@ from rpcbuf.control.wire.manifest import Source, source_columns
 
 @dataclass
 class _Manifest:
-    """A client's copy of one buffer's manifest, valid while ``version`` is."""
-
     version: int
     end: int
     table: ManifestTable
@@ -57,8 +51,7 @@ class _Manifest:
 
 
 class TensorOps:
-    """The named-tensor layer over a context's batch ops, and its cache of
-    manifests (buffer id -> the manifest as of a version)."""
+    """The named-tensor verbs and their manifest cache (buffer id -> manifest)."""
 
     def __init__(self, ranges: RangeOps, meta: MetaOf) -> None:
         self._ranges, self._meta = ranges, meta
@@ -67,8 +60,6 @@ class TensorOps:
     async def store_tensors(self, buffer_id: str, tensors: Mapping[str, Any], offset: int | None,
                             verify: str | None, sources: Mapping[str, Source] | None
                             ) -> ManifestTable:
-        """``RpcContext.store_tensors`` (its docstring is the contract): plan
-        the offsets against the cached manifest, store, merge the cache."""
         names, arrays, bits = names_and_arrays(tensors)
         sources = with_bits(sources, bits)
         packed = Packed.of_arrays(names, arrays)
@@ -100,9 +91,8 @@ class TensorOps:
         return written
 
     def remember(self, buffer_id: str, meta: dict[str, Any]) -> None:
-        """Cache the manifest of a ``get_buffer_meta`` answer.  Raises
-        BAD_REQUEST (``reason: bad_answer``) for entries that are not manifest
-        entries (a key missing, a shape or logical shape no list of ints)."""
+        """Cache a ``get_buffer_meta`` answer's manifest.  Raises BAD_REQUEST
+        (``bad_answer``) for malformed entries."""
         if meta.get("tensors") is not None:
             try:
                 table = ManifestTable.of_entries(meta["tensors"])
@@ -113,8 +103,7 @@ class TensorOps:
                                                   meta["tensors_end"], table)
 
     async def manifest_of(self, buffer_id: str) -> ManifestTable:
-        """The manifest, from the cache when its version is still current
-        (a small answer) and from the daemon otherwise."""
+        """The manifest, from the cache while its version is current."""
         cached = self.manifests.get(buffer_id)
         if cached is not None:
             meta = await self._meta(buffer_id, False)
@@ -127,7 +116,6 @@ class TensorOps:
 
     async def load_tensors(self, buffer_id: str, names: Iterable[str] | None, verify: bool,
                            framework: str) -> dict[str, Any]:
-        """``RpcContext.load_tensors`` (its docstring is the contract)."""
         check_framework(framework)
         table = await self.manifest_of(buffer_id)
         if names is None:  # the tensors, not the loader's reserved entries
@@ -156,8 +144,7 @@ class TensorOps:
 
     async def _read_tensors(self, buffer_id: str, table: ManifestTable,
                             rows: np.ndarray) -> list[np.ndarray]:
-        """The tensors at ``rows`` of ``table``, typed, in that order: read as
-        a few spans (``plan_spans``), cut a kind at a time (``bulk_views``)."""
+        """The tensors at ``rows``, typed, in that order."""
         offsets = table.offsets[rows]
         order = offset_order(offsets)
         if order is not None:

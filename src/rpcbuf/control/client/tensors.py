@@ -1,26 +1,12 @@
-"""Named tensor layouts: which tensor lives at which offset of a remote buffer.
+"""Named tensor layouts: which tensor lives at which offset of a buffer.
 
-The models and plans, with no I/O (``tensorops.py`` runs them over a
-context's batch ops).  ``store_tensors`` gives each tensor an aligned slot
-(256 bytes, GPU-friendly), stores them all in one batch (one control round
-trip; touching small tensors travel as one UCX message) and has the daemon
-record a manifest — name -> dtype, shape, offset, nbytes, checksum — that
-``get_buffer_meta`` returns under ``tensors``.  ``load_tensors`` reads them
-back, with their dtype and shape, in one batch; any process of the same
-tenant can do so once it has the buffer id (``open_buffer(name)`` finds a
-named buffer).
-
-The checksum in the manifest is the daemon's xxh3-64 of the bytes it
-received; ``load_tensors(verify=True)`` recomputes it on what arrived.
-
-Big batches (10,000 small tensors) are handled as columns, not per tensor:
-the manifest goes out packed (a table of distinct dtype/shape *kinds* plus one
-kind index per tensor, see ``Packed``), the client caches manifests as NumPy
-columns (``ManifestTable``, a read-only mapping whose entry dicts are built
-on access; both are the one manifest model of ``control/wire/manifest.py``,
-which the daemon checks and records with), layouts are planned with NumPy,
-and ``load_tensors`` reads a few contiguous spans and cuts them into arrays
-a kind at a time.
+Models and plans, with no I/O.  Each tensor gets a 256-byte aligned slot;
+the manifest (name -> dtype, shape, offset, nbytes, xxh3-64 of what the
+daemon received) is stored with the bytes in one batch.  Big batches
+(10,000 tensors) are columns, not objects: the manifest goes out packed
+(distinct dtype/shape kinds plus a kind index per tensor), the cache is
+NumPy columns (``ManifestTable``), layouts are planned with NumPy, and a
+load reads a few spans and cuts them a kind at a time.
 """
 
 from __future__ import annotations
@@ -51,7 +37,6 @@ __all__ = ["ALIGN", "Items", "ManifestTable", "Packed", "calculate_buffer_size",
 
 
 def _nbytes(spec: Any) -> int:
-    """Bytes of an array, or of a ``(shape, dtype)`` spec."""
     if hasattr(spec, "nbytes"):
         return int(spec.nbytes)
     try:
@@ -64,10 +49,8 @@ def _nbytes(spec: Any) -> int:
 def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
                           headroom: float = 0.10, align: int = ALIGN) -> int:
     """Bytes a buffer needs for ``tensors`` (arrays or ``(shape, dtype)``
-    specs, as a mapping or a sequence) in slots aligned to ``align`` bytes
-    (``store_tensors`` uses 256), plus ``headroom`` (a fraction: 0.10 is
-    10%), rounded up to ``align``.  Raises BAD_REQUEST (a negative
-    headroom, a spec that is neither)."""
+    specs) in slots aligned to ``align``, plus ``headroom`` (0.10 is 10%).
+    Raises BAD_REQUEST."""
     if headroom < 0:
         raise BadRequest("headroom must be >= 0")
     specs = tensors.values() if isinstance(tensors, Mapping) else tensors
@@ -76,19 +59,16 @@ def calculate_buffer_size(tensors: Mapping[str, Any] | Iterable[Any],
 
 
 def named_arrays(tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Source]]:
-    """``{name: array}`` as NumPy arrays, and the source of each that is the
-    bits of a torch dtype NumPy lacks (``host_array``); BAD_REQUEST for a
-    non-string name, an array of Python objects or one in GPU memory (the
-    manifest's checksum is the content's xxh3, computed here on the host:
-    store GPU tensors with ``store_tensor``)."""
+    """``{name: array}`` as NumPy arrays, and the torch-bits source of each
+    that has one.  BAD_REQUEST for a non-string name, an object array, or GPU
+    memory (the checksum is computed here, on the host)."""
     names, arrays, bits = names_and_arrays(tensors)
     return dict(zip(names, arrays, strict=True)), bits
 
 
 def names_and_arrays(tensors: Mapping[str, Any]
                      ) -> tuple[list[str], list[np.ndarray], dict[str, Source]]:
-    """(names, NumPy arrays, sources of the torch bits) of ``tensors``,
-    checked as ``named_arrays`` says."""
+    """(names, arrays, sources) of ``tensors``, checked as ``named_arrays``."""
     names = list(tensors)
     values = list(tensors.values())
     bits: dict[str, Source] = {}
@@ -123,9 +103,8 @@ def with_bits(sources: Mapping[str, Source] | None, bits: Mapping[str, Source]
 _DTYPE = operator.attrgetter("dtype")
 XXH3: Callable[[Any], int] = xxh3  # of any C-contiguous buffer (rpcbuf.dataplane.checksum)
 class Items(Sequence[tuple[int, Any]]):
-    """``store_batch`` items as columns: ``(offsets[i], arrays[i])``, each of
-    ``sizes[i]`` bytes (``store_tensors`` has them so; ``store_batch`` then
-    skips taking 10,000 tuples apart)."""
+    """``store_batch`` items as columns: ``(offsets[i], arrays[i])`` of
+    ``sizes[i]`` bytes (no 10,000 tuples to take apart)."""
 
     def __init__(self, offsets: np.ndarray, arrays: list[np.ndarray], sizes: np.ndarray) -> None:
         self.offsets = offsets
@@ -150,7 +129,6 @@ def _end_of(existing: Mapping[str, Mapping[str, Any]]) -> int:
 def plan_offsets(names: Sequence[str], sizes: np.ndarray,
                  existing: Mapping[str, Mapping[str, Any]],
                  start: int | None = None, end: int | None = None) -> np.ndarray:
-    """``plan_layout`` as an int64 array, index-aligned with ``names``."""
     n = len(names)
     sizes = np.asarray(sizes, dtype=np.int64)
     offsets = np.zeros(n, dtype=np.int64)
@@ -178,10 +156,9 @@ def plan_offsets(names: Sequence[str], sizes: np.ndarray,
 
 def plan_layout(tensors: Mapping[str, Any], existing: Mapping[str, Mapping[str, Any]],
                 start: int | None = None, end: int | None = None) -> dict[str, int]:
-    """Offsets for ``tensors``: a name already in the manifest with the same
-    size keeps its slot; the others go after the highest slot in use (``end``,
-    else computed from ``existing``) or at ``start``, in the mapping's order,
-    each aligned."""
+    """Offsets for ``tensors``: a name in the manifest with the same size
+    keeps its slot; the others go after the highest slot in use (or from
+    ``start``), aligned."""
     names = list(tensors)
     sizes = np.fromiter((int(a.nbytes) for a in tensors.values()), dtype=np.int64,
                         count=len(names))
@@ -196,9 +173,8 @@ SPAN_GAP = 4096  # ranges this close share one read (the bytes between come alon
 
 def plan_spans(offsets: np.ndarray, sizes: np.ndarray, gap: int = SPAN_GAP
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts, lengths, span of each item) of the spans that cover
-    ``offsets``-sorted items: items overlapping or less than ``gap`` bytes
-    apart share a span, so 10,000 slots read as one range."""
+    """(starts, lengths, span of each item) of the spans covering sorted
+    items: items less than ``gap`` apart share a span."""
     n = len(offsets)
     if not n:
         z = np.zeros(0, dtype=np.int64)
@@ -214,15 +190,13 @@ def plan_spans(offsets: np.ndarray, sizes: np.ndarray, gap: int = SPAN_GAP
 
 
 def offset_order(offsets: np.ndarray) -> np.ndarray | None:
-    """The stable order that sorts ``offsets``; None when they already are
-    (the common case: then nothing needs reordering, either way)."""
+    """The stable order that sorts ``offsets``; None when they already are."""
     if len(offsets) > 1 and (offsets[1:] < offsets[:-1]).any():
         return np.argsort(offsets, kind="stable")
     return None
 
 
 def in_caller_order(items: list[Any], order: np.ndarray | None) -> list[Any]:
-    """``items`` made in ``offset_order`` put back in the order asked."""
     if order is None:
         return items
     out: list[Any] = [None] * len(items)
@@ -234,10 +208,9 @@ def in_caller_order(items: list[Any], order: np.ndarray | None) -> list[Any]:
 def bulk_views(blocks: Sequence[np.ndarray], which: np.ndarray, rel: np.ndarray,
                kinds: np.ndarray, dtypes: Sequence[np.dtype[Any]],
                shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
-    """Item ``i``: an array of dtype/shape ``kinds[i]`` over
-    ``blocks[which[i]]`` from byte ``rel[i]``.  A run of items of one kind at
-    a constant stride becomes one strided array, cut into its rows by NumPy
-    (a tenth of the cost of making each view)."""
+    """Item ``i``: an array of ``kinds[i]`` over ``blocks[which[i]]`` from byte
+    ``rel[i]``; a run of one kind at a constant stride is one strided array cut
+    into rows (a tenth of the cost)."""
     n = len(rel)
     if not n:
         return []
@@ -262,8 +235,6 @@ def bulk_views(blocks: Sequence[np.ndarray], which: np.ndarray, rel: np.ndarray,
 
 
 class LazyDtypes(Sequence[np.dtype[Any]]):
-    """``np.dtype`` of a manifest's dtype strings, made when first used."""
-
     def __init__(self, names: list[str]) -> None:
         self._names = names
 
