@@ -286,7 +286,7 @@ class BlockStore:
         reg = self._registry
         alloc = pool.allocator
         total = sum(map(slot_size, sizes))
-        quota = reg.quota_for(tenant)
+        quota = reg.books.quota_for(tenant)
         if quota.bytes_per_device is not None and total > quota.bytes_per_device:
             raise QuotaExceeded(
                 f"{len(sizes)} blocks take {total} bytes on {pool.key}; tenant {tenant!r}'s "
@@ -340,10 +340,10 @@ class BlockStore:
         there is neither (the caller evicts).  QUOTA_EXCEEDED: the tenant
         holds its N already, or no segment may be charged."""
         reg = self._registry
-        reg.check_count(tenant)
+        reg.books.check_count(tenant)
         got = segs.take(size)
         if got is None:
-            room, by_quota = reg.room(tenant, pool)
+            room, by_quota = reg.books.room(tenant, pool)
             nbytes = segment_size(size, room, want, segs.nbytes)
             if not nbytes:
                 if not by_quota:

@@ -128,11 +128,12 @@ def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> Non
     except config.ConfigError as exc:
         log.error("reload failed, keeping the running settings: %s", exc)
     else:
-        daemon.registry.quotas = dict(args.quota)
-        daemon.registry.default_quota = args.default_quota[1] if args.default_quota else Quota()
+        books = daemon.registry.books
+        books.quotas = dict(args.quota)
+        books.default_quota = args.default_quota[1] if args.default_quota else Quota()
         logs.set_level(args.log_level)
         log.warning("reloaded %s: quotas for %d tenants%s, log level %s", args.config,
-                    len(daemon.registry.quotas), " and a default" if args.default_quota else "",
+                    len(books.quotas), " and a default" if args.default_quota else "",
                     args.log_level)
         if restart:
             log.warning("changed in %s, applied only after a restart: %s", args.config,
