@@ -57,8 +57,6 @@ class AllocatorStats:
 
 @runtime_checkable
 class Allocator(Protocol):
-    """What the daemon's registry needs from an allocator."""
-
     name: str  # a class attribute: the ``--allocator`` choice
     total: int  # usable bytes: offsets lie in [0, total)
     max_size: int  # the largest request that can ever succeed (in the empty arena)
@@ -68,20 +66,16 @@ class Allocator(Protocol):
     def allocate(self, size: int) -> int | None:
         """Offset of ``block_size(size)`` bytes, or None when it cannot fit now.
         AllocatorError for ``size <= 0``."""
-        ...
 
     def free(self, offset: int) -> int:
         """Give back the block at ``offset``; its bytes. AllocatorError on a bad free."""
-        ...
 
     def block_size(self, size: int) -> int:
         """The exact bytes ``allocate(size)`` takes (and ``used`` counts)."""
-        ...
 
     def allocate_at(self, offset: int, size: int) -> bool:
         """Take the block of ``size`` at exactly ``offset`` if it can be handed out now;
         False, nothing changed, otherwise (always False where blocks cannot be placed)."""
-        ...
 
     def largest_free(self) -> int: ...
 
@@ -89,7 +83,6 @@ class Allocator(Protocol):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
-        ...
 
 
 def _check_block(min_block: int) -> int:
@@ -129,7 +122,6 @@ class BuddyAllocator:
                 offset += 1 << order
 
     def block_size(self, size: int) -> int:
-        """The bytes a request of ``size`` really takes."""
         return 1 << self._order_for(size)
 
     def _order_for(self, size: int) -> int:
@@ -137,7 +129,6 @@ class BuddyAllocator:
         return max(self.min_order, (size - 1).bit_length())
 
     def allocate(self, size: int) -> int | None:
-        """Return the offset of a block of at least ``size`` bytes, or None if full."""
         order = self._order_for(size)
         if order > self.max_order:
             return None
@@ -213,7 +204,6 @@ class BuddyAllocator:
                                  len(self._allocated))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent."""
         spans: list[tuple[int, int]] = [(o, 1 << k) for o, k in self._allocated.items()]
         free_bytes = 0
         for order, offsets in enumerate(self._free):

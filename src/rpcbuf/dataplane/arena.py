@@ -200,7 +200,6 @@ class HostArena:
 
     @property
     def backed(self) -> int:
-        """How many blocks are backed now (buffers' and clones')."""
         return len(self._blocks)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:

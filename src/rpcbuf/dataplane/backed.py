@@ -21,7 +21,6 @@ class BackedBlocks:
         return offset in self._fds
 
     def get(self, offset: int) -> tuple[int, int] | None:
-        """The block at ``offset`` as (memfd, nbytes), or None."""
         return self._fds.get(offset)
 
     def fd_of(self, offset: int, nbytes: int) -> int:
@@ -32,7 +31,6 @@ class BackedBlocks:
         return got[0]
 
     def put(self, offset: int, fd: int, nbytes: int) -> None:
-        """The block at ``offset`` is (now) ``nbytes`` mapping ``fd``."""
         self._fds[offset] = (fd, nbytes)
 
     def swap(self, offset: int, fd: int) -> int:

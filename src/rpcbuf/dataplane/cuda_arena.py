@@ -229,12 +229,10 @@ class CudaArena:
 
 
 def is_device_arena(arena: object) -> TypeGuard[CudaArena]:
-    """Whether ``arena`` is device memory (a ``CudaArena``)."""
     return isinstance(arena, CudaArena)
 
 
 def array_module(arena: Any) -> Any:
-    """NumPy for host arenas, CuPy for device arenas."""
     import numpy as np
 
     return arena.xp if is_device_arena(arena) else np

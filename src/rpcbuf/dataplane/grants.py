@@ -102,7 +102,6 @@ class GrantPage:
             _unlock(self._lock(slot))
 
     def live(self, slot: int, gen: int) -> bool:
-        """Whether ``slot`` is LIVE in generation ``gen``."""
         return self.state(slot) == LIVE and self.generation(slot) == gen
 
     def words(self, slot: int) -> tuple[int, int, int]:

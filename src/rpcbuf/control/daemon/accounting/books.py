@@ -20,8 +20,6 @@ HANDLES = ("fds", "mappings")  # what a backed host block holds, one of each
 
 
 class Books:
-    """The tenants' books of one registry (see the module)."""
-
     def __init__(self, quotas: dict[str, Quota] | None, default_quota: Quota | None,
                  charges: Charges | None, reserved: Callable[[str, Pool], int]) -> None:
         self.quotas = quotas or {}

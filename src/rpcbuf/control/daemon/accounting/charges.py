@@ -81,7 +81,6 @@ class Charges:
             self._total[kind] = self._total.get(kind, 0) + n
 
     def refund(self, owner: Hashable, kind: str, n: int = 1) -> None:
-        """Give back ``n`` of what ``owner`` was charged."""
         if n <= 0:
             if n < 0:
                 raise ValueError(f"a refund of {n} {kind}")  # a bug

@@ -14,8 +14,6 @@ LAPSED_MAX = 4096  # lapsed leases remembered (ids and names)
 
 
 class Lapsed:
-    """The lapsed leases of one registry."""
-
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._when: OrderedDict[tuple[str, str], float] = OrderedDict()

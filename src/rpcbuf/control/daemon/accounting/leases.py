@@ -16,8 +16,6 @@ FLOOR = 1024  # stale entries allowed beyond twice the live leases
 
 
 class Leases(Generic[K]):
-    """The expiry times of one owner's leases (see the module)."""
-
     def __init__(self, current: Callable[[K], float | None],
                  live: Callable[[], Iterable[tuple[K, float]]]) -> None:
         self._current, self._live = current, live

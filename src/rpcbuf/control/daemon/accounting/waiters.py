@@ -41,8 +41,6 @@ class Waiter:
 
 
 class Queues:
-    """The waiters of one device (see the module)."""
-
     __slots__ = ("by_tenant", "order", "pool", "reserved", "turn")
 
     def __init__(self, pool: Pool) -> None:

@@ -64,8 +64,6 @@ class Block:
 
 @dataclass
 class Tier:
-    """One tenant's blocks (see the module)."""
-
     blocks: dict[str, Block] = field(default_factory=dict)
     lru: dict[str, OrderedDict[str, Block]] = field(default_factory=dict)
     order: SortedKeys = field(default_factory=SortedKeys)

@@ -87,8 +87,6 @@ class Segment:
 
 @dataclass
 class Segments:
-    """One tenant's segments on one device."""
-
     all: list[Segment] = field(default_factory=list)
     last: Segment | None = None  # the one that served last: tried first
     nbytes: int = 0  # their sizes together

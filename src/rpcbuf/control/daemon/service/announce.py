@@ -59,8 +59,6 @@ class Taken(Exception):
 
 
 class Announcer:
-    """Registers ``owner`` under ``cluster`` in ``etcd`` (see the module)."""
-
     def __init__(self, owner: Daemon, etcd: Etcd, cluster: str, *,
                  advertise: str | None = None, ttl: int = DEFAULT_TTL,
                  refresh: float = REFRESH) -> None:
