@@ -8,9 +8,9 @@ pins, and the queues of requests waiting for memory (``waiters.py``).
   to the allocator only when unpinned (``pins == 0``), so memory is never handed on
   while UCX may still write into it. A block is freed at most once, only by the
   buffer that owns it, and a freed buffer cannot be pinned again.
-- Charged to the tenant, checked before anything changes: bytes per device (with
-  its waiters' reserved bytes), its N buffers, ``ENTRY_BYTES`` per manifest entry,
-  and for a host block an fd and a mapping in ``charges`` (a byte quota alone let
+- Charged to the tenant in its ``Books``, checked before anything changes: bytes
+  per device (with its waiters' reserved bytes), its N buffers, ``ENTRY_BYTES`` per
+  manifest entry, and for a host block an fd and a mapping (a byte quota alone let
   4 KiB blocks take all the daemon's fds).
 - A segment of the KV tier is a buffer charged bytes, an fd and a mapping but not
   one of the N; a block is a light buffer over a slot of one (one of the N, nothing
