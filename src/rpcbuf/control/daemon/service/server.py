@@ -147,7 +147,9 @@ class Daemon:
                                          "sessions_total": 0}
         # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
         self.tenant_counters: dict[str, dict[str, int]] = {}
-        self.metrics = Metrics(StateCollector(self))
+        self.metrics = Metrics(StateCollector(
+            registry, self.blocks, self.counters, self.sessions, self.limits,
+            self.unauthenticated, self.pending_endpoints))
         self.content = ContentIndex()  # dedup: main.py attaches the --cache-dir cache
         self.model_files = model_files
 
