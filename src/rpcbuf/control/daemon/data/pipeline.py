@@ -48,6 +48,7 @@ from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.locks import LockGrant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
+from rpcbuf.control.daemon.data.handles import HandleChannel
 from rpcbuf.control.daemon.data.paths import DataPath
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
@@ -64,11 +65,12 @@ class Workers(Protocol):
 
 
 class Ops(Protocol):
-    """What the data ops see of their session."""
+    """What the ops see of their session."""
 
     registry: Registry
     content: ContentIndex
     session_id: str
+    handles: HandleChannel | None  # the same-host handle channel, once bound
 
     @property
     def daemon(self) -> Workers: ...

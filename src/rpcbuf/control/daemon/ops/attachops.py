@@ -48,8 +48,8 @@ import os
 from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Buffer
-from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
-from rpcbuf.control.daemon.ops.mapops import Holder, handle_channel, seal
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, unlock
+from rpcbuf.control.daemon.ops.mapops import handle_channel, seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -70,7 +70,7 @@ MAP_TAG = 1 << 62  # segment handles' tags: above every request id
 class AttachOps:
     """One session's attachments."""
 
-    def __init__(self, owner: Holder, pipeline: Pipeline) -> None:
+    def __init__(self, owner: Ops, pipeline: Pipeline) -> None:
         self._owner, self._pipe = owner, pipeline
         self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
         # Buffers this session was handed an fd of, attached or not any more:

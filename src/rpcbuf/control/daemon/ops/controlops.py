@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.registry import Buffer, Waiter
-from rpcbuf.control.daemon.data.pipeline import Call
+from rpcbuf.control.daemon.data.pipeline import Call, Ops
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
@@ -32,21 +32,10 @@ RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
 
 
-class ControlOwner(Protocol):
-    """What the control ops see of their session."""
-
-    session_id: str
-
-    @property
-    def owner(self) -> str: ...  # the session's tenant (ops run after hello only)
-    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
-              note: str = "") -> None: ...
-
-
 class ControlOps:
     """The quick ops of one session (``owner``) on ``node``."""
 
-    def __init__(self, owner: ControlOwner, node: Node) -> None:
+    def __init__(self, owner: Ops, node: Node) -> None:
         self._owner, self._node, self._registry = owner, node, node.registry
 
     def try_request(self, req: P.RequestBuffer) -> Buffer | None:

@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -56,9 +56,10 @@ from rpcbuf.control.daemon.accounting.copypool import CopyJob
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.daemon.content.modeldirs import ModelFiles, OpenedFile
 from rpcbuf.control.daemon.data.paths import outlast
-from rpcbuf.control.daemon.data.pipeline import Call, Held, Ops, Pipeline, Plan, check_items
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan, check_items
 from rpcbuf.control.daemon.ops import manifest as M
-from rpcbuf.control.daemon.ops.node import Limits
+from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
+from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -72,21 +73,6 @@ from rpcbuf.control.wire.manifest import Packed
 from rpcbuf.control.wire.modelcheck import Ranges
 from rpcbuf.dataplane.devops import fill
 from rpcbuf.dataplane.fileread import Item, Outcome, ReadStopped, read_ranges
-
-
-class FileNode(Protocol):
-    """What the op needs of the daemon."""
-
-    model_files: ModelFiles | None
-    limits: Limits
-    stopped: bool
-
-
-class IndexCatchUp(Protocol):
-    """The dedup index's catch-up (``dedupops.DedupHandlers``): what the tenant
-    stored lately becomes findable in place."""
-
-    async def index_pending(self, held: Held) -> None: ...
 
 
 class _Items:
@@ -145,8 +131,8 @@ class FileOps:
     chunk); ``pending`` indexes what the tenant stored lately, so tensors an
     upload put in place are found there."""
 
-    def __init__(self, ops: Ops, pipeline: Pipeline, node: FileNode, stop: threading.Event,
-                 pending: IndexCatchUp) -> None:
+    def __init__(self, ops: Ops, pipeline: Pipeline, node: Node, stop: threading.Event,
+                 pending: DedupHandlers) -> None:
         self._ops, self._pipe, self._node, self._stop = ops, pipeline, node, stop
         self._pending = pending
 

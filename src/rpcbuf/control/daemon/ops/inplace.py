@@ -27,24 +27,17 @@ A session holds at most ``MAX_LEASES`` leases.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import BlockStore
 from rpcbuf.control.daemon.data.pipeline import Call, Ops
+from rpcbuf.control.daemon.ops.attachops import AttachOps
 from rpcbuf.control.daemon.ops.blockops import MAX_MISSING, BlockHandlers
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, QuotaExceeded
 
 MAX_LEASES = 64  # leases a session holds at once (a client has one per call in flight)
-
-
-class SegmentHandout(Protocol):
-    """``AttachOps``: how a session is handed its tenant's segments."""
-
-    def check_same_host(self) -> None: ...
-    async def hand_segments(self, call: Call, segs: list[Buffer]
-                            ) -> tuple[list[str], list[int], list[list[Any]]]: ...
 
 
 @dataclass
@@ -60,7 +53,7 @@ class InPlace:
     """One session's in-place puts and gets, and their leases."""
 
     def __init__(self, ops: Ops, blocks: BlockStore, block_ops: BlockHandlers,
-                 segments: SegmentHandout) -> None:
+                 segments: AttachOps) -> None:
         self._ops, self._blocks, self._bops, self._segs = ops, blocks, block_ops, segments
         self._leases: dict[int, Lease] = {}
         self._next = 0

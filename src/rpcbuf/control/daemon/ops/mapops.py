@@ -35,11 +35,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
-from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.data.handles import HandleChannel
-from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, unlock
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -60,22 +60,7 @@ GRANT_PAGE_BYTES = MAX_MAPPED * SLOT  # one page of slots per session that maps
 GRANT_TAG = 1 << 61  # handles' tags: above every request id, below attachops.MAP_TAG
 
 
-class Holder(Protocol):
-    """What the ops that hand out fds (``mapops``, ``attachops``) see of
-    their session."""
-
-    registry: Registry
-    session_id: str
-    handles: HandleChannel | None
-
-    @property
-    def owner(self) -> str: ...
-
-    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
-              note: str = "") -> None: ...
-
-
-def handle_channel(holder: Holder, what: str) -> HandleChannel:
+def handle_channel(holder: Ops, what: str) -> HandleChannel:
     """The session's handle channel, which ``what`` (an op: "attach needs")
     needs; BAD_REQUEST (reason ``not_same_host``) for a session without one."""
     channel = holder.handles
@@ -116,7 +101,7 @@ class WriteGrant:
 class WriteGrants:
     """One session's grants (its page, a slot per buffer it mapped)."""
 
-    def __init__(self, holder: Holder, pipeline: Pipeline) -> None:
+    def __init__(self, holder: Ops, pipeline: Pipeline) -> None:
         self._holder, self._pipe = holder, pipeline
         self.page: GrantPage | None = None
         self._page_charge: Pool | None = None  # where the page is charged
@@ -325,5 +310,5 @@ def seal(buf: Buffer) -> None:
                          {"buffer_id": buf.buffer_id, "reason": "sealed"}) from None
 
 
-__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "Holder", "WriteGrant", "WriteGrants",
+__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "WriteGrant", "WriteGrants",
            "handle_channel", "seal"]
