@@ -1,21 +1,9 @@
 """The data ops: store, read, their batched forms, wire-fp16 stores, and the
-daemon-local clear and copy.
-
-Each op only validates its request and says, as a ``pipeline.Plan``, what to
-lock, how to move the bytes and what to check afterwards; the pipeline runs
-the steps (pins, locks, the transfer, verification, counters, audit, the
-answer) once for all of them, over the session's ``DataPath`` (UCX or same
-host, ``paths.py``).  A plain store or read is a batch of one item
-(``TransferItems.one``: one run, tag = request id).  Every op is one ``async def``;
-one that never waits (a small same-host or inline op on a free range) ends
-in its first step, with no task (the session starts ops eagerly,
-``intake.start``).
-
-Validation happens before anything is locked.  A refused store drains what
-the client already sent (``DataPath.drain``: 1-byte receives, one per run)
-so the sender never hangs and nothing is parked here.  ``store_batch`` hands
-the manifest entries it records to an ``Indexer`` (``dedupops``), which
-makes them dedup sources.
+daemon-local clear and copy.  Each validates its request and says, as a
+``Plan``, what to lock, how to move the bytes and what to check after; a
+plain store or read is a batch of one item.  Validation (and the path's
+``admit``) happens before anything is locked; a refused store drains what
+the client already sent, so the sender never hangs.
 """
 
 from __future__ import annotations
