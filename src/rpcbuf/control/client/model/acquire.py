@@ -14,7 +14,7 @@ from typing import Any
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
 from rpcbuf.control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
-from rpcbuf.control.client.model.reading import HashAhead, Hashes
+from rpcbuf.control.client.model.reading import HashAhead, HashLookup
 from rpcbuf.control.client.model.slots import (
     SlotJob,
     is_model_buffer,
@@ -45,7 +45,7 @@ def as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]
 
 async def acquire(cluster: Cluster, jobs: list[SlotJob],
                    existing: dict[str, list[dict[str, Any]]], name: str,
-                   known: Hashes | None = None,
+                   known: HashLookup | None = None,
                    hashing: HashAhead | None = None) -> None:
     """Reuse, clone or request each slot's buffer; on any failure release
     what was created and raise ``ClusterError``.  A clone (``clone_buffer``:
@@ -78,7 +78,7 @@ async def acquire(cluster: Cluster, jobs: list[SlotJob],
             src = None
             layout, candidates = clone_candidates(existing.get(slot.endpoint, []), j, need)
             if candidates:  # laid out as this slot: a clone if the content is the same
-                hashes = known.lookup(j.specs) if known is not None else {}
+                hashes = known(j.specs) if known is not None else {}
                 if len(hashes) < len(j.specs) and hashing is not None:
                     hashes = {**await hashing.finish(), **hashes}  # hash the file first
                 src = clone_source(j, layout, candidates, hashes)

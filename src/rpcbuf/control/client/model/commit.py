@@ -14,40 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
-from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, LoadRecord, read_record
+from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, read_record
+from rpcbuf.control.client.model.slots import SlotJob
 from rpcbuf.control.wire.errors import RpcBufError
 
 CLEANUP_TIMEOUT = 10.0  # seconds a failed load's cleanup waits on one node
 T = TypeVar("T")
-
-
-class Job(Protocol):
-    """One slot of a load, as its commit and cleanup see it (``slots.SlotJob``)."""
-
-    buffer_id: str
-    buffer_name: str
-    created: bool  # this load made the buffer (request or clone)
-    released: bool  # ... and released it again
-    making: asyncio.Future[str] | None  # its request or clone, while on its way
-    record: LoadRecord | None
-    sums: dict[str, int]  # the verified checksums of its tensors
-    held: dict[str, Any] | None  # a reused or cloned buffer's manifest when acquired
-    expect: dict[str, int] | None  # every checksum, when known before the load
-    inherited: bool  # its committed record already says what this load puts there
-
-    @property
-    def endpoint(self) -> str: ...
-
-    @property
-    def record_offset(self) -> int: ...
-
-    def layout(self) -> dict[str, int]: ...
-
-
-J = TypeVar("J", bound=Job)
 
 
 async def settle(aw: Awaitable[T]) -> T:
@@ -65,8 +40,8 @@ async def settle(aw: Awaitable[T]) -> T:
     return task.result()
 
 
-async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitable[None]],
-                    what: str) -> None:
+async def each_slot(cluster: Cluster, jobs: list[SlotJob],
+                    one: Callable[[SlotJob], Awaitable[None]], what: str) -> None:
     """``one(job)`` for every slot at once; when any fails, the buffers this
     load created are released, then a local problem (the file) is raised as
     it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
@@ -85,7 +60,7 @@ async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitabl
         raise ClusterError.of(what, errors, cleaned=cleaned)
 
 
-async def start(cluster: Cluster, jobs: list[J]) -> None:
+async def start(cluster: Cluster, jobs: list[SlotJob]) -> None:
     """PutStart: every slot's planned record, before any byte of it changes.
 
     Unless every slot's buffer (reused, or a clone) already holds, committed
@@ -101,7 +76,7 @@ async def start(cluster: Cluster, jobs: list[J]) -> None:
     await write_records(cluster, jobs, "recording the load's plan")
 
 
-async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
+async def _unchanged(cluster: Cluster, jobs: list[SlotJob]) -> bool:
     loads, found = set(), []
     for j in jobs:
         held, want, rec = j.held, j.expect, j.record
@@ -129,10 +104,10 @@ async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
     return True
 
 
-async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
+async def write_records(cluster: Cluster, jobs: list[SlotJob], what: str) -> None:
     """Store every slot's load record as it stands (checksum-verified),
     except where the record there already says so (``inherited``)."""
-    async def one(j: J) -> None:
+    async def one(j: SlotJob) -> None:
         assert j.record is not None
         if j.inherited:
             return
@@ -143,7 +118,7 @@ async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
     await each_slot(cluster, jobs, one, what)
 
 
-async def commit(cluster: Cluster, jobs: list[J]) -> None:
+async def commit(cluster: Cluster, jobs: list[SlotJob]) -> None:
     """Mark every slot committed, with its verified checksums: call only
     once every slot of the load has verified its manifest."""
     for j in jobs:
@@ -153,12 +128,12 @@ async def commit(cluster: Cluster, jobs: list[J]) -> None:
     await write_records(cluster, jobs, "committing the load")
 
 
-async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str]]:
+async def release_created(cluster: Cluster, jobs: list[SlotJob]) -> dict[str, list[str]]:
     """Release the buffers this load created and has not released yet;
     ``{endpoint: names released}``."""
     created = [j for j in jobs if j.created and not j.released]
 
-    async def one(j: J) -> str | None:
+    async def one(j: SlotJob) -> str | None:
         j.released = True
         try:
             await cluster[j.endpoint].release_buffer(j.buffer_id, timeout=CLEANUP_TIMEOUT)
@@ -174,7 +149,7 @@ async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str
     return out
 
 
-async def abort(cluster: Cluster, jobs: list[J]) -> None:
+async def abort(cluster: Cluster, jobs: list[SlotJob]) -> None:
     """Release what a failed or interrupted load created, even when
     cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
     request or clone still on its way has ended (``acquire.make`` records
@@ -186,7 +161,7 @@ async def abort(cluster: Cluster, jobs: list[J]) -> None:
     await settle(_abort(cluster, jobs))
 
 
-async def _abort(cluster: Cluster, jobs: list[J]) -> None:
+async def _abort(cluster: Cluster, jobs: list[SlotJob]) -> None:
     pending = [j.making for j in jobs if j.making is not None and not j.making.done()]
     if pending:
         _, late = await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT)

@@ -61,7 +61,7 @@ from rpcbuf.control.client.model.reading import (
     DEFAULT_BATCH,
     FIRST_BATCH,
     HashAhead,
-    Hashes,
+    HashLookup,
     KnownHashes,
     batches,
     read_batch,
@@ -223,7 +223,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
             plan, existing, jobs = await place_and_acquire(
                 cluster, name, [(t.name, t.nbytes) for t in model.tensors],
                 model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement,
-                known, hashing if dedup else None)
+                known.lookup if known is not None else None, hashing if dedup else None)
         finally:
             ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
@@ -255,7 +255,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
 
 async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
                             spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
-                            placement: str | None, known: Hashes | None = None,
+                            placement: str | None, known: HashLookup | None = None,
                             hashing: HashAhead | None = None
                             ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
                                        list[SlotJob]]:
@@ -279,7 +279,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     try:
         await acquire(cluster, jobs, existing, name, known, hashing)
         for j in jobs:
-            got = known.lookup(j.specs) if known is not None else {}
+            got = known(j.specs) if known is not None else {}
             if hashing is not None and j.cloned:
                 got = {**hashing.hashes, **got}  # a clone was decided by them
             if all(s.name in got for s in j.specs):

@@ -71,6 +71,7 @@ from rpcbuf.control.client.model.loader import (
     start_progress,
 )
 from rpcbuf.control.client.model.modelfile import TensorSpec
+from rpcbuf.control.client.model.reading import HashLookup
 from rpcbuf.control.client.model.slots import SlotJob, slot_offsets
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest
@@ -162,7 +163,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     tensors = {t.name: (k, t) for k, t in hm.tensors}
     plan, existing, jobs = await place_and_acquire(
         cluster, name, [(t.name, t.nbytes) for _, t in hm.tensors],
-        lambda n: _spec(*tensors[n]), hm.blob(), placement, _ManifestHashes(hm))
+        lambda n: _spec(*tensors[n]), hm.blob(), placement, _manifest_lookup(hm))
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
     try:
         await _check_copies(cluster, jobs, tensors, hm, files, batch_bytes)
@@ -182,15 +183,15 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
                           bytes_hashed=hm.hashed)
 
 
-class _ManifestHashes:
+def _manifest_lookup(hm: HashedModel) -> HashLookup:
     """The hash manifest's hashes, as the loader looks them up (a node that
-    holds this model under another name gets a clone: ``acquire.acquire``)."""
+    holds this model under another name gets a clone)."""
+    by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
 
-    def __init__(self, hm: HashedModel) -> None:
-        self._by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
+    def lookup(batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        return {s.name: by_name[s.name] for s in batch if s.name in by_name}
 
-    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
-        return {s.name: self._by_name[s.name] for s in batch if s.name in self._by_name}
+    return lookup
 
 
 def _spec(k: int, t: HashedTensor) -> TensorSpec:

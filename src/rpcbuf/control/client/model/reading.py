@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -157,8 +156,6 @@ class HashAhead:
         return self.hashes
 
 
-class Hashes(Protocol):
-    """Tensors' hashes known before anything is read: the hash cache
-    (``KnownHashes``), a node-local load's hash manifest."""
-
-    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]: ...
+# Tensors' hashes known before anything is read, by name: ``KnownHashes.lookup``
+# (the hash cache) or a node-local load's hash manifest.
+HashLookup = Callable[[list[TensorSpec]], dict[str, tuple[int, int]]]
