@@ -1,13 +1,8 @@
-"""A load's two phases and its revoke, over the slot buffers (``loader``, ``nodeload``).
-
-``write_records`` stores each slot's load record (``record``: PLANNED
-before any tensor is written, PutStart); ``commit`` stores it COMMITTED,
-with the verified checksums, once every slot verified (PutEnd); ``abort``
-releases what a failed or interrupted load created (PutRevoke).  The
-cleanup runs to its end under cancellation (``settle``: Ctrl-C, SIGTERM's
-cancel, a caller's timeout) and waits at most ``CLEANUP_TIMEOUT`` on a node
-that no longer answers.  ``each_slot`` runs one step on every slot at once
-and releases what was created when any fails.
+"""A load's two phases and its revoke over the slot buffers: the PLANNED record
+before any tensor is written (PutStart), COMMITTED with the verified checksums
+once every slot verified (PutEnd), and ``abort`` releasing what a failed load
+created (PutRevoke).  Cleanup runs to its end under cancellation (``settle``)
+and waits at most ``CLEANUP_TIMEOUT`` on a node that no longer answers.
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ T = TypeVar("T")
 
 
 async def settle(aw: Awaitable[T]) -> T:
-    """Run ``aw`` to its end even if the caller is cancelled meanwhile
-    (then raise CancelledError after it): cleanup that must not be cut short."""
+    """Run ``aw`` to its end even if the caller is cancelled meanwhile (then
+    raise CancelledError): cleanup that must not be cut short."""
     task = asyncio.ensure_future(aw)
     cancelled = False
     while not task.done():
@@ -42,9 +37,8 @@ async def settle(aw: Awaitable[T]) -> T:
 
 async def each_slot(cluster: Cluster, jobs: list[SlotJob],
                     one: Callable[[SlotJob], Awaitable[None]], what: str) -> None:
-    """``one(job)`` for every slot at once; when any fails, the buffers this
-    load created are released, then a local problem (the file) is raised as
-    it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
+    """``one(job)`` on every slot at once; when any fails, release what this
+    load created, then raise a local error as is, the nodes' as one ``ClusterError``."""
     results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
     errors: dict[str, RpcBufError] = {}
     other: BaseException | None = None
@@ -61,14 +55,10 @@ async def each_slot(cluster: Cluster, jobs: list[SlotJob],
 
 
 async def start(cluster: Cluster, jobs: list[SlotJob]) -> None:
-    """PutStart: every slot's planned record, before any byte of it changes.
-
-    Unless every slot's buffer (reused, or a clone) already holds, committed
-    by one load of these slots, exactly what this load puts there: the same
-    names at the same places with the checksums known before the load (the
-    hash cache, a hash manifest, or what decided a clone).  Then the load
-    writes no record (it will change nothing; and a record written into a
-    clone would make its shared memory a copy of its own)."""
+    """PutStart: every slot's planned record, before any byte changes, unless
+    every slot already holds, committed by one load, exactly what this load puts
+    there with the checksums known in advance: then no record is written (nothing
+    changes, and a record written into a clone would unshare its memory)."""
     if await _unchanged(cluster, jobs):
         for j in jobs:
             j.inherited = True
@@ -105,8 +95,7 @@ async def _unchanged(cluster: Cluster, jobs: list[SlotJob]) -> bool:
 
 
 async def write_records(cluster: Cluster, jobs: list[SlotJob], what: str) -> None:
-    """Store every slot's load record as it stands (checksum-verified),
-    except where the record there already says so (``inherited``)."""
+    """Store each slot's record (checksum-verified) unless ``inherited``."""
     async def one(j: SlotJob) -> None:
         assert j.record is not None
         if j.inherited:
@@ -119,8 +108,7 @@ async def write_records(cluster: Cluster, jobs: list[SlotJob], what: str) -> Non
 
 
 async def commit(cluster: Cluster, jobs: list[SlotJob]) -> None:
-    """Mark every slot committed, with its verified checksums: call only
-    once every slot of the load has verified its manifest."""
+    """Call only once every slot has verified its manifest."""
     for j in jobs:
         assert j.record is not None
         if not j.inherited:
@@ -129,8 +117,7 @@ async def commit(cluster: Cluster, jobs: list[SlotJob]) -> None:
 
 
 async def release_created(cluster: Cluster, jobs: list[SlotJob]) -> dict[str, list[str]]:
-    """Release the buffers this load created and has not released yet;
-    ``{endpoint: names released}``."""
+    """``{endpoint: names released}`` of this load's unreleased buffers."""
     created = [j for j in jobs if j.created and not j.released]
 
     async def one(j: SlotJob) -> str | None:
@@ -150,14 +137,10 @@ async def release_created(cluster: Cluster, jobs: list[SlotJob]) -> dict[str, li
 
 
 async def abort(cluster: Cluster, jobs: list[SlotJob]) -> None:
-    """Release what a failed or interrupted load created, even when
-    cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
-    request or clone still on its way has ended (``acquire.make`` records
-    the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
-    given up, and what it made, if anything, holds no committed record).
-    Buffers it reused keep their planned record: incomplete until a load
-    finishes.  A buffer is released by the id this load got, never found
-    by name."""
+    """Release what a failed or interrupted load created, even when cancelled
+    meanwhile, once a request or clone on its way has ended (given up after
+    ``CLEANUP_TIMEOUT``: what it made holds no committed record).  Reused buffers
+    keep their planned record.  Released by the id this load got, never by name."""
     await settle(_abort(cluster, jobs))
 
 
