@@ -69,8 +69,6 @@ def _settings(config: Any) -> dict[str, Any]:
 
 
 class RpcbufConnector(RemoteConnector):
-    """LMCache chunks as rpcbuf blocks (see the module)."""
-
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
                  config: Any = None) -> None:
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
@@ -372,7 +370,6 @@ class RpcbufConnector(RemoteConnector):
             space.cluster.abort()
 
     def _sync(self, coro: Any) -> Any:
-        """Run a coroutine of ours on the connector's loop from another thread."""
         if _on(self.loop):
             coro.close()
             raise RuntimeError("rpcbuf connector: a *_sync call on its own event loop")

@@ -31,8 +31,6 @@ MAX_TTL = 365 * 86400.0
 
 @dataclass(frozen=True)
 class Settings:
-    """The backend's settings, from ``extra_config`` (then the environment)."""
-
     endpoints: str  # "h1:7700;h2:7700" or "etcd://h:2379"
     token: str
     ttl: float | None

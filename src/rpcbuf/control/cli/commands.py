@@ -36,7 +36,6 @@ CHUNK = 64 << 20  # get reads a big array in pieces of this size (its progress b
 
 def register_operator_commands(sub: Any,
                                client_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add status, ls, release, put, get and bench to the ``rpcbuf`` parser."""
     st = sub.add_parser("status", help="node, uptime, devices, sessions and buffers",
                         epilog="example: rpcbuf status --endpoint 127.0.0.1:7700")
     client_flags(st)
@@ -416,7 +415,6 @@ def status_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
 
 
 def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
-    """This tenant's buffers on the nodes that answered."""
     rows = []
     rounded = False  # a buffer whose block is larger than it: "takes" stays longer
     for addr, bufs in results.items():

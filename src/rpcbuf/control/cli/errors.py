@@ -44,7 +44,6 @@ def positive_seconds(text: str) -> float:
 
 
 def count_between(lo: int, hi: int) -> Any:
-    """argparse's ``type`` for a whole number from ``lo`` to ``hi``."""
     def check(text: str) -> int:
         try:
             value = int(text)
@@ -155,7 +154,6 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
 
 
 def to_json(addr: str, exc: RpcBufError) -> dict[str, Any]:
-    """The error's wire form plus its sentence, for ``--json``."""
     return {**exc.to_wire(), "sentence": sentence(addr, exc)}
 
 

@@ -38,7 +38,6 @@ from rpcbuf.control.wire.units import format_size, parse_size
 
 def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentParser], None]
                            ) -> None:
-    """Add ``load`` and ``unload`` to the ``rpcbuf`` parser."""
     ld = sub.add_parser("load", help="upload a safetensors/GGUF model across the nodes",
                         epilog='example: rpcbuf load llama.gguf --endpoints "h1:7700;h2:7700" '
                                '--placement "0:prolog,16;1:all,epilog"')

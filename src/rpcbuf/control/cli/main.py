@@ -225,7 +225,6 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _print_errors(results: dict[str, Any]) -> None:
-    """One sentence per failing node, on stderr."""
     for addr, res in results.items():
         if isinstance(res, RpcBufError):
             tables.warn(f"rpcbuf: {sentence(addr, res)}")
@@ -322,7 +321,6 @@ def _release_many(args: argparse.Namespace) -> int:
 
 
 async def _release(args: argparse.Namespace) -> int:
-    """Release the buffer on each node that holds it (``locate``)."""
     async with _cluster(args) as cluster:
         found, errors = await locate.find(cluster, args.buffer)
         results: dict[str, Any] = dict(errors)
@@ -336,7 +334,6 @@ async def _release(args: argparse.Namespace) -> int:
 
 
 async def _get(args: argparse.Namespace) -> int:
-    """Read a buffer (or a model's tensor) from the node that holds it."""
     out = cliops.get_target(args.buffer, args.out, args.force, args.tensor)  # before connecting
     async with _cluster(args) as cluster:
         found, errors = await locate.find(cluster, args.buffer, args.tensor)

@@ -110,8 +110,6 @@ class Event:
 
 
 class Etcd:
-    """The registry's members, one call at a time; see the module docstring."""
-
     def __init__(self, address: RegistryAddress, options: EtcdOptions | None = None) -> None:
         self.address = address
         self.options = options or EtcdOptions()

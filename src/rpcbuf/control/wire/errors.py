@@ -106,7 +106,6 @@ class UcxUnusable(RpcBufError, wire=False):
 
 
 def error_from_wire(err: Any) -> RpcBufError:
-    """Rebuild an exception from a wire ``{code, message, details}`` map."""
     if not isinstance(err, dict):
         return RpcBufError(f"malformed error from peer: {err!r}")
     code = err.get("code")

@@ -103,7 +103,6 @@ class FrameDecoder:
 
     @property
     def pending(self) -> int:
-        """Bytes received that do not yet form a whole frame."""
         return len(self._buf)
 
 

@@ -235,7 +235,6 @@ class ManifestTable(Mapping[str, Entry]):
 
     @classmethod
     def of_entries(cls, entries: Mapping[str, Mapping[str, Any]]) -> ManifestTable:
-        """From entry dicts (``get_buffer_meta``'s ``tensors``)."""
         if isinstance(entries, ManifestTable):
             return entries
         names, es, n = list(entries), list(entries.values()), len(entries)
@@ -298,13 +297,11 @@ class ManifestTable(Mapping[str, Entry]):
         return np.delete(rows, hidden[hidden >= 0]) if (hidden >= 0).any() else rows
 
     def rows(self, names: Sequence[str]) -> np.ndarray:
-        """Each name's row, -1 for a name not in the manifest."""
         return np.fromiter(map(self._rows.get, names, itertools.repeat(-1)), dtype=np.intp,
                            count=len(names))
 
     @property
     def end(self) -> int:
-        """The end of the highest slot, aligned."""
         if not len(self.names):
             return 0
         return align(int((self.offsets + self.nbytes).max()))

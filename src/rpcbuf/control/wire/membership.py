@@ -85,7 +85,6 @@ def check_node_id(what: str, node_id: str) -> str:
 
 
 def prefix(cluster: str) -> str:
-    """The key prefix under which ``cluster``'s nodes register."""
     return f"{KEY_ROOT}{check_name('cluster', cluster)}/nodes/"
 
 

@@ -62,7 +62,6 @@ class Packed:
 
     @classmethod
     def of_arrays(cls, names: list[str], arrays: Sequence[np.ndarray]) -> Packed:
-        """The manifest of ``arrays`` (NumPy arrays, index-aligned with ``names``)."""
         n = len(arrays)
         dtypes = list(map(_DTYPE, arrays))
         # Kinds are keyed by the dtype object's identity: equal dtypes that are
@@ -139,7 +138,6 @@ class Packed:
         return self.kind_nbytes[self.kinds]
 
     def take(self, order: np.ndarray) -> Packed:
-        """The items in ``order`` (indices)."""
         names = self.names
         return Packed([names[i] for i in order.tolist()], self.kinds[order], self.dtypes,
                       self.shapes, self.kind_nbytes, sources=self.sources,

@@ -72,8 +72,6 @@ class HashedFile:
 
 @dataclass
 class HashedModel:
-    """A model as a node-local load sees it: its files, their tensors and hashes."""
-
     path: Path  # the model (or the manifest) on this machine
     format: str
     files: list[HashedFile]
@@ -84,7 +82,6 @@ class HashedModel:
 
     @property
     def tensors(self) -> Iterator[tuple[int, HashedTensor]]:
-        """(file index, tensor) of every tensor, file by file, in file order."""
         for k, f in enumerate(self.files):
             for t in f.tensors:
                 yield k, t
@@ -110,7 +107,6 @@ class HashedModel:
 
 
 def manifest_path(model: str | Path) -> Path:
-    """Where ``rpcbuf hash`` puts the manifest of the model at ``model``."""
     p = Path(model)
     return p / DIR_NAME if p.is_dir() else p.with_name(p.name + SUFFIX)
 

@@ -33,8 +33,6 @@ _ANSWER = "buffer meta"
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One tensor of a loaded model, where one node holds it."""
-
     name: str
     slot: int
     buffer_id: str
@@ -48,7 +46,6 @@ class TensorInfo:
 
     @property
     def entry(self) -> dict[str, Any]:
-        """The manifest entry (as ``get_buffer_meta`` gives it)."""
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
                                "offset": self.offset, "nbytes": self.nbytes,
                                "checksum": self.checksum}
@@ -61,8 +58,6 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class SlotBuffer:
-    """One slot buffer of a loaded model on this node."""
-
     slot: int
     buffer_id: str
     name: str
@@ -104,7 +99,6 @@ class ModelInfo:
 
 
 def slot_of(model: str, buffer_name: Any) -> int | None:
-    """The slot number of a buffer named ``f"{model}/slot{i}"``, else None."""
     if not isinstance(buffer_name, str):
         return None
     m = re.fullmatch(re.escape(model) + r"/slot(\d{1,9})", buffer_name)

@@ -262,7 +262,6 @@ def start_progress(jobs: list[SlotJob], stats: dict[str, Any], show: bool,
 
 
 def described(jobs: list[SlotJob]) -> list[dict[str, Any]]:
-    """What a load result says of each buffer."""
     return [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
              "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
              "reused": not j.created, "cloned": j.cloned,

@@ -53,8 +53,6 @@ class TensorSpec:
 
 
 class ModelFile:
-    """The metadata of one model, and batched reads of its tensors."""
-
     def __init__(self, path: Path, fmt: str, files: list[Path],
                  tensors: list[TensorSpec], reader: Any = None,
                  metadata: dict[str, Any] | None = None) -> None:
@@ -82,7 +80,6 @@ class ModelFile:
         return {n: self._raw(self.by_name[n]) for n in names}
 
     def where(self, name: str) -> tuple[int, int]:
-        """``(file index, byte offset in that file)`` of a tensor's bytes."""
         spec = self.by_name[name]
         if self._gguf is not None:
             if not self._gguf_at:

@@ -78,8 +78,6 @@ class Groups:
 
 @dataclass(frozen=True)
 class Slot:
-    """One device of the cluster, as placement sees it."""
-
     slot: int
     endpoint: str
     device_type: str
@@ -367,5 +365,4 @@ def _plans_for_counts(groups: Groups, usable: Sequence[Slot], counts: list[int]
 
 
 def plan(groups: Groups, slots: Sequence[Slot], spec: str | None = None) -> Placement:
-    """``plan_from_spec`` when a spec is given, else ``plan_auto``."""
     return plan_auto(groups, slots) if spec is None else plan_from_spec(groups, slots, spec)

@@ -42,8 +42,6 @@ _SHOWN = 5  # names a problem lists before "+N more"
 
 @dataclass(frozen=True)
 class LoadRecord:
-    """What one slot buffer says of the load that filled it."""
-
     load: str  # the load's id (16 hex digits): every slot of one load holds the same
     state: str  # PLANNED or COMMITTED
     slots: tuple[int, ...]  # every slot of the model, across the nodes
