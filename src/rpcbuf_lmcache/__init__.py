@@ -1,46 +1,19 @@
-"""rpcbuf as LMCache's remote backend: ``RpcbufConnector``, an LMCache
-``RemoteConnector`` over rpcbuf's keyed block tier (docs/kvcache.md).
+"""rpcbuf as LMCache's remote backend: ``RpcbufConnector``, a ``RemoteConnector``
+over the keyed block tier, loaded by LMCache's plugin route (configuration in
+docs/kvcache.md).  An optional extra: only this package imports LMCache.
 
-An optional extra (``pip install 'rpcbuf[lmcache]'``): this package imports
-LMCache, which rpcbuf itself never does.  LMCache finds it through its plugin
-route (configuration only, no entry points)::
+LMCache calls the coroutines on its RemoteBackend loop: the rpcbuf sessions
+live there and nothing here blocks it.  A chunk is one block: key
+``CacheEngineKey.to_string()``, bytes the memory object's ``byte_array`` (read
+straight into LMCache's object), ``meta`` its ``RemoteMetadata``, so a get
+allocates exactly what was stored.  A batch is one request per node (split past
+``BATCH_KEYS``/``BATCH_BYTES``), to every node at once.
 
-    remote_storage_plugins: ["rpcbuf"]
-    extra_config:
-      remote_storage_plugin.rpcbuf.module_path: rpcbuf_lmcache
-      remote_storage_plugin.rpcbuf.class_name: RpcbufConnector
-      remote_storage_plugin.rpcbuf.endpoint: "127.0.0.1:7700"   # else $RPCBUF_ENDPOINTS
-      remote_storage_plugin.rpcbuf.token: "..."                 # else $RPCBUF_TOKEN
-      remote_storage_plugin.rpcbuf.ttl: 3600                    # optional, seconds per chunk
-      remote_storage_plugin.rpcbuf.replicas: 2                  # optional, nodes per chunk
-      remote_storage_plugin.rpcbuf.cluster: "default"           # optional, the registry's cluster
-
-``endpoint`` is one node, a cluster's list ("h1:7700;h2:7700;h3:7700") or its
-fleet registry ("etcd://h:2379", whose live members are followed): the chunks
-are spread over the live nodes by rendezvous hashing, ``replicas`` nodes each
-(``rpcbuf.BlockCluster``, docs/kvcache.md, "Keys across the cluster").
-
-LMCache builds the connector as ``RpcbufConnector(loop=, local_cpu_backend=,
-config=)`` and calls its coroutines on ``loop`` (RemoteBackend's own
-event-loop thread): the rpcbuf sessions live on that loop, and nothing here
-blocks it.  Each chunk is one block: its key is ``CacheEngineKey.to_string()``,
-its bytes the memory object's ``byte_array`` (read straight into the object
-LMCache allocated, no copy besides the transport's), its ``meta`` the
-chunk's ``RemoteMetadata`` (length, shapes, dtypes, format), so a get
-allocates exactly what was stored.  Batched puts and gets are one rpcbuf
-request per node per batch (split past ``BATCH_KEYS`` keys or ``BATCH_BYTES``
-bytes), to every node at once.
-
-Failure modes, as LMCache expects of a remote tier: a daemon that is gone
-or restarting is a miss (``None``, ``False``; a put goes to the chunk's next
-live node, or is dropped with a warning when none is left), never an error,
-and its session is opened again in the background (every
-``RECONNECT_EVERY`` seconds) while the endpoint list or the registry names
-it; a cluster none of whose nodes answered at start is opened again on a
-later call (at most once per ``RECONNECT_EVERY`` seconds).  A token a daemon
-refuses (``AUTH_FAILED``, ``TOKEN_EXPIRED``, ``FORBIDDEN``) raises
-``RpcbufAuthError`` (LMCache's ``IrrecoverableException``), at start and on
-any later call, with the daemon's sentence.
+A daemon that is gone is a miss, never an error (a put goes to the chunk's next
+live node, or is dropped with a warning); sessions reopen in the background every
+``RECONNECT_EVERY`` seconds.  A refused token (``AUTH_FAILED``,
+``TOKEN_EXPIRED``, ``FORBIDDEN``) raises ``RpcbufAuthError`` (LMCache's
+``IrrecoverableException``) with the daemon's sentence, at start and later.
 """
 
 from __future__ import annotations
@@ -82,8 +55,8 @@ class RpcbufAuthError(IrrecoverableException):
 
 
 def _settings(config: Any) -> dict[str, Any]:
-    """``remote_storage_plugin.NAME.*`` of LMCache's ``extra_config``, for the
-    plugin whose class_name is ours (else NAME = "rpcbuf")."""
+    """``remote_storage_plugin.NAME.*`` of ``extra_config`` for the plugin whose
+    class_name is ours (else NAME = "rpcbuf")."""
     extra: dict[str, Any] = dict(getattr(config, "extra_config", None) or {})
     name = PLUGIN
     for k, v in extra.items():
@@ -96,8 +69,6 @@ def _settings(config: Any) -> dict[str, Any]:
 
 
 class RpcbufConnector(RemoteConnector):
-    """LMCache chunks as rpcbuf blocks (see the module)."""
-
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
                  config: Any = None) -> None:
         super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
@@ -169,9 +140,8 @@ class RpcbufConnector(RemoteConnector):
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
-        """The one translation of the key space's errors, around every call
-        on it: a refused token is ``RpcbufAuthError`` (a node that is gone
-        is a miss already, in ``BlockCluster``)."""
+        """The one translation of the key space's errors: a refused token is
+        ``RpcbufAuthError`` (a gone node is a miss already)."""
         try:
             yield
         except _REFUSED as exc:
@@ -224,10 +194,8 @@ class RpcbufConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Full chunks in one round trip: read straight into full-chunk
-        objects (what nearly every stored chunk is); the keys that were not
-        there as full chunks (missing, or an unfull last chunk) are looked up
-        with their metadata and read in a second round trip."""
+        """Full chunks in one round trip straight into full-chunk objects; the
+        rest (missing, or an unfull last chunk) looked up and read in a second."""
         objs = await self._get_full(keys)
         rest = [i for i, o in enumerate(objs) if o is None]
         if rest:
@@ -250,9 +218,8 @@ class RpcbufConnector(RemoteConnector):
     async def _read(self, space: rpcbuf.BlockCluster, keys: Sequence[CacheEngineKey],
                     objs: list[MemoryObj | None], want: list[int],
                     lengths: list[int] | None = None) -> list[MemoryObj | None]:
-        """``get_blocks`` of ``keys[i]`` into ``objs[i]`` for each i in
-        ``want`` (``lengths[i]`` bytes of it, else all); the objects of keys
-        that were not read are released (None)."""
+        """``get_blocks`` of ``keys[i]`` into ``objs[i]`` for i in ``want``
+        (``lengths[i]`` bytes, else all); objects of keys not read are released."""
         try:
             with self._guarded():
                 for part in _batches(want, lambda i: _nbytes(objs[i])):
@@ -287,8 +254,7 @@ class RpcbufConnector(RemoteConnector):
 
     async def batched_get_non_blocking(self, lookup_id: str,
                                        keys: list[CacheEngineKey]) -> list[MemoryObj]:
-        """The objects of the keys from the first up to the first miss (the
-        rest released), as LMCache's prefetch wants them."""
+        """The objects up to the first miss (the rest released), as prefetch wants."""
         objs = await self.batched_get(keys)
         out: list[MemoryObj] = []
         for i, obj in enumerate(objs):
@@ -350,10 +316,9 @@ class RpcbufConnector(RemoteConnector):
     # -- the rest of the interface --------------------------------------------------------
 
     async def list(self) -> list[str]:
-        """This tenant's keys, at most ``LIST_MAX_KEYS`` of them (and
-        ``LIST_MAX_CHARS`` characters) gathered within ``timeout``: past
-        that the listing stops with a warning, whatever the daemon says of
-        more pages (``blockops.list_all``); a malformed page is a miss."""
+        """This tenant's keys, at most ``LIST_MAX_KEYS`` (and ``LIST_MAX_CHARS``)
+        gathered within ``timeout``, then stopped with a warning; a malformed page
+        is a miss."""
         space = await self._space()
         if space is None:
             return []
@@ -405,7 +370,6 @@ class RpcbufConnector(RemoteConnector):
             space.cluster.abort()
 
     def _sync(self, coro: Any) -> Any:
-        """Run a coroutine of ours on the connector's loop from another thread."""
         if _on(self.loop):
             coro.close()
             raise RuntimeError("rpcbuf connector: a *_sync call on its own event loop")
@@ -456,8 +420,7 @@ def _release_all(objs: list[Any]) -> list[Any]:
 
 
 def _batches(items: list[int], size: Any) -> list[list[int]]:
-    """``items`` in runs of at most BATCH_KEYS, and BATCH_BYTES by ``size``
-    (a run holds at least one item)."""
+    """Runs of at most BATCH_KEYS items and BATCH_BYTES (at least one item)."""
     out: list[list[int]] = []
     run: list[int] = []
     nbytes = 0

@@ -1,24 +1,14 @@
-"""What the backend is told: SGLang's ``extra_config`` read into ``Settings``,
-and the key namespace ``Names`` built from its ``HiCacheStorageConfig``.
+"""SGLang's ``extra_config`` read into ``Settings``, and the key namespace
+``Names`` from its ``HiCacheStorageConfig``, all checked when the backend is
+made (a bad setting is a ValueError naming it).  No SGLang import.
 
-Everything here is checked and bounded when the backend is made, never
-later: a setting of the wrong type or out of range is a ``ValueError`` that
-names the setting (SGLang then refuses the backend at start).  No SGLang
-import: the storage config is read by attribute, as SGLang's own backends
-read it.
-
-**Keys.**  A page's blocks are ``<prefix><page hash>.<part>``: the prefix
-names the model, the shard and the bytes' form
-(``"sgl:<tag>:<model>:<shard>:<layout>.<dtype>:"``, the shard as SGLang's
-file backend names it: the TP rank and size unless the model's KV is
-replicated across ranks (MLA), then the PP and CP coordinates where they
-are more than one; the host pool's layout and dtype, since a page's bytes
-lie in another order under another layout), the part is ``k`` or ``v`` (one block per half of
-the page: the host pool keeps a page's K and V apart), or ``k`` alone for
-MLA.  So two models, two TP ranks or two tags never share a key, and two
-tenants never share a key space at all (the daemon's own rule).  A page
-hash that is not 1 to ``MAX_HASH`` printable characters is refused (a miss,
-False) before anything is sent.
+A page's blocks are ``<prefix><page hash>.<part>``: the prefix
+``"sgl:<tag>:<model>:<shard>:<layout>.<dtype>:"`` names the model, the shard
+(TP rank and size, or for replicated MLA KV the PP/CP coordinates, as SGLang's
+file backend) and the host pool's byte form; the part is ``k`` or ``v`` (``k``
+alone for MLA).  So two models, ranks, layouts or tags never share a key (two
+tenants never share a key space at all).  A page hash that is not 1 to
+``MAX_HASH`` printable characters is a miss before anything is sent.
 """
 
 from __future__ import annotations
@@ -41,8 +31,6 @@ MAX_TTL = 365 * 86400.0
 
 @dataclass(frozen=True)
 class Settings:
-    """The backend's settings, from ``extra_config`` (then the environment)."""
-
     endpoints: str  # "h1:7700;h2:7700" or "etcd://h:2379"
     token: str
     ttl: float | None
@@ -54,11 +42,9 @@ class Settings:
 
     @classmethod
     def read(cls, extra: dict[str, Any] | None) -> Settings:
-        """``extra_config``'s settings: ``endpoints`` (or ``endpoint``; else
-        $RPCBUF_ENDPOINTS, else 127.0.0.1:7700), ``token`` (else
-        $RPCBUF_TOKEN; required), ``ttl`` (seconds per page, optional),
-        ``timeout`` (seconds per call), ``replicas``, ``cluster`` (the
-        registry's), ``same_host``, ``namespace`` (a tag in every key).
+        """``endpoints`` (or ``endpoint``; else $RPCBUF_ENDPOINTS, else
+        127.0.0.1:7700), ``token`` (else $RPCBUF_TOKEN; required), ``ttl``,
+        ``timeout``, ``replicas``, ``cluster``, ``same_host``, ``namespace``.
         Raises ValueError naming the setting that is wrong."""
         x = dict(extra or {})
         raw = x.get("endpoints", x.get("endpoint")) or os.environ.get("RPCBUF_ENDPOINTS") \
@@ -113,8 +99,8 @@ def _flag(name: str, value: Any) -> bool:
 
 
 def _name(text: str) -> str:
-    """``text`` as it may enter a key: "/" as "-" (as SGLang's backends write
-    model names), and a name that is long or not printable as its hash."""
+    """``text`` as it may enter a key: "/" as "-", a long or unprintable name
+    as its hash."""
     text = "-".join(text.split("/"))
     if len(text) <= MAX_NAME and text.isprintable() and ":" not in text:
         return text
@@ -130,9 +116,8 @@ class Names:
 
     @classmethod
     def of(cls, storage_config: Any, tag: str = "", pool: Any = None) -> Names:
-        """The names of ``storage_config``'s model and shard; with the host
-        ``pool``, of its byte format too (its layout and dtype: a page's bytes
-        lie in another order under another layout)."""
+        """With the host ``pool``, its layout and dtype too (a page's bytes lie in
+        another order under another layout)."""
         c = storage_config
         model = _name(str(getattr(c, "model_name", None) or ""))
         mla = bool(getattr(c, "is_mla_model", False))

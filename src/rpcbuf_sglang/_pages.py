@@ -1,14 +1,8 @@
-"""Where a page's bytes lie: flat uint8 views of SGLang's host KV pool and
-of the tensors its generic calls hand over, for rpcbuf to read into and
-write from in place (no copy besides the transport's).
-
-SGLang names a page's memory by raw address (``get_page_buffer_meta``:
-one pointer and size per K and V half of each page, for page-contiguous
-layouts).  An address is never dereferenced as such: it must lie, with its
-size, inside one of the pool's own tensors (``kv_buffer`` and what
-``get_hybrid_pool_buffer`` lists), and the view is a slice of that tensor's
-bytes.  An address outside them is a ``ValueError`` (the call is then a
-miss), never a write somewhere else.
+"""Flat uint8 views of SGLang's host KV pool and of the tensors its generic calls
+hand over, to read into and write from in place.  SGLang names a page's memory
+by raw address: an address is never dereferenced as such; it must lie, with its
+size, inside one of the pool's own tensors, and the view is a slice of that
+tensor.  Anything else is a ValueError (a miss), never a write elsewhere.
 """
 
 from __future__ import annotations
@@ -23,9 +17,8 @@ PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")  # one span per 
 
 
 def tensor_bytes(t: Any) -> np.ndarray | None:
-    """A flat writable uint8 view of a contiguous CPU tensor (or NumPy
-    array) over its own memory; None for anything else (a GPU tensor, a
-    strided view: reading into a copy would lose the bytes)."""
+    """A flat writable uint8 view of a contiguous CPU tensor or array; None for
+    anything else (reading into a copy would lose the bytes)."""
     if isinstance(t, np.ndarray):
         if not t.flags.c_contiguous or not t.flags.writeable:
             return None
@@ -79,8 +72,7 @@ class PoolViews:
         raise ValueError(f"a span of {size} bytes at an address outside the host pool")
 
     def pages(self, host_indices: Any, n_pages: int, parts: int) -> list[list[np.ndarray]]:
-        """Each page's spans (``parts`` of them: K, V) for ``n_pages`` pages
-        whose slots are ``host_indices`` (page-aligned, as SGLang passes them)."""
+        """Each page's ``parts`` spans for ``n_pages`` pages at ``host_indices``."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         if len(ptrs) != n_pages * parts or len(sizes) != len(ptrs):
             raise ValueError(f"the pool names {len(ptrs)} spans for {n_pages} pages of "

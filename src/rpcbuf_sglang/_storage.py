@@ -1,31 +1,20 @@
-"""``RpcbufHiCacheStorage``: SGLang's HiCache storage tier over rpcbuf's
-keyed blocks (the cluster key space, ``rpcbuf.BlockCluster``).
+"""``RpcbufHiCacheStorage``: SGLang's HiCache storage tier over the cluster key
+space (``rpcbuf.BlockCluster``).
 
-SGLang calls a storage backend synchronously, from its prefetch and backup
-threads.  The rpcbuf sessions are asyncio objects: they live on an event
-loop of the backend's own, on a thread of its own (``_LoopThread``), and
-each call of SGLang's is one coroutine run there and waited for, bounded by
-``timeout`` (cancelled on the loop past it).  Every call goes through
-``_call``, the one place rpcbuf's errors become SGLang's answers:
+SGLang calls synchronously from its prefetch and backup threads; the sessions
+live on the backend's own loop thread (``_LoopThread``), each call one coroutine
+bounded by ``timeout``.  ``_call`` is the one place rpcbuf's errors become
+SGLang's answers: a gone node, a timeout or a refusal is a miss (a warning at
+most every ``WARN_EVERY`` s); a refused token is ``TokenRefused`` at start, later
+logged once then misses; no node at start: misses, reopened at most every
+``RECONNECT_EVERY`` s.
 
-* a node that is gone, a timeout, a refused request: a **miss** (False,
-  None, 0 pages), with a warning at most every ``WARN_EVERY`` seconds;
-* a token the daemons refuse: at start, ``TokenRefused`` (one sentence;
-  SGLang then fails the attach and says why); later (a token that
-  expired), an error logged once and misses from then on;
-* no node answering at start is no error: misses, and the key space is
-  opened again on a later call (at most once per ``RECONNECT_EVERY`` s).
-
-A page is ``len(names.parts)`` blocks (its K and V halves, or one for MLA;
-``_config.Names``).  The ``_v1`` calls read into and write from the host
-pool's own memory (``_pages.PoolViews``); the generic calls from the flat
-page tensors SGLang hands over, split into the same halves, so both forms
-store the same bytes under the same keys.  A set skips the pages already
-there (as SGLang's file and Mooncake backends do); a batch is split into
-requests of at most ``BATCH_KEYS`` blocks and ``BATCH_BYTES`` bytes, and a
-call of more than ``MAX_PAGES`` pages is refused whole (a miss).  Nothing a
-caller names (a key, a model name) enters a log line but through ``repr``,
-cut short.
+A page is one block per K/V half (one for MLA).  The ``_v1`` calls use the host
+pool's memory in place, the generic calls the flat tensors SGLang hands over,
+split alike, so both store the same bytes under the same keys.  A set skips
+pages already there; batches split at ``BATCH_KEYS``/``BATCH_BYTES``; over
+``MAX_PAGES`` pages is a miss.  Caller-named strings enter logs only through a
+shortened ``repr``.
 """
 
 from __future__ import annotations
@@ -124,9 +113,8 @@ class _Stats:
 
 
 class RpcbufHiCacheStorage(HiCacheStorage):
-    """SGLang HiCache pages as rpcbuf blocks (see the module).  Made by
-    SGLang's ``StorageBackendFactory`` as ``cls(storage_config, kwargs)``
-    (the ``dynamic`` backend) or ``cls(storage_config, mem_pool_host)``."""
+    """Made by SGLang as ``cls(storage_config, kwargs)`` (the ``dynamic``
+    backend) or ``cls(storage_config, mem_pool_host)``."""
 
     def __init__(self, storage_config: Any, mem_pool_host: Any = None) -> None:
         self.settings = Settings.read(getattr(storage_config, "extra_config", None))
@@ -161,8 +149,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
     # -- the key space ----------------------------------------------------------------
 
     async def _space(self) -> rpcbuf.BlockCluster | None:
-        """The key space, opened if need be; None while no node answers.
-        Raises a token refusal."""
+        """The key space, opened if need be; None while no node answers.  Raises a
+        token refusal."""
         if self._keys is not None or self._closed:
             return self._keys
         if time.monotonic() - self._failed_at < RECONNECT_EVERY:
@@ -187,8 +175,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
 
     def _call(self, what: str, fn: Callable[[rpcbuf.BlockCluster], Awaitable[T]],
               miss: T) -> T:
-        """``fn`` of the key space, on the loop, within ``timeout``: its
-        answer, or ``miss`` for every failure (see the module)."""
+        """``fn`` of the key space on the loop within ``timeout``; ``miss`` for
+        every failure."""
         if self._closed or self._refused is not None:
             return miss
 
@@ -215,9 +203,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
     # -- the pool ---------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Take the host KV pool the ``_v1`` calls read into and write from.
-        Raises ValueError for a pool whose pages are not contiguous per K/V
-        half (``layer_first``) when ``interface_v1`` is on."""
+        """Raises ValueError for a pool whose pages are not contiguous per K/V half
+        (``layer_first``) when ``interface_v1`` is on."""
         super().register_mem_pool_host(mem_pool_host)
         views = PoolViews(mem_pool_host)
         if self.interface_v1 and views.layout not in PAGE_LAYOUTS:
@@ -267,8 +254,7 @@ class RpcbufHiCacheStorage(HiCacheStorage):
 
     def _write(self, what: str, blocks: list[list[str] | None],
                spans: list[list[np.ndarray] | None]) -> list[bool]:
-        """Put each page's spans under its blocks, but for the pages that
-        are there already: which pages are stored."""
+        """Put each page's spans but for pages already there; which are stored."""
         want = [i for i, (b, s) in enumerate(zip(blocks, spans, strict=True))
                 if b is not None and s is not None]
         if not want:
@@ -303,8 +289,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
         return 0 if self._views is None else self._views.page_bytes()
 
     def _flat(self, target: Any, size: Any = None) -> list[np.ndarray] | None:
-        """A generic call's page (a flat tensor, or an address and size in
-        the host pool, as SGLang's Mooncake backend takes them) as its spans."""
+        """A generic call's page (a flat tensor, or an address and size in the
+        host pool) as its spans."""
         view: np.ndarray | None
         if isinstance(target, int) and not isinstance(target, bool):
             if self._views is None or not isinstance(size, int):
@@ -394,8 +380,8 @@ class RpcbufHiCacheStorage(HiCacheStorage):
     # -- the rest ---------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Remove this model's and shard's pages (every node's), at most
-        ``LIST_MAX_KEYS`` of them per call; True when none is left."""
+        """Remove this model's and shard's pages, at most ``LIST_MAX_KEYS`` per
+        call; True when none is left."""
         prefix = self.names.prefix
 
         async def clear(space: rpcbuf.BlockCluster) -> bool:
@@ -411,8 +397,7 @@ class RpcbufHiCacheStorage(HiCacheStorage):
         return bool(self._call("clear", clear, False))
 
     def get_stats(self) -> Any:
-        """SGLang's ``StorageMetrics`` of the calls since the last ``get_stats``
-        (pages and GB/s of each batch read and written)."""
+        """``StorageMetrics`` of the calls since the last ``get_stats``."""
         stats, self._stats = self._stats, _Stats()
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -449,8 +434,7 @@ async def _exist(space: rpcbuf.BlockCluster, keys: list[str]) -> list[bool]:
 
 
 def _runs(sizes: list[int]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of at most BATCH_KEYS items and BATCH_BYTES bytes
-    (a run holds at least one item)."""
+    """``[lo, hi)`` runs of at most BATCH_KEYS items and BATCH_BYTES (at least one)."""
     out: list[tuple[int, int]] = []
     lo, nbytes = 0, 0
     for i, n in enumerate(sizes):

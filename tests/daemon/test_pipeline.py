@@ -46,6 +46,8 @@ class MemPath:
         self.gate = asyncio.Event()
         self.gate.set()
         self.events: list[str] = []
+        self.admitted: list[TransferItems] = []
+        self.moved: list[TransferItems] = []
 
     def check(self, buf: Buffer) -> None:
         pass
@@ -54,13 +56,14 @@ class MemPath:
         return len(items.runs())
 
     def admit(self, items: TransferItems) -> None:
-        pass  # every transfer is awaited (through the gate)
+        self.admitted.append(items)  # every transfer is awaited (through the gate)
 
     def carried(self) -> dict[str, Any]:
         return {}
 
     async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Any = None) -> None:
+        self.moved.append(items)
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
@@ -68,6 +71,7 @@ class MemPath:
 
     async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
         self.events.append("send")
+        self.moved.append(items)
         await self.gate.wait()
         for i, (off, n, _, _) in enumerate(items.runs()):
             if n:
@@ -151,6 +155,29 @@ async def test_a_store_is_a_batch_of_one_counted_and_audited_once() -> None:
     assert rig.session.counts == {"bytes_stored": 100}
     assert rig.session.audits == [("store", buf.buffer_id, 10, 100)]
     assert buf.pins == 0 and buf.locks.idle
+
+
+async def test_each_op_admits_its_items_once_and_moves_those_it_admitted() -> None:
+    """The path decides once (``admit``, before anything is locked) and the
+    move gets what it decided: the same items, never admitted again."""
+    rig = Rig()
+    buf = rig.buffer()
+    batch = (P.pack_u64(np.array([0, 64], np.uint64)), P.pack_u64(np.array([8, 8], np.uint64)))
+    ops = [(lambda c: rig.ops.store(c, P.Store(buf.buffer_id, 0, 32, wire_dtype="float16")),
+            [16]),
+           (lambda c: rig.ops.store(c, P.Store(buf.buffer_id, 0, 16)), [16]),
+           (lambda c: rig.ops.store_batch(c, P.StoreBatch(buf.buffer_id, *batch)), [8, 8]),
+           (lambda c: rig.ops.read(c, P.Read(buf.buffer_id, 0, 16)), []),
+           (lambda c: rig.ops.read_batch(c, P.ReadBatch(buf.buffer_id, *batch)), [])]
+    for op, payloads in ops:
+        rig.path.admitted.clear()
+        rig.path.moved.clear()
+        call = rig.call()
+        for i, n in enumerate(payloads):
+            rig.path.sent[run_tag(call.req_id, i)] = b"w" * n
+        await run(call, op(call))
+        assert len(rig.path.admitted) == 1
+        assert rig.path.moved == rig.path.admitted
 
 
 async def test_a_refused_store_drains_its_payload_and_leaves_no_trace() -> None:

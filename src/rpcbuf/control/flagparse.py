@@ -1,12 +1,6 @@
-"""The command lines' parser (``rpcbuf``, ``rpcbufd``): argparse's, with its
-errors as one sentence and a pointer, not the whole usage.
-
-argparse answers a bad flag with the command's full usage (27 lines for
-``rpcbufd``) and then the one line that says what was wrong, which a
-terminal scrolls away.  Here the usage is one line (the command and its
-positional arguments, and where ``--help`` is), then the sentence; an
-unknown flag gets the flag it was probably meant to be (``--endpont``: did
-you mean ``--endpoint``?).  Exit code 2, as argparse's.
+"""argparse for ``rpcbuf`` and ``rpcbufd`` with errors as a one-line usage and
+one sentence (not the full usage a terminal scrolls away), and a "did you
+mean" for an unknown flag.  Exit code 2, as argparse's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""UCX's failures as rpcbuf's errors, translated in this one place.
+"""UCX's failures as rpcbuf's errors: the one map from the data plane's
+exceptions (``dataplane.ucx``, which knows no error codes) to wire errors,
+used around every UCX wait on both sides (as httpcore's ``map_exceptions``).
 
-The data plane (``rpcbuf.dataplane.ucx``) raises its own exceptions and knows
-nothing of rpcbuf's error codes; the client and the daemon wrap every UCX
-wait in ``ucx_errors`` (in the manner of httpcore's ``map_exceptions``):
-
-* ``Truncated`` (a peer sent more than was announced) is the peer's fault:
-  BAD_REQUEST, where ``truncated`` says what it means there;
-* ``Dropped`` (the daemon's janitor dropped a store's payload that waited
-  unexpected past its limit while the store waited for its buffer's lock,
-  ``dataplane/janitor.py``) is TIMEOUT with reason ``payload_dropped``: the
-  store did nothing and may be sent again;
-* every other ``TransferError`` (the endpoint broke, the peer vanished, we
-  stopped waiting) is CONNECTION_LOST, naming ``what`` failed;
-* ``UnusableUCX`` (the UCX that ``RPCBUF_UCX`` chose cannot be loaded or is
-  too old, ``dataplane/ucxlib.py``) is UCX_UNUSABLE, its sentence as it is.
+* ``Truncated`` (a peer sent more than announced): BAD_REQUEST where
+  ``truncated`` says what it means, else CONNECTION_LOST;
+* ``Dropped`` (the janitor dropped a payload that waited unexpected too long):
+  TIMEOUT, reason ``payload_dropped``: nothing was stored, send it again;
+* any other ``TransferError``: CONNECTION_LOST, naming ``what`` failed;
+* ``UnusableUCX`` (the UCX ``RPCBUF_UCX`` chose): UCX_UNUSABLE.
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ from rpcbuf.dataplane.ucx import Dropped, TransferError, Truncated, UnusableUCX
 
 @contextlib.contextmanager
 def ucx_errors(what: str, truncated: str | None = None) -> Iterator[None]:
-    """Raise rpcbuf's error for a UCX failure inside the block."""
     try:
         yield
     except Truncated as exc:

@@ -1,35 +1,18 @@
-"""Allocators that hand out offsets inside an arena.
+"""Allocators that hand out offsets inside an arena, never touching its memory.
 
-An allocator never touches the arena's memory: it deals in offsets and keeps
-all of its bookkeeping outside (like spaskalev/buddy_alloc and
-sebbbi/OffsetAllocator).  A bad or double free raises ``AllocatorError``;
-``stats()`` and ``check_invariants()`` let property tests check it after every
-step.  Every offset is a multiple of ``min_block`` (256 bytes by default, so
-GPU-friendly aligned), and ``block_size(size)`` is exactly what a request
-takes and what ``stats().used`` counts, so the daemon can charge quotas with
-it before allocating.
+A bad or double free raises ``AllocatorError``; ``stats()`` and
+``check_invariants()`` let property tests check every step. Offsets are multiples
+of ``min_block`` (256 by default), and ``block_size(size)`` is exactly what a
+request takes and ``stats().used`` counts, so quotas are charged before allocating.
 
-Three allocators share the ``Allocator`` protocol (docs/allocators.md has the
-measurements behind the default):
-
-* ``buddy`` (default): power-of-two blocks that coalesce with their buddy on
-  free.  An arena whose size is not a power of two is laid out as its binary
-  decomposition, largest block first, so every root block is aligned to its
-  own size and the ``offset ^ size`` buddy rule never crosses a root.  Free
-  lists are sets per order: O(log(arena / min_block)).
-* ``linear``: a bump pointer.  Freeing the topmost block moves the pointer
-  back, over every already-freed block below it too; interior holes are not
-  reused until that happens.  O(1) amortised, no rounding beyond alignment.
-* ``slab``: a hybrid.  Requests up to ``max_class`` (64 KiB) are rounded to
-  a size class (multiples of 256 up to 1 KiB, then quarter steps between
-  powers of two: under 20% of a block wasted, against under 50% for a
-  power-of-two block) and served from slabs, fixed-size buddy blocks cut into equal
-  objects with an O(1) free-slot stack; an empty slab goes straight back to
-  the buddy allocator.  Larger requests are plain buddy blocks.  Slabs are
-  buddy blocks of one size, so a slab's base is the offset rounded down to
-  that size: free finds it in O(1).
-
-The slab allocator is ``slab.py``; ``allocators.py`` names the three.
+- ``buddy`` (default): power-of-two blocks that coalesce on free; a size that is
+  no power of two is laid out as its binary decomposition, largest first, so the
+  ``offset ^ size`` rule never crosses a root. O(log(arena / min_block)).
+- ``linear``: a bump pointer that moves back over freed blocks when the top is
+  freed; interior holes wait until then. O(1) amortised.
+- ``slab``: requests up to ``max_class`` rounded to a size class (under 20% waste)
+  and served from slabs, buddy blocks cut into equal objects; larger ones are
+  buddy blocks.
 """
 
 from __future__ import annotations
@@ -52,8 +35,7 @@ class AllocatorStats:
 
     @classmethod
     def of(cls, total: int, used: int, largest_free: int, count: int) -> AllocatorStats:
-        """The figures of an allocator that counts ``used`` bytes of ``total``
-        (what is free is the rest: every allocator's bookkeeping says so)."""
+        """The figures of an allocator that counts ``used`` bytes of ``total``."""
         return cls(total=total, used=used, free=total - used, largest_free=largest_free,
                    count=count)
 
@@ -75,8 +57,6 @@ class AllocatorStats:
 
 @runtime_checkable
 class Allocator(Protocol):
-    """What the daemon's registry needs from an allocator."""
-
     name: str  # a class attribute: the ``--allocator`` choice
     total: int  # usable bytes: offsets lie in [0, total)
     max_size: int  # the largest request that can ever succeed (in the empty arena)
@@ -85,24 +65,17 @@ class Allocator(Protocol):
 
     def allocate(self, size: int) -> int | None:
         """Offset of ``block_size(size)`` bytes, or None when it cannot fit now.
-        Raises AllocatorError for ``size <= 0``."""
-        ...
+        AllocatorError for ``size <= 0``."""
 
     def free(self, offset: int) -> int:
-        """Give back the block at ``offset``; return its bytes.
-        Raises AllocatorError on a bad or double free."""
-        ...
+        """Give back the block at ``offset``; its bytes. AllocatorError on a bad free."""
 
     def block_size(self, size: int) -> int:
         """The exact bytes ``allocate(size)`` takes (and ``used`` counts)."""
-        ...
 
     def allocate_at(self, offset: int, size: int) -> bool:
-        """Take the block of ``size`` at exactly ``offset`` if this allocator
-        can hand it out now; False, nothing changed, otherwise (an allocator
-        that cannot place blocks always says False).  How the registry
-        prefers a block whose memory is kept backed."""
-        ...
+        """Take the block of ``size`` at exactly ``offset`` if it can be handed out now;
+        False, nothing changed, otherwise (always False where blocks cannot be placed)."""
 
     def largest_free(self) -> int: ...
 
@@ -110,7 +83,6 @@ class Allocator(Protocol):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
-        ...
 
 
 def _check_block(min_block: int) -> int:
@@ -150,7 +122,6 @@ class BuddyAllocator:
                 offset += 1 << order
 
     def block_size(self, size: int) -> int:
-        """The bytes a request of ``size`` really takes."""
         return 1 << self._order_for(size)
 
     def _order_for(self, size: int) -> int:
@@ -158,7 +129,6 @@ class BuddyAllocator:
         return max(self.min_order, (size - 1).bit_length())
 
     def allocate(self, size: int) -> int | None:
-        """Return the offset of a block of at least ``size`` bytes, or None if full."""
         order = self._order_for(size)
         if order > self.max_order:
             return None
@@ -176,9 +146,7 @@ class BuddyAllocator:
         return offset
 
     def allocate_at(self, offset: int, size: int) -> bool:
-        """Take the block of ``size`` at exactly ``offset`` if it is free
-        (inside a free block, which is split down to it); False otherwise.
-        How the registry prefers a block whose memory is kept backed."""
+        """Take the block at exactly ``offset`` if free (splitting down to it); else False."""
         order = self._order_for(size)
         if order > self.max_order or offset < 0 or offset % (1 << order):
             return False
@@ -236,7 +204,6 @@ class BuddyAllocator:
                                  len(self._allocated))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent."""
         spans: list[tuple[int, int]] = [(o, 1 << k) for o, k in self._allocated.items()]
         free_bytes = 0
         for order, offsets in enumerate(self._free):
@@ -260,14 +227,8 @@ class BuddyAllocator:
 
 
 class LinearAllocator:
-    """Bump pointer over ``[0, size)`` that moves back when the top is freed.
-
-    Blocks are laid out in address order on a stack; a freed block below the
-    top stays on the stack as a hole (marked by its absence from ``_live``)
-    until every block above it is freed too.  Only the tail above the pointer
-    is allocatable, so ``largest_free`` is the tail and the holes show up as
-    fragmentation.
-    """
+    """Bump pointer over ``[0, size)`` that moves back when the top is freed; a freed
+    block below the top stays a hole until every block above it is freed."""
 
     name = "linear"
 

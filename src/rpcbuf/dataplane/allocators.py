@@ -1,6 +1,4 @@
-"""The daemon's allocators by name (``--allocator``): buddy (the default),
-linear and slab, all of the ``Allocator`` protocol (``allocator.py``).
-"""
+"""The daemon's allocators by name (``--allocator``): buddy (default), linear, slab."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ ALLOCATORS: dict[str, type[Allocator]] = {
 
 
 def make_allocator(name: str, size: int, min_block: int = 256) -> Allocator:
-    """The allocator called ``name`` over ``size`` bytes, every block a
-    multiple of ``min_block`` (a power of two). Raises ValueError for an
-    unknown name."""
+    """The allocator ``name`` over ``size`` bytes, blocks multiples of ``min_block``.
+    ValueError for an unknown name."""
     try:
         cls = ALLOCATORS[name]
     except KeyError:

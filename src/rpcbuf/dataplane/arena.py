@@ -1,15 +1,6 @@
-"""Arenas: one address range of memory per device, its blocks backed one
-buffer at a time, handed out as views.
-
-The daemon sees every arena through one protocol, ``Arena`` (``HostArena``
-here, ``cuda_arena.CudaArena`` for a GPU): its device and ``size``,
-``view``, ``checksum``/``checksums``, ``describe``, and the backing of each
-block the registry hands out (``back``, ``unback``, ``export``).  What only
-host memory does is ``HostArena``'s own components, reached through
-``host_memory``.  ``view`` returns a zero-copy array over ``[offset, offset
-+ nbytes)`` that UCX receives into or sends from directly; bounds are
-checked here as the last line of defence, even though the daemon checks
-them before any transfer.
+"""Arenas: one address range of memory per device, its blocks backed one buffer at
+a time, handed out as views. ``view`` is a zero-copy array UCX receives into or
+sends from; bounds are checked here as the last line of defence.
 """
 
 from __future__ import annotations
@@ -35,12 +26,9 @@ from .checksum import checksum
 
 
 class Arena(Protocol):
-    """What every arena is (``HostArena``, ``cuda_arena.CudaArena``): its
-    device, its views and checksums, and the backing of each block the
-    registry hands out.  What only host memory does (kept blocks, clones,
-    pre-faulting) is ``HostArena``'s own components (``kept``, ``clones``,
-    ``prefault``): ``host_memory`` says whether an arena has them, and the
-    type checker then checks every use."""
+    """What every arena is: its device, views, checksums, and the backing of each block.
+    Host-only parts (kept blocks, clones, pre-faulting) are reached through
+    ``host_memory``, so the type checker checks every use."""
 
     device_type: str
     device: int
@@ -66,30 +54,17 @@ class Arena(Protocol):
 
 
 class HostArena:
-    """Host (CPU) memory: one reserved address range, and in it one memfd
-    per buffer (``back`` when the buffer is allocated, ``unback`` when it is
-    freed), so exactly one buffer's bytes can be handed out by handle
-    (``export``: a read-only fd) and nothing else of the arena.  The daemon
-    maps each memfd read-write and then seals it read-only (``shm``): every
-    handle it ever gives away is read-only by construction, while its own
-    mapping, made before the seal, keeps writing.  Memory outside any buffer
-    is unbacked anonymous memory, or a *kept* block.  Offsets and block
-    sizes are multiples of ``granularity`` (the page size), which the
-    allocator is told.
+    """Host memory: one reserved address range, and in it one memfd per buffer (backed
+    on allocation, unbacked on free), so exactly one buffer's bytes can be handed out
+    by handle. Each memfd is mapped read-write here, then sealed read-only: every
+    handle given away is read-only by construction, while our earlier mapping keeps
+    writing. Offsets and sizes are multiples of ``granularity`` (the page size).
 
-    What only host memory does is three components of its own, each typed
-    (callers reach them through ``host_memory``):
-
-    * ``kept`` (``kept.KeptBlocks``): a freed block whose memfd never left
-      the daemon stays backed, zeroed, for the next ``back`` of the same
-      block (up to ``kept.limit`` bytes: the daemon's ``--keep-freed``);
-    * ``clones`` (``clones.Clones``): a block mapping another block's memfd
-      (``share``), and memory of its own before it is written;
-    * ``prefault`` (``prefault.Prefault``): a new buffer's pages backed
-      before its first write.
-
-    The live blocks are one table (``backed.BackedBlocks``) that the arena
-    and its clones share."""
+    Host-only components: ``kept`` (a freed, never-exported block stays backed and
+    zeroed for the next ``back`` of the same block, up to ``--keep-freed``),
+    ``clones`` (a block mapping another's memfd until it is written), ``prefault``
+    (a new buffer's pages backed before its first write). The live blocks are one
+    table the arena and its clones share."""
 
     device_type = "CPU"
     kind = "cpu"
@@ -114,13 +89,10 @@ class HostArena:
         self.prefault = Prefault(self.address, size, self._map)
 
     def back(self, offset: int, nbytes: int) -> Zeroing | None:
-        """Give ``[offset, offset + nbytes)`` (a fresh block) its own memfd,
-        mapped here read-write, then sealed read-only for everyone else; or
-        the kept memfd of exactly that block (``kept.take``).  None: its
-        bytes are all zero now.  A ``Zeroing``: a kept block still being
-        zeroed, which nothing may read or write before its ``then`` callback
-        (the caller locks the buffer until then: ``Registry``).  ValueError:
-        not whole pages of this arena; OSError: no memory or fds left."""
+        """Give a fresh block its own memfd (mapped here, sealed read-only for everyone
+        else), or the kept memfd of exactly that block. None: all zero now; a ``Zeroing``:
+        nothing may touch it before its ``then`` callback. ValueError: not whole pages;
+        OSError: no memory or fds left."""
         g = self.granularity
         if offset % g or nbytes % g or nbytes <= 0 or offset + nbytes > self._blocks.span:
             raise ValueError(f"[{offset}, +{nbytes}) is not whole pages of this arena")
@@ -141,10 +113,8 @@ class HostArena:
         return None
 
     def back_owned(self, offset: int, nbytes: int) -> None:
-        """``back`` for memory its owning tenant writes in place (a block
-        segment, ``export_writable``): always a fresh memfd, sealed only
-        against resizing, never a kept one (those are sealed read-only), and
-        never kept once freed (a writable mapping of it may outlive it)."""
+        """``back`` for memory its tenant writes in place: always a fresh memfd sealed only
+        against resizing, never kept (a writable mapping may outlive it)."""
         g = self.granularity
         if offset % g or nbytes % g or nbytes <= 0 or offset + nbytes > self._blocks.span:
             raise ValueError(f"[{offset}, +{nbytes}) is not whole pages of this arena")
@@ -169,10 +139,8 @@ class HostArena:
             raise
 
     def unback(self, offset: int, nbytes: int) -> None:
-        """The block goes back to unbacked anonymous memory, its memfd's pages
-        freed once no reader maps them any more (a shared one: with its last
-        block, ``clones.release``); or, never exported, it is kept for the
-        next ``back`` of the same block, zeroed first (``kept.keep``)."""
+        """The block goes back to unbacked memory (pages freed once no reader maps them),
+        or, never exported, is kept for the next ``back`` of it, zeroed first."""
         fd = self._blocks.remove(offset, nbytes)
         self.kept.freed(offset)
         exported = offset in self._exported or offset in self._owned
@@ -185,16 +153,15 @@ class HostArena:
             os.close(fd)
 
     def export(self, offset: int, nbytes: int) -> int:
-        """A new read-only fd of the buffer at ``offset`` (exactly its block);
-        the caller closes it.  From then on its memfd is never kept."""
+        """A new read-only fd of exactly the block at ``offset``; the caller closes it.
+        From then on its memfd is never kept."""
         fd = self._blocks.fd_of(offset, nbytes)
         self._exported.add(offset)
         return shm.read_only_fd(fd)
 
     def export_writable(self, offset: int, nbytes: int) -> int:
-        """A new read-write fd of the block at ``offset``, which must have
-        been backed by ``back_owned`` (anything else is sealed read-only:
-        RuntimeError, a bug); the caller closes it."""
+        """A new read-write fd of a ``back_owned`` block (else RuntimeError, a bug); the
+        caller closes it."""
         if offset not in self._owned:
             raise RuntimeError(f"block {offset} is not writable by its owner")  # a bug
         fd = self._blocks.fd_of(offset, nbytes)
@@ -202,15 +169,10 @@ class HostArena:
         return shm.writable_fd(fd)
 
     def make_writable(self, offset: int, nbytes: int, zero: bool = False) -> bool:
-        """Give the live block at ``offset`` a memfd its owner may map
-        writable (a buffer written in place): a fresh one holding its bytes,
-        sealed only against resizing, mapped here in place of the read-only
-        one (which readers that still map it keep, unchanged).  From then
-        on it is never kept once freed (a writable mapping may outlive it).
-        ``zero``: its bytes are all zero (never written since it was
-        backed), so the fresh memfd needs no copy.  False: it was writable
-        already.  The caller holds the buffer's whole-range lock, and the
-        block shares no memfd (``clones.needs_own``)."""
+        """Give the live block a memfd its owner may map writable: a fresh one holding its
+        bytes (no copy when ``zero``), mapped here in place of the read-only one (whose
+        readers keep it), never kept once freed. False: writable already. The caller
+        holds the whole-range lock, and the block shares no memfd."""
         if offset in self._owned:
             return False
         self._blocks.fd_of(offset, nbytes)  # ValueError: not one live block
@@ -223,11 +185,9 @@ class HostArena:
         return True
 
     def reseal(self, offset: int, nbytes: int) -> bool:
-        """The reverse, for a block about to be handed out read-only: its
-        memfd sealed read-only now (``F_SEAL_FUTURE_WRITE``; no copy): no
-        new writable mapping or ``write`` from here on.  A writable mapping
-        made before keeps writing, which only a client that broke the grant
-        protocol does (docs/dataplane.md).  False: it was read-only already."""
+        """Seal the block's memfd read-only now (``F_SEAL_FUTURE_WRITE``; no copy); a
+        mapping made before keeps writing (only a client breaking the grant protocol).
+        False: read-only already."""
         if offset not in self._owned:
             return False
         shm.seal_read_only(self._blocks.fd_of(offset, nbytes))
@@ -240,7 +200,6 @@ class HostArena:
 
     @property
     def backed(self) -> int:
-        """How many blocks are backed now (buffers' and clones')."""
         return len(self._blocks)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
@@ -253,8 +212,7 @@ class HostArena:
 
     def checksums(self, offsets: Sequence[int] | np.ndarray,
                   sizes: Sequence[int] | np.ndarray) -> list[int]:
-        """xxh3-64 of many ranges (a batch's tensors) with little per-item
-        overhead: the bounds are checked at once, the loop runs in C (``map``)."""
+        """xxh3-64 of many ranges, bounds checked at once, the loop in C."""
         offs = np.asarray(offsets, dtype=np.int64)
         lens = np.asarray(sizes, dtype=np.int64)
         if offs.shape != lens.shape or offs.ndim != 1:
@@ -286,10 +244,8 @@ def copy_between(src: Arena, src_offset: int, dst: Arena, dst_offset: int, nbyte
 
 @functools.cache
 def host_ram() -> int | None:
-    """This machine's memory (MemTotal), or None where it cannot be read:
-    host arenas reserve address space, so nothing stops their sum passing it
-    (``rpcbufd`` warns at start, ``rpcbuf doctor`` from ``stats``).  Read
-    once: it does not change, and every ``stats`` answer carries it."""
+    """This machine's MemTotal, or None; read once. Host arenas reserve address space,
+    so nothing stops their sum passing it."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -1,20 +1,10 @@
-"""The checksum of stored bytes: xxh3-64 of the raw bytes, as an unsigned int.
+"""The checksum of stored bytes (xxh3-64, an unsigned int) and the dedup key
+(xxh3-128), one definition for client and daemon; the only module importing xxhash.
 
-One definition for both ends: the client hashes the bytes it sends, the daemon
-hashes the arena slice it received into, and the two integers must match.
-``digest128`` is the content key of dedup (xxh3-128), for both ends too;
-``Digests`` computes both of bytes that arrive in pieces (a node-local load
-reads a file a chunk at a time).
-This is the only module that imports xxhash: everything hashes through it.
-
-``digests`` gives both in one pass over the bytes.  XXH3's output is frozen
-by its specification (since xxHash 0.8.0), and for inputs longer than 240
-bytes the 64- and 128-bit variants run the same accumulation and the same
-final merge for the low half: the low 64 bits of xxh3-128 *are* xxh3-64.
-So a long input is read once (what dedup pays on every byte it uploads or
-indexes); a short one is hashed twice, which costs nothing.  The property is
-checked once at import on a fixed input; a build that broke it would fall
-back to two passes (``ONE_PASS``), never to a wrong checksum.
+``digests`` gives both in one pass: for inputs over 240 bytes the low 64 bits of
+xxh3-128 are xxh3-64 (XXH3's output is frozen by its spec). The property is
+checked at import; a build that broke it falls back to two passes (``ONE_PASS``),
+never to a wrong checksum.
 """
 
 from __future__ import annotations
@@ -34,10 +24,8 @@ _LOW = (1 << 64) - 1
 
 
 def checksum(data: Any) -> int:
-    """xxh3-64 of a C-contiguous buffer (anything with the buffer protocol:
-    bytes, a NumPy array, ...), as an unsigned int: what the daemon states
-    in a manifest's ``checksum``.  TypeError for a buffer that is not
-    C-contiguous (``np.ascontiguousarray`` it first)."""
+    """xxh3-64 of a C-contiguous buffer as an unsigned int. TypeError when it is not
+    C-contiguous."""
     return xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
 
 
@@ -47,9 +35,7 @@ def digest128(data: Any) -> int:
 
 
 class Digests:
-    """Both hashes of bytes that arrive in pieces (a file read a chunk at a
-    time): ``update`` each piece in order, then ``digest128`` and ``checksum``
-    equal ``digest128(whole)`` and ``checksum(whole)``."""
+    """Both hashes of bytes arriving in pieces: ``update`` each in order."""
 
     __slots__ = ("_long", "_short")
 
@@ -76,8 +62,7 @@ ONE_PASS = _one_pass_holds()
 
 
 def digests(data: Any) -> tuple[int, int]:
-    """``(digest128(data), checksum(data))`` of a contiguous buffer, reading
-    a long one once (see the module docstring)."""
+    """``(digest128(data), checksum(data))``, reading a long input once."""
     view = memoryview(data).cast("B")
     long = _xxh128(view)
     if ONE_PASS and view.nbytes > LONG:

@@ -1,39 +1,18 @@
-"""A GPU arena on one CUDA device, handed out as views.
+"""A GPU arena on one CUDA device: ``view`` is a zero-copy CuPy ``uint8`` slice UCX
+moves directly, ``checksum`` runs on the device (no copy to the host).
 
-It implements the ``Arena`` protocol of ``rpcbuf.dataplane.arena``: ``view``
-returns a zero-copy CuPy ``uint8`` slice that UCX receives into or sends
-from directly (ucxx takes any ``__cuda_array_interface__`` buffer; UCX moves
-it with cuda_copy/cuda_ipc or GPUDirect RDMA), ``checksum`` is the device
-checksum ``devsum`` (``rpcbuf.dataplane.devsum``: computed by a kernel, no copy to
-the host), and ``describe`` names the GPU and how its memory is backed.
-
-Two backings, one interface (``granularity``, ``back``, ``unback``,
-``export``, called by the daemon's registry around its allocator):
-
-* **vmm**: the arena's virtual range is reserved once (CUDA VMM,
-  ``rpcbuf.dataplane.cuda_vmm``) and each buffer gets its own physical allocation
-  when it is handed out (``back``) and loses it when freed (``unback``);
-  ``export`` gives a POSIX fd for one buffer's memory, which another process
-  on the node maps (``rpcbuf.dataplane.cuda_import``).  Offsets and sizes are
-  multiples of the allocation granularity (2 MiB on current GPUs).  Views
-  are refused outside backed buffers: touching unmapped device memory would
+- **vmm**: the virtual range is reserved once; each buffer gets its own physical
+  allocation on ``back`` and loses it on ``unback``; ``export`` gives a POSIX fd
+  of one buffer's memory. Sizes are multiples of the granularity (2 MiB). Views
+  outside backed buffers are refused: touching unmapped device memory would
   poison the daemon's CUDA context for every tenant.
-* **cupy**: one ``cupy.empty(size, uint8)`` allocation, as before VMM; the
-  granularity is 256, ``back``/``unback`` only keep the books, and
-  ``export`` raises ``NoHandleSharing``.  Used when asked for
-  (``vmm=False``, the constructor's default; the daemon's ``--gpu-backing
-  cupy``) and, with ``vmm=None``, where the device
-  or node lacks VMM or POSIX-fd handles, or where the probe at creation
-  (``VmmBacking.probe``: one granule created, mapped, given access, exported
-  and released) fails (``describe()["backing_why"]`` says why).  CuPy's
-  memory comes from ``cudaMalloc``, which UCX's cuda_ipc shares by legacy IPC
-  handle; VMM memory it shares only when the allocations carry a FABRIC
-  handle (``describe()["fabric"]``, ``fabric_why``), else UCX stages device
-  transfers through cuda_copy.
+- **cupy**: one ``cupy.empty`` allocation; ``back``/``unback`` keep the books,
+  ``export`` raises ``NoHandleSharing``. Chosen when asked, or (``vmm=None``) when
+  VMM, POSIX-fd handles or the creation probe fail (``backing_why``). UCX's
+  cuda_ipc shares VMM memory only with a FABRIC handle (``fabric_why``).
 
-CuPy is imported only when a ``CudaArena`` is made, so a CPU-only node never
-needs it.  Every failure to make one (no CuPy, no such device, not enough
-memory) is a ``DeviceUnavailable`` whose message names the device.
+CuPy is imported only when an arena is made; every failure to make one is a
+``DeviceUnavailable`` naming the device.
 """
 
 from __future__ import annotations
@@ -67,18 +46,14 @@ def _import_cupy(spec: str) -> Any:
 
 
 def device_array(cp: Any, ptr: int, nbytes: int, device: int, owner: object) -> Any:
-    """A CuPy uint8 array over ``nbytes`` of device memory CuPy does not own
-    (``owner`` is kept alive by the array)."""
+    """A CuPy uint8 array over device memory CuPy does not own (``owner`` kept alive)."""
     mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device)
     return cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
 class CudaArena:
-    """Device memory of CUDA device ``device``.
-
-    ``vmm``: ``False`` (default) one CuPy allocation; ``None`` VMM where the
-    device supports it, else one CuPy allocation; ``True`` VMM or
-    ``DeviceUnavailable``.  ``driver`` replaces the CUDA driver (tests)."""
+    """Device memory of CUDA device ``device``. ``vmm``: False one CuPy allocation;
+    None VMM where supported; True VMM or ``DeviceUnavailable``. ``driver``: for tests."""
 
     device_type = "GPU"
     kind = "cuda"
@@ -176,29 +151,23 @@ class CudaArena:
     # -- what the registry calls around its allocator -----------------------------------
 
     def back(self, offset: int, nbytes: int) -> None:
-        """Give the block ``[offset, offset+nbytes)`` just handed out its memory.
-        Raises ``BackingError`` (a range not aligned to ``granularity``, outside
-        the arena, or overlapping a backed block) or ``CudaError`` (the driver
-        refused, e.g. ``CUDA_ERROR_OUT_OF_MEMORY``); either way nothing stays
-        backed, and the registry answers ``OUT_OF_MEMORY``."""
+        """Give a block just handed out its memory. ``BackingError`` (misaligned, outside,
+        overlapping) or ``CudaError``; either way nothing stays backed."""
         if self._vmm is not None:
             self._vmm.back(offset, nbytes)
         else:
             self._ledger.add(offset, nbytes)
 
     def unback(self, offset: int, nbytes: int) -> None:
-        """The block is freed: its memory goes (once importers released it too).
-        Raises ``BackingError`` for a range that is not exactly one backed block."""
+        """Its memory goes (once importers released it too). ``BackingError``: no such block."""
         if self._vmm is not None:
             self._vmm.unback(offset, nbytes)
         else:
             self._ledger.remove(offset, nbytes)
 
     def export(self, offset: int, nbytes: int) -> int:
-        """A new POSIX fd for one backed block's memory; the caller closes it
-        after sending it.  Raises ``NoHandleSharing`` on the cupy backing,
-        ``BackingError`` unless the range is exactly one backed block,
-        ``CudaError`` when the driver refuses."""
+        """A new POSIX fd of one backed block; the caller closes it. ``NoHandleSharing``
+        (cupy), ``BackingError``, ``CudaError``."""
         if self._vmm is None:
             raise NoHandleSharing(
                 f"cuda:{self.device}: GPU buffers here are one CuPy allocation and cannot "
@@ -223,8 +192,7 @@ class CudaArena:
             return devsum(self.view(offset, nbytes))
 
     def checksums(self, offsets: list[int], sizes: list[int]) -> list[int]:
-        """xxh3-64 of many ranges (what batches and dedup compare against host
-        checksums): copies each range to the host first, so it is slow."""
+        """xxh3-64 of many ranges, each copied to the host first (slow)."""
         for o, n in zip(offsets, sizes, strict=True):
             self._check(o, n)
         with self._dev:
@@ -253,8 +221,7 @@ class CudaArena:
         return out
 
     def close(self) -> None:
-        """Give every buffer's memory and the virtual range back (idempotent;
-        the daemon's shutdown).  Views taken earlier must not be used after."""
+        """Give all memory and the range back (idempotent); earlier views must not be used."""
         if self._vmm is not None:
             with self._dev:
                 self._dev.synchronize()
@@ -262,12 +229,10 @@ class CudaArena:
 
 
 def is_device_arena(arena: object) -> TypeGuard[CudaArena]:
-    """Whether ``arena`` is device memory (a ``CudaArena``)."""
     return isinstance(arena, CudaArena)
 
 
 def array_module(arena: Any) -> Any:
-    """NumPy for host arenas, CuPy for device arenas."""
     import numpy as np
 
     return arena.xp if is_device_arena(arena) else np

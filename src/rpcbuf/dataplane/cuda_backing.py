@@ -1,30 +1,15 @@
 """Per-buffer physical GPU memory on one reserved virtual range.
 
-A VMM GPU arena (``cuda_arena.CudaArena``) reserves its whole virtual range
-once, at creation, and gives each buffer its own physical allocation when
-the allocator hands the buffer out: ``back(offset, nbytes)`` creates it
-(``cuMemCreate`` with a POSIX-fd handle type), maps it at ``base + offset``
-and makes it read-write for the arena's device; ``unback`` unmaps and
-releases it (CUDA returns the memory once every importer has released it
-too); ``export`` hands out a new fd for one buffer's allocation.  One
-allocation per buffer is what makes a buffer shareable on its own: an
-importer gets exactly that buffer's bytes, never a neighbour's.
-
-``Ledger`` is the bookkeeping both backings share (which ranges are backed;
-a range must be granularity-aligned, inside the arena and overlap nothing);
-``VmmBacking`` adds the driver calls.  Misuse (backing twice, unbacking or
-exporting a range that is not exactly one backed buffer) is a
-``BackingError``: a bug in the caller, raised before any driver call.  A
-driver failure in the middle of ``back`` undoes what was done (nothing
-stays mapped or allocated) and raises the ``CudaError``.
-
-``probe`` runs once, when the arena is made: it creates one granule, maps
-it, sets its access, exports it and gives it back, so that a node where
-reading the device's attributes works but ``cuMemCreate`` or the export does
-not (a sandbox, a driver that refuses) falls back to a plain CuPy arena at
-start instead of failing every GPU ``request_buffer`` later.  It tries a
-FABRIC handle first (what UCX's cuda_ipc needs to share VMM memory) and
-keeps POSIX-fd-only allocations where that is refused.
+- Each buffer gets its own ``cuMemCreate`` allocation (POSIX-fd handle) mapped at
+  ``base + offset``, so an importer gets exactly that buffer's bytes, never a
+  neighbour's. ``unback`` unmaps and releases it (CUDA frees it once importers
+  release it too).
+- ``Ledger`` is the bookkeeping both backings share (ranges granularity-aligned,
+  inside, overlapping nothing). Misuse is a ``BackingError``, raised before any
+  driver call; a driver failure inside ``back`` undoes everything and raises.
+- ``probe`` runs once at creation (one granule created, mapped, exported,
+  released), so a node where ``cuMemCreate`` or export fails falls back to a CuPy
+  arena at start. It tries a FABRIC handle first (what cuda_ipc needs).
 """
 
 from __future__ import annotations
@@ -114,8 +99,7 @@ def map_with_access(driver: Driver, ptr: int, nbytes: int, handle: int, *,
 
 
 def undo(exc: BaseException, fn: Callable[..., object], *args: int) -> None:
-    """Run a clean-up step of a failed operation; its own failure is noted on
-    ``exc`` (the original error is the one that propagates)."""
+    """Run a clean-up step; its own failure is noted on ``exc``, which propagates."""
     try:
         fn(*args)
     except Exception as again:
@@ -123,9 +107,8 @@ def undo(exc: BaseException, fn: Callable[..., object], *args: int) -> None:
 
 
 class VmmBacking:
-    """A reserved virtual range of ``size`` bytes (rounded up to the
-    granularity) whose buffers each get their own physical allocation.
-    Every public method takes one lock, so any thread may call it."""
+    """A reserved virtual range whose buffers each get their own physical allocation.
+    Every public method takes one lock: any thread may call it."""
 
     def __init__(self, driver: Driver, size: int) -> None:
         self.driver = driver
@@ -141,11 +124,8 @@ class VmmBacking:
         self.fabric_why = "not probed"
 
     def probe(self) -> None:
-        """Create, map, set access on, export and release one granule (at the
-        start of the range, before any buffer): with a FABRIC handle where the
-        device offers it (``fabric``; ``fabric_why`` says why not), else with
-        a POSIX fd only.  Raises ``CudaError`` when even that fails; nothing
-        stays allocated or mapped either way."""
+        """Create, map, set access on, export and release one granule, with a FABRIC handle
+        where offered (``fabric_why`` says why not). ``CudaError``; nothing stays behind."""
         with self._lock:
             self._open()
             if len(self.ledger):
@@ -181,9 +161,8 @@ class VmmBacking:
         d.release(handle)
 
     def back(self, offset: int, nbytes: int) -> None:
-        """Give ``[offset, offset+nbytes)`` its own read-write physical memory.
-        Raises ``BackingError`` (bad range) or ``CudaError`` (the driver
-        refused: out of memory, ...), leaving nothing behind."""
+        """Give the range its own read-write physical memory. ``BackingError`` or
+        ``CudaError``, leaving nothing behind."""
         with self._lock:
             self._open()
             self.ledger.check_new(offset, nbytes)
@@ -197,8 +176,7 @@ class VmmBacking:
             self._handles[offset] = handle
 
     def unback(self, offset: int, nbytes: int) -> None:
-        """Unmap and release the buffer's memory.  Raises ``BackingError`` when
-        the range is not exactly one backed buffer (nothing is touched)."""
+        """Unmap and release it. ``BackingError``: not exactly one backed buffer."""
         with self._lock:
             self.ledger.check_exact(offset, nbytes, "unback of")
             self._unback(offset, nbytes)
@@ -210,9 +188,8 @@ class VmmBacking:
         self.driver.release(handle)  # a failure here leaks the allocation, and says so
 
     def export(self, offset: int, nbytes: int) -> int:
-        """A new POSIX fd for the buffer's physical allocation (the caller owns
-        it).  Raises ``BackingError`` unless the range is exactly one backed
-        buffer, ``CudaError`` when the driver refuses."""
+        """A new POSIX fd of the buffer's allocation (the caller owns it). ``BackingError``,
+        ``CudaError``."""
         with self._lock:
             self._open()
             self.ledger.check_exact(offset, nbytes, "export of")
@@ -223,8 +200,7 @@ class VmmBacking:
             return self.ledger.covers(offset, nbytes)
 
     def close(self) -> None:
-        """Unback every buffer still backed and free the virtual range
-        (idempotent).  Every step is tried; the first failure is raised."""
+        """Unback every buffer and free the range (idempotent); the first failure is raised."""
         with self._lock:
             if self.closed:
                 return

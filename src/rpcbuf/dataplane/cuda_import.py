@@ -1,20 +1,10 @@
-"""Attach a GPU buffer another process exported (the client's side of CUDA VMM).
+"""Attach a GPU buffer another process exported (the client's side of CUDA VMM):
+import the fd (closed right after, whatever happens), reserve a range of its own,
+map it, and set access read-only (or read-write when asked). ``close`` undoes it
+in reverse; the memory lives on while another holder has it.
 
-The daemon exports one buffer's physical allocation as a POSIX fd
-(``CudaArena.export``) and sends it over the Unix socket; ``import_buffer``
-turns the received fd into a CuPy ``uint8`` array in this process:
-``cuMemImportFromShareableHandle`` (the fd is closed right after, whatever
-happens: the imported handle holds its own reference), a virtual range of
-its own (``cuMemAddressReserve``), ``cuMemMap``, and ``cuMemSetAccess`` with
-``PROT_READ`` for a read-only attach (what the client's ``attach`` asks
-for) or ``PROT_READWRITE`` when asked (``writable=True``; no verb of
-rpcbuf's does).  ``close`` undoes it
-in reverse: wait for the device, unmap, release the handle, free the range;
-the memory itself lives on while the daemon or another importer holds it.
-
-Read-only is a promise between well-behaved processes, not a protection:
-whoever holds the fd can import it again with ``PROT_READWRITE``.  CUDA has
-no sealed, read-only handle (unlike a sealed memfd); see docs/dataplane.md.
+Read-only is a promise, not a protection: whoever holds the fd can import it
+writable (CUDA has no sealed handle; docs/dataplane.md).
 """
 
 from __future__ import annotations
@@ -38,10 +28,9 @@ class Mapping:
         self.closed = False
 
     def close(self) -> None:
-        """Unmap and release (idempotent).  Arrays over the mapping must not be
-        used afterwards.  Every step that may run runs; the first failure is
-        raised (a failed unmap keeps the handle and the range: a leak, never
-        a range freed under a mapping)."""
+        """Unmap and release (idempotent); arrays over it must not be used after. The first
+        failure is raised; a failed unmap keeps handle and range (a leak, never a range
+        freed under a mapping)."""
         with self._lock:
             if self.closed:
                 return
@@ -67,11 +56,9 @@ class Mapping:
 
 
 def import_mapping(fd: int, nbytes: int, driver: Driver, *, writable: bool = False) -> Mapping:
-    """Map the allocation behind ``fd`` (``nbytes``: its size, a multiple of the
-    granularity, as the exporter said).  Takes ownership of ``fd`` and closes
-    it.  Raises ``ValueError`` for a bad size, ``NoHandleSharing`` where the
-    device cannot import, ``CudaError`` when the driver refuses; nothing is
-    left mapped or held then."""
+    """Map the allocation behind ``fd`` (``nbytes``: a multiple of the granularity).
+    Takes ownership of ``fd``. ValueError, ``NoHandleSharing``, ``CudaError``; nothing
+    is left mapped or held then."""
     try:
         why = driver.support.why_not
         if why:
@@ -97,8 +84,7 @@ def import_mapping(fd: int, nbytes: int, driver: Driver, *, writable: bool = Fal
 
 
 class Imported:
-    """An attached GPU buffer: ``array`` (CuPy uint8, ``nbytes`` long) and
-    ``close()``; a context manager."""
+    """An attached GPU buffer: ``array`` (CuPy uint8) and ``close()``; a context manager."""
 
     def __init__(self, mapping: Mapping, array: Any) -> None:
         self.mapping, self.array = mapping, array
@@ -115,8 +101,7 @@ class Imported:
 
 def import_buffer(fd: int, nbytes: int, device: int = 0, *, writable: bool = False,
                   driver: Driver | None = None) -> Imported:
-    """``import_mapping`` on ``device`` plus a CuPy array over it.  Takes
-    ownership of ``fd``.  Raises as ``import_mapping`` does."""
+    """``import_mapping`` on ``device`` plus a CuPy array over it; owns ``fd``."""
     try:
         drv = driver if driver is not None else open_driver(device)
     except BaseException:

@@ -1,35 +1,16 @@
 """The CUDA virtual memory management (VMM) calls rpcbuf uses, behind one seam.
 
-GPU buffers that other processes on the node attach by handle need memory
-that CUDA can export: a physical allocation made with ``cuMemCreate`` and a
-POSIX-fd handle type, mapped into a virtual range reserved with
-``cuMemAddressReserve``.  Where the device offers them, allocations also ask
-for a FABRIC handle (``create(..., fabric=True)``): UCX's cuda_ipc transport
-shares VMM memory only through a FABRIC handle (openucx
-``uct_cuda_ipc_mem_add_reg``: legacy-IPC memory, else VMM memory whose
-allowed handle types include FABRIC, else "no IPC"), so without one a
-device-to-device transfer into a VMM buffer is staged through cuda_copy.
-``Driver`` is the small protocol of those calls (one device per driver,
-sizes in bytes, handles and addresses as ints); ``RealDriver`` implements
-it over ``cuda-bindings`` (``cuda.bindings.driver``), and unit tests
-implement it with a fake that records calls and enforces the rules
-(tests/dataplane/fakevmm.py).
+Memory other processes attach by handle must be a ``cuMemCreate`` allocation
+with a POSIX-fd handle type, mapped into a ``cuMemAddressReserve`` range. Where
+offered, allocations also ask for a FABRIC handle: UCX's cuda_ipc shares VMM
+memory only through one (else transfers stage through cuda_copy). ``Driver`` is
+the protocol (``RealDriver`` over cuda-bindings, a recording fake in tests);
+cuda-bindings has these calls and CuPy's driver module does not. It is imported
+only when a driver is opened.
 
-Why cuda-bindings and not CuPy: CuPy's driver module
-(``cupy_backends.cuda.api.driver``) wraps contexts, modules, kernel launch
-and occupancy, and none of cuMemCreate / cuMemMap / cuMemSetAccess /
-cuMemAddressReserve / cuMemGetAllocationGranularity /
-cuMemExportToShareableHandle / cuMemImportFromShareableHandle.
-cuda-bindings has all of them, and it is installed wherever rpcbuf is
-(``ucxx-cu12`` -> ``rmm-cu12`` requires it).  It is imported only when a
-driver is opened.
-
-Every failed call is a ``CudaError`` naming the call and the ``CUresult``
-(``CUDA_ERROR_OUT_OF_MEMORY``, ...); a node where VMM cannot be used at all
-(no driver library, no bindings, a device without VMM or POSIX-fd handles)
-is an ``NoHandleSharing`` whose message says which.  ``cuInit`` returns
-its error (no device, a driver too old, a sandbox without one) rather than
-raising it: that, too, is an ``NoHandleSharing``.
+Every failed call is a ``CudaError`` naming the call and its ``CUresult``; a node
+where VMM cannot be used at all (no driver, no bindings, no VMM or POSIX-fd
+handles, ``cuInit`` failing) is ``NoHandleSharing`` saying which.
 """
 
 from __future__ import annotations
@@ -73,8 +54,7 @@ class Support:
 
 
 class Driver(Protocol):
-    """The VMM calls for one device.  Sizes and addresses must be multiples of
-    ``granularity()`` (the callers make sure; the fake checks)."""
+    """The VMM calls for one device; sizes and addresses multiples of ``granularity()``."""
 
     device: int
     support: Support
@@ -117,9 +97,8 @@ def _bindings() -> Any:
 
 
 class RealDriver:
-    """``Driver`` over cuda-bindings, in the device's primary context (the one
-    CuPy uses, so CuPy arrays over these addresses work).  Every call pushes
-    that context on the calling thread and pops it again."""
+    """``Driver`` over cuda-bindings in the device's primary context (CuPy's), pushed
+    and popped around every call."""
 
     def __init__(self, device: int, cu: Any = None) -> None:
         self.device = device
@@ -252,12 +231,9 @@ class RealDriver:
 
 
 def _request_also(prop: Any, first: Any, also: Any) -> None:
-    """Make ``prop.requestedHandleTypes`` the bit mask ``first | also``.  The
-    C field is such a mask (``cuMemCreate`` takes POSIX_FILE_DESCRIPTOR |
-    FABRIC), but cuda-bindings' setter takes one enum member only (12.9:
-    "9 is not a valid CUmemAllocationHandleType"), so the mask is written
-    into the struct itself, once we have seen that the word there is the
-    field (it holds ``first``, set through the bindings)."""
+    """Make ``prop.requestedHandleTypes`` the mask ``first | also``: the bindings'
+    setter takes one enum member only, so the mask is written into the struct, once
+    the word there is seen to hold ``first``."""
     import ctypes
 
     field = ctypes.c_uint32.from_address(int(prop.getPtr()) + 4)  # after the type
@@ -271,9 +247,8 @@ _lock = threading.Lock()
 
 
 def open_driver(device: int) -> RealDriver:
-    """The process's ``RealDriver`` for ``device`` (made, and its support read,
-    once).  Raises ``NoHandleSharing`` when CUDA's driver or the bindings
-    are missing, ``CudaError`` when the device cannot be opened."""
+    """The process's ``RealDriver`` for ``device`` (made once). ``NoHandleSharing``:
+    no driver or bindings; ``CudaError``: the device cannot be opened."""
     with _lock:
         drv = _drivers.get(device)
         if drv is None:

@@ -1,29 +1,14 @@
-"""Ranges of a local file read straight into an arena, each hashed as it lands
-(the data plane of a node-local load: ``control/daemon/ops/fileops.py``).
+"""Ranges of a local file read straight into an arena, each hashed as it lands.
 
-``read_ranges`` reads each item's bytes with ``preadv`` into the arena
-slice it goes to (``arena.view``: a writable NumPy array for host arenas),
-``CHUNK`` bytes per call, and hashes every chunk right after it landed,
-while it is still in the CPU's cache (``checksum.Digests``: xxh3-128 and
-xxh3-64 in one pass over the chunk); a device arena gets each chunk through
-one host bounce buffer.  It stops at the first item whose hashes differ from
-the expected ones, or that the file ends inside of, and says which.
+``read_ranges`` ``preadv``s each item into its arena slice, ``CHUNK`` bytes per call,
+hashing every chunk while it is still in cache (xxh3-128 and xxh3-64 in one
+pass); a device arena gets chunks through one host bounce buffer. It stops at the
+first item whose hashes differ or that the file ends inside, and says which.
 
-Measured on this (virtual, shared, 2-core) machine, 1 GiB from the page
-cache into a touched arena: 1 MiB reads 1.0-2.3 GB/s, 8 MiB reads
-1.4-1.9 GB/s, 64 MiB reads 1.2-1.7 GB/s; with the file dropped from the
-guest's page cache (``POSIX_FADV_DONTNEED``) 8 MiB reads gave 1.65 GB/s,
-1 MiB reads 0.65-1.0 GB/s, and ``O_DIRECT`` (which needs 4 KiB-aligned
-memory and offsets, so a bounce buffer: safetensors places tensors at any
-byte) 0.5-1.05 GB/s.  So: buffered 8 MiB reads with
-``POSIX_FADV_SEQUENTIAL`` (a larger read-ahead; free when the file is
-cached), no ``O_DIRECT``.
-
-Runs in a worker thread (``preadv`` and xxhash release the GIL); between
-chunks it checks ``deadline`` (``time.monotonic``) and ``stopped``, so a
-load whose request ran out of time or whose session went away ends within
-one chunk.  It never writes outside the items' arena ranges (``arena.view``
-checks them once more).
+Buffered 8 MiB reads with ``POSIX_FADV_SEQUENTIAL``, no ``O_DIRECT`` (measured
+fastest here: docs/performance.md). Runs in a worker thread; between chunks it
+checks ``deadline`` and ``stopped``, so a late or orphaned load ends within one
+chunk. It never writes outside the items' ranges (``arena.view`` checks again).
 """
 
 from __future__ import annotations
@@ -57,10 +42,8 @@ class Item:
 
 @dataclass(slots=True)
 class Outcome:
-    """What ``read_ranges`` did: ``done`` items read and matching (in
-    order), ``nbytes`` read in all; ``bad``: the index of the item that did
-    not match (None: all did), ``ended_at``: where the file ended, when it
-    ended inside that item."""
+    """What ``read_ranges`` did: ``done`` items read and matching, ``nbytes`` in all;
+    ``bad``: the item that did not match, ``ended_at``: where the file ended inside it."""
 
     done: int = 0
     nbytes: int = 0
@@ -72,11 +55,9 @@ class Outcome:
 
 def read_ranges(fd: int, arena: Any, items: Sequence[Item], out: Outcome, *,
                 deadline: float, stopped: Callable[[], bool], chunk: int = CHUNK) -> Outcome:
-    """Read ``items`` of the open file ``fd`` into ``arena``, in the order
-    given (sorted by file offset reads sequentially), verifying each; what
-    happened goes into ``out`` (also when this raises: ``out.written`` says
-    which arena ranges may hold unverified bytes).  Raises ``ReadStopped`` past
-    ``deadline`` or once ``stopped()``; OSError as ``preadv`` does."""
+    """Read and verify ``items`` of ``fd`` into ``arena`` in order; what happened goes
+    into ``out`` (also on raise: ``out.written`` names ranges that may hold unverified
+    bytes). ``ReadStopped`` past ``deadline`` or once ``stopped()``; OSError."""
     if not items:
         return out
     lo = min(i.file_offset for i in items)

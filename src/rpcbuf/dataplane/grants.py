@@ -1,24 +1,15 @@
-"""Write grants in shared memory: a page of slots that one daemon session
-and its client both map, one slot per buffer the client writes in place.
+"""Write grants in shared memory: a page of slots one daemon session and its client
+both map, one per buffer the client writes in place.
 
-A slot is a lock word, a generation and a state word.  The client takes
-the lock around every copy into or out of its mapping of the buffer, and
-copies only while the state says LIVE and the generation is the one its
-grant came with (a slot freed by a released buffer is granted again for
-another: a mapping of the old one never passes).  The daemon takes a
-grant back (``revoke``) by setting the state to REVOKED (or ENDED: the
-buffer is gone) and then taking the lock once: from then on no copy of
-that client is in flight, and none starts.  The lock is glibc's
-process-shared spinlock (``pthread_spin_*``: an atomic compare-and-swap, a
-full barrier on every CPU Linux runs on), so neither side needs a system
-call on the way.
+A slot is a lock word, a generation and a state. The client copies only under
+the lock, while the state is LIVE and the generation its grant's (a reused slot
+never passes an old mapping). The daemon revokes by setting REVOKED (or ENDED)
+and taking the lock once: then no copy is in flight and none starts. The lock is
+glibc's process-shared spinlock (a CAS, a full barrier), so no system calls.
 
-The page is the client's to write, so the daemon trusts nothing in it: a
-client that ignores the protocol can only tear its own tenant's reads of
-that buffer (the daemon never reads its state to decide anything about
-another tenant, and a read-only attachment gets a sealed copy: attachops).
-Two processes whose glibcs disagree on the spinlock's unlocked value fail
-safe: the client never takes the lock and copies through the daemon.
+The page is the client's to write: the daemon decides nothing for another tenant
+from it, so a rogue client only tears its own reads. Mismatched glibc spinlock
+values fail safe: the client copies through the daemon.
 """
 
 from __future__ import annotations
@@ -65,8 +56,8 @@ class GrantPage:
 
     @classmethod
     def open(cls, fd: int, size: int) -> GrantPage:
-        """The client's side: a page the daemon handed over (``fd`` is
-        ours now); ValueError when its size is not what the daemon said."""
+        """The client's side of a page the daemon handed over (``fd`` is ours now);
+        ValueError when its size is not what the daemon said."""
         if size <= 0 or size % SLOT or os.fstat(fd).st_size != size:
             raise ValueError("the grant page is not the size the daemon stated")
         return cls(fd, size // SLOT, shm.map_shared(fd, size))
@@ -93,8 +84,7 @@ class GrantPage:
         return int(self._words[(self._lock(slot) - self._addr + _GEN) // 4])
 
     def grant(self, slot: int) -> int:
-        """The daemon (re)opens ``slot``: unlocked, LIVE, its next
-        generation (returned: the client's grant names it)."""
+        """The daemon (re)opens ``slot``: unlocked, LIVE, its next generation (returned)."""
         at = self._lock(slot)
         if _init(at, PTHREAD_PROCESS_SHARED) != 0:
             raise OSError(ctypes.get_errno(), "pthread_spin_init failed")
@@ -112,13 +102,10 @@ class GrantPage:
             _unlock(self._lock(slot))
 
     def live(self, slot: int, gen: int) -> bool:
-        """Whether ``slot`` is LIVE in generation ``gen``."""
         return self.state(slot) == LIVE and self.generation(slot) == gen
 
     def words(self, slot: int) -> tuple[int, int, int]:
-        """``slot``'s lock address and its generation's and state's indices
-        in ``self._words``: what a caller that copies often keeps, so that
-        ``fast_enter`` needs no lookups."""
+        """``slot``'s lock address and its generation's and state's indices, for ``fast_enter``."""
         at = self._lock(slot)
         first = (at - self._addr) // 4
         return at, first + _GEN // 4, first + _STATE // 4
@@ -137,9 +124,8 @@ class GrantPage:
         _unlock(lock)
 
     def enter(self, slot: int, gen: int) -> bool:
-        """The client, before a copy: the lock taken and the grant of
-        generation ``gen`` LIVE (then ``give`` after the copy), else False
-        with nothing held (``fast_enter`` by slot)."""
+        """The client, before a copy: the lock taken and generation ``gen`` LIVE (``give``
+        after), else False with nothing held."""
         return self.fd >= 0 and self.fast_enter(*self.words(slot), gen)
 
     def close(self) -> None:

@@ -1,10 +1,26 @@
 """The janitor: tagged UCX messages that no request asked for do not stay.
 
-A peer may send tagged messages nobody posts a receive for (a store whose
-request was refused before it was drained, or a peer that never said
-hello); UCX keeps them in the worker's unexpected queue, in our memory,
-for ever.  ``Janitor`` sweeps that queue, by age and by bytes: see its
-docstring.
+UCP keeps every tagged message that arrives before a matching receive is
+posted, payload included, worker-wide, for ever: a peer that never said
+hello, or a tenant sending tags no request expects, grew a daemon by
+hundreds of MiB.  Tags are the peer's choice, so age is the test.
+
+* By age: every ``period`` the janitor sends itself a *sentinel* (a fresh
+  random tag to its own worker); a round later every unexpected message
+  ahead of it has waited at least ``period`` and is received into a 1-byte
+  scratch buffer, so dropped.  A round is skipped while ``claimable(since)``
+  says a request dispatched before ``since`` is still in flight (a store's
+  payload may wait for its buffer's lock), but at most ``patience`` seconds.
+* By bytes: a peer with no token sent 1.5 GB in seconds over loopback.  So
+  every ``TICK`` while UCX is at work, once the process's RssAnon has grown
+  more than ``budget`` over its start (plus ``allowance``: what tenants
+  hold, each bounded by its quota), it drops everything a tick old,
+  deferring for no one.  The reference never moves (UCP's pools keep what
+  they grew to).
+* A store whose payload was dropped learns it when it posts its receive
+  (``was_dropped``, the last ``RECORD`` tags): TIMEOUT ``payload_dropped``,
+  not the transfer deadline.  Freed heap goes back to the kernel
+  (``malloc_trim``) after a sweep under pressure or of ``TRIM_AFTER`` bytes.
 """
 
 from __future__ import annotations
@@ -29,55 +45,7 @@ _log = logging.getLogger("rpcbuf.ucx")
 
 
 class Janitor:
-    """Drops tagged messages that nobody asked for, once they are old.
-
-    UCP keeps every tagged message that arrives before a matching receive is
-    posted (worker-wide, its payload included for eager messages) until one
-    is: a peer that never authenticated, or a tenant sending with tags no
-    request expects, grew a daemon by hundreds of MiB that were never freed.
-    Tags cannot be traced to their sender (they are 64-bit values the peer
-    chooses), so age is the test.  Every ``period`` seconds the janitor sends
-    itself a *sentinel* (a tagged message on an endpoint to its own worker,
-    with a fresh random tag); a round later every unexpected message ahead
-    of that sentinel has waited at least ``period``, and is received into a
-    one-byte scratch buffer and so dropped (an eager message's payload is
-    freed; a rendezvous one's never moves), up to the sentinel.
-
-    A legitimate payload waits unexpected only between its arrival and the
-    daemon posting its receive: a store's payload travels beside its
-    request, and the request may wait for its buffer's lock (another
-    request of the same tenant holds it, as long as the transfer deadline).
-    So a round is skipped while ``claimable(since)`` says a request
-    dispatched before ``since`` is still in flight (its payload might be in
-    the queue), but at most ``patience`` seconds in a row (the daemon gives
-    one round: no tenant's waiting store holds the sweep off longer): then
-    the round drops all the same.  A store whose payload was dropped so
-    learns it when it posts its receive: the tags of the last ``RECORD``
-    dropped messages are kept (``was_dropped``, asked by ``DataEndpoint``
-    in the same loop step as the post), and the store fails with TIMEOUT
-    ``payload_dropped`` instead of waiting for the transfer deadline.
-
-    By bytes: a peer with no token reaches UCX's port, and over loopback it
-    sent 1.5 GB in seconds: a round of ``period`` seconds let it grow the
-    daemon by GBs.
-    So every ``TICK`` while UCX is at work (``progress.Activity``: it takes
-    in bytes only when progressed) the janitor reads the process's anonymous
-    resident memory (RssAnon: UCP's copies of unexpected messages are there; the
-    arenas and staging areas are shared memory, not counted) and, once it
-    has grown by more than ``budget`` bytes over what it was when the
-    janitor started, it sends a sentinel every tick and drops everything
-    ahead of the previous one (a tick old), deferring for no one (a store
-    whose payload so goes fails with TIMEOUT ``payload_dropped``, as above).
-    The reference is not moved: UCP keeps what its pools grew to, so a
-    reference taken after a flood would let the next flood refill the pools
-    unseen and add the budget again.  What the daemon's own heap grows by for
-    what tenants hold (``allowance``: buffers and blocks, sessions, frames
-    being received, each bounded by its quota) raises the bar with it, so a
-    daemon holding many blocks is not taken for a flood; a process whose
-    memory stays above the bar (after a flood) stays in this mode.
-    Freed heap goes back to the kernel (``malloc_trim``) after a sweep under
-    pressure, or one that dropped ``TRIM_AFTER`` bytes or more.
-    """
+    """Drops tagged messages nobody asked for (see the module)."""
 
     RECORD = 1 << 16  # dropped tags remembered (~6 MiB at most; oldest forgotten first)
     # Seconds between two looks at the memory: at 20 ms a quiet loopback flood
@@ -168,11 +136,9 @@ class Janitor:
             await self._ep.send(np.zeros(1, dtype=np.uint8), tag=sentinel, force_tag=True)
 
     async def _idle(self, activity: Activity) -> None:
-        """The wait between two looks: a tick while UCX is at work; while it
-        has been quiet for ``QUIET`` seconds, until it does something again
-        or the oldest sentinel's round is due (an idle daemon wakes once a
-        period, not a hundred times a second: with a tick each, 60 idle test
-        daemons took most of a core)."""
+        """The wait between two looks: a tick while UCX is at work; once it has
+        been quiet ``QUIET`` seconds, until it works again or a round is due (an
+        idle daemon wakes once a period)."""
         now = time.monotonic()
         due = self._sent[0][1] + self.period - now if self._sent else 0.0
         if now - activity.last < self.QUIET or due <= self.TICK:
@@ -279,9 +245,8 @@ _libc: Any = None
 
 
 def _trim() -> None:
-    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim``;
-    nothing elsewhere): UCP's copies of unexpected messages are malloc'ed,
-    and glibc keeps freed memory in the middle of its heap."""
+    """Give the heap's free pages back to the kernel (glibc's ``malloc_trim``):
+    UCP's copies of unexpected messages are malloc'ed."""
     global _libc
     if _libc is None:
         name = ctypes.util.find_library("c")

@@ -1,13 +1,8 @@
-"""Kept blocks: freed host blocks that stay backed, zeroed, for the next
-buffer of the same block (``KeptBlocks``, a ``HostArena``'s ``kept``).
-
-Backing a block costs four system calls and, for a large one, the kernel's
-page faults (about 1 s per GiB on the development VM), and unbacking it two
-calls and the unmapping (0.3 s per GiB).  So a freed block whose memfd never
-left the daemon (never ``export``-ed: no reader can hold its fd) stays mapped
-where it was, up to ``limit`` bytes of them, and is zeroed: blocks up to
-``ZERO_NOW`` at once, larger ones by one background thread (``zeroer``),
-``ZERO_CHUNK`` at a time under the block's lock, in the order they were kept.
+"""Kept blocks: freed host blocks that stay backed, zeroed, for the next buffer of
+the same block (backing costs ~1 s per GiB of faults, unbacking 0.3 s). Only a
+block never exported (no reader can hold its fd) is kept, up to ``limit`` bytes;
+blocks up to ``ZERO_NOW`` are zeroed at once, larger ones by one background
+thread, ``ZERO_CHUNK`` at a time under the block's lock, in the order kept.
 """
 
 from __future__ import annotations
@@ -24,23 +19,16 @@ MAX_KEPT = 4096  # kept blocks at most (each holds an fd)
 
 
 class KeptBlocks:
-    """The kept blocks of one host arena, at ``address`` in this process
-    (``mapping`` keeps that range mapped: each zeroer job holds it).
+    """The kept blocks of one host arena at ``address`` (``mapping`` keeps the range
+    mapped while zeroer jobs hold it).
 
-    A ``HostArena.back`` of exactly a kept block (same offset and size: what
-    the allocators hand out again for the same request) takes it over
-    (``take``): at once when it is all zero, else with its ``Zeroing`` (the
-    caller keeps the new buffer locked until it is done).  The zeroer would
-    reach a taken block only after every block kept before it (15 released
-    64 MiB blocks kept another tenant's request waiting 106-125 ms), so the
-    taker zeroes the rest itself (``zero_now``, in a worker thread of its
-    tenant's share: ``controlops``); its chunks and the zeroer's are claimed
-    under the block's lock, each written once.  Any other ``back`` or
-    ``Clones.share`` overlapping a kept block (``drop_overlapping``), and the
-    least recently kept ones beyond ``limit``, send it back to unbacked
-    memory as before.  Nothing another tenant wrote survives into a kept
-    block's next buffer, and no old handle reaches it (the arena keeps only
-    blocks it never exported)."""
+    - A ``back`` of exactly a kept block takes it over: at once when all zero, else
+      with its ``Zeroing``; the taker zeroes the rest itself (``zero_now``) rather
+      than wait behind every block kept before it. Chunks are claimed under the
+      block's lock, each written once.
+    - Any other ``back`` or share overlapping a kept block, and the least recently
+      kept beyond ``limit``, send it back to unbacked memory.
+    - Nothing another tenant wrote survives into a kept block's next buffer."""
 
     def __init__(self, address: int, mapping: object) -> None:
         self.limit = 0  # bytes of freed blocks kept at most (the daemon's ``--keep-freed``)
@@ -56,10 +44,8 @@ class KeptBlocks:
         self._zeroer: Zeroer | None = None
 
     def keep(self, offset: int, fd: int, nbytes: int) -> bool:
-        """Keep the freed block at ``offset`` (its memfd ``fd``, still mapped
-        there and never exported), zeroed first, dropping the least recently
-        kept ones beyond ``limit``; False, nothing changed, when the block
-        alone is larger than ``limit`` (the caller unbacks it)."""
+        """Keep the freed, never-exported block at ``offset`` (zeroed first), dropping the
+        oldest beyond ``limit``; False, nothing changed, when it alone passes ``limit``."""
         if nbytes > self.limit:
             return False
         while self._kept and (self.nbytes + nbytes > self.limit
@@ -81,10 +67,8 @@ class KeptBlocks:
         return True
 
     def take(self, offset: int, nbytes: int) -> tuple[int, Zeroing | None] | None:
-        """For a ``back`` of ``[offset, offset + nbytes)``: the kept block of
-        exactly that block, a buffer's again, as its memfd and None if it is
-        all zero, else its ``Zeroing`` (the zeroer goes on with it).  None:
-        there is none, and any kept block overlapping the range is dropped."""
+        """The kept block of exactly this range: its memfd and None if all zero, else its
+        ``Zeroing``. None: there is none (any overlapping kept block is dropped)."""
         if not self._kept:
             return None
         kept = self._kept.get(offset)
@@ -101,22 +85,17 @@ class KeptBlocks:
             return kept.fd, kept
 
     def freed(self, offset: int) -> None:
-        """The live block at ``offset`` was freed (``HostArena.unback``): if
-        it was taken over before it was zeroed for its buffer, that zeroing
-        stops (nothing writes it again; a ``then`` waiting for it is called)."""
+        """A block taken over before it was zeroed is freed: its zeroing stops (a waiting
+        ``then`` is called)."""
         self._resident.discard(offset)
         zeroing = self._zeroing.pop(offset, None)
         if zeroing is not None:
             zeroing.stop()
 
     def zero_now(self, offset: int) -> None:
-        """Zero what is left of the live block at ``offset`` (taken over
-        from a kept block before the zeroer got to it: ``back`` returned its
-        ``Zeroing``) in the calling thread, a worker's, and return when it
-        is all zero or was freed meanwhile (then nothing more is written).
-        Safe beside the zeroer: each chunk is claimed under the block's
-        lock.  Nothing to do for any other block.  The arena's mapping is
-        held meanwhile (``self``), so it outlives the writes."""
+        """Zero what is left of the taken-over block at ``offset`` in this (worker) thread;
+        returns when all zero or freed meanwhile. Safe beside the zeroer (chunks claimed
+        under the block's lock); the arena's mapping is held meanwhile."""
         zeroing = self._zeroing.get(offset)  # one dict read: atomic beside the loop's changes
         if zeroing is not None:
             addr = self._address + offset
@@ -124,28 +103,23 @@ class KeptBlocks:
                 pass
 
     def resident(self, offset: int) -> bool:
-        """Whether the live block at ``offset`` is backed already, every page
-        (a kept block taken over: its zeroing touched them all), so there is
-        nothing to pre-fault (``MADV_POPULATE_WRITE`` still walks every page:
-        64-126 ms per GiB here)."""
+        """Whether the live block at ``offset`` has every page backed (a kept block taken
+        over), so there is nothing to pre-fault."""
         return offset in self._resident
 
     def newest(self, nbytes: int) -> int | None:
-        """The most recently kept block of exactly ``nbytes`` (for the
-        allocator to hand out first: ``Registry``), or None."""
+        """The most recently kept block of exactly ``nbytes``, or None."""
         sized = self._sized.get(nbytes)
         return next(reversed(sized)) if sized else None
 
     @property
     def zeroing_bytes(self) -> int:
-        """Bytes of kept blocks (taken over or not) not zeroed yet.  Safe
-        from another thread (the metrics'): each dict is copied in one step."""
+        """Bytes of kept blocks not zeroed yet; safe from another thread."""
         blocks = [*list(self._kept.values()), *list(self._zeroing.values())]
         return sum(z.nbytes - z.at for z in blocks if not z.clean and not z.stopped)
 
     def drop_overlapping(self, offset: int, nbytes: int) -> None:
-        """Drop every kept block overlapping ``[offset, offset + nbytes)``
-        (another block is backed there)."""
+        """Drop every kept block overlapping the range (another block is backed there)."""
         at = self._at
         i = bisect.bisect_left(at, offset + nbytes)  # the kept blocks starting below the end
         while i > 0:
@@ -157,8 +131,7 @@ class KeptBlocks:
             i -= 1
 
     def drop_all(self) -> bool:
-        """Drop every kept block (backing failed for want of memory or fds:
-        what is kept goes first); False when none was kept."""
+        """Drop every kept block (backing failed for want of memory or fds); False: none."""
         if not self._kept:
             return False
         for offset in list(self._kept):
@@ -166,8 +139,7 @@ class KeptBlocks:
         return True
 
     def _drop(self, offset: int, kept: Zeroing) -> None:
-        """The kept block goes back to unbacked memory (after the zeroer's
-        current chunk of it, if any)."""
+        """Back to unbacked memory (after the zeroer's current chunk of it)."""
         kept.stop()
         self._unkeep(offset, kept)
         shm.map_anonymous(self._address + offset, kept.nbytes)

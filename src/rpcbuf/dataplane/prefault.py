@@ -1,10 +1,6 @@
-"""Pre-faulting host memory (``Prefault``, a ``HostArena``'s ``prefault``).
-
-The first write into a never-touched page faults; ``populate`` backs the
-whole pages of a range (a new buffer) with memory first, bytes unchanged
-(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+).  When and how much the
-daemon populates (worker threads, a time budget) is its own policy:
-``control/daemon/accounting/prefault.py``.
+"""Pre-faulting host memory: ``populate`` backs a range's whole pages with memory
+first, bytes unchanged (``MADV_POPULATE_WRITE``, Linux 5.14+). When and how much
+is the daemon's policy.
 """
 
 from __future__ import annotations
@@ -20,22 +16,16 @@ _libc.madvise.restype = ctypes.c_int
 
 
 class Prefault:
-    """Populating ``[address, address + size)``, a host arena's bytes
-    (``mapping`` keeps them mapped: held here, so a ``populate`` in a
-    worker thread never runs on unmapped memory, whatever became of the
-    arena).  ``always`` (the daemon's ``--prefault``): every new buffer is
-    populated, not only large ones."""
+    """Populating a host arena's bytes; ``mapping`` is held so a worker never runs on
+    unmapped memory. ``always`` (``--prefault``): every new buffer, not only large ones."""
 
     def __init__(self, address: int, size: int, mapping: object) -> None:
         self.always = False
         self._address, self._size, self._mapping = address, size, mapping
 
     def populate(self, offset: int, nbytes: int) -> bool:
-        """Back the whole pages inside ``[offset, offset + nbytes)`` (a new
-        buffer) with memory now (``MADV_POPULATE_WRITE``), so a first write
-        does not fault; bytes unchanged.  False when the kernel lacks
-        ``MADV_POPULATE_WRITE``; IndexError outside the arena; OSError for
-        another failure."""
+        """Back the whole pages of the range now. False: the kernel lacks the madvise;
+        IndexError outside the arena; OSError otherwise."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self._size:
             raise IndexError(f"[{offset}, {offset + nbytes}) is outside the arena of {self._size}")
         start, stop = whole_pages(self._address + offset, nbytes)
@@ -56,6 +46,5 @@ def whole_pages(addr: int, nbytes: int) -> tuple[int, int]:
 
 
 def populate_pages(addr: int, length: int) -> int:
-    """``madvise(MADV_POPULATE_WRITE)``: back the pages with memory, bytes
-    unchanged.  0, or the call's failure (-1; ``ctypes.get_errno()`` says why)."""
+    """``madvise(MADV_POPULATE_WRITE)``: 0, or -1 (``ctypes.get_errno()`` says why)."""
     return int(_libc.madvise(addr, length, MADV_POPULATE_WRITE))

@@ -19,10 +19,8 @@ _PROGRESS: dict[asyncio.AbstractEventLoop, Any] = {}
 
 
 class Activity:
-    """When UCX last had something to do in this process (``last``, a
-    ``time.monotonic()``), and ``woken``, set on the next sign of it: what
-    a watcher of UCX's memory (the daemon's janitor) waits on instead of a
-    timer, so that an idle process wakes for nothing."""
+    """When UCX last had work here (``last``, monotonic) and ``woken``, set on
+    the next sign of it: what the janitor waits on instead of a timer."""
 
     def __init__(self) -> None:
         self.last = 0.0
@@ -49,33 +47,16 @@ def activity() -> Activity:
 def install_adaptive_progress() -> None:
     """Replace ucxx's blocking progress mode with an adaptive one.
 
-    ucxx 0.52's ``BlockingMode`` arms the worker once; its epoll callback then
-    progresses but never re-arms, so after the first event the fd stays
-    readable and the event loop spins for ever (an idle daemon that had
-    served one client burned a core).  Purely event-driven progress (re-arm
-    after every event, as ucx-py did) fixes the idle CPU but not the speed:
-    over tcp each rendezvous step then waits for a UCX timer, and a 1 MiB
-    transfer took 16 ms instead of 0.3 ms (measured; same with am/get_zcopy
-    schemes and signal async mode).  So this mode polls only while this
-    process has transfers in flight (``busy()``, entered by every
-    ``DataEndpoint`` send/recv), and as soon as nothing is in flight and a
-    drain found nothing to do it arms the worker and sleeps on its epoll fd
-    (a message that arrives then wakes it through the fd): polling speed
-    while working, no CPU when idle.
-
-    It used to go on polling for a 10 ms grace after the last activity, to
-    cover the gaps of a busy client.  But a request/answer exchange is all
-    gaps: after a 4 KiB store's payload left, the client spun for 10 ms
-    waiting for the answer, and the daemon spun for 10 ms after each receive.
-    Two processes spinning share the CPUs with each other: on a loaded
-    2-core machine the daemon's answer waited for the client's time slice
-    to end and the next request for the daemon's, one after the other
-    (traced: the client's poll loop ran 3.5 ms while the daemon did not run
-    at all, then the other way round), and a 4 KiB block hit over UCX took
-    8-14 ms instead of 0.2-0.6 (``tests/test_blocks.py``
-    ``test_an_idle_client_does_not_poll_ucx``).  A 1 s guard wakes it in
-    case an event is ever missed.
-    """
+    ucxx 0.52's ``BlockingMode`` never re-arms the worker, so after one event
+    an idle daemon spins a core; purely event-driven progress fixes that but
+    makes each tcp rendezvous step wait for a UCX timer (1 MiB: 16 ms instead
+    of 0.3).  So this mode polls only while a transfer is in flight (``busy()``,
+    every ``DataEndpoint`` send/recv), and as soon as nothing is in flight and
+    a drain found nothing it arms the worker and sleeps on its epoll fd.  No
+    grace period of polling after the last activity: a request/answer exchange
+    is all gaps, and two processes spinning on a loaded 2-core machine took
+    8-14 ms per 4 KiB block (``test_an_idle_client_does_not_poll_ucx``).  A 1 s
+    guard wakes it in case an event is ever missed."""
     from ucxx._lib_async import application_context, continuous_ucx_progress
 
     class AdaptiveProgress(continuous_ucx_progress.ProgressTask):
@@ -181,15 +162,10 @@ DRAIN_BUDGET = 0.001  # seconds
 
 
 def drain(worker: Any, most: int = DRAIN_CALLS, seconds: float = DRAIN_BUDGET) -> bool:
-    """Progress ``worker`` until it has nothing more to do, ``most`` calls
-    at most, and no new call once ``seconds`` have passed (one call may
-    itself take longer); whether anything progressed.
-
-    One turn of the event loop per ``progress_once`` (what the polling loop
-    did before) cost 11-13 % of a 64 MiB tcp transfer against ucxx's own
-    mode, whose ``progress()`` drains without any bound (docs/performance.md
-    "Progress per loop turn"); the bounds keep one busy endpoint from
-    holding the daemon's loop."""
+    """Progress ``worker`` until it has nothing more to do, ``most`` calls at
+    most, no new call after ``seconds``; whether anything progressed.  The
+    bounds keep one busy endpoint from holding the daemon's loop (one loop
+    turn per ``progress_once`` cost 11-13 % of a 64 MiB transfer)."""
     if not worker.progress_once():
         return False
     until = time.monotonic() + seconds

@@ -1,41 +1,17 @@
-"""Shared memory by handle: memfds, seals, fixed mappings, fds over Unix
-sockets, and futexes in shared memory.  The small set of system calls the
-same-host path stands on (``docs/dataplane.md``), with no policy.
+"""Shared memory by handle: memfds, seals, fixed mappings, fds over Unix sockets,
+and futexes in shared memory. System calls only, no policy.
 
-* ``memfd(nbytes, name)``: an anonymous shared-memory file of exactly that
-  size, sealable.  ``seal_read_only`` adds ``F_SEAL_SHRINK | F_SEAL_GROW |
-  F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: from then on no new writable mapping,
-  no ``write()`` and no ``mprotect`` to writable can be had by anyone, while
-  mappings made writable *before* the seal (the daemon's own) keep writing.
-  ``seal_size`` seals only the size (a region both sides write: the staging
-  area), so the file can never shrink under a mapping (which would turn every
-  access past the new end into SIGBUS in the process that mapped it).
-* ``memfd_at(addr, nbytes, name, fill)``: a memfd (holding ``fill``'s
-  bytes, else zeros) mapped read-write at ``addr``, then sealed read-only:
-  how every host buffer's memory is made (the arena's ``back``, a clone's
-  ``copy_out``).
-* ``read_only_fd(fd)``: a new, read-only open file description of the same
-  memfd (``/proc/self/fd``), the handle that leaves the daemon: it cannot be
-  truncated or written even before seals are considered.
-* ``map_shared``/``unmap``: a file mapped read-write wherever the kernel
-  puts it, unmapped when its owner says so -- not when the garbage collector
-  gets to a Python ``mmap`` (which also keeps a ``dup`` of the fd open).
-* ``map_fixed``/``map_anonymous``: put a file (or fresh anonymous memory)
-  at an exact address inside a range this process reserved (``MAP_FIXED``).
-  Once UCX is loaded (``use_ucm``, called by ``ucxlib``) every mapping and
-  unmapping here goes through UCM's ``ucm_mmap``/``ucm_munmap``: they call
-  the kernel and tell UCX's registration cache (``UCM_EVENT_VM_UNMAPPED``,
-  before the old pages go) that the range changed, so a registration of a
-  buffer's old pages is never used for its new ones.  libc's ``mmap`` alone
-  is seen by UCM only in its default ``bistro`` hook mode (libc's code
-  patched); in ``reloc`` mode (``UCX_MEM_MMAP_HOOK_MODE=reloc``, or a
-  platform without bistro) UCM patches call sites in loaded libraries, and
-  a ctypes call to libc's ``mmap`` passes by it: measured, no event.
-* ``send_fds``/``recv_record``: a fixed-size record with file descriptors
-  attached (``SCM_RIGHTS``) over a Unix stream socket.
-* ``futex_wait``/``futex_wake``: sleep until a 32-bit word in shared memory
-  changes; the word's owner wakes the other side.  Used for the staging
-  area's two counters, never for anything the daemon trusts.
+- ``seal_read_only`` (``F_SEAL_SHRINK | GROW | FUTURE_WRITE | SEAL``): nobody can
+  get a new writable mapping, ``write()`` or ``mprotect`` to writable, while
+  mappings made before (the daemon's own) keep writing. ``seal_size`` seals only
+  the size, so a shared region never shrinks under a mapping (SIGBUS).
+- ``read_only_fd``: the handle that leaves the daemon is a read-only open file
+  description, which cannot be truncated or written before seals are considered.
+- Mappings are unmapped when their owner says so, never by the garbage collector.
+- Once UCX is loaded (``use_ucm``) every map and unmap goes through UCM's
+  ``ucm_mmap``/``ucm_munmap``, so UCX's registration cache learns a range changed
+  before the old pages go (a ctypes libc ``mmap`` passes by UCM's ``reloc`` hooks).
+- Futexes wake the other side of a staging area; nothing the daemon trusts.
 """
 
 from __future__ import annotations
@@ -78,10 +54,7 @@ ucm_path: str | None = None  # the libucm that ``_mmap``/``_munmap`` go through 
 
 
 def use_ucm(path: str) -> None:
-    """Map and unmap through the libucm at ``path`` (the one UCX in this
-    process uses) from now on: ``ucm_mmap``/``ucm_munmap`` have libc's
-    signatures, call the original functions and dispatch UCM's memory events
-    (see the module docstring).  Nothing before UCX loaded can be registered."""
+    """Map and unmap through the libucm at ``path`` (the process's UCX) from now on."""
     global _mmap, _munmap, ucm_path
     lib = ctypes.CDLL(path, use_errno=True)
     mm, mu = lib.ucm_mmap, lib.ucm_munmap
@@ -95,8 +68,7 @@ class _Timespec(ctypes.Structure):
 
 
 def memfd(nbytes: int, name: str = "rpcbuf") -> int:
-    """A sealable memfd of exactly ``nbytes`` (close-on-exec); its pages are
-    allocated when first touched."""
+    """A sealable close-on-exec memfd of ``nbytes``; pages allocated on first touch."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
@@ -108,16 +80,10 @@ def memfd(nbytes: int, name: str = "rpcbuf") -> int:
 
 def memfd_at(addr: int, nbytes: int, name: str, fill: memoryview | None = None,
              read_only: bool = True, resealable: bool = False) -> int:
-    """A new memfd of ``nbytes`` holding ``fill``'s bytes (else zeros),
-    mapped read-write and shared at exactly ``addr`` (``map_fixed``), then
-    sealed read-only (``seal_read_only``): this mapping keeps writing, no
-    other ever can.  ``read_only=False``: only its size is sealed
-    (``seal_size``), so a writable handle of it can still be mapped writable
-    (a block segment, which its owning tenant writes in place);
-    ``resealable`` too leaves the seals open, so ``seal_read_only`` can
-    still close it (a buffer its owner writes in place).  On failure
-    the memfd is closed and the error raised (whatever was mapped at
-    ``addr`` may be replaced by then)."""
+    """A new memfd holding ``fill`` (else zeros), mapped read-write at ``addr``, then
+    sealed read-only: this mapping keeps writing, no other ever can. ``read_only=False``
+    seals only its size (writable handles possible); ``resealable`` leaves the seals
+    open for a later ``seal_read_only``. On failure the memfd is closed."""
     fd = memfd(nbytes, name)
     try:
         at = 0
@@ -159,8 +125,7 @@ def read_only_fd(fd: int) -> int:
 
 
 def writable_fd(fd: int) -> int:
-    """A new read-write open file description of the memfd ``fd`` (one that
-    is not sealed read-only: a block segment handed to its owner)."""
+    """A new read-write open file description of a memfd not sealed read-only."""
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
@@ -172,8 +137,7 @@ def _checked(addr: int | None, what: str) -> int:
 
 
 def _map_at(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
-    """``mmap`` read-write at exactly ``addr`` (``MAP_FIXED``: whatever was
-    mapped there is replaced), through UCM once UCX is loaded (``use_ucm``)."""
+    """``mmap`` read-write at exactly ``addr`` (``MAP_FIXED``), through UCM once loaded."""
     got = _checked(_mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags | MAP_FIXED,
                          fd, 0), what)
     if got != addr:  # MAP_FIXED never moves it; a libc that did would be a bug
@@ -181,9 +145,7 @@ def _map_at(addr: int, nbytes: int, flags: int, fd: int, what: str) -> None:
 
 
 def map_shared(fd: int, nbytes: int) -> int:
-    """Map ``fd`` read-write and shared wherever the kernel puts it; its
-    address.  Nothing unmaps it but ``unmap``: the mapping keeps the file
-    (and its pages) until then, whatever becomes of ``fd``."""
+    """Map ``fd`` read-write and shared; its address. Only ``unmap`` unmaps it."""
     return _checked(_mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED,
                           fd, 0), "mmap")
 
@@ -196,21 +158,17 @@ def unmap(addr: int, nbytes: int) -> None:
 
 
 def map_fixed(addr: int, nbytes: int, fd: int) -> None:
-    """Map ``fd`` read-write and shared at exactly ``addr`` (inside a range
-    this process reserved; whatever was mapped there is replaced)."""
+    """Map ``fd`` read-write and shared at exactly ``addr`` (inside our reserved range)."""
     _map_at(addr, nbytes, mmap.MAP_SHARED, fd, "mmap(MAP_FIXED)")
 
 
 def map_private(addr: int, nbytes: int, fd: int) -> None:
-    """Map ``fd`` private (copy-on-write) at exactly ``addr``: reads see the
-    file's pages, a write would copy the page into this process only.  The
-    one writable mapping a sealed memfd still allows."""
+    """Map ``fd`` copy-on-write at ``addr``: the one writable mapping a sealed memfd allows."""
     _map_at(addr, nbytes, mmap.MAP_PRIVATE, fd, "mmap(MAP_FIXED|MAP_PRIVATE)")
 
 
 def map_anonymous(addr: int, nbytes: int) -> None:
-    """Fresh, unbacked anonymous memory at exactly ``addr`` (what a buffer's
-    range goes back to when it is freed: its old pages are dropped here)."""
+    """Fresh unbacked anonymous memory at exactly ``addr`` (old pages dropped)."""
     _map_at(addr, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1,
             "mmap(MAP_FIXED|MAP_ANONYMOUS)")
 
@@ -225,8 +183,7 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def peer_cred(sock: Any) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process that connected a Unix socket, as the
-    kernel recorded it at connect (``SO_PEERCRED``: not what the peer says)."""
+    """(pid, uid, gid) of a Unix socket's peer as the kernel recorded it at connect."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     return pid, uid, gid
@@ -246,8 +203,7 @@ def send_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int]) -> N
 
 async def asend_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int],
                     timeout: float) -> None:
-    """``send_fds`` on a non-blocking socket, waiting (at most ``timeout``)
-    while the peer does not read."""
+    """``send_fds`` on a non-blocking socket, waiting at most ``timeout`` for the reader."""
     # No asyncio.timeout: the daemon runs this in a request's first step,
     # where (on Python 3.11) there is no current task (control/daemon/sessions/intake.py, start).
     loop = asyncio.get_running_loop()
@@ -266,9 +222,8 @@ async def asend_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int
 
 
 def recv_record(sock: socket.socket, max_fds: int = 1) -> tuple[int, int, list[int]] | None:
-    """One record and its fds, from a non-blocking socket: None when nothing
-    is there yet.  EOF or a malformed record: ConnectionError (fds that came
-    with it are closed)."""
+    """One record and its fds, or None when nothing is there yet. EOF or a malformed
+    record: ConnectionError (its fds closed)."""
     try:
         data, fds, flags, _ = socket.recv_fds(sock, RECORD.size, max_fds,
                                               socket.MSG_CMSG_CLOEXEC)
@@ -288,9 +243,8 @@ def recv_record(sock: socket.socket, max_fds: int = 1) -> tuple[int, int, list[i
 
 
 def futex_wait(addr: int, expected: int, timeout: float) -> None:
-    """Sleep while the 32-bit word at ``addr`` holds ``expected``, at most
-    ``timeout`` seconds (GIL released); returns on a wake, a change, a
-    timeout or a signal alike: callers re-read the word."""
+    """Sleep while the word at ``addr`` holds ``expected``, at most ``timeout`` (GIL
+    released); any wake-up alike: callers re-read the word."""
     ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
     _syscall(SYS_futex, ctypes.c_void_p(addr), FUTEX_WAIT, ctypes.c_uint32(expected),
              ctypes.byref(ts), None, 0)

@@ -1,6 +1,6 @@
-"""The ``slab`` allocator (see ``allocator.py``): small requests rounded to a
-size class and served from slabs (buddy blocks cut into equal objects, an
-O(1) free-slot stack each), larger ones plain buddy blocks.
+"""The ``slab`` allocator: small requests rounded to a size class and served from
+slabs (buddy blocks cut into equal objects, an O(1) free-slot stack each), larger
+ones plain buddy blocks.
 """
 
 from __future__ import annotations
@@ -153,8 +153,7 @@ class SlabAllocator:
         return slab.obj_size
 
     def allocate_at(self, offset: int, size: int) -> bool:
-        """Never: slabs and their buddy blocks are placed by this allocator
-        alone (``Allocator.allocate_at``)."""
+        """Never: this allocator alone places slabs and their blocks."""
         return False
 
     def largest_free(self) -> int:

@@ -1,11 +1,7 @@
-"""What this process listens on, and which network interface holds an
-address: what the daemon logs at start and ``stats`` tells ``rpcbuf doctor``.
-
-UCX opens listening sockets of its own that no Python object knows about
-(the ucxx listener, and each tcp interface's connection port), so the truth
-comes from the kernel: this process's socket descriptors (``/proc/self/fd``)
-matched against the listening entries of ``/proc/net/tcp`` and ``tcp6``.
-Linux only; elsewhere both answers are empty."""
+"""What this process listens on, and which interface holds an address. UCX opens
+sockets no Python object knows of, so the truth comes from the kernel
+(``/proc/self/fd`` against ``/proc/net/tcp``, ``tcp6``). Linux only; else empty.
+"""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ def _addr(hexaddr: str) -> str:
 
 
 def listening() -> list[str]:
-    """``HOST:PORT`` of every TCP socket this process listens on, sorted
-    (at most 64)."""
+    """``HOST:PORT`` of every TCP socket this process listens on, sorted (at most 64)."""
     mine, out = _inodes(), set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as f:
@@ -57,8 +52,7 @@ def listening() -> list[str]:
 
 
 def interface_of(host: str) -> str | None:
-    """The network interface that holds IPv4 address ``host`` (``lo`` for
-    any loopback address); None for a wildcard, a name, IPv6 or no match."""
+    """The interface holding IPv4 ``host`` (``lo`` for loopback); None otherwise."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:

@@ -1,30 +1,20 @@
-"""The staging area of a same-host session: where a local client's bytes
-meet the daemon's, both copying, neither touching the other's memory.
+"""The staging area of a same-host session: where a local client's bytes meet the
+daemon's, both copying, neither touching the other's memory.
 
-The daemon creates it (a memfd, size-sealed, so it can never shrink under
-either side's mapping), maps it, and hands the fd to the client over the
-session's handle channel (``docs/dataplane.md``).  Both map it read-write:
-it is the session's own scratch memory, never arena memory.  Its layout:
+A size-sealed memfd (it can never shrink under a mapping), mapped read-write by
+both sides: the session's scratch memory, never arena memory. Layout:
 
-* a header page: two 32-bit counters on separate cache lines, ``produced``
-  and ``consumed``, counted in ring chunks, reset by the client before each
-  ring op;
-* ``SMALL_SLOTS`` small slots of ``SMALL`` bytes: an op of at most ``SMALL``
-  bytes names one (its request's ``stage``), the client copies its bytes in
-  before it sends a store, or out when a read's answer came;
-* a ring of ``RING_SLOTS`` chunks of ``RING_CHUNK`` bytes: a bigger op
-  (``stage == RING``, one at a time per session) streams through it.  Chunk
-  ``k`` of the op's bytes (its runs, concatenated in order) goes through
-  slot ``k % RING_SLOTS``; the producer fills it once ``consumed > k -
-  RING_SLOTS``, then sets ``produced = k + 1``; the consumer empties it once
-  ``produced > k``, then sets ``consumed = k + 1``.  Each side sleeps on the
-  other's counter (a futex) and wakes the other after each chunk: two copies
-  run side by side, one chunk apart.
+- a header page: two 32-bit counters on separate cache lines, ``produced`` and
+  ``consumed``, in ring chunks, reset by the client before each ring op;
+- ``SMALL_SLOTS`` slots of ``SMALL`` bytes: an op that fits names one (``stage``);
+- a ring of ``RING_SLOTS`` chunks of ``RING_CHUNK``: a bigger op (one per session
+  at a time) streams through it. Chunk ``k`` goes through slot ``k % RING_SLOTS``;
+  the producer fills it once ``consumed > k - RING_SLOTS`` and sets
+  ``produced = k + 1``, the consumer empties it once ``produced > k`` and sets
+  ``consumed = k + 1``. Each side sleeps on the other's counter (a futex).
 
-Nothing the daemon does depends on the staging area's contents beyond which
-bytes it copies where: the counters only say when to copy, within bounds the
-daemon computed (a client that lies only garbles, or stalls until the
-deadline, its own op).
+The daemon trusts nothing in it beyond which bytes it copies where, within bounds
+it computed: a lying client garbles or stalls only its own op.
 """
 
 from __future__ import annotations
@@ -57,8 +47,7 @@ class Stopped(Exception):
 
 
 class Area:
-    """A mapping of the staging area (the daemon's or the client's): the
-    slots as uint8 arrays, the counters, the ring's copy loop."""
+    """A mapping of the staging area: the slots as uint8 arrays, the counters, the ring loop."""
 
     def __init__(self, memory: Any, address: int) -> None:
         """``memory``: a writable buffer of ``SIZE`` bytes (an mmap) at ``address``."""
@@ -67,9 +56,7 @@ class Area:
         self.address = address
 
     def retire(self) -> None:
-        """The memory goes away (``Shared``): from now on the slots are
-        empty and the counters private, so a stale use copies nothing
-        rather than touching an unmapped page."""
+        """The memory goes away: the slots are empty and the counters private from now on."""
         self.bytes = np.zeros(0, dtype=np.uint8)
         self._words = np.zeros(HEADER // 4, dtype=np.uint32)
 
@@ -109,8 +96,7 @@ class Area:
 
     def pump(self, pieces: Sequence[np.ndarray], produce: bool, stop: Callable[[], bool],
              deadline: float, landed: Callable[[int], None] | None = None) -> None:
-        """Stream ``pieces`` (uint8 arrays, in order) through the ring: into it
-        (``produce``: we fill, the other side empties) or out of it.
+        """Stream ``pieces`` through the ring, into it (``produce``) or out of it.
         ``landed(i)``: pieces ``[0, i)`` are complete (consumer side)."""
         total = sum(p.nbytes for p in pieces)
         chunks = math.ceil(total / RING_CHUNK)
@@ -128,16 +114,10 @@ class Area:
 
 
 class Shared:
-    """One side's mapping of a staging area (the daemon's, or a same-host
-    client's), and its owner's say over when it goes.  Mapped by
-    ``shm.map_shared`` (no Python ``mmap``, which would keep a ``dup`` of
-    the memfd and unmap only when collected): ``close``
-    unmaps it at once, or, while copies run in it (a ring op's thread stops
-    within a chunk once told, ``Area.wait``), when the last of them lets
-    go -- never under a running copy, never later.  Call from one thread
-    (the event loop's): a copy thread's end is reported there
-    (``let_go`` from its future's callback).  After it unmapped, the area
-    is retired (``Area.retire``): a stale use copies nothing."""
+    """One side's mapping of a staging area, unmapped by its owner (never by the garbage
+    collector): ``close`` unmaps at once, or when the last running copy lets go (a
+    ring thread stops within a chunk) -- never under a running copy. Event-loop
+    thread only. After unmapping the area is retired: a stale use copies nothing."""
 
     def __init__(self, fd: int) -> None:
         self.address = shm.map_shared(fd, SIZE)
@@ -182,9 +162,7 @@ class _PieceCursor:
         self._ends: np.ndarray | None = None  # cumulative sizes, for runs of whole pieces
 
     def _whole(self, room: int) -> int:
-        """How many whole pieces from ``done`` on fit in ``room`` bytes (0
-        unless they are flat uint8 arrays, which one ``np.concatenate`` can
-        join straight into the slot)."""
+        """How many whole flat uint8 pieces from ``done`` on fit in ``room`` bytes."""
         if self._ends is None:
             pieces = self.pieces
             if len(pieces) < 8 or not all(p.dtype == np.uint8 and p.ndim == 1 for p in pieces):

@@ -1,45 +1,22 @@
 """Everything UCX, behind one module: environment defaults, the process-wide
-context, listeners, endpoints, and the translation of UCX's exceptions.
+context, listeners, endpoints, and the one translation of ucxx's exceptions
+into this module's ``TransferError``s (``control/ucx_errors.py`` maps those
+to wire errors).
 
-Defaults (each overridable by the user's own environment variable, because we
-only ``setdefault``): blocking progress (no busy polling: an idle daemon uses
-no CPU; lowest small-message latency measured here), ``auto`` rendezvous
-(``put_zcopy`` was faster over tcp but needs the tcp PUT that ``UCX_FORCED``
-turns off) and 2 MiB TCP segments, and host bounce buffers for rendezvous
-fragments (ucxx's own default, ``cuda``, needs a GPU).  ``UCX_FORCED`` is set
-whatever the environment says.
-
-With CUDA memory in use (a daemon with a ``cuda:N`` arena; a client whose
-process already imported CuPy or a CUDA-enabled torch, or that sets
-``RPCBUF_UCX_CUDA=1``; ``RPCBUF_UCX_CUDA=0`` forces host settings) the
-defaults change in this one place, ``CUDA_DEFAULTS``: rendezvous fragments in
-host and device memory (``UCX_RNDV_FRAG_MEM_TYPE=host,cuda``: UCX 1.19+ reads
-this name as the list ``RNDV_FRAG_MEM_TYPES``, and it is the name ucxx looks
-for before it sets ``cuda`` alone, which would leave tcp no host bounce
-buffers to stage device memory through; UCP's own choice of rendezvous
-scheme, ``UCX_RNDV_SCHEME=auto``, is every process's default: ``put_zcopy``
-excludes the staged pipeline protocols that carry device memory where
-cuda_ipc cannot, and needs the tcp PUT that ``UCX_FORCED`` turns off), and
-a ``UCX_TLS`` that the user restricted (``tcp`` in CI,
-say) gains ``cuda_copy,cuda_ipc`` (without them UCX cannot move device
-memory at all).  An unset ``UCX_TLS`` means all transports, which includes
-both.  Every value the user set is kept.
-
-The process-wide context is built here, not by ucxx: ucxx's own turns on
-UCP RMA and active messages, and over tcp UCP emulates put/get with active
-messages that read and write whatever address the peer names (the tcp
-remote key is empty; nothing checks a registration).  A peer that merely
-reaches the UCX port could then read and write any byte of the process,
-the node's signing keys included.  ``FEATURES`` is all rpcbuf uses: tagged
-messages, wakeup (blocking progress) and streams (ucxx's endpoint handshake,
-``exchange_peer_info``).  Without RMA, AM and atomics the worker installs no
-handler for those messages, so a peer's put or get never completes; the
-context's features are checked once it exists and a context with any of
-them on is refused (``UnsafeContext``).
-
-Both sides of a connection bind their UCX endpoint to an authenticated control
-session with a small handshake on the reserved tag ``BIND_TAG``: the client
-sends the 16-byte nonce it got in ``hello``; the daemon answers one byte.
+* Defaults are only ``setdefault`` (the user's environment wins): blocking
+  progress (an idle daemon uses no CPU), ``auto`` rendezvous, 2 MiB TCP
+  segments, host bounce buffers.  With CUDA memory in use (``cuda_wanted``)
+  ``CUDA_DEFAULTS`` adds device bounce buffers (``UCX_RNDV_FRAG_MEM_TYPE``,
+  the name ucxx checks before it sets ``cuda`` alone), and a restricted
+  ``UCX_TLS`` gains ``cuda_copy,cuda_ipc``, without which UCX cannot move
+  device memory.  ``UCX_FORCED`` is set whatever the environment says.
+* The context is built here with ``FEATURES`` only: over tcp UCP emulates
+  RMA with active messages that read and write any address the peer names
+  (the tcp remote key is empty), so a peer that merely reached the UCX port
+  could read the node's signing keys.  With no RMA, AM or atomics the worker
+  has no handler for them; a context with any on is refused (``UnsafeContext``).
+* An endpoint binds to an authenticated control session on ``BIND_TAG``:
+  the client sends the nonce it got in ``hello``, the daemon answers a byte.
 """
 
 from __future__ import annotations
@@ -94,8 +71,7 @@ FORBIDDEN_FEATURES = ("RMA", "AMO32", "AMO64", "AM")
 
 
 class UnsafeContext(RuntimeError):
-    """The UCX context has a feature on that lets a peer reach this process's
-    memory (RMA, atomics or active messages)."""
+    """The UCX context has RMA, atomics or active messages on."""
 
 
 def cuda_wanted(env: Any = None) -> bool:
@@ -155,7 +131,7 @@ def apply_defaults(env: dict[str, str] | None = None, cuda: bool | None = None) 
 
 
 def ucxx() -> Any:
-    """Import ucxx after the defaults are in place (UCX reads them at import)."""
+    """ucxx, imported after the defaults are in place (UCX reads them then)."""
     global _ucxx, _library
     if _ucxx is None:
         apply_defaults()
@@ -173,12 +149,9 @@ def ucxx() -> Any:
 
 
 def _install_context(mod: Any) -> None:
-    """Make ucxx's one process-wide context ours, with ``FEATURES`` only.
-
-    ``ApplicationContext.__init__`` builds ``UCXContext(config)`` with UCX's
-    default features (RMA and AM among them) and takes no flags, so this is
-    its body with the context made first.  Installed as ``ucxx.core._ctx``
-    before any ucxx call creates the default one."""
+    """Make ucxx's process-wide context ours, with ``FEATURES`` only: the body
+    of ``ApplicationContext.__init__`` (which takes no feature flags), set as
+    ``ucxx.core._ctx`` before any ucxx call creates the default one."""
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib_async import application_context as ac
 
@@ -208,8 +181,7 @@ def _install_context(mod: Any) -> None:
 
 
 def check_features(context: Any) -> None:
-    """Raise ``UnsafeContext`` unless ``context`` has none of
-    ``FORBIDDEN_FEATURES`` on."""
+    """``UnsafeContext`` if ``context`` has any ``FORBIDDEN_FEATURES`` on."""
     import ucxx._lib.libucxx as ucx_api
 
     flags = int(context.feature_flags)
@@ -240,53 +212,45 @@ class PeerGone(TransferError):
     """The endpoint is closed or its peer vanished."""
 
 
-@contextlib.contextmanager
-def _transfer_errors() -> Iterator[None]:
-    """ucxx's failures inside the block as ``TransferError``s, in this one
-    place (our own ``TransferError``s and cancellation pass as they are)."""
-    try:
-        yield
-    except TransferError:
-        raise
-    except Exception as exc:
-        raise _translate(exc) from exc
-
-
-def _translate(exc: BaseException) -> TransferError:
-    ex = ucxx().exceptions
-    if isinstance(exc, ex.UCXMessageTruncatedError):
-        return Truncated(str(exc))
-    if isinstance(exc, (ex.UCXCanceled, ex.UCXCloseError, ex.UCXConnectionResetError,
-                        ex.UCXNotConnectedError, ex.UCXEndpointTimeoutError)):
-        return PeerGone(str(exc) or type(exc).__name__)
-    return TransferError(f"{type(exc).__name__}: {exc}")
-
-
 class Dropped(TransferError):
-    """The message this receive was for had waited unexpected for longer
-    than the janitor allows and was dropped (``Janitor.was_dropped``): the
-    receive is not posted (it would wait for a message that is gone)."""
+    """The janitor dropped the message this receive was for (it waited
+    unexpected too long); the receive is not posted."""
 
 
 class Abandoned(PeerGone):
     """We stopped waiting for the transfers: the session they belong to is gone."""
 
 
+@contextlib.contextmanager
+def _transfer_errors() -> Iterator[None]:
+    """ucxx's failures inside the block as ``TransferError``s (ours and
+    cancellation pass as they are)."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except Exception as exc:
+        ex = ucxx().exceptions
+        if isinstance(exc, ex.UCXMessageTruncatedError):
+            raise Truncated(str(exc)) from exc
+        if isinstance(exc, (ex.UCXCanceled, ex.UCXCloseError, ex.UCXConnectionResetError,
+                            ex.UCXNotConnectedError, ex.UCXEndpointTimeoutError)):
+            raise PeerGone(str(exc) or type(exc).__name__) from exc
+        raise TransferError(f"{type(exc).__name__}: {exc}") from exc
+
+
 async def transfer_all(coros: Any, deadline: float, on_expired: Any,
                        abandon: asyncio.Future[Any] | None = None) -> None:
     """Await every transfer, even after one fails (UCX may touch its memory
     until each ends), then raise the first failure.  Past ``deadline``
-    seconds ``on_expired()`` runs: it must abort the endpoint, which makes
-    every outstanding transfer end.
+    seconds ``on_expired()`` must abort the endpoint (every transfer ends).
 
-    ``abandon`` (the session's "control connection lost" future) ends the
-    wait at once when it completes, whatever state the transfers are in:
-    they are cancelled and ``Abandoned`` is raised.  Aborting the endpoint
-    is not enough on its own: a receive that ucxx re-posted on the worker
-    after an endpoint error (its fallback for a message already queued) is
-    owned by no endpoint, and one matched to a peer that died never ends.
-    The caller keeps the transfers' memory referenced a while (UCX may still
-    hold it) and must have aborted the endpoint (nothing arrives after)."""
+    ``abandon`` done (the control connection lost) ends the wait at once,
+    cancelling the transfers, with ``Abandoned``: an aborted endpoint is not
+    enough (a receive ucxx re-posted on the worker after an endpoint error
+    belongs to no endpoint, and one matched to a dead peer never ends).  The
+    caller must have aborted the endpoint and keeps the memory referenced a
+    while (UCX may still hold it)."""
     timer = asyncio.get_running_loop().call_later(deadline, on_expired)
     gathered = asyncio.gather(*coros, return_exceptions=True)
 
@@ -315,11 +279,9 @@ async def transfer_all(coros: Any, deadline: float, on_expired: Any,
 
 
 def wire_tag(key: int, tag: Any) -> int:
-    """The 64-bit UCX tag of our ``tag`` (an int or a tuple of ints) on an
-    endpoint whose tag key is ``key``: ucxx's own mix (``hash64bits(key,
-    hash(tag))``, sha1), computed here so that the daemon knows which tag a
-    message it dropped had (``Janitor``) and both sides agree without ucxx's
-    per-endpoint handshake."""
+    """The 64-bit UCX tag of ``tag`` (an int or a tuple of ints) under tag
+    key ``key``: ucxx's own mix, computed here so the janitor knows a dropped
+    message's tag and both sides agree without ucxx's handshake."""
     h = hashlib.sha1(repr((key, hash(tag))).encode()).digest()
     return int.from_bytes(h[:8], "big")
 
@@ -329,14 +291,10 @@ def _never_dropped(wire: int) -> bool:
 
 
 class DataEndpoint:
-    """A UCX endpoint with tagged send/recv that raise ``TransferError``s only.
-
-    Tags are ours: ``wire_tag(key, tag)`` with the endpoint's send and
-    receive keys (by default the ones ucxx's listener handshake agreed).
-    ``dropped(wire)`` (the daemon's janitor) is asked right before a receive
-    is posted, in the same step of the event loop as the post: a message the
-    janitor dropped earlier makes the receive fail at once (``Dropped``)
-    instead of waiting for it until the transfer deadline."""
+    """A UCX endpoint whose tagged send/recv raise ``TransferError``s only.
+    ``dropped(wire)`` (the janitor's) is asked in the same loop step as a
+    receive's post: a message dropped earlier fails it at once (``Dropped``)
+    instead of at the transfer deadline."""
 
     def __init__(self, ep: Any, keys: tuple[int, int] | None = None,
                  dropped: Any = _never_dropped) -> None:
@@ -429,8 +387,7 @@ async def connect(host: str, port: int, timeout: float = 10.0) -> DataEndpoint:
 
 
 def rdma_devices() -> list[str]:
-    """The RDMA devices this host's kernel knows (``/sys/class/infiniband``):
-    what UCX could use besides tcp.  At most 64 names."""
+    """The RDMA devices the kernel knows (``/sys/class/infiniband``), at most 64."""
     path = Path("/sys/class/infiniband")
     return sorted(p.name for p in path.iterdir())[:64] if path.is_dir() else []
 
@@ -439,16 +396,11 @@ _RESOURCE = re.compile(r"resource \d+\s*:\s*md \d+\s+dev \d+\s+flags \S*\s+(\S+)
 
 
 def library() -> dict[str, Any]:
-    """Which UCX this process runs on and what it can do, for ``stats`` and
-    ``rpcbuf doctor``: ``path`` of the libucp it loaded (from
-    ``/proc/self/maps``: what is mapped, not what was asked for), its
-    ``version``, the transport ``modules`` beside it (``ib`` means built with
-    verbs, ``rdmacm``, ``cuda``), and the ``resources`` (transport/device)
-    this process's context found, its ``features`` (``FEATURES``);
-    ``error``: why UCX would not start here
-    (a UCX_NET_DEVICES naming no device, say).  The pip wheel has no ``ib``:
-    no RDMA.  Found once, when UCX starts (``ucxx``): the same dict after
-    (do not change it); a UCX that would not start is asked again."""
+    """Which UCX this process runs on, for ``stats`` and ``doctor``: the
+    ``path`` of the libucp mapped, its ``version``, the transport ``modules``
+    beside it (``ib``: built with verbs; the pip wheel has none), the
+    context's ``resources`` and ``features``, or ``error``: why UCX would not
+    start.  Found once (do not change the dict); a failed start is retried."""
     if _library is not None:
         return _library
     try:

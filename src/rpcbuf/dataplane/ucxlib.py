@@ -1,33 +1,19 @@
-"""Which UCX library this process loads, chosen by ``RPCBUF_UCX`` before
-ucxx is imported, and the refusal of one rpcbuf cannot run on.
+"""Which UCX library this process loads, chosen by ``RPCBUF_UCX`` before ucxx
+is imported, and the refusal of one rpcbuf cannot run on.
 
-``RPCBUF_UCX``:
+``RPCBUF_UCX``: ``wheel`` (the default: the pip ``libucx`` wheel, no verbs
+or rdmacm, so never RDMA); ``system`` (``libucp.so.0`` as the dynamic linker
+finds it: Debian's ``libucx0``, MOFED/HPC-X); or an absolute path (a UCX
+prefix, or its ``lib`` directory).
 
-- ``wheel`` (the default): the pip ``libucx`` wheel's UCX, built without
-  verbs and rdmacm: tcp, shared memory and CUDA only, never RDMA.
-- ``system``: the UCX the dynamic linker finds by soname (``libucp.so.0``:
-  ``LD_LIBRARY_PATH``, then ``ld.so.cache``): Debian's ``libucx0``,
-  MOFED/HPC-X once its ``lib`` is on the linker's path.
-- an absolute path: a UCX install's prefix (``lib/`` or ``lib64/`` below it
-  holds ``libucp.so.0``) or that ``lib`` directory itself: a site build.
+The wheel's own switch (``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``) looks for
+the unversioned names only a ``-dev`` package installs, so ``load`` replaces
+``libucx.load_library``: it dlopens the chosen ``libucs``, ``libucs_signal``,
+``libuct`` and ``libucp``, and ucxx's extensions then get that soname.
 
-Why rpcbuf loads it and not the wheel's own switch: ``import ucxx`` first
-calls ``libucx.load_library()``, which dlopens the wheel's four libraries by
-path; ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` makes it try
-``libucs.so``, ``libucp.so`` ... first, the unversioned names that only a
-``-dev`` package installs (Debian's ``libucx0`` ships ``libucp.so.0``), so
-the wheel's copy was loaded all the same.  Here ``libucx.load_library`` is
-replaced by ``load``, which dlopens the chosen ``libucs``, ``libucs_signal``,
-``libuct`` and ``libucp`` (``libucm`` comes as ``libucs``'s dependency);
-ucxx's extensions then need ``libucp.so.0``, a soname already loaded, and
-get that one.  ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is then ignored.
-
-``MIN_VERSION``: ucxx 0.52 itself refuses an older UCX at import
-(``__ucx_min_version__ = "1.19.0"``), and rpcbuf's CUDA defaults rely on
-1.19's list form of ``UCX_RNDV_FRAG_MEM_TYPE``.  Debian bookworm's
-``libucx0`` is 1.13.1: refused.  A library that cannot be loaded, is older,
-or is mixed with another UCX's pieces in this process (two copies of UCX's
-globals) is refused with ``UnusableUCX`` before anything of it runs.
+A library that cannot be loaded, is older than ``MIN_VERSION`` (ucxx 0.52
+and the CUDA defaults need 1.19), or is mixed with another UCX's pieces in
+this process is refused with ``UnusableUCX`` before anything of it runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Zeroing kept blocks (``kept.KeptBlocks``) in the background: ``Zeroing``
-is one block's progress and the hand-over of what is left to whoever takes
-the block first (``KeptBlocks.zero_now``); ``Zeroer`` is the one thread that
-zeroes them, ``ZERO_CHUNK`` at a time, in the order they were kept.
+"""Zeroing kept blocks in the background: ``Zeroing`` is one block's progress and
+the hand-over of what is left to whoever takes the block first; ``Zeroer`` is the
+one thread that zeroes them, ``ZERO_CHUNK`` at a time, in the order kept.
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ ZERO_CHUNK = 4 << 20  # kept blocks past ZERO_NOW are zeroed this much at a time
 
 
 class Zeroing:
-    """A kept block (a freed block's memfd, still mapped) and how far it is
-    zeroed (``at``: the bytes below are zero).  ``lock`` is held while a
-    chunk of it is written (``step``), by the zeroer or by the buffer's
-    requester (``KeptBlocks.zero_now``); ``stopped`` (set under it) means
-    nobody may write it again; ``clean``: all of it is zero."""
+    """A kept block and how far it is zeroed (``at``). ``lock`` is held while a chunk is
+    written (by the zeroer or the taker); ``stopped`` (set under it): nobody writes it
+    again; ``clean``: all zero."""
 
     __slots__ = ("_then", "at", "clean", "fd", "lock", "nbytes", "stopped")
 
@@ -31,10 +28,8 @@ class Zeroing:
         self._then: Callable[[], None] | None = None
 
     def then(self, done: Callable[[], None]) -> None:
-        """Call ``done`` once, when the block is all zero or when it was
-        freed before (``stop``: no buffer waits for it any more, and its
-        waiter must not wait forever): now, or from the thread that wrote
-        its last chunk or stopped it."""
+        """Call ``done`` once, when all zero or stopped: now, or from the thread that wrote
+        the last chunk or stopped it."""
         with self.lock:
             if not self.clean and not self.stopped:
                 self._then = done
@@ -42,8 +37,7 @@ class Zeroing:
         done()
 
     def step(self, addr: int) -> bool:
-        """Zero the block's next ``ZERO_CHUNK`` (the block lies at ``addr``)
-        under the lock; False once nothing is left (all zero, or stopped)."""
+        """Zero the next ``ZERO_CHUNK`` under the lock; False once nothing is left."""
         with self.lock:
             if self.stopped or self.clean:
                 return False
@@ -59,8 +53,7 @@ class Zeroing:
         return False
 
     def stop(self) -> None:
-        """Nobody writes the block again (after a chunk being written now);
-        a ``then`` waiting for it is called."""
+        """Nobody writes the block again (after a chunk in progress); a waiting ``then`` runs."""
         with self.lock:
             self.stopped = True
             done, self._then = self._then, None
@@ -69,13 +62,9 @@ class Zeroing:
 
 
 class Zeroer:
-    """One daemon thread zeroing large kept blocks in the order they were
-    kept (``ctypes.memset`` releases the GIL); a block whose requester
-    zeroed it meanwhile (``zero_now``) costs it one look.  Each job holds
-    its arena's mapping (``owner``: the arena's ``mmap``, which
-    ``KeptBlocks`` passes) until it is done: an arena dropped meanwhile (the
-    daemon's, when ``serve`` returns) is unmapped only after the zeroer's
-    last write into it, never under it."""
+    """One daemon thread zeroing large kept blocks in order (``memset`` releases the GIL).
+    Each job holds its arena's mapping (``owner``) until done, so an arena dropped
+    meanwhile is unmapped only after the last write into it."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[int, Zeroing, object]] = queue.SimpleQueue()

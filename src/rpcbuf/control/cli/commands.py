@@ -1,12 +1,7 @@
-"""The operator commands of ``rpcbuf``: status, ls, blocks, release, put, get, bench.
-
-Each command is one async function over one connected ``RpcContext`` (per
-node for ``status``/``ls``/``bench``, the node holding the buffer for
-``release``/``get``, found by ``cli/locate.py``, the first endpoint for
-``put``) that returns a JSON-able result; ``cli/main.py`` prints it as a table that
-fits the terminal (``cli/tables.py``) or, with ``--json``, as JSON.  Errors
-are not handled here: an ``RpcBufError`` from a daemon becomes exit 1 and a
-sentence (``cli/errors.py``), a local ``OSError``/``ValueError`` exit 2.
+"""The operator commands of ``rpcbuf``: status, ls, blocks, release, put, get,
+bench.  Each is one async function over one connected ``RpcContext`` returning
+a JSON-able result; errors are left to the caller (a daemon's: exit 1, a local
+``OSError``/``ValueError``: exit 2).
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ CHUNK = 64 << 20  # get reads a big array in pieces of this size (its progress b
 
 def register_operator_commands(sub: Any,
                                client_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add status, ls, release, put, get and bench to the ``rpcbuf`` parser."""
     st = sub.add_parser("status", help="node, uptime, devices, sessions and buffers",
                         epilog="example: rpcbuf status --endpoint 127.0.0.1:7700")
     client_flags(st)
@@ -136,8 +130,7 @@ async def ls(ctx: RpcContext) -> list[dict[str, Any]]:
 
 async def blocks(ctx: RpcContext, keys: bool, prefix: str | None,
                  limit: int) -> dict[str, Any]:
-    """The tier's figures (``stats()['blocks']``), and with ``keys`` up to
-    ``limit`` of its keys."""
+    """The tier's figures, and with ``keys`` up to ``limit`` of its keys."""
     out: dict[str, Any] = dict((await ctx.stats())["blocks"])
     if keys or prefix is not None:
         out["keys"], out["more"] = await ctx.list_blocks(prefix=prefix, limit=limit)
@@ -149,8 +142,8 @@ RM_MOST = 1 << 20  # keys one `blocks rm --prefix` removes at most (then: run it
 
 
 async def remove_blocks(ctx: RpcContext, keys: list[str], prefix: str | None) -> dict[str, Any]:
-    """``blocks rm``: the keys named, or every key starting with ``prefix``
-    (listed a page at a time, removed as listed; at most ``RM_MOST``)."""
+    """The keys named, or every key starting with ``prefix`` (a page at a time,
+    at most ``RM_MOST``)."""
     removed = asked = 0
     if prefix is None:
         for i in range(0, len(keys), RM_BATCH):
@@ -202,9 +195,8 @@ async def release(ctx: RpcContext, found: Found) -> dict[str, Any]:
 
 
 async def release_many(ctx: RpcContext, prefix: str | None) -> dict[str, Any]:
-    """Release this tenant's buffers on one node: those whose name starts
-    with ``prefix``, or all of them (``prefix`` None, unnamed ones too).  A
-    buffer gone meanwhile (another client, its lease) is not counted."""
+    """Release this tenant's buffers whose name starts with ``prefix`` (None:
+    all, unnamed too); one gone meanwhile is not counted."""
     released = []
     for b in await ctx.list_buffers():
         name = b.get("name")
@@ -219,17 +211,14 @@ async def release_many(ctx: RpcContext, prefix: str | None) -> dict[str, Any]:
 
 
 def device_key(device_type: str, device: int) -> str:
-    """``cpu:0``, ``cuda:1``: a device as ``status`` and ``devices`` name it
-    (the daemon's pool key), whatever case the buffer's meta spells it in."""
+    """``cpu:0``, ``cuda:1``: the daemon's pool key, whatever the meta's case."""
     kind = str(device_type).lower()
     return f"{ {'gpu': 'cuda'}.get(kind, kind)}:{device}"
 
 
 def load_npy(path: str) -> np.ndarray:
-    """The array in ``path``, memory-mapped.  Raises ValueError (exit 2) with
-    a sentence: Python's and NumPy's own words ("[Errno 2] ...", NumPy's
-    ``allow_pickle`` lecture for a file that is not an array) said nothing
-    a user could act on."""
+    """The array in ``path``, memory-mapped.  Raises ValueError (exit 2) with a
+    sentence a user can act on."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
@@ -265,7 +254,7 @@ async def put(ctx: RpcContext, arr: np.ndarray, name: str | None,
 
 def rounding(size: int, alloc_size: int, device: str) -> str | None:
     """A sentence when a buffer takes much more memory than it asked for
-    (buddy blocks are powers of two: 389 MiB took 512 MiB unsaid)."""
+    (buddy blocks are powers of two)."""
     if alloc_size <= size * 1.25:
         return None
     return (f"{format_size(size)} takes a block of {format_size(alloc_size)} on {device} "
@@ -274,9 +263,8 @@ def rounding(size: int, alloc_size: int, device: str) -> str | None:
 
 
 def get_target(ref: str, out: str | None, force: bool, tensor: str | None = None) -> str:
-    """Where ``get`` writes: ``--out``, else ``./REF.npy`` (as ``put`` names a
-    buffer after its file), ``./TENSOR.npy`` with ``--tensor``.  ValueError
-    (exit 2, before connecting) when it exists and ``force`` is not given."""
+    """``--out``, else ``./REF.npy`` (``./TENSOR.npy`` with ``--tensor``).
+    ValueError (exit 2, before connecting) when it exists without ``force``."""
     path = out or f"{Path(tensor or ref).name}.npy"
     if not path.endswith(".npy"):
         path += ".npy"  # np.save would add it: say the real name
@@ -289,11 +277,9 @@ def get_target(ref: str, out: str | None, force: bool, tensor: str | None = None
 
 
 async def get(ctx: RpcContext, found: Found, out: str, progress: bool = False) -> dict[str, Any]:
-    """Read one tensor of the buffer ``found`` (``data``, what ``put`` stores,
-    unless ``--tensor`` named another) into the file ``out``; a big array in
-    ``CHUNK`` pieces with a progress bar (on a terminal), then checked
-    against the manifest's checksum as ``load_tensors`` would.  Raises
-    NOT_FOUND (``reason: no_such_tensor``) for a tensor not in the buffer."""
+    """Read one tensor of ``found`` into ``out``, big arrays in ``CHUNK`` pieces,
+    then checked against the manifest's checksum.  Raises NOT_FOUND
+    (``reason: no_such_tensor``)."""
     buffer_id, name = found.buffer_id, found.tensor or "data"
     meta = await ctx.get_buffer_meta(buffer_id)
     manifest = meta.get("tensors") or {}
@@ -356,8 +342,8 @@ def _bar(total: int, show: bool, what: str) -> Iterator[Callable[[int], None]]:
 
 
 async def bench(ctx: RpcContext, sizes: list[int], duration: float) -> list[dict[str, Any]]:
-    """Per size: store and read the same buffer over and over, each for its
-    share of ``duration`` (at most 2000 times); MiB/s and p50/p99 latency."""
+    """Per size: store and read one buffer over and over for its share of
+    ``duration`` (at most 2000 times); MiB/s and p50/p99 latency."""
     share = max(0.05, duration / max(1, 2 * len(sizes)))
     rows = []
     for size in sizes:
@@ -429,7 +415,6 @@ def status_tables(results: dict[str, Any], wide: bool = False) -> list[Any]:
 
 
 def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
-    """This tenant's buffers on the nodes that answered."""
     rows = []
     rounded = False  # a buffer whose block is larger than it: "takes" stays longer
     for addr, bufs in results.items():
@@ -459,8 +444,6 @@ def ls_table(results: dict[str, Any], wide: bool = False) -> Any:
 
 
 def bench_table(results: dict[str, Any], wide: bool = False) -> Any:
-    """A row per node that answered and size (the endpoint column only
-    when there are several nodes)."""
     several = len(results) > 1
     rows = [([a] if several else []) + [
         format_size(r["size"]), f"{r['store_mib_s']:.1f}", f"{r['store_p50_ms']:.3f}",
@@ -474,8 +457,7 @@ def bench_table(results: dict[str, Any], wide: bool = False) -> Any:
 
 
 def default_name(path: str, name: str | None, ttl: float | None) -> str | None:
-    """Without --name and --ttl the buffer would die with the CLI's session:
-    name it after the file instead."""
+    """Without --name and --ttl the buffer would die with the CLI's session."""
     if name is None and ttl is None:
         return Path(path).stem
     return name

@@ -1,15 +1,7 @@
-"""``rpcbuf doctor``: the checks a new user would otherwise make by hand.
-
-Per node, in order, each check ``ok``, ``warn`` or ``fail`` with one
-sentence: the node is reachable; TLS (whether the token travels in the
-clear, and whether the node proves itself before it gets it); the token is
-accepted (tenant, expiry); the protocol versions; which data path this
-client gets and why; the UCX transports on this side (and whether RDMA
-devices exist); a 4 KiB and a 64 MiB round trip with their
-figures; free memory per device; and the clock skew against the node (token
-expiry is judged by the node's clock).  A check that cannot run because an
-earlier one failed is not run.  Exit 0 when no check failed (warnings
-allowed), 1 otherwise; ``--json`` gives the same as objects.
+"""``rpcbuf doctor``: per node, in order, each check ``ok``, ``warn`` or ``fail``
+with one sentence (reachable, TLS, token, protocol, data path, UCX, round
+trips, free memory, clock skew).  A check that cannot run because an earlier
+one failed is skipped.  Exit 0 when none failed, else 1.
 """
 
 from __future__ import annotations
@@ -49,8 +41,7 @@ class Check:
 
 async def check_node(addr: str, token: str | None, timeout: float,
                      dial: dict[str, Any] | None = None) -> list[Check]:
-    """Every check against one node, stopping where the next cannot run;
-    ``dial``: ``connect``'s ``tls`` and ``insecure``."""
+    """Every check against one node, stopping where the next cannot run."""
     import rpcbuf
 
     out: list[Check] = []
@@ -200,7 +191,7 @@ async def _with_session(ctx: Any, addr: str, out: list[Check], dialed_tls: bool 
 
 async def _round_trips(ctx: Any, out: list[Check], largest: int) -> None:
     """A 4 KiB and a 64 MiB (or the largest free block's) store + read, each
-    the best of three after a warm-up (the first transfer sets up UCX)."""
+    the best of three after a warm-up."""
     big = min(BIG, largest)
     for size in (4096, big):
         label = format_size(size)
@@ -248,9 +239,8 @@ async def doctor(endpoints: list[str], token: str | None, timeout: float,
 
 
 def render(results: dict[str, list[Check]], columns: int | None = None) -> list[str]:
-    """One line per check, its sentence wrapped to the terminal under itself,
-    every part of it ``clean``: the node's hello, stats and errors are in
-    them, and a malicious node's escape sequences would reach the terminal."""
+    """One line per check, every part ``clean``: a malicious node's escape
+    sequences must not reach the terminal."""
     from rpcbuf.control.cli.tables import clean, fold, width
 
     mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
@@ -281,10 +271,8 @@ def failed(results: dict[str, list[Check]]) -> bool:
 
 def ucx_checks(here: dict[str, Any], node: Any, rdma: list[str],
                node_rdma: list[str]) -> list[Check]:
-    """What UCX each side really runs on (``ucx.library``): its path,
-    version and whether it can do RDMA at all, and a warning where it
-    cannot use what the host has, or where ``UCX_NET_DEVICES`` names a
-    device it does not see.  ``node``: the node's ``stats()["ucx"]``."""
+    """Each side's UCX (path, version, RDMA), warning where it cannot use what
+    the host has or ``UCX_NET_DEVICES`` names an unseen device."""
     out: list[Check] = []
     for side, lib, devs in (("here", here, rdma), ("node", node, node_rdma)):
         if not isinstance(lib, dict):

@@ -1,12 +1,6 @@
-"""Errors as sentences: what went wrong at which node, and what to do next.
-
-Every error the CLI prints goes through ``sentence``: one line per failing
-node on stderr, with the cause in words and the next step ("cannot reach
-rpcbufd at 127.0.0.1:1 (connection refused): is the daemon running?
-`systemctl status rpcbufd`").  The same sentence travels in ``--json``
-output, as ``sentence`` beside the error's wire form, so scripts and people
-read the same thing.  Nothing here does I/O but formatting; the token is only
-decoded (never verified) to say when it expired.
+"""Errors as sentences: one line per failing node with the cause in words and the
+next step; ``--json`` carries the same ``sentence`` beside the wire form.  The
+token is only decoded (never verified) to say when it expired.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ _CAUSES = {
 
 
 def positive_seconds(text: str) -> float:
-    """A flag's number of seconds, above 0 and finite (argparse's ``type``):
-    ``--timeout -1`` was taken, then reported "took longer than -1.0s"."""
+    """argparse ``type``: seconds above 0 and finite."""
     try:
         value = float(text)
     except ValueError:
@@ -51,7 +44,6 @@ def positive_seconds(text: str) -> float:
 
 
 def count_between(lo: int, hi: int) -> Any:
-    """argparse's ``type`` for a whole number from ``lo`` to ``hi``."""
     def check(text: str) -> int:
         try:
             value = int(text)
@@ -90,9 +82,8 @@ def _os_cause(exc: BaseException) -> str | None:
 
 
 def sentence(addr: str, exc: RpcBufError, now: float | None = None) -> str:
-    """The error at node ``addr`` as one sentence with the next step, ending
-    with its code in brackets (what scripts and the docs search for);
-    ``clean``: the daemon wrote the message and the code."""
+    """The error at ``addr`` with the next step, ending with its code in
+    brackets; ``clean``: the daemon wrote the message and the code."""
     from rpcbuf.control.cli.tables import clean  # rich: only once an error is printed
 
     code = exc.details.get("code") if exc.code == "ERROR" else exc.code
@@ -163,13 +154,11 @@ def _words(addr: str, exc: RpcBufError, now: float | None) -> str:
 
 
 def to_json(addr: str, exc: RpcBufError) -> dict[str, Any]:
-    """The error's wire form plus its sentence, for ``--json``."""
     return {**exc.to_wire(), "sentence": sentence(addr, exc)}
 
 
 def report(where: str, exc: RpcBufError, as_json: bool) -> int:
-    """Print one error of a whole command (``{"error": ...}`` with ``--json``,
-    else its sentence on stderr); EXIT_NODE."""
+    """Print one whole-command error (JSON or a sentence); EXIT_NODE."""
     if as_json:
         print(json.dumps({"error": to_json(where, exc)}, indent=2, default=str))
     else:

@@ -1,15 +1,8 @@
-"""The fleet registry on the command line: the ``--registry`` flags every
-client command takes, ``rpcbuf nodes`` (the registry's live members, no
-token needed: the entries hold no tenant data) and ``rpcbuf models`` (this
-tenant's loaded models across the live nodes, grouped from the named slot
-buffers ``NAME/slotN`` each node holds).
-
-``--registry etcd://HOST:PORT[,...]`` (else ``$RPCBUF_REGISTRY``, when no
-``--endpoint(s)`` is given) makes a command reach the cluster's live members
-instead of an endpoint list; ``--cluster`` picks the cluster; TLS to etcd is
-``--registry-ca/--registry-cert/--registry-key``, an etcd user
-``--registry-user`` with its password in ``$RPCBUF_REGISTRY_PASSWORD`` or
-``--registry-password-file`` (never a flag: flags show in ``ps``).
+"""The fleet registry on the command line: the ``--registry`` flags every client
+command takes, ``rpcbuf nodes`` (live members; no token: entries hold no
+tenant data) and ``rpcbuf models`` (this tenant's models across the live nodes,
+grouped from their ``NAME/slotN`` buffers).  An etcd password comes from the
+environment or a file, never a flag (flags show in ``ps``).
 """
 
 from __future__ import annotations
@@ -47,8 +40,6 @@ SLOT_RE = re.compile(r"(.+)/slot(\d+)")
 
 
 def node_tls_flags(p: argparse.ArgumentParser) -> None:
-    """How a client command reaches the nodes (``rpcbuf.connect``'s ``tls``
-    and ``insecure``): the token goes only to a node that proved itself."""
     p.add_argument("--ca", metavar="PEM", help="TLS to the nodes: each must present a "
                    "certificate from this CA naming its address (else $RPCBUF_CA)")
     p.add_argument("--insecure", action="store_true",
@@ -57,8 +48,7 @@ def node_tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def dial_kw(args: argparse.Namespace) -> dict[str, Any]:
-    """``tls`` and ``insecure`` for ``connect`` / ``Cluster.connect`` (None:
-    their environment defaults, $RPCBUF_CA and $RPCBUF_INSECURE)."""
+    """``tls`` and ``insecure`` for ``connect`` (None: the environment's defaults)."""
     return {"tls": getattr(args, "ca", None) or None,
             "insecure": True if getattr(args, "insecure", False) else None}
 
@@ -108,10 +98,8 @@ def options(args: argparse.Namespace) -> EtcdOptions:
 
 def cluster(args: argparse.Namespace, target: str | list[str], token: str, *,
             partial: bool = True, need: int | None = None) -> ClusterConnector:
-    """``Cluster.connect`` to ``target`` as a command's flags say: its
-    ``--timeout``, TLS to the nodes (``dial_kw``) and, from a registry, its
-    cluster and options, and ``need`` (bytes: the nodes with that much free
-    memory are chosen by the registry's figures)."""
+    """``Cluster.connect`` to ``target`` as the flags say; ``need``: bytes free a
+    registry-chosen node must have."""
     kw = dial_kw(args)
     if registry_url(args) is not None:
         kw |= {"cluster": args.cluster, "registry": options(args), "need": need}
@@ -174,16 +162,9 @@ def run_nodes(args: argparse.Namespace) -> int:
 def group_models(results: dict[str, Any],
                  records: dict[str, dict[str, LR.Found]] | None = None
                  ) -> dict[str, dict[str, Any]]:
-    """``{endpoint: buffers or error}`` (and ``{endpoint: {buffer id: its load
-    record}}``) -> ``{model: {slots, nodes, bytes, tensors, source_types,
-    metadata, complete, problems}}``.  ``tensors`` counts the model's tensors
-    (not its metadata tensor); ``source_types``: tensors per source type
-    (``Q8_0``, ``BF16``, ...; from the manifests, where recorded);
-    ``metadata``: some slot holds the file's metadata.  Complete: every slot
-    buffer committed by one load, every slot of that load there, every
-    tensor it verified still in place (``record.problems``, which
-    ``problems`` lists); ``None`` (unknown) when a node did not answer and
-    what did answer shows no problem."""
+    """``{model: {slots, nodes, bytes, tensors, source_types, metadata,
+    complete, problems}}`` from each node's buffers and load records.  ``complete``
+    is None when a node did not answer and the rest show no problem."""
     answered = all(not isinstance(r, RpcBufError) for r in results.values())
     out: dict[str, dict[str, Any]] = {}
     found: dict[str, dict[int, tuple[LR.Found, dict[str, Any]]]] = {}
@@ -233,8 +214,7 @@ def group_models(results: dict[str, Any],
 
 
 def _types_cell(types: dict[str, int], most: int | None = 3) -> str:
-    """The source types holding the most bytes first: ``"Q4_K Q6_K F32 +2"``
-    (every one when ``most`` is None: ``--wide``)."""
+    """Source types by bytes: ``"Q4_K Q6_K F32 +2"`` (all when ``most`` is None)."""
     names = list(types)
     if most is None:
         most = len(names)

@@ -1,12 +1,6 @@
-"""``rpcbuf load``, ``rpcbuf unload`` and ``rpcbuf hash``: a model across the
-nodes, from the command line.  The work is ``client.model.loader``
-(``load_model``, ``unload_model``), ``client.model.nodeload`` (``load
---from-node``: every node reads its share from its own disk) and
-``client.model.hashfile`` (``hash``: the manifest of hashes a node-local load
-reads instead of the model); this module parses the flags, refuses a bad
-model file before connecting (exit 2), and prints the result as a table that
-fits the terminal (``cli/tables.py``) or JSON, and errors as sentences, one
-per failing node (``cli/errors.py``).
+"""``rpcbuf load``, ``unload`` and ``hash``: flags parsed, a bad model file
+refused before connecting (exit 2), results as a table or JSON, errors as
+sentences per failing node.
 """
 
 from __future__ import annotations
@@ -44,7 +38,6 @@ from rpcbuf.control.wire.units import format_size, parse_size
 
 def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentParser], None]
                            ) -> None:
-    """Add ``load`` and ``unload`` to the ``rpcbuf`` parser."""
     ld = sub.add_parser("load", help="upload a safetensors/GGUF model across the nodes",
                         epilog='example: rpcbuf load llama.gguf --endpoints "h1:7700;h2:7700" '
                                '--placement "0:prolog,16;1:all,epilog"')
@@ -83,8 +76,8 @@ def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentPa
 
 
 def run_load_command(args: argparse.Namespace, endpoints: str | list[str], token: str) -> int:
-    """Run ``load``/``unload``: 0 ok, 1 an error at a node, 2 bad usage or input.
-    ``endpoints``: a list, or a registry's etcd:// URL (the live nodes)."""
+    """0 ok, 1 an error at a node, 2 bad usage or input.  ``endpoints``: a list
+    or a registry URL."""
     where = endpoints if isinstance(endpoints, str) else ";".join(endpoints)
     try:
         return asyncio.run(_run(args, endpoints, token))
@@ -113,8 +106,7 @@ EXIT_SIGINT, EXIT_SIGTERM = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 def _interrupted(args: argparse.Namespace, sig: str, code: int) -> int:
-    """One line, no traceback: a load that did not finish released what it
-    made (``commit.abort``) and left no model that looks complete."""
+    """One line, no traceback: an unfinished load released what it made."""
     what = "the load did not finish and what it made was released" if args.cmd == "load" \
         else "it may have released part of the model"
     _say(args, {"error": {"code": "INTERRUPTED", "signal": sig, "message": what}},
@@ -237,9 +229,8 @@ async def _run_connected(args: argparse.Namespace, endpoints: str | list[str], t
 
 
 async def _takes(cluster: Any, r: LoadResult) -> dict[str, int]:
-    """The memory each node's buffers of the load take (their blocks: the
-    buddy allocator rounds each up to a power of two, and a 389 MiB model
-    took 2 x 256 MiB without a word); a node that does not answer, none."""
+    """The memory each node's load buffers take (buddy blocks, rounded up); none
+    for a node that does not answer."""
     async def one(addr: str, names: list[str]) -> int:
         mine = set(names)
         return sum(int(b["alloc_size"]) for b in await cluster[addr].list_buffers()
@@ -253,8 +244,6 @@ async def _takes(cluster: Any, r: LoadResult) -> dict[str, int]:
 
 def result_table(r: LoadResult, wide: bool = False, takes: dict[str, int] | None = None
                  ) -> Any:
-    """Per node: its buffers, tensors, bytes, what was sent and deduplicated
-    (for a node-local load: what each node read from its disk)."""
     takes = takes or {}
     taken = [tables.Col("takes", right=True, drop=5)] if takes else []
 
@@ -276,8 +265,7 @@ def result_table(r: LoadResult, wide: bool = False, takes: dict[str, int] | None
 
 
 def _names(r: LoadResult, names: list[str]) -> str:
-    """A node's buffers, each one made by ``clone_buffer`` (a re-load under
-    a new name: no copy) marked so."""
+    """A node's buffers, clones (a re-load under a new name) marked so."""
     cloned = {b["name"] for b in r.buffers if b.get("cloned")}
     return ", ".join(f"{n} (clone)" if n in cloned else n for n in names)
 

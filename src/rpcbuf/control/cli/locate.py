@@ -1,12 +1,7 @@
-"""Where a named buffer (or a model's tensor) is, for the commands that name
-one: ``get``, ``get --tensor`` and ``release``.
-
-A buffer lives on one node, and ``$RPCBUF_ENDPOINTS`` names several: each
-command asks every node at once (``find``) and acts where the answer is
-yes.  A node that says NOT_FOUND is no failure when another holds the
-buffer; a node that cannot answer is reported (exit 1), since it may hold
-it too.  Found nowhere, the one NOT_FOUND names every node that was asked;
-found on several (two nodes, one name), ``get`` refuses to choose.
+"""Where a named buffer (or a model's tensor) is, for ``get`` and ``release``:
+every node is asked at once.  NOT_FOUND from one node is no failure when another
+holds it; a node that cannot answer is (it may hold it).  Found nowhere: one
+NOT_FOUND naming every node; found on several, ``get`` refuses to choose.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ class Found:
 
 
 async def resolve(ctx: RpcContext, ref: str) -> str:
-    """A buffer id for ``ref``: an id this tenant holds, else a buffer name.
-    Raises NOT_FOUND (the id's error when ``ref`` is neither)."""
+    """An id this tenant holds, else a buffer name.  Raises NOT_FOUND."""
     if ref.startswith("b-"):
         try:
             await ctx.get_buffer_meta(ref, tensors=False)
@@ -42,10 +36,8 @@ async def resolve(ctx: RpcContext, ref: str) -> str:
 
 
 async def locate(ctx: RpcContext, ref: str, tensor: str | None) -> Found:
-    """``ref`` on the node of ``ctx``: a buffer (id or name), or, with
-    ``tensor``, also a loaded model, whose slot holding ``tensor`` is the
-    buffer.  Raises NOT_FOUND (with ``reason: no_such_tensor`` when the
-    model is here without that tensor)."""
+    """``ref`` on ``ctx``'s node: a buffer, or with ``tensor`` a model's slot
+    holding it.  Raises NOT_FOUND (``reason: no_such_tensor``: model here, tensor not)."""
     try:
         return Found(await resolve(ctx, ref), ref, tensor)
     except NotFound:
@@ -63,8 +55,6 @@ async def locate(ctx: RpcContext, ref: str, tensor: str | None) -> Found:
 
 
 def nowhere(ref: str, tensor: str | None, addrs: list[str], model_here: bool) -> NotFound:
-    """The NOT_FOUND of a buffer (or tensor) that no node holds;
-    ``model_here``: the model is there, without that tensor."""
     where = addrs[0] if len(addrs) == 1 else f"any of {len(addrs)} nodes ({', '.join(addrs)})"
     if model_here:
         return NotFound(f"model {ref!r} has no tensor {tensor!r} on {where}",
@@ -75,10 +65,8 @@ def nowhere(ref: str, tensor: str | None, addrs: list[str], model_here: bool) ->
 
 async def find(cluster: Cluster, ref: str, tensor: str | None = None
                ) -> tuple[dict[str, Found], dict[str, RpcBufError]]:
-    """``ref`` on every node: ``({endpoint: found}, {endpoint: error})``,
-    the errors without the NOT_FOUNDs of nodes that do not hold it (a
-    model's slots on other nodes hold the other tensors), unless no node
-    holds it: then one NOT_FOUND for all, under ``"*"``."""
+    """``({endpoint: found}, {endpoint: error})`` without the NOT_FOUNDs, unless
+    no node holds it: then one NOT_FOUND under ``"*"``."""
     got = await cluster.each(lambda c: locate(c, ref, tensor))
     found = {a: r for a, r in got.items() if isinstance(r, Found)}
     errors = {a: r for a, r in got.items()

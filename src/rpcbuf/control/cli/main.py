@@ -1,13 +1,7 @@
-"""``rpcbuf``: the command-line client.
-
-Exit codes: 0 success; 1 an error at a node (for a command over several
-nodes: at least one failed; the table shows those that answered); 2 bad usage
-or a local problem (missing file, bad flag, no token).  Every error is one
-sentence per failing node on stderr (``cli/errors.py``), never a traceback;
-``--json`` carries the same errors as objects.  Tables fit the terminal
-(``cli/tables.py``; ``--wide`` shows every column).  The operator commands
-(status, ls, release, put, get, bench) live in ``commands.py``, model upload
-(load, unload, hash) in ``load.py`` over ``client/model/``.
+"""``rpcbuf``: the command-line client.  Exit 0 success; 1 an error at a node (for a
+command over several: at least one failed, the table shows the others); 2 bad
+usage or a local problem.  Every error is one sentence per failing node on
+stderr, never a traceback; ``--json`` carries the same as objects.
 """
 
 from __future__ import annotations
@@ -83,7 +77,7 @@ def _endpoints(args: argparse.Namespace) -> list[str]:
 
 
 def _target(args: argparse.Namespace) -> str | list[str]:
-    """The registry's URL (``--registry``, an etcd:// endpoint, or
+    """The registry URL (``--registry``, an etcd:// endpoint, or
     ``$RPCBUF_REGISTRY``), else the endpoint list."""
     return fleet.registry_url(args) or _endpoints(args)
 
@@ -104,9 +98,8 @@ def _token(args: argparse.Namespace) -> str:
 
 
 def _keys(path: str, create: bool, kid: str) -> Keyring:
-    """``token create``'s keys.  A file that is not there is a mistake (a
-    typo made a new key that every node refused) unless ``--create`` asks
-    for one, and even then in a directory that exists."""
+    """``token create``'s keys: a missing file is an error (a typo minted a key
+    every node refused) unless ``--create``, in a directory that exists."""
     where = Path(path)
     if not where.exists():
         if not create:
@@ -183,15 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _per_node(args: argparse.Namespace, fn: Any) -> dict[str, Any]:
-    """``fn(ctx)`` on every node; ``{endpoint: result or error}`` (a node that
-    cannot be reached reports its own error, the others still answer)."""
+    """``{endpoint: result or error}`` of ``fn(ctx)`` on every node."""
     async with _cluster(args) as cluster:
         return await cluster.each(fn)
 
 
 async def _devices(args: argparse.Namespace) -> int:
-    """Every node's devices as one table (slot numbers are placement's), or JSON
-    ``{endpoint: [device, ...] or error}``; exit 1 if any node failed."""
+    """Every node's devices in one table (placement's slot numbers) or JSON;
+    exit 1 if any node failed."""
     async with _cluster(args) as cluster:
         got = await cluster.devices_by_node()
     failed = any(isinstance(r, RpcBufError) for r in got.values())
@@ -233,7 +225,6 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _print_errors(results: dict[str, Any]) -> None:
-    """One sentence per failing node, on stderr."""
     for addr, res in results.items():
         if isinstance(res, RpcBufError):
             tables.warn(f"rpcbuf: {sentence(addr, res)}")
@@ -301,10 +292,8 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def _finish(args: argparse.Namespace, results: dict[str, Any], lines: list[str]) -> int:
-    """Print what a command over several nodes did (``lines``, or JSON
-    ``{endpoint: result or error}``) and each failing node's sentence;
-    exit 1 if any failed.  Found on no node (``locate.find``'s ``"*"``), the
-    error is the whole command's (``{"error": ...}``)."""
+    """Print a multi-node result and each failing node's sentence; exit 1 if
+    any failed.  Found nowhere (``"*"``): the whole command's error."""
     if list(results) == ["*"]:
         return report(";".join(_endpoints(args)), results["*"], args.json)
     if args.json:
@@ -332,7 +321,6 @@ def _release_many(args: argparse.Namespace) -> int:
 
 
 async def _release(args: argparse.Namespace) -> int:
-    """Release the buffer on each node that holds it (``locate``)."""
     async with _cluster(args) as cluster:
         found, errors = await locate.find(cluster, args.buffer)
         results: dict[str, Any] = dict(errors)
@@ -346,7 +334,6 @@ async def _release(args: argparse.Namespace) -> int:
 
 
 async def _get(args: argparse.Namespace) -> int:
-    """Read a buffer (or a model's tensor) from the node that holds it."""
     out = cliops.get_target(args.buffer, args.out, args.force, args.tensor)  # before connecting
     async with _cluster(args) as cluster:
         found, errors = await locate.find(cluster, args.buffer, args.tensor)
@@ -365,8 +352,7 @@ async def _get(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    """The benchmark on each node in turn (one at a time: they would share
-    this host's links and cores), a table with a row per node and size."""
+    """One node at a time: they would share this host's links and cores."""
     async with _cluster(args) as cluster:
         results: dict[str, Any] = dict(cluster.errors)
         for addr in cluster.endpoints:
@@ -383,8 +369,7 @@ async def _bench(args: argparse.Namespace) -> int:
 
 
 async def _put(args: argparse.Namespace) -> int:
-    """Store a .npy file in a new buffer on the first endpoint (said on
-    stderr when there are several; ``--endpoint`` picks the node)."""
+    """A .npy file into a new buffer on the first endpoint (said when several)."""
     from rpcbuf.control.client.connect import connect
 
     arr = cliops.load_npy(args.file)  # a missing or bad file: exit 2 before connecting
@@ -412,10 +397,8 @@ async def _put(args: argparse.Namespace) -> int:
 
 def _chosen(parser: argparse.ArgumentParser,
             args: argparse.Namespace) -> tuple[argparse.ArgumentParser, bool]:
-    """The innermost (sub)command parser ``args`` went through, and whether
-    it wants a subcommand that was not given.  argparse has no public way
-    to this: its subparser actions are walked (``choices`` maps each name to
-    its parser)."""
+    """The innermost parser ``args`` went through, and whether it lacks a
+    subcommand (argparse's subparser actions walked: no public way)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             name = getattr(args, action.dest, None)
@@ -426,9 +409,8 @@ def _chosen(parser: argparse.ArgumentParser,
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, or exit 2: a flag no command knows gets the usage
-    of the command it was given to (argparse hands it up to ``rpcbuf``'s),
-    and a command without its subcommand prints its help."""
+    """The command line, or exit 2: an unknown flag gets its own command's usage,
+    a command without its subcommand its help."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     chosen, incomplete = _chosen(parser, args)

@@ -1,19 +1,10 @@
-"""Tables that fit the terminal.
+"""Tables that fit the terminal (``$COLUMNS``, the terminal, else 80).  Optional
+columns are dropped first, lowest priority first, and named under the table; a
+key column (ids, endpoints) is never cut, only wrapped whole where it says
+``wrap``; numbers keep their width.  ``--wide`` keeps every column.
 
-Each column says how it may give way when the terminal is narrow: an
-*optional* one (allocator, largest free block, ...) is dropped first, lowest
-priority first, until the table fits; a *key* column (ids, endpoints: what a
-user copies) is never cut, nor wrapped unless it says ``wrap`` (names, which
-then continue on the next line, whole); numbers keep their width.
-``--wide`` keeps every column and lets the terminal wrap; a table that
-left columns out names them under it.  Widths come from
-``$COLUMNS`` or the terminal (80 when neither is known).
-
-Every string the CLI prints that a daemon, a registry or a file chose goes
-through ``clean`` first (the cells and titles here, ``doctor``'s lines,
-error sentences): a daemon's hello or stats is someone else's text, and a
-terminal obeys the escape sequences in it (retitle the window, clear the
-screen, rewrite what was printed above).
+Every string a daemon, registry or file chose goes through ``clean`` before it
+is printed: a terminal obeys the escape sequences in someone else's text.
 """
 
 from __future__ import annotations
@@ -36,12 +27,9 @@ def _escaped(ch: str) -> str:
 
 
 def clean(text: Any, newlines: bool = False, limit: int = CLEAN_MAX) -> str:
-    """``text`` as a string safe to print on a terminal: every character
-    that is not printable (C0 and C1 controls, ESC and BEL among them, DEL,
-    bidi overrides and other format characters, line separators) written
-    as its Python escape (ESC as backslash-x1b), newlines too unless
-    ``newlines``; at most ``limit`` characters, then how many more there
-    were."""
+    """``text`` safe for a terminal: every non-printable character (controls,
+    ESC, DEL, bidi and format characters, line separators; newlines unless
+    ``newlines``) as its Python escape; at most ``limit`` characters."""
     s = text if isinstance(text, str) else str(text)
     if len(s) > limit:
         s = f"{s[:limit]}... ({len(s) - limit} more characters)"
@@ -61,8 +49,7 @@ class Col:
 
 
 def duration(seconds: float) -> str:
-    """A time span in a cell (a lease left, an uptime, how long ago): 45s,
-    59m, 23h 59m, 6d 23h."""
+    """45s, 59m, 23h 59m, 6d 23h."""
     s = max(0, int(seconds))
     if s < 60:
         return f"{s}s"
@@ -82,9 +69,8 @@ SEPARATORS = "/-_.,:"  # where a word too long for a line (a path, a name) may b
 
 
 def _pieces(word: str, room: int) -> list[str]:
-    """``word`` cut into pieces of at most ``room`` characters, each after
-    a separator where the piece has one (``/work/.../lib/`` then
-    ``libucp.so.0``), mid-word only where it has none."""
+    """``word`` in pieces of at most ``room``, cut after a separator where
+    there is one, mid-word only where not."""
     out = []
     while len(word) > room:
         cut = max(word.rfind(sep, 0, room) for sep in SEPARATORS)
@@ -95,10 +81,8 @@ def _pieces(word: str, room: int) -> list[str]:
 
 
 def fold(text: str, room: int) -> list[str]:
-    """``text`` in lines of at most ``room`` characters, broken between
-    words; a word longer than a line starts one and breaks after a
-    separator (``_pieces``), never mid-word where it has one (a terminal's
-    own wrap broke ``$RPC`` / ``BUF_TOKEN`` and library paths)."""
+    """Lines of at most ``room``, broken between words, a long word after a
+    separator (``_pieces``)."""
     room = max(1, room)
     lines: list[str] = []
     for para in text.split("\n"):
@@ -122,21 +106,15 @@ def fold(text: str, room: int) -> list[str]:
 
 
 def warn(text: str) -> None:
-    """One sentence for the user on stderr: folded between words to the
-    terminal's width when stderr is a terminal (as it is, one line, for a
-    pipe or a log, where grep finds it whole)."""
+    """One sentence on stderr, folded to a terminal's width; whole on a pipe."""
     if sys.stderr.isatty():
         text = "\n".join(fold(text, width() - 1))
     print(text, file=sys.stderr)
 
 
 def _cell(cell: Any) -> Text:
-    """A cell as rich text: a ``Text`` as it is (our own styling, ``bar``:
-    whoever builds one cleans what goes in), anything else as plain text,
-    never as markup, and ``clean``: names, keys and node records are other
-    people's strings, and a ``[`` in one must neither restyle the table nor
-    break it (rich raises on ``[/x]``), nor an ESC reach the terminal (rich
-    passes it through)."""
+    """Rich text: a ``Text`` as is (its builder cleans it), anything else plain,
+    never markup, and ``clean``ed (a ``[`` must not restyle or break the table)."""
     return cell if isinstance(cell, Text) else Text(clean(cell, newlines=True))
 
 

@@ -409,20 +409,17 @@ async def bind_ucx(host: str, port: int, nonce: bytes, timeout: float | None,
 
     ack = np.zeros(1, dtype=np.uint8)
     try:
-        await ucx.transfer_all([ep.send(np.frombuffer(nonce, dtype=np.uint8),
-                                        ucx.BIND_TAG), ep.recv(ack, ucx.BIND_TAG)],
-                               limit, expire, lost)
+        with ucx_errors(f"UCX connection to {host}"):
+            await ucx.transfer_all([ep.send(np.frombuffer(nonce, dtype=np.uint8),
+                                            ucx.BIND_TAG), ep.recv(ack, ucx.BIND_TAG)],
+                                   limit, expire, lost)
         if ack[0] != 1:
             raise ConnectionLost("daemon refused to bind the data endpoint")
-    except ucx.Abandoned:
-        ep.abort()
-        raise ConnectionLost(f"the control connection to {host} was lost while binding "
-                             "the UCX endpoint") from None
-    except ucx.TransferError as exc:
+    except ConnectionLost:
         ep.abort()
         if expired:
             raise Timeout(f"binding the UCX endpoint at {host} timed out") from None
-        raise ConnectionLost(f"UCX connection to {host} failed: {exc}") from exc
+        raise
     except BaseException:
         ep.abort()
         raise

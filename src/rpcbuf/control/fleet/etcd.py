@@ -1,23 +1,12 @@
-"""The one module that talks to etcd (through ``aetcd``, an asyncio etcd v3
-client over gRPC): what the daemon's registration and the client's discovery
-both need, each call bounded in time, over any of the registry's members.
+"""The one module that talks to etcd, through ``aetcd`` (asyncio, v3 API over
+gRPC; its only dependencies are grpcio and protobuf).
 
-``Etcd(address, options)`` keeps one ``aetcd.Client`` to the member it last
-reached.  Every call runs under ``options.timeout``; a call that fails (the
-member is down, partitioned away, or lost our auth token) closes that client
-and is retried once on each next member, then raises ``EtcdUnavailable``
-naming the whole address: at most ``len(members)`` tries of ``timeout`` each,
-never a hang.  Callers own their backoff (``daemon/service/announce.py``,
-``client/discovery.py``).
-
-Why aetcd: a maintained asyncio client of the v3 API (leases, watches,
-transactions) whose only dependencies are grpcio and protobuf; the JSON
-gateway would need an async HTTP client rpcbuf does not have and a streamed
-JSON watch parser of our own.  aetcd 1.0 opens plaintext channels only, so
-``_TlsClient`` opens a TLS channel (CA, and a client certificate and key for
-mutual TLS) the same way and otherwise leaves aetcd as it is; user/password
-goes through aetcd's own ``Authenticate`` (over the TLS channel when there
-is one).
+``Etcd`` keeps one client to the member it last reached.  Every call runs under
+``options.timeout``; a failed call closes that client and is retried once on
+each next member, then raises ``EtcdUnavailable``: at most ``len(members)``
+tries, never a hang.  Callers own their backoff.  aetcd 1.0 opens plaintext
+channels only, so ``_TlsClient`` opens a TLS one (CA, client certificate);
+user/password goes through aetcd's ``Authenticate``.
 """
 
 from __future__ import annotations
@@ -63,8 +52,7 @@ class EtcdOptions:
     timeout: float = 3.0
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS channel credentials when a CA or a client certificate is set.
-        Raises OSError naming a file that cannot be read."""
+        """Raises OSError naming a file that cannot be read."""
         if not (self.ca or self.cert):
             return None
         if bool(self.cert) != bool(self.key):
@@ -84,8 +72,7 @@ class EtcdOptions:
 
 
 class _TlsClient(aetcd.Client):
-    """``aetcd.Client`` over a TLS channel (aetcd 1.0's ``connect`` opens a
-    plaintext one only); the stubs are set up as aetcd sets them up."""
+    """``aetcd.Client`` over a TLS channel, its stubs set up as aetcd does."""
 
     def __init__(self, host: str, port: int, creds: grpc.ChannelCredentials,
                  **kw: Any) -> None:
@@ -123,8 +110,6 @@ class Event:
 
 
 class Etcd:
-    """The registry's members, one call at a time; see the module docstring."""
-
     def __init__(self, address: RegistryAddress, options: EtcdOptions | None = None) -> None:
         self.address = address
         self.options = options or EtcdOptions()
@@ -151,8 +136,8 @@ class Etcd:
                     await client.close()
 
     async def call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """``fn(client)`` on the member last reached, else on each next one
-        (once each, ``timeout`` each).  Raises ``EtcdUnavailable``."""
+        """``fn(client)`` on the last member reached, else each next once.  Raises
+        ``EtcdUnavailable``."""
         last: BaseException | None = None
         for _ in range(len(self.address.endpoints)):
             if self._client is None:
@@ -202,10 +187,8 @@ class Etcd:
 
     async def put_if_free(self, key: str, value: bytes, lease_id: int,
                           mine: int | None = None) -> bytes | None:
-        """Put ``key`` on ``lease_id`` only if it is absent or held by the
-        lease ``mine`` (each an etcd transaction: never a blind overwrite of
-        another writer's key).  None once written; else the value there now
-        (whoever holds the key; empty if it vanished meanwhile)."""
+        """Put ``key`` on ``lease_id`` only if absent or held by lease ``mine`` (a
+        transaction: never a blind overwrite).  None once written, else the value there."""
         async def put(c: aetcd.Client) -> bytes | None:
             t, k = c.transactions, key.encode()
             held = await c.transaction(
@@ -235,8 +218,8 @@ class Etcd:
         await self.call("lease revoke", revoke)
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[Event]:
-        """Changes under ``prefix`` from ``start_revision`` on, until the
-        stream breaks (raises ``EtcdUnavailable``) or the caller stops."""
+        """Changes under ``prefix`` from ``start_revision`` until the stream breaks
+        (``EtcdUnavailable``) or the caller stops."""
         # One slot beyond the bound, for the error that ends a watch that fell behind.
         events: asyncio.Queue[Event | BaseException] = asyncio.Queue(MAX_WATCH_QUEUE + 1)
 

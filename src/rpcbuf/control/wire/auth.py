@@ -1,64 +1,27 @@
-"""Tokens and the node's keys.
+"""Tokens, the node's keys, and hello's proof of possession.
 
-A token is a standard JSON Web Token, HS256-signed with one of the node's keys:
-header ``{"alg": "HS256", "typ": "JWT", "kid": KEY_ID}``, claims ``sub`` (the
-tenant), ``aud`` (where it is good, below), ``iat``, ``exp`` and ``jti``
-(random, so two tokens never coincide).
-A token that never expires has no ``exp`` and says so with
-``"never_expires": true`` (``rpcbuf token create --ttl never``); one with
-neither is refused, so a token minted by hand without ``exp`` does not live
-forever by accident.  JWT rather than our own format because operators mint
-and inspect JWTs with the tools they already have (PyJWT, jwt-cli, any JWT
-decoder) and ``kid`` is the standard place to name the key.
-
-Verification reads ``kid`` from the (not yet verified) header only to pick a
-key (a dict lookup; no ``kid`` means ``default``), then PyJWT checks the
-signature with the algorithm list pinned to HS256 (never ``none``, never an
-asymmetric algorithm whose "public key" would be our secret) and compares MACs
-in constant time (``hmac.compare_digest``), all before any claim is looked at:
-a forged token and a garbled one both fail ``AUTH_FAILED``, and only a genuine
-one can say ``TOKEN_EXPIRED``.
-
-The audience: ``aud`` lists clusters (``prod``: any node of that cluster)
-or nodes of one (``prod/n1``: that node only; ``/`` is in no cluster name
-or node id).  A node accepts a token whose ``aud`` names its cluster (the
-daemon's ``--cluster``) or itself in it; PyJWT does the matching
-(``audience=``).  So a token stolen for one cluster or node, by a fake node
-a forged registry entry pointed the client at, cannot be replayed on
-another, even where they share a key.  A token with no ``aud`` is good
-nowhere: ``rpcbuf token create`` always writes one (cluster ``default``
-unless told).
-
-The secret file holds one key per line, ``KEY_ID SECRET`` (``#`` comments and
-blank lines ignored), UTF-8 text throughout; the last line signs new tokens.  A line with a bare
-secret is the key ``default``: the single-secret file of earlier releases is
-such a file.  Rotation is: add a line, SIGHUP the daemon, mint with the new
-key, delete the old line, SIGHUP again (sessions of the removed key end).
-
-The ``rpcbuf1.<payload>.<mac>`` tokens of development builds are refused
-(they skipped the tenant-name check, and ``exp=0`` never expired); the prefix
-is recognised only to say so.
-
-**The token never crosses the wire** (protocol 4).  An HS256 token is
-``claims.S`` where ``claims`` is ``header.payload`` (readable by anyone: not
-secret) and S = HMAC-SHA256(key, claims): a secret its holder shares with
-every node that holds the key, and with no one else.  So hello proves
-possession of ``S`` instead of sending it: the client sends ``claims`` and a
-fresh client nonce (``challenge``), the daemon answers a fresh server nonce
-and its own proof HMAC(S, "daemon" | transcript), which the client checks
-before it sends anything that depends on ``S``; then the client sends
-HMAC(S, "client" | transcript) (``hello``).  The transcript
-(``transcript``) holds a label, the protocol version, both nonces and the
-claims, in fixed-size fields and the claims last, so no two transcripts read
-alike.  The daemon recomputes ``S`` from the key ``kid`` names, compares the
-proof in constant time (``check_proof``: a forged token is ``AUTH_FAILED``
-before any claim is read), then puts the token back together and runs the
-same PyJWT checks as ``verify`` (audience, tenant, expiry).  What this gives:
-an impostor on the port, a forged registry entry or a captured packet gets
-the claims and proofs bound to nonces that never recur; none of it opens a
-session.  What it does not: a relay that passes a live daemon's challenge to
-the client and the client's proof back (an active man in the middle while the
-real daemon is up) gets that one session; only TLS stops it.
+- A token is a JWT, HS256-signed with one of the node's keys (header ``kid``
+  names it; none means ``default``); claims ``sub`` (tenant), ``aud``, ``iat``,
+  ``jti`` and ``exp``, or ``"never_expires": true`` instead (a token with neither
+  is refused, so a hand-minted one never lives forever by accident).
+- Verification trusts the unverified header only to pick a key, pins the
+  algorithm list to HS256 (no ``none``, no key confusion) and checks the MAC in
+  constant time before any claim: forged and garbled tokens are both
+  ``AUTH_FAILED``; only a genuine one can say ``TOKEN_EXPIRED``.
+- ``aud`` lists clusters (``prod``) or nodes of one (``prod/n1``); a node takes a
+  token naming its cluster or itself, so a token stolen by a fake node cannot be
+  replayed on another cluster or node, even one sharing the key.  No ``aud``:
+  good nowhere.
+- The secret file holds ``KEY_ID SECRET`` lines (UTF-8; a bare secret is key
+  ``default``); the last line signs new tokens.  Rotation: add a line, SIGHUP,
+  mint, delete the old line, SIGHUP.  ``rpcbuf1.`` development tokens are refused.
+- The token never crosses the wire.  Its HS256 signature ``S`` is a secret shared
+  with the nodes holding the key; hello sends only ``header.payload`` and a
+  client nonce, the daemon answers a server nonce and HMAC(S, "daemon" |
+  transcript), checked before the client sends HMAC(S, "client" | transcript).
+  The transcript holds fixed-size fields and the claims last, so no two read
+  alike.  A captured hello opens nothing; an active relay to a live daemon gets
+  that one session (only TLS stops it).
 """
 
 from __future__ import annotations
@@ -97,8 +60,8 @@ KID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 @dataclass(frozen=True)
 class Keyring:
-    """The node's keys, key id -> secret, in file order: the last one signs
-    new tokens.  (The secrets are left out of ``repr``: never logged.)"""
+    """The node's keys, key id -> secret, in file order (the last signs new
+    tokens); the secrets are kept out of ``repr``."""
 
     keys: Mapping[str, bytes] = field(repr=False)
 
@@ -121,8 +84,8 @@ class Keyring:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a verified token says: who, until when (None: never), signed with
-    which key (``key``: its secret, to tell on reload whether it is still there)."""
+    """A verified token: tenant, expiry (None: never), key id and secret
+    (to tell on reload whether the key is still there)."""
 
     tenant: str
     expires_at: float | None
@@ -138,7 +101,7 @@ def _ring(keys: Keyring | bytes) -> Keyring:
 
 
 def parse_keys(data: bytes, where: str = "secret file") -> Keyring:
-    """Parse a secret file's contents. Raises ValueError naming the line."""
+    """Raises ValueError naming the line."""
     try:
         lines = data.decode().splitlines()
     except UnicodeDecodeError as exc:
@@ -179,9 +142,8 @@ def _long_enough(secret: bytes, where: str) -> bytes:
 
 def load_keys(path: str | os.PathLike[str], create: bool = True,
               kid: str = DEFAULT_KID) -> Keyring:
-    """Read the node's keys; create the file (0600, one key ``kid`` of 32
-    random bytes as hex) when missing.  Raises FileNotFoundError (missing,
-    ``create=False``) or ValueError (a bad file)."""
+    """Create the file (0600, key ``kid``, 32 random bytes as hex) when missing.
+    Raises FileNotFoundError (missing, ``create=False``) or ValueError."""
     p = Path(path)
     if not p.exists():
         if not create:
@@ -201,9 +163,8 @@ def load_keys(path: str | os.PathLike[str], create: bool = True,
 
 
 def load_or_create_secret(path: str | os.PathLike[str], create: bool = True) -> bytes:
-    """The secret of a file with one key (the single-secret API of earlier
-    releases: ``create_token`` and ``verify_token`` take it as key ``default``).
-    Raises ValueError for a file with several keys: use ``load_keys``."""
+    """The secret of a one-key file (key ``default``). Raises ValueError for a
+    file with several keys: use ``load_keys``."""
     ring = load_keys(path, create)
     if ring.kids != [DEFAULT_KID]:
         raise ValueError(f"secret file {path} holds keys {', '.join(ring.kids)}: "
@@ -216,8 +177,8 @@ def load_or_create_secret(path: str | os.PathLike[str], create: bool = True) -> 
 
 def audience(clusters: Sequence[str] = (DEFAULT_CLUSTER,),
              nodes: Sequence[str] = ()) -> list[str]:
-    """The ``aud`` of a token for any node of ``clusters``, or (``nodes``)
-    only for those nodes of them.  Raises ValueError for a bad name."""
+    """``aud`` for any node of ``clusters``, or only ``nodes`` of them.
+    Raises ValueError for a bad name."""
     if not clusters:
         raise ValueError("a token needs at least one cluster")
     for c in clusters:
@@ -230,10 +191,8 @@ def audience(clusters: Sequence[str] = (DEFAULT_CLUSTER,),
 def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
                  kid: str | None = None, clusters: Sequence[str] = (DEFAULT_CLUSTER,),
                  nodes: Sequence[str] = ()) -> str:
-    """A token for ``tenant``, valid ``ttl`` seconds (None: it never expires),
-    signed with key ``kid`` (default: the newest), good on any node of
-    ``clusters`` or (``nodes``) only on those nodes of them (see
-    ``audience``).  Raises ValueError."""
+    """A token for ``tenant``, valid ``ttl`` seconds (None: forever), signed
+    with ``kid`` (default: the newest key). Raises ValueError."""
     if not TENANT_RE.fullmatch(tenant):
         raise ValueError(
             f"bad tenant name {tenant!r}: letters, digits and _.@- only, at most 128 characters"
@@ -259,9 +218,8 @@ def create_token(keys: Keyring | bytes, tenant: str, ttl: float | None = None,
 
 def verify(keys: Keyring | bytes, token: str, now: float | None = None,
            cluster: str = DEFAULT_CLUSTER, node: str | None = None) -> Grant:
-    """Check a token against the keys of node ``node`` of ``cluster``.
-    Raises AuthFailed (forged, garbled, unknown or revoked key, no tenant,
-    no expiry, no audience or another one) or TokenExpired."""
+    """Raises AuthFailed (forged, garbled, unknown or revoked key, no tenant,
+    no expiry, no or another audience) or TokenExpired."""
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
         raise AuthFailed("malformed token")
     ring = _ring(keys)
@@ -316,7 +274,6 @@ def verify(keys: Keyring | bytes, token: str, now: float | None = None,
 
 
 def verify_token(keys: Keyring | bytes, token: str, now: float | None = None) -> str:
-    """The tenant a token was made for; see ``verify``."""
     return verify(keys, token, now).tenant
 
 
@@ -329,9 +286,8 @@ CLIENT, DAEMON = b"client", b"daemon"  # whose proof (same length: no prefix of 
 
 
 def split_token(token: str) -> tuple[str, bytes]:
-    """A token as ``(claims, S)``: ``header.payload`` (sent) and the 32-byte
-    HS256 signature (never sent).  Raises AuthFailed for anything that is
-    not such a token, here, before anything is dialed."""
+    """``(header.payload, S)``: S, the 32-byte signature, is never sent.
+    Raises AuthFailed before anything is dialed."""
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN:
         raise AuthFailed("malformed token")
     if token.startswith(LEGACY_PREFIX + "."):
@@ -348,21 +304,20 @@ def split_token(token: str) -> tuple[str, bytes]:
 
 
 def transcript(version: int, claims: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """What both proofs cover: the label, the version, both nonces (fixed
-    size), then the claims (last: no field boundary to shift)."""
+    """What both proofs cover: label, version, both nonces (fixed size),
+    then the claims last (no field boundary to shift)."""
     if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
         raise ValueError(f"hello nonces are {NONCE_BYTES} bytes")
     return b"%s\0%d\0" % (LABEL, version) + client_nonce + server_nonce + claims.encode()
 
 
 def prove(secret: bytes, who: bytes, said: bytes) -> bytes:
-    """``who``'s proof (``CLIENT`` or ``DAEMON``) over transcript ``said``."""
     return hmac.new(secret, who + b"\0" + said, hashlib.sha256).digest()
 
 
 def signature(keys: Keyring | bytes, claims: str) -> tuple[str, bytes]:
-    """The key id ``claims`` names, and ``S``: what that key signs them to
-    (PyJWT's own HS256).  Raises AuthFailed (malformed, unknown or revoked key)."""
+    """``(kid, S)`` for ``claims`` under the key it names. Raises AuthFailed
+    (malformed, unknown or revoked key)."""
     if not isinstance(claims, str) or not claims or len(claims) > MAX_TOKEN:
         raise AuthFailed("malformed token")
     if claims.startswith(LEGACY_PREFIX + "."):
@@ -386,10 +341,8 @@ def signature(keys: Keyring | bytes, claims: str) -> tuple[str, bytes]:
 def check_proof(keys: Keyring | bytes, claims: str, proof: bytes, said: bytes,
                 now: float | None = None, cluster: str = DEFAULT_CLUSTER,
                 node: str | None = None) -> Grant:
-    """The daemon's check of a client's proof over transcript ``said``:
-    the proof first, in constant time, then (the token put back together)
-    every check of ``verify``.  Raises AuthFailed (a forged token, another
-    key, a replayed or altered hello) or TokenExpired."""
+    """The proof first, in constant time, then every check of ``verify``.
+    Raises AuthFailed (forged, another key, replayed or altered hello) or TokenExpired."""
     _, secret = signature(keys, claims)
     if not isinstance(proof, bytes) or not hmac.compare_digest(
             proof, prove(secret, CLIENT, said)):

@@ -1,7 +1,4 @@
-"""The requests of the keyed block tier (``docs/kvcache.md``; the daemon's
-side is ``daemon/ops/blockops.py``), re-exported by ``protocol.py``, whose
-``OPS`` lists them with the others.
-"""
+"""The requests of the keyed block tier (``docs/kvcache.md``)."""
 
 from __future__ import annotations
 
@@ -13,14 +10,11 @@ from rpcbuf.control.wire.fields import BlockKeys, Inline, PathName, Request, U64
 
 @dataclass(frozen=True)
 class BlockPut(Request):
-    """Keyed blocks, written two-phase (``daemon/ops/blockops.py``): each key gets
-    a new block of ``sizes[i]`` bytes, its bytes follow as a batch does (one
-    UCX message per block, tag ``run_tag(id, i)``; or the staging slot
-    ``stage``, back to back in key order), and once all landed and match
-    ``checksums`` (xxh3-64, required) the blocks replace what the keys named,
-    all at once.  Until then no reader sees them.  ``metas``: a small opaque
-    blob per block (at most MAX_STR bytes), given back by ``block_lookup``;
-    ``ttl``: seconds each block lives (None: until evicted or removed)."""
+    """Keyed blocks, written two-phase: each key gets a new block of
+    ``sizes[i]`` bytes, sent as a batch's items (tag ``run_tag(id, i)``, or staging
+    slot ``stage`` back to back); once all landed and match ``checksums`` (xxh3-64)
+    they replace the keys' blocks at once, unseen before.  ``metas``: an opaque blob
+    per block (at most MAX_STR bytes); ``ttl``: seconds (None: until evicted)."""
 
     op: ClassVar[str] = "block_put"
     keys: BlockKeys
@@ -40,10 +34,8 @@ class BlockPut(Request):
 
 @dataclass(frozen=True)
 class BlockGet(Request):
-    """The bytes of blocks, each ``sizes[i]`` long as the reader expects
-    (one UCX message per block, or the staging slot ``stage`` back to back).
-    All or nothing: a key that is missing (or of another size) is NOT_FOUND
-    naming them (``details.missing``, ``details.sizes``), and nothing moves."""
+    """Blocks' bytes, each ``sizes[i]`` long.  All or nothing: a missing or
+    resized key is NOT_FOUND (``details.missing``, ``details.sizes``)."""
 
     op: ClassVar[str] = "block_get"
     keys: BlockKeys
@@ -71,9 +63,8 @@ class BlockRemove(Request):
 
 @dataclass(frozen=True)
 class BlockAttach(Request):
-    """A read-only handle of one block, sent on the handle channel (as
-    ``attach``); the answer names the buffer id ``detach`` takes.  The block
-    is pinned (never evicted, freed only at the last detach) meanwhile."""
+    """A read-only handle of one block on the handle channel; it stays pinned
+    until the last detach of the answer's buffer id."""
 
     op: ClassVar[str] = "block_attach"
     key: str
@@ -81,9 +72,8 @@ class BlockAttach(Request):
 
 @dataclass(frozen=True)
 class BlockList(Request):
-    """The tenant's keys in order, at most ``limit`` (<= MAX_BLOCK_KEYS) after
-    ``start_after``, those starting with ``prefix``; ``more`` says whether
-    others follow."""
+    """At most ``limit`` keys after ``start_after`` starting with ``prefix``;
+    ``more`` says whether others follow."""
 
     op: ClassVar[str] = "block_list"
     prefix: str | None = None
@@ -96,15 +86,10 @@ class BlockList(Request):
 
 @dataclass(frozen=True)
 class BlockPlace(Request):
-    """A same-host put's first half: pending slots for blocks of ``sizes``
-    in the tenant's segments (as ``block_put`` takes them), held for this
-    session under the answer's ``lease``.  The answer says where each slot
-    lies (``segments``: the distinct segment ids; ``which``: per block an
-    index into them; ``offsets``: per block its offset in its segment) and
-    ``maps``: ``[segment id, tag, size]`` for each segment whose writable
-    handle this session had not been sent yet, sent on the handle channel
-    tagged ``tag`` before the answer.  The client copies the bytes in and
-    sends ``block_commit``; nothing is any key's until then."""
+    """A same-host put's first half: pending slots for ``sizes``, held under the
+    answer's ``lease``.  Answers ``segments`` (ids), per block ``which`` (an index
+    into them) and ``offsets``, and ``maps`` ``[segment id, tag, size]`` for each
+    segment handle sent (tagged) on the handle channel first."""
 
     op: ClassVar[str] = "block_place"
     keys: BlockKeys
@@ -115,10 +100,8 @@ class BlockPlace(Request):
 
 @dataclass(frozen=True)
 class BlockCommit(Request):
-    """The second half: the daemon hashes the lease's slots (xxh3-64) and,
-    when all match ``checksums``, makes them the keys' blocks at once;
-    otherwise VERIFY_FAILED and the slots go back.  ``abort``: hand them
-    back without committing."""
+    """The second half: all slots match ``checksums`` and become the keys'
+    blocks at once, or VERIFY_FAILED and they go back.  ``abort``: just give them back."""
 
     op: ClassVar[str] = "block_commit"
     lease: int
@@ -130,10 +113,8 @@ class BlockCommit(Request):
 
 @dataclass(frozen=True)
 class BlockLocate(Request):
-    """A same-host get in place: where the blocks lie (as ``block_place``
-    answers), each pinned for this session under ``lease`` until
-    ``block_unpin`` (or the session's end).  All or nothing as
-    ``block_get``: NOT_FOUND naming the missing ones, nothing pinned."""
+    """A same-host get in place: where the blocks lie, pinned under ``lease``
+    until ``block_unpin``.  All or nothing as ``block_get``."""
 
     op: ClassVar[str] = "block_locate"
     keys: BlockKeys

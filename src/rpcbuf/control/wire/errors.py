@@ -1,17 +1,9 @@
-"""One exception tree for rpcbuf, shared by the daemon and the client.
-
-Every error has a stable ``code`` string which is exactly what travels on the
-wire as ``{code, message, details}``.  A registry maps each code to its class so
-that the client can rebuild the same exception the daemon raised; an unknown
-code becomes the root class.  A class that declares a ``code`` registers it;
-declaring a code that is registered already is a ``TypeError`` at import (two
-classes for one code would make the client raise the wrong one).  A
-subclass that does not declare its own code refines its parent's (say,
-``FrameError`` is a ``BAD_REQUEST``) and is never built from the wire.  An
-error that only ever exists on the client opts out with ``wire=False``
-(``class ClusterError(RpcBufError, wire=False)``): no peer can make a client
-raise it.  Foreign errors (UCX, OSError, msgpack) are translated once, at the
-I/O edge, with ``raise ... from exc``.
+"""One exception tree for daemon and client.  Each error's stable ``code`` is what
+travels as ``{code, message, details}``; a registry maps codes to classes (an
+unknown code is the root class).  Declaring a registered code again is a
+TypeError at import.  A subclass without its own code refines its parent's and
+is never built from the wire; ``wire=False`` marks a client-only error no peer
+can make a client raise.
 """
 
 from __future__ import annotations
@@ -93,10 +85,8 @@ class UnsupportedDevice(RpcBufError):
 
 
 class Busy(RpcBufError):
-    """The buffer is attached (read-only, in place) by a session of its
-    tenant: a store, clear or copy into it is refused with this, at once
-    (it does not wait); ``details["attached"]`` says how many attachments.
-    Retry once they are closed."""
+    """The buffer is attached in place by a session of its tenant: a store,
+    clear or copy into it is refused at once (``details["attached"]``)."""
 
     code = "BUSY"
 
@@ -110,14 +100,12 @@ class ConnectionLost(RpcBufError):
 
 
 class UcxUnusable(RpcBufError, wire=False):
-    """This process cannot use the UCX library ``RPCBUF_UCX`` chose (too
-    old, not there, mixed with another): the UCX data path cannot start."""
+    """The UCX library ``RPCBUF_UCX`` chose cannot be used here."""
 
     code = "UCX_UNUSABLE"
 
 
 def error_from_wire(err: Any) -> RpcBufError:
-    """Rebuild an exception from a wire ``{code, message, details}`` map."""
     if not isinstance(err, dict):
         return RpcBufError(f"malformed error from peer: {err!r}")
     code = err.get("code")

@@ -1,12 +1,6 @@
-"""The checked field types of the control protocol's requests, and the
-``Request`` base that checks them (``protocol.py`` declares the requests).
-
-Every bound a request's work depends on is checked by its field's type,
-before any work starts: strings are printable and short, buffer ids have
-the daemon's id alphabet, shapes have at most ``MAX_NDIM`` dimensions whose
-product stays below 2**63, lists and packed arrays at most ``MAX_ITEMS``
-entries.  Each field's checker is chosen once per request class
-(``_specs``), so the hot path makes no type comparisons.
+"""The checked field types of requests and the ``Request`` base that checks them.
+Every bound a request's work depends on is a field type's check; each field's
+checker is chosen once per class (``_specs``), so the hot path compares no types.
 """
 
 from __future__ import annotations
@@ -75,8 +69,7 @@ INLINE_ROOM = 1 << 10  # a frame's bytes besides its payload, at most (the field
 
 
 def inline_max(max_frame: int) -> int:
-    """The most bytes a store or read may carry in its frame under a frame
-    limit of ``max_frame`` (0: none)."""
+    """Most bytes a store or read carries in its frame under ``max_frame``."""
     return max(0, min(INLINE_MAX, max_frame - INLINE_ROOM))
 # Checked forms of plain types (to type checkers they are the plain type):
 BufferId = Annotated[str, "buffer_id"]  # [A-Za-z0-9_-]{1,64}: what the daemon hands out
@@ -213,8 +206,7 @@ def _check(op: str, name: str, value: Any, tp: Any) -> Any:
 
 
 def shape_ok(v: Any) -> bool:
-    """A shape: a list of at most MAX_NDIM ints in [0, 2**63) whose product
-    is below 2**63 (no tensor of 2**63 bytes or more can match an item)."""
+    """At most MAX_NDIM ints in [0, 2**63) whose product is below 2**63."""
     if type(v) is not list or len(v) > MAX_NDIM:
         return False
     n = 1
@@ -226,8 +218,8 @@ def shape_ok(v: Any) -> bool:
 
 
 def block_keys_ok(v: Any) -> bool:
-    """Block keys: a list of 1 to MAX_BLOCK_KEYS printable strings of 1 to
-    MAX_BLOCK_KEY characters (checked in C calls: a batch is thousands)."""
+    """1 to MAX_BLOCK_KEYS printable strings of 1 to MAX_BLOCK_KEY characters
+    (checked in C calls: a batch is thousands)."""
     if type(v) is not list or not 0 < len(v) <= MAX_BLOCK_KEYS:
         return False
     if not all(type(k) is str for k in v):
@@ -272,8 +264,7 @@ class Request:
         return req
 
     def replace(self, **changes: Any) -> Self:
-        """A copy with ``changes`` (as ``dataclasses.replace``, unchecked, at
-        a tenth of its cost: a data path names itself on every op)."""
+        """As ``dataclasses.replace``, unchecked, at a tenth of its cost."""
         req = object.__new__(type(self))
         req.__dict__.update(self.__dict__, **changes)
         return req
@@ -299,8 +290,6 @@ _SPECS: dict[type, _Specs] = {}
 
 
 def _checker(tp: Any) -> _Checker:
-    """``_check`` for one field type, chosen once: the request's hot path
-    (store, read: ints and a buffer id) then makes no type comparisons."""
     if tp is int:
         def check_int(op: str, name: str, value: Any) -> Any:
             if type(value) is int and 0 <= value <= MAX_INT:

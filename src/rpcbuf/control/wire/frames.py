@@ -1,24 +1,15 @@
-"""Frames of the control channel, with no I/O (sans-I/O, like h11).
+"""Frames of the control channel, with no I/O: a 4-byte big-endian length, then
+that many bytes of msgpack.
 
-A frame is a 4-byte big-endian length followed by that many bytes of msgpack.
-``FrameDecoder.feed`` takes whatever bytes arrived and returns the complete
-messages; feeding the same bytes whole or one at a time gives the same
-messages.  A frame longer than the limit, or bytes that are not a msgpack map,
-raise ``FrameError``: the stream cannot be trusted after that, so the caller
-closes that one connection.  Until hello succeeds the daemon parses frames
-one at a time under ``HELLO_MAX_FRAME``.
+``FrameDecoder.feed`` gives the same messages whether bytes come whole or one at
+a time.  An oversized frame or one that is not a msgpack map raises
+``FrameError``: the stream is untrusted after that, so the caller closes it.
 
-A frame's bytes do not bound what decoding it costs: msgpack spends one byte
-on an empty map, which Python holds in about 70, so a 16 MiB frame of empty
-maps made the decoder build 1.1 GiB and held the event loop for seconds.
-Decoding is therefore bounded in objects, before anything is built: a frame
-of more than ``SCAN_FROM`` bytes is first walked by its headers alone
-(``_census``: arrays and maps are entered, every other object skipped in
-C), counting every object, scalars too, and refused past ``MAX_OBJECTS``
-or nested deeper than ``MAX_DEPTH``; no array or map holds more than
-``MAX_CONTAINER`` items; ext types are refused.  A smaller frame cannot
-build more than about 70 times its bytes.  A 100,000-tensor batch holds
-300,000 to 700,000 objects; the walk costs about half of its decode.
+A frame's size does not bound decoding (msgpack's 1-byte empty map costs Python
+~70: 16 MiB of them built 1.1 GiB).  So a frame over ``SCAN_FROM`` bytes is first
+walked by its headers alone (``_census``) and refused past ``MAX_OBJECTS`` or
+``MAX_DEPTH``; no container holds more than ``MAX_CONTAINER`` items; ext types
+are refused.  A smaller frame builds at most ~70x its bytes.
 """
 
 from __future__ import annotations
@@ -58,16 +49,10 @@ def encode_frame(message: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME) ->
 
 
 class FrameDecoder:
-    """Incremental frame parser: bytes in, messages out.
-
-    When the stream breaks, ``feed`` still returns the whole messages that came
-    before the break and keeps the error in ``error``; the caller handles
-    those messages, then raises ``error``.  Any later ``feed`` raises it.
-
-    ``max_frame`` may change between feeds (the daemon raises it once hello
-    succeeded; ``why`` then names the limit in the error); ``feed(data,
-    most=1)`` parses only the next message, leaving the rest buffered for a
-    later ``feed(b"")`` under whatever limit holds then."""
+    """Bytes in, messages out.  When the stream breaks, ``feed`` still returns
+    the whole messages before the break and keeps ``error``, raised by any later
+    ``feed``.  ``max_frame`` may change between feeds; ``feed(data, most=1)`` parses
+    one message, leaving the rest for a later ``feed(b"")``."""
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, why: str = "") -> None:
         self.max_frame = max_frame
@@ -118,7 +103,6 @@ class FrameDecoder:
 
     @property
     def pending(self) -> int:
-        """Bytes received that do not yet form a whole frame."""
         return len(self._buf)
 
 
@@ -135,9 +119,8 @@ def _no_ext(code: int, data: bytes) -> Any:
 
 
 def _census(body: bytes) -> None:
-    """Walk ``body``'s headers without building anything: ``_TooMany`` past
-    ``MAX_OBJECTS`` objects or ``MAX_DEPTH`` levels; msgpack's own errors for
-    malformed bytes and containers past ``MAX_CONTAINER``."""
+    """Walk ``body``'s headers, building nothing: ``_TooMany`` past the object
+    or depth bound; msgpack's errors for malformed bytes and oversized containers."""
     up = msgpack.Unpacker(max_buffer_size=len(body), max_array_len=MAX_CONTAINER,
                           max_map_len=MAX_CONTAINER)
     up.feed(body)

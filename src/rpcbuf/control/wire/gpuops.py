@@ -1,9 +1,5 @@
-"""Rules of the wire-fp16 store, shared by the client and the daemon.
-
-``store(wire_dtype="float16")`` sends a float32 tensor as float16 (half the
-bytes) and the daemon widens it back into the float32 range.  ``nbytes`` is
-always the widened (float32) size: that is what lands in the buffer and what
-the range checks see.
+"""The wire-fp16 store: a float32 tensor sent as float16 and widened back by the
+daemon.  ``nbytes`` is always the widened size, what the range checks see.
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ WIRE_DTYPES = {"float16": "float32"}  # wire dtype -> the only dtype it may wide
 
 
 def check_wire_f16(arena: Any, base: int, offset: int, nbytes: int) -> None:
-    """Daemon side: the widened range must hold whole float32 values, and on a
-    GPU start at a float32-aligned address (a kernel writes it)."""
+    """Whole float32 values, float32-aligned on a GPU (a kernel writes them)."""
     if nbytes % 4:
         raise BadRequest(f"wire_dtype='float16': nbytes ({nbytes}) must be a whole number of "
                          "float32 values (a multiple of 4)", {"nbytes": nbytes})

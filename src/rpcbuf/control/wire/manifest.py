@@ -1,34 +1,17 @@
-"""The one tensor-manifest model, shared by client and daemon, with no I/O.
+"""The tensor manifest, one model for client and daemon, with no I/O.
 
-A buffer's manifest maps tensor names to entries (``dtype``, ``shape``,
-``offset``, ``nbytes``, ``checksum``, and, for tensors that came from a
-model file, ``source_type`` and ``logical_shape``: what the file says they
-are beside the NumPy view, e.g. a Q8_0 matrix of logical shape (512, 256)
-stored as uint8 rows of shape (512, 272); each key only when given).  A
-batch that records tensors names their dtypes and shapes packed: a small
-table of *kinds* (``kind_dtypes[k]``, ``kind_shapes[k]``, optionally
-``kind_source_types[k]``, ``kind_logical_shapes[k]``) and ``kinds``, each
-item's kind as packed uint64s — 10,000 tensors of a few distinct shapes
-encode, decode and check in a fraction of the time a list per item would
-take, since the work per item is NumPy's, not Python's.
+A manifest maps names to entries (``dtype``, ``shape``, ``offset``, ``nbytes``,
+``checksum``, and for tensors from a model file ``source_type`` and
+``logical_shape``, recorded as said; each key only when given).  A batch packs
+dtypes and shapes as a small table of kinds plus each item's kind (uint64s), so
+10,000 tensors of a few shapes are checked by NumPy, not per item in Python.
 
-A source type or logical shape may be null for some tensors and not others;
-the wire bounds them (``protocol.SourceType``: ``[A-Za-z0-9_]{1,32}``; a
-logical shape is a ``protocol.Shape``).  Nothing relates them to the view's
-bytes: the daemon records them as said.
-
-``Packed`` is both: the client builds it from arrays (``of_arrays``) or
-columns (``of_columns``) and sends ``fields()``; the daemon rebuilds it from
-a request with ``check``, which checks it per kind (a dtype NumPy knows,
-not of Python objects; shape product x itemsize == the item's nbytes, for
-every item at once; unique names) and makes the entries it records.
-``ManifestTable`` is a whole manifest as NumPy columns (the client's
-cache); ``merge_plan``, ``merge_entries`` and ``ManifestTable.merged`` are
-the one merge rule: a recorded name keeps its place, a new one is
-appended, and entries whose bytes other tensors just overwrote are dropped.
-One dtype cache (``np_dtype``) serves both sides.  Nothing here touches
-buffer bytes; the daemon's part that needs the registry and the arena
-stays in ``control/daemon/ops/manifest.py``.
+``Packed`` is built by the client (``of_arrays``, ``of_columns``) and rebuilt by
+the daemon with ``check`` (known non-object dtype, shape x itemsize == nbytes
+for every item at once, unique names).  ``ManifestTable`` is a manifest as NumPy
+columns.  ``merge_plan``, ``merge_entries`` and ``ManifestTable.merged`` are the
+one merge rule: a recorded name keeps its place, a new one is appended, entries
+whose bytes others just overwrote are dropped.  Nothing here touches buffer bytes.
 """
 
 from __future__ import annotations
@@ -71,8 +54,7 @@ def align(n: int, to: int = ALIGN) -> int:
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
-    """The ``np.dtype`` of a wire dtype name; BAD_REQUEST for one NumPy does
-    not know or one holding Python objects."""
+    """BAD_REQUEST for a dtype NumPy does not know or one of Python objects."""
     dt = _DTYPES.get(name)
     if dt is None:
         try:
@@ -94,10 +76,8 @@ def dtype_of(name: str) -> tuple[str, int]:
 
 def source_columns(names: Sequence[str], sources: Mapping[str, Source] | None
                    ) -> tuple[list[str | None] | None, list[list[int] | None] | None]:
-    """The (source types, logical shapes) columns of ``names``, index-aligned,
-    from ``sources`` (name -> (source type, logical shape), either None; a
-    name not in it has neither): a column is None when no tensor has one.
-    BAD_REQUEST for a value that is no such pair."""
+    """The (source types, logical shapes) columns of ``names`` from
+    ``sources``; a column is None when no tensor has one.  BAD_REQUEST for a bad pair."""
     if not sources:
         return None, None
     try:
@@ -113,9 +93,8 @@ def source_columns(names: Sequence[str], sources: Mapping[str, Source] | None
 
 def check(req: P.StoreBatch | P.DedupStore | P.LoadFile, sizes: np.ndarray
           ) -> Packed | None:
-    """The batch's packed manifest, checked against the items' ``sizes``,
-    with canonical dtypes; None when the request
-    records none.  BAD_REQUEST says what is wrong."""
+    """The batch's packed manifest checked against the items' ``sizes``, with
+    canonical dtypes; None when it records none.  BAD_REQUEST says what is wrong."""
     n = len(sizes)
     names, kind_dtypes, kind_shapes = req.names, req.kind_dtypes, req.kind_shapes
     kind_srcs, kind_logs = req.kind_source_types, req.kind_logical_shapes
@@ -177,10 +156,8 @@ def _unique(names: list[str]) -> None:
 
 def merge_plan(existing: Mapping[str, Mapping[str, Any]], names: Iterable[str],
                written: list[tuple[int, int]], hull: tuple[int, int]) -> tuple[list[str], int]:
-    """What merging tensors ``names`` written over ``written`` (sorted
-    ranges inside ``hull``) does to the manifest ``existing``: the names of
-    other entries whose bytes they overwrite (dropped), and the entry count
-    after."""
+    """Merging ``names`` written over ``written`` (sorted ranges inside
+    ``hull``) into ``existing``: the overwritten names to drop, and the count after."""
     new = set(names)
     dropped: list[str] = []
     others = existing.keys() - new if existing else set()  # renewed names stay
@@ -207,19 +184,15 @@ def check_count(count: int) -> None:
 
 def merge_entries(entries: MutableMapping[str, Entry], written: Mapping[str, Entry],
                   dropped: Iterable[str]) -> None:
-    """Apply a merge to entry dicts in place (the daemon's form):
-    ``ManifestTable.merged`` does the same to columns."""
+    """Apply a merge to entry dicts in place (``merged`` does it to columns)."""
     for name in dropped:
         del entries[name]
     entries.update(written)
 
 
 class ManifestTable(Mapping[str, Entry]):
-    """A buffer's manifest as NumPy columns: what the client caches and what
-    ``store_tensors`` returns.  Read as a mapping name -> entry (``dtype``,
-    ``shape``, ``offset``, ``nbytes``, ``checksum``, and ``source_type`` /
-    ``logical_shape`` where recorded); each entry dict is built when asked
-    for.  Never modified: ``merged`` makes a new one."""
+    """A manifest as NumPy columns, read as a mapping name -> entry dict (built
+    when asked for).  Never modified: ``merged`` makes a new one."""
 
     def __init__(self, names: list[str], offsets: np.ndarray, nbytes: np.ndarray,
                  checksums: np.ndarray, has_sum: np.ndarray, kinds: np.ndarray,
@@ -262,7 +235,6 @@ class ManifestTable(Mapping[str, Entry]):
 
     @classmethod
     def of_entries(cls, entries: Mapping[str, Mapping[str, Any]]) -> ManifestTable:
-        """From entry dicts (``get_buffer_meta``'s ``tensors``)."""
         if isinstance(entries, ManifestTable):
             return entries
         names, es, n = list(entries), list(entries.values()), len(entries)
@@ -310,8 +282,6 @@ class ManifestTable(Mapping[str, Entry]):
         return out
 
     def _kind_keys(self, described: bool) -> list[tuple[Any, ...]]:
-        """Each kind's key: (dtype, shape), and its source type and logical
-        shape when ``described``."""
         if not described:
             return list(zip(self.dtypes, self.shapes, strict=True))
         n = len(self.dtypes)
@@ -327,21 +297,18 @@ class ManifestTable(Mapping[str, Entry]):
         return np.delete(rows, hidden[hidden >= 0]) if (hidden >= 0).any() else rows
 
     def rows(self, names: Sequence[str]) -> np.ndarray:
-        """Each name's row, -1 for a name not in the manifest."""
         return np.fromiter(map(self._rows.get, names, itertools.repeat(-1)), dtype=np.intp,
                            count=len(names))
 
     @property
     def end(self) -> int:
-        """The end of the highest slot, aligned."""
         if not len(self.names):
             return 0
         return align(int((self.offsets + self.nbytes).max()))
 
     def merged(self, written: ManifestTable, dropped: Sequence[str] = ()) -> ManifestTable:
-        """This manifest with ``written`` recorded (names kept in place, new
-        ones appended, like ``dict.update``) and ``dropped`` removed: what
-        ``merge_entries`` does to entry dicts."""
+        """With ``written`` recorded (names kept in place, new ones appended) and
+        ``dropped`` removed."""
         described = any(t.sources is not None or t.logicals is not None
                         for t in (self, written))
         keys = self._kind_keys(described)

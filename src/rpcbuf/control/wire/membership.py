@@ -1,21 +1,13 @@
-"""What a node says about itself in the fleet registry (etcd), and how a
-client reads it back: the registry address, the key layout and the node
-record, sans-I/O.
+"""A node's record in the fleet registry (etcd), sans-I/O: the registry address,
+the key layout and the record, defined once for daemon and client.
 
-The daemon writes one key per node, ``/rpcbuf/v1/<cluster>/nodes/<node_id>``,
-attached to its etcd lease; the value is a small JSON object (``NodeRecord``):
-node id, advertised control address and UCX port, rpcbuf and protocol
-versions, each device's total / free / largest free, when the daemon started
-and when the record was written.  Nothing about tenants: buffer and model
-names stay on the nodes, behind their tokens.
-
-Whoever can write the prefix can advertise a node, so a record is a hint, not
-a credential: ``parse_record`` bounds every field before anything uses it
-(a record is at most ``MAX_RECORD`` bytes, at most ``MAX_DEVICES`` devices,
-strings short and printable, numbers non-negative and below 2**63), and the
-client still authenticates to the daemon as usual and refuses a node whose
-``hello`` names another node id than the record (``client/discovery.py``).
-Both sides import this module, so the format is defined once.
+One key per node, ``/rpcbuf/v1/<cluster>/nodes/<node_id>``, on the daemon's
+lease; the value is a small JSON ``NodeRecord`` (node id, control address, UCX
+port, versions, each device's total/free/largest free, start and write times).
+Nothing about tenants.  Whoever can write the prefix can advertise a node, so a
+record is a hint, not a credential: ``parse_record`` bounds every field
+(``MAX_RECORD`` bytes, ``MAX_DEVICES``, short printable strings, numbers in
+[0, 2**63)), and the client still authenticates and checks the node id.
 """
 
 from __future__ import annotations
@@ -62,8 +54,7 @@ def is_registry(text: str | None) -> bool:
 
 
 def parse_registry(text: str) -> RegistryAddress:
-    """``etcd://HOST:PORT[,HOST:PORT...]`` -> ``RegistryAddress``.
-    Raises ``RecordError`` for anything else."""
+    """``etcd://HOST:PORT[,HOST:PORT...]``. Raises ``RecordError``."""
     text = text.strip()
     if not text.startswith(SCHEME):
         raise RecordError(f"registry {text!r}: want etcd://HOST:PORT[,HOST:PORT...]")
@@ -94,7 +85,6 @@ def check_node_id(what: str, node_id: str) -> str:
 
 
 def prefix(cluster: str) -> str:
-    """The key prefix under which ``cluster``'s nodes register."""
     return f"{KEY_ROOT}{check_name('cluster', cluster)}/nodes/"
 
 
@@ -139,8 +129,7 @@ class NodeRecord:
         return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True).encode()
 
     def same_figures(self, other: NodeRecord | None) -> bool:
-        """Whether ``other`` says the same as this one but for ``updated_at``
-        (the daemon writes only when something changed, or on its timer)."""
+        """Equal but for ``updated_at``."""
         return other is not None and self.to_json() | {"updated_at": 0} == \
             other.to_json() | {"updated_at": 0}
 
@@ -167,9 +156,8 @@ def _time(obj: dict[str, Any], key: str) -> float:
 
 
 def parse_record(raw: bytes, key: str | None = None) -> NodeRecord:
-    """A registry value -> ``NodeRecord``, every field bounded; raises
-    ``RecordError``.  ``key``: the key it was read under, whose last part
-    must be the record's node id (a record cannot speak for another key)."""
+    """Raises ``RecordError``.  ``key``'s last part must be the record's node
+    id (a record cannot speak for another key)."""
     if len(raw) > MAX_RECORD:
         raise RecordError(f"record of {len(raw)} bytes (at most {MAX_RECORD})")
     try:

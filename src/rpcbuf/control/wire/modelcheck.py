@@ -1,61 +1,28 @@
-"""Model file headers checked against the file, before anything parses them.
+"""Model file headers (GGUF, safetensors) walked and checked against the file
+before anything parses them.
 
-A model file is input from a possibly hostile source, and its header is
-nothing but counts, lengths and offsets: the ``gguf`` reader believed a
-49-byte file's array count of 2^40 and looped for minutes; ``json.loads``
-recursed on a deeply nested safetensors header until it raised
-``RecursionError``.  So every header is walked here first, with each count,
-length and offset checked against the bytes the file really has *before*
-it is used (a count of items is compared with what the rest of the file
-could hold at the smallest item size, so no loop runs longer than the file
-is long), and with nesting bounded by what the format allows.  Whatever is
-wrong becomes one ``Malformed`` (the caller names the file: one
-``BadRequest``): its public sentence names the check and never a byte of
-the file, its ``detail`` the byte offset and the lie; only a header
-that passed goes on to the format's own package (``gguf.GGUFReader``,
-``safetensors.safe_open``).
+A header is hostile input made of counts, lengths and offsets.  Each is checked
+against the bytes the file really has before it is used (a count against what
+the rest of the file could hold at the smallest item size, so no loop outruns
+the file), nesting is bounded by what the format allows, and the model's own
+metadata by ``MAX_METADATA_*``.  Only a header that passed goes on to the
+format's own package.  Whatever is wrong is one ``Malformed``.
 
-No I/O here: the walks take the header's bytes, or (GGUF, whose header
-length is known only once it is walked) a function that reads the file
-(its ``os.pread``), and the file's size, so the client
-(``client/model/modelcheck.py``, which opens the model it uploads) and the
-daemon (``daemon/content/modeldirs.py``, which opens a file of its ``--model-dir``
-through its own checks) share them.  Never a memory map: whoever can write
-the file can truncate it during the walk, and a read of a mapped page past
-the new end is SIGBUS, which killed the daemon; a ``pread`` that comes back
-short is a ``Malformed`` ("the file shrank").  The GGUF walk reads a window
-(``_WINDOW``) at a time, so it reads at most ``MAX_METADATA_BYTES`` plus
-``MAX_TENSOR_INFO_BYTES`` (and a window) of any file.
-Both also learn where each tensor's bytes lie in the file
-(``gguf_ranges``, ``safetensors_ranges``): the daemon loads only whole
-tensors of a file, at exactly those ranges.
+No I/O: the walks take the header's bytes, or (GGUF) a ``pread``-like function
+and the file's size, so client and daemon share them.  Never a memory map: a
+file truncated during the walk would SIGBUS; a short read is "the file shrank".
+The GGUF walk reads a window at a time, at most the metadata and tensor-info
+bounds of any file.  Both formats also yield each tensor's byte range, the only
+ranges the daemon loads.
 
-- GGUF (versions 2 and 3, either byte order): magic, version, tensor and
-  metadata counts, every key and value (strings, scalars, arrays of any
-  type, nested at most ``GGUF_MAX_NESTING`` deep), ``general.alignment``,
-  and each tensor's name (at most ``MAX_NAME`` bytes, what the wire takes),
-  dimensions (at most 4, as in ggml), type (one the ``gguf`` package knows
-  the block size of), offset (aligned) and byte range, which must end
-  within the file.  The walk also reads the key/values, as plain Python
-  (``check_gguf`` returns them: ints, floats, bools, strings, lists), bounded
-  before anything is read: at most ``MAX_METADATA_KEYS`` keys,
-  ``MAX_METADATA_ITEMS`` values (array items counted one by one) and
-  ``MAX_METADATA_BYTES`` bytes of key/value section, so an array of 10^7
-  entries or a 2 GiB string (a sparse file) is refused at its length; and
-  at most ``MAX_TENSORS`` tensors in ``MAX_TENSOR_INFO_BYTES`` of tensor
-  infos.  The daemon needs only the ranges (``gguf_ranges``): it walks past
-  the values at their lengths without building them (a 24 MB vocabulary
-  cost it 3.2 s of CPU when it was decoded).
-- safetensors: the 8-byte header length (within the file and
-  ``ST_MAX_HEADER``), nesting (at most 3 levels: the header is a flat
-  object of flat objects whose only arrays hold numbers), then the JSON and
-  its shape: ``__metadata__`` maps strings to strings (at most
-  ``MAX_METADATA_KEYS`` of them, ``MAX_METADATA_BYTES`` in all); every other
-  entry has a ``dtype`` of 1-32 of ``[A-Za-z0-9_]`` (what the wire records
-  as its source type), a ``shape`` of at most 32 non-negative ints and
-  ``data_offsets`` ``[start, stop]`` with ``0 <= start <= stop <=`` the
-  bytes after the header, exactly the shape's bytes for a dtype of known
-  size.
+- GGUF v2/v3, either byte order: every key and value (nested at most
+  ``GGUF_MAX_NESTING``), ``general.alignment``, and each tensor's name (at most
+  ``MAX_NAME`` bytes), dims (at most 4), known type, aligned offset and a byte
+  range within the file.  ``gguf_ranges`` walks past values without building them.
+- safetensors: header length within the file and ``ST_MAX_HEADER``, at most 3
+  levels of nesting, ``__metadata__`` strings only, each entry's ``dtype`` (1-32
+  of ``[A-Za-z0-9_]``), ``shape`` (at most 32 dims) and ordered ``data_offsets``
+  within the file, exactly the shape's bytes for a dtype of known size.
 """
 
 from __future__ import annotations
@@ -99,22 +66,17 @@ _MIN_KV = 8 + 4 + _MIN_VALUE  # key length, value type, value
 _MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
 
 
-def _short(name: bytes | str) -> str:
-    """A name for a message: attacker-chosen, so bounded."""
+def _short(name: bytes | str) -> str:  # attacker-chosen, so bounded
     text = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
     return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
 class Malformed(Exception):
-    """What is wrong with a header (the caller adds the file's name).
+    """What is wrong with a header (the caller names the file).
 
-    ``str()`` is the public sentence: it names the check that failed and
-    at most the file's size, never a value read from the file (a length, a
-    count, a name, a type): whoever asks the daemon to load a file it
-    cannot read must learn nothing of its bytes (a ``.env`` in a model
-    directory had its first 8 bytes quoted as "a header of N bytes").
-    ``detail`` adds the names and values, for the owner of the file (the
-    client checking its own upload)."""
+    ``str()`` names the check and at most the file's size, never a value read
+    from it: whoever asks the daemon to load a file must learn nothing of its
+    bytes.  ``detail`` adds names and values, for the file's owner."""
 
     def __init__(self, public: str, detail: str | None = None) -> None:
         super().__init__(public)
@@ -128,9 +90,8 @@ Read = Callable[[int, int], bytes]  # (offset, n) -> the file's bytes there, at 
 
 
 class _GgufReader:
-    """Reads a GGUF header through ``read`` (a file's ``pread``), a window
-    at a time, refusing any read past the file's end or its bound; a read
-    that comes back short means the file shrank meanwhile."""
+    """Reads a GGUF header through ``read``, a window at a time, refusing any
+    read past the file's end or ``bound``."""
 
     def __init__(self, read: Read, size: int, order: str, keep: bool) -> None:
         self._read = read
@@ -176,9 +137,8 @@ class _GgufReader:
         return self.take(self.uint(8, f"length of {what}"), what)
 
     def skip_strings(self, n: int, what: str) -> None:
-        """Walk past ``n`` strings at their lengths (what ``gguf_ranges`` does
-        with a vocabulary: a million of them, so no call or message per item
-        where the length is already in the window)."""
+        """Walk past ``n`` strings at their lengths (a vocabulary: a million of
+        them, so no call per item while the length is in the window)."""
         code = struct.Struct(self.order + "Q")
         for _ in range(n):
             i = self.pos - self._at
@@ -197,7 +157,6 @@ class _GgufReader:
                             f"left of the file ({self.size} bytes)")
 
     def values(self, n: int, what: str) -> None:
-        """``n`` more metadata values, within ``MAX_METADATA_ITEMS`` in all."""
         if n > self.items:
             raise Malformed(f"its metadata would hold more than {MAX_METADATA_ITEMS} values (the "
                             "most rpcbuf reads)",
@@ -207,18 +166,13 @@ class _GgufReader:
 
 
 def gguf_ranges(read: Read, size: int) -> Ranges:
-    """Where each tensor's bytes lie in a GGUF file (``gguf_walk``), its
-    key/values walked past but not built (a vocabulary of 10^6 strings is
-    skipped at their lengths, never decoded)."""
+    """Where each tensor's bytes lie, the key/values walked past, not built."""
     return _walk(_GgufReader(read, size, "<", keep=False))[0]
 
 
 def gguf_walk(read: Read, size: int) -> tuple[Ranges, dict[str, Any]]:
-    """Walk a GGUF file's whole header (``read``: its ``pread``, never a
-    memory map, which a truncation of the file turns into SIGBUS) against
-    its ``size``: where each tensor's bytes lie, and the key/values as plain
-    Python (see the module docstring).  Raises ``Malformed`` saying what is
-    wrong first (a file that shrank while it was read, too)."""
+    """Each tensor's byte range and the key/values as plain Python.
+    Raises ``Malformed`` (a file that shrank while read, too)."""
     return _walk(_GgufReader(read, size, "<", keep=True))
 
 
@@ -320,8 +274,7 @@ def _walk(cur: _GgufReader) -> tuple[Ranges, dict[str, Any]]:
 
 
 def _gguf_value(cur: _GgufReader, vtype: int, key: str, depth: int) -> Any:
-    """One metadata value, read as plain Python; every length is checked
-    (against the file, the metadata's bounds) before its bytes are read."""
+    """One metadata value; every length is checked before its bytes are read."""
     size = _GGUF_SCALARS.get(vtype)
     if size is not None and not cur.keep:
         return cur.skip(size, f"value of {key}")
@@ -375,9 +328,8 @@ _INNERMOST = re.compile(rb"\[\]|\{\}")
 
 
 def nesting_within(raw: bytes, levels: int) -> bool:
-    """Whether the JSON text nests at most ``levels`` deep: each pass removes
-    the innermost bracket pairs, so ``levels`` passes leave nothing exactly
-    when it does (and its brackets balance).  Linear, never recursive."""
+    """Whether JSON ``raw`` nests at most ``levels`` deep with balanced brackets:
+    each pass strips the innermost pairs.  Linear, never recursive."""
     shape = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     for _ in range(levels):
         shape = _INNERMOST.sub(b"", shape)
@@ -385,9 +337,8 @@ def nesting_within(raw: bytes, levels: int) -> bool:
 
 
 def safetensors_length(first: bytes, size: int) -> int:
-    """The header length of a safetensors file of ``size`` bytes from its
-    first 8 bytes, checked against the file and ``ST_MAX_HEADER``.  Raises
-    ``Malformed``."""
+    """The header length from the first 8 bytes, within the file and
+    ``ST_MAX_HEADER``.  Raises ``Malformed`` (never quoting the 8 bytes)."""
     if size < 8 or len(first) < 8:
         raise Malformed(f"{size} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", first[:8])
@@ -404,11 +355,9 @@ def safetensors_length(first: bytes, size: int) -> int:
 
 def safetensors_parse(raw: bytes, size: int, itemsizes: Mapping[str, int]
                       ) -> tuple[int, dict[str, Any]]:
-    """``(where the data starts, the header)`` from the header's bytes
-    ``raw`` (as long as ``safetensors_length`` said) of a file of ``size``
-    bytes, every entry checked against the file (see the module docstring);
-    a tensor whose dtype is in ``itemsizes`` must also have exactly its
-    shape's bytes.  Raises ``Malformed``."""
+    """``(data start, header)`` from the header's bytes, every entry checked
+    against the file; a dtype in ``itemsizes`` must match its shape's bytes.
+    Raises ``Malformed``."""
     n = len(raw)
     if not nesting_within(raw, _ST_LEVELS):
         raise Malformed(f"its JSON header nests deeper than the {_ST_LEVELS} levels the format "
@@ -437,7 +386,6 @@ def safetensors_parse(raw: bytes, size: int, itemsizes: Mapping[str, int]
 
 
 def safetensors_ranges(base: int, header: Mapping[str, Any]) -> Ranges:
-    """Where each tensor of a checked header (``safetensors_parse``) lies in the file."""
     return {k: (base + int(e["data_offsets"][0]), base + int(e["data_offsets"][1]))
             for k, e in header.items() if k != "__metadata__"}
 

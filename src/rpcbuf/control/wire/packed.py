@@ -1,8 +1,6 @@
-"""``Packed``: a manifest as columns, the form both sides build and read a
-batch's manifest in (see ``manifest.py``, which re-exports it): names, an
-index into a table of distinct kinds (dtype, shape), per-item offsets,
-sizes and checksums, and optionally each tensor's source type and logical
-shape.
+"""``Packed``: a batch's manifest as columns (names, per-item kind index into a
+table of distinct dtype/shape kinds, offsets, sizes, checksums, optional source
+types and logical shapes), built and read alike by both sides.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ _SIZE = operator.attrgetter("size")
 
 
 def intern_kinds(keys: list[Any]) -> tuple[list[Any], np.ndarray]:
-    """The packed manifest's kinds: the distinct ``keys`` (hashable, e.g.
-    ``(dtype, shape)``) in first-seen order, and each key's index into them."""
+    """The distinct ``keys`` in first-seen order, and each key's index."""
     table = list(dict.fromkeys(keys))
     index = {k: i for i, k in enumerate(table)}
     return table, np.fromiter(map(index.__getitem__, keys), dtype=np.intp, count=len(keys))
@@ -42,12 +39,9 @@ def manifest_columns(arrays: Mapping[str, Any], names: Iterable[str]) -> Manifes
 
 
 class Packed:
-    """A batch's manifest, packed: item ``i`` is ``names[i]``, of dtype
-    ``dtypes[kinds[i]]`` and shape ``shapes[kinds[i]]`` (the
-    ``kinds``/``kind_dtypes``/``kind_shapes`` fields of ``StoreBatch``).
-    ``kind_nbytes``: each kind's bytes (None when built from columns).
-    ``sources``/``logicals``: each kind's source type / logical shape (None
-    entries for kinds without; None as a whole when no kind has one)."""
+    """Item ``i`` is ``names[i]`` of dtype ``dtypes[kinds[i]]`` and shape
+    ``shapes[kinds[i]]``.  ``kind_nbytes`` is None when built from columns;
+    ``sources``/``logicals``: per kind, None as a whole when no kind has one."""
 
     __slots__ = ("dtypes", "kind_nbytes", "kinds", "logicals", "names", "shapes", "sources")
 
@@ -68,7 +62,6 @@ class Packed:
 
     @classmethod
     def of_arrays(cls, names: list[str], arrays: Sequence[np.ndarray]) -> Packed:
-        """The manifest of ``arrays`` (NumPy arrays, index-aligned with ``names``)."""
         n = len(arrays)
         dtypes = list(map(_DTYPE, arrays))
         # Kinds are keyed by the dtype object's identity: equal dtypes that are
@@ -97,8 +90,6 @@ class Packed:
                    shapes: Sequence[Sequence[int]],
                    source_types: Sequence[str | None] | None = None,
                    logical_shapes: Sequence[Sequence[int] | None] | None = None) -> Packed:
-        """From the (names, dtypes, shapes) lists of ``manifest_columns``,
-        and optionally each item's source type and logical shape."""
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"names, dtypes and shapes must be equally long, got "
                              f"{len(names)}, {len(dtypes)} and {len(shapes)}")
@@ -113,11 +104,9 @@ class Packed:
 
     def described(self, source_types: Sequence[str | None] | None,
                   logical_shapes: Sequence[Sequence[int] | None] | None) -> Packed:
-        """These items with each one's source type and logical shape
-        (index-aligned with ``names``, None for a tensor without; a column
-        of None for none): kinds then differ by those too.  BAD_REQUEST for
-        a column of the wrong length or a logical shape that is no sequence
-        of ints (the wire bounds the rest)."""
+        """With each item's source type and logical shape (None for a tensor
+        without): kinds then differ by those too.  BAD_REQUEST for a column of the
+        wrong length or a logical shape that is no sequence of ints."""
         n = len(self.names)
         srcs = list(source_types) if source_types is not None else None
         try:
@@ -149,15 +138,13 @@ class Packed:
         return self.kind_nbytes[self.kinds]
 
     def take(self, order: np.ndarray) -> Packed:
-        """The items in ``order`` (indices)."""
         names = self.names
         return Packed([names[i] for i in order.tolist()], self.kinds[order], self.dtypes,
                       self.shapes, self.kind_nbytes, sources=self.sources,
                       logicals=self.logicals)
 
     def fields(self) -> dict[str, Any]:
-        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table), with
-        the source types and logical shapes, if any."""
+        """The ``StoreBatch`` fields (no ``kinds`` for a one-kind table)."""
         out: dict[str, Any] = {
                "names": self.names,
                "kinds": P.pack_u64(self.kinds) if len(self.dtypes) != 1 else None,
@@ -171,9 +158,7 @@ class Packed:
     def entries(self, offsets: np.ndarray, sizes: np.ndarray,
                 checksums: Sequence[int | None], lo: int = 0,
                 hi: int | None = None) -> dict[str, Entry]:
-        """The manifest entries of items ``lo:hi``, one dict per tensor
-        (``checksums`` are those items' only).  Entries of one kind share its
-        shape tuple."""
+        """Entry dicts of items ``lo:hi``; entries of one kind share its shape tuple."""
         hi = len(self.names) if hi is None else hi
         kinds = self.kinds[lo:hi].tolist()
         dts = map(self.dtypes.__getitem__, kinds)

@@ -1,20 +1,14 @@
-"""The control channel's wire protocol, with no I/O (sans-I/O, like h11).
+"""The control channel's messages, with no I/O (sans-I/O, like h11).
 
-Messages travel in frames (``frames.py``: length-prefixed msgpack, whose
-names this module re-exports for its users).  Requests are
-``{"op": str, "id": int, **fields}``.  Each op is a small frozen
-dataclass that validates its own fields (types, ranges, no unknown keys) in
-``parse_request``; a bad request whose id could be read gets a
-``BAD_REQUEST`` answer and the connection stays usable.  Every bound a
-request's work depends on is checked here, before any work starts: strings
-are printable and short (nothing a client sends can forge a log line), buffer
-ids have the daemon's id alphabet, shapes have at most ``MAX_NDIM``
-dimensions whose product stays below 2**63 (so no size computation ever sees
-a huge integer), lists and packed arrays at most ``MAX_ITEMS`` entries.
-Answers are
-``{"id": int, "ok": true, "result": {...}}`` or
-``{"id": int, "ok": false, "error": {code, message, details}}``; they may come
-back in any order, so one connection carries many requests at once.
+Requests are ``{"op": str, "id": int, **fields}``, one frozen dataclass per op
+that validates its own fields (types, ranges, no unknown keys) in
+``parse_request``; a bad request whose id could be read gets ``BAD_REQUEST`` and
+the connection stays usable.  Every bound a request's work depends on is checked
+here, before any work: strings printable and short (no forged log lines), buffer
+ids in the daemon's alphabet, shapes of at most ``MAX_NDIM`` dims whose product
+stays below 2**63, lists and packed arrays at most ``MAX_ITEMS``.  Answers are
+``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error": {code,
+message, details}}``, in any order: one connection carries many requests.
 """
 
 from __future__ import annotations
@@ -78,18 +72,13 @@ from rpcbuf.control.wire.frames import (
 )
 
 # The protocol versions this code speaks, oldest to newest (see ``negotiate``).
-# 4, the first released: the token never crosses the wire: ``challenge`` (the
-# claims, a client nonce and its versions; the daemon answers its nonce and
-# its proof), then ``hello`` with the client's proof (``auth.py``).  Versions
-# 1 to 3 were development builds: their hellos (a bearer token, no proof)
-# are refused, with no fallback.
+# 1 to 3 were never released: their hellos are refused, with no fallback.
 PROTOCOL_MIN = 4
 PROTOCOL_VERSION = 4
 @dataclass(frozen=True)
 class Challenge(Request):
-    """The first frame of a session: the token's claims (``header.payload``,
-    not secret) and a fresh client nonce; the daemon answers the version it
-    chose, its own nonce and its proof (``auth.py``).  Once per connection."""
+    """A session's first frame: the token's claims (``header.payload``) and a
+    client nonce; answered with the chosen version, the daemon's nonce and proof."""
 
     op: ClassVar[str] = "challenge"
     claims: Claims
@@ -155,15 +144,10 @@ class Store(Request):
 
 @dataclass(frozen=True)
 class StoreBatch(Request):
-    """Many ranges of one buffer in one round trip; see ``runs.plan_runs``.
-
-    ``names``, when given, are index-aligned with the items and recorded,
-    with the packed manifest, as the buffer's tensor manifest: item i has
-    dtype ``kind_dtypes[kinds[i]]`` and shape ``kind_shapes[kinds[i]]`` (no
-    ``kinds`` with a one-kind table: every item is of that kind), and,
-    where given, the source type and logical shape of its kind (what a
-    model file says a tensor is beside the NumPy view; null for a kind
-    without)."""
+    """Many ranges of one buffer in one round trip.  ``names``, when given, are
+    index-aligned with the items and recorded as the buffer's manifest: item i has
+    ``kind_dtypes[kinds[i]]`` and ``kind_shapes[kinds[i]]`` (no ``kinds``: one kind),
+    and its kind's source type and logical shape where given."""
 
     op: ClassVar[str] = "store_batch"
     buffer_id: BufferId
@@ -198,14 +182,10 @@ class ReadBatch(Request):
 
 @dataclass(frozen=True)
 class DedupStore(Request):
-    """Place tensors by content instead of by bytes (see ``control/daemon/ops/dedupops.py``).
-
-    Items are index-aligned like a ``StoreBatch`` with a manifest, sorted by
-    offset and disjoint; ``hashes`` holds two uint64 per item (xxh3-128, low
-    word first), ``checksums`` each item's xxh3-64.  The daemon copies every
-    item whose content this tenant already holds (or its disk cache does),
-    verifies it, records it in the manifest and answers the indices it
-    ``placed`` (packed uint64s); the client sends the others."""
+    """Place tensors by content.  Items as a ``StoreBatch`` with a manifest,
+    sorted by offset and disjoint; ``hashes``: two uint64 per item (xxh3-128, low
+    word first), ``checksums``: xxh3-64.  Answers the indices it ``placed`` (packed
+    uint64s) from content this tenant holds; the client sends the others."""
 
     op: ClassVar[str] = "dedup_store"
     buffer_id: BufferId
@@ -224,20 +204,12 @@ class DedupStore(Request):
 
 @dataclass(frozen=True)
 class LoadFile(Request):
-    """Node-local load (see ``control/daemon/ops/fileops.py``): read tensors of
-    a file in one of the daemon's ``--model-dir`` directories straight into
-    a buffer of this tenant's, verify each against the hashes the client
-    expects, and only then record them in the manifest.
-
-    ``path`` names the file: relative to a model directory (each is tried
-    in turn), or absolute inside one.  ``file_size`` is the size the client
-    expects (a copy of another size fails).  Items are index-aligned like a
-    ``DedupStore``'s, sorted by buffer offset and disjoint: item ``i`` is the
-    tensor ``names[i]``, whose bytes lie at ``file_offsets[i]`` in the file
-    (exactly one tensor of the file's own header), ``sizes[i]`` bytes long,
-    and go to ``offsets[i]`` of the buffer; ``hashes`` holds two uint64 per
-    item (xxh3-128, low word first), ``checksums`` each item's xxh3-64.  The
-    manifest comes packed, as for ``StoreBatch``."""
+    """Node-local load: read tensors of a file under a ``--model-dir`` into a
+    buffer, verify each against ``hashes``/``checksums`` (as ``DedupStore``), then
+    record them.  ``path``: relative to a model directory or absolute inside one;
+    ``file_size``: what the client expects.  Item i is tensor ``names[i]``,
+    ``sizes[i]`` bytes at ``file_offsets[i]`` (one whole tensor of the file's
+    header), to ``offsets[i]`` (sorted, disjoint); manifest packed as ``StoreBatch``."""
 
     op: ClassVar[str] = "load_file"
     buffer_id: BufferId
@@ -306,11 +278,9 @@ class Read(Request):
 
 @dataclass(frozen=True)
 class BindHandles(Request):
-    """The first and only frame of a session's handle channel: a second
-    connection to the daemon's Unix socket, from the same process, naming
-    the session by its bind nonce.  The daemon answers nothing on it in
-    msgpack: from then on it carries only fd records (``dataplane/shm.py``),
-    the staging area's first."""
+    """The only frame of a session's handle channel (a second Unix-socket
+    connection from the same process, naming the session by its bind nonce); it
+    then carries only fd records, the staging area's first."""
 
     op: ClassVar[str] = "bind_handles"
     nonce: bytes
@@ -318,9 +288,8 @@ class BindHandles(Request):
 
 @dataclass(frozen=True)
 class Attach(Request):
-    """A read-only handle of a host buffer, sent on the handle channel
-    (protocol 3): stores, clears and copies into the buffer are BUSY, and
-    its release is deferred, until the session detaches (or ends)."""
+    """A read-only handle of a host buffer on the handle channel: stores,
+    clears and copies into it are BUSY, and its release deferred, until detach."""
 
     op: ClassVar[str] = "attach"
     buffer_id: BufferId
@@ -334,12 +303,9 @@ class Detach(Request):
 
 @dataclass(frozen=True)
 class MapBuffer(Request):
-    """Write a host buffer of ours in place (same host): a slot of the
-    session's write-grant page and, unless the client maps it already
-    (``have``), a writable handle of the buffer on the handle channel (``daemon/ops/mapops.py``).
-    ``explicit``: held for the client's own code (``ctx.map``), so the
-    daemon cannot take it back: other sessions' ops on the buffer are BUSY
-    until ``unmap_buffer``."""
+    """Write a host buffer in place (same host): a write-grant slot and, unless
+    ``have``, a writable handle on the handle channel.  ``explicit`` (``ctx.map``):
+    other sessions' ops on it are BUSY until ``unmap_buffer``."""
 
     op: ClassVar[str] = "map_buffer"
     buffer_id: BufferId
@@ -441,10 +407,8 @@ DataRequest = Store | StoreBatch | Read | ReadBatch | BlockPut | BlockGet
 
 
 def sends_over_ucx(req: Request) -> bool:
-    """Whether the client sends ``req``'s bytes as UCX messages beside it (a
-    store-like op on the UCX path): the daemon's janitor spares unexpected
-    messages while such a request has not posted its receives.  A dedup
-    store sends none (the client stores what it did not place afterwards)."""
+    """Whether the client sends ``req``'s bytes as UCX messages beside it: the
+    daemon's janitor spares unexpected messages until its receives are posted."""
     return isinstance(req, (Store, StoreBatch, BlockPut)) and req.path == "ucx"
 
 
@@ -472,9 +436,8 @@ def challenge_versions(req: Challenge) -> tuple[int, int]:
 
 def negotiate(client: tuple[int, int],
               node: tuple[int, int] = (PROTOCOL_MIN, PROTOCOL_VERSION)) -> int:
-    """The newest version both ranges hold (sans-I/O: the daemon calls it on
-    a hello, the client checks the answer against its own range).  Raises
-    BAD_REQUEST (``reason: protocol_version``) naming both ranges."""
+    """The newest version both ranges hold.  Raises BAD_REQUEST
+    (``reason: protocol_version``) naming both ranges."""
     best = min(client[1], node[1])
     if best < max(client[0], node[0]):
         raise version_mismatch(node, client)

@@ -1,13 +1,7 @@
-"""Run planning: how a batch's items travel over UCX, decided by both ends
-with no I/O and nothing said on the wire.
-
-A batch (``store_batch``, ``read_batch``) lists items as offsets and sizes.
-Consecutive small items whose ranges touch are coalesced into one *run*: one
-UCX message that lands straight in the arena span the run covers; a large
-item travels alone (zero-copy on the client, no staging copy).  The client and
-the daemon call ``plan_runs`` on the same items, so they agree on the messages
-and their tags without a word about them in the request.  A plain store is
-the batch of one item: one run, tagged with the request id.
+"""Run planning: consecutive small items whose ranges touch travel as one UCX
+message (a *run*) landing straight in the arena; a large item travels alone.
+Both ends call ``plan_runs`` on the same items, so they agree on messages and
+tags with nothing said on the wire.  A plain store is one run tagged with its id.
 """
 
 from __future__ import annotations
@@ -23,13 +17,9 @@ Run = tuple[int, int, int, int]  # (offset, nbytes, first item, stop item)
 
 
 def plan_runs(offsets: np.ndarray, sizes: np.ndarray) -> list[Run]:
-    """Group a batch's items into runs: ``(offset, nbytes, first, stop)``.
-
-    Items ``first:stop`` of a run are consecutive, each at most
-    ``COALESCE_MAX`` bytes (or the run holds one item), item ``i + 1``
-    starting where item ``i`` ends, and the run at most ``RUN_MAX`` bytes
-    unless it is one item.  The runs cover the items in order, each once.
-    Run ``i`` of request ``req_id`` uses tag ``run_tag(req_id, i)``."""
+    """``(offset, nbytes, first, stop)`` per run, covering the items in order:
+    touching items of at most ``COALESCE_MAX`` bytes, at most ``RUN_MAX`` a run
+    (or one item).  Run ``i`` of request ``req_id`` is tagged ``run_tag(req_id, i)``."""
     runs: list[Run] = []
     start = end = first = 0
     small = False

@@ -52,9 +52,8 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def split_host_port(text: str, default_port: int) -> tuple[str, int]:
-    """'h:p' -> (h, p); 'h' -> (h, default_port); ':p' or '' -> 127.0.0.1.
-    Raises ValueError for a port that is not a number from 0 to 65535 (the
-    kernel took 99999 as 99999 - 65536 and listened there, silently)."""
+    """``'h:p'``, ``'h'`` (default port), ``':p'`` or ``''`` (127.0.0.1).
+    Raises ValueError for a port outside 0-65535 (the kernel wraps 99999)."""
     host, sep, port = text.rpartition(":")
     if not sep:
         return text or "127.0.0.1", default_port

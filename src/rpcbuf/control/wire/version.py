@@ -1,6 +1,4 @@
-"""The release, in one place: ``rpcbuf.__version__``, and what ``rpcbuf
---version`` and ``rpcbufd --version`` print beside the protocol version (the
-number a mismatch error names; ``protocol.py``)."""
+"""The release, in one place (``rpcbuf.__version__``, ``--version``)."""
 
 from __future__ import annotations
 

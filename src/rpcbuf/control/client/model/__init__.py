@@ -1,2 +1,1 @@
-"""Model files onto nodes: parsing and checking GGUF/safetensors headers
-(``modelfile``, ``modelcheck``), placement, the loader and its hash cache."""
+"""Model files onto nodes: headers, placement, the loaders, their hash cache."""

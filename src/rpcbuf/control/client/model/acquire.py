@@ -1,9 +1,8 @@
-"""Step 2 of a load (``loader.py``): each slot's buffer, requested, reused
-(a buffer of that name that holds part of this slot's plan already), or
-cloned on its node from a buffer that holds the same tensors (``clone_buffer``:
-nothing is sent).  A request or clone runs to its end even when the load is
-cancelled meanwhile, and what it made is recorded on the slot (``make``),
-so a failed or cancelled load releases exactly what it created.
+"""Each slot's buffer: reused (its name holds part of the slot's plan already),
+cloned on its node from a buffer holding exactly these tensors (nothing sent),
+or requested.  A request or clone runs to its end even when the load is
+cancelled, and what it made is recorded on the slot, so cleanup releases
+exactly what this load created.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
 from rpcbuf.control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
-from rpcbuf.control.client.model.reading import HashAhead, Hashes
+from rpcbuf.control.client.model.reading import HashAhead, HashLookup
 from rpcbuf.control.client.model.slots import (
     SlotJob,
     is_model_buffer,
@@ -45,16 +44,12 @@ def as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]
 
 async def acquire(cluster: Cluster, jobs: list[SlotJob],
                    existing: dict[str, list[dict[str, Any]]], name: str,
-                   known: Hashes | None = None,
+                   known: HashLookup | None = None,
                    hashing: HashAhead | None = None) -> None:
-    """Reuse, clone or request each slot's buffer; on any failure release
-    what was created and raise ``ClusterError``.  A clone (``clone_buffer``:
-    no copy, no fresh memory) when the node holds, under another name, a
-    buffer whose manifest is exactly this slot's plan with these tensors'
-    checksums (from the hash cache, ``known``; else, when such a buffer is
-    there, from ``hashing`` once it has hashed the whole file); the upload
-    then finds every tensor in place (and verifies that it is, by its
-    hashes)."""
+    """Reuse, clone or request each slot's buffer; on any failure release what
+    was created and raise ``ClusterError``.  A clone when the node holds, under
+    another name, a buffer whose manifest is this slot's plan with these checksums
+    (``known``, else ``hashing`` once it has hashed the whole file)."""
     errors: dict[str, RpcBufError] = {}
     for j in jobs:
         slot = j.plan.slot
@@ -78,7 +73,7 @@ async def acquire(cluster: Cluster, jobs: list[SlotJob],
             src = None
             layout, candidates = clone_candidates(existing.get(slot.endpoint, []), j, need)
             if candidates:  # laid out as this slot: a clone if the content is the same
-                hashes = known.lookup(j.specs) if known is not None else {}
+                hashes = known(j.specs) if known is not None else {}
                 if len(hashes) < len(j.specs) and hashing is not None:
                     hashes = {**await hashing.finish(), **hashes}  # hash the file first
                 src = clone_source(j, layout, candidates, hashes)
@@ -100,11 +95,9 @@ async def acquire(cluster: Cluster, jobs: list[SlotJob],
 
 
 async def make(j: SlotJob, making: Awaitable[str], cloned: bool = False) -> None:
-    """Await ``making`` (the request or clone of ``j``'s buffer), shielded: if
-    the load is cancelled meanwhile it still runs to its end, and the id it
-    answers is recorded in ``j`` (``created``), so the cleanup releases
-    exactly the buffer this load made, never another loader's of that name
-    (``commit.abort`` waits for it first)."""
+    """Await ``making``, shielded: cancelled meanwhile, it still ends and its id
+    is recorded in ``j``, so cleanup releases exactly this load's buffer, never
+    another loader's of that name."""
     fut = j.making = asyncio.ensure_future(making)
 
     def made(f: asyncio.Future[str]) -> None:
@@ -119,10 +112,8 @@ async def make(j: SlotJob, making: Awaitable[str], cloned: bool = False) -> None
 
 def clone_candidates(bufs: list[dict[str, Any]], job: SlotJob,
                       need: int) -> tuple[dict[str, tuple[int, int]], list[dict[str, Any]]]:
-    """This slot's plan as ``{tensor: (offset, nbytes)}`` (the metadata
-    tensor too where it carries it), and the buffers of ``bufs`` (one node's
-    listing, manifests included) laid out exactly so: a clone of one holds
-    this slot if its checksums are the tensors' too (``clone_source``)."""
+    """This slot's plan as ``{tensor: (offset, nbytes)}``, and the buffers of
+    ``bufs`` (one node's listing) laid out exactly so."""
     slot = job.plan.slot
     offsets = slot_offsets(job)
     layout = {sp.name: (offsets[sp.name], sp.nbytes) for sp in job.specs}
@@ -147,8 +138,8 @@ def clone_candidates(bufs: list[dict[str, Any]], job: SlotJob,
 def clone_source(job: SlotJob, layout: dict[str, tuple[int, int]],
                   candidates: list[dict[str, Any]],
                   hashes: dict[str, tuple[int, int]]) -> str | None:
-    """The first candidate whose manifest has every tensor's checksum as
-    ``hashes`` says (and the metadata's); None when any hash is unknown."""
+    """The first candidate whose manifest has every checksum ``hashes`` says;
+    None when any hash is unknown."""
     sums = {n: h[1] for n, h in hashes.items()}
     if job.metadata is not None:
         sums[MD.META_TENSOR] = checksum(job.metadata)

@@ -1,24 +1,12 @@
-"""``rpcbuf.attach_model``: every tensor of a loaded model on this node, in
-place, read-only, with what an inference engine needs to use it.
+"""``rpcbuf.attach_model``: every tensor of a loaded model on this node, in place
+and read-only, beside its ``TensorInfo``.  A GGUF Q8_0 matrix of logical shape
+(512, 256) is a ``uint8`` array (512, 272) with ``source_type == "Q8_0"``.
 
-It reads the model's description from the node (``info.model_info``: its
-slot buffers, each tensor's NumPy view dtype and shape, its source type and
-logical shape, the file's metadata), refuses a model this node does not
-hold complete (``record``: a load interrupted or still running), attaches every slot buffer
-(``ctx.attach``: zero-copy, read-only; stores into them are BUSY while
-attached), and hands out each tensor as an array over the daemon's memory
-beside its ``TensorInfo``.  A GGUF Q8_0 matrix of logical shape (512, 256)
-is a ``uint8`` array of shape (512, 272) with ``source_type == "Q8_0"``; a
-safetensors BF16 tensor is ``<u2`` bits with ``source_type == "BF16"``.
-
-``framework="torch"`` hands out torch tensors over the same pages instead
-(``arrays.torch_view``: DLPack, no copy, no "not writable" warning), each of
-the dtype its source type names (a BF16 tensor is bfloat16).  Torch has no
-read-only tensors: the pages are mapped ``PROT_READ``, so a write through
-one (an in-place op, ``copy_``, an optimizer step) is refused by the kernel,
-and the process dies of SIGSEGV.  An inference worker builds its model on
-them without a copy: ``torch.device("meta")`` for the module, then
-``module.load_state_dict(dict(model), assign=True)`` (docs/dataplane.md).
+``framework="torch"`` hands out torch tensors over the same pages (DLPack, no
+copy), of the dtype the source type names.  Torch has no read-only tensors: the
+pages are mapped ``PROT_READ``, so a write through one kills the process
+(SIGSEGV).  Build a model on them with ``torch.device("meta")`` and
+``load_state_dict(dict(model), assign=True)`` (docs/dataplane.md).
 """
 
 from __future__ import annotations
@@ -38,11 +26,8 @@ if TYPE_CHECKING:
 
 
 class AttachedModel(Mapping[str, Any]):
-    """A loaded model's tensors on this node, by name, over the daemon's
-    memory: ``model[name]`` is the array, ``model.info[name]`` its
-    ``TensorInfo`` (source type, logical shape, ...), ``model.metadata`` the
-    file's own key/values.  ``close()`` (or ``async with``) detaches.
-    ``framework``: "numpy" (arrays) or "torch" (tensors, see above)."""
+    """``model[name]`` is the array, ``model.info[name]`` its ``TensorInfo``,
+    ``model.metadata`` the file's key/values; ``close()`` (or ``async with``) detaches."""
 
     def __init__(self, info: ModelInfo, views: dict[str, Attachment],
                  framework: str = "numpy") -> None:
@@ -73,8 +58,7 @@ class AttachedModel(Mapping[str, Any]):
         return len(self.info)
 
     async def close(self) -> None:
-        """Detach every slot buffer (arrays still alive keep theirs: see
-        ``control/client/attach.py``)."""
+        """Detach every slot buffer (arrays still alive keep their mapping)."""
         self._arrays = None
         for view in self._views.values():
             await view.close()
@@ -88,18 +72,13 @@ class AttachedModel(Mapping[str, Any]):
 
 def attach_model(ctx: RpcContext, name: str, framework: str = "numpy"
                  ) -> Opening[AttachedModel]:
-    """Every tensor of model ``name`` that lives on ``ctx``'s node, zero-copy
-    and read-only: ``async with rpcbuf.attach_model(ctx, "llama") as m:`` (or
-    ``m = await ...`` and ``await m.close()``).  Needs the same-host path.
-    ``framework="torch"``: torch tensors, each of its file's dtype, over the
-    same read-only pages (a write through one kills the process: SIGSEGV).
-    Raises NOT_FOUND (no such model on this node; ``reason: incomplete``
-    for one whose load did not finish or whose tensors changed since, with
-    ``problems`` naming what is missing), BAD_REQUEST (not same host, a bad
-    answer, an unknown framework, torch not installed), what ``ctx.attach``
-    raises for a slot buffer (UNSUPPORTED_DEVICE: a GPU buffer without VMM
-    handles; QUOTA_EXCEEDED: too many attachments), BUSY never (attach only
-    reads)."""
+    """Every tensor of model ``name`` on ``ctx``'s node, zero-copy, read-only
+    (``async with rpcbuf.attach_model(ctx, "llama") as m``); same host only.
+    ``framework="torch"``: torch tensors over read-only pages (a write: SIGSEGV).
+    Raises NOT_FOUND (not here; ``reason: incomplete`` with ``problems`` for a
+    load that did not finish or tensors changed since), BAD_REQUEST (not same
+    host, a bad answer, unknown framework, no torch), and what ``ctx.attach``
+    raises (UNSUPPORTED_DEVICE, QUOTA_EXCEEDED)."""
     check_framework(framework)
     return Opening(lambda: _attach_model(ctx, name, framework))
 

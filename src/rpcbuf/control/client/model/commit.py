@@ -1,58 +1,28 @@
-"""A load's two phases and its revoke, over the slot buffers (``loader``, ``nodeload``).
-
-``write_records`` stores each slot's load record (``record``: PLANNED
-before any tensor is written, PutStart); ``commit`` stores it COMMITTED,
-with the verified checksums, once every slot verified (PutEnd); ``abort``
-releases what a failed or interrupted load created (PutRevoke).  The
-cleanup runs to its end under cancellation (``settle``: Ctrl-C, SIGTERM's
-cancel, a caller's timeout) and waits at most ``CLEANUP_TIMEOUT`` on a node
-that no longer answers.  ``each_slot`` runs one step on every slot at once
-and releases what was created when any fails.
+"""A load's two phases and its revoke over the slot buffers: the PLANNED record
+before any tensor is written (PutStart), COMMITTED with the verified checksums
+once every slot verified (PutEnd), and ``abort`` releasing what a failed load
+created (PutRevoke).  Cleanup runs to its end under cancellation (``settle``)
+and waits at most ``CLEANUP_TIMEOUT`` on a node that no longer answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
-from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, LoadRecord, read_record
+from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, read_record
+from rpcbuf.control.client.model.slots import SlotJob
 from rpcbuf.control.wire.errors import RpcBufError
 
 CLEANUP_TIMEOUT = 10.0  # seconds a failed load's cleanup waits on one node
 T = TypeVar("T")
 
 
-class Job(Protocol):
-    """One slot of a load, as its commit and cleanup see it (``slots.SlotJob``)."""
-
-    buffer_id: str
-    buffer_name: str
-    created: bool  # this load made the buffer (request or clone)
-    released: bool  # ... and released it again
-    making: asyncio.Future[str] | None  # its request or clone, while on its way
-    record: LoadRecord | None
-    sums: dict[str, int]  # the verified checksums of its tensors
-    held: dict[str, Any] | None  # a reused or cloned buffer's manifest when acquired
-    expect: dict[str, int] | None  # every checksum, when known before the load
-    inherited: bool  # its committed record already says what this load puts there
-
-    @property
-    def endpoint(self) -> str: ...
-
-    @property
-    def record_offset(self) -> int: ...
-
-    def layout(self) -> dict[str, int]: ...
-
-
-J = TypeVar("J", bound=Job)
-
-
 async def settle(aw: Awaitable[T]) -> T:
-    """Run ``aw`` to its end even if the caller is cancelled meanwhile
-    (then raise CancelledError after it): cleanup that must not be cut short."""
+    """Run ``aw`` to its end even if the caller is cancelled meanwhile (then
+    raise CancelledError): cleanup that must not be cut short."""
     task = asyncio.ensure_future(aw)
     cancelled = False
     while not task.done():
@@ -65,11 +35,10 @@ async def settle(aw: Awaitable[T]) -> T:
     return task.result()
 
 
-async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitable[None]],
-                    what: str) -> None:
-    """``one(job)`` for every slot at once; when any fails, the buffers this
-    load created are released, then a local problem (the file) is raised as
-    it is and the nodes' errors as one ``ClusterError`` saying ``what``."""
+async def each_slot(cluster: Cluster, jobs: list[SlotJob],
+                    one: Callable[[SlotJob], Awaitable[None]], what: str) -> None:
+    """``one(job)`` on every slot at once; when any fails, release what this
+    load created, then raise a local error as is, the nodes' as one ``ClusterError``."""
     results = await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True)
     errors: dict[str, RpcBufError] = {}
     other: BaseException | None = None
@@ -85,15 +54,11 @@ async def each_slot(cluster: Cluster, jobs: list[J], one: Callable[[J], Awaitabl
         raise ClusterError.of(what, errors, cleaned=cleaned)
 
 
-async def start(cluster: Cluster, jobs: list[J]) -> None:
-    """PutStart: every slot's planned record, before any byte of it changes.
-
-    Unless every slot's buffer (reused, or a clone) already holds, committed
-    by one load of these slots, exactly what this load puts there: the same
-    names at the same places with the checksums known before the load (the
-    hash cache, a hash manifest, or what decided a clone).  Then the load
-    writes no record (it will change nothing; and a record written into a
-    clone would make its shared memory a copy of its own)."""
+async def start(cluster: Cluster, jobs: list[SlotJob]) -> None:
+    """PutStart: every slot's planned record, before any byte changes, unless
+    every slot already holds, committed by one load, exactly what this load puts
+    there with the checksums known in advance: then no record is written (nothing
+    changes, and a record written into a clone would unshare its memory)."""
     if await _unchanged(cluster, jobs):
         for j in jobs:
             j.inherited = True
@@ -101,7 +66,7 @@ async def start(cluster: Cluster, jobs: list[J]) -> None:
     await write_records(cluster, jobs, "recording the load's plan")
 
 
-async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
+async def _unchanged(cluster: Cluster, jobs: list[SlotJob]) -> bool:
     loads, found = set(), []
     for j in jobs:
         held, want, rec = j.held, j.expect, j.record
@@ -129,10 +94,9 @@ async def _unchanged(cluster: Cluster, jobs: list[J]) -> bool:
     return True
 
 
-async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
-    """Store every slot's load record as it stands (checksum-verified),
-    except where the record there already says so (``inherited``)."""
-    async def one(j: J) -> None:
+async def write_records(cluster: Cluster, jobs: list[SlotJob], what: str) -> None:
+    """Store each slot's record (checksum-verified) unless ``inherited``."""
+    async def one(j: SlotJob) -> None:
         assert j.record is not None
         if j.inherited:
             return
@@ -143,9 +107,8 @@ async def write_records(cluster: Cluster, jobs: list[J], what: str) -> None:
     await each_slot(cluster, jobs, one, what)
 
 
-async def commit(cluster: Cluster, jobs: list[J]) -> None:
-    """Mark every slot committed, with its verified checksums: call only
-    once every slot of the load has verified its manifest."""
+async def commit(cluster: Cluster, jobs: list[SlotJob]) -> None:
+    """Call only once every slot has verified its manifest."""
     for j in jobs:
         assert j.record is not None
         if not j.inherited:
@@ -153,12 +116,11 @@ async def commit(cluster: Cluster, jobs: list[J]) -> None:
     await write_records(cluster, jobs, "committing the load")
 
 
-async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str]]:
-    """Release the buffers this load created and has not released yet;
-    ``{endpoint: names released}``."""
+async def release_created(cluster: Cluster, jobs: list[SlotJob]) -> dict[str, list[str]]:
+    """``{endpoint: names released}`` of this load's unreleased buffers."""
     created = [j for j in jobs if j.created and not j.released]
 
-    async def one(j: J) -> str | None:
+    async def one(j: SlotJob) -> str | None:
         j.released = True
         try:
             await cluster[j.endpoint].release_buffer(j.buffer_id, timeout=CLEANUP_TIMEOUT)
@@ -174,19 +136,15 @@ async def release_created(cluster: Cluster, jobs: list[J]) -> dict[str, list[str
     return out
 
 
-async def abort(cluster: Cluster, jobs: list[J]) -> None:
-    """Release what a failed or interrupted load created, even when
-    cancelled meanwhile (a second Ctrl-C): the buffers it made, once a
-    request or clone still on its way has ended (``acquire.make`` records
-    the id it answers; one that does not end within ``CLEANUP_TIMEOUT`` is
-    given up, and what it made, if anything, holds no committed record).
-    Buffers it reused keep their planned record: incomplete until a load
-    finishes.  A buffer is released by the id this load got, never found
-    by name."""
+async def abort(cluster: Cluster, jobs: list[SlotJob]) -> None:
+    """Release what a failed or interrupted load created, even when cancelled
+    meanwhile, once a request or clone on its way has ended (given up after
+    ``CLEANUP_TIMEOUT``: what it made holds no committed record).  Reused buffers
+    keep their planned record.  Released by the id this load got, never by name."""
     await settle(_abort(cluster, jobs))
 
 
-async def _abort(cluster: Cluster, jobs: list[J]) -> None:
+async def _abort(cluster: Cluster, jobs: list[SlotJob]) -> None:
     pending = [j.making for j in jobs if j.making is not None and not j.making.done()]
     if pending:
         _, late = await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT)

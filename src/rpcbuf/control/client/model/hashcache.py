@@ -1,23 +1,12 @@
-"""Client-side cache of model tensors' content hashes, keyed by file identity.
+"""Client-side cache of tensors' content hashes, so a re-upload of an unchanged
+file reads only what the daemon asks for.
 
-A re-upload of a model the daemon already holds moves no bytes, but hashing
-every tensor (xxh3-128 and xxh3-64) still reads the whole file.  The loader
-therefore remembers each tensor's two hashes under the identity of the file
-it came from: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` plus
-the tensor's name, byte offset and size.  A file that changes (rewritten,
-replaced, touched, chmod-ed) gets another identity, so its old hashes are
-never used; with cached hashes a re-upload touches only the bytes the daemon
-asks for.
-
-The daemon never trusts these hashes for its own index: a placed tensor is
-verified against the xxh3-64 on the node, and what is sent is hashed there.
-The cache only saves the client from re-reading an unchanged file.
-
-Stored as one small JSON file, ``$RPCBUF_CACHE_DIR/hashes.json`` (default
-``~/.cache/rpcbuf``), written atomically (temporary name, rename); at most
-``MAX_FILES`` model files are remembered, least recently used dropped.  A
-file that cannot be read or parsed is ignored (and replaced on the next
-save); a failed save loses nothing but time.
+Keyed by the file's identity ``(st_dev, st_ino, st_size, st_mtime_ns,
+st_ctime_ns)`` plus the tensor's name, offset and size: a changed file gets
+another identity.  The daemon never trusts these hashes: it verifies what it
+places and hashes what is sent.  One JSON file, ``$RPCBUF_CACHE_DIR/hashes.json``
+(default ``~/.cache/rpcbuf``), written atomically, at most ``MAX_FILES`` files
+(LRU); an unreadable file is ignored, a failed save loses only time.
 """
 
 from __future__ import annotations
@@ -105,8 +94,8 @@ class HashCache:
             self._dirty = True
 
     def save(self) -> None:
-        """Merge with what is on disk now (another loader may have saved) and
-        write atomically; errors are logged, never raised."""
+        """Merge with what is on disk now, write atomically; errors are logged,
+        never raised."""
         if not self._dirty:
             return
         try:

@@ -1,28 +1,14 @@
-"""A model's hash manifest: every tensor's place and hashes, in a small file
-beside the model, so that a node-local load reads no tensor on the driver.
+"""A model's hash manifest, ``MODEL.rpcbuf-hashes.json`` (``DIR/rpcbuf-hashes.json``
+for shards): per file its name and size, per tensor its name, dtypes, shape,
+logical shape, byte range and both hashes (xxh3-128, xxh3-64), and the model's
+metadata blob (base64).  It is all a node-local load needs: the driver may hold
+the manifest without the model.
 
-``rpcbuf hash MODEL`` (``hash_model`` then ``write_manifest``) hashes each
-tensor once (xxh3-128, the content key, and xxh3-64, the manifest's
-checksum) and writes ``MODEL.rpcbuf-hashes.json`` (for a directory of
-shards, ``DIR/rpcbuf-hashes.json``): per file its name and size, per tensor
-its name, dtype (as recorded in a buffer's manifest), the file's own dtype
-name, shape, logical shape (null: the shape), byte range in the file and
-both hashes; and the model file's own metadata (``metadata``: the base64 of
-the blob ``metadata.encode`` makes, which an upload stores as
-``__rpcbuf_metadata__``; absent or null: none).  That is everything
-``load_model(..., source="node")`` needs: the driver may hold the manifest
-alone, without the model, and still lays the model out as an upload does.
-
-A manifest is input like a model file (anyone may have written it), so
-``read_manifest`` bounds it before parsing (``MAX_BYTES``, JSON nesting,
-``MAX_TENSORS``) and checks every field's type and range; against a model
-at hand (``check_against``) every tensor must lie where the header says and
-the files must have the sizes it says, else it is stale: BAD_REQUEST naming
-the first difference, and "run rpcbuf hash again" (the metadata is then
-the model's own, from its header).  The metadata is bounded by its encoded
-size (``metadata.MAX_BLOB``, checked before it is decoded) and decoded as a
-daemon's answer is (``metadata.decode``: bounded, no recursion).  Hashes that lie are
-caught by the nodes, which verify every tensor they read.
+A manifest is hostile input: ``read_manifest`` bounds it before parsing
+(``MAX_BYTES``, nesting, ``MAX_TENSORS``, the metadata's encoded size) and checks
+every field.  Against a model at hand (``check_against``) a stale one is
+BAD_REQUEST naming the first difference.  Hashes that lie are caught by the
+nodes, which verify every tensor they read.
 """
 
 from __future__ import annotations
@@ -86,8 +72,6 @@ class HashedFile:
 
 @dataclass
 class HashedModel:
-    """A model as a node-local load sees it: its files, their tensors and hashes."""
-
     path: Path  # the model (or the manifest) on this machine
     format: str
     files: list[HashedFile]
@@ -98,7 +82,6 @@ class HashedModel:
 
     @property
     def tensors(self) -> Iterator[tuple[int, HashedTensor]]:
-        """(file index, tensor) of every tensor, file by file, in file order."""
         for k, f in enumerate(self.files):
             for t in f.tensors:
                 yield k, t
@@ -112,8 +95,7 @@ class HashedModel:
         return MD.encode(self.format, self.metadata)
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON.  Raises BAD_REQUEST for metadata that cannot
-        be stored (as an upload would)."""
+        """Raises BAD_REQUEST for metadata that cannot be stored."""
         return {"rpcbuf_hashes": VERSION, "format": self.format,
                 "metadata": base64.b64encode(self.blob().tobytes()).decode("ascii"),
                 "files": [{"name": f.name, "size": f.size,
@@ -125,7 +107,6 @@ class HashedModel:
 
 
 def manifest_path(model: str | Path) -> Path:
-    """Where ``rpcbuf hash`` puts the manifest of the model at ``model``."""
     p = Path(model)
     return p / DIR_NAME if p.is_dir() else p.with_name(p.name + SUFFIX)
 
@@ -152,10 +133,8 @@ def _batches(model: ModelFile, limit: int) -> Iterator[list[str]]:
 
 
 def hash_model(model: ModelFile, use_cache: bool = True) -> HashedModel:
-    """Every tensor's hashes, read from the model (a batch of memory-mapped
-    views at a time) unless the client's hash cache (``hashcache``) knows the
-    unchanged file; the cache learns what was hashed.  Blocking: call it in
-    a thread."""
+    """Every tensor's hashes, from the model unless the hash cache knows the
+    unchanged file; the cache learns them.  Blocking."""
     cache = HashCache() if use_cache else None
     fkeys = [file_key(f) for f in model.files]
     hashes: dict[str, tuple[int, int]] = {}
@@ -219,8 +198,7 @@ def write_manifest(hm: HashedModel, path: Path) -> None:
 
 
 def read_manifest(path: str | Path) -> HashedModel:
-    """A hash manifest, bounded and checked (see the module docstring).
-    Raises BAD_REQUEST naming the file and what is wrong; OSError when it
+    """Raises BAD_REQUEST naming the file and what is wrong; OSError when it
     cannot be read."""
     p = Path(path)
     with open(p, "rb") as f:
@@ -285,8 +263,6 @@ def _parse(p: Path, doc: Any) -> HashedModel:
 
 
 def _metadata(fmt: str, raw: Any) -> dict[str, Any]:
-    """The manifest's ``metadata``: bounded before it is decoded, then
-    checked as ``metadata.decode`` checks a daemon's answer."""
     if raw is None:
         return {}
     if not isinstance(raw, str) or len(raw) > MAX_METADATA_CHARS:
@@ -340,8 +316,6 @@ def _tensor(fname: str, fsize: int, i: int, t: Any) -> HashedTensor:
 
 
 def _shape(shape: Any, what: str) -> tuple[int, ...]:
-    """A shape as the wire takes one (``P.Shape``): at most ``P.MAX_NDIM``
-    dimensions, each and their product below 2**63."""
     if not isinstance(shape, list) or len(shape) > P.MAX_NDIM:
         raise ValueError(f"{what} is not a list of at most {P.MAX_NDIM} dimensions")
     dims = tuple(_int(d, what) for d in shape)
@@ -351,9 +325,8 @@ def _shape(shape: Any, what: str) -> tuple[int, ...]:
 
 
 def check_against(hm: HashedModel, model: ModelFile) -> None:
-    """The manifest describes ``model`` as its header does now: the same
-    files of the same sizes, every tensor at the same bytes.  Raises
-    BAD_REQUEST naming the first difference."""
+    """The same files and sizes, every tensor at the same bytes as ``model``'s
+    header now.  Raises BAD_REQUEST naming the first difference."""
     stale = f"{hm.path} does not match {model.path}"
     again = f"; run 'rpcbuf hash {model.path}' again"
     if [f.name for f in hm.files] != [f.name for f in model.files]:
@@ -379,12 +352,9 @@ def check_against(hm: HashedModel, model: ModelFile) -> None:
 
 
 def describe(path: str | Path, use_cache: bool = True) -> HashedModel:
-    """What a node-local load needs of the model at ``path`` on this machine:
-    a hash manifest itself; or a model, with the manifest beside it (checked
-    against the model's header, the metadata then the header's own); or,
-    without one, hashes read from the model (or remembered by the hash
-    cache).  Blocking: call it in a thread.
-    Raises BAD_REQUEST; OSError for a missing file."""
+    """What a node-local load needs of ``path``: a hash manifest; a model with
+    its manifest (checked against the header); else hashes read from the model (or
+    the hash cache).  Blocking.  Raises BAD_REQUEST; OSError for a missing file."""
     p = Path(path)
     if is_manifest(p):
         return read_manifest(p)

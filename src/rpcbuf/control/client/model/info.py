@@ -1,24 +1,13 @@
-"""A loaded model as one node holds it: ``model_info(ctx, name)``.
+"""A loaded model as one node holds it (``model_info``): its slot buffers, every
+tensor by name with where it lies and what it is, the file's metadata (read,
+checksum-compared, decoded within bounds), and whether this node's share is
+complete by its load records.
 
-A model ``load_model`` placed is one named buffer per slot, ``NAME/slotI``,
-each with its manifest, and on each node one ``metadata.META_TENSOR`` (the
-file's own metadata).  ``model_info`` reads what one node holds of it: the
-slot buffers there (one ``list_buffers``, which holds their manifests),
-every tensor by name with where it lies (buffer id,
-offset, nbytes) and what it is (the NumPy view's dtype and shape, and the
-file's ``source_type`` and ``logical_shape`` where recorded), and the
-metadata (one ``read_buffer`` of that tensor, its xxh3-64 compared with the
-manifest's, decoded within bounds).  That is what a zero-copy view of the model's buffers needs:
-name -> (buffer id, entry), and the metadata.  It also reads each slot's load
-record (``record``) and says whether this node's share is complete: every
-slot committed by one load, holding every tensor that load verified there
-(``complete``; ``problems`` names what is missing).
-
-The daemon's answers are checked here before anything is built on them
-(``parse_tensors``: sans-I/O): every entry's offset and size within its
-buffer, its dtype one NumPy knows holding no objects, its shape's bytes its
-size, its source type and logical shape as the wire bounds them.  A
-malformed answer is BAD_REQUEST (``reason: bad_answer``) naming the field.
+The daemon's answers are checked before anything is built on them
+(``parse_tensors``, sans-I/O): offsets and sizes within the buffer, a non-object
+NumPy dtype, shape bytes equal to the size, source type and logical shape as the
+wire bounds them.  A malformed answer is BAD_REQUEST (``reason: bad_answer``)
+naming the field.
 """
 
 from __future__ import annotations
@@ -44,8 +33,6 @@ _ANSWER = "buffer meta"
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One tensor of a loaded model, where one node holds it."""
-
     name: str
     slot: int
     buffer_id: str
@@ -59,7 +46,6 @@ class TensorInfo:
 
     @property
     def entry(self) -> dict[str, Any]:
-        """The manifest entry (as ``get_buffer_meta`` gives it)."""
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
                                "offset": self.offset, "nbytes": self.nbytes,
                                "checksum": self.checksum}
@@ -72,8 +58,6 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class SlotBuffer:
-    """One slot buffer of a loaded model on this node."""
-
     slot: int
     buffer_id: str
     name: str
@@ -115,7 +99,6 @@ class ModelInfo:
 
 
 def slot_of(model: str, buffer_name: Any) -> int | None:
-    """The slot number of a buffer named ``f"{model}/slot{i}"``, else None."""
     if not isinstance(buffer_name, str):
         return None
     m = re.fullmatch(re.escape(model) + r"/slot(\d{1,9})", buffer_name)
@@ -123,11 +106,9 @@ def slot_of(model: str, buffer_name: Any) -> int | None:
 
 
 async def model_info(ctx: RpcContext, name: str) -> ModelInfo:
-    """What the node of ``ctx`` holds of the model ``name`` (see the module
-    docstring).  Raises NOT_FOUND when it holds none of it, BAD_REQUEST for
-    a malformed answer or metadata (``reason: bad_answer``) and for a tensor
-    listed by two slots, VERIFY_FAILED when the metadata's bytes do not
-    match their checksum."""
+    """Raises NOT_FOUND when the node holds none of ``name``, BAD_REQUEST
+    (``reason: bad_answer``) for a malformed answer or metadata and a tensor in two
+    slots, VERIFY_FAILED when the metadata does not match its checksum."""
     found: list[tuple[int, dict[str, Any]]] = []
     for b in await ctx.list_buffers():
         slot = slot_of(name, b.get("name")) if isinstance(b, dict) else None
@@ -191,9 +172,8 @@ def _shape(value: Any, key: str, name: str) -> tuple[int, ...]:
 
 
 def parse_tensors(entries: Any, slot: int, buffer_id: str, size: int) -> list[TensorInfo]:
-    """A buffer's manifest (``get_buffer_meta``'s ``tensors``), every entry
-    checked, as ``TensorInfo`` in offset order.  Raises BAD_REQUEST
-    (``reason: bad_answer``) naming the field."""
+    """A manifest's entries, each checked, as ``TensorInfo`` in offset order.
+    Raises BAD_REQUEST (``reason: bad_answer``) naming the field."""
     if not isinstance(entries, dict):
         raise bad_answer(_ANSWER, "tensors", "must be a map of entries")
     out: list[TensorInfo] = []

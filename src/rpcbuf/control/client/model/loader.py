@@ -1,43 +1,16 @@
-"""Model upload: place a safetensors/GGUF model's tensors across a cluster.
+"""Model upload: a safetensors/GGUF model's tensors placed across a cluster.
 
-``load_model(cluster, path)`` (and ``rpcbuf load``) does, in order:
+One named buffer per used slot, ``NAME/slotN``, tensors back to back; a buffer
+of that name that already holds part of the slot's plan is reused.  Each slot
+sends batches that ramp from ``FIRST_BATCH`` up to ``batch_bytes``, hashed one
+ahead in a worker thread, deduplicated against what the node holds, at most
+``IN_FLIGHT`` on the wire.  Nothing is complete until every slot's manifest
+matched the checksums computed here; only then is the load committed.
 
-1. read the model's metadata (``modelfile``) and the cluster's devices, and
-   plan the placement (``placement``: a spec or proportional to free memory);
-   a bad spec or a model that does not fit fails here, before any request;
-2. request one named buffer per used slot, ``f"{name}/slot{i}"``, sized with
-   ``calculate_buffer_size(..., headroom=0)`` on that slot's device; a buffer
-   of that name that already holds part of this slot's plan is reused (a
-   re-load, or a retry after a failure, then fills it in place); if any
-   request fails, the buffers just created are released and nothing is sent.
-   Meanwhile a worker thread hashes the tensors the hash cache does not know
-   (``HashAhead``: a node backs a new buffer's memory before it answers);
-   then every slot gets its planned load record (``commit.start``);
-3. per slot, concurrently: read a batch of at most ``batch_bytes`` (the
-   first one at most ``FIRST_BATCH``, each next one up to twice the one
-   before: the first bytes go out soon, the rest in few batches; a worker
-   thread reads and hashes the next batch, each tensor once, while this one
-   travels), place it with ``store_tensors_dedup`` (the node places what
-   this tenant already holds; the rest is sent and checksum-verified, with
-   the checksums hashed here), ``IN_FLIGHT`` batches on the wire at once
-   (the node verifies one while the next arrives), and report progress;
-4. store the file's own metadata (``metadata``: one tensor in the first slot
-   buffer on each node) and record each tensor's source type and logical
-   shape in the manifests (``TensorSpec.source``);
-5. check every slot's manifest against the checksums computed here, and
-   only once every slot passed, commit the load (``commit.commit``): until
-   then the model is not complete (``record``).  The model file's mapping
-   is closed in a worker thread meanwhile (its bytes are all sent), and
-   always before ``load_model`` returns.
-
-Named buffers outlive the client, so the model stays loaded after the CLI
-exits; ``unload_model`` (``rpcbuf unload NAME``) releases it on every node.
-
-If a node fails mid-upload the other slots stop at their next batch, the
-buffers this call created are released on every node that still answers,
-and ``ClusterError`` names the node(s) that failed.  Buffers it reused are
-kept: they hold verified tensors a retry will not send again.  A cancelled
-load (Ctrl-C, SIGTERM in the CLI) releases the same way (``commit.abort``).
+On failure or cancellation the buffers this call created are released on every
+node that still answers and ``ClusterError`` names the failed nodes; reused
+buffers are kept (their verified tensors are not sent again).  The model file's
+mapping is always closed before ``load_model`` returns.
 """
 
 from __future__ import annotations
@@ -61,7 +34,7 @@ from rpcbuf.control.client.model.reading import (
     DEFAULT_BATCH,
     FIRST_BATCH,
     HashAhead,
-    Hashes,
+    HashLookup,
     KnownHashes,
     batches,
     read_batch,
@@ -114,11 +87,6 @@ class NodeStats:
 
 @dataclass
 class LoadResult:
-    """What ``load_model`` did: the model's ``name`` on the nodes and its
-    file (``model``), the ``placement`` it followed, per endpoint what was
-    sent and placed (``nodes``), each slot buffer (``buffers``) and how long
-    it took (``seconds``)."""
-
     name: str
     model: str
     format: str
@@ -183,24 +151,13 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
                      batch_bytes: int = DEFAULT_BATCH, dedup: bool = True,
                      on_progress: ProgressFn | None = None,
                      hash_cache: bool = True) -> LoadResult:
-    """Upload the model at ``path`` across ``cluster``; see the module docstring.
-
-    ``path``: a GGUF or safetensors file, or a directory of safetensors
-    shards, or a model ``open_model`` opened already (it is closed here);
-    ``placement`` is a spec (``"0:prolog,epilog;1:20;2:all"``) or None for a
-    split by free memory; ``name`` defaults to the file's stem (a
-    directory's name); ``progress`` shows rich progress bars on stderr when
-    it is a terminal; ``batch_bytes`` (256 MiB) bounds one batch of a slot;
-    ``dedup`` (default) sends only what a node does not hold already
-    (``store_tensors_dedup``), False sends every byte (``store_batch``);
-    ``on_progress(endpoint, done, total)`` is called after every batch;
-    ``hash_cache`` (with ``dedup``) reuses the tensors' hashes remembered
-    from an earlier upload of the unchanged file (``hashcache``), so a
-    re-upload reads only what it sends.
-    Raises BAD_REQUEST (bad spec, model does not fit, not a model file, a
-    bad name or ``batch_bytes``) before any buffer is requested, OSError for
-    a model file that is missing; ``ClusterError`` naming each failed node
-    otherwise (after releasing the buffers this call created)."""
+    """Upload the model at ``path`` (a file, a shard directory, or an open
+    ``ModelFile``, closed here) across ``cluster``.  ``placement``: a spec or None
+    (by free memory); ``dedup`` False sends every byte; ``hash_cache`` reuses the
+    hashes of an unchanged file.
+    Raises BAD_REQUEST (bad spec or name, model does not fit or is no model)
+    before any buffer is requested, OSError for a missing file, else ``ClusterError``
+    naming each failed node (after releasing what this call created)."""
     t0 = time.perf_counter()
     if batch_bytes <= 0:
         raise BadRequest("batch_bytes must be positive")
@@ -223,7 +180,7 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
             plan, existing, jobs = await place_and_acquire(
                 cluster, name, [(t.name, t.nbytes) for t in model.tensors],
                 model.by_name.__getitem__, MD.encode(model.format, model.metadata), placement,
-                known, hashing if dedup else None)
+                known.lookup if known is not None else None, hashing if dedup else None)
         finally:
             ahead = await hashing.stop()
         stats = {a: NodeStats(a) for a in cluster.endpoints}
@@ -255,13 +212,13 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
 
 async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, int]],
                             spec_of: Callable[[str], TensorSpec], blob: np.ndarray,
-                            placement: str | None, known: Hashes | None = None,
+                            placement: str | None, known: HashLookup | None = None,
                             hashing: HashAhead | None = None
                             ) -> tuple[PL.Placement, dict[str, list[dict[str, Any]]],
                                        list[SlotJob]]:
-    """Step 1 of a load, an upload's or a node-local one alike: the placement
-    over the nodes' slots (this model's old buffers counted free, room left
-    for the metadata ``blob``), a job per slot, its buffer reused or made."""
+    """Step 1 of any load: placement over the slots (this model's old buffers
+    counted free, room left for the metadata ``blob``), a job per slot, its buffer
+    reused or made, its load record planned."""
     slots = await cluster.slots()
     existing = await cluster.list_buffers()
     slots = as_if_released(slots, existing, name)
@@ -279,7 +236,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     try:
         await acquire(cluster, jobs, existing, name, known, hashing)
         for j in jobs:
-            got = known.lookup(j.specs) if known is not None else {}
+            got = known(j.specs) if known is not None else {}
             if hashing is not None and j.cloned:
                 got = {**hashing.hashes, **got}  # a clone was decided by them
             if all(s.name in got for s in j.specs):
@@ -305,7 +262,6 @@ def start_progress(jobs: list[SlotJob], stats: dict[str, Any], show: bool,
 
 
 def described(jobs: list[SlotJob]) -> list[dict[str, Any]]:
-    """What a load result says of each buffer."""
     return [{"name": j.buffer_name, "buffer_id": j.buffer_id, "slot": j.plan.slot.slot,
              "endpoint": j.plan.slot.endpoint, "device": j.plan.slot.key,
              "reused": not j.created, "cloned": j.cloned,
@@ -399,9 +355,8 @@ def _described(model: ModelFile, arrays: dict[str, np.ndarray]) -> Packed:
 
 async def _store_metadata(ctx: RpcContext, job: SlotJob, offsets: dict[str, int],
                           sums: dict[str, int]) -> None:
-    """The metadata tensor of a slot that carries it, right after the slot's
-    tensors (deduplicated: a re-load sends nothing); its checksum joins
-    ``sums`` for the manifest check."""
+    """The metadata tensor after the slot's tensors (deduplicated); its
+    checksum joins ``sums``."""
     if job.metadata is None:
         return
     await ctx.store_tensors_dedup(job.buffer_id, {MD.META_TENSOR: job.metadata},
@@ -430,9 +385,9 @@ async def _release_stale(cluster: Cluster, existing: dict[str, list[dict[str, An
 
 
 async def unload_model(cluster: Cluster, name: str) -> dict[str, list[str]]:
-    """Release every buffer ``f"{name}/slotN"`` on every node; return the names
-    released per node.  Raises ``ClusterError`` for nodes that failed (after
-    unloading from the others) and NOT_FOUND when no node held the model."""
+    """Release every ``NAME/slotN`` on every node; the names released per node.
+    Raises ``ClusterError`` for failed nodes (after the others) and NOT_FOUND when
+    no node held the model."""
 
     async def one(ctx: RpcContext) -> list[str]:
         done = []

@@ -1,26 +1,12 @@
-"""A loaded model's own metadata, stored with its tensors: encoded on load, decoded on read.
+"""A loaded model's own metadata (GGUF key/values, safetensors ``__metadata__``)
+as one uint8 tensor, ``META_TENSOR``, after the tensors of the model's first
+slot on each node: msgpack of ``{"rpcbuf_model_metadata": 1, "format",
+"metadata"}``, quota-charged, deduplicated and checksummed like any tensor.
 
-``load_model`` keeps the model file's metadata (``ModelFile.metadata``: the
-GGUF key/values as plain Python, or the safetensors ``__metadata__``
-strings) in rpcbuf's own terms, with no daemon state of its own: one uint8
-tensor, ``META_TENSOR``, in the first slot buffer the model has on each node
-(so every node that holds part of a model can describe it), right after
-that slot's tensors.  It is charged to the tenant's quota, deduplicated,
-checksummed and released like every other tensor.  Its bytes are msgpack of
-``{"rpcbuf_model_metadata": 1, "format": "gguf" | "safetensors",
-"metadata": {...}}``.
-
-Both ends are bounded.  What a file may hold is bounded before it is read
-(``modelcheck``: ``MAX_METADATA_KEYS`` keys, ``MAX_METADATA_ITEMS`` values,
-``MAX_METADATA_BYTES`` of the file), and so is what ``encode`` makes
-(``MAX_BLOB``: room for the worst widening of an accepted file, float32
-arrays as msgpack doubles, 2.25x).  What a daemon hands back is untrusted
-(``decode``): at most ``MAX_BLOB`` bytes, every container and string within
-the file bounds as it is unpacked, then the shape walked without recursion
-(a map of keys to ints, floats, bools, strings and lists of those, nested at
-most ``GGUF_MAX_NESTING`` deep, ``MAX_METADATA_ITEMS`` values in all).  A
-blob that fails is BAD_REQUEST (``reason: bad_answer``, ``field:
-metadata``).
+Both ends are bounded: ``encode`` makes at most ``MAX_BLOB`` (the worst widening
+of an accepted file), and ``decode`` trusts no daemon: at most ``MAX_BLOB``
+bytes, containers bounded as unpacked, the shape walked without recursion.  A
+bad blob is BAD_REQUEST (``reason: bad_answer``, ``field: metadata``).
 """
 
 from __future__ import annotations
@@ -48,10 +34,8 @@ _KEYS = {"rpcbuf_model_metadata", "format", "metadata"}
 
 
 def encode(fmt: str, metadata: dict[str, Any]) -> np.ndarray:
-    """The metadata blob of a model of format ``fmt``, as the uint8 tensor
-    ``load_model`` stores.  Raises BAD_REQUEST past ``MAX_BLOB`` or for a
-    value msgpack cannot hold (neither comes from a file ``modelcheck``
-    accepted)."""
+    """The blob as a uint8 tensor.  Raises BAD_REQUEST past ``MAX_BLOB`` or for
+    a value msgpack cannot hold."""
     if fmt not in FORMATS:
         raise BadRequest(f"unknown model format {fmt!r}")
     try:
@@ -66,9 +50,7 @@ def encode(fmt: str, metadata: dict[str, Any]) -> np.ndarray:
 
 
 def decode(data: bytes | np.ndarray) -> tuple[str, dict[str, Any]]:
-    """``(format, metadata)`` of a blob a daemon handed back.  Raises
-    BAD_REQUEST (``reason: bad_answer``) for one that is too big, not
-    msgpack, or not the shape ``encode`` makes (see the module docstring)."""
+    """``(format, metadata)``.  Raises BAD_REQUEST (``reason: bad_answer``)."""
     raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     if len(raw) > MAX_BLOB:
         raise bad_answer(_ANSWER, "metadata", f"is {len(raw)} bytes (at most {MAX_BLOB})")
@@ -94,9 +76,8 @@ def decode(data: bytes | np.ndarray) -> tuple[str, dict[str, Any]]:
 
 
 def _check_values(meta: dict[str, Any]) -> None:
-    """Every value an int, float, bool, string or list of those, lists nested
-    at most ``GGUF_MAX_NESTING`` deep, at most ``MAX_METADATA_ITEMS`` values:
-    walked with a stack, never recursively."""
+    """Ints, floats, bools, strings or lists of those, nested at most
+    ``GGUF_MAX_NESTING``, at most ``MAX_METADATA_ITEMS``: walked with a stack."""
     budget = MAX_METADATA_ITEMS - len(meta)
     stack: list[tuple[Any, int]] = [(v, 0) for v in meta.values()]
     while stack:

@@ -1,10 +1,7 @@
-"""The model file a client uploads, its header checked before anything
-parses it: the walks are ``control/wire/modelcheck.py`` (shared with the
-daemon, which checks the files of its ``--model-dir``); this module opens
-the file and turns what is wrong into one ``BadRequest`` naming it.  The
-GGUF walk also returns the file's key/values, and ``metadata_of_safetensors``
-a safetensors header's ``__metadata__``, both within the wire module's
-bounds (``MAX_METADATA_*``)."""
+"""The model file a client uploads, its header checked (the shared walks of
+``wire.modelcheck``) before anything parses it; what is wrong is one
+``BadRequest`` naming the file.
+"""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ __all__ = ["GGUF_MAX_NESTING", "MAX_METADATA_BYTES", "MAX_METADATA_ITEMS", "MAX_
 
 
 def check_gguf(path: Path) -> dict[str, Any]:
-    """Walk a GGUF file's whole header against its size; return its
-    key/values as plain Python.  Raises BAD_REQUEST naming the file and the
-    first thing wrong with it."""
+    """The header's key/values.  Raises BAD_REQUEST naming the file and the
+    first thing wrong."""
     try:
         with open(path, "rb") as f:
             fd = f.fileno()
@@ -44,9 +40,8 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
 
 def metadata_of_safetensors(path: Path, header: Mapping[str, Any]) -> dict[str, str]:
-    """A safetensors header's ``__metadata__`` (checked a map of strings by
-    ``safetensors_header``), within ``MAX_METADATA_KEYS`` keys and
-    ``MAX_METADATA_BYTES`` characters.  Raises BAD_REQUEST naming the file."""
+    """``__metadata__`` within ``MAX_METADATA_KEYS`` and ``MAX_METADATA_BYTES``.
+    Raises BAD_REQUEST naming the file."""
     meta = header.get("__metadata__") or {}
     size = sum(len(k) + len(v) for k, v in meta.items())  # characters: at most the bytes
     if len(meta) > MAX_METADATA_KEYS or size > MAX_METADATA_BYTES:
@@ -58,9 +53,8 @@ def metadata_of_safetensors(path: Path, header: Mapping[str, Any]) -> dict[str, 
 
 def safetensors_header(path: Path, itemsizes: Mapping[str, int]
                        ) -> tuple[int, dict[str, Any]]:
-    """``(where the data starts, the header)`` of a safetensors file, every
-    entry checked against the file (``wire.modelcheck.safetensors_parse``).
-    Raises BAD_REQUEST naming the file and what is wrong."""
+    """``(data start, header)``, every entry checked against the file.
+    Raises BAD_REQUEST naming the file."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

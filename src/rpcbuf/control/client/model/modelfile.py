@@ -1,31 +1,13 @@
-"""Model files: the tensors of a safetensors or GGUF model, read a batch at a time.
+"""Model files: a safetensors or GGUF model's tensors, read a batch at a time.
 
-``open_model(path)`` reads only the metadata: each tensor's name, dtype,
-shape and size, in file order, what the file says it is (``source_dtype``:
-its GGML type or safetensors dtype; ``logical_shape``: its elements, in
-NumPy order), and the file's own metadata (``ModelFile.metadata``: GGUF's
-key/values as plain Python, or the safetensors ``__metadata__`` strings;
-bounded, see ``modelcheck``).  ``ModelFile.read(names)`` then returns those
-tensors as NumPy arrays, so a loader holds one bounded batch in memory, not
-the model.  Both formats are memory-mapped by their own packages:
-
-- safetensors: ``safe_open(framework="np")`` reads the names, dtypes and
-  shapes (and checks the file); the bytes are then views of a read-only
-  memory map of the file at the header's offsets — no copy: ``get_tensor``
-  would copy every tensor into fresh memory, which measured 2-3x slower
-  for a re-upload that only hashes.  A directory of shards
-  (``model-00001-of-00004.safetensors`` ...) is one model.  NumPy has no
-  bfloat16 or float8, so those tensors are their raw bits (``<u2`` / ``|u1``,
-  same shape); the manifest records that dtype and ``source_dtype`` keeps
-  the file's name.  The shards' ``__metadata__`` are merged, the first
-  shard's value winning.
-- GGUF through ``gguf.GGUFReader`` (a memory map): float tensors keep their
-  dtype; quantized ones are the uint8 rows the reader gives (``source_dtype``
-  says which quantization, ``logical_shape`` the elements: a Q8_0 matrix of
-  (512, 256) is uint8 rows of (512, 272)).
-
-``read`` may be called from several threads at once (the loader reads ahead
-for each slot in a worker thread).
+``open_model`` reads only the header: each tensor's name, dtype, shape, size,
+``source_dtype`` and ``logical_shape``, and the file's metadata (bounded).
+``ModelFile.read(names)`` returns NumPy views of a read-only memory map (no
+copy; ``get_tensor``'s copies were 2-3x slower), so a loader holds one batch,
+not the model.  NumPy has no bfloat16 or float8: those are their raw bits
+(``<u2``/``|u1``).  Quantized GGUF tensors are the reader's uint8 rows (a Q8_0
+(512, 256) is (512, 272)).  A directory of safetensors shards is one model,
+its ``__metadata__`` merged (first shard wins).  ``read`` is thread-safe.
 """
 
 from __future__ import annotations
@@ -65,15 +47,12 @@ class TensorSpec:
 
     @property
     def source(self) -> tuple[str, tuple[int, ...]]:
-        """``(source type, logical shape)``: what the manifest records beside
-        the NumPy view (``store_tensors(sources=...)``)."""
+        """``(source type, logical shape)`` beside the NumPy view."""
         return self.source_dtype, self.shape if self.logical_shape is None \
             else self.logical_shape
 
 
 class ModelFile:
-    """The metadata of one model, and batched reads of its tensors."""
-
     def __init__(self, path: Path, fmt: str, files: list[Path],
                  tensors: list[TensorSpec], reader: Any = None,
                  metadata: dict[str, Any] | None = None) -> None:
@@ -101,7 +80,6 @@ class ModelFile:
         return {n: self._raw(self.by_name[n]) for n in names}
 
     def where(self, name: str) -> tuple[int, int]:
-        """``(file index, byte offset in that file)`` of a tensor's bytes."""
         spec = self.by_name[name]
         if self._gguf is not None:
             if not self._gguf_at:
@@ -121,9 +99,8 @@ class ModelFile:
 
 
 def open_model(path: str | Path) -> ModelFile:
-    """Read a model's metadata: a GGUF file, a safetensors file, or a directory
-    of ``*.safetensors`` shards.  Raises BAD_REQUEST (not a model, unreadable
-    header); OSError when the file is missing."""
+    """A GGUF file, a safetensors file, or a directory of shards.  Raises
+    BAD_REQUEST (not a model, unreadable header); OSError when missing."""
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))

@@ -1,42 +1,14 @@
-"""Node-local load: every node reads its share of a model from its own disk.
+"""Node-local load: each node reads its share of a model from its own disk, so no
+tensor crosses the network.
 
-``load_from_node(cluster, path, node_path)`` (``load_model(...,
-source="node")``, ``rpcbuf load MODEL --from-node PATH``) does what an
-upload does (``loader.py``), except that no tensor crosses the network:
-
-1. the driver learns the model from ``path`` on this machine: its hash
-   manifest (``hashfile.py``: written beside the model by ``rpcbuf hash``,
-   or given itself), else the model's header with hashes read from the
-   local copy (or the hash cache);
-2. placement and buffers exactly as for an upload (``placement.plan`` over
-   the cluster's slots less the room for the model's metadata, one named
-   buffer per used slot, reused or created as ``acquire.acquire`` does, the
-   same back-to-back layout), so a model loaded either way lies the same,
-   and a re-load finds it in place;
-3. every node opens its copy of each file its slots read (a ``load_file``
-   of no tensors: its header, nothing else; ``_check_copies``), so a node
-   without ``--model-dir``, or without the file, or with another size,
-   stops the load before any node reads a byte;
-4. per slot, batches of at most ``batch_bytes`` (``NODE_BATCH``), two in flight: a
-   ``load_file`` request naming the file on the node (``node_path``; for a
-   directory of shards, each shard inside it), each tensor's byte range in
-   the file, its place in the buffer, its hashes, its source type and
-   logical shape; the node reads and verifies them (``daemon/ops/fileops.py``)
-   and records only what matched;
-5. the model file's metadata (from the header, or the hash manifest) is
-   stored as an upload stores it: the tensor ``__rpcbuf_metadata__``
-   (``metadata``) right after the tensors of each node's first slot,
-   from the driver (rpcbuf's own msgpack blob, not the file's bytes;
-   deduplicated, so a re-load sends nothing; ``bytes_sent`` counts the
-   file's tensors only, none);
-6. every slot's manifest is checked against the expected checksums;
-7. as for an upload, each slot's load record is planned before step 4 and
-   committed only after every slot passed step 6 (``commit``).
-
-A node whose copy differs (missing, another size, a tensor that does not
-match) fails its load with an error naming the file and the tensor; the
-other slots stop at their next batch, the buffers this call created are
-released, and ``ClusterError`` names the node(s), as for an upload.
+The driver knows the model from a hash manifest, or its header plus hashes read
+here.  Placement, buffers, layout and the load record are an upload's, so a
+model loaded either way lies the same.  Before any node reads a byte, every
+node opens its copy of each file its slots read (``_check_copies``).  Each slot
+then sends ``load_file`` batches (two in flight) naming the file, each tensor's
+byte range, place and hashes; the node records only what verified.  The
+metadata is stored from the driver as an upload stores it.  Failure and
+cleanup are an upload's.
 """
 
 from __future__ import annotations
@@ -71,6 +43,7 @@ from rpcbuf.control.client.model.loader import (
     start_progress,
 )
 from rpcbuf.control.client.model.modelfile import TensorSpec
+from rpcbuf.control.client.model.reading import HashLookup
 from rpcbuf.control.client.model.slots import SlotJob, slot_offsets
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest
@@ -117,8 +90,8 @@ class NodeLoadResult(LoadResult):
 
 
 def default_names(path: Path) -> tuple[str, str]:
-    """(the model's name, its path on the nodes) when not given: from the
-    model's own path, or the model beside a manifest."""
+    """(name, path on the nodes) from the model's path, or the model beside a
+    manifest."""
     model = path
     if path.name == DIR_NAME:
         model = path.parent
@@ -138,14 +111,11 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
                          batch_bytes: int = NODE_BATCH,
                          on_progress: ProgressFn | None = None,
                          hash_cache: bool = True) -> NodeLoadResult:
-    """Load the model at ``path`` (on this machine: a model, or its hash
-    manifest) from each node's own copy at ``node_path`` (default: the
-    model's path; relative paths are looked up in the nodes' ``--model-dir``
-    directories); see the module docstring.  ``path`` may be what
-    ``hashfile.describe`` returned already.  Other arguments as for
-    ``load_model``.  Raises BAD_REQUEST (bad spec, model does not fit, not a
-    model or manifest) before anything is requested; ``ClusterError`` naming
-    each failed node otherwise (after releasing the buffers this call created)."""
+    """Load the model at ``path`` (here: a model or its hash manifest, or a
+    ``describe`` result) from each node's copy at ``node_path`` (relative: in the
+    nodes' ``--model-dir``).  Other arguments as ``load_model``.  Raises
+    BAD_REQUEST before anything is requested, else ``ClusterError`` naming each
+    failed node (after releasing what this call created)."""
     t0 = time.perf_counter()
     if batch_bytes <= 0:
         raise BadRequest("batch_bytes must be positive")
@@ -162,7 +132,7 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
     tensors = {t.name: (k, t) for k, t in hm.tensors}
     plan, existing, jobs = await place_and_acquire(
         cluster, name, [(t.name, t.nbytes) for _, t in hm.tensors],
-        lambda n: _spec(*tensors[n]), hm.blob(), placement, _ManifestHashes(hm))
+        lambda n: _spec(*tensors[n]), hm.blob(), placement, _manifest_lookup(hm))
     stats = {a: NodeLoadStats(a) for a in cluster.endpoints}
     try:
         await _check_copies(cluster, jobs, tensors, hm, files, batch_bytes)
@@ -182,15 +152,13 @@ async def load_from_node(cluster: Cluster, path: str | Path | HashedModel,
                           bytes_hashed=hm.hashed)
 
 
-class _ManifestHashes:
-    """The hash manifest's hashes, as the loader looks them up (a node that
-    holds this model under another name gets a clone: ``acquire.acquire``)."""
+def _manifest_lookup(hm: HashedModel) -> HashLookup:
+    by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
 
-    def __init__(self, hm: HashedModel) -> None:
-        self._by_name = {t.name: (t.digest, t.checksum) for _, t in hm.tensors}
+    def lookup(batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+        return {s.name: by_name[s.name] for s in batch if s.name in by_name}
 
-    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]:
-        return {s.name: self._by_name[s.name] for s in batch if s.name in self._by_name}
+    return lookup
 
 
 def _spec(k: int, t: HashedTensor) -> TensorSpec:
@@ -199,8 +167,8 @@ def _spec(k: int, t: HashedTensor) -> TensorSpec:
 
 def _batches(job: SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
              offsets: dict[str, int], limit: int) -> list[tuple[int, list[FileTensor]]]:
-    """The slot's load_file requests: per file, in buffer order, at most
-    ``limit`` bytes (and ``MAX_BATCH_TENSORS`` tensors) each."""
+    """Per file, in buffer order, at most ``limit`` bytes and
+    ``MAX_BATCH_TENSORS`` tensors each."""
     out: list[tuple[int, list[FileTensor]]] = []
     open_: dict[int, tuple[list[FileTensor], int]] = {}
     for spec in sorted(job.specs, key=lambda s: offsets[s.name]):
@@ -219,10 +187,8 @@ def _batches(job: SlotJob, tensors: dict[str, tuple[int, HashedTensor]],
 async def _check_copies(cluster: Cluster, jobs: list[SlotJob],
                         tensors: dict[str, tuple[int, HashedTensor]], hm: HashedModel,
                         files: list[str], batch_bytes: int) -> None:
-    """Before any node reads a byte: every node has each file its slots read,
-    of the right size and a model (a ``load_file`` of no tensors: the node
-    opens its copy and reads its header, nothing else).  Without it, one
-    node read 194 MiB before another said it had no ``--model-dir``."""
+    """Every node has each file its slots read, of the right size and a model
+    (a ``load_file`` of no tensors), before any node reads a byte."""
     probes: dict[tuple[str, int], asyncio.Future[Any]] = {}
 
     async def one(j: SlotJob) -> None:

@@ -1,30 +1,16 @@
-"""Placement: which slot (device of the cluster) holds which of a model's tensors.
+"""Placement: which slot (a device of the cluster) holds which of a model's
+tensors, decided synchronously before a byte moves.
 
-A model's tensors fall into groups, by name: the *prolog* (token embeddings
-and every other tensor outside the layers, such as rope tables), the
-*layers* 0..N-1 (by the index in the name: ``layers.N.``,
-``model.layers.N.``, GGUF ``blk.N.``, also GPT-style ``h.N.``/``blocks.N.``,
-and ``block.N.``/``layer.N.``) and the *epilog* (the final norm and the
-output head: a tensor outside the layers whose name has ``norm``,
-``output``, ``lm_head`` or ``ln_f`` in it, in any case).  Slot ``i``
-is the ``i``-th device of the endpoint list: each node's devices in the order
-it lists them, node after node.
-
-Two ways to map groups to slots, both decided here, synchronously, before a
-byte moves (the loader performs the plan):
-
-- a spec in the spirit of llama.cpp's ``-ngl``: ``"0:prolog,epilog;1:20;2:all"``
-  gives slot 0 the prolog and the epilog, slot 1 the next 20 layers and slot 2
-  all remaining layers (entries are taken in the order written);
-- ``plan_auto``: layers in proportion to each device's free memory, the prolog
-  on the first device with memory and the epilog on the last; when that split
-  does not fit (fragmentation, the buddy allocator's power-of-two blocks) the
-  layers are packed in order into what each device can take.
-
-Every slot's buffer is sized like ``calculate_buffer_size(..., headroom=0)``
-(256-byte aligned tensors) and checked against the device's largest free
-block, rounded the way its allocator rounds.  A bad spec or a model that does
-not fit raises ``BadRequest`` whose message and ``details`` say what to change.
+Tensors group by name into the *prolog* (embeddings and anything outside the
+layers), *layers* 0..N-1 (``layers.N.``, ``blk.N.``, ``h.N.``, ``blocks.N.``,
+...) and the *epilog* (a non-layer tensor naming ``norm``, ``output``,
+``lm_head`` or ``ln_f``).  Slot ``i`` is the ``i``-th device, node after node.
+Groups go to slots by a spec (``"0:prolog,epilog;1:20;2:all"``, in the spirit
+of llama.cpp's ``-ngl``) or ``plan_auto`` (by free memory, packed in order when
+that split does not fit).  Each slot's buffer is sized with 256-byte aligned
+tensors and checked against its device's largest free block, rounded as its
+allocator rounds.  A bad spec or a model that does not fit is ``BadRequest``
+saying what to change.
 """
 
 from __future__ import annotations
@@ -92,8 +78,6 @@ class Groups:
 
 @dataclass(frozen=True)
 class Slot:
-    """One device of the cluster, as placement sees it."""
-
     slot: int
     endpoint: str
     device_type: str
@@ -138,9 +122,8 @@ class SlotPlan:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which slot holds which tensors (``plan``): what each slot that gets
-    something gets, the spec that reproduces it, and whether it was
-    planned by free memory (``auto``) rather than from a spec."""
+    """Each used slot's share, the spec that reproduces it, and whether it
+    was planned by free memory (``auto``)."""
 
     slots: list[SlotPlan]  # only slots that get something, by slot number
     spec: str  # an explicit spec that reproduces this placement
@@ -258,9 +241,8 @@ def _slot_plan(groups: Groups, slot: Slot, prolog: bool, epilog: bool,
 
 def plan_from_spec(groups: Groups, slots: Sequence[Slot], spec: str | Sequence[Entry]
                    ) -> Placement:
-    """Place by an explicit spec. Raises BAD_REQUEST: syntax, an unknown slot,
-    the prolog/epilog left out, layers left over or too many, a slot that
-    cannot hold its share."""
+    """Raises BAD_REQUEST: syntax, an unknown slot, the prolog/epilog left
+    out, layers left over or too many, a slot that cannot hold its share."""
     entries = parse_spec(spec) if isinstance(spec, str) else list(spec)
     text = spec if isinstance(spec, str) else format_spec(entries)
     by_slot = {s.slot: s for s in slots}
@@ -300,10 +282,8 @@ def plan_from_spec(groups: Groups, slots: Sequence[Slot], spec: str | Sequence[E
 
 
 def plan_auto(groups: Groups, slots: Sequence[Slot]) -> Placement:
-    """Layers in proportion to each slot's free memory (prolog on the first
-    slot with memory, epilog on the last); if that does not fit, layers packed
-    in order into what each slot can take.  Raises BAD_REQUEST when the model
-    cannot fit at all."""
+    """Layers by free memory (prolog first, epilog last), else packed in order.
+    Raises BAD_REQUEST when the model cannot fit at all."""
     usable = [s for s in slots if s.free > 0 and s.capacity > 0]
     if not usable:
         raise BadRequest("no device in the cluster has free memory",
@@ -333,8 +313,7 @@ def _layer_bytes(groups: Groups) -> list[int]:
 
 
 def _proportional(groups: Groups, usable: Sequence[Slot]) -> list[int]:
-    """Layer counts per usable slot: each layer goes to the slot whose share of
-    the model (by free memory) holds the layer's midpoint."""
+    """Each layer goes to the slot whose share (by free memory) holds its midpoint."""
     sizes = _layer_bytes(groups)
     pro, epi = groups.bytes_of(groups.prolog), groups.bytes_of(groups.epilog)
     total = pro + sum(sizes) + epi
@@ -356,8 +335,8 @@ def _proportional(groups: Groups, usable: Sequence[Slot]) -> list[int]:
 
 
 def _packed(groups: Groups, usable: Sequence[Slot]) -> list[int] | None:
-    """Greedy: each slot in order takes as many next layers as fit.  Complete
-    for this shape of plan (sizes add up, so taking more early never hurts)."""
+    """Greedy, each slot takes as many next layers as fit: complete for this
+    shape of plan (taking more early never hurts)."""
     sizes = _layer_bytes(groups)
     pro, epi = groups.bytes_of(groups.prolog), groups.bytes_of(groups.epilog)
     counts = [0] * len(usable)
@@ -386,5 +365,4 @@ def _plans_for_counts(groups: Groups, usable: Sequence[Slot], counts: list[int]
 
 
 def plan(groups: Groups, slots: Sequence[Slot], spec: str | None = None) -> Placement:
-    """``plan_from_spec`` when a spec is given, else ``plan_auto``."""
     return plan_auto(groups, slots) if spec is None else plan_from_spec(groups, slots, spec)

@@ -1,16 +1,13 @@
-"""Reading a model's tensors for an upload, and their content hashes: from
-the client-side hash cache (``KnownHashes``), computed ahead in a worker
-thread while the nodes answer the buffer requests (``HashAhead``), or as
-each batch is read (``read_batch``).  The loader (``loader.py``) and the
-node-local load (``nodeload.py``) use them.
+"""A model's tensors read for an upload, and their content hashes: from the hash
+cache (``KnownHashes``), computed ahead in a thread while nodes answer buffer
+requests (``HashAhead``), or as each batch is read (``read_batch``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,12 +25,9 @@ FIRST_BATCH = 16 << 20  # a slot's first batch: hashed and on the wire soon
 
 def batches(specs: Sequence[TensorSpec], limit: int,
             first: int | None = None) -> Iterator[list[TensorSpec]]:
-    """``specs`` in order, cut into batches of at most ``limit`` bytes (a
-    tensor bigger than that is a batch of its own).  With ``first``, the
-    first batch holds at most ``first`` bytes and each next one at most
-    twice the one before, up to ``limit``: a ramp, so the first bytes go
-    out after little hashing, and the rest in few batches (each costs the
-    node two requests)."""
+    """``specs`` in order, at most ``limit`` bytes a batch (a bigger tensor alone).
+    With ``first``: a ramp from ``first`` doubling up to ``limit``, so the first bytes
+    go out after little hashing and the rest in few batches."""
     cap = limit if first is None else max(1, min(first, limit))
     batch: list[TensorSpec] = []
     size = 0
@@ -49,9 +43,8 @@ def batches(specs: Sequence[TensorSpec], limit: int,
 
 
 class KnownHashes:
-    """This model's tensors' hashes from the client-side ``HashCache``: the
-    file identities are taken once, before anything is read, and the cache is
-    saved only if they are unchanged after the upload."""
+    """Hashes from the ``HashCache``: file identities taken before anything is
+    read; the cache is saved only if they are unchanged after the upload."""
 
     def __init__(self, model: ModelFile) -> None:
         self.model = model
@@ -94,9 +87,8 @@ class KnownHashes:
 def read_batch(model: ModelFile, batch: list[TensorSpec], known: KnownHashes | None = None,
           ahead: dict[str, tuple[int, int]] | None = None
           ) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, int]]]:
-    """The batch's arrays (memory-map views: nothing is read yet) and their
-    hashes, computed only for the tensors neither ``ahead`` (``HashAhead``)
-    nor the hash cache knows."""
+    """The batch's arrays (map views) and hashes, computed only for tensors
+    neither ``ahead`` nor the cache knows."""
     arrays = model.read([s.name for s in batch])
     early = {n: ahead[n] for n in arrays if n in ahead} if ahead else {}
     cached = known.lookup([s for s in batch if s.name not in early]) \
@@ -109,14 +101,9 @@ def read_batch(model: ModelFile, batch: list[TensorSpec], known: KnownHashes | N
 
 
 class HashAhead:
-    """Hashes the model's tensors, in file order, in a worker thread while
-    the nodes answer the buffer requests: a new buffer's fresh memory is
-    backed before its request is answered (0.6-1 s per GiB on the 2-core
-    VM), time in which this client would otherwise wait idle and then hash
-    during the transfer, where both cores are busy.  ``stop`` ends it at
-    its next tensor, so the upload waits for at most one tensor's hash;
-    what it has not reached is hashed by the upload's read-ahead as before.
-    Tensors the hash cache knows are skipped."""
+    """Hashes tensors in file order in a worker thread while the nodes back new
+    buffers (0.6-1 s per GiB, otherwise idle).  ``stop`` ends it at its next
+    tensor; the upload's read-ahead hashes the rest."""
 
     def __init__(self, model: ModelFile, known: KnownHashes | None) -> None:
         self.hashes: dict[str, tuple[int, int]] = {}
@@ -134,15 +121,14 @@ class HashAhead:
                 self.hashes.update(content_hashes({n: a}))
 
     async def finish(self) -> dict[str, tuple[int, int]]:
-        """Wait until every tensor is hashed (a clone is decided by them);
-        the hashes.  A file error ends it early: what it has."""
+        """Every tensor hashed (a clone is decided by them); a file error ends it
+        early with what it has."""
         await asyncio.wait([self._job])
         return self.hashes
 
     async def stop(self) -> dict[str, tuple[int, int]]:
-        """Stop at the next tensor and wait for that (even when cancelled:
-        the thread reads the model's mapping, which the caller closes after);
-        the hashes so far."""
+        """Stop at the next tensor and wait for it, even when cancelled (the thread
+        reads the mapping the caller closes after); the hashes so far."""
         self._stop.set()
         cancelled = False
         while not self._job.done():
@@ -157,8 +143,6 @@ class HashAhead:
         return self.hashes
 
 
-class Hashes(Protocol):
-    """Tensors' hashes known before anything is read: the hash cache
-    (``KnownHashes``), a node-local load's hash manifest."""
-
-    def lookup(self, batch: list[TensorSpec]) -> dict[str, tuple[int, int]]: ...
+# Tensors' hashes known before anything is read, by name: ``KnownHashes.lookup``
+# (the hash cache) or a node-local load's hash manifest.
+HashLookup = Callable[[list[TensorSpec]], dict[str, tuple[int, int]]]

@@ -1,34 +1,16 @@
-"""A model load's record: its plan written first, its commit last (``commit``).
+"""A model load's record, Mooncake Store's PutStart / PutEnd: the tensor
+``LOAD_TENSOR`` after each slot buffer's tensors and metadata (msgpack).
 
-A loaded model is one named buffer per slot (``loader``), and named buffers
-outlive the client that fills them: a loader that is interrupted (Ctrl-C,
-SIGTERM, a node failing) or killed leaves slots that hold part of their
-tensors.  So every slot buffer holds one more small tensor, ``LOAD_TENSOR``,
-right after its tensors and the metadata (msgpack, like ``metadata``),
-written twice, as Mooncake Store's PutStart / PutEnd:
-
-1. ``PLANNED``, once every slot's buffer is acquired and before any tensor
-   is written: this load's id, every slot of the model, and the tensor
-   names this slot will hold.  It replaces a previous load's record first,
-   so a re-load over a model stops it being complete before it changes a
-   byte of it;
-2. ``COMMITTED``, only after every slot of every node has verified its
-   manifest against the checksums computed for the load: the same, with
-   those checksums.
-
-A model is complete when every slot buffer holds a committed record of the
-same load, every slot that load planned is there, and each manifest still
-holds every named tensor with its recorded checksum (``problems`` says what
-is not so, naming what is missing).  ``info.model_info`` (and so
-``attach_model``, which refuses an incomplete model) judges one node's
-slots; ``rpcbuf models`` judges them all.  What an interrupted or failed
-load created is released by ``commit.abort``, under cancellation too;
-a loader killed outright leaves its slots planned, never committed: shown
-incomplete, until ``unload`` or a load that finishes.
-
-What a daemon hands back is untrusted: ``decode`` reads at most
-``MAX_RECORD`` bytes, within msgpack bounds, into the exact shape
-``encode`` makes.
+Named buffers outlive the loader, so an interrupted or killed load leaves slots
+holding part of their tensors.  The record is written ``PLANNED`` (load id,
+every slot, this slot's names) before any tensor, replacing the old one first so
+a re-load stops the model being complete before it changes a byte; and
+``COMMITTED`` with the checksums only after every slot verified.  A model is
+complete when every slot holds a committed record of one load, every planned
+slot is there, and each manifest still holds every named tensor with its
+checksum (``problems`` names what is not).  A killed loader leaves slots
+planned: incomplete until unloaded or reloaded.  ``decode`` trusts no daemon:
+at most ``MAX_RECORD`` bytes, the exact shape ``encode`` makes.
 """
 
 from __future__ import annotations
@@ -60,8 +42,6 @@ _SHOWN = 5  # names a problem lists before "+N more"
 
 @dataclass(frozen=True)
 class LoadRecord:
-    """What one slot buffer says of the load that filled it."""
-
     load: str  # the load's id (16 hex digits): every slot of one load holds the same
     state: str  # PLANNED or COMMITTED
     slots: tuple[int, ...]  # every slot of the model, across the nodes
@@ -74,9 +54,8 @@ class LoadRecord:
                           tuple(sums[n] for n in self.names))
 
     def encode(self) -> np.ndarray:
-        """The record as the uint8 tensor a slot buffer holds.  Its length
-        does not depend on the checksums' values (they are one bin of
-        8 bytes each): ``room`` reserves the committed record's."""
+        """The uint8 tensor a slot holds; its length does not depend on the
+        checksums' values, so ``room`` reserves the committed record's."""
         sums = None if self.checksums is None else \
             np.asarray(self.checksums, "<u8").tobytes()
         raw = msgpack.packb({"rpcbuf_model_load": VERSION, "load": self.load,
@@ -101,8 +80,7 @@ def room(record: LoadRecord) -> int:
 
 
 def decode(raw: bytes) -> LoadRecord:
-    """The record in ``raw`` (a daemon's answer).  Raises BAD_REQUEST
-    (``reason: bad_answer``) for one that is too big, not msgpack, or not
+    """Raises BAD_REQUEST (``reason: bad_answer``): too big, not msgpack, or not
     the shape ``encode`` makes."""
     if len(raw) > MAX_RECORD:
         raise bad_answer(_ANSWER, "load", f"is {len(raw)} bytes (at most {MAX_RECORD})")
@@ -148,9 +126,8 @@ def decode(raw: bytes) -> LoadRecord:
 
 
 async def read_record(ctx: RpcContext, buffer_id: str, entry: Any) -> LoadRecord:
-    """The record a slot buffer's manifest ``entry`` places, read and checked
-    against its checksum.  Raises BAD_REQUEST (``bad_answer``) for an entry
-    or record that is malformed, VERIFY_FAILED for bytes that do not match."""
+    """The record a manifest ``entry`` places, checked against its checksum.
+    Raises BAD_REQUEST (``bad_answer``) or VERIFY_FAILED."""
     offset = entry.get("offset") if isinstance(entry, dict) else None
     nbytes = entry.get("nbytes") if isinstance(entry, dict) else None
     if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0 \
@@ -172,8 +149,8 @@ Found = LoadRecord | RpcBufError | None  # a slot's record, why it cannot be rea
 
 async def records(ctx: RpcContext, slots: Mapping[K, tuple[str, Mapping[str, Any]]]
                   ) -> dict[K, Found]:
-    """Each slot's record, from ``{key: (buffer id, its manifest)}``: None
-    where the manifest holds none, the error where it cannot be read."""
+    """Each slot's record from ``{key: (buffer id, manifest)}``: None where none
+    is held, the error where it cannot be read."""
     out: dict[K, Found] = {}
     for key, (buffer_id, manifest) in slots.items():
         entry = manifest.get(LOAD_TENSOR)
@@ -194,10 +171,9 @@ def _names(names: Sequence[str]) -> str:
 
 def problems(found: Mapping[int, tuple[Found, Mapping[str, Any]]],
              every_node: bool) -> list[str]:
-    """What keeps the model whose slot buffers are ``found`` (``{slot:
-    (its record or why it cannot be read, its manifest)}``) from being
-    complete; [] when it is.  ``every_node``: ``found`` holds the slots of
-    every node (so a slot the load planned and none holds is missing)."""
+    """What keeps the model in ``found`` (``{slot: (record or error, manifest)}``)
+    from being complete; [] when it is.  ``every_node``: a planned slot none holds
+    is missing."""
     out: list[str] = []
     loads: dict[str, list[int]] = {}
     planned: set[int] = set()
@@ -237,8 +213,7 @@ def problems(found: Mapping[int, tuple[Found, Mapping[str, Any]]],
 
 
 def incomplete(name: str, why: Sequence[str], where: str = "") -> NotFound:
-    """The error for a model that is not complete: NOT_FOUND, ``reason:
-    incomplete``, each problem in ``problems``."""
+    """NOT_FOUND, ``reason: incomplete``, with ``problems``."""
     return NotFound(f"model {name[:200]!r}{where} is incomplete: {'; '.join(why[:3])}"
                     + (f" (+{len(why) - 3} more)" if len(why) > 3 else ""),
                     {"name": name, "reason": "incomplete", "problems": list(why[:20])})

@@ -1,8 +1,6 @@
-"""One slot of a model load (``SlotJob``: its plan, its tensors, its buffer)
-and where everything goes in the slot's buffer: the tensors back to back in
-plan order, the model's metadata after them on each node's first slot, the
-load record last (``commit``).  An upload (``loader.py``) and a node-local
-load (``nodeload.py``) lay a slot out alike.
+"""One slot of a model load (``SlotJob``) and its buffer's layout, alike for an
+upload and a node-local load: tensors back to back in plan order, the model's
+metadata after them on each node's first slot, the load record last.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ class SlotJob:
     cloned: bool = False  # made by ``clone_buffer`` from a buffer that held this plan
     released: bool = False  # created, then released by a failed load's cleanup
     # Its buffer's request or clone while on its way: it runs to its end even
-    # when the load is cancelled meanwhile, and records what it made (``_make``).
+    # when the load is cancelled meanwhile, and records what it made (``acquire.make``).
     making: asyncio.Future[str] | None = None
     metadata: np.ndarray | None = None  # the model's metadata blob, on this node's first slot
     record: LR.LoadRecord | None = None  # this slot's load record, planned (``commit``)
@@ -74,8 +72,6 @@ def carry_metadata(jobs: list[SlotJob], blob: np.ndarray) -> None:
 
 
 def slot_offsets(job: SlotJob) -> dict[str, int]:
-    """Where each of the slot's tensors lies in its buffer: back to back, in
-    plan order (an upload and a node-local load lay a slot out alike)."""
     return plan_layout({sp.name: sp for sp in job.specs}, {}, start=0)
 
 
@@ -103,9 +99,8 @@ def metadata_names(job: SlotJob) -> set[str]:
 
 def room_for_metadata(slots: list[PL.Slot], blob: np.ndarray, record: int = 0
                        ) -> list[PL.Slot]:
-    """Slots as placement should see them: each less the metadata's aligned
-    bytes (any may be a node's first slot, which holds it) and ``record``,
-    the room its load record needs at most."""
+    """Slots less the metadata's aligned bytes (any may be a node's first) and
+    ``record``, the most a load record needs."""
     less = align(blob.nbytes, ALIGN) + record
     return [PL.Slot(s.slot, s.endpoint, s.device_type, s.device, max(0, s.free - less),
                     max(0, s.largest_free - less), s.allocator) for s in slots]

@@ -1,15 +1,7 @@
-"""``load_model``: a model's tensors onto the cluster's nodes, by one of two
-sources of bytes.
-
-- ``source="upload"`` (the default, ``loader.py``): the driver reads the
-  model and sends each node its share; tensors a node already holds for
-  this tenant are placed there instead of sent (dedup re-load).
-- ``source="node"`` (``nodeload.py``): every node reads its share from its
-  own copy in its ``--model-dir``; the driver reads only the header or the
-  hash manifest and sends no tensor bytes.
-
-Both place the same way and lay buffers out the same way, so a model loaded
-one way is found in place by a re-load the other way.
+"""``load_model`` by one of two sources: ``"upload"`` (the driver sends each node
+its share, dedup against what it holds) or ``"node"`` (each node reads its own
+copy under ``--model-dir``).  Both lay buffers out alike, so either finds the
+other's load in place.
 """
 
 from __future__ import annotations
@@ -30,12 +22,9 @@ async def load_model(cluster: Cluster, path: str | Path | ModelFile,
                      placement: str | None = None, name: str | None = None,
                      progress: bool = True, *, source: str = "upload",
                      node_path: str | None = None, **kw: Any) -> LoadResult:
-    """Load the model at ``path`` across ``cluster``: uploaded from here
-    (``source="upload"``: see ``loader.load_model`` for ``batch_bytes``,
-    ``dedup``, ``on_progress``, ``hash_cache``) or read by every node from
-    its own disk (``source="node"``, at ``node_path``, default ``path``:
-    see ``nodeload.load_from_node``).  Raises BAD_REQUEST for an unknown
-    source, and what the chosen one raises."""
+    """Load the model at ``path`` across ``cluster`` (arguments as
+    ``loader.load_model`` / ``nodeload.load_from_node``).  Raises BAD_REQUEST for
+    an unknown source, and what the chosen one raises."""
     if source == "upload":
         if node_path is not None:
             raise BadRequest("node_path is for source='node'")

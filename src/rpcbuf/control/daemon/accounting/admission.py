@@ -1,19 +1,10 @@
-"""Bounded room for peers that have not proven who they are yet.
+"""Bounded room for peers that have not proven who they are yet (a connection
+before its hello, a UCX endpoint before it binds).
 
-A control connection before its ``hello`` succeeds, and a UCX endpoint before
-it binds to a session, cost the daemon a file descriptor, buffers and a task,
-and prove nothing.  ``Pending`` bounds how many there are at once, in total
-and per source address, without ever turning a newcomer away: at a bound the
-*oldest* pending peer (of that source first) is dropped to make room.  An
-attacker who parks idle or trickling connections therefore only evicts its
-own older ones, and a tenant, whose hello follows its connect within a round
-trip, always gets in unless the attacker opens connections faster than that
-round trip; the absolute hello deadline ends the rest.  (Refusing the
-newcomer instead would let a few parked connections lock every tenant out,
-which is what this replaces.)
-
-Plain synchronous bookkeeping, like the registry: it decides who goes and
-returns them; the caller closes them.
+``Pending`` bounds them in total and per source without turning a newcomer away:
+at a bound the oldest pending peer (of that source first) is dropped. A parked
+attacker only evicts its own older peers; a tenant, whose hello follows within a
+round trip, gets in. It decides who goes; the caller closes them.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ T = TypeVar("T", bound=Hashable)
 
 
 class Pending(Generic[T]):
-    """Peers in arrival order, at most ``limit`` in all and ``per_source``
-    from one source."""
+    """Peers in arrival order, at most ``limit`` in all and ``per_source`` from one."""
 
     def __init__(self, limit: int, per_source: int | None = None) -> None:
         if limit < 1 or (per_source is not None and per_source < 1):
@@ -44,8 +34,7 @@ class Pending(Generic[T]):
         return peer in self._peers
 
     def add(self, peer: T, source: Hashable = None) -> list[T]:
-        """Admit ``peer``; returns the peers it displaces (already removed
-        here), oldest first, for the caller to drop."""
+        """Admit ``peer``; return the peers it displaces (removed here), oldest first."""
         out: list[T] = []
         mine = self._by_source.get(source)
         if self.per_source is not None and mine is not None and len(mine) >= self.per_source:

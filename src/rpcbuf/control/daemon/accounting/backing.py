@@ -1,10 +1,6 @@
-"""How a new buffer gets its memory, beyond the allocator's offset: a block
-the host arena keeps backed (``kept_block``: ``HostArena.kept``), locked
-until it is zero (``lock_until_zeroed``), or a clone's shared pages
-(``share_of``: ``HostArena.clones``).  Used by ``Registry._allocate``.
-Whoever gets such a buffer zeroes it on demand (``zero_on_demand``), so it
-never waits behind every block kept before it: ``request_buffer`` and block
-puts alike.
+"""How a new buffer gets its memory beyond the allocator's offset: a kept block
+(locked until zero), or a clone's shared pages. Whoever gets a kept block zeroes
+it on demand, so it never waits behind every block kept before it.
 """
 
 from __future__ import annotations
@@ -18,11 +14,8 @@ from rpcbuf.dataplane.zeroer import Zeroing
 
 
 def lock_until_zeroed(buf: Buffer, zeroing: Zeroing) -> None:
-    """A new buffer on a kept block that is not all zero yet
-    (``HostArena.back``): all of it locked exclusively, before anyone can
-    name it, until the block is zero (the arena's zeroer, or its requester:
-    ``controlops``), or freed meanwhile; ``buf.zeroed`` is done then.
-    Whatever reads or writes it meanwhile (``Pipeline.lock``) waits."""
+    """Lock all of a new buffer on a not-yet-zero kept block exclusively, before anyone
+    can name it, until it is zero (or freed); ``buf.zeroed`` is done then."""
     grant = buf.locks.acquire([(0, buf.alloc_size)], True)  # a new buffer: granted at once
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
@@ -43,14 +36,8 @@ def lock_until_zeroed(buf: Buffer, zeroing: Zeroing) -> None:
 
 
 def zero_on_demand(buf: Buffer, sweeps: CopyPool) -> None:
-    """A new buffer on a kept block still being zeroed (``buf.zeroed``): the
-    rest of its block is zeroed now (``KeptBlocks.zero_now``) as a job of
-    its tenant on ``sweeps``, beside the arena's zeroer (each chunk is
-    written once).  The zeroer takes kept blocks in the order they were
-    kept, and this one, the most recently kept, would come last: behind
-    every block other tenants freed before.  Nobody awaits the job (one that
-    starts late finds nothing to do); ``buf.zeroed`` says when it is done.
-    Nothing to do for any other buffer."""
+    """Zero the rest of ``buf``'s kept block now, as its tenant's job on ``sweeps``
+    (the zeroer would take it last). Nobody awaits it; ``buf.zeroed`` says when."""
     host = host_memory(buf.pool.arena)
     if buf.zeroed is None or buf.zeroed.done() or host is None:
         return
@@ -64,8 +51,7 @@ def _retrieved(fut: asyncio.Future[object]) -> None:
 
 
 def share_of(arena: Arena, src: Buffer, offset: int, nbytes: int) -> None:
-    """``back`` for a clone of ``src``: map its memory at ``offset``
-    (``Clones.share``; only host memory shares, which the caller checked)."""
+    """``back`` for a clone of ``src``: map its memory at ``offset`` (host memory only)."""
     if nbytes != src.alloc_size:
         raise RuntimeError(f"a clone of {src.alloc_size} bytes got a block of {nbytes}")
     host = host_memory(arena)
@@ -75,9 +61,7 @@ def share_of(arena: Arena, src: Buffer, offset: int, nbytes: int) -> None:
 
 
 def kept_block(pool: Pool, size: int) -> int | None:
-    """A free block whose memory the arena keeps backed (``KeptBlocks``),
-    taken from the allocator, when it can take a given block
-    (``Allocator.allocate_at``); else None."""
+    """A free block the arena keeps backed, taken from the allocator; else None."""
     host = host_memory(pool.arena)
     if host is None:
         return None

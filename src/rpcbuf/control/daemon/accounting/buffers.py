@@ -1,7 +1,5 @@
-"""What the registry keeps: a device's ``Pool`` (arena, allocator, and who
-owns each block), a ``Buffer`` (its slice, tenant, lease, manifest, range
-locks and pins), a tenant's ``Quota``, and the unguessable ids (``Ids``).
-Plain data; the rules that change them are ``registry.Registry``'s.
+"""What the registry keeps: a device's ``Pool``, a ``Buffer``, a tenant's ``Quota``,
+and unguessable ids (``Ids``). Plain data; the registry changes it.
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ class Pool:
         }
 
     def oom_details(self, size: int) -> dict[str, Any]:
-        """An OUT_OF_MEMORY's details: the device's free bytes are fine for a
-        tenant to see (placement uses them); who holds the rest, and how it
-        is laid out, is not said."""
+        """An OUT_OF_MEMORY's details: the device's free bytes (placement uses them), never
+        who holds the rest."""
         st = self.allocator.stats()
         try:
             block = self.allocator.block_size(size)
@@ -94,31 +91,22 @@ class Buffer:
     released: bool = False
     freed: bool = False  # its block went back to the allocator: never again
     entries_charged: int = 0  # manifest entries charged to the tenant (ENTRY_BYTES each)
-    # Whether every change to its bytes goes through the data pipeline (range
-    # lock, ``ContentIndex.forget``), so the checksums the daemon computed stay
-    # true until then (content.py).  Whoever hands out a way to write it
-    # behind the daemon's back (a writable mapping) must set this False first.
+    # Every change to its bytes goes through a range lock and the content index,
+    # so its checksums stay true. Set False before handing out a writable mapping.
     trusted: bool = True
-    # Set while its block, kept from an earlier buffer, is still being zeroed
-    # (``backing.lock_until_zeroed``): done once it is; its range lock is
-    # held until then.
+    # Set while its kept block is still being zeroed (range-locked until done).
     zeroed: asyncio.Future[None] | None = None
-    # While it is being given memory of its own (``Pipeline.own``: it shared
-    # memory with a clone): the one copy every writer waits for.
+    # While it gets memory of its own (it shared a clone's): writers wait for it.
     owning: asyncio.Future[None] | None = None
-    # The key of the block it holds (``blocks.py``), pending or committed:
-    # such a buffer is the block store's, never listed or named as a buffer.
+    # Its block's key, pending or committed: the block store's, never listed.
     block_key: str | None = None
-    # A block of the KV tier lives in a slot of a segment (``segments.py``):
-    # that segment, a buffer of the block store with the memfd and the
-    # charges (bytes, fd, mapping); the block itself holds none of them, only
-    # its slot ``[offset, offset + alloc_size)`` of the same arena.
+    # A block's segment (which holds the memfd and the charges); the block
+    # holds only its slot ``[offset, offset + alloc_size)`` of the same arena.
     segment: Buffer | None = None
-    # Whether it counts as one of its tenant's buffers (the quota's N): not
-    # a segment, which is charged bytes, an fd and a mapping only.
+    # One of its tenant's N buffers (not a segment).
     counted: bool = True
-    # The live write grant of a session writing it in place (``mapops``):
-    # taken back before any other op touches its bytes, ended by its release.
+    # The live write grant of a session writing it in place: taken back before
+    # any other op touches its bytes, ended by its release.
     mapped: Any = None
     written: bool = False  # ever locked for writing (``Pipeline.lock``) or mapped writable
     renew_logged_at: float = 0.0  # audit records of renews are coalesced (see Session)
@@ -154,9 +142,8 @@ _ID_CHARS = _ID_BYTES * 4 // 3  # 18 bytes are whole base64 groups: no padding, 
 
 
 class Ids:
-    """Unguessable buffer ids, as ``"b-" + secrets.token_urlsafe(18)`` makes
-    them (the same CSPRNG, the same 144 bits each), drawn from the OS and
-    base64-encoded 256 at a time instead of one syscall and one encode each."""
+    """Unguessable ids as ``"b-" + secrets.token_urlsafe(18)`` (same CSPRNG, 144 bits),
+    drawn and encoded 256 at a time."""
 
     BATCH = 256
 

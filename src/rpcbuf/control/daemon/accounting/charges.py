@@ -1,23 +1,12 @@
 """What each owner makes the daemon hold, and the limit of each: one table.
 
-An owner is a tenant (its name) or a peer that has not authenticated (a
-source).  A *kind* is one countable thing the daemon holds for it: file
-descriptors (``fds``: a host buffer's memfd), memory mappings
-(``mappings``), authenticated sessions (``sessions``), control bytes
-received but not yet a whole frame (``frame_bytes``).  Each kind has a limit
-per owner and, optionally, one for all owners together (the node's budget:
-fds short of the process's ``RLIMIT_NOFILE`` less a reserve, so that a
-tenant at its limit still leaves the node room to accept connections).
-
-``charge`` checks both limits *before* anything is counted and raises
-QUOTA_EXCEEDED naming the limit (its flag, what is held, the most); a
-refused charge changes nothing.  ``refund`` gives a charge back, and a
-refund of what was never charged is a bug (RuntimeError), as in the
-registry.  Plain synchronous bookkeeping: it decides, the caller acts.
-``table`` is what one owner may see of itself (``stats``), ``totals`` the
-node's aggregates (metrics: no owner named).  Bytes per device and buffer
-counts stay with the registry, which charges them with allocation; its
-``stats`` puts them in the same table (``Registry.stats``).
+An owner is a tenant or an unauthenticated source; a kind is one countable thing
+(``fds``, ``mappings``, ``sessions``, ``frame_bytes``). Each kind has a limit per
+owner and optionally one for the node (fds: ``RLIMIT_NOFILE`` less a reserve, so
+a tenant at its limit leaves room to accept connections). ``charge`` checks both
+before counting (QUOTA_EXCEEDED names the flag; a refusal changes nothing); a
+refund of what was never charged is a bug (RuntimeError). ``table`` is one owner's
+view, ``totals`` the node's aggregates (no owner named).
 """
 
 from __future__ import annotations
@@ -31,8 +20,7 @@ from rpcbuf.control.wire.errors import QuotaExceeded
 
 @dataclass(frozen=True)
 class Limit:
-    """One kind's bounds: ``per_owner`` (None: none), ``node`` (None: none),
-    and the flag that sets each (named in the refusal)."""
+    """One kind's bounds (None: none) and the flag that sets each."""
 
     per_owner: int | None = None
     node: int | None = None
@@ -83,8 +71,7 @@ class Charges:
                  "requested": n, "max": lim.node})
 
     def charge(self, owner: Hashable, kind: str, n: int = 1) -> None:
-        """Count ``n`` more of ``kind`` for ``owner``; QUOTA_EXCEEDED,
-        changing nothing, past its limit or the node's."""
+        """Count ``n`` more of ``kind``; QUOTA_EXCEEDED, changing nothing, past a limit."""
         if n < 0:
             raise ValueError(f"a charge of {n} {kind}")  # a bug
         self.check(owner, kind, n)
@@ -94,7 +81,6 @@ class Charges:
             self._total[kind] = self._total.get(kind, 0) + n
 
     def refund(self, owner: Hashable, kind: str, n: int = 1) -> None:
-        """Give back ``n`` of what ``owner`` was charged."""
         if n <= 0:
             if n < 0:
                 raise ValueError(f"a refund of {n} {kind}")  # a bug
@@ -110,14 +96,12 @@ class Charges:
         self._total[kind] -= n
 
     def table(self, owner: Hashable) -> dict[str, dict[str, Any]]:
-        """What ``owner`` holds of each limited kind, and its limit (None: no
-        limit of its own): its rows only."""
+        """``owner``'s rows: what it holds of each limited kind, and its limit."""
         return {kind: {"held": self.held(owner, kind), "limit": lim.per_owner}
                 for kind, lim in sorted(self.limits.items())}
 
     def totals(self) -> dict[str, dict[str, Any]]:
-        """Node-wide: what all owners hold of each kind, the node's limit,
-        the largest one owner's share, refusals so far (no owner named)."""
+        """Node-wide per kind: held, limit, largest owner's share, refusals (no owner named)."""
         largest: dict[str, int] = {}
         for (_, kind), n in self._held.items():
             largest[kind] = max(largest.get(kind, 0), n)
@@ -159,13 +143,10 @@ def fd_reserve(max_sessions: int, max_unauthenticated: int) -> int:
 
 def handle_limits(nofile: int, reserve: int, kept: int, per_tenant: int | None,
                   map_count: int) -> dict[str, Limit]:
-    """The limits of ``fds`` and ``mappings``: the node's budget is the fds
-    it may open (``nofile``) less ``reserve`` and the ``kept`` blocks' fds
-    (at least an eighth of ``nofile``, whatever the reserve), and a tenant
-    may hold ``per_tenant`` of it (default: half, so no one tenant can take
-    all).  Each block holds one mapping too, and may split the arena's
-    around it into two: the node's mappings are ``map_count`` less what the
-    process needs of its own, halved."""
+    """The limits of ``fds`` and ``mappings``: the node may open ``nofile`` less
+    ``reserve`` and the ``kept`` blocks' fds (at least an eighth of ``nofile``), a tenant
+    ``per_tenant`` of it (default half). Mappings: ``map_count`` less the process's own,
+    halved (a block may split the arena's mapping in two)."""
     budget = max(nofile // 8, nofile - reserve - kept)
     mine = budget // 2 if per_tenant is None else per_tenant
     maps = max(1, (map_count - MAPS_RESERVE) // 2)

@@ -1,47 +1,21 @@
-"""The threads that run long copies on a client's behalf, shared fairly
-between tenants.
+"""Threads that run long copies and bounded memory work on a tenant's behalf,
+shared fairly between tenants (never the event loop, never the default executor,
+which a few stalled or flooding tenants fill for everyone).
 
-A same-host ring op (``paths.StagedPath``) waits on its client chunk by
-chunk, and a node-local load (``fileops``) on a disk: either may take as
-long as the client (or the file) makes it, up to its deadline.  So none runs
-on the event loop (it would stall every tenant), and none on the default
-thread pool (a few stalled ones would fill it for everyone): they run here,
-on a bounded set of threads of their own, where
+- Each tenant runs at most ``per_tenant`` jobs at once (half the threads by default).
+- Waiting jobs start round-robin by tenant: another tenant's queue delays a job by
+  at most the jobs running, then one turn.
+- A job past its deadline is ``written_off``: a replacement thread starts (at most
+  ``threads`` of them); the stuck one counts against its tenant until it returns.
+- A job not yet started is dropped when its caller gives up (``cancel``); one
+  running is never abandoned, since its range lock and pin must outlive it.
+- ``wait`` lets the loop block briefly, GIL released, on a small copy that started
+  at once (a loop round trip costs ~150 us against ~18 us for a 4 KiB copy); a
+  tenant with a job already queued or running gets no such wait.
 
-- each tenant runs at most ``per_tenant`` copies at once (half the threads by
-  default), so one tenant's stalled copies leave the other threads to others;
-- waiting copies are started round-robin by tenant, so a tenant with a deep
-  queue does not delay another's single copy by more than one turn;
-- a copy that passes its deadline (the caller aborts its session) is written
-  off: ``written_off`` starts a replacement thread, at most ``threads`` of
-  them, so stuck threads do not shrink the pool for everyone; the stuck one
-  still counts against its tenant until it returns, and then exits.
-
-A copy not yet started when its caller gives up is dropped from the queue
-(``cancel``); one already running is never abandoned by the caller, whose
-range lock and pin must outlive it (see ``paths.StagedPath``, ``run``).
-
-The daemon has two pools of this kind: ``copies`` for the ring copies above,
-which may stall on a client, and ``sweeps`` for bounded memory work done on
-a tenant's behalf (``Pipeline.in_thread``: large fills, local copies,
-widening, dedup placement and hashing, checksums; ``Pipeline.own``'s copy;
-pre-faulting; zeroing a kept block on demand; disk-cache writes).  That work
-used asyncio's default executor, first come first served: one tenant's flood
-of large copies and clears raised another's ``request_buffer`` median from
-0.8 to 9 ms.  Here each job is its tenant's, and the round-robin start and
-the share bound how long another tenant's queue can delay it: at most the
-jobs already running, then one turn.  The pools are apart so that stalled
-ring copies never hold up that work.
-
-Latency: handing a 4 KiB copy to a thread and back through the event loop
-(``call_soon_threadsafe``, then the future's callbacks) was measured here at
-40-60 us to start it and about 100 us to resume the caller, against ~18 us
-for the copy itself.  ``wait`` lets the loop block, for a short bounded time and
-with the GIL released, on a copy that started at once: when the copy ends
-within it (the usual small copy), the caller goes on without a loop round
-trip; otherwise it awaits as for any other copy.  A tenant with a copy
-already running or queued gets no such wait, so stalling copies cost the
-loop at most one bounded wait each, never a queue of them.
+The daemon keeps two pools: ``copies`` (ring copies that may stall on a client)
+and ``sweeps`` (fills, local copies, hashing, pre-faulting, zeroing, disk-cache
+writes), apart so stalled copies never hold up that work.
 """
 
 from __future__ import annotations
@@ -106,8 +80,7 @@ class CopyPool:
     # -- the loop's side ----------------------------------------------------------------
 
     def submit(self, tenant: str, fn: Callable[..., Any], *args: Any) -> CopyJob:
-        """Queue ``fn(*args)``; await ``job.future`` for its result (its
-        exception).  Call from the event loop."""
+        """Queue ``fn(*args)``; await ``job.future``. Call from the event loop."""
         job = CopyJob(tenant, fn, args, asyncio.get_running_loop())
         with self._cond:
             if self._closed:
@@ -121,10 +94,8 @@ class CopyPool:
         return job
 
     async def run(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a thread, as ``tenant``'s job: its result (its
-        exception).  A caller cancelled before the job started drops it;
-        after, it waits for the job to end before it re-raises (what ``fn``
-        touches is the caller's pinned, locked memory)."""
+        """``fn(*args)`` on a thread as ``tenant``'s job. Cancelled before it started:
+        dropped; after: waits for it to end before re-raising (it touches pinned memory)."""
         job = self.submit(tenant, fn, *args)
         try:
             return await asyncio.shield(job.future)
@@ -137,10 +108,8 @@ class CopyPool:
             raise
 
     def wait(self, job: CopyJob, timeout: float, alone: bool = True) -> bool:
-        """Block (GIL released) up to ``timeout`` s for ``job`` (``alone``:
-        only if it was its tenant's only copy when submitted); True: it has
-        ended and ``job.future`` is settled.  Call from the event loop, right
-        after ``submit``."""
+        """Block (GIL released) up to ``timeout`` for ``job`` (``alone``: only if it was its
+        tenant's only one); True: ``job.future`` is settled. Call right after ``submit``."""
         with self._cond:
             if alone and not job.alone:
                 return False
@@ -156,8 +125,7 @@ class CopyPool:
         return finished
 
     def cancel(self, job: CopyJob) -> bool:
-        """Drop ``job`` if it has not started (its future is cancelled);
-        False: it runs or ran, wait for its future."""
+        """Drop ``job`` if not started; False: it runs or ran, await its future."""
         with self._cond:
             if job.started:
                 return False
@@ -171,8 +139,7 @@ class CopyPool:
         return True
 
     def written_off(self, job: CopyJob) -> None:
-        """``job`` passed its deadline and may never return: let another
-        thread take its place (while spares last)."""
+        """``job`` passed its deadline: let another thread take its place (while spares last)."""
         with self._cond:
             worker = job.worker
             if worker is None or worker.lost or job.future.done():
@@ -191,9 +158,7 @@ class CopyPool:
                     "copies_waiting": sum(len(q) for q in self._waiting.values())}
 
     def close(self) -> None:
-        """Start nothing more: jobs still waiting fail (RuntimeError), so
-        nobody awaits one forever; threads exit once idle (they are daemon
-        threads: a stuck one does not hold up the process's exit)."""
+        """Start nothing more: waiting jobs fail (RuntimeError); idle threads exit."""
         with self._cond:
             self._closed = True
             left = [job for queue in self._waiting.values() for job in queue]

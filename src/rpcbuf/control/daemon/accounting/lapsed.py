@@ -1,6 +1,5 @@
-"""Leases that ran out, remembered a while, so that a NOT_FOUND for such a
-buffer says so (reason ``lease_expired``), to its own tenant only: keyed by
-(tenant, id) and (tenant, "=" + name), the newest ``LAPSED_MAX`` only.
+"""Leases that ran out, remembered a while so a NOT_FOUND says so (``lease_expired``),
+to its own tenant only; the newest ``LAPSED_MAX`` ids and names.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ LAPSED_MAX = 4096  # lapsed leases remembered (ids and names)
 
 
 class Lapsed:
-    """The lapsed leases of one registry."""
-
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._when: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -41,6 +38,5 @@ class Lapsed:
             self._when.popitem(last=False)
 
     def forget_name(self, tenant: str, name: str) -> None:
-        """The buffer of that name went (released, or lapsing: ``note``
-        comes after): an older buffer's lapse under the name is no longer news."""
+        """An older buffer's lapse under this name is no longer news."""
         self._when.pop((tenant, "=" + name), None)

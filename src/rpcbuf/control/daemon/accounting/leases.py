@@ -1,12 +1,7 @@
-"""When leases run out: one heap of expiry times for the registry's buffers
-and the block tier's blocks alike.
-
-Keys are the owner's (a buffer id; a (tenant, block key) pair), and the owner
-says what a key's lease is now (``current``: its expiry time, or None when
-it is gone), so a renew or a release leaves its old entry behind, stale,
-and the heap skips it when it comes up.  Past twice the live leases (and a
-floor) the heap is rebuilt from the owner's live ones (``live``), so a storm
-of renews cannot grow it.
+"""When leases run out: one heap of expiry times, for buffers and blocks alike.
+The owner says what a key's lease is now (``current``), so a renew or release
+leaves a stale entry the heap skips; past twice the live leases (and ``FLOOR``)
+it is rebuilt from ``live``, so a storm of renews cannot grow it.
 """
 
 from __future__ import annotations
@@ -21,8 +16,6 @@ FLOOR = 1024  # stale entries allowed beyond twice the live leases
 
 
 class Leases(Generic[K]):
-    """The expiry times of one owner's leases (see the module)."""
-
     def __init__(self, current: Callable[[K], float | None],
                  live: Callable[[], Iterable[tuple[K, float]]]) -> None:
         self._current, self._live = current, live
@@ -48,8 +41,7 @@ class Leases(Generic[K]):
         return None
 
     def due(self, now: float) -> Iterator[tuple[K, float]]:
-        """Each key whose lease has run out by ``now``, and when, popped (the
-        owner ends it before asking for the next)."""
+        """Each key whose lease ran out by ``now``, and when, popped."""
         while (when := self.next()) is not None and when <= now:
             _, _, key = heapq.heappop(self._heap)
             yield key, when

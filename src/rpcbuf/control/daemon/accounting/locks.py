@@ -1,14 +1,10 @@
 """Byte-range locks inside one buffer: many readers or one writer per range.
 
-A store holds an exclusive lock on the range it writes, a read a shared lock
-on the range it reads; so two overlapping stores never interleave their bytes
-and a read never sees half of a store, while transfers on disjoint ranges run
-in parallel.  Waiters queue first come, first served: a request is granted
-only when it conflicts with no held lock and with no earlier waiter, so a
-stream of readers cannot starve a writer.
-
-Plain synchronous bookkeeping (decide here, await in the daemon): ``acquire``
-returns a ``LockGrant`` whose ``ready`` callback fires when it is granted.
+Overlapping stores never interleave and a read never sees half a store, while
+disjoint ranges run in parallel. Waiters queue first come, first served (granted
+only when conflicting with no held lock and no earlier waiter), so readers
+cannot starve a writer. ``acquire`` returns a ``LockGrant`` whose ``ready`` fires
+when granted.
 """
 
 from __future__ import annotations

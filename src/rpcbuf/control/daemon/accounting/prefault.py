@@ -1,30 +1,16 @@
 """Backing a new host buffer with memory before it is handed out.
 
-The first write into a page of never-touched host memory faults: the kernel
-finds a page, zeroes it and maps it, and on a virtual machine the host may
-have to back it first.  Measured on the 2-core development VM that costs
-0.3-1.8 s per GiB, paid inside the first store into the buffer, which then
-ran at a fraction of a warm store's speed (docs/performance.md, "Cold
-memory").  Pre-faulting in a thread alongside the transfer gained nothing
-there (both cores are busy moving bytes, and the faults cost the same CPU
-wherever they are taken), so the pages are populated when the buffer is
-granted instead: ``populate`` runs ``HostArena.prefault.populate``
-(``MADV_POPULATE_WRITE``: no byte changes) in worker threads, one per CPU
-(``workers``), ``CHUNK`` at a time, as jobs of the requester's tenant on
-the daemon's ``sweeps`` threads (``copypool``: fair between tenants), and
-``request_buffer`` answers when it is done; the first store then runs at
-warm speed.  The request pays what the store would have, no more.  A block
-kept from an earlier buffer (``HostArena.kept.resident``: zeroed, so every page
-backed) is not populated again: that walk alone is 64-126 ms per GiB here.
+The first write into an untouched page faults (0.3-1.8 s per GiB on the dev VM),
+inside the first store. Pre-faulting beside the transfer gained nothing, so pages
+are populated when the buffer is granted (``MADV_POPULATE_WRITE``: no byte
+changes), ``CHUNK`` at a time, in one job per CPU of the requester's tenant on the
+``sweeps`` threads; the request pays what the store would have.
 
-Bounded: buffers under ``MIN_BYTES`` are answered at once (their faults
-are cheap), unless the daemon runs with ``--prefault``; at most ``BUDGET``
-seconds are spent per request (the client's call timeout is longer), after
-which the rest faults in as it is written.  Arenas
-that are not host memory (GPU: ``host_memory`` is None) and kernels without
-``MADV_POPULATE_WRITE`` skip it.  The buffer is pinned meanwhile by the caller, and a request
-cancelled meanwhile waits for its workers' current chunks before it returns,
-so nothing touches the memory after its request ended.
+- Not for buffers under ``MIN_BYTES`` (unless ``--prefault``), not for a kept
+  block (resident already), not for GPU arenas or kernels without the madvise.
+- At most ``BUDGET`` seconds per request; the rest faults in as written.
+- The caller pins the buffer; a cancelled request waits for its workers' current
+  chunks, so nothing touches the memory after its request ended.
 """
 
 from __future__ import annotations
@@ -47,10 +33,8 @@ THREADS = 4  # the most workers one request uses
 
 
 def wanted(arena: Arena, nbytes: int, offset: int | None = None) -> bool:
-    """Whether a new buffer of ``nbytes`` in ``arena`` (at ``offset``, when
-    known) is worth populating: host memory only, and a big buffer or
-    every one (``--prefault``: ``prefault.always``), but never a block kept
-    backed (``kept.resident``)."""
+    """Whether a new buffer is worth populating: host memory, big (or ``--prefault``),
+    never a kept block."""
     host = host_memory(arena)
     if host is None:
         return False
@@ -78,8 +62,7 @@ class _Chunks:
 
 def _run(fault: Callable[[int, int], bool], offset: int, chunks: _Chunks, stop: threading.Event,
          deadline: float) -> int:
-    """Populate chunks of ``offset + [0, nbytes)`` until none is left,
-    ``stop`` or the deadline; the bytes this worker populated."""
+    """Populate chunks until none is left, ``stop`` or the deadline; the bytes done."""
     done = 0
     while not stop.is_set() and time.monotonic() < deadline:
         got = chunks.take()
@@ -94,10 +77,7 @@ def _run(fault: Callable[[int, int], bool], offset: int, chunks: _Chunks, stop: 
 
 
 def workers(nbytes: int) -> int:
-    """How many threads populate a buffer of ``nbytes``: one per CPU this
-    process may use (the faults of one buffer run in parallel: 1 GiB took
-    0.87-1.1 s in one thread and 0.58-0.77 s in two on the 2-core VM), at
-    most ``THREADS``, never more than its chunks."""
+    """One thread per usable CPU, at most ``THREADS``, never more than its chunks."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -107,10 +87,8 @@ def workers(nbytes: int) -> int:
 
 async def populate(arena: Arena, offset: int, nbytes: int, sweeps: CopyPool, tenant: str,
                    budget: float = BUDGET) -> int:
-    """Back ``[offset, offset + nbytes)`` of ``arena`` with memory, in
-    worker threads (``workers`` jobs of ``tenant`` on ``sweeps``; see the
-    module docstring); returns the bytes populated.  A failure of the
-    kernel call is logged, never raised: it only costs speed later."""
+    """Back ``[offset, offset + nbytes)`` with memory (see the module); the bytes
+    populated. A kernel failure is logged, never raised: it only costs speed later."""
     host = host_memory(arena)
     if host is None or not wanted(arena, nbytes, offset):
         return 0

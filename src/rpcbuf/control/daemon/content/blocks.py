@@ -1,51 +1,23 @@
-"""The keyed block tier: each tenant's blocks by key, their LRU order, TTLs
-and counters.  Plain synchronous code (decide here; ``blockops`` does the
-I/O), as the ``Registry`` is.
+"""The keyed block tier: each tenant's blocks by key, their LRU order, TTLs and
+counters. Plain synchronous code (decide here, the ops do the I/O).
 
-A block is a light buffer of the registry (``Buffer.block_key`` set) over a
-slot of one of its tenant's segments (``segments.py``: a few large memfds per
-tenant, carved by a slab allocator; ``Registry.add_block``): its bytes lie in
-the arena like any buffer's, so the data paths (UCX, the same-host staging
-area) carry them exactly as they carry buffers, and the registry's rules
-hold for them: one of the tenant's N buffers, pinned while a transfer reads
-them (a block removed or evicted meanwhile is freed when the read ends),
-freed once, into its segment (``_slot_freed``).  The segments hold the
-memory and the charges (bytes, an fd and a mapping each), so the daemon's
-fds and mappings stay as they are while a tenant's block count grows.  The
-block store owns those buffers: they have no name, no lease and no
-session, are never listed as buffers, and their ids never leave the daemon.
-
-Writes are two-phase: ``allocate`` gives a put its buffers (pending: in no
-key map, so no reader can see them), and only ``commit``, once every byte
-landed and matched its checksum, makes them the keys' blocks, all at once
-(replacing what the keys named before).  A put that fails hands its
-buffers back with ``discard``.
-
-A full tier evicts instead of refusing: when no segment of the tenant has a
-free slot for a new block and its quota (or the device) has no room for a
-new segment, ``allocate`` releases the tenant's least recently used blocks
-that no transfer holds, one at a time, until a slot is free or a segment
-emptied (and given back) makes room for one of the size needed. Only the
-tenant's own blocks are ever evicted, a batch bigger than the whole quota is
-refused before anything is evicted, and nothing is evicted when what the put
-waits for is the queue of requests waiting for memory, not room
-(``Registry.queued_ahead``): another tenant's waiter never costs a tenant
-its blocks. Expired blocks (``ttl``) go when their time comes (``expire``,
-called by the daemon's expiry timer) and are never served after it
-(``lookup`` checks).
-
-No tenant-sized work on the event loop: each tier keeps its blocks three
-ways, each O(1) or O(log n) to change.  ``blocks`` by key; ``lru``, per
-device, only the blocks nobody holds (``pins == 0``), least recently used
-first, so eviction takes the first entry and never walks past attached or
-read blocks: the registry tells the store when a block's first pin is taken
-and its last one dropped (``Registry.on_pin``), and the block leaves the
-order or comes back as the most recently used (a detach is a use).  (A
-put's blocks enter the order at commit, in the put's key order, while its
-request still holds them; eviction drops such an entry from the order, once,
-if it finds one at the head.)  And ``order``, the keys sorted
-(``SortedKeys``), so a page of ``keys`` costs O(log n + page).  ``steps``
-counts the entries eviction and listing looked at (what the tests bound).
+- A block is a light registry buffer (``block_key`` set) over a slot of one of its
+  tenant's segments, so the data paths carry it like any buffer and the registry's
+  rules hold: one of the tenant's N, pinned while read, freed once into its
+  segment. Segments hold the memory and the charges (bytes, an fd and a mapping),
+  so fds stay flat while block counts grow. Blocks have no name, lease or session,
+  are never listed as buffers, and their ids never leave the daemon.
+- Writes are two-phase: ``allocate`` gives pending buffers (in no key map, unseen),
+  ``commit`` makes them the keys' blocks all at once; a failed put ``discard``s.
+- A full tier evicts the tenant's own least recently used unheld blocks, one at a
+  time, until a slot or a segment frees. A batch bigger than the quota is refused
+  before any eviction, and nothing is evicted while the queue of waiters (not
+  room) is what stops the put: another tenant's waiter never costs a tenant blocks.
+- Expired blocks go at ``expire`` and are never served after (``lookup`` checks).
+- No tenant-sized work on the loop: ``blocks`` by key; ``lru`` per device holds
+  only unpinned blocks (``on_pin`` takes them out and back as most recent), so
+  eviction takes the head; ``order`` keeps keys sorted, so a page costs
+  O(log n + page). ``steps`` counts entries looked at (the tests bound it).
 """
 
 from __future__ import annotations
@@ -92,10 +64,6 @@ class Block:
 
 @dataclass
 class Tier:
-    """One tenant's blocks (see the module): ``blocks`` by key, ``lru`` per
-    device the unpinned ones from least to most recently used, ``order``
-    their keys sorted."""
-
     blocks: dict[str, Block] = field(default_factory=dict)
     lru: dict[str, OrderedDict[str, Block]] = field(default_factory=dict)
     order: SortedKeys = field(default_factory=SortedKeys)
@@ -109,8 +77,7 @@ class Tier:
         return lru
 
     def used(self, block: Block) -> None:
-        """``block`` is the most recently used now (if nobody holds it: a
-        held one comes back as the most recently used when let go)."""
+        """``block`` is the most recently used now (a held one comes back as such when let go)."""
         lru = self.lru.get(block.buf.pool.key)
         if lru is not None and block.key in lru:
             lru.move_to_end(block.key)
@@ -135,9 +102,7 @@ class BlockStore:
         return tier
 
     def _pinned(self, buf: Buffer, held: bool) -> None:
-        """The registry's ``on_pin``: ``buf``'s first pin was taken (``held``)
-        or its last one dropped.  A committed block leaves the eviction order
-        while held, and comes back as the most recently used."""
+        """``on_pin``: a committed block leaves the eviction order while held."""
         if not buf.block_key:
             return  # not a block, or a pending one (in no order yet)
         tier = self._tiers.get(buf.tenant)
@@ -151,12 +116,8 @@ class BlockStore:
             lru[block.key] = block
 
     def _slot_freed(self, buf: Buffer) -> None:
-        """The registry's ``on_block_free``: ``buf``'s slot is free again; a
-        segment left empty goes back to the registry (and its bytes to the
-        tenant's quota), unless a live session was handed its fd: then its
-        bytes stay charged whatever becomes of it (``Registry.export``), so
-        it stays the tenant's, its slots free for the next puts, until the
-        last such session ends (``_unexported``)."""
+        """``on_block_free``: an empty segment goes back to the registry, unless a live
+        session was handed its fd: then it stays charged and the tenant's until then."""
         seg_buf = buf.segment
         assert seg_buf is not None
         seg = self._segment_of[seg_buf.buffer_id]
@@ -165,17 +126,14 @@ class BlockStore:
             self._drop_segment(buf.tenant, buf.pool, seg)
 
     def _unexported(self, buf: Buffer) -> None:
-        """The registry's ``on_unexported``: no live session holds an fd of
-        ``buf`` any more; an empty segment goes back now."""
+        """``on_unexported``: an empty segment no session holds an fd of goes back now."""
         seg = self._segment_of.get(buf.buffer_id)
         if seg is not None and seg.live == 0 and seg.buf is buf:
             self._drop_segment(buf.tenant, buf.pool, seg)
 
     def to_prepare(self, bufs: list[Buffer]) -> tuple[list[Buffer], list[Buffer]]:
-        """The segments of a put's pending ``bufs`` that need work before a
-        byte lands: (kept blocks still being zeroed, which nothing may write
-        before ``zeroed`` is done; new ones whose pages to back once, each
-        handed out once: ``populated``)."""
+        """The segments of a put's pending ``bufs`` that need work before a byte lands:
+        (kept ones still being zeroed, new ones whose pages to back once)."""
         zeroing: list[Buffer] = []
         fresh: list[Buffer] = []
         seen: set[str] = set()
@@ -201,9 +159,8 @@ class BlockStore:
     # -- reads ---------------------------------------------------------------------------
 
     def lookup(self, tenant: str, key: str, touch: bool = True) -> Block | None:
-        """The tenant's live block of ``key`` (most recently used now, when
-        ``touch``), or None: no such key, expired, or another tenant's (the
-        same answer)."""
+        """The tenant's live block of ``key``, or None: missing, expired and another
+        tenant's are the same answer."""
         tier = self._tiers.get(tenant)
         if tier is None:
             return None
@@ -218,8 +175,7 @@ class BlockStore:
         return block
 
     def touch(self, tenant: str, blocks: Iterable[Block]) -> None:
-        """``blocks`` (found by ``lookup(..., touch=False)``) are used now: the
-        most recently used of their tier, those still under their key."""
+        """``blocks`` (from ``lookup(touch=False)``) are used now, those still under their key."""
         tier = self._tiers.get(tenant)
         if tier is None:
             return
@@ -232,11 +188,8 @@ class BlockStore:
 
     def keys(self, tenant: str, prefix: str | None, start_after: str | None,
              limit: int) -> tuple[list[str], bool]:
-        """The tenant's keys in sorted order: at most ``limit`` after
-        ``start_after``, starting with ``prefix``; and whether more follow.
-        O(log n + limit): the page starts where the cursor (``start_after``,
-        or the prefix) lies in ``order`` and stops at the first key past the
-        prefix; what has expired is dropped first (each block once)."""
+        """A page of the tenant's sorted keys (at most ``limit`` after ``start_after``,
+        with ``prefix``) and whether more follow; O(log n + limit)."""
         self.expire()
         tier = self._tiers.get(tenant)
         if tier is None:
@@ -269,24 +222,19 @@ class BlockStore:
     # -- writes --------------------------------------------------------------------------
 
     def allocate(self, tenant: str, pool: Pool, sizes: list[int]) -> list[Buffer]:
-        """Pending buffers for a put of blocks of ``sizes`` on ``pool``, all
-        or none, evicting the tenant's least recently used unpinned blocks
-        while there is no room (never while the queue of waiting requests, not
-        room, is what stops it: OUT_OF_MEMORY, ``reason: waiters``).
-        QUOTA_EXCEEDED or OUT_OF_MEMORY, with nothing evicted, when the
-        batch could never fit the quota or the device (``admit``); the error
-        of the last try when evicting everything it may did not make room
-        (what was evicted stays evicted: a cache)."""
+        """Pending buffers for a put of ``sizes`` on ``pool``, all or none, evicting
+        while room (not the queue) is lacking. QUOTA_EXCEEDED or OUT_OF_MEMORY with
+        nothing evicted when it could never fit; else the last try's error (what was
+        evicted stays evicted: a cache)."""
         self.admit(tenant, pool, sizes)
         return self.allocate_admitted(tenant, pool, sizes)
 
     def admit(self, tenant: str, pool: Pool, sizes: list[int]) -> None:
-        """Refuse, before anything is allocated or evicted, a put of blocks
-        of ``sizes`` that could never fit the tenant's quota or the device."""
+        """Refuse, before anything changes, a put that could never fit quota or device."""
         reg = self._registry
         alloc = pool.allocator
         total = sum(map(slot_size, sizes))
-        quota = reg.quota_for(tenant)
+        quota = reg.books.quota_for(tenant)
         if quota.bytes_per_device is not None and total > quota.bytes_per_device:
             raise QuotaExceeded(
                 f"{len(sizes)} blocks take {total} bytes on {pool.key}; tenant {tenant!r}'s "
@@ -335,15 +283,13 @@ class BlockStore:
 
     def _slot(self, tenant: str, pool: Pool, segs: Segments, size: int,
               want: int) -> Buffer | None:
-        """A pending block of ``size`` in a free slot of the tenant's
-        segments, or of a new one (``Registry.allocate_segment``); None when
-        there is neither (the caller evicts).  QUOTA_EXCEEDED: the tenant
-        holds its N already, or no segment may be charged."""
+        """A pending block in a free slot of the tenant's segments or a new one; None:
+        neither (the caller evicts). QUOTA_EXCEEDED: N reached, or no segment may be charged."""
         reg = self._registry
-        reg.check_count(tenant)
+        reg.books.check_count(tenant)
         got = segs.take(size)
         if got is None:
-            room, by_quota = reg.room(tenant, pool)
+            room, by_quota = reg.books.room(tenant, pool)
             nbytes = segment_size(size, room, want, segs.nbytes)
             if not nbytes:
                 if not by_quota:
@@ -371,9 +317,8 @@ class BlockStore:
             raise
 
     def _evict_one(self, tenant: str, pool: Pool) -> bool:
-        """Release the tenant's least recently used block on ``pool`` that
-        nobody holds (the first of its ``lru``: O(1)); False when there is
-        none."""
+        """Release the tenant's least recently used unheld block on ``pool`` (O(1));
+        False when there is none."""
         tier = self._tiers.get(tenant)
         lru = None if tier is None else tier.lru.get(pool.key)
         if tier is None:
@@ -392,8 +337,7 @@ class BlockStore:
         return False
 
     def discard(self, bufs: list[Buffer]) -> None:
-        """Hand back a failed put's pending buffers (freed once unpinned); one
-        a key names already (committed: ``block_key`` set) is never handed back."""
+        """Hand back a failed put's pending buffers (never one a key names already)."""
         for buf in bufs:
             if not buf.block_key:
                 self._registry.release(buf)
@@ -401,9 +345,8 @@ class BlockStore:
     def commit(self, tenant: str, keys: list[str], bufs: list[Buffer], sizes: list[int],
                checksums: list[int], metas: list[bytes] | None,
                ttl: float | None) -> bool:
-        """The put's blocks become the keys' blocks, all at once; what the
-        keys named before is released (freed when its readers end).  True
-        when one of them has a ttl (the expiry timer needs a look)."""
+        """The put's blocks become the keys' blocks, all at once; what the keys named
+        before is released. True when one has a ttl (the expiry timer needs a look)."""
         tier = self._tier(tenant)
         now = self._registry.clock()
         expires = None if ttl is None else now + ttl

@@ -1,43 +1,18 @@
-"""A bounded on-disk cache of tensor contents by hash, per tenant (``--cache-dir``).
+"""A bounded on-disk cache of tensor contents by hash, per tenant (``--cache-dir``),
+so a restarted daemon still deduplicates.
 
-It lets a restarted daemon still deduplicate: contents stored before the
-restart are copied from local disk instead of crossing the network again.
-
-Layout: ``DIR/<tenant key>/<2 hex>/<32 hex of xxh3-128>.bin``.  The tenant key
-is a hash of the tenant name, so one tenant's contents are never looked up
-for another (dedup stays per tenant) and names need no escaping.  Each file
-is a 40-byte header (magic, nbytes, xxh3-64, xxh3-128 as two words) and the
-bytes.  A file is written under a temporary name and renamed when complete.
-
-Nothing read from disk is trusted: ``read_into`` checks the header against
-the hash asked for and the size, then recomputes the xxh3-64 of what it read
-and compares it with the header's and with the checksum the client expects
-(so the xxh3-128 need not be recomputed: 64 bits of the client's own
-checksum already pin the contents); a file that does not match itself (a
-torn write, a flipped bit, a file cut short) is logged, deleted and reported
-as missing — a corrupt file is never served.  The cache is bounded
-(``--cache-size``): least recently used files are evicted first (use = a
-write or a verified read).
-
-Nothing found in the directory is trusted either, links least of all:
-whoever could write into it could otherwise make the daemon delete,
-overwrite or serve files elsewhere through a planted symlink (the start-up
-scan once followed a directory link and deleted a ``*.tmp`` file in its
-target).  So the cache dir must be owned by the daemon's user and not
-writable by group or others (else start-up fails, exit 2); it is opened
-once and everything below it is reached relative to its parent's file
-descriptor: each directory opened with ``O_NOFOLLOW | O_DIRECTORY`` (and
-checked the same way), each file with ``O_NOFOLLOW`` (and ``O_NONBLOCK``, so
-a planted FIFO cannot block a read; then it must be a regular file), new
-files with ``O_CREAT | O_EXCL`` and renamed within their directory.  The
-scan lists directories without following anything (``os.scandir`` of a
-descriptor, ``follow_symlinks=False``) and indexes only regular files.  A
-link is never followed; unlinking one (a corrupt entry) removes the link.
-Only the configured path itself may be a link (an administrator's choice);
-what it leads to is checked.
-
-The methods do blocking file I/O: the daemon calls them in worker threads.
-A lock guards the in-memory LRU, which threads and the event loop share.
+- Layout: ``DIR/<tenant key>/<2 hex>/<32 hex of xxh3-128>.bin``; the tenant key
+  hashes the name (dedup stays per tenant). A file is a 40-byte header (magic,
+  nbytes, xxh3-64, xxh3-128) and the bytes, written under a temporary name and renamed.
+- Nothing read is trusted: the header, size and xxh3-64 of what was read are
+  checked against the file and the client's checksum; a file that does not match
+  itself is logged, deleted and reported missing. LRU-bounded (``--cache-size``).
+- Nothing found is trusted, links least of all (a planted symlink could make the
+  daemon delete, overwrite or serve files elsewhere): the dir must be ours and
+  not group/other-writable (else exit 2), and everything below it is reached
+  relative to its parent's descriptor with ``O_NOFOLLOW`` (``O_NONBLOCK`` against
+  FIFOs), new files ``O_CREAT | O_EXCL``. Only the configured path may be a link.
+- Blocking file I/O: called in worker threads; a lock guards the shared LRU.
 """
 
 from __future__ import annotations
@@ -82,8 +57,8 @@ def _private(st: os.stat_result) -> str:
 
 
 def _open_root(root: Path) -> int:
-    """The cache dir, made if missing, as a descriptor.  Raises ValueError
-    (start-up: exit 2) when it is not safe to use, OSError when unusable."""
+    """The cache dir, made if missing, as a descriptor. ValueError (exit 2) when not
+    safe, OSError when unusable."""
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -98,8 +73,7 @@ def _open_root(root: Path) -> int:
 
 
 def _open_dir(parent: int, name: str, create: bool = False) -> int:
-    """``name`` in ``parent`` as a descriptor, never through a link; only a
-    directory of ours that no one else may write.  Raises OSError."""
+    """``name`` in ``parent``, never through a link; only a private directory of ours."""
     if create:
         try:
             os.mkdir(name, 0o700, dir_fd=parent)
@@ -114,8 +88,7 @@ def _open_dir(parent: int, name: str, create: bool = False) -> int:
 
 
 def _check(f: io.BufferedReader, digest: int, out: np.ndarray) -> tuple[str, int]:
-    """Read a cache file into ``out``: ``(what is wrong with it or '', its
-    recorded xxh3-64)``."""
+    """Read a cache file into ``out``: (what is wrong with it or '', its xxh3-64)."""
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
         return "not a regular file", 0
     head = f.read(HEADER.size)
@@ -132,8 +105,7 @@ def _check(f: io.BufferedReader, digest: int, out: np.ndarray) -> tuple[str, int
 
 
 def _scan_leaf(xfd: int, tkey: str, found: list[tuple[float, tuple[str, int], int]]) -> int:
-    """Add the content files of one leaf directory to ``found`` and delete its
-    torn writes; return how many entries were skipped as not regular files."""
+    """Add one leaf's content files to ``found``, delete torn writes; the count skipped."""
     skipped = 0
     with os.scandir(xfd) as files:
         for f in files:
@@ -170,16 +142,13 @@ class DiskCache:
         self._scan()
 
     def close(self) -> None:
-        """Close the directory (idempotent; only while no method runs: a thread
-        still using the number could reach whatever reuses it)."""
+        """Idempotent; only while no method runs (a thread could reach a reused number)."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
 
     def _scan(self) -> None:
-        """Index what is on disk, oldest first; remove leftovers of torn writes.
-        Only real directories are entered and only regular files counted: a
-        link is skipped (never followed, never deleted through)."""
+        """Index what is on disk, oldest first, removing torn writes; links are skipped."""
         found: list[tuple[float, tuple[str, int], int]] = []
         skipped = 0
         for tkey, tfd in self._subdirs(self._fd):
@@ -204,8 +173,7 @@ class DiskCache:
                  self.used, self.max_bytes)
 
     def _subdirs(self, parent: int) -> Iterator[tuple[str, int]]:
-        """``(name, descriptor)`` of each real, private directory in ``parent``;
-        the caller closes each descriptor."""
+        """``(name, descriptor)`` of each real, private directory; the caller closes them."""
         try:
             with os.scandir(parent) as entries:
                 names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
@@ -226,9 +194,8 @@ class DiskCache:
 
     @contextmanager
     def _leaf(self, tkey: str, digest: int, create: bool = False) -> Iterator[tuple[int, str]]:
-        """``(directory descriptor, file name)`` of a content's file, its two
-        directories opened without following links (made with ``create``).
-        Raises OSError (FileNotFoundError: not there)."""
+        """``(dir descriptor, file name)`` of a content's file, opened without following
+        links. OSError (FileNotFoundError: not there)."""
         name = f"{digest:032x}"
         tfd = _open_dir(self._fd, tkey, create)
         try:
@@ -265,11 +232,8 @@ class DiskCache:
 
     def read_into(self, tenant: str, digest: int, expected_checksum: int,
                   out: np.ndarray) -> bool:
-        """Fill ``out`` with the cached bytes; True only if they hash to
-        ``digest`` and their xxh3-64 is ``expected_checksum``.  A file that
-        does not match itself (header, name, contents) or is not a regular
-        file (a link, a FIFO) is deleted; one that is sound but holds other
-        bytes than the caller expects is kept."""
+        """Fill ``out``; True only if the bytes hash to ``digest`` and ``expected_checksum``.
+        A file that does not match itself, or is no regular file, is deleted."""
         tkey = tenant_key(tenant)
         path = self._path(tkey, digest)
         try:
@@ -306,8 +270,7 @@ class DiskCache:
         return True
 
     def write(self, tenant: str, digest: int, csum: int, data: np.ndarray) -> bool:
-        """Store ``data`` under ``digest`` if it still hashes to it (the arena
-        may have changed since it was indexed); evict to stay within the limit."""
+        """Store ``data`` if it still hashes to ``digest``; evict to stay within the limit."""
         nbytes = int(data.nbytes)
         if not self.accepts(nbytes):
             return False

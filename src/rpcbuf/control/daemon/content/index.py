@@ -1,42 +1,21 @@
-"""The daemon's content index: which bytes a tenant already holds, by hash.
+"""The content index: tenant -> xxh3-128 of bytes -> where they lie (buffer, offset,
+nbytes, xxh3-64), so a client uploads only what the daemon lacks.
 
-Every manifest entry the daemon records (``store_tensors``, ``dedup_store``)
-is indexed as tenant -> xxh3-128 of its bytes -> where they lie (buffer,
-offset, nbytes, xxh3-64).  A client about to upload asks which of its
-tensors' hashes are here and sends only the others (``dedupops.py``).
+Plain synchronous bookkeeping. The hashes are the daemon's own (over bytes as
+they landed, or a verified copy), never a client's claim. An entry is trusted:
+its bytes are exactly what was hashed, because every write passes ``forget`` first.
 
-Plain synchronous bookkeeping, like the registry.  The hashes are the
-daemon's own: computed over the bytes as they landed (``store_batch`` hashes
-what it received, both hashes in one pass) or over a verified copy, never a
-client's claim.  An indexed entry is *trusted*: its bytes are exactly what
-was hashed, so a re-load finds them and places them without hashing again.
-That holds because every way bytes of a buffer change is a write that
-passes through ``forget`` first:
-
-- *Overwritten* bytes drop their entries at once: every write into a buffer
-  (store, batch, wire-fp16 store, clear, copy, dedup placement, a disk-cache
-  read into place) takes an exclusive range lock first, and ``Pipeline.lock``
-  calls ``forget`` for the ranges it locks (``dedup_store`` calls it for the
-  ranges it writes) before a byte moves.
-- *Deferred* entries (a batch stored but not indexed yet, see ``defer``)
-  cannot be dropped by ``forget`` since they are not in the index; instead
-  ``forget`` logs each write of a buffer that has deferred entries, and
-  ``index_deferred`` indexes only entries no logged write touched since they
-  were hashed.  When the log of a buffer overflowed (``WRITE_LOG`` writes)
-  nothing is proved and the entries are returned to be hashed again.
-- *Released* buffers drop out lazily: a lookup skips them, and a sweep every
-  ``SWEEP_EVERY`` additions removes them (no hook in the registry needed);
-  buffer ids are never reused.
-- *Per tenant*: a lookup sees only the asking tenant's entries, so no tenant
-  learns what another stored.
-
-What is *not* covered is memory written behind the daemon's back (a
-writable mapping handed to a client, a device written by a kernel): a
-buffer whose bytes can change that way must not be indexed at all
-(``Buffer.trusted``; every buffer today only changes through the pipeline).
-
-Entries of one buffer never overlap (a manifest's entries do not), so each
-buffer keeps them sorted by offset and ``forget`` is a bisection.
+- Overwritten ranges drop their entries at once: every writer takes an exclusive
+  range lock, and locking calls ``forget`` before a byte moves.
+- Deferred entries (a batch not indexed yet, ``defer``) are proved by a write log
+  per buffer: ``index_deferred`` indexes only entries no logged write touched
+  since they were hashed; an overflowed log proves nothing (hash again).
+- Released buffers drop out lazily (skipped by lookups, swept every
+  ``SWEEP_EVERY`` additions); buffer ids are never reused.
+- Lookups see only the asking tenant's entries.
+- Memory written behind the daemon's back (a writable mapping) must not be
+  indexed at all (``Buffer.trusted``).
+- A buffer's entries never overlap, kept sorted by offset: ``forget`` bisects.
 """
 
 from __future__ import annotations
@@ -77,11 +56,9 @@ class Location:
 
 
 class _Writes:
-    """The writes into one buffer while it has deferred entries:
-    ``(seq, start, end)``, at most ``WRITE_LOG``, ``seq`` counting every
-    write the index is told of (all buffers).  ``lost``: the newest write
-    whose record was dropped (an entry hashed before it proves nothing); a
-    log dropped as a whole (``MAX_LOGGED``) proves nothing for any entry."""
+    """The writes into one buffer while it has deferred entries: ``(seq, start, end)``,
+    at most ``WRITE_LOG``. ``lost``: the newest write whose record was dropped (an
+    entry hashed before it proves nothing)."""
 
     __slots__ = ("log", "lost", "pending")
 
@@ -106,9 +83,8 @@ class _Writes:
 
 @dataclass(eq=False)
 class Deferred:
-    """A stored batch's manifest entries and the xxh3-128 of each (aligned
-    with the entries; None: not computed), hashed when the index had been
-    told of ``seq`` writes; ``writes`` is its buffer's log."""
+    """A stored batch's entries and the xxh3-128 of each (None: not computed), hashed
+    after ``seq`` writes; ``writes`` is its buffer's log."""
 
     buf: Buffer
     manifest: dict[str, Entry]
@@ -154,13 +130,9 @@ class ContentIndex:
 
     def defer(self, buf: Buffer, manifest: dict[str, Entry],
               digests: list[int] | None = None) -> None:
-        """Remember a stored batch's manifest entries (and the xxh3-128 of each,
-        computed as the bytes landed) to index on the tenant's next dedup
-        query: indexing 10,000 entries costs more than a 10,000-tensor
-        ``store_batch`` can spare, and most stores are never deduped
-        against.  Called with the batch's range still locked.  Bounded: the
-        oldest batches are forgotten first (they only stop being dedup
-        sources)."""
+        """Remember a stored batch's entries (and digests) to index at the tenant's next
+        dedup query (indexing costs more than a store can spare). Called with the
+        range still locked; bounded, oldest forgotten first."""
         q = self._deferred.setdefault(buf.tenant, deque())
         if len(q) >= MAX_DEFERRED:
             self._untrack(q.popleft())
@@ -180,12 +152,8 @@ class ContentIndex:
             del self._logs[d.buf.buffer_id]
 
     def index_deferred(self, tenant: str) -> list[tuple[Buffer, dict[str, Entry]]]:
-        """Index what ``tenant`` stored since its last dedup query.  Entries
-        still current (the very manifest entry recorded) whose bytes no write
-        touched since they were hashed are indexed now, with the digests
-        computed as they landed; entries a write touched are dropped.  What
-        cannot be proved either way (no digests, or the buffer's write log
-        overflowed) is returned, per buffer, to be hashed again under a lock."""
+        """Index what ``tenant`` stored since its last dedup query; drop entries a write
+        touched; return, per buffer, what cannot be proved either way (hash again)."""
         q = self._deferred.pop(tenant, None)
         if not q:
             return []
@@ -214,9 +182,8 @@ class ContentIndex:
 
     def lookup(self, tenant: str, digest: int, nbytes: int, checksum: int,
                at: tuple[Buffer, int] | None = None) -> Location | None:
-        """A live place holding this tenant's bytes with that hash, size and
-        checksum: the one at ``at`` (buffer, offset: where they are wanted)
-        if that is one of them, so bytes already in place are not copied."""
+        """A live place holding this tenant's bytes with that hash, size and checksum,
+        preferring ``at`` (so bytes already in place are not copied)."""
         self.counters["lookups"] += 1
         locs = self._tenants.get(tenant, {}).get(digest)
         if not locs:
@@ -236,10 +203,8 @@ class ContentIndex:
         return found
 
     def in_place(self, loc: Location, buf: Buffer, offset: int) -> bool:
-        """Whether ``buf`` holds ``loc``'s bytes at ``offset`` without any
-        work: ``loc`` is that very place, or the same place of a buffer that
-        shares ``buf``'s memory (a clone and its source, neither written
-        since: ``Clones.same_memory``), and ``loc`` is still indexed."""
+        """Whether ``buf`` holds ``loc``'s bytes at ``offset`` with no work: the same
+        place, or that of a clone sharing its memory, and ``loc`` still indexed."""
         if loc.offset != offset or not self.holds(loc):
             return False
         if loc.buf is buf:
@@ -263,9 +228,8 @@ class ContentIndex:
 
     def add(self, buf: Buffer, offset: int, nbytes: int, digest: int,
             checksum: int) -> Location | None:
-        """Index ``[offset, offset + nbytes)`` of ``buf`` (replacing what
-        overlapped): the caller hashed exactly these bytes, and they have not
-        been written since."""
+        """Index ``[offset, offset + nbytes)`` of ``buf`` (replacing what overlapped): the
+        caller hashed exactly these bytes, unwritten since."""
         if nbytes <= 0 or buf.released or not buf.trusted:
             return None
         self._drop(buf, [(offset, offset + nbytes)])
@@ -288,8 +252,7 @@ class ContentIndex:
         return loc
 
     def clone(self, src: Buffer, dst: Buffer) -> int:
-        """``dst`` holds ``src``'s bytes at the same offsets (a clone, made
-        while ``src`` is locked shared): index them there too.  The count."""
+        """``dst`` holds ``src``'s bytes at the same offsets: index them there too; the count."""
         entries = self._buffers.get(src.buffer_id)
         if entries is None:
             return 0
@@ -300,10 +263,8 @@ class ContentIndex:
         return n
 
     def forget(self, buf: Buffer, ranges: list[tuple[int, int]]) -> int:
-        """These ranges of ``buf`` are about to be written: drop the entries
-        overlapping them, and log the write for the buffer's deferred
-        entries (``index_deferred``).  Every writer calls this, before its
-        first byte moves.  Returns how many entries were dropped."""
+        """These ranges of ``buf`` are about to be written: drop overlapping entries and
+        log the write for deferred ones. Every writer calls this first; the count dropped."""
         self._seq += 1
         w = self._logs.get(buf.buffer_id)
         if w is not None:
@@ -362,9 +323,8 @@ class ContentIndex:
     # -- the disk cache, written in the background ----------------------------------
 
     def keep_on_disk(self, registry: Registry, sweeps: CopyPool, loc: Location) -> None:
-        """Copy ``loc``'s bytes into the disk cache in the background, as a
-        job of its tenant on ``sweeps`` (the buffer stays pinned until then,
-        so its memory is not reused meanwhile)."""
+        """Copy ``loc``'s bytes to the disk cache as a job of its tenant on ``sweeps``
+        (the buffer stays pinned until then)."""
         cache = self.cache
         if cache is None or cache.has(loc.buf.tenant, loc.digest, loc.nbytes) \
                 or not cache.accepts(loc.nbytes):
@@ -402,8 +362,7 @@ class ContentIndex:
 
 
 def current(buf: Buffer, manifest: dict[str, Entry]) -> dict[str, Entry]:
-    """The entries that are still the buffer's very manifest entries (not
-    replaced or dropped since they were recorded)."""
+    """The entries still the buffer's very manifest entries."""
     tensors = buf.tensors
     return {name: e for name, e in manifest.items() if tensors.get(name) is e}
 

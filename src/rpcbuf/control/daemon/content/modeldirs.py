@@ -1,37 +1,16 @@
 """The ``--model-dir`` directories: which files a node-local load may read.
 
-A tenant names a file (``load_file``'s ``path``); the daemon opens it only
-if it lies inside one of the directories the operator gave, whatever the
-name or the file system says.  In order, all before a byte is read:
+A name is opened only if it lies inside a model directory, checked before a byte
+is read: (1) no empty, ``.`` or ``..`` component, printable; an absolute name must
+start with a directory's path, a relative one is tried in each in order; (2) the
+``realpath`` must lie inside a directory (links between or within are fine: the
+Hugging Face cache is made of them); (3) opened with ``O_NOFOLLOW | O_NONBLOCK |
+O_NOCTTY``, a regular file; (4) checked again through the descriptor
+(``/proc/self/fd/N``, else ``fstat`` against the path), catching a swapped directory.
 
-1. the name has no empty, ``.`` or ``..`` component and is printable
-   (``protocol.FilePath``); an absolute name must start with a model
-   directory's own path (as given or resolved), else it is refused without
-   touching the file system; a relative name is tried in each directory in
-   the order given;
-2. the name is resolved (``os.path.realpath``: every symlink followed) and
-   the result must lie inside a model directory (symlinks between or
-   within them are fine: the Hugging Face cache is made of them; one that
-   leads out is refused);
-3. the resolved path is opened with ``O_NOFOLLOW`` (its last component
-   cannot have become a symlink meanwhile), ``O_NONBLOCK`` (a FIFO put
-   there cannot hang the open) and ``O_NOCTTY``; it must be a regular file;
-4. and then checked again through the descriptor itself
-   (``/proc/self/fd/N`` names what was really opened): a directory on the
-   way swapped for a symlink between steps 2 and 3 is caught here; where
-   ``/proc`` is missing, ``fstat`` of the descriptor must be the file the
-   resolved path names now.
-
-Refusals are FORBIDDEN (outside, escaping, not a regular file, unreadable,
-changed while it was resolved or opened, or no ``--model-dir`` at all) and
-say only what the tenant named (every ``OSError`` on the way becomes one:
-its own message would name the directory); a file in
-none of the directories is NOT_FOUND, naming the file.  ``ModelFiles`` also
-owns the threads that open and read the files (``copypool.CopyPool``: a file
-system may block a read for as long as it likes, so never on the event loop,
-at most one load per tenant at a time) and a small cache of the files'
-tensor layouts (their headers, read with ``pread`` and walked by
-``wire/modelcheck.py``, in a pool thread), keyed by the file's identity
+Refusals are FORBIDDEN and name only what the tenant named (never the directory);
+a file in none of them is NOT_FOUND. Files are opened and read in pool threads
+(at most one load per tenant), and their tensor layouts cached by file identity
 (device, inode, size, mtime, ctime).
 """
 
@@ -103,8 +82,7 @@ class ModelFiles:
     # -- opening (run in a pool thread: file systems may block) -----------------------
 
     def candidates(self, name: str) -> list[str]:
-        """Where ``name`` may lie, in the order tried (no file system access).
-        Raises FORBIDDEN for an absolute name outside every directory."""
+        """Where ``name`` may lie, in order (no file system access). FORBIDDEN when outside."""
         if not name.startswith("/"):
             return [os.path.join(d.real, name) for d in self.dirs]
         for d in self.dirs:
@@ -115,8 +93,7 @@ class ModelFiles:
                         {"path": name, "reason": "outside_model_dirs"})
 
     def open(self, name: str) -> OpenedFile:
-        """Open the model file ``name`` for reading, confined as the module
-        says.  Raises FORBIDDEN, NOT_FOUND."""
+        """Open model file ``name``, confined (see the module). FORBIDDEN, NOT_FOUND."""
         for path in self.candidates(name):
             try:
                 real = os.path.realpath(path)
@@ -165,8 +142,7 @@ class ModelFiles:
                           (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
 
     def prepare(self, name: str, size: int) -> tuple[OpenedFile, Ranges]:
-        """``open``, then the node's copy must be ``size`` bytes (VERIFY_FAILED
-        naming the file), then its ``layout``: one trip to a pool thread.
+        """``open``, check its size (VERIFY_FAILED), then its ``layout``, in one pool trip.
         The caller closes the descriptor; on failure it is closed here."""
         f = self.open(name)
         try:
@@ -182,9 +158,8 @@ class ModelFiles:
     # -- what is in a file -------------------------------------------------------------
 
     def layout(self, f: OpenedFile) -> Ranges:
-        """Where each tensor of the opened file lies (safetensors or GGUF),
-        its header checked against the file; remembered by the file's
-        identity.  Raises BAD_REQUEST naming the file."""
+        """Where each tensor of the opened file lies, its header checked against the file;
+        cached by identity. BAD_REQUEST naming the file."""
         with self._lock:
             got = self._layouts.get(f.ident)
             if got is not None:
@@ -203,17 +178,15 @@ class ModelFiles:
 
 
 def _changed(name: str) -> Forbidden:
-    """The refusal of a file whose path changed while it was resolved or
-    opened: it names what the tenant asked for, never the directory (the
-    OSError's own message holds the absolute path)."""
+    """FORBIDDEN for a file whose path changed while resolved or opened (naming
+    only what the tenant asked for)."""
     return Forbidden(f"{name!r} changed on this node while it was opened (try again)",
                      {"path": name, "reason": "changed_while_opened"})
 
 
 def _ranges(fd: int, size: int) -> Ranges:
-    """The layout of the opened file of ``size`` bytes (its size when it was
-    opened), read with ``pread`` on the checked descriptor: never a memory
-    map, which a publisher truncating the file turns into SIGBUS."""
+    """The opened file's layout, read with ``pread`` on the checked descriptor (never a
+    memory map, which a truncating publisher turns into SIGBUS)."""
     if os.pread(fd, 4, 0) == b"GGUF":
         return gguf_ranges(lambda offset, n: os.pread(fd, n, offset), size)
     n = safetensors_length(os.pread(fd, 8, 0), size)

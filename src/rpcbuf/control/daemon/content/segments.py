@@ -1,34 +1,18 @@
-"""Where the KV tier's blocks live: a few large segments per tenant and
-device, each one buffer of the registry (one memfd, mapped once, charged to
-the tenant as bytes, an fd and a mapping: ``Registry.allocate_segment``),
-carved into slots by a slab allocator of its own (size classes for small
-blocks, buddy blocks for large ones: ``dataplane/slab.py``).
+"""Where the KV tier's blocks live: a few large segments per tenant and device, each
+one registry buffer (one memfd mapped once, charged bytes, an fd and a mapping),
+carved into slots by its own slab allocator.
 
-So the daemon's fds and mappings grow with the bytes a tenant caches, not
-with its block count: 250,000 blocks of 16 KiB are 4 GiB, 64 segments of
-64 MiB.  A put takes slots in memory that is mapped and charged already, and
-a slot freed by an eviction or a remove is the next put's (LIFO within its
-slab: pages that are faulted in already).  A segment whose last block is
-freed goes back to the registry at once (its bytes are the tenant's quota
-again, and the registry's rules for freed memory hold: a memfd closed, or
-kept and zeroed before any other buffer gets it).  A segment is one
-tenant's: no slot of it is ever another tenant's block.
-
-Sizes: a tenant's segments grow geometrically, so that a small cache holds
-little more than its blocks and a large one few segments: a new one is a
-power of two at least the block's (buddy) size, ``MIN_SEGMENT``, the rest
-of the put that needs it, and half of what the tenant's segments hold
-already, at most ``SEGMENT`` bytes; and no more than the tenant's quota (or the pool) has
-room for, down to what the block needs (else no segment: the caller
-evicts).  250,000 blocks of 16 KiB (4 GiB, in puts of 512) take about 70
-segments.  A block larger than ``SEGMENT`` gets a segment of its own
-(``single``).
-
-Finding a slot is O(segments) at worst and O(1) in the steady state: the
-segment that served last is tried first, and a segment that could not serve
-a slot of some size is not tried for that size or a larger one again until
-one of its slots is freed (``failed_at``).  Plain synchronous bookkeeping;
-the block store (``blocks.py``) decides when to make a segment or evict.
+- fds and mappings grow with bytes cached, not block count (250,000 blocks of
+  16 KiB take about 70 segments). A freed slot is the next put's (LIFO: warm pages).
+- A segment whose last block is freed goes back to the registry at once. A
+  segment is one tenant's: no slot is ever another tenant's block.
+- Sizes grow geometrically: a power of two at least the block, ``MIN_SEGMENT``,
+  the rest of the put, and half of what the tenant holds, at most ``SEGMENT``, and
+  no more than quota or pool room (else none: the caller evicts). A block larger
+  than ``SEGMENT`` gets a segment of its own (``single``).
+- Finding a slot is O(1) in the steady state: the last segment that served is
+  tried first, and one that failed a size is not tried for it again until one of
+  its slots is freed (``failed_at``).
 """
 
 from __future__ import annotations
@@ -48,18 +32,15 @@ _TEMPLATE = SlabAllocator(SEGMENT, SLOT, SLAB, MAX_CLASS)
 
 
 def slot_size(size: int) -> int:
-    """The bytes a block of ``size`` takes in a full-size segment (what a put
-    is checked against the quota with: ``BlockStore.admit``)."""
+    """The bytes a block of ``size`` takes in a full-size segment (the quota check)."""
     if size > SEGMENT:
         return -(-size // SLOT) * SLOT
     return _TEMPLATE.block_size(size)
 
 
 def segment_size(size: int, room: int, want: int = 0, held: int = 0) -> int:
-    """The size of a new segment for a block of ``size`` when the tenant may
-    be given ``room`` more bytes, the put still needs ``want`` and the
-    tenant's segments hold ``held`` (see the module); 0 when it cannot hold
-    even that block."""
+    """A new segment's size for a block of ``size`` given ``room``, ``want`` and ``held``
+    (see the module); 0 when it cannot hold even that block."""
     if size > SEGMENT:
         need = -(-size // SLOT) * SLOT
         return need if need <= room else 0
@@ -106,15 +87,12 @@ class Segment:
 
 @dataclass
 class Segments:
-    """One tenant's segments on one device."""
-
     all: list[Segment] = field(default_factory=list)
     last: Segment | None = None  # the one that served last: tried first
     nbytes: int = 0  # their sizes together
 
     def take(self, size: int) -> tuple[Segment, int] | None:
-        """A slot for ``size`` bytes in one of the segments: (segment, its
-        offset in the arena), or None (make a segment, or evict)."""
+        """A slot for ``size``: (segment, arena offset), or None (make one, or evict)."""
         last = self.last
         if last is not None:
             got = last.take(size)

@@ -1,12 +1,7 @@
-"""A sorted set of strings for listing a tenant's block keys a page at a
-time: ``add`` and ``discard`` cost O(log n) comparisons (plus moving at most
-``2 * CHUNK`` references), and a page after any key costs O(log n + page),
-however many keys there are (``BlockStore.keys``).
-
-The keys lie in sorted chunks of at most ``2 * CHUNK``, with each chunk's
-last key in ``_maxes`` for the bisection that finds a key's chunk (the
-layout of the sortedcontainers package's SortedList, kept to the three operations the
-tier needs rather than taken as a dependency of the daemon).
+"""A sorted set of strings for listing block keys a page at a time: ``add`` and
+``discard`` cost O(log n), a page after any key O(log n + page). Keys lie in sorted
+chunks of at most ``2 * CHUNK``, each chunk's last key in ``_maxes`` for bisection
+(sortedcontainers' layout, cut to the three operations the tier needs).
 """
 
 from __future__ import annotations
@@ -64,9 +59,8 @@ class SortedKeys:
             del chunks[i], maxes[i]
 
     def since(self, start: str | None, inclusive: bool) -> Iterator[str]:
-        """The keys from ``start`` on (all when None; ``start`` itself only
-        when ``inclusive``), in order, lazily: the caller stops when its page
-        is full.  Not to be consumed across a change of the set."""
+        """The keys from ``start`` on (``start`` itself only when ``inclusive``), lazily;
+        not to be consumed across a change of the set."""
         chunks = self._chunks
         if start is None:
             i = j = 0

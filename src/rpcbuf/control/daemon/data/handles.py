@@ -1,22 +1,10 @@
-"""A same-host session's handle channel: how memory leaves the daemon by
-handle, and the staging area it starts with.
-
-A local client says hello on the daemon's Unix socket asking for the
-same-host path (``handles``), then opens a second connection to the same
-socket, from the same process, whose only frame is ``bind_handles`` with
-the session's bind nonce (``greeting.bind_handles``).  The daemon takes that
-socket out of asyncio's hands and from then on writes fixed-size records
-with file descriptors on it (``dataplane/shm.py``: ``SCM_RIGHTS``), never
-reading: first the session's staging area (a memfd the daemon made, size
-sealed; ``dataplane/staging.py``), then one record per attach, tagged with
-the request id, carrying a read-only fd of that one buffer.  The answer on
-the control connection follows the record, so a client that has the answer
-finds its fd already queued.
-
-The fds the daemon keeps (each buffer's memfd) never leave it: a record
-carries a new read-only open file description (``shm.read_only_fd``), which
-can neither be written, nor resized, nor mapped writable (the memfd is also
-sealed so).
+"""A same-host session's handle channel: a second Unix-socket connection
+from the client's own process, bound by the session's nonce, on which the
+daemon only writes fixed-size records carrying fds (``SCM_RIGHTS``): first
+the session's staging area (a size-sealed memfd), then one per attach,
+tagged with the request id, sent before the answer so a client with the
+answer finds its fd queued.  A record carries a new read-only open file
+description (``shm.read_only_fd``), never a memfd the daemon keeps.
 """
 
 from __future__ import annotations
@@ -80,6 +68,5 @@ class HandleChannel:
 
 
 def same_process(a: socket.socket, b: socket.socket) -> bool:
-    """Whether two Unix socket connections come from one process (the
-    kernel's ``SO_PEERCRED``: pid, uid and gid as of connect)."""
+    """Whether two Unix socket connections come from one process (``SO_PEERCRED``)."""
     return shm.peer_cred(a) == shm.peer_cred(b)

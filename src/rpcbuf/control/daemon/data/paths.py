@@ -1,32 +1,23 @@
-"""The daemon's data paths: how the bytes of a data op travel between a
-client and the daemon's memory, behind one small interface, ``DataPath``.
+"""The daemon's data paths: how one op's bytes travel between a client and
+a ``Region`` of daemon memory, behind ``DataPath``.  The pipeline decides
+everything else (buffer, ranges, pins, locks, verification, counts, audit,
+answer); a path only moves the bytes of a batch of ``TransferItems``:
 
-The data pipeline (``pipeline.py``) decides everything else — which buffer,
-which ranges, pins and range locks, verification, counters, the audit record
-and the answer — and then asks the session's path to move the bytes of a
-batch of items (``TransferItems``) into or out of a ``Region`` of daemon memory (a
-buffer's slice of its arena, or scratch memory for a wire-fp16 store).  Three
-paths exist:
+* ``UcxPath``: one UCX message per run, tag ``run_tag(req_id, i)``, straight
+  into or out of the region;
+* ``StagedPath``: the bytes are in the session's staging area (daemon shmem
+  shared with the local client): small ops copied on the loop, big ones
+  streamed through the ring on the copy threads;
+* ``InlinePath``: a small op's bytes in its own frames, copied on the loop.
 
-* ``UcxPath``: one UCX message per run (``runs.plan_runs``: touching
-  small items coalesce), tag ``run_tag(req_id, i)``, received straight into
-  or sent straight from the arena span;
-* ``StagedPath``: the request names a slot of the session's staging area
-  (daemon memory shared with the local client, ``dataplane/staging.py``);
-  the daemon copies between it and the region (small ops on the loop, big
-  ones streamed through the ring on its copy threads, ``copypool.py``);
-* ``InlinePath``: a small op's bytes in its own frames (a network session's
-  ``Store.data``, an inline read answer's ``data``), copied on the loop.
-
-The first two run under the transfer deadline (``transfer_all``): past it
-the session is aborted, and a transfer is always waited for to its end, even when its
-task is cancelled, because until then it may still touch the region (which
-the pipeline keeps locked and pinned meanwhile).
+A transfer is always waited for to its end, even when its task is
+cancelled: until then it may still touch the region (kept locked and pinned).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -39,33 +30,25 @@ from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.ucx_errors import ucx_errors
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest, ConnectionLost
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
 from rpcbuf.control.wire.runs import plan_runs, run_tag
 from rpcbuf.dataplane import staging
+from rpcbuf.dataplane.arena import Arena
 from rpcbuf.dataplane.devsum import memory_kind
-from rpcbuf.dataplane.ucx import DataEndpoint, TransferError, transfer_all
+from rpcbuf.dataplane.ucx import DataEndpoint, transfer_all
 
 log = logging.getLogger("rpcbuf.daemon")
 Run = tuple[int, int, int, int]  # offset in the region, nbytes, first item, stop item
-
-
-class Memory(Protocol):
-    """What a ``Region`` lies in: an arena (``Arena``), or ``Scratch``."""
-
-    @property
-    def address(self) -> int | None: ...  # its first byte in this process (None: device memory)
-
-    def view(self, offset: int, nbytes: int) -> Any: ...
+Landed = Callable[[int, int], None]  # items [lo, hi) have landed (called from copy threads)
 
 
 class Region:
     """Daemon memory a transfer lands in or leaves from: from ``base`` of
-    ``memory``.  ``address`` is its first byte's address in this process
-    (None: device memory)."""
+    ``memory``; ``address`` is its first byte here (None: device memory)."""
 
     __slots__ = ("address", "base", "memory")
 
-    def __init__(self, memory: Memory, base: int = 0) -> None:
+    def __init__(self, memory: Arena | Scratch, base: int = 0) -> None:
         self.memory = memory
         self.base = base
         addr = memory.address
@@ -89,23 +72,24 @@ class Scratch:
 
 
 class TransferItems:
-    """The items of one transfer: ``offsets`` (in the region) and ``sizes``,
-    ``nbytes`` in all, and on the same-host path the request's staging
-    ``stage``.  Lists for a single item (no NumPy on the 4 KiB path), uint64
-    arrays for a batch.  ``runs`` (the UCX messages, and the order of the
-    bytes in the staging area) are planned once, when asked for."""
+    """The items of one transfer: ``offsets`` (in the region), ``sizes``,
+    ``nbytes`` in all, the request's staging ``stage``; lists for one item
+    (no NumPy on the 4 KiB path), uint64 arrays for a batch.  ``runs`` (the
+    UCX messages, the order of the bytes when staged) are planned once.
+    ``small`` is ``StagedPath.admit``'s decision: a small slot, or the ring."""
 
-    __slots__ = ("_runs", "nbytes", "offsets", "sizes", "stage")
+    __slots__ = ("_runs", "nbytes", "offsets", "sizes", "small", "stage")
 
     def __init__(self, offsets: np.ndarray | list[int], sizes: np.ndarray | list[int],
                  nbytes: int, stage: int | None = None,
                  runs: list[Run] | None = None) -> None:
         self.offsets, self.sizes, self.nbytes, self.stage = offsets, sizes, nbytes, stage
         self._runs = runs
+        self.small: bool | None = None
 
     @classmethod
     def one(cls, offset: int, nbytes: int, stage: int | None = None) -> TransferItems:
-        """A plain store or read: a batch of one item, one run (tag = request id)."""
+        """A plain store or read: one item, one run."""
         return cls([offset], [nbytes], nbytes, stage, [(offset, nbytes, 0, 1)])
 
     def runs(self) -> list[Run]:
@@ -118,49 +102,23 @@ class TransferItems:
         return len(self.offsets)
 
 
-class Landed(Protocol):
-    """Told, from the copying threads, that items ``lo:hi`` have landed."""
-
-    def __call__(self, lo: int, hi: int) -> None: ...
-
-
 class DataPath(Protocol):
-    """How one session's bytes travel.  The checklist for a new path (a
-    shared-memory memfd path, CUDA device-to-device, RDMA): write one class
-    with the members below, and have the session choose it where it chooses
-    the others (``Session.path``); nothing else changes — validation, pins,
-    locks, verification, counters, audit and answers are the pipeline's.
+    """How one session's bytes travel (a new path is one more class of these
+    members; the pipeline does the rest).
 
-    1. ``addressed``: whether its requests name a staging slot (``stage``);
-       the session routes a request to the path whose kind it is.
-    2. ``answer_first``: a read's answer leaves before its bytes (UCX: the
-       client posts its receives when it sees the answer); else after them.
-    3. ``lands_in_parts``: ``receive`` calls ``landed(lo, hi)`` as parts of a
-       batch land (a big batch is then hashed while the rest still moves);
-       else the pipeline hashes after the transfer.
-    4. ``check(buf)``: refuse (BAD_REQUEST, before anything is locked) a
-       buffer this path cannot serve (same host: device memory, for now).
-    5. ``messages(items)``: how many wire messages the batch takes (answers
-       and audit notes say so; 0 for copies).
-    6. ``receive``/``send``: move ``items`` into/out of ``region`` under the
-       transfer deadline, waiting for every part to end even when one fails
-       or the task is cancelled; raise only ``RpcBufError``s (a foreign error
-       is translated here, once: truncated payload BAD_REQUEST, broken
-       transfer CONNECTION_LOST).
-    7. ``drain``: swallow what the client already sent for a store that is
-       refused (UCX: 1-byte receives, one per non-empty run) so it never
-       hangs and nothing is parked; nothing to do where nothing was sent.
-    8. ``admit(items)``: refuse (BAD_REQUEST, before anything is locked)
-       items this path cannot carry (a bad staging slot, a frame whose byte
-       count is not the request's).
-    9. ``carried()``: what a read's answer carries besides its result (the
-       inline path: the bytes, ``data``); ``{}`` where they travel apart.
-    A move that needs no waiting (a small slot's copy, an inline frame's)
-    is done without awaiting anything, so the op ends in its first step
-    and the session answers it with no task (``intake.start``): the 4 KiB
-    path's largest saving.
-    10. Tests: the pipeline's unit tests (``tests/daemon/test_pipeline.py``) run over
-       an in-memory path; add the new one to the integration fixtures.
+    * ``addressed``: requests name a staging slot; ``answer_first``: a read
+      answers before its bytes move; ``lands_in_parts``: ``receive`` calls
+      ``landed(lo, hi)`` as parts land.
+    * ``check(buf)`` and ``admit(items)``: BAD_REQUEST, before anything is
+      locked, for a buffer or items this path cannot carry.  ``admit`` runs
+      once per op, before ``receive``/``send``, and decides what they need.
+    * ``receive``/``send``: under the transfer deadline, waiting for every
+      part even when one fails or the task is cancelled; raise only
+      ``RpcBufError``s.  A move that needs no waiting awaits nothing, so the
+      op ends in its first step.
+    * ``drain``: swallow what the client already sent for a refused store.
+    * ``messages``: wire messages of a batch; ``carried``: what a read's
+      answer carries besides its result (inline: ``data``).
     """
 
     addressed: bool
@@ -229,29 +187,20 @@ class UcxPath:
         if not tags:
             return
         sink = [np.zeros(1, dtype=np.uint8) for _ in tags]
-        try:
+        # Truncated: drained, as meant (or the endpoint broke: nothing to drain).
+        with contextlib.suppress(RpcBufError), ucx_errors("drain"):
             await transfer_all([self.ep.recv(b, t) for b, t in zip(sink, tags, strict=True)],
                                self._timeout, self._expired)
-        except TransferError:
-            pass  # truncated: drained, as meant (or the endpoint broke: nothing to drain)
 
 
 class StagedPath:
-    """The same-host path: the client's bytes are in the session's staging
-    area (``dataplane/staging.py``), which the daemon made and shares with
-    the client; the daemon copies between it and the region.  The daemon
-    never touches client memory and needs no rights over the client
-    process: the staging area is its own shmem, size-sealed, so nothing the
-    client does can make a copy fault or block (a client that stops
-    producing or consuming only stalls its own op, until the deadline).
-
-    A small op (``stage`` = a small slot, at most ``staging.SMALL`` bytes)
-    is copied right here on the loop: it is a ``memcpy`` of daemon memory;
-    so is a ring op of one chunk whose bytes are there (a store the client
-    put in place first) or are taken after the answer (a read).
-    A ring op (``stage == staging.RING``) streams chunk by chunk on the copy
-    threads (``copypool.py``: bounded, fair between tenants), the client
-    copying the next chunk while we copy this one.  Host memory only."""
+    """The same-host path: the bytes are in the session's staging area, the
+    daemon's own size-sealed shmem shared with the client, so the daemon never
+    touches client memory and nothing the client does can make a copy fault
+    or block (a client that stalls only stalls its own op, to the deadline).
+    A small slot's op (at most ``staging.SMALL`` bytes), or a ring op of one
+    chunk that is there already, is a memcpy on the loop; a bigger ring op
+    streams chunk by chunk on the copy threads.  Host memory only."""
 
     addressed = True
     answer_first = False
@@ -260,9 +209,8 @@ class StagedPath:
     def __init__(self, shared: staging.Shared, copies: CopyPool, tenant: str, *,
                  timeout: float, stop: threading.Event, expired: Callable[[], None],
                  stopped: Callable[[], bool]) -> None:
-        """``shared``: the session's staging area (its owner, the handle
-        channel, unmaps it; a ring copy holds it while it runs); ``stop``:
-        set when the session closes (ring copies stop within a chunk);
+        """``shared``: the staging area (the handle channel unmaps it; a ring
+        copy holds it while it runs); ``stop``: set when the session closes;
         ``stopped``: the daemon no longer serves."""
         self._shared, self.area = shared, shared.area
         self._copies, self._tenant, self._timeout = copies, tenant, timeout
@@ -289,34 +237,34 @@ class StagedPath:
         return [region.view(off, n) for off, n, _, _ in items.runs() if n]
 
     def admit(self, items: TransferItems) -> None:
-        """A bad stage is BAD_REQUEST (see ``_small``)."""
-        self._small(items)
-
-    def _small(self, items: TransferItems) -> bool:
-        """Whether ``items`` go through a small slot (copied right away,
-        ``_move``) rather than the ring; a bad stage is BAD_REQUEST."""
+        """Decide ``items.small`` (a small slot, else the ring); BAD_REQUEST
+        for a bad stage, CONNECTION_LOST once the session is closing."""
         stage = items.stage
         if stage is None:
             raise BadRequest("a same-host request names its staging slot (stage)")
-        if self._stop.is_set() or self._shared.closed:
-            raise ConnectionLost("the session is closing")
+        self._open()
         if stage == staging.RING:
-            return False
+            items.small = False
+            return
         if not 0 <= stage < staging.SMALL_SLOTS:
             raise BadRequest(f"stage {stage} is no staging slot (0..{staging.SMALL_SLOTS - 1}"
                              f" or {staging.RING} for the ring)")
         if items.nbytes > staging.SMALL:
             raise BadRequest(f"{items.nbytes} bytes do not fit a small staging slot "
                              f"({staging.SMALL}); use the ring")
-        return True
+        items.small = True
+
+    def _open(self) -> None:
+        """CONNECTION_LOST once the session is closing (the area may be unmapped)."""
+        if self._stop.is_set() or self._shared.closed:
+            raise ConnectionLost("the session is closing")
 
     def carried(self) -> dict[str, Any]:
         return {}
 
     def _move(self, out: bool, slot: np.ndarray, region: Region, items: TransferItems,
               landed: Landed | None) -> None:
-        """A copy between ``slot`` and the region (``out``: region -> slot, a
-        read) on the loop: a memcpy of daemon memory, nothing can block it."""
+        """A memcpy between ``slot`` and the region on the loop (``out``: a read)."""
         pieces = self._pieces(region, items)
         if out:
             staging.gather(pieces, slot)
@@ -328,8 +276,10 @@ class StagedPath:
     async def _copy(self, out: bool, region: Region, items: TransferItems,
                     landed: Landed | None = None) -> None:
         """``out``: region -> staging (a read); else staging -> region."""
+        assert items.small is not None, "admit decides first"
+        self._open()  # the session may have closed while the op waited for its lock
         area = self.area
-        if self._small(items):
+        if items.small:
             self._move(out, area.small(items.stage or 0, items.nbytes), region, items, landed)
             return
         if self._ring_busy:
@@ -351,9 +301,8 @@ class StagedPath:
 
     async def _ring(self, out: bool, region: Region, items: TransferItems,
                     landed: Landed | None) -> None:
-        """A ring op on a copy thread, under the deadline; a task cancelled
-        meanwhile still waits for its copy, which writes into the region
-        (locked and pinned meanwhile) until it returns."""
+        """A ring op on a copy thread, under the deadline; a cancelled task
+        still waits for the copy, which writes into the region until it returns."""
         runs = [r for r in items.runs() if r[1]]
         pieces = [region.view(off, n) for off, n, _, _ in runs]
         stop, timeout = self._stop, self._timeout
@@ -389,12 +338,9 @@ class StagedPath:
 
 
 class InlinePath:
-    """A small op's bytes in its own frames (``Store.data``; an inline read's
-    answer's ``data``): one request's path, made for it by the session.  At
-    most ``INLINE_MAX`` bytes, copied on the loop (a memcpy between the
-    frame and the arena); nothing else travels, so nothing is drained.
-    Host memory only (a device buffer is BAD_REQUEST ``device_memory``: the
-    client sends it over UCX instead)."""
+    """One request's bytes in its own frames (``Store.data``, an inline
+    read's answer's ``data``): at most ``INLINE_MAX``, copied on the loop;
+    host memory only (else BAD_REQUEST ``device_memory``: the client uses UCX)."""
 
     addressed = True  # nothing is in flight beside the request
     answer_first = False
@@ -431,13 +377,11 @@ class InlinePath:
 
     async def receive(self, req_id: int, region: Region, items: TransferItems,
                       landed: Landed | None = None) -> None:
-        self.admit(items)
         self._move(False, region, items)
         if landed is not None:
             landed(0, len(items))
 
     async def send(self, req_id: int, region: Region, items: TransferItems) -> None:
-        self.admit(items)
         self._move(True, region, items)
 
     async def drain(self, req_id: int, items: TransferItems) -> None:
@@ -452,10 +396,9 @@ def host_only(buf: Buffer, why: str) -> None:
 
 
 async def outlast(fut: asyncio.Future[Any], stopping: Callable[[], bool]) -> None:
-    """Wait until ``fut`` is done, whatever cancels us meanwhile (then
-    re-raise that): memory it may still write into must stay held.  Only a
-    daemon that has stopped serving gives up (nothing is allocated any more,
-    and a copy stuck for good must not keep the process from exiting)."""
+    """Wait until ``fut`` is done, whatever cancels us meanwhile (re-raised
+    after): memory it may write into must stay held.  Only a daemon that has
+    stopped serving gives up (a stuck copy must not keep it from exiting)."""
     cancelled = False
     while not fut.done() and not stopping():
         try:

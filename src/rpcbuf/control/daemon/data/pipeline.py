@@ -1,39 +1,22 @@
-"""The one data pipeline: every op that moves or touches buffer bytes runs
-its steps here, in one order, each written once.
+"""The one data pipeline: every op that moves or touches buffer bytes is
+described as data, a ``Plan``, and ``Pipeline.run`` takes its steps once,
+in this order:
 
-An op (``dataops``, ``dedupops``) validates its request and describes the
-rest as data, a ``Plan``: the buffer it writes or reads and the range to
-lock, the other buffers it reads, the transfer (a ``DataPath`` receive or
-send, or a local fill/copy), what to check once the bytes are there, which
-counter to bump and what the audit record says.  ``Pipeline.run`` then
+1. pin every buffer (``Held``: a release meanwhile frees the memory only
+   when the request ends) and lock its ranges, one grant per buffer in
+   buffer-id order (stores exclusive, reads shared: crossing copies cannot
+   deadlock); an exclusive lock drops the range's dedup entries, and is BUSY
+   on a buffer a local reader has attached;
+2. answer first where the path says so (UCX reads);
+3. move the bytes;
+4. verify and record (``after``), still locked;
+5. unlock, count, audit; the session answers with what ``run`` returns.
 
-1. pins every buffer of the plan (``Held``: a release meanwhile frees the
-   memory only when the request ends) and locks its ranges, one grant per
-   buffer in buffer-id order (stores exclusive, reads shared: overlapping
-   stores never interleave, a read never sees half a store, crossing copies
-   cannot deadlock); an exclusive lock drops the dedup index's entries of
-   the range (those bytes are about to change), and is BUSY, once granted,
-   on a buffer a local reader has attached (``attachops``);
-2. answers first where the path says so (UCX reads: the client posts its
-   receives when it sees the answer);
-3. moves the bytes;
-4. verifies and records (``after``: checksums, manifest), still locked;
-5. unlocks, counts the bytes for the node and the tenant, and writes the
-   audit record; the session answers with what ``run`` returns (once: an op
-   answered first is not answered again).
-
-``run`` awaits only what must be waited for (a lock another request holds,
-a transfer, a sweep on a worker thread); a plan that waits for nothing (a
-free range, a same-host small-slot or inline copy) runs to its end in one
-step, and the session then answers it with no task (``intake.start``).
-
-Pins by construction: an async handler never looks a buffer up itself; it
-gets it from ``Held.get``, which pins it in the same step as the lookup, and
-the session unpins everything the request held when it is answered.  So no
-handler can hold a buffer across an ``await`` without a pin, and a buffer
-whose memory went back already cannot be pinned (``Registry.pin``).  Only the
-synchronous quick ops use the plain lookup (``tests/hardening/test_bounds.py``
-checks that no ``async def`` does).
+``run`` awaits only what must be waited for, so a plan that waits for
+nothing ends in its first step.  Pins by construction: an async handler
+gets each buffer from ``Held.get``, pinned in the same step as the lookup,
+so none holds a buffer across an ``await`` unpinned (tests/hardening/
+test_bounds.py checks that no ``async def`` uses the plain lookup).
 """
 
 from __future__ import annotations
@@ -48,6 +31,7 @@ from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.locks import LockGrant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
+from rpcbuf.control.daemon.data.handles import HandleChannel
 from rpcbuf.control.daemon.data.paths import DataPath
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
@@ -64,11 +48,12 @@ class Workers(Protocol):
 
 
 class Ops(Protocol):
-    """What the data ops see of their session."""
+    """What the ops see of their session."""
 
     registry: Registry
     content: ContentIndex
     session_id: str
+    handles: HandleChannel | None  # the same-host handle channel, once bound
 
     @property
     def daemon(self) -> Workers: ...
@@ -84,7 +69,7 @@ class Ops(Protocol):
 
 class Held:
     """The buffers one async request uses: each pinned as it is looked up,
-    all unpinned when the request ends (``release``, called by the session)."""
+    all unpinned when the request ends (``release``)."""
 
     __slots__ = ("_bufs", "_registry", "_tenant")
 
@@ -101,8 +86,7 @@ class Held:
         return buf
 
     def keep(self, buf: Buffer) -> bool:
-        """Pin a buffer found another way (the dedup index); False when it
-        was released already (then it must not be used)."""
+        """Pin a buffer found another way; False when it was released already."""
         if buf.released:
             return False
         self._registry.pin(buf)
@@ -116,8 +100,8 @@ class Held:
 
 
 class Call:
-    """One async request as its op sees it: its id, the buffers it holds,
-    and ``answer_first`` (the session's one answer path, taken early)."""
+    """One async request as its op sees it: its id, its ``held`` buffers, and
+    ``answer_first`` (the session's one answer path, taken early)."""
 
     __slots__ = ("_answer", "answered", "held", "req_id")
 
@@ -132,7 +116,7 @@ class Call:
 
 
 class Plan:
-    """One data op after validation, as data (see the module's steps)."""
+    """One data op after validation (see the module's steps)."""
 
     __slots__ = ("after", "answer", "buf", "counter", "early", "exclusive", "forget", "more",
                  "move", "nbytes", "note", "offset", "op", "ranges", "sources")
@@ -180,8 +164,8 @@ class Pipeline:
         return {} if result is None else result
 
     def _granted(self, b: Buffer, rngs: list[Range], excl: bool, forget: bool) -> None:
-        """Once a lock of ``b`` is granted: BUSY if it is exclusive and ``b``
-        is attached; else an exclusive lock drops ``b``'s dedup entries there."""
+        """Once granted: an exclusive lock is BUSY on an attached ``b``, else
+        drops ``b``'s dedup entries there."""
         if excl and b.attached:  # read in place by a local reader: hands off
             raise Busy(f"buffer {b.buffer_id} is attached (read in place) by "
                        f"{b.attached} reader(s); it cannot change until they detach",
@@ -193,17 +177,13 @@ class Pipeline:
                    sources: list[tuple[Buffer, Range]] | None = None,
                    forget: bool = True, more: list[Buffer] | None = None,
                    writes: bool = True) -> list[tuple[Buffer, LockGrant]]:
-        """Step 1: pin (``held``) and lock ``ranges`` of ``buf`` (exclusive or
-        shared) and each source range shared, one grant per buffer (a source
-        inside ``buf`` joins its grant), in buffer-id order.  Every buffer is
-        pinned before the first await.  A buffer released since it was looked
-        up (or while we wait) is NOT_FOUND: its memory is only pinned, and the
-        work would be lost.  A buffer locked exclusively gets memory of its
-        own first if it shares some (``own``); an op that passes
-        ``forget=False`` decides what it writes once locked, forgets it
-        itself, and calls ``own`` before it writes.  ``more`` buffers (pinned
-        by the caller: a block put's pending blocks) are locked whole, as
-        ``buf`` is.  Unlock with ``unlock``."""
+        """Step 1: pin and lock ``ranges`` of ``buf`` and each source range
+        (shared), one grant per buffer in buffer-id order, every buffer
+        pinned before the first await; ``more`` buffers (pinned by the
+        caller) are locked whole.  NOT_FOUND for a buffer released meanwhile
+        (its memory is only pinned).  An exclusive lock first gives a clone
+        memory of its own (``own``); with ``forget=False`` the op forgets
+        and owns itself.  Unlock with ``unlock``."""
         if not sources and not more:  # the common case: one buffer
             groups = [(buf, ranges, exclusive)]
         else:
@@ -251,21 +231,16 @@ class Pipeline:
         return grants
 
     async def in_thread(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a sweep of ``nbytes`` of memory: from ``THREAD_BYTES``
-        on, as the session's tenant's job on the daemon's ``sweeps`` threads
-        (NumPy and xxhash drop the GIL, so the event loop serves everyone
-        else meanwhile, and the pool's round-robin keeps one tenant's queue
-        of sweeps from delaying another's beyond its turn); smaller ones
-        inline, where a thread would cost more than the sweep."""
+        """``fn(*args)``, a sweep of ``nbytes``: from ``THREAD_BYTES`` on, the
+        tenant's job on the fair ``sweeps`` threads (NumPy and xxhash drop the
+        GIL); smaller ones inline, where a thread costs more."""
         if nbytes >= THREAD_BYTES:
             return await self._ops.daemon.sweeps.run(self._ops.owner, fn, *args)
         return fn(*args)
 
     async def own(self, buf: Buffer) -> None:
-        """Before the first write into ``buf``: if it shares memory with
-        another buffer (``clone_buffer``), give it memory of its own holding
-        the same bytes (a copy in a worker thread), once, however many
-        writers ask at the same time (they all wait for the one copy)."""
+        """Before the first write into a clone: memory of its own, the same
+        bytes, copied once however many writers ask (all wait for it)."""
         host = host_memory(buf.pool.arena)
         if host is None or not host.clones.needs_own(buf.offset):
             return
@@ -285,11 +260,8 @@ def _retrieved(task: asyncio.Future[None]) -> None:
 
 
 async def _own(registry: Registry, buf: Buffer, sweeps: CopyPool) -> None:
-    """``Pipeline.own``'s one copy, a job of the buffer's tenant on
-    ``sweeps``.  Pinned meanwhile (by ``own``, before this task was made: a
-    task starts later, when the writer that asked may be gone and the buffer
-    freed): the block stays this buffer's even if every request that asked
-    for it is gone."""
+    """``Pipeline.own``'s one copy.  Pinned by ``own`` before this task was
+    made (the writer that asked may be gone when it starts)."""
     try:
         host = host_memory(buf.pool.arena)  # only host memory shares (``needs_own``)
         assert host is not None

@@ -1,34 +1,16 @@
 """The daemon's logs: the normal log (text or JSON lines) and the audit trail.
 
-The audit trail is one structured record per memory operation: time, tenant,
-session, op, buffer, device, offset, bytes, result code and duration.  A
-session's ``_log`` calls ``record`` with what the op touched; the record
-waits on the request (a ``ContextVar``: each request task has its own) until
-the request is answered, and ``finish`` writes it once with the result code
-and the duration.  An op that failed before touching a buffer is written from
-its request's fields.  Outside a request (a session closing, a lease
-expiring) a record is written at once.
-
-Records go to ``--audit-log PATH`` as JSON lines (reopened if logrotate moves
-the file), or else into the normal log: ``op=... tenant=... code=...`` in
-text, one object per line in JSON.  The audit trail is written whatever
-``--log-level`` says.  Tokens and secrets are never part of a record.
-Whatever a client controls is escaped in both formats: JSON escapes by
-itself; in text every value that is not printable (a newline in an error
-message, say) is written as its escaped repr, and so is any normal log
-message, so no client can write a line that looks like a record of its own
-(``protocol`` also refuses ids and names that are not printable).
-
-Records are on the hot path of every memory op, so they bypass the logging
-module (a ``LogRecord``, a formatter and a flushed write per record cost more
-than the op itself): ``setup`` installs an ``_AuditSink`` that formats each
-record into a line at once (its ``time`` is when it was written, as before)
-and writes the lines of one event-loop turn together, in one write, at the
-end of that turn (``call_soon``).  Nothing waits in memory longer than that:
-outside a running loop a record is written at once, a line of the normal log
-first writes the audit lines before it (so the stream keeps its order), and
-the sink is flushed when ``setup`` replaces it and at exit (``atexit``, which
-runs after the loop has ended on a clean shutdown).
+- One audit record per memory op (time, tenant, session, op, buffer, device,
+  offset, bytes, code, duration): ``record`` attaches it to the request being
+  served (a ``ContextVar``), ``finish`` writes it once with code and duration;
+  outside a request it is written at once. Written whatever ``--log-level`` says.
+- To ``--audit-log`` as JSON lines (reopened when moved), else into the normal log.
+- No secrets in a record. Whatever a client controls is escaped (every value that
+  is not printable is written as its repr), so no client can forge a line.
+- Hot path: records bypass ``logging``; ``_AuditSink`` formats each at once and
+  writes one loop turn's lines in one write at the turn's end. Outside a loop a
+  record is written at once, a normal log line flushes the audit lines before it
+  (order kept), and the sink is flushed on replacement and at exit.
 """
 
 from __future__ import annotations
@@ -73,8 +55,7 @@ CURRENT: ContextVar[OpRecord | None] = ContextVar("rpcbuf_current_op", default=N
 
 
 def record(entry: dict[str, Any]) -> None:
-    """Attach ``entry`` (op, tenant, session, buffer, device, offset, bytes,
-    note) to the request being served, or write it now outside one."""
+    """Attach ``entry`` to the request being served, or write it now outside one."""
     rec = CURRENT.get()
     if rec is None or rec.done:
         write({**entry, "code": "OK", "duration_s": 0.0})
@@ -83,8 +64,7 @@ def record(entry: dict[str, Any]) -> None:
 
 
 def quiet() -> None:
-    """The request being served writes no audit record when it succeeds
-    (a renew coalesced into a later record)."""
+    """The request being served writes no audit record if it succeeds (a coalesced renew)."""
     rec = CURRENT.get()
     if rec is not None:
         rec.quiet = True
@@ -132,8 +112,7 @@ def write(entry: dict[str, Any]) -> None:
 
 
 def escape(value: Any) -> str:
-    """``value`` as text on one line: printable text as it is, anything
-    else escaped (``\\n``, ``\\x1b``, ...), so it cannot start a line of its own."""
+    """``value`` on one line: printable text as is, anything else escaped."""
     text = value if isinstance(value, str) else str(value)
     if text.isprintable():
         return text
@@ -167,8 +146,7 @@ def _text(e: dict[str, Any]) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """The normal log in text: the message escaped (it may quote what a
-    client sent); a traceback keeps its lines."""
+    """The normal log in text: the message escaped; a traceback keeps its lines."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape(record.message)
@@ -231,12 +209,8 @@ class _Clock:
 
 
 class _AuditSink:
-    """Formats audit records into lines and writes them once per loop turn.
-
-    ``kind``: ``"file"`` (``--audit-log``: JSON with the audit fields only,
-    the file reopened when it was moved or removed, as ``WatchedFileHandler``
-    does), ``"json"`` or ``"text"`` (into the normal log's stream, formatted
-    as its handler would format them)."""
+    """Formats audit records into lines and writes them once per loop turn. ``kind``:
+    ``"file"`` (audit fields only, reopened when moved), ``"json"`` or ``"text"``."""
 
     def __init__(self, kind: str, stream: IO[str] | None = None, path: str | None = None,
                  lock: Any = None) -> None:
@@ -358,8 +332,7 @@ atexit.register(flush)
 
 
 class _StreamHandler(logging.StreamHandler):
-    """The normal log's handler: audit lines waiting for the end of the loop
-    turn go first, so the stream keeps the order things happened in."""
+    """The normal log's handler: waiting audit lines go first (order kept)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         flush()
@@ -367,8 +340,7 @@ class _StreamHandler(logging.StreamHandler):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line.  ``meta`` adds level and logger (the normal
-    log); the audit file holds only the audit fields."""
+    """One JSON object per line; ``meta`` adds level and logger (the normal log)."""
 
     def __init__(self, meta: bool = True) -> None:
         super().__init__()
@@ -390,8 +362,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup(level: str, fmt: str = "text", audit_log: str | None = None) -> None:
-    """Configure the root logger (stderr) and the audit trail.
-    Raises OSError when the audit file cannot be opened."""
+    """Configure the root logger (stderr) and the audit trail. OSError: no audit file."""
     global _SINK
     handler = _StreamHandler(sys.stderr)
     sink = _AuditSink("file", path=audit_log) if audit_log else \

@@ -1,36 +1,15 @@
-"""Prometheus metrics for one daemon, served on ``--metrics HOST:PORT``.
+"""Prometheus metrics for one daemon, served on ``--metrics HOST:PORT`` from its own
+``CollectorRegistry`` (two daemons in one process never mix numbers).
 
-Each daemon has its own ``CollectorRegistry`` (never the process-global one),
-so two daemons in one process, as in tests, never mix their numbers.
-
-Two kinds of numbers:
-
-- counted as requests are answered: ``rpcbuf_ops_total{op,code}`` and
-  ``rpcbuf_op_duration_seconds{op}``, recorded in one place, where the
-  session answers every request (``Session._finish``).  That is on the hot
-  path of every op, so ``observe`` only bumps plain numbers (a dict entry, a
-  histogram bucket found by ``bisect``) and a collector turns them into the
-  same counter and histogram families (``_created`` samples included) when
-  scraped, instead of going through ``prometheus_client``'s locked values and
-  its per-bucket loop;
-- read from the daemon's state when scraped (a custom collector): bytes
-  stored and read, verification failures, lease expiries, sessions,
-  transfers in flight, and per device the pool's size, used bytes and
-  largest free block, and per tenant its buffers and bytes, and its block
-  tier's blocks, bytes, hits, misses, puts, evictions, expiries, removals.
-
-The HTTP endpoint runs on the daemon's own event loop (not in a thread), so a
-scrape reads consistent state without locks, and a wedged loop shows as a
-failed scrape.
-
-**A scrape names no tenant** unless the operator asks (``--metrics-tenants``,
-``per_tenant``): the endpoint has no authentication, and a tenant that
-reached it watched another's block hits go from 0 to 5 as she read.  So
-every family the state collector yields passes ``_Aggregated``, which sums
-its samples over the ``tenant`` label (the other labels stay: bytes per
-device, say) before it is rendered.  The filter works on whatever family
-comes, so a per-tenant series added later is summed too, not leaked.  With
-``per_tenant`` the port must be the operator's alone (docs/security.md).
+- Counted as requests are answered (``rpcbuf_ops_total{op,code}``,
+  ``rpcbuf_op_duration_seconds{op}``): ``observe`` only bumps plain numbers on the
+  hot path; a collector renders them as counter and histogram families at scrape.
+- The daemon's state is read at scrape time by a collector given to ``Metrics``.
+- The endpoint runs on the daemon's loop: consistent state without locks, and a
+  wedged loop shows as a failed scrape.
+- A scrape names no tenant unless ``--metrics-tenants`` (the endpoint has no
+  authentication): every state family passes ``_Aggregated``, which sums away the
+  ``tenant`` label, so a per-tenant series added later is summed, not leaked.
 """
 
 from __future__ import annotations
@@ -157,10 +136,8 @@ _BOUNDS = (*LATENCY_BUCKETS, float("inf"))
 
 
 class _OpsCollector(Collector):
-    """``rpcbuf_ops_total{op,code}`` and ``rpcbuf_op_duration_seconds{op}``,
-    kept as plain numbers by ``Metrics.observe`` (on the event loop, where
-    scrapes run too: no locks) and exposed exactly as a ``Counter`` and a
-    ``Histogram`` with those labels would expose them."""
+    """The op counters and durations kept as plain numbers by ``Metrics.observe``,
+    exposed exactly as a ``Counter`` and a ``Histogram`` would."""
 
     OPS = ("rpcbuf_ops", "Requests answered, by op and result code")
     LATENCY = ("rpcbuf_op_duration_seconds",
@@ -204,8 +181,7 @@ class _OpsCollector(Collector):
 
 
 class _Aggregated(Collector):
-    """``inner``'s families with the ``tenant`` label summed away, unless
-    ``metrics.per_tenant`` (see the module's docstring)."""
+    """``inner``'s families with the ``tenant`` label summed away, unless per tenant."""
 
     def __init__(self, inner: Collector, metrics: Metrics) -> None:
         self._inner = inner

@@ -1,43 +1,25 @@
 """Attach and detach: a local reader uses a buffer's bytes in place.
 
-``attach`` hands the session a read-only fd of one host buffer (exactly its
-block: its own memfd, ``HostArena.export``) over the session's handle
-channel (``handles.py``), and makes the buffer *attached*:
+``attach`` hands the session, on its handle channel, a read-only fd of one
+host buffer (exactly its block: ``HostArena.export``) and makes it attached:
 
-* the attachment holds a pin, so a release or an expired lease takes the
-  buffer out of every view at once but frees its memory (which stays
-  charged to its tenant) only at the last detach;
-* stores, clears and copies into it are BUSY (``pipeline.Pipeline.lock``
-  checks under the range lock), so bytes a reader maps never change under it;
-* attach itself takes a shared lock of the whole buffer, so it waits for
-  writes in flight and never hands out a half-written buffer; and for a
-  copy of its own still being made (``Pipeline.own`` of a clone, which
-  outlives a writer that went away): the memfd handed out is the one the
-  buffer ends with, never one its clone or source goes on writing.
+* the attachment holds a pin: a release takes the buffer out of every view
+  at once but frees its memory (still charged) only at the last detach;
+* writes into it are BUSY (checked under the range lock), so mapped bytes
+  never change; attach itself takes a shared lock of the whole buffer, so
+  it never hands out a half-written buffer, nor a clone's memfd that is
+  about to be replaced (``Pipeline.own``);
+* a KV block (``block_attach``) hands out its tenant's segment, read-only,
+  with the block's ``offset`` in it: the reader can map that tenant's other
+  blocks and free slots, never another tenant's bytes;
+* ``hand_segments`` hands a session writable handles of its own tenant's
+  segments only (anything else: RuntimeError, nothing sent), each once per
+  session, audited (``map_segment``).
 
-A block of the KV tier (``block_attach``) has no memfd of its own: the fd
-handed out is its tenant's segment's (``content/segments.py``), read-only,
-and the answer's ``offset`` says where the block lies in it; the pin, the
-lock and the charge are the block's and the segment's as above.  Such a
-reader can map the rest of that segment: its tenant's other blocks and
-freed slots, never another tenant's bytes (docs/kvcache.md).
-
-``hand_segments`` hands a same-host session writable handles of its own
-tenant's block segments, for puts and gets in place (``inplace.py``): each
-segment once per session (``map_segment`` in the audit log), charged to
-the tenant until the session ends (``unmap_segment``), as an attachment's
-handle is.  Only a segment of the session's own tenant ever leaves this way
-(anything else is a bug: RuntimeError, nothing sent).
-
-Only the buffer's tenant can attach (anyone else: NOT_FOUND).  A session's
-attachments end with it, however it ends (the client killed: its socket
-closes, ``detach_all``).  A session holds at most ``MAX_ATTACHED``.
-
-The daemon cannot know when a reader closes a ``dup`` of its handle, which
-pins the block's pages after detach and release: so a buffer handed out
-stays charged to its tenant, freed or not, until the session it was handed
-to ends (``Registry.export``), and the quota bounds what a live session can
-pin that way.  What a process keeps after its session ended is not counted.
+Only the buffer's tenant can attach (anyone else: NOT_FOUND); at most
+``MAX_ATTACHED`` per session; all end with the session.  The daemon cannot
+see a reader's ``dup`` of a handle, so a buffer handed out stays charged to
+its tenant until that session ends (``Registry.export``).
 """
 
 from __future__ import annotations
@@ -48,8 +30,8 @@ import os
 from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Buffer
-from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
-from rpcbuf.control.daemon.ops.mapops import Holder, handle_channel, seal
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, unlock
+from rpcbuf.control.daemon.ops.mapops import handle_channel, seal
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -70,7 +52,7 @@ MAP_TAG = 1 << 62  # segment handles' tags: above every request id
 class AttachOps:
     """One session's attachments."""
 
-    def __init__(self, owner: Holder, pipeline: Pipeline) -> None:
+    def __init__(self, owner: Ops, pipeline: Pipeline) -> None:
         self._owner, self._pipe = owner, pipeline
         self._attached: dict[str, tuple[Buffer, int]] = {}  # buffer id -> (buffer, count)
         # Buffers this session was handed an fd of, attached or not any more:
@@ -134,11 +116,9 @@ class AttachOps:
 
     async def hand_segments(self, call: Call, segs: list[Buffer]
                             ) -> tuple[list[str], list[int], list[list[Any]]]:
-        """The distinct segments of ``segs`` (their ids), per entry its index
-        among them, and ``[id, tag, size]`` for each one this session had not
-        been handed yet, whose writable fd goes on the handle channel now,
-        tagged ``tag``.  BAD_REQUEST (reason ``segments``) when more than
-        ``MAX_NEW_MAPS`` would go at once, before any is sent."""
+        """The distinct segments of ``segs`` (their ids), each entry's index among
+        them, and ``[id, tag, size]`` for each not yet handed to this session (its
+        fd sent now).  BAD_REQUEST (reason ``segments``) past ``MAX_NEW_MAPS``."""
         owner = self._owner
         channel = handle_channel(owner, "blocks in place need")
         tenant = owner.owner

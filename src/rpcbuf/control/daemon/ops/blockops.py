@@ -1,35 +1,19 @@
-"""The block ops of a session: put and get of keyed blocks (tasks, over the
-session's data path), and the quick lookup, remove and list (inline).
+"""The block ops of a session: put and get of keyed blocks over the session's
+data path (one message or staging run per block, straight into or out of
+the blocks' arena slices), and the quick lookup, remove and list.
 
-The block store (``blocks.py``) decides; these ops validate first (every
-bound before any work: keys by the protocol, then sizes, checksums, metas,
-duplicates, the device), then move the bytes over the same ``DataPath`` a
-batch uses, one message (or one staging run) per block, straight into or
-out of the blocks' arena slices: a block is a buffer, so nothing here
-copies.
+Every bound is checked before any work.  ``put`` is two-phase: pending
+slots of the tenant's segments (evicting its least recently used blocks,
+a slice at a time), pinned, locked, zeroed or backed (``_prepare``); the
+bytes land, every block is hashed and compared with the client's
+checksums, and only then does ``commit`` make them the keys' blocks, all at
+once.  A put that fails anywhere hands its slots back (no reader saw them);
+a refused one drains what the client sent.
 
-``put`` is two-phase: the store hands out pending buffers, slots of the
-tenant's segments (evicting the tenant's least recently used blocks if it
-must; a slice of blocks at a time, the loop let go between slices:
-``_allocate``), each is pinned and locked exclusively (a segment made on a
-kept block still being zeroed is zeroed now, by the put's tenant:
-``backing.zero_on_demand``, and waited for; a new one has its pages backed:
-``_prepare``), the bytes land,
-every block is hashed (xxh3-64, on the sweep threads for big puts) and
-compared with the client's checksums, and only then does ``commit`` make
-them the keys' blocks, all at once.  A put that fails anywhere (a refusal,
-a checksum, a client gone mid-transfer, the deadline) hands its pending
-buffers back: no reader ever saw them.  A refused put drains what the
-client sent (``DataPath.drain``), as a refused store does.
-
-``get`` names each key once (BAD_REQUEST otherwise: a key named 4,096
-times would send its block 4,096 times, where a batch's overlapping reads
-are bounded by the buffer's size), so one request moves at most what the
-tenant holds.  It is all or nothing: a key that names no block of the size the reader
-expects is NOT_FOUND (``details.missing``: their indices), before anything
-is locked or sent, so the reader's arrays and the staging area are never
-half filled; its blocks are pinned (a block evicted or removed meanwhile is
-freed when the read ends) and read under shared locks.
+``get`` names each key once (else one request could send a block 4,096
+times) and is all or nothing: a key with no block of the expected size is
+NOT_FOUND (``details.missing``) before anything is locked or sent; its
+blocks are pinned and read under shared locks.
 """
 
 from __future__ import annotations
@@ -88,6 +72,7 @@ class BlockHandlers:
             self._blocks.discard(bufs)
             raise
         items = _each_alone([b.offset for b in bufs], sizes, req.stage)
+        items.small = sent.small  # as admitted
 
         async def move() -> None:
             await path.receive(call.req_id, Region(pool.arena), items)
@@ -99,13 +84,10 @@ class BlockHandlers:
                          sizes: list[int], sums: np.ndarray, metas: list[bytes] | None,
                          ttl: float | None, move: Callable[[], Awaitable[None]],
                          note: str) -> dict[str, Any]:
-        """A put's end, over the wire (``put``) or in place (``InPlace.commit``),
-        as one plan of the pipeline (``Pipeline.run``: pinned, every pending
-        block locked exclusively, counted, audited): ``move`` lands the bytes
-        (the wire's; in place they are there), every block is hashed (off the
-        event loop for big puts) and compared with the client's checksums,
-        and only then do the keys name them, all at once.  Any failure hands
-        the pending blocks back (``BlockStore.discard``): no reader saw them."""
+        """A put's end, over the wire or in place, as one pipeline plan: ``move``
+        lands the bytes, every block is hashed and compared with the client's
+        checksums, and only then do the keys name them, all at once.  Any failure
+        hands the pending blocks back (no reader saw them)."""
         n, nbytes = len(bufs), sum(sizes)
         leased = False
 
@@ -138,13 +120,9 @@ class BlockHandlers:
         return answer
 
     async def _prepare(self, bufs: list[Buffer]) -> None:
-        """Before a byte lands in the put's slots: a segment on a kept block
-        not zeroed yet is zeroed now, by this put's tenant, not after every
-        block freed before it (as request_buffer does), and waited for (the
-        zeroer must not overwrite what lands); a new segment's pages are
-        backed (``prefault.populate``, as for a new buffer), so what lands
-        and every later put into it runs at warm speed.  The segments stay
-        (the put's pending blocks are in them)."""
+        """Before a byte lands: a segment on a kept block not zeroed yet is zeroed
+        now, by this tenant, and waited for (the zeroer must not overwrite what
+        lands); a new segment's pages are backed."""
         sweeps = self._ops.daemon.sweeps
         zeroing, fresh = self._blocks.to_prepare(bufs)
         for seg in zeroing:
@@ -157,15 +135,10 @@ class BlockHandlers:
                 await asyncio.wait([seg.zeroed])
 
     async def _allocate(self, call: Call, pool: Pool, sizes: list[int]) -> list[Buffer]:
-        """The put's pending buffers, ``ALLOCATE_SLICE`` blocks at a time with
-        the event loop let go between slices: a block is a slot of its
-        tenant's segments now, but a slice may still make a segment (a memfd
-        made and mapped) or evict, and when each block was a memfd 4,096 at
-        once held every other tenant's request for 100 ms.  All or none:
-        what a failed slice leaves is handed back.  The whole batch is
-        refused first if it could never fit (``BlockStore.admit``: nothing
-        evicted).  Each buffer is pinned by
-        the request as it is made, before the next await."""
+        """The put's pending buffers, ``ALLOCATE_SLICE`` at a time with the loop let
+        go between slices (a slice may make a segment or evict).  All or none; a
+        batch that could never fit is refused first (nothing evicted).  Each
+        buffer is pinned as it is made, before the next await."""
         owner = self._ops.owner
         self._blocks.admit(owner, pool, sizes)
         bufs: list[Buffer] = []

@@ -1,12 +1,7 @@
-"""The quick control ops of a session: request a buffer (and wait for
-memory), read its metadata, open it by name, renew and release it, list
-devices and buffers, stats and ping.
-
-All but the wait for memory are synchronous: they decide with the
-``Registry`` and answer at once, inline in the session's read loop, so they
-may use the plain lookup ``_get`` (no await follows it; the data ops get
-their buffers pinned, from ``pipeline.Held``).  They see their session
-through ``ControlOwner`` and the daemon through ``node.Node``.
+"""The quick control ops of a session: request a buffer (and wait for memory),
+metadata, open by name, renew, release, list devices and buffers, stats,
+ping.  All but the wait for memory decide synchronously and answer at once,
+so they may use the plain registry lookup (no await follows it).
 """
 
 from __future__ import annotations
@@ -15,12 +10,12 @@ import asyncio
 import contextlib
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from rpcbuf.control.daemon.accounting import prefault
 from rpcbuf.control.daemon.accounting.backing import zero_on_demand
 from rpcbuf.control.daemon.accounting.registry import Buffer, Waiter
-from rpcbuf.control.daemon.data.pipeline import Call
+from rpcbuf.control.daemon.data.pipeline import Call, Ops
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
@@ -32,21 +27,10 @@ RENEW_AUDIT_EVERY = 10.0  # seconds between audit records of one buffer's renews
 
 
 
-class ControlOwner(Protocol):
-    """What the control ops see of their session."""
-
-    session_id: str
-
-    @property
-    def owner(self) -> str: ...  # the session's tenant (ops run after hello only)
-    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
-              note: str = "") -> None: ...
-
-
 class ControlOps:
     """The quick ops of one session (``owner``) on ``node``."""
 
-    def __init__(self, owner: ControlOwner, node: Node) -> None:
+    def __init__(self, owner: Ops, node: Node) -> None:
         self._owner, self._node, self._registry = owner, node, node.registry
 
     def try_request(self, req: P.RequestBuffer) -> Buffer | None:
@@ -70,13 +54,9 @@ class ControlOps:
         return buf.zeroed is None and not prefault.wanted(buf.pool.arena, buf.size, buf.offset)
 
     async def granted_ready(self, call: Call, buf: Buffer) -> dict[str, Any]:
-        """``granted`` once the new buffer's pages are backed with memory
-        (``prefault.populate``), so its first store runs at full speed, or,
-        on a kept block, once it is zeroed (``_zeroed``).  The
-        buffer is pinned meanwhile.  It was granted before the wait, so a
-        request that ends first (the client gone) leaves it as a lost answer
-        would: audited, a session-scoped one going with its session, a named
-        or leased one kept."""
+        """``granted`` once the new buffer's pages are backed, or on a kept block
+        once it is zeroed; pinned meanwhile.  Granted before the wait, so a
+        request that ends first leaves it as a lost answer would."""
         if not call.held.keep(buf):
             raise NotFound(f"no buffer {buf.buffer_id!r}")  # released by name meanwhile
         try:
@@ -92,25 +72,17 @@ class ControlOps:
         return meta
 
     async def _zeroed(self, buf: Buffer, zeroed: asyncio.Future[None]) -> None:
-        """Wait until ``buf``'s kept block is all zero, for at most
-        ``prefault.BUDGET``.  The arena's zeroer takes kept blocks in the
-        order they were kept, and this one, the most recently kept, would
-        come last: so the rest of it is zeroed now (``KeptBlocks.zero_now``)
-        as a job of the buffer's tenant on the daemon's ``sweeps``, beside
-        the zeroer (each chunk is written once).  Past the deadline the
-        answer goes anyway: the buffer stays locked until its block is zero
-        (registry), so its first op waits for that, and nothing ever reads
-        the old bytes.  The zeroer finishes the block whatever becomes of
-        this job (nobody awaits it; one that starts late finds nothing to do)."""
+        """Wait, at most ``prefault.BUDGET``, until ``buf``'s kept block is zero:
+        the rest of it is zeroed now on the tenant's ``sweeps`` (the zeroer would
+        take it last).  Past the deadline the answer goes anyway: the buffer stays
+        locked until its block is zero, so nothing ever reads the old bytes."""
         zero_on_demand(buf, self._node.sweeps)
         with contextlib.suppress(TimeoutError):  # answered now, the block still locked
             await asyncio.wait_for(asyncio.shield(zeroed), prefault.BUDGET)
 
     async def request(self, call: Call, req: P.RequestBuffer) -> dict[str, Any]:
-        """``request_buffer``: granted at once when the memory is there and
-        ready (no wait: answered in its first step), after its pages are
-        backed or zeroed (``granted_ready``), or once memory comes free
-        (``wait_for_memory``)."""
+        """``request_buffer``: at once when memory is there and ready, after its
+        pages are backed or zeroed, or once memory comes free."""
         buf = self.try_request(req)
         if buf is None:
             return await self.wait_for_memory(call, req)
@@ -200,10 +172,8 @@ class ControlOps:
                             if b.block_key is None]}  # blocks: block_list
 
     def stats(self, req: P.Stats) -> dict[str, Any]:
-        """What a tenant may see: its own sessions, buffers, bytes, waiters
-        and counters, and each device's size and free bytes; nothing about
-        other tenants (the node-wide figures are the operator's, in
-        ``--metrics``)."""
+        """What a tenant may see: its own sessions, buffers, bytes, waiters and
+        counters, each device's size and free bytes; nothing of other tenants."""
         tenant = self._owner.owner
         mine = [s for s in self._node.sessions.values() if s.tenant == tenant]
         blocks = self._node.blocks.stats(tenant)

@@ -1,27 +1,15 @@
 """The data ops: store, read, their batched forms, wire-fp16 stores, and the
-daemon-local clear and copy.
-
-Each op only validates its request and says, as a ``pipeline.Plan``, what to
-lock, how to move the bytes and what to check afterwards; the pipeline runs
-the steps (pins, locks, the transfer, verification, counters, audit, the
-answer) once for all of them, over the session's ``DataPath`` (UCX or same
-host, ``paths.py``).  A plain store or read is a batch of one item
-(``TransferItems.one``: one run, tag = request id).  Every op is one ``async def``;
-one that never waits (a small same-host or inline op on a free range) ends
-in its first step, with no task (the session starts ops eagerly,
-``intake.start``).
-
-Validation happens before anything is locked.  A refused store drains what
-the client already sent (``DataPath.drain``: 1-byte receives, one per run)
-so the sender never hangs and nothing is parked here.  ``store_batch`` hands
-the manifest entries it records to an ``Indexer`` (``dedupops``), which
-makes them dedup sources.
+daemon-local clear and copy.  Each validates its request and says, as a
+``Plan``, what to lock, how to move the bytes and what to check after; a
+plain store or read is a batch of one item.  Validation (and the path's
+``admit``) happens before anything is locked; a refused store drains what
+the client already sent, so the sender never hangs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +25,7 @@ from rpcbuf.control.daemon.data.pipeline import (
     hull,
 )
 from rpcbuf.control.daemon.ops import manifest as M
+from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, RpcBufError, VerifyFailed
 from rpcbuf.control.wire.gpuops import check_wire_f16
@@ -47,17 +36,10 @@ from rpcbuf.dataplane.devops import fill, range_checksum, scratch, widen_f16
 LANDING_MIN = THREAD_BYTES  # same-host stores from this size hash each part as it lands
 
 
-class Indexer(Protocol):
-    """Told of the manifest entries a store recorded (range still locked)."""
-
-    async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
-                     digests: list[int] | None) -> None: ...
-
-
 class DataOps:
     """The data ops of one session (``ops``), run by ``pipeline``."""
 
-    def __init__(self, ops: Ops, pipeline: Pipeline, indexer: Indexer) -> None:
+    def __init__(self, ops: Ops, pipeline: Pipeline, indexer: DedupHandlers) -> None:
         self._ops, self._pipe, self._indexer = ops, pipeline, indexer
 
     # -- store ------------------------------------------------------------------------
@@ -73,9 +55,12 @@ class DataOps:
                 check_wire_f16(buf.pool.arena, buf.offset, req.offset, req.nbytes)
             path.check(buf)
             # What the path can tell before anything is locked (a bad stage,
-            # a frame's byte count): refused here, it leaves no trace.
-            wire = req.nbytes // 2 if req.wire_dtype is not None else req.nbytes
-            items = TransferItems.one(req.offset, wire, req.stage)
+            # a frame's byte count): refused here, it leaves no trace.  A
+            # wire-fp16 store's items land at the start of scratch memory.
+            if req.wire_dtype is not None:
+                items = TransferItems.one(0, req.nbytes // 2, req.stage)
+            else:
+                items = TransferItems.one(req.offset, req.nbytes, req.stage)
             path.admit(items)
         except RpcBufError:
             if req.nbytes:
@@ -84,7 +69,7 @@ class DataOps:
         move: Callable[[], Any]
         if req.wire_dtype is not None:
             def move() -> Any:
-                return self._receive_f16(path, call.req_id, buf, req)
+                return self._receive_f16(path, call.req_id, buf, req, items)
         else:
             region = Region(buf.pool.arena, buf.offset)
 
@@ -123,15 +108,15 @@ class DataOps:
         raise VerifyFailed(f"{len(bad)} of {len(want)} items do not match their checksums",
                            {"items": bad[:20].tolist()})
 
-    async def _receive_f16(self, path: DataPath, req_id: int, buf: Buffer,
-                           req: P.Store) -> None:
+    async def _receive_f16(self, path: DataPath, req_id: int, buf: Buffer, req: P.Store,
+                           items: TransferItems) -> None:
         """A wire-fp16 store: receive nbytes/2 bytes of float16 into scratch
         memory of the arena's kind, then widen them into the float32 slice."""
         if not req.nbytes:
             return
-        arena, half = buf.pool.arena, req.nbytes // 2
-        wire = scratch(arena, half)
-        await path.receive(req_id, Region(Scratch(wire)), TransferItems.one(0, half, req.stage))
+        arena = buf.pool.arena
+        wire = scratch(arena, items.nbytes)
+        await path.receive(req_id, Region(Scratch(wire)), items)
         await self._pipe.in_thread(req.nbytes, widen_f16, arena, buf.offset + req.offset, wire)
 
     async def store_batch(self, call: Call, req: P.StoreBatch) -> dict[str, Any]:
@@ -156,10 +141,11 @@ class DataOps:
                                  {"reason": "manifest_changed",
                                   "manifest_version": buf.manifest_version})
             path.check(buf)
+            nbytes = items.nbytes = int(sizes.sum())
+            path.admit(items)
         except RpcBufError:
             await path.drain(call.req_id, items)
             raise
-        nbytes = items.nbytes = int(sizes.sum())
         span = hull(offsets, sizes)
         arena, region = buf.pool.arena, Region(buf.pool.arena, buf.offset)
         verify = sums is not None and req.verify == "checksum"
@@ -243,6 +229,7 @@ class DataOps:
         path = self._ops.path(req)
         path.check(buf)
         items = TransferItems(offsets, sizes, int(sizes.sum()), req.stage)
+        path.admit(items)
         region = Region(buf.pool.arena, buf.offset)
         answer = {"nbytes": items.nbytes, "messages": path.messages(items)}
 

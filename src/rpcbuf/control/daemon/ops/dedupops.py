@@ -1,43 +1,26 @@
 """Content-hash dedup on the daemon: place tensors this tenant already holds.
 
-``dedup_store`` carries a batch of manifest items with each item's xxh3-128
-and xxh3-64.  For every item whose content the tenant already holds — in a
-live buffer (``index.ContentIndex``) or in the disk cache — the daemon
-puts it into place locally and only then records the manifest entry.  It
-answers the indices it placed; the client sends the rest with an ordinary
-``store_batch``.  An item that fails verification (the source changed, a
-corrupt cache file) is simply not placed, so a wrong byte is never recorded.
+``dedup_store`` carries manifest items with each one's xxh3-128 and
+xxh3-64.  Each item whose content the tenant holds (a live buffer's index
+entry, or the disk cache) is put in place locally and only then recorded;
+the answer names the items placed, the client sends the rest.  An item
+that fails verification is simply not placed.
 
-What is verified, and what is trusted (why a re-load needs no hashing):
+What is trusted (why a re-load needs no hashing):
 
-- A tensor found at the very place it is asked for, still indexed once the
-  locks are held, needs no work at all: the index drops an entry whenever
-  its bytes are written (every writer goes through ``ContentIndex.forget``
-  before its first byte moves), so an indexed entry is exactly what the
-  daemon hashed.  This is the re-load of a model that is already there.
-- A copy from an indexed source that this op does not itself overwrite (the
-  op forgets the ranges it writes before anything moves, so a source still
-  indexed after that is untouched by it) is not hashed again: the source is
-  locked shared, so its bytes are the ones hashed, and the copy is a memory
-  copy inside this process.  Its entry gets the source's checksums.
-- Everything else is hashed after it landed (both hashes, one pass on host
-  memory) and placed only if it matches: a source inside the destination
-  that this op overwrote, bytes found in place but no longer indexed,
-  anything read from the disk cache (``DiskCache.read_into`` checks its
-  file's own hashes too).
+- an item still indexed at its very place once the locks are held: every
+  writer forgets its range before its first byte moves, so an indexed entry
+  is exactly what was hashed;
+- a copy from an indexed source this op does not overwrite: the source is
+  locked shared, and the copy is in-process; it gets the source's checksums;
+- everything else (a source this op overwrote, bytes in place but no longer
+  indexed, the disk cache) is hashed after it landed and placed only if it
+  matches.
 
-Pins, locks, counters and the audit record are the data pipeline's
-(``pipeline.py``), as for every data op: the destination hull is locked
-exclusively and each source range shared, all in buffer-id order like
-``copy_buffer``, so crossing operations cannot deadlock; the index entries of
-the ranges this op writes are dropped before it writes them.  Every buffer
-involved is pinned (``Held``) before the first ``await``: a source released
-meanwhile keeps its memory until the copy is done.
-
-``stored`` is the other half (``dataops.Indexer``): ``store_batch`` calls it
-for the manifest entries it records, with the digests it computed as the
-bytes landed, so what a tenant uploads becomes a dedup source (and, with
-``--cache-dir``, is written to the disk cache in the background).
+Locks are the pipeline's: the destination hull exclusive, each source range
+shared, in buffer-id order; every buffer pinned before the first await.
+``stored`` makes what ``store_batch`` recorded a dedup source (and, with
+``--cache-dir``, writes it to the disk cache in the background).
 """
 
 from __future__ import annotations
@@ -189,15 +172,11 @@ class DedupHandlers:
         return await self._pipe.run(call, job)
 
     async def clone(self, call: Call, req: P.CloneBuffer) -> dict[str, Any]:
-        """``clone_buffer``: a new buffer (``req.name``, ``req.ttl``; else
-        session-scoped) with the source's size, bytes and manifest, mapping
-        the source's memory (``Registry.clone``): no copy, no fresh pages,
-        nothing hashed.  The source is locked shared meanwhile, so its bytes
-        are the ones indexed; its index entries are the clone's too (the
-        same bytes).  Either buffer gets memory of its own before its first
-        write (``Pipeline.own``).  Host buffers only; OUT_OF_MEMORY when no
-        block is free now (no waiting), the tenant's quota and names as for
-        ``request_buffer``."""
+        """``clone_buffer``: a new buffer with the source's size, bytes and manifest,
+        mapping the source's memory (no copy); the source locked shared meanwhile,
+        its index entries the clone's too.  Either gets memory of its own before
+        its first write.  Host buffers only; OUT_OF_MEMORY when no block is free
+        now (no waiting); quota and names as ``request_buffer``."""
         src = call.held.get(req.src_id)  # pinned before the first await
         if req.ttl is not None and req.ttl <= 0:
             raise BadRequest("ttl must be positive")
@@ -239,12 +218,10 @@ class DedupHandlers:
         await self._index_deferred(self._ops.owner, held)
 
     async def _index_deferred(self, tenant: str, held: Held) -> None:
-        """Index what ``tenant`` stored since its last dedup query: what the
-        index can prove unwritten since it was hashed goes in at once
-        (``ContentIndex.index_deferred``); the rest is hashed again here,
-        under a shared lock, and indexed only where the bytes still match the
-        recorded checksum.  Every buffer taken is pinned (``held``) before
-        the first await."""
+        """Index what ``tenant`` stored since its last dedup query: what the index
+        can prove unwritten goes in at once, the rest is hashed again under a
+        shared lock and indexed only where it still matches.  Every buffer is
+        pinned before the first await."""
         again = [(b, m) for b, m in self._content.index_deferred(tenant) if held.keep(b)]
         for buf, manifest in again:
             entries = current(buf, manifest)
@@ -274,11 +251,9 @@ class DedupHandlers:
 
     async def stored(self, buf: Buffer, manifest: dict[str, dict[str, Any]],
                      keys: list[int] | None = None) -> None:
-        """Called by ``store_batch`` with the range still locked, with each
-        entry's xxh3-128 when it computed them as the bytes landed: without a
-        disk cache the indexing waits for the tenant's next dedup query
-        (``defer``); with one, the content is indexed and written behind at
-        once, so a restarted daemon finds it."""
+        """Called by ``store_batch``, range still locked: without a disk cache the
+        indexing waits for the tenant's next dedup query; with one, it is indexed
+        and written behind at once."""
         if self._content.cache is None:
             self._content.defer(buf, manifest, keys)
             return

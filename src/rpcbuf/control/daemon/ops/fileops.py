@@ -1,44 +1,22 @@
 """Node-local load: ``load_file`` reads a model file of the node's own
 ``--model-dir`` straight into a tenant's buffer, verifying every tensor.
 
-The client (the driver, ``client/model/nodeload.py``) read only the model's
-header or its hash manifest; it sends, per slot, which tensors of which file
-go where, with each tensor's xxh3-128 and xxh3-64.  Here, in order:
+1. the items are checked as a ``dedup_store``'s (sorted, disjoint, within
+   the buffer, the manifest and the quota, inside the file's size);
+2. the file is opened through ``ModelFiles`` (confined to the model
+   directories: FORBIDDEN, NOT_FOUND), off the loop;
+3. every item must be exactly one tensor of the file's own header, by name
+   and byte range (VERIFY_FAILED naming the first that differs), so a
+   tenant can only ask whether a whole tensor has a hash, never probe bytes;
+4. the pipeline pins the buffer and locks the items' hull; items already in
+   place (indexed there with the same hashes) are skipped, the rest read
+   in file order and hashed as they land, under the transfer deadline;
+5. only when every item matched are the entries recorded and indexed;
+   otherwise every range written is zeroed again before the lock drops, and
+   VERIFY_FAILED never says what the node's copy holds (not even its hash).
 
-1. the request is checked like a ``dedup_store``: items sorted by buffer
-   offset and disjoint, their bytes at most the buffer's, the manifest
-   consistent with their sizes and within its limit and the tenant's quota,
-   every file range inside the size the client expects;
-2. the file is opened through ``modeldirs.ModelFiles`` (confined to the
-   model directories; FORBIDDEN, NOT_FOUND), in a thread of its pool, which
-   also checks its size and walks its header (one trip);
-3. the node's copy must be the client's: the same size, and every item
-   exactly one tensor of the file's own header, by name and byte range
-   (VERIFY_FAILED naming the file and the first tensor, in file order, that
-   differs); so a tenant can only ever ask whether a *whole tensor* has a
-   given hash, never probe a few bytes at a time;
-4. then the data pipeline (``pipeline.py``) as for every data op: the
-   buffer is pinned, the items' hull locked exclusively; items already in
-   place (indexed at that very offset with the same hashes, so unwritten
-   since they were verified: a re-load) are skipped, the rest are read from
-   the file into the arena in file order and hashed as they land
-   (``dataplane/fileread.py``), in a thread of ``ModelFiles.pool``, under
-   the request's deadline (``--transfer-timeout``, from when the request
-   arrived);
-5. only when every item matched are the entries recorded in the manifest
-   and indexed as dedup sources (the hashes just computed are those
-   compared, so nothing is recorded that was not seen to match); otherwise
-   every range written is zeroed again before the lock is dropped (no
-   unverified byte of the file stays readable), entries those bytes
-   overwrote are dropped, nothing is recorded, and VERIFY_FAILED names the
-   file and the first tensor that differs.  A mismatch never says what the
-   node's copy holds (not even its hash: knowing a tensor's hash is what
-   lets a tenant load it).
-
-The audit record says who loaded which file (as asked, and where it really
-lies) and how many bytes were read, for refusals too.  A read once started
-is waited for to its end, even when the request's task is cancelled: until
-then it may write into the buffer, which stays locked and pinned.
+Every load, refusals too, is audited.  A read once started is waited for
+to its end, even when the task is cancelled (it may still write).
 """
 
 from __future__ import annotations
@@ -48,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -56,9 +34,10 @@ from rpcbuf.control.daemon.accounting.copypool import CopyJob
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.daemon.content.modeldirs import ModelFiles, OpenedFile
 from rpcbuf.control.daemon.data.paths import outlast
-from rpcbuf.control.daemon.data.pipeline import Call, Held, Ops, Pipeline, Plan, check_items
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan, check_items
 from rpcbuf.control.daemon.ops import manifest as M
-from rpcbuf.control.daemon.ops.node import Limits
+from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
+from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -72,21 +51,6 @@ from rpcbuf.control.wire.manifest import Packed
 from rpcbuf.control.wire.modelcheck import Ranges
 from rpcbuf.dataplane.devops import fill
 from rpcbuf.dataplane.fileread import Item, Outcome, ReadStopped, read_ranges
-
-
-class FileNode(Protocol):
-    """What the op needs of the daemon."""
-
-    model_files: ModelFiles | None
-    limits: Limits
-    stopped: bool
-
-
-class IndexCatchUp(Protocol):
-    """The dedup index's catch-up (``dedupops.DedupHandlers``): what the tenant
-    stored lately becomes findable in place."""
-
-    async def index_pending(self, held: Held) -> None: ...
 
 
 class _Items:
@@ -140,13 +104,11 @@ class _Items:
 
 
 class FileOps:
-    """The ``load_file`` op of one session (``ops``), run by ``pipeline``;
-    ``stop`` is set when the session closes (its reads stop at their next
-    chunk); ``pending`` indexes what the tenant stored lately, so tensors an
-    upload put in place are found there."""
+    """The ``load_file`` op of one session; ``stop`` is set when the session
+    closes (reads stop at their next chunk)."""
 
-    def __init__(self, ops: Ops, pipeline: Pipeline, node: FileNode, stop: threading.Event,
-                 pending: IndexCatchUp) -> None:
+    def __init__(self, ops: Ops, pipeline: Pipeline, node: Node, stop: threading.Event,
+                 pending: DedupHandlers) -> None:
         self._ops, self._pipe, self._node, self._stop = ops, pipeline, node, stop
         self._pending = pending
 

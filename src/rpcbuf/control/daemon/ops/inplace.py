@@ -1,50 +1,30 @@
-"""Same-host block puts and gets in place (docs/kvcache.md, "Same host, in
-place"): the client copies straight into its pending slots and straight
-out of its blocks, through its own mapping of its tenant's segments; the
-daemon moves no byte.
+"""Same-host block puts and gets in place: the client copies straight into its
+pending slots and out of its blocks, through its own mapping of its
+tenant's segments; the daemon moves no byte.
 
-A put is two requests: ``block_place`` takes the put's pending slots (as
-``block_put`` does: ``BlockHandlers._allocate``, ``_prepare``) and holds them
-for the session under a *lease*; ``block_commit`` hashes what the client
-copied in (xxh3-64, on the ``sweeps`` threads, never the event loop) and,
-when every hash matches, commits them (``BlockStore.commit``).  Anything
-else hands the slots back: a mismatch (VERIFY_FAILED), an ``abort``, the
-session's end (a client killed between copy and commit).  So a put stays
-all or nothing, and a pending slot is never any key's.
-
-A get is ``block_locate``, all or nothing as ``block_get``: the blocks are
-pinned for the session under a lease (never freed or reused while the
-client copies: a remove, replace or eviction frees the slot at the unpin)
-until ``block_unpin`` or the session's end.
-
-The segments' handles leave through ``AttachOps.hand_segments``: only this
-session's tenant's own segments (a block is found by the tenant's key, a
-slot is taken from the tenant's segments), writable, each once per session,
-charged to the tenant and audited (``map_segment``) until the session ends.
-A session holds at most ``MAX_LEASES`` leases.
+A put is ``block_place`` (pending slots held for the session under a
+lease) then ``block_commit`` (hash what the client copied, off the loop,
+and commit only if every hash matches); a mismatch, an ``abort`` or the
+session's end hands the slots back, so a put stays all or nothing.  A get
+is ``block_locate``: all or nothing, its blocks pinned under a lease until
+``block_unpin`` or the session's end.  Segments leave only to their own
+tenant (``AttachOps.hand_segments``).  At most ``MAX_LEASES`` per session.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.content.blocks import BlockStore
 from rpcbuf.control.daemon.data.pipeline import Call, Ops
+from rpcbuf.control.daemon.ops.attachops import AttachOps
 from rpcbuf.control.daemon.ops.blockops import MAX_MISSING, BlockHandlers
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, QuotaExceeded
 
 MAX_LEASES = 64  # leases a session holds at once (a client has one per call in flight)
-
-
-class SegmentHandout(Protocol):
-    """``AttachOps``: how a session is handed its tenant's segments."""
-
-    def check_same_host(self) -> None: ...
-    async def hand_segments(self, call: Call, segs: list[Buffer]
-                            ) -> tuple[list[str], list[int], list[list[Any]]]: ...
 
 
 @dataclass
@@ -60,7 +40,7 @@ class InPlace:
     """One session's in-place puts and gets, and their leases."""
 
     def __init__(self, ops: Ops, blocks: BlockStore, block_ops: BlockHandlers,
-                 segments: SegmentHandout) -> None:
+                 segments: AttachOps) -> None:
         self._ops, self._blocks, self._bops, self._segs = ops, blocks, block_ops, segments
         self._leases: dict[int, Lease] = {}
         self._next = 0

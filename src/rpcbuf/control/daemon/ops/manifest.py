@@ -1,15 +1,9 @@
-"""The daemon's side of tensor manifests: what needs the registry or the
-arena.  The model itself (both wire forms, ``check``, the dtype table, the
-merge rule) is ``control/wire/manifest.py``, shared with the client.
-
-``plan_record`` refuses a batch whose entries would overfill the buffer's
-manifest or the tenant's quota before any byte lands; ``record`` merges a
-batch's entries into the buffer's manifest (``buf.tensors``, entry dicts);
-``drop_written`` drops the entries whose bytes a failed op overwrote;
-``range_digests`` and ``Landing`` hash what arrived in the arena (the
-xxh3-64 and the xxh3-128 of each item in one pass over its bytes, for a host
-arena, so the content index gets the digests of exactly what landed without
-reading it again); the ops run them through ``Pipeline.in_thread``.
+"""The daemon's side of tensor manifests: what needs the registry or the arena
+(the model itself is ``control/wire/manifest.py``).  ``plan_record`` refuses,
+before any byte lands, a batch that would overfill the manifest or the
+quota; ``record`` merges a batch's entries; ``drop_written`` drops entries a
+failed op overwrote; ``range_digests`` and ``Landing`` hash what landed (on
+host memory, xxh3-64 and xxh3-128 in one pass).
 """
 
 from __future__ import annotations
@@ -54,10 +48,9 @@ def plan_record(registry: Registry, buf: Buffer, names: list[str], offsets: np.n
 
 def record(registry: Registry, buf: Buffer, manifest: dict[str, dict[str, Any]],
            hull: tuple[int, int], end: int | None = None) -> list[str]:
-    """Merge ``manifest`` into the buffer's; entries whose bytes were just
-    overwritten by other tensors are dropped (they no longer hold).  ``end``:
-    the end of the highest entry written, when the caller knows it.
-    Checked (size, quota) before anything changes.  Returns the dropped names."""
+    """Merge ``manifest`` into the buffer's, dropping entries whose bytes were
+    just overwritten; ``end``: the end of the highest entry written, if known.
+    Returns the dropped names."""
     written = sorted((e["offset"], e["offset"] + e["nbytes"]) for e in manifest.values())
     dropped, count = merge_plan(buf.tensors, manifest.keys(), written, hull)
     check_count(count)

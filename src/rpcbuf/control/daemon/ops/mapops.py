@@ -2,32 +2,22 @@
 ``unmap_buffer``, and the daemon's side of each write grant.
 
 ``map_buffer`` hands the session a writable fd of one host buffer of its
-own tenant (exactly its block: the arena gives it a memfd that is not
-sealed read-only first, ``HostArena.make_writable``) and a slot of the
-session's grant page (``dataplane/grants.py``), on the handle channel.  The
-client then copies into and out of its mapping with no round trip, inside
-the slot's lock and only while the slot is LIVE.  The rules (docs/dataplane.md):
+own tenant (a memfd not sealed read-only, ``HostArena.make_writable``) and a
+slot of the session's grant page; the client copies in and out with no
+round trip, inside the slot's lock, while the slot is LIVE.
 
-* only the buffer's tenant can map it (anyone else: NOT_FOUND), never a
-  block of the KV tier; one session holds a buffer's grant at a time; a
-  buffer attached read-only is BUSY.  A GPU buffer only explicitly (its CUDA
-  VMM handle, imported writable: a kernel's writes take no lock of ours);
-* the daemon takes an *implicit* grant (the one the client's verbs open by
-  themselves) back before any op of its own touches the buffer's bytes
-  (``Pipeline.lock`` calls ``take_back``): the slot goes REVOKED, then the
-  daemon waits for the client's copy in flight (``REVOKE_WAIT`` at most,
-  else BUSY) and the client maps again when it next writes.  An *explicit*
-  grant (``ctx.map``) is an array in the client's hands that nothing can
-  take back: other sessions' ops on the buffer are BUSY until it ends;
-* a buffer ever mapped writable is not trusted (``Buffer.trusted``): the
-  content index neither uses nor learns it again.  An attach (or a clone)
-  first seals its memfd read-only (``seal``: no copy), so the next grant
-  gives it a writable copy again (``HostArena.make_writable``);
-* a release (or an expired lease) ends the grant at once (ENDED); the pages
-  the client maps stay its own, never reused for another buffer, and stay
-  charged to the tenant, as an attachment's handle, until the session ends
-  (``Registry.export``);
-* every opening and ending is in the audit log (``map``, ``unmap``).
+* only the buffer's tenant can map it (else NOT_FOUND), never a KV block;
+  one session holds a buffer's grant at a time; an attached one is BUSY;
+  a GPU buffer only explicitly (its VMM handle: kernels take no lock);
+* an implicit grant is taken back before any daemon op touches the bytes
+  (REVOKED, then the client's copy in flight is waited for, ``REVOKE_WAIT``
+  at most, else BUSY); an explicit one (``ctx.map``) cannot be taken back:
+  other sessions' ops on the buffer are BUSY until it ends;
+* a buffer ever mapped writable is never trusted by the content index; an
+  attach or clone first seals it read-only again (``seal``);
+* a release ends the grant at once (ENDED); the pages stay the client's,
+  never reused, charged to the tenant until the session ends;
+* every opening and ending is audited (``map``, ``unmap``).
 """
 
 from __future__ import annotations
@@ -35,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
-from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
+from rpcbuf.control.daemon.accounting.registry import Buffer, Pool
 from rpcbuf.control.daemon.data.handles import HandleChannel
-from rpcbuf.control.daemon.data.pipeline import Call, Pipeline, unlock
+from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, unlock
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -60,22 +50,7 @@ GRANT_PAGE_BYTES = MAX_MAPPED * SLOT  # one page of slots per session that maps
 GRANT_TAG = 1 << 61  # handles' tags: above every request id, below attachops.MAP_TAG
 
 
-class Holder(Protocol):
-    """What the ops that hand out fds (``mapops``, ``attachops``) see of
-    their session."""
-
-    registry: Registry
-    session_id: str
-    handles: HandleChannel | None
-
-    @property
-    def owner(self) -> str: ...
-
-    def audit(self, op: str, buf: Buffer, offset: int = 0, nbytes: int | None = None,
-              note: str = "") -> None: ...
-
-
-def handle_channel(holder: Holder, what: str) -> HandleChannel:
+def handle_channel(holder: Ops, what: str) -> HandleChannel:
     """The session's handle channel, which ``what`` (an op: "attach needs")
     needs; BAD_REQUEST (reason ``not_same_host``) for a session without one."""
     channel = holder.handles
@@ -116,7 +91,7 @@ class WriteGrant:
 class WriteGrants:
     """One session's grants (its page, a slot per buffer it mapped)."""
 
-    def __init__(self, holder: Holder, pipeline: Pipeline) -> None:
+    def __init__(self, holder: Ops, pipeline: Pipeline) -> None:
         self._holder, self._pipe = holder, pipeline
         self.page: GrantPage | None = None
         self._page_charge: Pool | None = None  # where the page is charged
@@ -304,13 +279,10 @@ def _device_export(buf: Buffer) -> Any:
 
 
 def seal(buf: Buffer) -> None:
-    """Before ``buf``'s own memfd is shared read-only (an attach, a clone),
-    under a lock of it that took its grants back: a memfd that was handed
-    out writable is sealed read-only now (``HostArena.reseal``: no copy; a
-    mapping made before keeps writing only if its client breaks the grant
-    protocol, which tears only its own tenant's reads).  BUSY while an
-    explicit grant is live: that array would go on writing under a reader.
-    The buffer stays untrusted: the content index never learns it again."""
+    """Before ``buf``'s memfd is shared read-only (attach, clone), under a lock
+    that took its grants back: a memfd handed out writable is resealed
+    read-only (no copy).  BUSY while an explicit grant is live.  The buffer
+    stays untrusted by the content index."""
     host = host_memory(buf.pool.arena)
     if host is None or not host.writable(buf.offset):
         return
@@ -325,5 +297,5 @@ def seal(buf: Buffer) -> None:
                          {"buffer_id": buf.buffer_id, "reason": "sealed"}) from None
 
 
-__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "Holder", "WriteGrant", "WriteGrants",
+__all__ = ["ENDED", "LIVE", "MAX_MAPPED", "WriteGrant", "WriteGrants",
            "handle_channel", "seal"]

@@ -1,9 +1,6 @@
-"""What a session sees of the daemon that serves it: the node's limits
-(``Limits``) and a ``Node`` protocol of the daemon's shared parts.
-
-``server.Daemon`` is the one ``Node``; sessions (``session.py``) and their
-control ops (``controlops.py``) are written against this protocol, so the
-daemon owns its sessions without them importing it back (no cycle).
+"""What a session sees of the daemon: the node's ``Limits`` and ``Node``, the
+daemon's shared parts (``service.server.Daemon`` is the one implementation;
+the rooms below it may not import it).
 """
 
 from __future__ import annotations

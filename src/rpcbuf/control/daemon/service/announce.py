@@ -1,39 +1,19 @@
-"""The daemon's entry in the fleet registry (``--registry etcd://...``): one
-key under its cluster's prefix, on an etcd lease, kept alive from the event
-loop by a task of its own.
+"""The daemon's entry in the fleet registry (``--registry etcd://...``): one key
+under its cluster's prefix, on an etcd lease, kept by a task of its own.
 
-``Announcer.start()`` starts that task; it never blocks serving: every etcd
-call is bounded (``EtcdOptions.timeout`` per member tried), and while etcd
-cannot be reached the task logs once, retries with a capped exponential
-backoff (``BACKOFF``, jittered) and registers anew (new lease, new key) when
-etcd answers again.  While registered it ticks every ``TICK`` seconds:
-
-- the lease is refreshed every ``ttl / 3`` (a 5 s TTL is refreshed every
-  1.7 s, so two lost refreshes in a row still keep the key);
-- the record is rewritten when the devices' figures changed (at most once a
-  ``TICK``, so a burst of allocations costs one write a second at most) and
-  every ``refresh`` seconds even when nothing changed (``updated_at`` tells
-  a reader the node's figures are fresh);
-- a refresh answered with TTL 0 (the lease expired meanwhile: a long
-  partition) makes it register again at once.
-
-Every write of the key is a transaction (``Etcd.put_if_free``): it writes
-only if the key is absent or on this daemon's own lease, never over another
-daemon's record.  A key held by another lease (a second daemon given the
-same ``--node-id``, or this daemon's previous run whose lease has not yet
-run out) is ``Taken``: logged once at ERROR with who holds it, the daemon
-serves on unregistered and tries again with the backoff, so it registers
-once the holder has gone (a restart within the TTL registers a TTL later,
-where exiting would have made a restart loop of it).
-
-``stop()`` (SIGTERM, before draining) cancels the task, deletes the key
-(if it is still on its lease) and revokes the lease, bounded by the same
-timeout: a client stops choosing this node before its sessions end.  A
-crash leaves the key to the lease, which expires ``ttl`` seconds after the
-last refresh.
-
-The record holds the node's own figures only (``wire/membership.py``): no
-tenant, buffer or model name ever goes into etcd.
+- Never blocks serving: every etcd call is bounded; while etcd is away the task
+  logs once, retries with jittered capped backoff (``BACKOFF``) and registers
+  anew (new lease, new key) when it answers.
+- Each ``TICK``: the lease is refreshed every ``ttl / 3`` (two lost refreshes
+  still keep the key); the record is rewritten when the figures changed (at most
+  once a tick) and every ``refresh`` seconds; a refresh answered with TTL 0
+  registers again at once.
+- Every write is a transaction: only if the key is absent or on this daemon's
+  own lease. A key on another lease is ``Taken``: logged once, the daemon serves
+  on unregistered and retries (a restart within the TTL registers a TTL later).
+- ``stop()`` deletes the key and revokes the lease, bounded; a crash leaves the
+  key to the lease.
+- The record holds the node's own figures only: no tenant, buffer or model name.
 """
 
 from __future__ import annotations
@@ -45,8 +25,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from rpcbuf.control.fleet.etcd import Etcd, EtcdUnavailable
 from rpcbuf.control.wire import protocol as P
@@ -58,6 +37,9 @@ from rpcbuf.control.wire.membership import (
     node_key,
     parse_record,
 )
+
+if TYPE_CHECKING:
+    from rpcbuf.control.daemon.service.server import Daemon
 
 log = logging.getLogger("rpcbuf.daemon.announce")
 TICK = 1.0  # s: how often figures are compared (and at most how often they are written)
@@ -76,22 +58,8 @@ class Taken(Exception):
     """The node's key is held by another lease; the message says by whom."""
 
 
-class AnnouncedDaemon(Protocol):
-    """What the announcer reads from the daemon."""
-
-    node_id: str
-    address: Any  # (host, port) of the control listener
-    ucx_port: int
-    started_at: float
-
-    @property
-    def devices(self) -> Sequence[Mapping[str, Any]]: ...
-
-
 class Announcer:
-    """Registers ``owner`` under ``cluster`` in ``etcd``; see the module docstring."""
-
-    def __init__(self, owner: AnnouncedDaemon, etcd: Etcd, cluster: str, *,
+    def __init__(self, owner: Daemon, etcd: Etcd, cluster: str, *,
                  advertise: str | None = None, ttl: int = DEFAULT_TTL,
                  refresh: float = REFRESH) -> None:
         self.owner = owner
@@ -111,7 +79,7 @@ class Announcer:
 
     def address(self) -> str:
         """What clients dial: ``--advertise``, else the control listener's
-        address (a wildcard listener advertises this host's name)."""
+        address (a wildcard one advertises this host's name)."""
         if self.advertise:
             return self.advertise
         host, port = self.owner.address[:2]
@@ -173,9 +141,8 @@ class Announcer:
             wait = min(wait * 2, BACKOFF[1])
 
     async def _register(self) -> None:
-        """A new lease, and the key on it if it is free or on the old one
-        (etcd was away, the old lease may live on).  Raises ``Taken``
-        (the new lease revoked), ``EtcdUnavailable``."""
+        """A new lease, and the key on it if free or on the old one (which may
+        live on). Raises ``Taken`` (the new lease revoked), ``EtcdUnavailable``."""
         old, self._lease = self._lease, await self.etcd.grant(self.ttl)
         try:
             await self._put(self.record(), mine=old)
@@ -207,8 +174,8 @@ class Announcer:
         self._written_at = time.monotonic()
 
     async def _keep(self) -> None:
-        """Refresh the lease and the record until the lease is lost (returns)
-        or etcd stops answering (raises ``EtcdUnavailable``)."""
+        """Refresh lease and record until the lease is lost (returns) or etcd
+        stops answering (``EtcdUnavailable``)."""
         assert self._lease is not None
         refreshed = time.monotonic()
         while True:
@@ -234,9 +201,8 @@ class Announcer:
 
 
 def _holder(value: bytes, key: str) -> str:
-    """Who holds the key, for the log: the registry is written by others, so
-    only what a valid record says (its fields are checked), else that it is
-    none."""
+    """Who holds the key, for the log: only what a valid record says (others
+    write the registry)."""
     if not value:
         return "another lease (the key went meanwhile)"
     try:

@@ -1,20 +1,11 @@
 """``rpcbufd --config FILE.toml``: the daemon's settings from a TOML file.
 
-The file says what the flags say, and nothing else: every value goes through
-the same argparse ``type`` (and ``choices``) as its flag, so a setting read
-from the file is exactly the setting the flag would have produced, and a new
-flag is a new top-level key without any code here.  A few keys live in
-sections because they read better there (``[limits]``, ``[log]``, ``[tls]``,
-``[quotas]``, ``[registry]``); see ``scripts/systemd/rpcbufd.toml`` for every key.
-
-Precedence: a flag given on the command line beats the file; the file beats
-the built-in default.  ``--quota`` overrides the file's entry for that tenant
-and keeps the file's other tenants.
-
-Unknown keys and bad values raise ``ConfigError`` naming the key, which the
-daemon prints before exiting 2.  ``reload`` re-reads the file on SIGHUP and
-changes only what is safe to change under running clients (quotas, log
-level); it names the other keys that changed, which need a restart.
+Every key is a flag's and goes through the flag's argparse ``type`` and
+``choices``, so a new flag is a new key with no code here (a few keys sit in
+sections: ``[limits]``, ``[log]``, ``[tls]``, ``[quotas]``, ``[registry]``). A flag
+beats the file, the file the default; ``--quota`` overrides only its tenant.
+Unknown keys and bad values raise ``ConfigError`` naming the key (exit 2).
+``reload`` changes only what is safe under running clients and names the rest.
 """
 
 from __future__ import annotations
@@ -68,10 +59,8 @@ RELOADABLE = ("quota", "default_quota", "log_level")
 
 
 def setting(args: argparse.Namespace, dest: str, flag: str, shown: str) -> str:
-    """How an error names a setting and its value (``shown``): ``--flag
-    VALUE``, or, where the value came from the ``--config`` file, ``key =
-    "VALUE" (in FILE)``: the user of an unmodified example file has no
-    ``--audit-log`` to look for."""
+    """How an error names a setting: ``--flag VALUE``, or ``key = "VALUE" (in FILE)``
+    where the value came from the file."""
     if dest not in getattr(args, "from_file", ()) or dest in getattr(args, "command_line", {}):
         return f"{flag} {shown}"
     key = next((f"{s}.{k}" for (s, k), d in SECTIONED.items() if d == dest), None)
@@ -212,8 +201,7 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[s
 
 def resolve(parser: argparse.ArgumentParser,
             argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Flags over the ``--config`` file over defaults.  Raises ConfigError;
-    argparse itself exits 2 on a bad flag."""
+    """Flags over the file over defaults. ConfigError; argparse exits 2 on a bad flag."""
     args = parser.parse_args(argv)
     given = _given(parser, argv)
     args.command_line = {d: getattr(args, d) for d in given}
@@ -237,10 +225,8 @@ def resolve(parser: argparse.ArgumentParser,
 
 
 def reload(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
-    """Re-read ``args.config`` and update the reloadable settings in ``args``
-    (flags given on the command line still win).  Returns the other keys whose
-    value in the file differs from the running one: they need a restart.
-    Raises ConfigError and then changes nothing."""
+    """Re-read the file into the reloadable settings of ``args`` (flags still win);
+    return the other keys that changed (they need a restart). ConfigError changes nothing."""
     fresh = load(args.config, parser)
     cli = args.command_line
     args.quota = [*fresh.get("quota", []), *cli.get("quota", [])]

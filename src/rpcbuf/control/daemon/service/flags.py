@@ -1,6 +1,5 @@
-"""``rpcbufd``'s command line: every flag, its type (each a checker that
-names what it wants) and its help; ``--config`` (``config.py``) supplies
-defaults under the same names.  ``main.py`` runs what it parses.
+"""``rpcbufd``'s command line: every flag, its type (a checker that names what it
+wants) and its help; ``--config`` supplies defaults under the same names.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The daemon's state as Prometheus gauges, read at scrape time (on the event
-loop): sessions, transfers, each pool's arena, each tenant's buffers, bytes
-and keyed blocks.  ``observe/metrics.py`` counts what happened; this reads
-what is.
+"""The daemon's state as Prometheus gauges, read at scrape time on the event loop
+from the daemon's own objects (never copies). Aggregates by kind name no tenant.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -18,36 +16,19 @@ if TYPE_CHECKING:
     from rpcbuf.control.daemon.accounting.admission import Pending
     from rpcbuf.control.daemon.accounting.registry import Registry
     from rpcbuf.control.daemon.content.blocks import BlockStore
-
-
-class GaugedDaemon(Protocol):
-    """What the gauges read of the daemon (``server.Daemon`` is one)."""
-
-    @property
-    def counters(self) -> Mapping[str, int]: ...
-    @property
-    def registry(self) -> Registry: ...
-    @property
-    def blocks(self) -> BlockStore: ...
-    @property
-    def sessions(self) -> Mapping[str, Any]: ...
-    @property
-    def limits(self) -> Any: ...
-    @property
-    def unauthenticated(self) -> Pending[Any]: ...
-    @property
-    def pending_endpoints(self) -> Pending[Any]: ...
+    from rpcbuf.control.daemon.ops.node import Limits
 
 
 class StateCollector(Collector):
-    """Reads the daemon's state at scrape time (on the event loop)."""
-
-    def __init__(self, daemon: GaugedDaemon) -> None:
-        self.daemon = daemon
+    def __init__(self, registry: Registry, blocks: BlockStore, counters: Mapping[str, int],
+                 sessions: Mapping[str, Any], limits: Limits, unauthenticated: Pending[Any],
+                 pending_endpoints: Pending[Any]) -> None:
+        self.registry, self.blocks, self.counters = registry, blocks, counters
+        self.sessions, self.limits = sessions, limits
+        self.unauthenticated, self.pending_endpoints = unauthenticated, pending_endpoints
 
     def collect(self) -> Iterator[Any]:
-        d = self.daemon
-        c, reg = d.counters, d.registry
+        c, reg, sessions = self.counters, self.registry, self.sessions
         for name, doc, value in (
             ("rpcbuf_bytes_stored", "Bytes received into buffers", c["bytes_stored"]),
             ("rpcbuf_bytes_read", "Bytes sent out of buffers", c["bytes_read"]),
@@ -61,15 +42,15 @@ class StateCollector(Collector):
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("rpcbuf_sessions", "Open control connections",
-                                value=len(d.sessions))
+                                value=len(sessions))
         yield GaugeMetricFamily("rpcbuf_sessions_limit", "--max-sessions",
-                                value=d.limits.max_sessions)
+                                value=self.limits.max_sessions)
         yield GaugeMetricFamily("rpcbuf_buffers_mapped_writable",
                                 "Buffers a same-host client holds a write grant of "
                                 "(written in place)",
-                                value=sum(s.write_grants.mapped() for s in d.sessions.values()))
+                                value=sum(s.write_grants.mapped() for s in sessions.values()))
         yield GaugeMetricFamily("rpcbuf_transfers_in_flight", "Data transfers running",
-                                value=sum(len(s.transfers) for s in d.sessions.values()))
+                                value=sum(len(s.transfers) for s in sessions.values()))
         pools = {k: GaugeMetricFamily(f"rpcbuf_pool_{k}", doc, labels=["device"]) for k, doc in (
             ("size_bytes", "Arena size"),
             ("used_bytes", "Bytes handed out (whole allocator blocks)"),
@@ -108,44 +89,40 @@ class StateCollector(Collector):
             held.add_metric([tenant, device], n)
         yield buffers
         yield held
-        yield from _block_families(d.blocks.totals())
-        yield from _held_families(d)
+        yield from _block_families(self.blocks.totals())
+        yield from self._held_families()
 
-
-def _held_families(d: GaugedDaemon) -> Iterator[Any]:
-    """The table of what tenants make the node hold (``charges.Charges``),
-    and what peers that have not authenticated hold (``admission.Pending``),
-    as node-wide aggregates by kind: no tenant or source is named."""
-    fams = {k: GaugeMetricFamily(f"rpcbuf_held{k}", doc, labels=["kind"]) for k, doc in (
-        ("", "What all tenants (or unauthenticated peers) make the node hold, by kind"),
-        ("_limit", "The node's limit of a kind (absent: none but the per-tenant one)"),
-        ("_per_owner_limit", "The limit of a kind for one tenant (or one source)"),
-        ("_largest_owner", "What the one tenant (or source) holding most of a kind holds"),
-    )}
-    refused = CounterMetricFamily("rpcbuf_held_refusals", "Requests refused with "
-                                  "QUOTA_EXCEEDED at a kind's limit", labels=["kind"])
-    rows = dict(d.registry.charges.totals())
-    lim = d.limits
-    for kind, pending, node, per in (
-            ("unauthenticated_connections", d.unauthenticated, lim.max_unauthenticated,
-             lim.max_unauthenticated_per_source),
-            ("unbound_endpoints", d.pending_endpoints, lim.max_unauthenticated, None)):
-        rows[kind] = {"held": len(pending), "limit": node, "per_owner_limit": per,
-                      "largest_owner": pending.largest_source(), "refused": None}
-    for kind, row in sorted(rows.items()):
-        fams[""].add_metric([kind], row["held"])
-        fams["_largest_owner"].add_metric([kind], row["largest_owner"])
-        for key in ("limit", "per_owner_limit"):
-            if row[key] is not None:
-                fams[f"_{key}"].add_metric([kind], row[key])
-        if row["refused"] is not None:
-            refused.add_metric([kind], row["refused"])
-    yield from fams.values()
-    yield refused
+    def _held_families(self) -> Iterator[Any]:
+        """What tenants and unauthenticated peers make the node hold, by kind."""
+        fams = {k: GaugeMetricFamily(f"rpcbuf_held{k}", doc, labels=["kind"]) for k, doc in (
+            ("", "What all tenants (or unauthenticated peers) make the node hold, by kind"),
+            ("_limit", "The node's limit of a kind (absent: none but the per-tenant one)"),
+            ("_per_owner_limit", "The limit of a kind for one tenant (or one source)"),
+            ("_largest_owner", "What the one tenant (or source) holding most of a kind holds"),
+        )}
+        refused = CounterMetricFamily("rpcbuf_held_refusals", "Requests refused with "
+                                      "QUOTA_EXCEEDED at a kind's limit", labels=["kind"])
+        rows = dict(self.registry.charges.totals())
+        lim = self.limits
+        for kind, pending, node, per in (
+                ("unauthenticated_connections", self.unauthenticated, lim.max_unauthenticated,
+                 lim.max_unauthenticated_per_source),
+                ("unbound_endpoints", self.pending_endpoints, lim.max_unauthenticated, None)):
+            rows[kind] = {"held": len(pending), "limit": node, "per_owner_limit": per,
+                          "largest_owner": pending.largest_source(), "refused": None}
+        for kind, row in sorted(rows.items()):
+            fams[""].add_metric([kind], row["held"])
+            fams["_largest_owner"].add_metric([kind], row["largest_owner"])
+            for key in ("limit", "per_owner_limit"):
+                if row[key] is not None:
+                    fams[f"_{key}"].add_metric([kind], row[key])
+            if row["refused"] is not None:
+                refused.add_metric([kind], row["refused"])
+        yield from fams.values()
+        yield refused
 
 
 def _block_families(totals: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
-    """The block tier per tenant (``blocks.BlockStore.stats``)."""
     gauges = {k: GaugeMetricFamily(f"rpcbuf_{k}", doc, labels=["tenant"]) for k, doc in (
         ("blocks", "Keyed blocks a tenant holds"),
         ("block_bytes", "Bytes of a tenant's keyed blocks"),

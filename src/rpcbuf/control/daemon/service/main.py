@@ -1,12 +1,7 @@
 """``rpcbufd``: parse flags (over ``--config``), build the pools, serve until
-SIGTERM/SIGINT.
-
-SIGTERM stops accepting new sessions and requests, lets in-flight transfers
-finish (bounded by ``--drain-timeout``), closes every session and exits 0.
-SIGHUP re-reads the node's keys from the secret file (sessions whose key was
-removed end; see ``auth``) and quotas and the log level from the config file;
-other clients stay connected.  Under systemd (``Type=notify``) the daemon says READY=1 once
-both listeners are up and pings the watchdog from its event loop.
+SIGTERM/SIGINT (drain within ``--drain-timeout``, exit 0). SIGHUP re-reads the keys
+and the config's quotas and log level; clients stay connected. Under systemd the
+daemon says READY=1 once both listeners are up and pings the watchdog.
 """
 
 from __future__ import annotations
@@ -47,10 +42,8 @@ log = logging.getLogger("rpcbuf.daemon")
 
 
 def make_arenas(devices: list[tuple[str, int, int]], gpu_backing: str = "auto") -> list[Any]:
-    """One arena per ``--device``, GPU ones backed as ``--gpu-backing`` says.
-    A device that cannot be served (no CuPy, no such GPU, not enough memory,
-    no VMM under ``vmm``) raises ``DeviceUnavailable`` (a ValueError:
-    ``main`` prints it and exits 2) naming the device."""
+    """One arena per ``--device``. ``DeviceUnavailable`` (a ValueError: exit 2) names a
+    device that cannot be served."""
     vmm = GPU_BACKINGS[gpu_backing]
     arenas: list[Any] = []
     for kind, index, size in devices or [("cpu", 0, 1 << 30)]:
@@ -70,9 +63,8 @@ def make_arenas(devices: list[tuple[str, int, int]], gpu_backing: str = "auto") 
 
 
 def _more_than_ram(devices: list[tuple[str, int, int]]) -> None:
-    """Warn when the host arenas add up to more than this machine's memory
-    (``cpu:64GiB`` on a 24 GiB machine started quietly, and failed only when
-    the memory was used): the arenas reserve address space, not memory."""
+    """Warn when host arenas add up to more than this machine's memory (they reserve
+    address space, and fail only when used)."""
     host = sum(size for kind, _, size in devices or [("cpu", 0, 1 << 30)] if kind == "cpu")
     ram = host_ram()
     if ram and host > ram:
@@ -102,8 +94,7 @@ def _tls(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 
 def _reload_keys(args: argparse.Namespace, daemon: Daemon) -> None:
-    """SIGHUP: the node's keys from the secret file, so rotating a key needs
-    no restart; a file that cannot be read keeps the running keys."""
+    """SIGHUP: the keys from the secret file; an unreadable file keeps the running keys."""
     try:
         keys = load_keys(args.secret_file, create=False)
     except (OSError, ValueError) as exc:
@@ -116,8 +107,7 @@ def _reload_keys(args: argparse.Namespace, daemon: Daemon) -> None:
 
 
 def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> None:
-    """SIGHUP: the keys, and quotas and log level from the config file;
-    sessions stay up (but those of a removed key)."""
+    """SIGHUP: the keys, quotas and log level; sessions stay up (but a removed key's)."""
     _reload_keys(args, daemon)
     if not args.config:
         log.warning("SIGHUP: started without --config, nothing to reload but the secret file")
@@ -128,11 +118,12 @@ def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> Non
     except config.ConfigError as exc:
         log.error("reload failed, keeping the running settings: %s", exc)
     else:
-        daemon.registry.quotas = dict(args.quota)
-        daemon.registry.default_quota = args.default_quota[1] if args.default_quota else Quota()
+        books = daemon.registry.books
+        books.quotas = dict(args.quota)
+        books.default_quota = args.default_quota[1] if args.default_quota else Quota()
         logs.set_level(args.log_level)
         log.warning("reloaded %s: quotas for %d tenants%s, log level %s", args.config,
-                    len(daemon.registry.quotas), " and a default" if args.default_quota else "",
+                    len(books.quotas), " and a default" if args.default_quota else "",
                     args.log_level)
         if restart:
             log.warning("changed in %s, applied only after a restart: %s", args.config,
@@ -141,8 +132,7 @@ def _reload(args: argparse.Namespace, daemon: Daemon, notifier: Notifier) -> Non
 
 
 def registry_password(args: argparse.Namespace) -> str | None:
-    """The etcd user's password: the file's first line, else the environment
-    (never a flag: a flag shows in ``ps``)."""
+    """The etcd password: the file's first line, else the environment (never a flag)."""
     if not args.registry_user:
         return None
     if args.registry_password_file:
@@ -170,10 +160,8 @@ def _announcer(args: argparse.Namespace, daemon: Daemon) -> Announcer | None:
 
 
 def _ucx_interface(host: str) -> None:
-    """Keep UCX's tcp transport on the interface that holds ``host``: UCX
-    opens a listening socket on every interface it uses (UCX_NET_DEVICES,
-    all by default), so a daemon told to listen on 127.0.0.1 exposed its
-    data plane on every network it was on.  A user's UCX_NET_DEVICES wins."""
+    """Keep UCX's tcp transport on ``host``'s interface (else it listens on every
+    interface); a user's UCX_NET_DEVICES wins."""
     if os.environ.get("UCX_NET_DEVICES"):
         return
     name = sockets.interface_of(host)
@@ -195,26 +183,14 @@ def raise_fd_limit() -> None:
 
 
 class ReadyFile:
-    """``--ready-file``: it exists exactly while this daemon listens.  A
-    file left by a daemon that was killed goes before anything else (a
-    poller must not take it for this daemon's), the line is written once
-    both listeners are up (mode 0644, whole: written beside it and renamed
-    over it), and goes again when the daemon exits, however it exits.
+    """``--ready-file``: it exists exactly while this daemon listens.
 
-    Whether a daemon still runs is told by a lock (``flock``) the daemon
-    holds for as long as it lives, on ``PATH.lock``, a file of its own
-    (mode 0600, ``O_NOFOLLOW``): never on the ready file, which every user
-    may read, and so open and lock.  (It was: a user who could read the
-    ready file held a lock on it, and the restart after a crash refused to
-    start, "a running rpcbufd wrote it".)  Only the daemon's user (or root)
-    can open the lock file, so only a daemon holds it.  The next daemon
-    tells a killed one's file (no lock: the kernel dropped it) from a
-    running one's, which it refuses to start on; a lock file someone else
-    owns is refused by name.  The lock file goes at exit, unlinked while
-    still locked, and a daemon that locked a file since unlinked tries
-    again, so two daemons never both hold one.  The ready file removed is
-    only the one this daemon wrote (the same inode), never one written
-    there since."""
+    - A killed daemon's file goes first; the line is written (0644, renamed into
+      place) once both listeners are up, and removed at exit: only our inode.
+    - Liveness is a ``flock`` held for life on ``PATH.lock``, a 0600 file of its own
+      (never the world-readable ready file, which any reader could lock). A lock
+      file someone else owns is refused by name; it is unlinked at exit while still
+      locked, and a lock on an unlinked file is taken again."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -225,8 +201,7 @@ class ReadyFile:
         return OSError(f"--ready-file {path or self.path}: {exc.strerror or exc}")
 
     def clear(self) -> None:
-        """Before anything else: take the lock, and remove a killed daemon's
-        ready file; OSError when a running daemon holds the lock."""
+        """Take the lock and remove a killed daemon's file; OSError while one runs."""
         if not self.path:
             return
         self._take_lock(f"{self.path}.lock")
@@ -288,8 +263,7 @@ class ReadyFile:
             raise self._error(exc) from None
 
     def remove(self) -> None:
-        """Remove the file this daemon wrote, if it is still there, and its
-        lock (idempotent)."""
+        """Remove the file this daemon wrote, if still there, and its lock (idempotent)."""
         written, self._written = self._written, None
         lock, self._lock = self._lock, None
         if not self.path:

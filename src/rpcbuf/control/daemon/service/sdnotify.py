@@ -1,14 +1,7 @@
-"""systemd's readiness and watchdog protocol, without a dependency.
-
-``sd_notify`` is one datagram of ``KEY=VALUE`` lines sent to the unix socket
-named by ``$NOTIFY_SOCKET`` (a path, or ``@name`` for the abstract namespace).
-Outside systemd the variable is unset and every call here does nothing.
-
-The watchdog pings come from an asyncio timer on purpose: if the event loop
-wedges, the pings stop and systemd restarts the daemon (``WatchdogSec=``).
-``$WATCHDOG_USEC`` is the interval; we ping every half of it, as sd_watchdog
-advises.  ``$WATCHDOG_PID``, when set, must be our pid (else the watchdog is
-meant for another process).
+"""systemd's readiness and watchdog protocol, without a dependency: one datagram of
+``KEY=VALUE`` lines to ``$NOTIFY_SOCKET`` (a path or ``@name``); nothing outside
+systemd. Watchdog pings come from an asyncio timer on purpose (a wedged loop stops
+them), every half of ``$WATCHDOG_USEC``, only if ``$WATCHDOG_PID`` is ours.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from rpcbuf.control.daemon.sessions.intake import (
     serve_unix,
 )
 from rpcbuf.control.daemon.sessions.session import Session
+from rpcbuf.control.ucx_errors import ucx_errors
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring
 from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
@@ -71,7 +72,6 @@ from rpcbuf.dataplane.ucx import (
     NONCE_BYTES,
     DataEndpoint,
     DataListener,
-    TransferError,
     library as ucx_library,
 )
 
@@ -147,7 +147,9 @@ class Daemon:
                                          "sessions_total": 0}
         # The same counts per tenant: what ``stats`` shows a tenant (see _stats)
         self.tenant_counters: dict[str, dict[str, int]] = {}
-        self.metrics = Metrics(StateCollector(self))
+        self.metrics = Metrics(StateCollector(
+            registry, self.blocks, self.counters, self.sessions, self.limits,
+            self.unauthenticated, self.pending_endpoints))
         self.content = ContentIndex()  # dedup: main.py attaches the --cache-dir cache
         self.model_files = model_files
 
@@ -432,8 +434,9 @@ class Daemon:
             old.abort()
         nonce = np.zeros(NONCE_BYTES, dtype=np.uint8)
         try:
-            await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
-        except (TimeoutError, TransferError) as exc:
+            with ucx_errors("receiving the bind nonce"):
+                await asyncio.wait_for(ep.recv(nonce, BIND_TAG), self.limits.hello_timeout)
+        except (TimeoutError, RpcBufError) as exc:
             if ep in self.pending_endpoints:  # (else: dropped above, and said so)
                 log.warning("data endpoint dropped before binding: %s", exc or "timeout")
             ep.abort()
@@ -443,8 +446,9 @@ class Daemon:
         session = self.by_nonce.pop(nonce.tobytes(), None)
         ok = session is not None and session.tenant is not None and session.ep is None
         try:
-            await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)
-        except TransferError:
+            with ucx_errors("the bind answer"):
+                await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)
+        except RpcBufError:
             ok = False
         if not ok or session is None:
             log.warning("data endpoint with an unknown nonce refused")
