@@ -304,10 +304,7 @@ class Daemon:
 
     async def _on_tls_socket(self, sock: socket.socket) -> None:
         """A TLS connection, just accepted: one of the unauthenticated ones
-        from now, its handshake included, within the hello deadline.  (When
-        the handshake was the server's, ``create_server(ssl=...)``, a
-        connection counted only once it was done: one source held 18,561
-        fds in handshakes against caps of 128 per source and 512 in all.)"""
+        from now, its handshake included, within the hello deadline."""
         tls = self._tls
         if self.shutting_down or tls is None:
             sock.close()
@@ -350,17 +347,15 @@ class Daemon:
 
     def _own_heap(self) -> int:
         """A generous estimate of the heap the daemon grew by for what tenants
-        hold (the janitor's byte budget comes on top): buffers' and blocks'
-        records (the most there have been: freed records' heap stays the
-        process's, ``Registry.records_peak``), a session's objects and
-        uncharged first frame bytes, and the frame bytes charged to tenants."""
+        hold (the janitor's byte budget comes on top): the most records there
+        have been, each session, and the frame bytes charged to tenants."""
         return (OWN_HEAP_PER_BUFFER * self.registry.records_peak
                 + OWN_HEAP_PER_SESSION * len(self.sessions)
                 + self.charges.total("frame_bytes"))
 
     def _claimable(self, since: float) -> bool:
-        """Whether a session with a data endpoint may own an unexpected
-        message older than ``since`` (``Session.may_claim``, ``Janitor``)."""
+        """Whether a session with a data endpoint may own an unexpected UCX
+        message older than ``since``."""
         return any(s.ops.ep is not None and s.ops.may_claim(since)
                    for s in self.sessions.values())
 
