@@ -92,9 +92,9 @@ def test_no_import_cycles() -> None:
 
 def test_the_rules_see_the_code() -> None:
     """The walk finds the modules and their imports (a test that cannot fail
-    is a defect): the server imports the wire protocol."""
+    is a defect): the session imports the wire protocol."""
     edges = graph()
-    assert "rpcbuf.control.wire.protocol" in edges["rpcbuf.control.daemon.service.server"]
+    assert "rpcbuf.control.wire.protocol" in edges["rpcbuf.control.daemon.sessions.session"]
     assert "rpcbuf.control.client.context" in edges["rpcbuf"]  # through __init__.pyi
     assert len(edges) > 40
     assert room("rpcbuf.control.daemon.service.server") == "control.daemon"

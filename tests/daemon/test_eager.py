@@ -1,5 +1,5 @@
-"""``control/daemon/sessions/intake.py``, ``start``: an op's coroutine runs at once, and only one
-that waits becomes a task -- on this Python's path (3.12's eager start, or
+"""``control/daemon/sessions/inflight.py``, ``start``: an op's coroutine runs at once, and only
+one that waits becomes a task -- on this Python's path (3.12's eager start, or
 the first step taken by hand on 3.11) and, where both exist, on the other."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextvars
 
 import pytest
 
-from rpcbuf.control.daemon.sessions import intake as eager
+from rpcbuf.control.daemon.sessions import inflight as eager
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="unset")
 
@@ -111,3 +111,24 @@ async def test_the_first_step_runs_in_a_copy_of_the_context_as_a_task_would(mode
     gate.set_result(None)
     await task
     assert seen == ["mine"]
+
+
+async def test_ops_take_a_lock_in_the_order_they_started(mode: bool) -> None:
+    """Each op asks for its lock in its first step, when it is started: one
+    that would not wait never overtakes one started before it."""
+    lock = asyncio.Lock()
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    order: list[int] = []
+
+    async def op(n: int) -> None:
+        async with lock:
+            order.append(n)
+            if n == 0:
+                await gate
+
+    tasks = [eager.start(op(n)) for n in range(3)]
+    assert order == [0] and all(t is not None for t in tasks)  # 1 and 2 queued, in order
+    gate.set_result(None)
+    await asyncio.gather(*[t for t in tasks if t is not None])
+    assert order == [0, 1, 2]
+    assert eager.start(op(3)) is None and order[-1] == 3  # a free lock: done at once

@@ -48,9 +48,9 @@ class StateCollector(Collector):
         yield GaugeMetricFamily("rpcbuf_buffers_mapped_writable",
                                 "Buffers a same-host client holds a write grant of "
                                 "(written in place)",
-                                value=sum(s.write_grants.mapped() for s in sessions.values()))
+                                value=sum(s.ops.write_grants.mapped() for s in sessions.values()))
         yield GaugeMetricFamily("rpcbuf_transfers_in_flight", "Data transfers running",
-                                value=sum(len(s.transfers) for s in sessions.values()))
+                                value=sum(len(s.ops.transfers) for s in sessions.values()))
         pools = {k: GaugeMetricFamily(f"rpcbuf_pool_{k}", doc, labels=["device"]) for k, doc in (
             ("size_bytes", "Arena size"),
             ("used_bytes", "Bytes handed out (whole allocator blocks)"),

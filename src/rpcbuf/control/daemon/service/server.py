@@ -1,22 +1,14 @@
 """The daemon: its listeners (TCP control, the same-host Unix socket, UCX
 data), its lifecycle, and the state its sessions share (``node.Node``).
 
-``Daemon`` accepts control connections and makes each a ``Session``
-(``sessions/session.py``: dispatch, answers; its requests read by
-``sessions/intake.py``), binds UCX data endpoints to
-the sessions they belong to, expires leases, reloads keys, and shuts down
-in order: stop accepting, let in-flight transfers finish (bounded), close
-every session.  It is an async context manager (``async with Daemon(...)
-as d: await d.start(...)``; leaving it shuts down).
-
-Same host: besides TCP the daemon listens on a Unix socket (abstract by
-default, so only its own network namespace sees it; ``--local-socket``) and
-tells TCP clients its name and this kernel's boot id in ``hello``; a client
-on this host reconnects there (see ``sessions/greeting.py`` and ``data/paths.py``'s ``StagedPath``).
-
-Endpoints bind with a small handshake on ``BIND_TAG``: the client sends the
-16-byte nonce it got in ``hello``; the daemon answers one byte.  Until then
-an endpoint is one of a bounded few (``admission.Pending``: the oldest goes).
+- Each control connection is a ``Session``, made by the listener.
+- Shutdown goes in order: stop accepting, let in-flight transfers finish
+  (bounded by ``drain_timeout``), close every session.
+- The Unix socket is abstract by default (only this network namespace sees
+  it); TCP clients are told its name and this kernel's boot id in ``hello``.
+- A UCX endpoint binds to its session with the 16-byte nonce the client got
+  in ``hello``, sent on ``BIND_TAG`` and answered with one byte; until then
+  it is one of a bounded few (``admission.Pending``: the oldest goes).
 """
 
 from __future__ import annotations
@@ -51,18 +43,16 @@ from rpcbuf.control.daemon.observe.metrics import Metrics
 from rpcbuf.control.daemon.ops.node import Limits
 from rpcbuf.control.daemon.service.gauges import StateCollector
 from rpcbuf.control.daemon.sessions.intake import (
-    READ_CHUNK,
+    BACKLOG,
     Acceptor,
+    Handshaking,
     handshake,
     listen_tcp,
-    serve_tcp,
-    serve_unix,
 )
 from rpcbuf.control.daemon.sessions.session import Session
 from rpcbuf.control.ucx_errors import ucx_errors
-from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring
-from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError, ShuttingDown
+from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
 from rpcbuf.dataplane import shm, sockets
 from rpcbuf.dataplane.janitor import Janitor
@@ -177,7 +167,8 @@ class Daemon:
         self._tls = tls
         with binding(f"--listen {host}:{port}", port):
             if tls is None:
-                self._server = await serve_tcp(self._on_connection, host, port, READ_CHUNK)
+                self._server = await asyncio.get_running_loop().create_server(
+                    functools.partial(Session, self), host, port, backlog=BACKLOG)
             else:  # the handshake is ours, counted from accept (_on_tls_socket)
                 self._server = Acceptor(listen_tcp(host, port), self._on_tls_socket)
         self.address = self._server.sockets[0].getsockname()[:2]
@@ -205,7 +196,8 @@ class Daemon:
         except BaseException:
             sock.close()
             raise
-        self._local_server = await serve_unix(self._on_connection, sock, READ_CHUNK)
+        self._local_server = await asyncio.get_running_loop().create_unix_server(
+            functools.partial(Session, self), sock=sock, backlog=BACKLOG)
         if not name.startswith("@"):
             os.chmod(path, 0o666)  # tokens authenticate, as on TCP
         self.local_socket = name
@@ -234,7 +226,7 @@ class Daemon:
             self._listener.close()
         if self.janitor is not None:
             await self.janitor.stop()
-        busy = [t for s in self.sessions.values() for t in s.transfers]
+        busy = [t for s in self.sessions.values() for t in s.ops.transfers]
         if busy:
             log.info("waiting for %d in-flight transfers", len(busy))
             await asyncio.wait(busy, timeout=self.limits.drain_timeout)
@@ -314,10 +306,7 @@ class Daemon:
 
     async def _on_tls_socket(self, sock: socket.socket) -> None:
         """A TLS connection, just accepted: one of the unauthenticated ones
-        from now, its handshake included, within the hello deadline.  (When
-        the handshake was the server's, ``create_server(ssl=...)``, a
-        connection counted only once it was done: one source held 18,561
-        fds in handshakes against caps of 128 per source and 512 in all.)"""
+        from now, its handshake included, within the hello deadline."""
         tls = self._tls
         if self.shutting_down or tls is None:
             sock.close()
@@ -332,9 +321,8 @@ class Daemon:
         handshaking = Handshaking(sock, peer, accepted)
         for old in self.unauthenticated.add(handshaking, ("ip", peer[0])):
             old.evict()
-        handler = functools.partial(self._on_connection, handshaking=handshaking)
         handshaking.task = task = loop.create_task(handshake(
-            handler, sock, READ_CHUNK, tls, self.limits.hello_timeout))
+            functools.partial(Session, self, handshaking), sock, tls, self.limits.hello_timeout))
         try:
             await task
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError,
@@ -346,33 +334,6 @@ class Daemon:
             log.debug("TLS handshake with %s:%s failed: %r", peer[0], peer[1], exc)
         finally:
             self.unauthenticated.discard(handshaking)
-
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter,
-                             handshaking: Handshaking | None = None) -> None:
-        if self.shutting_down:
-            await self._refuse(reader, writer, ShuttingDown("daemon is stopping"), "shutting_down")
-            return
-        # --max-sessions counts authenticated sessions (greeting.take_slot, at
-        # hello); until then the connection is one of the unauthenticated
-        # ones, whose bound drops the oldest, never the newcomer.
-        session = Session(self, reader, writer)
-        if handshaking is not None:  # a TLS connection: the session takes its place,
-            handshaking.done = True  # and its hello deadline runs from accept
-            self.unauthenticated.discard(handshaking)
-            session.intake.hello_by(handshaking.accepted + self.limits.hello_timeout)
-        for old in self.unauthenticated.add(session, _source(writer)):
-            old.evict()
-        self.sessions[session.session_id] = session
-        self.by_nonce[session.nonce] = session
-        self.counters["sessions_total"] += 1
-        try:
-            await session.run()
-        finally:
-            self.unauthenticated.discard(session)
-            self.by_nonce.pop(session.nonce, None)
-            await session.close("connection closed")
-            self.sessions.pop(session.session_id, None)
 
     def authenticated(self) -> int:
         """Sessions whose hello succeeded (what --max-sessions bounds)."""
@@ -386,40 +347,19 @@ class Daemon:
             f"this node serves at most {limit} sessions at once; try again later",
             {"limit": "max_sessions", "max_sessions": limit})
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      error: RpcBufError, reason: str) -> None:
-        """Answer a connection we will not serve with a connection-level error
-        frame, then close.  Half-close and wait (briefly) for the client to go:
-        closing with its hello unread would reset the connection and could
-        destroy the frame before the client reads it."""
-        log.warning("refusing connection from %s: %s", writer.get_extra_info("peername"), error)
-        self.metrics.refused(reason)
-        try:
-            writer.write(P.encode_frame(P.error_response(None, error)))
-            if writer.can_write_eof():
-                writer.write_eof()
-            async with asyncio.timeout(2.0):
-                while await reader.read(READ_CHUNK):
-                    pass
-        except (TimeoutError, ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
-
     def _own_heap(self) -> int:
         """A generous estimate of the heap the daemon grew by for what tenants
-        hold (the janitor's byte budget comes on top): buffers' and blocks'
-        records (the most there have been: freed records' heap stays the
-        process's, ``Registry.records_peak``), a session's objects and
-        uncharged first frame bytes, and the frame bytes charged to tenants."""
+        hold (the janitor's byte budget comes on top): the most records there
+        have been, each session, and the frame bytes charged to tenants."""
         return (OWN_HEAP_PER_BUFFER * self.registry.records_peak
                 + OWN_HEAP_PER_SESSION * len(self.sessions)
                 + self.charges.total("frame_bytes"))
 
     def _claimable(self, since: float) -> bool:
-        """Whether a session with a data endpoint may own an unexpected
-        message older than ``since`` (``Session.may_claim``, ``Janitor``)."""
-        return any(s.ep is not None and s.may_claim(since) for s in self.sessions.values())
+        """Whether a session with a data endpoint may own an unexpected UCX
+        message older than ``since``."""
+        return any(s.ops.ep is not None and s.ops.may_claim(since)
+                   for s in self.sessions.values())
 
     def _dropped(self, count: int, nbytes: int) -> None:
         self.metrics.unexpected_dropped(count, nbytes)
@@ -459,23 +399,6 @@ class Daemon:
         session.bind(ep)
 
 
-class Handshaking:
-    """A TLS connection in its handshake: one of the unauthenticated ones,
-    which ``evict`` ends (no frame: it would garble the handshake)."""
-
-    def __init__(self, sock: socket.socket, peer: Any, accepted: float) -> None:
-        self.sock, self.peer, self.accepted = sock, peer, accepted
-        self.task: asyncio.Task[None] | None = None
-        self.done = False  # the handshake is over: the socket is its session's now
-
-    def evict(self) -> None:
-        if self.done:
-            return
-        if self.task is not None:
-            self.task.cancel()  # the handshake closes its socket (intake.handshake)
-        self.sock.close()
-
-
 def set_limits(charges: Charges, lim: Limits, host_pools: int) -> None:
     """The daemon's limits in the table of what each tenant holds: fds and
     mappings (from what this process may open and map), sessions and
@@ -504,16 +427,6 @@ def _unlink_stale(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             os.unlink(path)
-
-
-def _source(writer: asyncio.StreamWriter) -> tuple[str, object]:
-    """Where a connection comes from, for the per-source bound: its IP
-    address, or on the Unix socket the connecting user."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.family == socket.AF_UNIX:
-        return "uid", shm.peer_cred(sock)[1]
-    peer = writer.get_extra_info("peername")
-    return "ip", peer[0] if isinstance(peer, tuple) else peer
 
 
 def default_node_id(port: int) -> str:

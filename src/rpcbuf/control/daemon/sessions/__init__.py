@@ -1,4 +1,3 @@
-"""One ``Session`` per control connection: intake, back-pressure and the
-eager start of each op (``intake``), the hello (``greeting``, ``hello``),
-dispatch (``session``).
+"""One ``Session`` per control connection (``session``): its hello
+(``greeting``), its ops (``inflight``), and how connections come in (``intake``).
 """
