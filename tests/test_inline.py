@@ -1,7 +1,7 @@
 """Small ops without a UCX message or a task: a network session's small
 stores and reads carry their bytes in their control frames (``Store.data``,
 a read naming ``path="inline"``), and a small same-host store or read whose range is free is
-served on the spot (its op ends in its first step: ``intake.start``).  Real
+served on the spot (its op ends in its first step: ``inflight.start``).  Real
 daemons; the hostile cases speak the protocol by hand.
 """
 

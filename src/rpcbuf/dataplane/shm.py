@@ -205,7 +205,7 @@ async def asend_fds(sock: socket.socket, tag: int, value: int, fds: Sequence[int
                     timeout: float) -> None:
     """``send_fds`` on a non-blocking socket, waiting at most ``timeout`` for the reader."""
     # No asyncio.timeout: the daemon runs this in a request's first step,
-    # where (on Python 3.11) there is no current task (control/daemon/sessions/intake.py, start).
+    # where (on Python 3.11) there is no current task (control/daemon/sessions/inflight.py, start).
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
