@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         model = models / "model.safetensors"
         nbytes = write_model(model, args.size * MiB, args.layers)
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "hash", str(model),
+        subprocess.run([sys.executable, "-m", "rpcbuf.cli", "hash", str(model),
                         "--no-hash-cache"], check=True, capture_output=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(SRC)})
         hash_seconds = time.perf_counter() - t

@@ -137,7 +137,7 @@ VPY="$VENV/bin/python"
 purelib=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # The venv also sees the packages of the python that made it (when that
 # python is itself a venv, --system-site-packages alone would not), and this
-# checkout's sources (the daemon and CLI run as -m rpcbuf.control.daemon / rpcbuf.control.cli).
+# checkout's sources (the daemon and CLI run as -m rpcbuf.control.daemon / rpcbuf.cli).
 "$PY" -c 'import site; print("\n".join(site.getsitepackages()))' >"$purelib/_gpu_check_base.pth"
 echo "$ROOT/src" >"$purelib/_rpcbuf_src.pth"
 
@@ -211,9 +211,9 @@ smoke() {
     done
     if [[ -s "$tmp/ready" ]]; then
         addr=$(cut -d' ' -f1 "$tmp/ready")
-        token=$(timeout 30 "$VPY" -m rpcbuf.control.cli token create --secret-file "$tmp/secret" \
+        token=$(timeout 30 "$VPY" -m rpcbuf.cli token create --secret-file "$tmp/secret" \
                 --tenant gpucheck) \
-            && timeout 30 "$VPY" -m rpcbuf.control.cli devices --endpoint "$addr" --token "$token" \
+            && timeout 30 "$VPY" -m rpcbuf.cli devices --endpoint "$addr" --token "$token" \
                 --json && ok=0
         kill -TERM "$daemon_pid"
         timeout 30 tail --pid="$daemon_pid" -f /dev/null || { ok=1; kill -KILL "$daemon_pid"; }

@@ -37,7 +37,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import rpcbuf
-from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import create_token
 
 ROOT = Path(__file__).resolve().parent.parent
 

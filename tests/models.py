@@ -133,7 +133,7 @@ def write_quantized_gguf(path: Path, seed: int = 3) -> Path:
 def corrupt_tensor(path: Path, tensor: str) -> None:
     """Flip one byte of ``tensor``'s data in the model file at ``path`` (its
     sixth: a flip always changes it, whatever the byte was)."""
-    from rpcbuf.control.client.model.modelfile import open_model
+    from rpcbuf.models.modelfile import open_model
 
     model = open_model(path)
     _, at = model.where(tensor)

@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import create_token
 
 SUBNET = "10.77.0"
 PREFIX = "rpcbuf-"  # namespace names: rpcbuf-<pid>-<i>

@@ -24,7 +24,8 @@ from hypothesis import given, settings, strategies as st
 import rpcbuf
 from conftest import DaemonProc
 from rpcbuf.control.client.rendezvous import node_seed, rank, ranks
-from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import create_token
 
 TENANT = "kv"
 BLOCK = 4096

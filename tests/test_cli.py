@@ -30,7 +30,7 @@ def rpcbuf(d: DaemonProc | None, *args: str, tenant: str = "cli",
     if d is not None:
         env["RPCBUF_ENDPOINTS"] = d.addr
         env["RPCBUF_TOKEN"] = d.token(tenant)
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                          text=True, timeout=timeout, cwd=ROOT, env=env)
     assert "Traceback" not in res.stderr, res.stderr
     return res
@@ -200,7 +200,7 @@ def test_version_bare_commands_and_mistyped_flags() -> None:
 
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert api.__version__ == version
-    for tool, prog in (("rpcbuf.control.cli", "rpcbuf"), ("rpcbuf.control.daemon", "rpcbufd")):
+    for tool, prog in (("rpcbuf.cli", "rpcbuf"), ("rpcbuf.control.daemon", "rpcbufd")):
         res = subprocess.run([sys.executable, "-m", tool, "--version"], capture_output=True,
                              text=True, timeout=60, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

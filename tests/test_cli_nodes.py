@@ -31,7 +31,7 @@ def cli(two: tuple[DaemonProc, DaemonProc], *args: str, cwd: Path = ROOT,
     a, b = two
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "80",
            "RPCBUF_ENDPOINTS": endpoints or f"{a.addr};{b.addr}", "RPCBUF_TOKEN": a.token("nodes")}
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                          text=True, timeout=120, cwd=cwd, env=env)
     assert "Traceback" not in res.stdout + res.stderr, res.stderr
     return res

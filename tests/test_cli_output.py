@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, DaemonProc
-from rpcbuf.control.wire.auth import create_token, load_keys
+from rpcbuf.control.formats.keyfile import load_keys
+from rpcbuf.control.wire.auth import create_token
 from rpcbuf.control.wire.errors import ALL_CODES
 
 sys.path.insert(0, str(ROOT / "tests" / "hardening"))
@@ -42,7 +43,7 @@ def cli_env(columns: int = 80, token: str | None = None) -> dict[str, str]:
 
 def run(*args: str, columns: int = 80, token: str | None = None,
         cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                          text=True, timeout=60, cwd=cwd, env=cli_env(columns, token))
     assert "Traceback" not in res.stderr + res.stdout, res.stderr
     return res
@@ -167,7 +168,7 @@ async def test_every_error_code_is_a_sentence_without_a_traceback(tmp_path: Path
             for args in (["devices"], ["ls", "--json"],
                          ["get", "x", "--out", str(tmp_path / "x.npy")]):
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "rpcbuf.control.cli", *args, "--endpoint", addr,
+                    sys.executable, "-m", "rpcbuf.cli", *args, "--endpoint", addr,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     cwd=ROOT, env=cli_env(80, TOKEN))
                 out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -228,7 +229,7 @@ async def test_a_protocol_mismatch_names_both_versions() -> None:
     addr = await fake.start()
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rpcbuf.control.cli", "status", "--endpoint", addr,
+            sys.executable, "-m", "rpcbuf.cli", "status", "--endpoint", addr,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
             env=cli_env(80, TOKEN))
         _, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -320,7 +321,7 @@ def test_doctor_under_tls_on_loopback_says_why_ucx_and_what_same_host_is(
     (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
     assert path["status"] == "warn" and "RPCBUF_SAME_HOST=1" in path["message"], path
     env = {**cli_env(80, d.token("doc")), "RPCBUF_SAME_HOST": "1"}
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoint",
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", "doctor", "--endpoint",
                           d.addr, "--ca", str(cert), "--json"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT, env=env)
     (path,) = [c for c in json.loads(res.stdout)[d.addr] if c["check"] == "data path"]
@@ -332,7 +333,7 @@ def test_doctor_lines_fold_between_words_and_after_slashes() -> None:
     "round trip 64.0 MiB" ran into its sentence; error sentences broke
     mid-word at the terminal's edge ($RPC / BUF_TOKEN); a 60-character
     buffer name wrapped into 7 lines."""
-    from rpcbuf.control.cli import doctor, tables
+    from rpcbuf.cli import doctor, tables
 
     lib = "/work/main/.venv/lib/python3.11/site-packages/libucx/lib/libucp.so.0"
     lines = doctor.render({"n": [doctor.Check("ucx here", "ok", f"UCX 1.21.0 at {lib}: fine"),
@@ -379,7 +380,7 @@ def test_table_cells_are_text_never_markup() -> None:
     colours."""
     from rich.console import Console
 
-    from rpcbuf.control.cli import commands, tables
+    from rpcbuf.cli import commands, tables
 
     t = tables.fit("t", [tables.Col("name", key=True), tables.Col("used")],
                    [["a[bold]b", commands.bar(1, 2)], ["[/x]", "-"]], columns=80)

@@ -29,9 +29,9 @@ from models import (
     write_raw_safetensors,
     write_safetensors,
 )
-from rpcbuf.control.client.model.metadata import META_TENSOR
-from rpcbuf.control.client.model.modelfile import open_model
-from rpcbuf.control.client.model.record import LOAD_TENSOR
+from rpcbuf.models.metadata import META_TENSOR
+from rpcbuf.models.modelfile import open_model
+from rpcbuf.models.record import LOAD_TENSOR
 
 TOKEN_TENANT = "loader"
 
@@ -254,7 +254,7 @@ async def test_load_unmaps_the_model_before_it_returns(cluster: rpcbuf.Cluster,
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "COLUMNS": "200"})
 

@@ -15,7 +15,8 @@ import pytest
 
 import rpcbuf
 from conftest import ROOT
-from rpcbuf.control.wire.auth import load_or_create_secret, verify_token
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import verify_token
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -171,12 +172,12 @@ def test_a_reader_locking_the_ready_file_does_not_stop_a_restart(  # type: ignor
 
 def test_token_cli(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
-    res = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",
+    res = run("rpcbuf.cli", "token", "create", "--secret-file", str(secret), "--tenant",
               "alice",
               "--ttl", "24h", "--create")
     assert res.returncode == 0, res.stderr
     assert verify_token(load_or_create_secret(secret), res.stdout.strip()) == "alice"
-    bad = run("rpcbuf.control.cli", "token", "create", "--secret-file", str(secret), "--tenant",
+    bad = run("rpcbuf.cli", "token", "create", "--secret-file", str(secret), "--tenant",
               "a b")
     assert bad.returncode == 2 and "bad tenant" in bad.stderr
 
@@ -185,22 +186,22 @@ async def test_cli_devices_ls_release(clean_pool) -> None:  # type: ignore[no-un
     async with clean_pool.connect("alice") as c:
         buf = await c.request_buffer(4096, name="cli-test")
         tok = clean_pool.token("alice")
-        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "devices", "--endpoints",
+        res = await asyncio.to_thread(run, "rpcbuf.cli", "devices", "--endpoints",
                                       f"{clean_pool.addr};127.0.0.1:1", "--token", tok, "--json")
         out = json.loads(res.stdout)
         assert res.returncode == 1  # one node failed: reported per node
         assert out[clean_pool.addr][0]["key"] == "cpu:0"
         assert out["127.0.0.1:1"]["code"] == "CONNECTION_LOST"
-        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "ls", "--endpoint",
+        res = await asyncio.to_thread(run, "rpcbuf.cli", "ls", "--endpoint",
                                       clean_pool.addr,
                                       "--token", tok)
         assert res.returncode == 0 and buf in res.stdout and "cli-test" in res.stdout
-        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "release", buf, "--endpoint",
+        res = await asyncio.to_thread(run, "rpcbuf.cli", "release", buf, "--endpoint",
                                       clean_pool.addr, "--token", tok)
         assert res.returncode == 0, res.stderr
         with pytest.raises(rpcbuf.NotFound):
             await c.get_buffer_meta(buf)
-        res = await asyncio.to_thread(run, "rpcbuf.control.cli", "ls", "--endpoint",
+        res = await asyncio.to_thread(run, "rpcbuf.cli", "ls", "--endpoint",
                                       clean_pool.addr,
                                       "--token", "forged")
         assert res.returncode == 1 and "AUTH_FAILED" in res.stderr
@@ -262,7 +263,7 @@ def test_an_arena_larger_than_the_machine_is_said_at_start(daemon_factory) -> No
     # And in doctor (the issue asked for both).
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RPCBUF_TOKEN": d.token("doc")}
     for node, warned in ((d, True), (small, False)):
-        res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoint",
+        res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", "doctor", "--endpoint",
                               node.addr, "--json"], capture_output=True, text=True, timeout=120,
                              env={**env, "RPCBUF_TOKEN": node.token("doc")})
         checks = {c["check"]: c for c in json.loads(res.stdout)[node.addr]}

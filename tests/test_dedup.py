@@ -161,7 +161,7 @@ async def test_client_hash_cache_skips_reading_and_follows_file_changes(
     import os
 
     from models import llama_tensors, write_safetensors
-    from rpcbuf.control.client.model import reading
+    from rpcbuf.models import reading
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
     hashed: list[str] = []
@@ -219,7 +219,7 @@ async def test_tensors_are_hashed_while_the_buffers_are_requested(
     import contextlib
 
     from models import llama_tensors, write_safetensors
-    from rpcbuf.control.client.model import loader, reading
+    from rpcbuf.models import loader, reading
 
     monkeypatch.setenv("RPCBUF_CACHE_DIR", str(tmp_path / "hashes"))
     hashed: list[str] = []

@@ -32,7 +32,8 @@ import rpcbuf
 from rpcbuf.control.client.cluster import Cluster
 from rpcbuf.control.client.discovery import Discovery, RegistryUnavailable, StaleEntry
 from rpcbuf.control.fleet.etcd import EtcdOptions
-from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import create_token
 from rpcbuf.control.wire.membership import NodeRecord, node_key
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None,
@@ -117,7 +118,7 @@ def cli(*args: str, token: str | None = None,
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "150"}
     if token:
         env["RPCBUF_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
 

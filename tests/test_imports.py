@@ -1,8 +1,10 @@
 """The import rules of docs/architecture.md, checked over ``src/`` by an AST
-walk: ``control.wire`` imports neither side; ``control.client`` and
-``control.daemon`` never import each other (nor the CLI); ``control.fleet``
-(the etcd I/O both use) imports neither; ``dataplane`` never imports
-``control`` (all of them under ``rpcbuf.``); and no module imports, however indirectly, itself
+walk: ``control.wire`` and ``control.formats`` import neither side;
+``control.client`` and ``control.daemon`` never import each other (nor the
+CLI, nor the model loader); ``control.fleet`` (the etcd I/O both use)
+imports neither; ``models`` (the model loader, over the client) and ``cli``
+never import the daemon; ``dataplane`` never imports ``control`` (all of
+them under ``rpcbuf.``); and no module imports, however indirectly, itself
 (imports inside functions and under ``TYPE_CHECKING`` count too: a cycle
 there is a cycle in the design)."""
 
@@ -51,18 +53,20 @@ def room(mod: str) -> str:
         return parts[0]
     if parts[1] == "control" and len(parts) > 2:
         return f"control.{parts[2]}"
-    return parts[1] if parts[1] in ("control", "dataplane") else "rpcbuf"
+    return parts[1] if parts[1] in ("control", "dataplane", "cli", "models") else "rpcbuf"
 
 
 def test_rooms_import_only_what_they_may() -> None:
     may_not = {
-        "control.wire": ("control.daemon", "control.client", "control.cli"),
-        "control.daemon": ("control.client", "control.cli"),
-        "control.client": ("control.daemon", "control.cli"),
-        "control.fleet": ("control.daemon", "control.client", "control.cli"),
-        "control.cli": ("control.daemon",),
-        "dataplane": ("control", "rpcbuf"),
-        "rpcbuf": ("control.daemon", "control.cli"),
+        "control.wire": ("control.daemon", "control.client", "control.formats", "cli", "models"),
+        "control.formats": ("control.daemon", "control.client", "control.fleet", "cli", "models"),
+        "control.daemon": ("control.client", "cli", "models"),
+        "control.client": ("control.daemon", "cli", "models"),
+        "control.fleet": ("control.daemon", "control.client", "cli", "models"),
+        "models": ("control.daemon", "cli"),
+        "cli": ("control.daemon",),
+        "dataplane": ("control", "rpcbuf", "cli", "models"),
+        "rpcbuf": ("control.daemon", "cli"),
     }
     bad = [f"{m} imports {t}" for m, ts in graph().items() for t in ts
            if any(room(t) == f or room(t).startswith(f + ".")
@@ -100,6 +104,7 @@ def test_the_rules_see_the_code() -> None:
     assert room("rpcbuf.control.daemon.service.server") == "control.daemon"
     assert room("rpcbuf.dataplane.ucx") == "dataplane"
     assert room("rpcbuf") == "rpcbuf"
+    assert room("rpcbuf.cli.main") == "cli" and room("rpcbuf.models.loader") == "models"
 
 
 def test_only_rpcbuf_names_are_installed() -> None:

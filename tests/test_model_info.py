@@ -25,10 +25,10 @@ import pytest
 import rpcbuf
 from conftest import ROOT, DaemonProc
 from models import QUANT_KVS, write_quantized_gguf
-from rpcbuf.control.client.model.metadata import META_TENSOR
-from rpcbuf.control.client.model.modelcheck import MAX_METADATA_ITEMS
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.manifest import ManifestTable, Packed
+from rpcbuf.models.metadata import META_TENSOR
+from rpcbuf.models.modelcheck import MAX_METADATA_ITEMS
 
 TENANT = "model-info"
 
@@ -188,7 +188,7 @@ async def test_a_corrupt_metadata_blob_from_the_daemon_is_a_bad_answer(
 
 
 def cli(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=60,
                           env={**os.environ, "COLUMNS": str(columns),
                                "PYTHONPATH": str(ROOT / "src")})

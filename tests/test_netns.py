@@ -24,7 +24,7 @@ __all__ = ["netns_hosts"]  # the fixture, imported so pytest finds it
 
 def run(c: NetnsCluster, *args: str, script: str | None = None,
         timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, script] if script else [sys.executable, "-m", "rpcbuf.control.cli"]
+    cmd = [sys.executable, script] if script else [sys.executable, "-m", "rpcbuf.cli"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=ROOT,
                           env=c.client_env(), timeout=timeout)
 

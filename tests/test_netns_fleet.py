@@ -55,7 +55,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsClust
 
 
 def cli(c: NetnsCluster, registry: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args, "--registry",
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args, "--registry",
                            registry,
                            "--cluster", "netns"], capture_output=True, text=True, cwd=ROOT,
                           env={**c.client_env(), "RPCBUF_TOKEN": c.token}, timeout=90)

@@ -24,8 +24,8 @@ import pytest
 from conftest import ROOT
 from models import corrupt_tensor, llama_tensors, write_safetensors
 from netns import NetnsCluster, plan, remove_leftovers, setup, teardown, unavailable
-from rpcbuf.control.client.model import metadata as MD
-from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.models import metadata as MD
+from rpcbuf.models.modelfile import open_model
 
 VICTIM = "model.layers.2.mlp.down_proj.weight"
 
@@ -61,7 +61,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NetnsClust
 
 
 def cli(c: NetnsCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args, "--endpoints",
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args, "--endpoints",
                            c.endpoints, "--token", c.token, "--timeout", "20"],
                           capture_output=True, text=True, cwd=ROOT, env=c.client_env(),
                           timeout=120)
@@ -90,7 +90,7 @@ def manifest(hosts: tuple[NetnsCluster, Path], tmp_path_factory: pytest.TempPath
              ) -> Path:
     """The driver's hash manifest, alone in a directory of its own."""
     _, model = hosts
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "hash", str(model), "--json"],
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", "hash", str(model), "--json"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr
     made = Path(json.loads(res.stdout)["manifest"])
@@ -139,7 +139,7 @@ _READ_BACK = """
 import asyncio, sys
 import numpy as np
 import rpcbuf
-from rpcbuf.control.client.model.modelfile import open_model
+from rpcbuf.models.modelfile import open_model
 
 async def main(addr, token, path):
     model = open_model(path)

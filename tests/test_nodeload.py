@@ -25,11 +25,11 @@ import rpcbuf
 from conftest import ROOT, DaemonProc, start_daemon
 from models import corrupt_tensor, gguf_tensors, llama_tensors, write_gguf, write_safetensors
 from rpcbuf.control.client.fileload import FileTensor
-from rpcbuf.control.client.model import metadata as MD, record as LR
-from rpcbuf.control.client.model.hashfile import MAX_BYTES, describe, manifest_path
-from rpcbuf.control.client.model.modelfile import open_model
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.wire import protocol as P
+from rpcbuf.models import metadata as MD, record as LR
+from rpcbuf.models.hashfile import MAX_BYTES, describe, manifest_path
+from rpcbuf.models.modelfile import open_model
 
 VICTIM = "model.layers.1.mlp.up_proj.weight"
 FAKE_CUPY = Path(__file__).parent / "fakecupy"
@@ -312,7 +312,7 @@ async def test_a_stale_or_malformed_manifest_is_refused_before_any_request(
     d, _, _ = node
     path = write_safetensors(tmp_path / "m.safetensors", llama_tensors(1))
     manifest = manifest_path(path)
-    assert subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "hash", str(path)],
+    assert subprocess.run([sys.executable, "-m", "rpcbuf.cli", "hash", str(path)],
                           cwd=ROOT, capture_output=True, timeout=60).returncode == 0
     write_safetensors(path, llama_tensors(1, hidden=32))  # changed after it was hashed
     async with rpcbuf.Cluster.connect(d.addr, d.token("alice"), timeout=10) as cluster:
@@ -448,7 +448,7 @@ async def test_the_audit_trail_names_who_loaded_which_file_escaped(
 
 
 def cli(d: DaemonProc, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args, "--endpoint", d.addr,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args, "--endpoint", d.addr,
                            "--token", d.token("dave")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
 
@@ -456,7 +456,7 @@ def cli(d: DaemonProc, *args: str) -> subprocess.CompletedProcess[str]:
 async def test_cli_hash_then_load_from_node(node: tuple[DaemonProc, Path, Path],
                                             tmp_path: Path) -> None:
     d, _models, local = node
-    res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "rpcbuf.control.cli",
+    res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "rpcbuf.cli",
                                                    "hash",
                                                    str(local / "tiny.safetensors"), "--json"],
                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -594,7 +594,7 @@ async def test_a_directory_of_shards_loads_shard_by_shard(
                           {n: t[n] for n in names[:7]})
         write_safetensors(where / "model-00002-of-00002.safetensors",
                           {n: t[n] for n in names[7:]})
-    res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "rpcbuf.control.cli",
+    res = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "rpcbuf.cli",
                                                    "hash",
                                                    str(local / "sharded")],
                                   cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -27,7 +27,7 @@ from tests.certs import self_signed
 
 import rpcbuf
 from rpcbuf.control.daemon.service.sdnotify import Notifier, watchdog_interval
-from rpcbuf.control.wire.auth import load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
 from rpcbuf.dataplane import staging
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,6 +18,7 @@ import pytest
 import rpcbuf
 import rpcbuf.control.wire.auth as auth
 from conftest import ROOT, DaemonProc, pool_free, wait_free
+from rpcbuf.control.formats import keyfile
 
 
 @pytest.mark.parametrize("same_host", [None, False], ids=["default-path", "ucx-path"])
@@ -65,13 +66,13 @@ def _sighup(d: DaemonProc, seen: int, timeout: float = 10.0) -> int:
 
 async def test_sighup_rotates_keys(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d: DaemonProc = daemon_factory("--device", "cpu:4MiB")
-    old_keys = auth.load_keys(d.secret_file)  # the one key the daemon made: "default"
+    old_keys = keyfile.load_keys(d.secret_file)  # the one key the daemon made: "default"
     assert old_keys.kids == ["default"]
     async with rpcbuf.connect(d.addr, token=auth.create_token(old_keys, "alice", 3600),
                               timeout=30) as on_old:
         k2 = secrets.token_hex(32)
         d.secret_file.write_text(d.secret_file.read_text() + f"k2 {k2}\n")
-        both = auth.load_keys(d.secret_file)
+        both = keyfile.load_keys(d.secret_file)
         new_token = auth.create_token(both, "alice", 3600)  # the newest key signs
         assert jwt.get_unverified_header(new_token)["kid"] == "k2"
         with pytest.raises(rpcbuf.AuthFailed, match="unknown or revoked"):  # not read yet
@@ -98,7 +99,7 @@ async def test_sighup_rotates_keys(daemon_factory) -> None:  # type: ignore[no-u
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *argv], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
 
 
@@ -106,7 +107,7 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     res = _cli("token", "create", "--secret-file", str(secret), "--tenant", "alice", "--create")
     assert res.returncode == 0, res.stderr
-    keys = auth.load_keys(secret)
+    keys = keyfile.load_keys(secret)
     claims = jwt.decode(res.stdout.strip(), keys.keys["default"], algorithms=["HS256"],
                         audience="default")
     assert claims["sub"] == "alice" and claims["aud"] == ["default"]  # cluster "default"
@@ -134,7 +135,7 @@ def test_token_create_defaults_and_kid(tmp_path: Path) -> None:
     res = _cli("token", "create", "--secret-file", str(fresh), "--tenant", "dave",
                "--kid", "2026-12", "--create")
     assert res.returncode == 0, res.stderr
-    assert auth.load_keys(fresh).kids == ["2026-12"]
+    assert keyfile.load_keys(fresh).kids == ["2026-12"]
     assert jwt.get_unverified_header(res.stdout.strip())["kid"] == "2026-12"
 
 
@@ -184,9 +185,9 @@ def test_token_create_makes_a_secret_only_when_asked(tmp_path: Path) -> None:
     res = _cli("token", "create", "--secret-file", str(made), "--tenant", "alice", "--create")
     assert res.returncode == 0 and (made.stat().st_mode & 0o777) == 0o600, res.stderr
     again = _cli("token", "create", "--secret-file", str(made), "--tenant", "bob", "--create")
-    assert again.returncode == 0 and auth.verify(auth.load_keys(made),
+    assert again.returncode == 0 and auth.verify(keyfile.load_keys(made),
                                                  again.stdout.strip()).tenant == "bob"
-    assert auth.load_keys(made).kids == ["default"]  # --create on a file there keeps its key
+    assert keyfile.load_keys(made).kids == ["default"]  # --create on a file there keeps its key
 
 
 def test_token_create_names_clusters_and_nodes(tmp_path: Path) -> None:
@@ -212,7 +213,7 @@ async def test_a_token_for_another_cluster_or_node_is_refused(
     cluster or node is refused on every other, AUTH_FAILED naming where it was."""
     d: DaemonProc = daemon_factory("--device", "cpu:4MiB", "--cluster", "prod",
                                    "--node-id", "n1")
-    keys = auth.load_keys(d.secret_file)
+    keys = keyfile.load_keys(d.secret_file)
     for good in (["prod"], ["staging", "prod"]):
         async with rpcbuf.connect(d.addr, token=auth.create_token(keys, "alice", 60,
                                                                   clusters=good),

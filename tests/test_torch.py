@@ -297,7 +297,7 @@ async def test_a_transformers_model_runs_on_attached_weights(
     env = {**os.environ, "RPCBUF_ENDPOINTS": clean_pool.addr,
            "RPCBUF_TOKEN": clean_pool.token(TENANT), "COLUMNS": "120"}
     res = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "rpcbuf.control.cli", "load",
+        subprocess.run, [sys.executable, "-m", "rpcbuf.cli", "load",
                          str(tmp_path / "tiny-llama" / "model.safetensors"),
                          "--name", "tiny-llama"],
         capture_output=True, text=True, env=env, timeout=120)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rpcbuf.control.cli.doctor import ucx_checks
+from rpcbuf.cli.doctor import ucx_checks
 from rpcbuf.dataplane import ucx, ucxlib
 
 pytestmark = pytest.mark.ucx_path
@@ -292,7 +292,7 @@ def test_doctor_on_a_refused_ucx_shows_that_ucx_not_a_token_failure(daemon_facto
     """Seen: on the UCX path the refusal came out as `FAIL token ... [UCX_UNUSABLE]`."""
     d = daemon_factory("--device", "cpu:16MiB")
     env = {**os.environ, "RPCBUF_UCX": str(tmp_path / "none"), "RPCBUF_SAME_HOST": "0"}
-    got = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "doctor", "--endpoints",
+    got = subprocess.run([sys.executable, "-m", "rpcbuf.cli", "doctor", "--endpoints",
                           d.addr,
                           "--token", d.token()], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -144,7 +144,8 @@ class Daemon:
     def __init__(self, tmp: Path, *flags: str, tenant: str = "bench",
                  log_level: str = "WARNING", ready_timeout: float = 60.0,
                  stop_timeout: float = 15.0, env: dict[str, str] | None = None) -> None:
-        from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+        from rpcbuf.control.formats.keyfile import load_or_create_secret
+        from rpcbuf.control.wire.auth import create_token
 
         self.tmp, self.flags, self.env = tmp, list(flags), env
         if "--device" not in self.flags:

@@ -5,11 +5,6 @@ from .control.client.cluster import Cluster, ClusterError
 from .control.client.connect import Connector, connect, create_rpc_context
 from .control.client.context import RpcContext
 from .control.client.keyspace import BlockCluster
-from .control.client.model.attached import AttachedModel, attach_model
-from .control.client.model.info import ModelInfo, TensorInfo, model_info
-from .control.client.model.loader import LoadResult, unload_model
-from .control.client.model.placement import Placement
-from .control.client.model.sources import load_model
 from .control.client.pool import BufferPool
 from .control.client.tensors import calculate_buffer_size
 from .control.wire.errors import (
@@ -31,6 +26,11 @@ from .control.wire.errors import (
     VerifyFailed,
 )
 from .dataplane.checksum import checksum
+from .models.attached import AttachedModel, attach_model
+from .models.info import ModelInfo, TensorInfo, model_info
+from .models.loader import LoadResult, unload_model
+from .models.placement import Placement
+from .models.sources import load_model
 
 __version__: str
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from rpcbuf.control.client.model import acquire as L, slots
-from rpcbuf.control.client.model.modelfile import TensorSpec
 from rpcbuf.control.client.tensors import plan_layout
+from rpcbuf.models import acquire as L, slots
+from rpcbuf.models.modelfile import TensorSpec
 
 SPECS = [TensorSpec("a", "float32", (256,), 1024, "F32"), TensorSpec("b", "float32", (64,), 256,
                                                                      "F32")]

@@ -1,4 +1,4 @@
-"""Hash manifests (``client/model/hashfile.py``): written by ``rpcbuf hash``,
+"""Hash manifests (``models/hashfile.py``): written by ``rpcbuf hash``,
 read bounded and checked, and refused when stale or malformed."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 
 from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
 from rpcbuf.control.client.dedup import content_hashes
-from rpcbuf.control.client.model import hashfile, metadata as MD
-from rpcbuf.control.client.model.hashfile import (
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models import hashfile, metadata as MD
+from rpcbuf.models.hashfile import (
     MAX_BYTES,
     describe,
     hash_model,
@@ -24,8 +25,7 @@ from rpcbuf.control.client.model.hashfile import (
     read_manifest,
     write_manifest,
 )
-from rpcbuf.control.client.model.modelfile import open_model
-from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.modelfile import open_model
 
 
 def written(path: Path) -> Path:

@@ -12,7 +12,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from rpcbuf.control.client.model import acquire, commit as CM, slots
+from rpcbuf.models import acquire, commit as CM, slots
 
 
 class Node:

@@ -1,4 +1,4 @@
-"""The load record (``client/model/record.py``) with no daemon: what it
+"""The load record (``models/record.py``) with no daemon: what it
 encodes, what a daemon may hand back, and how a model's slots are judged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 import rpcbuf
-from rpcbuf.control.client.model import record as LR
+from rpcbuf.models import record as LR
 
 
 def rec(slot: int, names: list[str], state: str = LR.COMMITTED, load: str = "a" * 16,

@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 from models import write_raw_safetensors
-from rpcbuf.control.client.model import metadata as MD
-from rpcbuf.control.client.model.info import parse_tensors, slot_of
-from rpcbuf.control.client.model.modelcheck import (
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models import metadata as MD
+from rpcbuf.models.info import parse_tensors, slot_of
+from rpcbuf.models.modelcheck import (
     MAX_METADATA_BYTES,
     MAX_METADATA_ITEMS,
     MAX_METADATA_KEYS,
     MAX_NAME,
     check_gguf,
 )
-from rpcbuf.control.client.model.modelfile import open_model
-from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.modelfile import open_model
 
 FAST = 0.5  # seconds: refused at the length, not after reading
 U8, U32, STRING, ARRAY = 0, 4, 8, 9

@@ -25,8 +25,8 @@ import pytest
 
 from conftest import ROOT
 from models import gguf_tensors, write_gguf, write_raw_safetensors, write_safetensors
-from rpcbuf.control.client.model.modelfile import open_model
 from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.modelfile import open_model
 
 FAST = 0.5  # seconds: "well under a second", with room for a busy 2-core machine
 
@@ -238,7 +238,7 @@ def test_cli_load_of_a_malicious_file_exits_2_with_one_line(tmp_path: Path, kind
         body = st_file('{"t": {"dtype": "F32", "shape": ' + "[" * 100_000 + "]" * 100_000 + "}}")
     (p := tmp_path / f"evil.{kind}").write_bytes(body)
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", "load", str(p), "--endpoint",
+    res = subprocess.run([sys.executable, "-m", "rpcbuf.cli", "load", str(p), "--endpoint",
                           "127.0.0.1:9", "--token", "x"], capture_output=True, text=True,
                          cwd=ROOT, timeout=30, env={**os.environ})
     took = time.perf_counter() - t0

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rpcbuf.control.cli.fleet import group_models
-from rpcbuf.control.client.model import record as LR
+from rpcbuf.cli.fleet import group_models
+from rpcbuf.models import record as LR
 
 
 def _slot(buffer_id: str, model: str, slot: int, rec: LR.LoadRecord) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import rpcbuf
 from models import gguf_tensors, llama_tensors
-from rpcbuf.control.client.model import placement as PL
+from rpcbuf.models import placement as PL
 
 MiB = 1 << 20
 

@@ -8,8 +8,8 @@ hashing, the rest in few batches).
 
 from __future__ import annotations
 
-from rpcbuf.control.client.model.modelfile import TensorSpec
-from rpcbuf.control.client.model.reading import DEFAULT_BATCH, FIRST_BATCH, batches
+from rpcbuf.models.modelfile import TensorSpec
+from rpcbuf.models.reading import DEFAULT_BATCH, FIRST_BATCH, batches
 
 MiB = 1 << 20
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from models import gguf_tensors, llama_tensors, write_gguf, write_safetensors
-from rpcbuf.control.client.model.modelfile import open_model
 from rpcbuf.control.daemon.content.modeldirs import ModelFiles
 from rpcbuf.control.wire.errors import BadRequest, Forbidden, NotFound
+from rpcbuf.models.modelfile import open_model
 
 
 @pytest.fixture

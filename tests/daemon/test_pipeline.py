@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import xxhash
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Buffer, Pool, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
 from rpcbuf.control.daemon.data.paths import DataPath, Region, TransferItems
@@ -26,6 +25,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import OutOfRange, VerifyFailed
 from rpcbuf.control.wire.runs import plan_runs, run_tag
 from rpcbuf.dataplane.arena import HostArena
+from rpcbuf.dataplane.copypool import CopyPool
 
 TENANT = "alice"
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rpcbuf.control.daemon.accounting import prefault
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.dataplane.arena import HostArena
+from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.prefault import Prefault
 
 _sweeps: list[CopyPool] = []

@@ -109,7 +109,7 @@ def cli_env() -> dict[str, str]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=60, env=cli_env())
 
 
@@ -224,7 +224,7 @@ async def test_rpcbuf_load_interrupted_by_a_signal_cleans_up_and_says_one_line(
     they were released."""
     name = f"sig{int(sig)}-{int(again or 0)}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rpcbuf.control.cli", "load", str(big), "--endpoints",
+        [sys.executable, "-m", "rpcbuf.cli", "load", str(big), "--endpoints",
          ";".join(endpoints(nodes)), "--token", nodes[0].token(TENANT), "--name", name,
          "--batch-size", "1MiB", "--no-hash-cache"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env())

@@ -23,8 +23,8 @@ from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer, send_handle, stagi
 from rich.console import Console
 
 import rpcbuf
-from rpcbuf.control.cli import doctor, tables
-from rpcbuf.control.cli.errors import sentence
+from rpcbuf.cli import doctor, tables
+from rpcbuf.cli.errors import sentence
 from rpcbuf.control.client.blockops import list_all
 from rpcbuf.control.wire.errors import BadRequest, OutOfMemory
 from rpcbuf.dataplane import staging

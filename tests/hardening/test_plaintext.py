@@ -133,7 +133,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RPCBUF_TOKEN": TOKEN}
     env.pop("RPCBUF_INSECURE", None)
     env.pop("RPCBUF_CA", None)
-    return subprocess.run([sys.executable, "-m", "rpcbuf.control.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rpcbuf.cli", *args], capture_output=True,
                           text=True, env=env, timeout=60)
 
 

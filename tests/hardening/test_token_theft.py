@@ -26,6 +26,7 @@ from fakedaemon import TOKEN, Conn, FakeDaemon, hello_answer
 from rawwire import Raw
 
 import rpcbuf
+from rpcbuf.control.formats import keyfile
 from rpcbuf.control.wire import auth, protocol as P
 
 
@@ -191,7 +192,7 @@ async def test_a_token_as_long_as_any_minted_says_hello(daemon_factory) -> None:
     hello: a token narrowed to 120 nodes (1,600 characters; a plain string
     field stopped at 1,024) still opens a session."""
     d = daemon_factory("--device", "cpu:16MiB", "--node-id", "n000")
-    keys = auth.load_keys(d.secret_file)
+    keys = keyfile.load_keys(d.secret_file)
     token = auth.create_token(keys, "alice", 60, nodes=[f"n{i:03d}" for i in range(120)])
     assert len(token.rpartition(".")[0]) > P.MAX_STR
     async with rpcbuf.connect(d.addr, token=token, timeout=10) as c:

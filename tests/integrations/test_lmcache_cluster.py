@@ -22,7 +22,7 @@ from lmcache_harness import CHUNK, kv_tensor
 from test_lmcache import Engine, _extra
 
 from conftest import DaemonProc
-from rpcbuf.control.wire.auth import load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
 
 TENANT = "lmc"
 

@@ -27,7 +27,8 @@ import torch
 from sglang_harness import PAGE, SHAPES, HostPool, file_extra, make, rpcbuf_extra
 
 from conftest import DaemonProc, start_daemon
-from rpcbuf.control.wire.auth import create_token, load_or_create_secret
+from rpcbuf.control.formats.keyfile import load_or_create_secret
+from rpcbuf.control.wire.auth import create_token
 
 N = 8  # pages a test stores
 

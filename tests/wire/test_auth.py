@@ -14,12 +14,10 @@ import jwt
 import msgpack
 import pytest
 
+from rpcbuf.control.formats.keyfile import load_keys, load_or_create_secret, parse_keys
 from rpcbuf.control.wire.auth import (
     Keyring,
     create_token,
-    load_keys,
-    load_or_create_secret,
-    parse_keys,
     verify,
     verify_token,
 )

@@ -31,7 +31,6 @@ from rpcbuf.control.client.discovery import (
     check_node,
     choose_by_free,
 )
-from rpcbuf.control.client.model.placement import Slot
 from rpcbuf.control.client.opening import TlsOption
 from rpcbuf.control.fleet.etcd import EtcdOptions
 from rpcbuf.control.wire.errors import BadRequest, RpcBufError
@@ -373,10 +372,6 @@ class Cluster:
             raise ClusterError.of("list_devices", errors,
                                   {a: r for a, r in got.items() if not isinstance(r, RpcBufError)})
         return [d for devs in got.values() if not isinstance(devs, RpcBufError) for d in devs]
-
-    async def slots(self) -> list[Slot]:
-        """The devices as placement slots.  Raises ``ClusterError``."""
-        return [Slot.from_device(d["slot"], d["endpoint"], d) for d in await self.devices()]
 
     async def list_buffers(self) -> dict[str, list[dict[str, Any]]]:
         """``{endpoint: this tenant's buffers}``.  Raises ``ClusterError``."""

@@ -10,5 +10,5 @@
 - ``accounting``: who holds what and the bounds on it;
 - ``observe``: the logs, the audit trail, the op counters.
 
-Never imports ``rpcbuf.control.client`` or ``rpcbuf.control.cli``.
+Never imports ``rpcbuf.control.client`` or ``rpcbuf.cli``.
 """

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from rpcbuf.control.daemon.accounting.buffers import Buffer, Pool
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.dataplane.arena import Arena, host_memory
+from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.zeroer import Zeroing
 
 

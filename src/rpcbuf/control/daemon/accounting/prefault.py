@@ -22,8 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.dataplane.arena import Arena, host_memory
+from rpcbuf.dataplane.copypool import CopyPool
 
 log = logging.getLogger("rpcbuf.daemon")
 MIN_BYTES = 8 << 20

@@ -32,9 +32,9 @@ import numpy as np
 from rpcbuf.dataplane.arena import host_memory
 
 if TYPE_CHECKING:
-    from rpcbuf.control.daemon.accounting.copypool import CopyPool
     from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
     from rpcbuf.control.daemon.content.diskcache import DiskCache
+    from rpcbuf.dataplane.copypool import CopyPool
 
 log = logging.getLogger("rpcbuf.daemon")
 SWEEP_EVERY = 1024

@@ -23,9 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
-from rpcbuf.control.wire.errors import BadRequest, Forbidden, NotFound, VerifyFailed
-from rpcbuf.control.wire.modelcheck import (
+from rpcbuf.control.formats.modelheaders import (
     Malformed,
     Ranges,
     gguf_ranges,
@@ -33,6 +31,8 @@ from rpcbuf.control.wire.modelcheck import (
     safetensors_parse,
     safetensors_ranges,
 )
+from rpcbuf.control.wire.errors import BadRequest, Forbidden, NotFound, VerifyFailed
+from rpcbuf.dataplane.copypool import CopyPool
 
 FILE_THREADS = 2  # loads read at once on a node; one per tenant
 LAYOUTS = 64  # file headers remembered

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.ucx_errors import ucx_errors
 from rpcbuf.control.wire import protocol as P
@@ -34,6 +33,7 @@ from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
 from rpcbuf.control.wire.runs import plan_runs, run_tag
 from rpcbuf.dataplane import staging
 from rpcbuf.dataplane.arena import Arena
+from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.devsum import memory_kind
 from rpcbuf.dataplane.ucx import DataEndpoint, transfer_all
 

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.locks import LockGrant
 from rpcbuf.control.daemon.accounting.registry import Buffer, Registry
 from rpcbuf.control.daemon.content.index import ContentIndex
@@ -37,6 +36,7 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, Busy, NotFound, OutOfMemory, OutOfRange
 from rpcbuf.control.wire.units import THREAD_BYTES
 from rpcbuf.dataplane.arena import host_memory
+from rpcbuf.dataplane.copypool import CopyPool
 
 Range = tuple[int, int]
 

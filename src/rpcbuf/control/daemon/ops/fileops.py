@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.daemon.accounting.copypool import CopyJob
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.daemon.content.modeldirs import ModelFiles, OpenedFile
 from rpcbuf.control.daemon.data.paths import outlast
@@ -38,6 +37,7 @@ from rpcbuf.control.daemon.data.pipeline import Call, Ops, Pipeline, Plan, check
 from rpcbuf.control.daemon.ops import manifest as M
 from rpcbuf.control.daemon.ops.dedupops import DedupHandlers
 from rpcbuf.control.daemon.ops.node import Node
+from rpcbuf.control.formats.modelheaders import Ranges
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import (
     BadRequest,
@@ -48,7 +48,7 @@ from rpcbuf.control.wire.errors import (
     VerifyFailed,
 )
 from rpcbuf.control.wire.manifest import Packed
-from rpcbuf.control.wire.modelcheck import Ranges
+from rpcbuf.dataplane.copypool import CopyJob
 from rpcbuf.dataplane.devops import fill
 from rpcbuf.dataplane.fileread import Item, Outcome, ReadStopped, read_ranges
 

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 from rpcbuf.control.daemon.accounting.admission import Pending
 from rpcbuf.control.daemon.accounting.charges import Charges
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Registry
 from rpcbuf.control.daemon.content.blocks import BlockStore
 from rpcbuf.control.daemon.content.index import ContentIndex
@@ -21,6 +20,7 @@ from rpcbuf.control.daemon.observe.metrics import Metrics
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.auth import Keyring
 from rpcbuf.control.wire.errors import QuotaExceeded
+from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.janitor import Janitor
 from rpcbuf.dataplane.ucx import DataEndpoint
 

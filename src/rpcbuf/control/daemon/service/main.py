@@ -29,7 +29,7 @@ from rpcbuf.control.daemon.service.flags import GPU_BACKINGS, GPU_KINDS, build_p
 from rpcbuf.control.daemon.service.sdnotify import Notifier
 from rpcbuf.control.daemon.service.server import Daemon, Limits, binding
 from rpcbuf.control.fleet.etcd import Etcd, EtcdOptions
-from rpcbuf.control.wire.auth import load_keys
+from rpcbuf.control.formats.keyfile import load_keys
 from rpcbuf.control.wire.membership import (
     parse_registry,
 )

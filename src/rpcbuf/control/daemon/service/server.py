@@ -33,7 +33,6 @@ import numpy as np
 
 from rpcbuf.control.daemon.accounting.admission import Pending
 from rpcbuf.control.daemon.accounting.charges import Charges, Limit, fd_reserve, handle_limits
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
 from rpcbuf.control.daemon.accounting.registry import Registry
 from rpcbuf.control.daemon.content.blocks import BlockStore
 from rpcbuf.control.daemon.content.index import ContentIndex
@@ -55,6 +54,7 @@ from rpcbuf.control.wire.auth import Keyring
 from rpcbuf.control.wire.errors import AuthFailed, QuotaExceeded, RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER
 from rpcbuf.dataplane import shm, sockets
+from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.janitor import Janitor
 from rpcbuf.dataplane.kept import MAX_KEPT
 from rpcbuf.dataplane.ucx import (

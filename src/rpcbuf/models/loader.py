@@ -27,28 +27,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rpcbuf.control.client.cluster import Cluster
-from rpcbuf.control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
-from rpcbuf.control.client.model.acquire import acquire, as_if_released
-from rpcbuf.control.client.model.modelfile import ModelFile, TensorSpec, open_model
-from rpcbuf.control.client.model.reading import (
-    DEFAULT_BATCH,
-    FIRST_BATCH,
-    HashAhead,
-    HashLookup,
-    KnownHashes,
-    batches,
-    read_batch,
-)
-from rpcbuf.control.client.model.slots import (
-    SlotJob,
-    buffer_name,
-    carry_metadata,
-    is_model_buffer,
-    metadata_names,
-    metadata_offset,
-    room_for_metadata,
-    slot_offsets,
-)
 from rpcbuf.control.client.tensors import (
     Packed,
     manifest_columns,
@@ -61,6 +39,28 @@ from rpcbuf.control.wire.errors import (
 )
 from rpcbuf.control.wire.manifest import Source, source_columns
 from rpcbuf.dataplane.checksum import checksum
+from rpcbuf.models import commit as CM, metadata as MD, placement as PL, record as LR
+from rpcbuf.models.acquire import acquire, as_if_released
+from rpcbuf.models.modelfile import ModelFile, TensorSpec, open_model
+from rpcbuf.models.reading import (
+    DEFAULT_BATCH,
+    FIRST_BATCH,
+    HashAhead,
+    HashLookup,
+    KnownHashes,
+    batches,
+    read_batch,
+)
+from rpcbuf.models.slots import (
+    SlotJob,
+    buffer_name,
+    carry_metadata,
+    is_model_buffer,
+    metadata_names,
+    metadata_offset,
+    room_for_metadata,
+    slot_offsets,
+)
 
 if TYPE_CHECKING:
     from rpcbuf.control.client.context import RpcContext
@@ -219,7 +219,7 @@ async def place_and_acquire(cluster: Cluster, name: str, sizes: list[tuple[str, 
     """Step 1 of any load: placement over the slots (this model's old buffers
     counted free, room left for the metadata ``blob``), a job per slot, its buffer
     reused or made, its load record planned."""
-    slots = await cluster.slots()
+    slots = [PL.Slot.from_device(d["slot"], d["endpoint"], d) for d in await cluster.devices()]
     existing = await cluster.list_buffers()
     slots = as_if_released(slots, existing, name)
     # room for a load record naming every tensor: any slot's is smaller

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rpcbuf.control.daemon.accounting.copypool import CopyPool
+from rpcbuf.dataplane.copypool import CopyPool
 
 
 async def test_one_tenant_gets_its_share_and_no_more() -> None:

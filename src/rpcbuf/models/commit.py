@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
-from rpcbuf.control.client.model.record import COMMITTED, LOAD_TENSOR, read_record
-from rpcbuf.control.client.model.slots import SlotJob
 from rpcbuf.control.wire.errors import RpcBufError
+from rpcbuf.models.record import COMMITTED, LOAD_TENSOR, read_record
+from rpcbuf.models.slots import SlotJob
 
 CLEANUP_TIMEOUT = 10.0  # seconds a failed load's cleanup waits on one node
 T = TypeVar("T")

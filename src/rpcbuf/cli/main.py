@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rpcbuf.control.cli import commands as cliops, fleet, locate, tables
-from rpcbuf.control.cli.commands import register_operator_commands
-from rpcbuf.control.cli.errors import (
+from rpcbuf.cli import commands as cliops, fleet, locate, tables
+from rpcbuf.cli.commands import register_operator_commands
+from rpcbuf.cli.errors import (
     EXIT_NODE,
     EXIT_OK,
     EXIT_USAGE,
@@ -26,9 +26,10 @@ from rpcbuf.control.cli.errors import (
     sentence,
     to_json,
 )
-from rpcbuf.control.cli.load import register_load_commands, run_hash_command, run_load_command
+from rpcbuf.cli.load import register_load_commands, run_hash_command, run_load_command
 from rpcbuf.control.flagparse import Parser
-from rpcbuf.control.wire.auth import DEFAULT_KID, Keyring, create_token, load_keys
+from rpcbuf.control.formats.keyfile import load_keys
+from rpcbuf.control.wire.auth import DEFAULT_KID, Keyring, create_token
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, RecordError, check_name, check_node_id
 from rpcbuf.control.wire.units import format_size, parse_duration
@@ -207,7 +208,7 @@ async def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from rpcbuf.control.cli import doctor
+    from rpcbuf.cli import doctor
 
     if fleet.registry_url(args) is not None:
         raise UsageError("rpcbuf doctor checks an endpoint list: give it --endpoint(s) "

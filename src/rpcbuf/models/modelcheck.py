@@ -10,8 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rpcbuf.control.wire.errors import BadRequest
-from rpcbuf.control.wire.modelcheck import (
+from rpcbuf.control.formats.modelheaders import (
     GGUF_MAX_NESTING,
     MAX_METADATA_BYTES,
     MAX_METADATA_ITEMS,
@@ -22,6 +21,7 @@ from rpcbuf.control.wire.modelcheck import (
     safetensors_length,
     safetensors_parse,
 )
+from rpcbuf.control.wire.errors import BadRequest
 
 __all__ = ["GGUF_MAX_NESTING", "MAX_METADATA_BYTES", "MAX_METADATA_ITEMS", "MAX_METADATA_KEYS",
            "MAX_NAME", "check_gguf", "metadata_of_safetensors", "safetensors_header"]

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client.model.modelcheck import (
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.modelcheck import (
     MAX_METADATA_BYTES,
     MAX_METADATA_KEYS,
     check_gguf,
     metadata_of_safetensors,
     safetensors_header,
 )
-from rpcbuf.control.wire.errors import BadRequest
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "|i1", "U8": "|u1", "U16": "<u2", "U32": "<u4",

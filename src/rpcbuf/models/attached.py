@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from rpcbuf.control.client.arrays import check_framework, torch_view
 from rpcbuf.control.client.attach import Attachment, tensor_view
-from rpcbuf.control.client.model.info import ModelInfo, TensorInfo, model_info
-from rpcbuf.control.client.model.record import incomplete
 from rpcbuf.control.client.opening import Opening
 from rpcbuf.control.wire.manifest import RESERVED
+from rpcbuf.models.info import ModelInfo, TensorInfo, model_info
+from rpcbuf.models.record import incomplete
 
 if TYPE_CHECKING:
     from rpcbuf.control.client.context import RpcContext

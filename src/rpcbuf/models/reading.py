@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from rpcbuf.control.client.dedup import content_hashes
-from rpcbuf.control.client.model.hashcache import HashCache, file_key, tensor_key
-from rpcbuf.control.client.model.modelfile import ModelFile, TensorSpec
+from rpcbuf.models.hashcache import HashCache, file_key, tensor_key
+from rpcbuf.models.modelfile import ModelFile, TensorSpec
 
 # The most bytes a slot reads, hashes and sends at once.  Each batch costs the
 # node two requests (the dedup query, the store) and several ms of its CPU:

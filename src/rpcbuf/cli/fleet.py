@@ -17,9 +17,9 @@ from typing import Any
 
 from rich.text import Text
 
-from rpcbuf.control.cli import tables
-from rpcbuf.control.cli.commands import bar
-from rpcbuf.control.cli.errors import (
+from rpcbuf.cli import tables
+from rpcbuf.cli.commands import bar
+from rpcbuf.cli.errors import (
     EXIT_NODE,
     EXIT_OK,
     positive_seconds,
@@ -29,12 +29,12 @@ from rpcbuf.control.cli.errors import (
 )
 from rpcbuf.control.client.cluster import Cluster, ClusterConnector
 from rpcbuf.control.client.discovery import Discovery
-from rpcbuf.control.client.model import record as LR
-from rpcbuf.control.client.model.metadata import META_TENSOR
 from rpcbuf.control.fleet.etcd import EtcdOptions
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.membership import DEFAULT_CLUSTER, NodeRecord, is_registry
 from rpcbuf.control.wire.units import format_size
+from rpcbuf.models import record as LR
+from rpcbuf.models.metadata import META_TENSOR
 
 SLOT_RE = re.compile(r"(.+)/slot(\d+)")
 

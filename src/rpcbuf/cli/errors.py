@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from rpcbuf.control.cli import tables
+from rpcbuf.cli import tables
 from rpcbuf.control.wire.errors import RpcBufError
 from rpcbuf.control.wire.units import format_size
 
@@ -84,7 +84,7 @@ def _os_cause(exc: BaseException) -> str | None:
 def sentence(addr: str, exc: RpcBufError, now: float | None = None) -> str:
     """The error at ``addr`` with the next step, ending with its code in
     brackets; ``clean``: the daemon wrote the message and the code."""
-    from rpcbuf.control.cli.tables import clean  # rich: only once an error is printed
+    from rpcbuf.cli.tables import clean  # rich: only once an error is printed
 
     code = exc.details.get("code") if exc.code == "ERROR" else exc.code
     return clean(f"{_words(addr, exc, now)} [{code}]")

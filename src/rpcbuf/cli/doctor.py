@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.cli.errors import ago, sentence
+from rpcbuf.cli.errors import ago, sentence
 from rpcbuf.control.client.opening import (
     insecure_default,
     is_loopback,
@@ -241,7 +241,7 @@ async def doctor(endpoints: list[str], token: str | None, timeout: float,
 def render(results: dict[str, list[Check]], columns: int | None = None) -> list[str]:
     """One line per check, every part ``clean``: a malicious node's escape
     sequences must not reach the terminal."""
-    from rpcbuf.control.cli.tables import clean, fold, width
+    from rpcbuf.cli.tables import clean, fold, width
 
     mark = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
     # The labels' column as wide as the widest ("round trip 64.0 MiB" ran

@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from rpcbuf.control.client.cluster import Cluster
 from rpcbuf.control.client.fileload import FileTensor
-from rpcbuf.control.client.model import commit as CM
-from rpcbuf.control.client.model.hashfile import (
+from rpcbuf.control.wire import protocol as P
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models import commit as CM
+from rpcbuf.models.hashfile import (
     DIR_NAME,
     SUFFIX,
     HashedModel,
     HashedTensor,
     describe,
 )
-from rpcbuf.control.client.model.loader import (
+from rpcbuf.models.loader import (
     LoadResult,
     NodeStats,
     ProgressFn,
@@ -42,11 +44,9 @@ from rpcbuf.control.client.model.loader import (
     place_and_acquire,
     start_progress,
 )
-from rpcbuf.control.client.model.modelfile import TensorSpec
-from rpcbuf.control.client.model.reading import HashLookup
-from rpcbuf.control.client.model.slots import SlotJob, slot_offsets
-from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.modelfile import TensorSpec
+from rpcbuf.models.reading import HashLookup
+from rpcbuf.models.slots import SlotJob, slot_offsets
 
 if TYPE_CHECKING:
     from rpcbuf.control.client.context import RpcContext

@@ -43,7 +43,7 @@ async def locate(ctx: RpcContext, ref: str, tensor: str | None) -> Found:
     except NotFound:
         if tensor is None:
             raise
-    from rpcbuf.control.client.model.info import model_info
+    from rpcbuf.models.info import model_info
 
     model = await model_info(ctx, ref)  # NOT_FOUND: none of the model here either
     where = model.tensors.get(tensor)

@@ -12,9 +12,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 from rpcbuf.control.client.cluster import Cluster, ClusterError
-from rpcbuf.control.client.model import commit as CM, metadata as MD, placement as PL, record as LR
-from rpcbuf.control.client.model.reading import HashAhead, HashLookup
-from rpcbuf.control.client.model.slots import (
+from rpcbuf.control.client.tensors import calculate_buffer_size
+from rpcbuf.control.wire.errors import NotFound, OutOfMemory, RpcBufError, UnsupportedDevice
+from rpcbuf.dataplane.checksum import checksum
+from rpcbuf.models import commit as CM, metadata as MD, placement as PL, record as LR
+from rpcbuf.models.reading import HashAhead, HashLookup
+from rpcbuf.models.slots import (
     SlotJob,
     is_model_buffer,
     metadata_bytes,
@@ -23,9 +26,6 @@ from rpcbuf.control.client.model.slots import (
     record_bytes,
     slot_offsets,
 )
-from rpcbuf.control.client.tensors import calculate_buffer_size
-from rpcbuf.control.wire.errors import NotFound, OutOfMemory, RpcBufError, UnsupportedDevice
-from rpcbuf.dataplane.checksum import checksum
 
 
 def as_if_released(slots: list[PL.Slot], existing: dict[str, list[dict[str, Any]]],

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rpcbuf.control.client.answers import bad_answer, parse_meta
-from rpcbuf.control.client.model import metadata as MD, record as LR
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest, NotFound, VerifyFailed
 from rpcbuf.control.wire.manifest import np_dtype
 from rpcbuf.dataplane.checksum import checksum
+from rpcbuf.models import metadata as MD, record as LR
 
 if TYPE_CHECKING:
     from rpcbuf.control.client.context import RpcContext

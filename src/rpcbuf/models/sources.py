@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from rpcbuf.control.client.cluster import Cluster
-from rpcbuf.control.client.model.loader import LoadResult, load_model as upload_model
-from rpcbuf.control.client.model.modelfile import ModelFile
-from rpcbuf.control.client.model.nodeload import load_from_node
 from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.models.loader import LoadResult, load_model as upload_model
+from rpcbuf.models.modelfile import ModelFile
+from rpcbuf.models.nodeload import load_from_node
 
 SOURCES = ("upload", "node")
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from rpcbuf.control.client.model import metadata as MD, placement as PL, record as LR
-from rpcbuf.control.client.model.modelfile import TensorSpec
 from rpcbuf.control.client.tensors import ALIGN, plan_layout
 from rpcbuf.control.wire.manifest import align
+from rpcbuf.models import metadata as MD, placement as PL, record as LR
+from rpcbuf.models.modelfile import TensorSpec
 
 
 def buffer_name(name: str, slot: int) -> str:

@@ -14,26 +14,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rpcbuf.control.cli import fleet, tables
-from rpcbuf.control.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
+from rpcbuf.cli import fleet, tables
+from rpcbuf.cli.errors import EXIT_NODE, EXIT_OK, EXIT_USAGE, sentence, to_json
 from rpcbuf.control.client.cluster import ClusterError
-from rpcbuf.control.client.model.hashfile import (
+from rpcbuf.control.wire.errors import BadRequest, RpcBufError
+from rpcbuf.control.wire.units import format_size, parse_size
+from rpcbuf.models.hashfile import (
     HashedModel,
     describe,
     hash_model,
     manifest_path,
     write_manifest,
 )
-from rpcbuf.control.client.model.loader import (
+from rpcbuf.models.loader import (
     DEFAULT_BATCH,
     LoadResult,
     load_model,
     unload_model,
 )
-from rpcbuf.control.client.model.modelfile import ModelFile, open_model
-from rpcbuf.control.client.model.nodeload import NODE_BATCH, NodeLoadResult, load_from_node
-from rpcbuf.control.wire.errors import BadRequest, RpcBufError
-from rpcbuf.control.wire.units import format_size, parse_size
+from rpcbuf.models.modelfile import ModelFile, open_model
+from rpcbuf.models.nodeload import NODE_BATCH, NodeLoadResult, load_from_node
 
 
 def register_load_commands(sub: Any, client_flags: Callable[[argparse.ArgumentParser], None]

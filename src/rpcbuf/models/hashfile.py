@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from rpcbuf.control.client.dedup import content_hashes
-from rpcbuf.control.client.model import metadata as MD
-from rpcbuf.control.client.model.hashcache import HashCache, file_key, tensor_key
-from rpcbuf.control.client.model.modelfile import ModelFile, open_model
+from rpcbuf.control.formats.modelheaders import nesting_within
 from rpcbuf.control.wire import protocol as P
 from rpcbuf.control.wire.errors import BadRequest
 from rpcbuf.control.wire.manifest import np_dtype
-from rpcbuf.control.wire.modelcheck import nesting_within
+from rpcbuf.models import metadata as MD
+from rpcbuf.models.hashcache import HashCache, file_key, tensor_key
+from rpcbuf.models.modelfile import ModelFile, open_model
 
 VERSION = 2  # 2: logical shapes and the model's metadata
 SUFFIX = ".rpcbuf-hashes.json"

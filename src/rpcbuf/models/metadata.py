@@ -17,14 +17,14 @@ import msgpack
 import numpy as np
 
 from rpcbuf.control.client.answers import bad_answer
-from rpcbuf.control.client.model.modelcheck import (
+from rpcbuf.control.wire.errors import BadRequest
+from rpcbuf.control.wire.manifest import META_TENSOR as META_TENSOR  # reserved there (re-exported)
+from rpcbuf.models.modelcheck import (
     GGUF_MAX_NESTING,
     MAX_METADATA_BYTES,
     MAX_METADATA_ITEMS,
     MAX_METADATA_KEYS,
 )
-from rpcbuf.control.wire.errors import BadRequest
-from rpcbuf.control.wire.manifest import META_TENSOR as META_TENSOR  # reserved there (re-exported)
 
 FORMATS = ("gguf", "safetensors")
 VERSION = 1

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.text import Text
 
-from rpcbuf.control.cli import tables
-from rpcbuf.control.cli.errors import count_between
-from rpcbuf.control.cli.locate import Found
+from rpcbuf.cli import tables
+from rpcbuf.cli.errors import count_between
+from rpcbuf.cli.locate import Found
 from rpcbuf.control.client.tensors import calculate_buffer_size
 from rpcbuf.control.wire.errors import NotFound, VerifyFailed
 from rpcbuf.control.wire.units import format_size, parse_duration, parse_size

@@ -1,0 +1,1 @@
+"""The ``rpcbuf`` command (``python -m rpcbuf.cli``)."""

@@ -1,1 +1,0 @@
-"""The ``rpcbuf`` command (``python -m rpcbuf.control.cli``)."""
