@@ -3,7 +3,7 @@ recorded in a real rpcbufd (``sys.setprofile`` on its loop's thread and any
 thread it starts, between two signals) and the daemon's modules it ran code
 in are counted.  Issue 25's bound: at most 10 (docs/architecture.md, "One
 store, end to end", names them); a same-host store large enough for the ring
-adds the copy threads (``accounting.copypool``), 11.  A same-host store
+adds the copy threads (``dataplane.copypool``), 11.  A same-host store
 into a buffer of our own written in place (issue 35) runs no daemon code at
 all once the grant is there: 0."""
 
