@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import struct
 import time
@@ -19,6 +20,8 @@ from rawwire import Raw
 
 import rpcbuf
 from conftest import DaemonProc
+from rpcbuf.control.daemon.sessions.session import END_GRACE
+from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane import ucx
 
 
@@ -101,6 +104,51 @@ def test_a_big_frame_before_hello_is_refused_at_once(daemon_factory) -> None:  #
     assert big["error"]["code"] == "BAD_REQUEST" and "pad" in big["error"]["message"]
     assert raw.call("ping")["ok"]
     raw.close()
+
+
+def _fill_without_reading(addr: str, seconds: float) -> socket.socket:
+    """Pipeline pings before hello and read none of the answers, until the
+    daemon stops taking them (its answers fill both sockets' buffers)."""
+    host, port = addr.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    burst = P.encode_frame({"id": 1, "op": "ping"}) * 512
+    stop, taken = time.monotonic() + seconds, time.monotonic()
+    while time.monotonic() < stop and time.monotonic() - taken < 0.3:  # full: 0.3 s refused
+        try:
+            sock.send(burst)
+            taken = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError:
+            break
+    return sock
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_peer_that_never_reads_cannot_keep_its_connection(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Seen: asyncio's close waits until what we wrote drains, so a stranger
+    that pipelined requests and read no answer kept its fd and megabytes of
+    our buffers for good after its hello deadline, and once evicted it no
+    longer even counted: a loop of them ran the daemon out of fds.  A close
+    now resets the connection after END_GRACE."""
+    d = daemon_factory("--device", "cpu:4MiB", "--hello-timeout", "3s")
+    base = _fds(d.proc.pid)
+    socks = [_fill_without_reading(d.addr, 1.0) for _ in range(2)]
+    assert _fds(d.proc.pid) >= base + 2  # (a test that cannot fail is a defect)
+    for _ in range(int((3 + END_GRACE + 5) / 0.2)):  # the hello deadline, the grace, slack
+        if _fds(d.proc.pid) <= base:
+            break
+        await asyncio.sleep(0.2)
+    assert _fds(d.proc.pid) <= base
+    assert all(_closed(s) for s in socks)
+    for s in socks:
+        s.close()
 
 
 async def test_unauthenticated_connections_have_their_own_cap(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -183,7 +183,7 @@ class ControlOps:
                     **self._node.tenant_counters.get(tenant, {})}
         return {"node_id": self._node.node_id, "uptime": time.time() - self._node.started_at,
                 "sessions": len(mine),
-                "same_host_sessions": sum(1 for s in mine if s.same_host is not None),
+                "same_host_sessions": sum(1 for s in mine if s.ops.same_host is not None),
                 # node-wide, but about no tenant: connections not yet authenticated
                 "unauthenticated": len(self._node.unauthenticated),
                 "pending_endpoints": len(self._node.pending_endpoints),

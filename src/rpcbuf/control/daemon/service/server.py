@@ -41,6 +41,7 @@ from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.observe.metrics import Metrics
 from rpcbuf.control.daemon.ops.node import Limits
 from rpcbuf.control.daemon.service.gauges import StateCollector
+from rpcbuf.control.daemon.sessions.inflight import SessionOps
 from rpcbuf.control.daemon.sessions.intake import (
     BACKLOG,
     Acceptor,
@@ -110,7 +111,7 @@ class Daemon:
         self.limits = limits or Limits()
         self.sessions: dict[str, Session] = {}  # every connection, authenticated or not
         self.by_nonce: dict[bytes, Session] = {}
-        self.by_handles_nonce: dict[bytes, Session] = {}
+        self.by_handles_nonce: dict[bytes, SessionOps] = {}
         lim = self.limits
         self.unauthenticated: Pending[Session | Handshaking] = Pending(
             lim.max_unauthenticated, lim.max_unauthenticated_per_source)
@@ -384,7 +385,7 @@ class Daemon:
         finally:
             self.pending_endpoints.discard(ep)
         session = self.by_nonce.pop(nonce.tobytes(), None)
-        ok = session is not None and session.tenant is not None and session.ep is None
+        ok = session is not None and session.tenant is not None and session.ops.ep is None
         try:
             with ucx_errors("the bind answer"):
                 await ep.send(np.array([1 if ok else 0], dtype=np.uint8), BIND_TAG)

@@ -2,8 +2,8 @@
 the bytes in, the frames, the hello, dispatch, the answers and the end; its
 ops are its ``SessionOps`` (``inflight``).
 
-- Frames are decoded in ``data_received`` itself: no reading task to wake
-  (that hand-off cost ~20-28 us a message).  Before hello a frame is at most
+- Frames are decoded in ``data_received`` itself, with no reading task to
+  wake.  Before hello a frame is at most
   ``HELLO_MAX_FRAME``, frames are parsed one at a time (what follows a hello
   is parsed under the limit after it), and hello is due ``hello_timeout``
   after accept (a TLS handshake included).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -29,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rpcbuf.control.daemon.data.paths import StagedPath
 from rpcbuf.control.daemon.observe import logs
 from rpcbuf.control.daemon.ops.node import Node
 from rpcbuf.control.daemon.sessions import greeting
@@ -89,14 +89,6 @@ class Session(asyncio.Protocol):
     def tenant(self) -> str | None:
         return self.ops.tenant
 
-    @property
-    def ep(self) -> DataEndpoint | None:
-        return self.ops.ep
-
-    @property
-    def same_host(self) -> StagedPath | None:
-        return self.ops.same_host
-
     def bind(self, ep: DataEndpoint) -> None:
         if self._closed:
             ep.abort()
@@ -149,8 +141,8 @@ class Session(asyncio.Protocol):
 
     def _lost(self) -> None:
         if self._closer is None:
-            self._closer = asyncio.get_running_loop().create_task(
-                self.close("connection closed"))
+            self._closer = asyncio.get_running_loop().create_task(  # not in an op's context:
+                self.close("connection closed"), context=contextvars.Context())  # its audits
 
     # -- bytes in ----------------------------------------------------------------
 
@@ -165,7 +157,7 @@ class Session(asyncio.Protocol):
             if data and self.tenant is not None:  # charged before it is taken in
                 self._hold(decoder.pending + len(data))
             budget = PUMP_FRAMES
-            while not self._closed:
+            while not self._closed and not self.transport.is_closing():
                 room = min(limit - len(self.ops.tasks), budget)
                 if room <= 0 or self._writes_held:
                     blocked = True
@@ -254,7 +246,7 @@ class Session(asyncio.Protocol):
         if self.tenant is None and not self._closed:
             log.warning("closing %s: no hello within %.0fs", self.peer,
                         self.daemon.limits.hello_timeout)
-            self.transport.close()
+            self.shut()
 
     # -- answers and the end -----------------------------------------------------
 
@@ -290,7 +282,7 @@ class Session(asyncio.Protocol):
         log.warning("closing %s (session %s): %s", self.peer, self.session_id, error)
         self.send(P.error_response(None, error))
         self.flush()
-        self.transport.close()
+        self.shut()
 
     def _refuse(self, error: RpcBufError, reason: str) -> None:
         """A connection we will not serve: the error frame, then it goes."""
@@ -298,7 +290,7 @@ class Session(asyncio.Protocol):
         self.daemon.metrics.refused(reason)
         self._closed = True  # what it sends is dropped; it was never counted
         self.transport.write(P.encode_frame(P.error_response(None, error)))
-        self._half_close(self.transport.close)
+        self._half_close(self.shut)
 
     def abort(self, why: str) -> None:
         """Abort the UCX endpoint (UCX cancels what is posted on it) and drop
@@ -306,7 +298,7 @@ class Session(asyncio.Protocol):
         log.warning("session %s aborted: %s", self.session_id, why)
         if self.ops.ep is not None:
             self.ops.ep.abort()
-        self.transport.close()
+        self.shut()
 
     def end(self, why: RpcBufError) -> None:
         """End the session from our side (its token expired, its key was
@@ -320,6 +312,14 @@ class Session(asyncio.Protocol):
         self._ended = why
         self.token_deadline = -math.inf  # dispatch refuses every request from now on
         self._half_close(self._hang_up)
+
+    def shut(self) -> None:
+        """Close the connection, our unsent answers first; a peer that has not
+        read them within END_GRACE is reset, so one that never reads cannot
+        keep its fd and our buffers (asyncio's close waits for the drain)."""
+        transport = self.transport
+        transport.close()
+        asyncio.get_running_loop().call_later(END_GRACE, transport.abort)
 
     def _half_close(self, then: Callable[[], None]) -> None:
         """Our half closes after the error frame, ``then`` comes after END_GRACE:
@@ -353,7 +353,7 @@ class Session(asyncio.Protocol):
         self.send(P.error_response(None, QuotaExceeded(
             "too many connections have not said hello yet; this one waited longest",
             {"limit": "max_unauthenticated"})))
-        self.transport.close()
+        self.shut()
 
     # -- hello --------------------------------------------------------------------
 
@@ -401,12 +401,12 @@ class Session(asyncio.Protocol):
         old = greeting.replaced(d, self.session_id, tenant, replaces if self.unix else None)
         if old is not None:
             self.slot_charged, old.slot_charged = old.slot_charged, False  # its charge is ours
-            old.transport.close()  # its close() cleans it up
+            old.shut()  # its close() cleans it up
             return
         error = greeting.refused(d, tenant, self.peer or f"pid {self.peer_pid}")
         if error is not None:
             self.send(P.error_response(None, error))
-            self.transport.close()  # its hello is read: nothing unread to reset the frame
+            self.shut()  # its hello is read: nothing unread to reset the frame
             raise error
         d.charges.charge(tenant, "sessions")  # checked above: the table counts it
         self.slot_charged = True
@@ -489,7 +489,7 @@ class Session(asyncio.Protocol):
             d.sessions.pop(self.session_id, None)
         d.schedule_expiry()
         self.flush()  # answers of this loop turn (a connection-level error frame) go first
-        self.transport.close()
+        self.shut()
         if self.tenant is None:  # a probe (doctor's "is anything listening?"), a scanner
             where = "{}:{}".format(*self.peer[:2]) if isinstance(self.peer, tuple) \
                 else f"pid {self.peer_pid}"
