@@ -21,7 +21,7 @@ over ``_rest``, a generator that first waits on what the step yielded (as
 the task would have) and then delegates to the coroutine by ``yield from``.
 ``_rest`` is primed before the task gets it, so a cancel that comes before
 the task's first step lands inside it and reaches the coroutine where it
-waits.  Either way a first step runs with no current task: nothing in it may
+waits.  On 3.11 a first step runs with no current task: nothing in it may
 need one (``asyncio.timeout`` does; 3.11's ``asyncio.wait_for`` does not).
 """
 
@@ -101,6 +101,9 @@ def _rest(coro: Coroutine[Any, Any, None], waits_on: Any) -> Generator[Any, Any,
                 primed = True
                 yield  # start() primes it here: a cancel before the task's first step lands in
             yield waits_on  # the task waits on it as it would have (its cancel cancels it)
+        except GeneratorExit:  # closed, never finished: so is the op
+            coro.close()
+            raise
         except BaseException as exc:
             if isinstance(waits_on, asyncio.Future):
                 waits_on.cancel()
