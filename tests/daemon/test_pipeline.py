@@ -8,7 +8,6 @@ per op, verification, the answer before the bytes where the path says so."""
 from __future__ import annotations
 
 import asyncio
-import types
 from typing import Any
 
 import numpy as np
@@ -87,7 +86,7 @@ class FakeSession:
     def __init__(self, registry: Registry, path: MemPath) -> None:
         self.registry = registry
         self.content = ContentIndex()
-        self.daemon = types.SimpleNamespace(sweeps=CopyPool(2, name="test-sweep"))
+        self.sweeps = CopyPool(2, name="test-sweep")
         self.session_id = "s-test"
         self._path = path
         self.counts: dict[str, int] = {}

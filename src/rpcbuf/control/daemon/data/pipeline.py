@@ -41,22 +41,15 @@ from rpcbuf.dataplane.copypool import CopyPool
 Range = tuple[int, int]
 
 
-class Workers(Protocol):
-    """What the data ops see of the daemon: its threads for memory work."""
-
-    sweeps: CopyPool  # shared fairly between tenants (copypool.py)
-
-
 class Ops(Protocol):
     """What the ops see of their session."""
 
     registry: Registry
     content: ContentIndex
+    sweeps: CopyPool  # the daemon's threads for memory work, shared fairly by tenant
     session_id: str
     handles: HandleChannel | None  # the same-host handle channel, once bound
 
-    @property
-    def daemon(self) -> Workers: ...
     @property
     def owner(self) -> str: ...  # the session's tenant (the ops run after hello only)
     def path(self, req: P.DataRequest) -> DataPath: ...
@@ -235,7 +228,7 @@ class Pipeline:
         tenant's job on the fair ``sweeps`` threads (NumPy and xxhash drop the
         GIL); smaller ones inline, where a thread costs more."""
         if nbytes >= THREAD_BYTES:
-            return await self._ops.daemon.sweeps.run(self._ops.owner, fn, *args)
+            return await self._ops.sweeps.run(self._ops.owner, fn, *args)
         return fn(*args)
 
     async def own(self, buf: Buffer) -> None:
@@ -249,7 +242,7 @@ class Pipeline:
             registry = self._ops.registry
             registry.pin(buf)  # now, while the caller's pin holds: ``_own`` unpins it
             task = buf.owning = asyncio.ensure_future(_own(registry, buf,
-                                                           self._ops.daemon.sweeps))
+                                                           self._ops.sweeps))
             task.add_done_callback(_retrieved)  # a failure nobody waits for any more
         await asyncio.shield(task)
 

@@ -123,7 +123,7 @@ class BlockHandlers:
         """Before a byte lands: a segment on a kept block not zeroed yet is zeroed
         now, by this tenant, and waited for (the zeroer must not overwrite what
         lands); a new segment's pages are backed."""
-        sweeps = self._ops.daemon.sweeps
+        sweeps = self._ops.sweeps
         zeroing, fresh = self._blocks.to_prepare(bufs)
         for seg in zeroing:
             zero_on_demand(seg, sweeps)

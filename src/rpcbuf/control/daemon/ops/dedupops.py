@@ -157,7 +157,7 @@ class DedupHandlers:
                     loc_new = index.add(buf, int(offsets[i]), int(sizes[i]), keys[i],
                                         int(sums[i]))
                     if loc_new is not None:
-                        index.keep_on_disk(self._ops.registry, self._ops.daemon.sweeps, loc_new)
+                        index.keep_on_disk(self._ops.registry, self._ops.sweeps, loc_new)
             job.nbytes = int(sum(int(sizes[i]) for i in done))
             job.note = (f"items={n} placed={len(done)} copied={how['copied']} "
                         f"in_place={how['in_place']} from_cache={how['from_cache']} "
@@ -281,4 +281,4 @@ class DedupHandlers:
             o, n, c = items[i]
             loc = index.add(buf, o, n, d, c)
             if loc is not None:
-                index.keep_on_disk(self._ops.registry, self._ops.daemon.sweeps, loc)
+                index.keep_on_disk(self._ops.registry, self._ops.sweeps, loc)

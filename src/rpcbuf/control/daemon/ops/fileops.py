@@ -185,7 +185,7 @@ class FileOps:
                         loc = index.add(buf, int(offsets[i]), int(sizes[i]), items.digests[i],
                                         items.checksums[i])
                         if loc is not None:
-                            index.keep_on_disk(self._ops.registry, self._ops.daemon.sweeps, loc)
+                            index.keep_on_disk(self._ops.registry, self._ops.sweeps, loc)
             result["manifest_version"] = buf.manifest_version
             job.nbytes = got.nbytes
             job.note = _note(where, items.n, got.nbytes, len(kept))

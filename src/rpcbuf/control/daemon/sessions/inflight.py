@@ -123,6 +123,7 @@ class SessionOps:
     def __init__(self, daemon: Node, session_id: str, reply: Callable[[int, Result], None],
                  abort: Callable[[str], None], freed: Callable[[], None]) -> None:
         self.daemon = daemon
+        self.sweeps = daemon.sweeps
         self.registry = daemon.registry
         self.content = daemon.content
         self.session_id = session_id
