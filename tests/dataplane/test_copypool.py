@@ -79,9 +79,8 @@ async def test_one_tenants_queued_sweeps_delay_anothers_by_one_turn_at_most() ->
     from rpcbuf.control.wire.units import THREAD_BYTES
 
     pool = CopyPool(1, per_tenant=1)
-    daemon = SimpleNamespace(sweeps=pool)
-    mallory = Pipeline(SimpleNamespace(daemon=daemon, owner="mallory"))  # type: ignore[arg-type]
-    alice = Pipeline(SimpleNamespace(daemon=daemon, owner="alice"))  # type: ignore[arg-type]
+    mallory = Pipeline(SimpleNamespace(sweeps=pool, owner="mallory"))  # type: ignore[arg-type]
+    alice = Pipeline(SimpleNamespace(sweeps=pool, owner="alice"))  # type: ignore[arg-type]
     gate, order = threading.Event(), []
 
     def sweep(name: str) -> None:
