@@ -1,2 +1,3 @@
-"""The files rpcbuf reads, both sides alike: the node's key file (``keyfile``) and
-model-file headers (``modelheaders``), each checked before it is trusted."""
+"""Files rpcbuf reads from disk, each checked before it is trusted: the node's
+key file (``keyfile``: the daemon and ``rpcbuf token``) and model-file headers
+(``modelheaders``: the loader and the daemon's ``--model-dir`` loads)."""
