@@ -74,8 +74,7 @@ class Session(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         self._ended: RpcBufError | None = None  # why we ended it (end): no more answers
         self.slot_charged = False  # its tenant is charged its session ("sessions")
-        self.ops = SessionOps(daemon, self.session_id, self._reply, self.abort,
-                              self._slot_freed)
+        self.ops: SessionOps  # made in connection_made (none for a handshake that fails)
         self._closed = False
         self._closer: asyncio.Task[None] | None = None
         self._out: list[bytes] | None = None  # answers waiting for the end of this loop turn
@@ -108,6 +107,7 @@ class Session(asyncio.Protocol):
         if d.shutting_down:
             self._refuse(ShuttingDown("daemon is stopping"), "shutting_down")
             return
+        self.ops = SessionOps(d, self.session_id, self._reply, self.abort, self._slot_freed)
         hello_by = loop.time() + d.limits.hello_timeout
         shaking = self._handshaking
         if shaking is not None:  # the session takes its handshake's place
@@ -281,7 +281,6 @@ class Session(asyncio.Protocol):
         """End the session with a connection-level ``error`` frame."""
         log.warning("closing %s (session %s): %s", self.peer, self.session_id, error)
         self.send(P.error_response(None, error))
-        self.flush()
         self.shut()
 
     def _refuse(self, error: RpcBufError, reason: str) -> None:
@@ -318,6 +317,9 @@ class Session(asyncio.Protocol):
         read them within END_GRACE is reset, so one that never reads cannot
         keep its fd and our buffers (asyncio's close waits for the drain)."""
         transport = self.transport
+        if transport.is_closing():
+            return  # an earlier shut (or the loss) saw to it
+        self.flush()  # this loop turn's answers (a connection-level error frame) first
         transport.close()
         asyncio.get_running_loop().call_later(END_GRACE, transport.abort)
 
@@ -488,7 +490,6 @@ class Session(asyncio.Protocol):
                 d.charges.refund(self.tenant, "sessions")
             d.sessions.pop(self.session_id, None)
         d.schedule_expiry()
-        self.flush()  # answers of this loop turn (a connection-level error frame) go first
         self.shut()
         if self.tenant is None:  # a probe (doctor's "is anything listening?"), a scanner
             where = "{}:{}".format(*self.peer[:2]) if isinstance(self.peer, tuple) \
