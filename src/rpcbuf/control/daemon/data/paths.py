@@ -29,13 +29,13 @@ import numpy as np
 from rpcbuf.control.daemon.accounting.registry import Buffer
 from rpcbuf.control.ucx_errors import ucx_errors
 from rpcbuf.control.wire import protocol as P
-from rpcbuf.control.wire.errors import BadRequest, ConnectionLost, RpcBufError
+from rpcbuf.control.wire.errors import BadRequest, ConnectionLost
 from rpcbuf.control.wire.runs import plan_runs, run_tag
 from rpcbuf.dataplane import staging
 from rpcbuf.dataplane.arena import Arena
 from rpcbuf.dataplane.copypool import CopyPool
 from rpcbuf.dataplane.devsum import memory_kind
-from rpcbuf.dataplane.ucx import DataEndpoint, transfer_all
+from rpcbuf.dataplane.ucx import DataEndpoint, TransferError, transfer_all
 
 log = logging.getLogger("rpcbuf.daemon")
 Run = tuple[int, int, int, int]  # offset in the region, nbytes, first item, stop item
@@ -75,17 +75,15 @@ class TransferItems:
     """The items of one transfer: ``offsets`` (in the region), ``sizes``,
     ``nbytes`` in all, the request's staging ``stage``; lists for one item
     (no NumPy on the 4 KiB path), uint64 arrays for a batch.  ``runs`` (the
-    UCX messages, the order of the bytes when staged) are planned once.
-    ``small`` is ``StagedPath.admit``'s decision: a small slot, or the ring."""
+    UCX messages, the order of the bytes when staged) are planned once."""
 
-    __slots__ = ("_runs", "nbytes", "offsets", "sizes", "small", "stage")
+    __slots__ = ("_runs", "nbytes", "offsets", "sizes", "stage")
 
     def __init__(self, offsets: np.ndarray | list[int], sizes: np.ndarray | list[int],
                  nbytes: int, stage: int | None = None,
                  runs: list[Run] | None = None) -> None:
         self.offsets, self.sizes, self.nbytes, self.stage = offsets, sizes, nbytes, stage
         self._runs = runs
-        self.small: bool | None = None
 
     @classmethod
     def one(cls, offset: int, nbytes: int, stage: int | None = None) -> TransferItems:
@@ -187,8 +185,9 @@ class UcxPath:
         if not tags:
             return
         sink = [np.zeros(1, dtype=np.uint8) for _ in tags]
-        # Truncated: drained, as meant (or the endpoint broke: nothing to drain).
-        with contextlib.suppress(RpcBufError), ucx_errors("drain"):
+        # Truncated: drained, as meant (or the endpoint broke: nothing to drain);
+        # nothing is answered from here, so nothing is translated.
+        with contextlib.suppress(TransferError):
             await transfer_all([self.ep.recv(b, t) for b, t in zip(sink, tags, strict=True)],
                                self._timeout, self._expired)
 
@@ -237,14 +236,13 @@ class StagedPath:
         return [region.view(off, n) for off, n, _, _ in items.runs() if n]
 
     def admit(self, items: TransferItems) -> None:
-        """Decide ``items.small`` (a small slot, else the ring); BAD_REQUEST
-        for a bad stage, CONNECTION_LOST once the session is closing."""
+        """BAD_REQUEST for a bad stage (a small slot, or the ring), or too
+        much for a small slot; CONNECTION_LOST once the session is closing."""
         stage = items.stage
         if stage is None:
             raise BadRequest("a same-host request names its staging slot (stage)")
         self._open()
         if stage == staging.RING:
-            items.small = False
             return
         if not 0 <= stage < staging.SMALL_SLOTS:
             raise BadRequest(f"stage {stage} is no staging slot (0..{staging.SMALL_SLOTS - 1}"
@@ -252,7 +250,6 @@ class StagedPath:
         if items.nbytes > staging.SMALL:
             raise BadRequest(f"{items.nbytes} bytes do not fit a small staging slot "
                              f"({staging.SMALL}); use the ring")
-        items.small = True
 
     def _open(self) -> None:
         """CONNECTION_LOST once the session is closing (the area may be unmapped)."""
@@ -276,10 +273,9 @@ class StagedPath:
     async def _copy(self, out: bool, region: Region, items: TransferItems,
                     landed: Landed | None = None) -> None:
         """``out``: region -> staging (a read); else staging -> region."""
-        assert items.small is not None, "admit decides first"
         self._open()  # the session may have closed while the op waited for its lock
         area = self.area
-        if items.small:
+        if items.stage != staging.RING:  # a small slot (admit checked it)
             self._move(out, area.small(items.stage or 0, items.nbytes), region, items, landed)
             return
         if self._ring_busy:

@@ -72,7 +72,6 @@ class BlockHandlers:
             self._blocks.discard(bufs)
             raise
         items = _each_alone([b.offset for b in bufs], sizes, req.stage)
-        items.small = sent.small  # as admitted
 
         async def move() -> None:
             await path.receive(call.req_id, Region(pool.arena), items)
