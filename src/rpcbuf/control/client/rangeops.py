@@ -72,18 +72,18 @@ class RangeOps:
         ``store_tensor``."""
         own = self._own
         if own is None or not sync or verify is not None or wire_dtype is not None \
-                or own.due():
+                or own.due() or not self._now(buffer_id, offset, array):
             return None
         self._check_open()
         data = as_bytes(array)
-        if self._now(buffer_id, offset, data, True):
+        if type(data) is np.ndarray and own.copy_now(buffer_id, offset, data, True):
             return {"nbytes": int(data.nbytes)}
         return None
 
     def read_now(self, buffer_id: str, offset: int, nbytes: int | None,
                  out: Any) -> np.ndarray | None:
         own = self._own
-        if own is None or out is None or own.due():
+        if own is None or out is None or own.due() or not self._now(buffer_id, offset, out):
             return None
         self._check_open()
         target = as_bytes(out, writable=True)
@@ -91,20 +91,17 @@ class RangeOps:
             nbytes = int(target.nbytes)
         if type(nbytes) is not int or not 0 <= nbytes <= target.nbytes:
             return None
-        if self._now(buffer_id, offset, target[:nbytes], False):
+        if type(target) is np.ndarray and own.copy_now(buffer_id, offset, target[:nbytes],
+                                                       False):
             return out
         return None
 
-    def _now(self, buffer_id: str, offset: Any, data: Any, store: bool) -> bool:
-        """An op in place at once; never when the loop is due a turn
-        (``OwnMaps.due``).  False: the usual way."""
-        own = self._own
-        if own is None or type(data) is not np.ndarray or type(offset) is not int \
-                or type(buffer_id) is not str:
-            return False
-        place = self._places.get(buffer_id)
-        return place is not None and not place.gpu \
-            and own.copy_now(buffer_id, offset, data, store)
+    def _now(self, buffer_id: Any, offset: Any, array: Any) -> bool:
+        """Whether an op on ``array`` may go in place at once, asked before its
+        bytes are taken: a host array, one of our host buffers whose place we
+        know.  False: the usual way."""
+        return type(buffer_id) is str and memory_kind(array) == "host" \
+            and self._in_place(self._places.get(buffer_id), offset, ())
 
     def _in_place(self, place: BufferPlace | None, offset: Any, arrays: Sequence[Any]) -> bool:
         return self._own is not None and place is not None and not place.gpu \
