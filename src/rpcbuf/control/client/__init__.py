@@ -1,3 +1,3 @@
 """The client: ``RpcContext`` and its parts, the cluster and key space, the
-buffer pool and model loading (``model/``).  Never imports the daemon.
+buffer pool.  Never imports the daemon, the CLI or the model loader.
 """
