@@ -152,14 +152,14 @@ class Registry:
         others are ahead in the queues). BAD_REQUEST, OUT_OF_MEMORY (never
         fits), QUOTA_EXCEEDED. ``like``: map that buffer's memory (``clone``)."""
         self._validate(tenant, pool, size, name, self._reserved(tenant, pool))
-        if self._waiters[pool.key].ahead(tenant):
+        if self.queued_ahead(tenant, pool):
             return None
         return self._allocate(tenant, pool, size, name, ttl, session_id, like)
 
     def allocate_segment(self, tenant: str, pool: Pool, size: int) -> Buffer | None:
         """A segment for ``tenant``'s blocks (see the module), as ``try_allocate``."""
         self._validate(tenant, pool, size, None, self._reserved(tenant, pool), counted=False)
-        if self._waiters[pool.key].ahead(tenant):
+        if self.queued_ahead(tenant, pool):
             return None
         buf = self._allocate(tenant, pool, size, None, None, None, counted=False, owned=True)
         if buf is not None:
