@@ -82,6 +82,16 @@ def put_pairs(blocks: Mapping[str, Any] | Sequence[tuple[str, Any]]
     return keys, datas
 
 
+def get_targets(keys: Sequence[str], out: Sequence[Any]) -> tuple[list[str], list[np.ndarray]]:
+    """The keys of a get and the host bytes they are read into, checked.
+    Raises BAD_REQUEST."""
+    keys = check_keys(keys)
+    if len(out) != len(keys):
+        raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
+    return keys, host_data(list(out), "get_blocks takes host arrays (blocks live in host "
+                           "memory)", writable=True)
+
+
 class BlockOps:
     """The block verbs of one context; ``check_open`` first, as every verb."""
 
@@ -215,11 +225,7 @@ class BlockOps:
 
     async def _get(self, keys: Sequence[str], out: Sequence[Any], strict: bool = False
                    ) -> list[bool]:
-        keys = check_keys(keys)
-        if len(out) != len(keys):
-            raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
-        targets = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
-                            writable=True)
+        keys, targets = get_targets(keys, out)
         first: dict[str, int] = {}  # each key's first index
         for i, key in enumerate(keys):
             first.setdefault(key, i)

@@ -22,8 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rpcbuf.control.client.arrays import host_data
-from rpcbuf.control.client.blockops import check_keys, put_pairs
+from rpcbuf.control.client.blockops import check_keys, get_targets, put_pairs
 from rpcbuf.control.client.cluster import Cluster, ClusterError, parse_endpoints
 from rpcbuf.control.client.context import RpcContext
 from rpcbuf.control.client.opening import Opening, TlsOption
@@ -401,11 +400,7 @@ class BlockCluster:
         """``RpcContext.get_blocks`` over the cluster: each key from its first
         live node that has it.  Raises BAD_REQUEST, a token refusal, ``ClusterError``."""
         self._check()
-        keys = check_keys(keys)
-        if len(out) != len(keys):
-            raise BadRequest(f"{len(keys)} keys and {len(out)} arrays to read into")
-        out = host_data(list(out), "get_blocks takes host arrays (blocks live in host memory)",
-                        writable=True)
+        keys, out = get_targets(keys, out)
 
         async def get(c: RpcContext, idx: list[int]) -> list[bool]:
             return await c.get_blocks([keys[i] for i in idx], [out[i] for i in idx], strict)
