@@ -67,6 +67,10 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_file.read_text(errors="replace")
 
+    def fds(self) -> int:
+        """How many fds the daemon holds open now."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

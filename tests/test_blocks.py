@@ -550,10 +550,6 @@ async def test_a_put_of_many_blocks_is_all_or_nothing_across_its_slices(
 # -- blocks in slabs (issue 40) ----------------------------------------------------------
 
 
-def _fds(d: DaemonProc) -> int:
-    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
-
-
 def _numbered(i: int, size: int) -> np.ndarray:
     """Block ``i``: its index in the first 8 bytes, then a byte of it."""
     a = np.full(size, i % 251, np.uint8)
@@ -574,7 +570,7 @@ async def test_fifty_thousand_blocks_with_the_daemons_fds_constant(
     async with d.connect("alice", same_host=same_host) as c:
         await c.put_block("warm", np.zeros(size, np.uint8))  # the session's own fds
         await c.remove_blocks(["warm"])
-        fds = _fds(d)
+        fds = d.fds()
         start = time.monotonic()
         for i in range(0, n, batch):
             await c.put_blocks({f"b/{j}": _numbered(j, size)
@@ -583,7 +579,7 @@ async def test_fifty_thousand_blocks_with_the_daemons_fds_constant(
         assert st["blocks"]["blocks"] == n and st["blocks"]["evictions"] == 0
         segments = st["blocks"]["segments"]
         assert 1 <= segments <= 16, segments
-        assert _fds(d) - fds <= segments < 100  # a block holds no fd
+        assert d.fds() - fds <= segments < 100  # a block holds no fd
         assert st["limits"]["fds"]["held"] == segments == st["limits"]["mappings"]["held"]
         assert st["limits"]["bytes:cpu:0"]["held"] >= st["blocks"]["segment_bytes"] >= n * size
         assert st["limits"]["buffers"]["held"] == n  # the quota's N counts blocks
@@ -611,7 +607,7 @@ async def test_fifty_thousand_blocks_with_the_daemons_fds_constant(
             await asyncio.sleep(0.05)
         assert st["blocks"]["segments"] == 0
         assert st["limits"]["fds"]["held"] == 0  # every segment given back
-        assert _fds(d) <= fds + 2  # this session's own
+        assert d.fds() <= fds + 2  # this session's own
 
 
 async def test_a_put_beside_thousands_of_attached_blocks_evicts_in_lru_order(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import socket
 import ssl
@@ -24,10 +23,6 @@ from tests.hardening.rawwire import hello
 import rpcbuf
 
 MiB = 1 << 20
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 # The daemon under a small open-files limit (its own main raises the soft
@@ -63,7 +58,7 @@ def test_a_tenant_at_its_fd_limit_gets_quota_exceeded_and_nobody_else_notices(
         assert error["details"]["limit"] == "fds", error
         assert "--max-fds-per-tenant" in error["message"]
         assert held == error["details"]["max"] < 4096 // 2
-        assert open_fds(d.proc.pid) < 4096 - 1000  # the node's reserve is untouched
+        assert d.fds() < 4096 - 1000  # the node's reserve is untouched
         lines = d.log().count("\n")
         for _ in range(20):  # a tenant that keeps asking: one line per request, no more
             assert alice.call("request_buffer", size=4096)["error"]["code"] == "QUOTA_EXCEEDED"
@@ -123,12 +118,12 @@ def test_tls_handshakes_count_against_the_unauthenticated_caps(tmp_path: Path) -
     socks: list[socket.socket] = []
     try:
         host, port = d.addr.rsplit(":", 1)
-        before = open_fds(d.proc.pid)
+        before = d.fds()
         for _ in range(300):
             socks.append(socket.create_connection((host, int(port)), timeout=10))
         peak, deadline = 0, time.monotonic() + 3
         while time.monotonic() < deadline:  # the daemon accepts them all meanwhile
-            peak = max(peak, open_fds(d.proc.pid))
+            peak = max(peak, d.fds())
             time.sleep(0.05)
         assert peak <= before + 16 + 4, (before, peak)
 

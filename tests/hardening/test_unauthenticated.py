@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import struct
 import time
@@ -25,9 +24,12 @@ from rpcbuf.control.wire import protocol as P
 from rpcbuf.dataplane import ucx
 
 
-def _connect(addr: str, source: str = "127.0.0.1") -> socket.socket:
+def _connect(addr: str, source: str = "127.0.0.1", rcvbuf: int | None = None
+             ) -> socket.socket:
     host, port = addr.rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:  # before connect: it sets the window the peer sees
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.bind((source, 0))
     sock.settimeout(10)
     sock.connect((host, int(port)))
@@ -109,10 +111,7 @@ def test_a_big_frame_before_hello_is_refused_at_once(daemon_factory) -> None:  #
 def _fill_without_reading(addr: str, seconds: float) -> socket.socket:
     """Pipeline pings before hello and read none of the answers, until the
     daemon stops taking them (its answers fill both sockets' buffers)."""
-    host, port = addr.rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
+    sock = _connect(addr, rcvbuf=4096)
     sock.setblocking(False)
     burst = P.encode_frame({"id": 1, "op": "ping"}) * 512
     stop, taken = time.monotonic() + seconds, time.monotonic()
@@ -127,10 +126,6 @@ def _fill_without_reading(addr: str, seconds: float) -> socket.socket:
     return sock
 
 
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 async def test_a_peer_that_never_reads_cannot_keep_its_connection(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Seen: asyncio's close waits until what we wrote drains, so a stranger
     that pipelined requests and read no answer kept its fd and megabytes of
@@ -138,14 +133,14 @@ async def test_a_peer_that_never_reads_cannot_keep_its_connection(daemon_factory
     longer even counted: a loop of them ran the daemon out of fds.  A close
     now resets the connection after END_GRACE."""
     d = daemon_factory("--device", "cpu:4MiB", "--hello-timeout", "3s")
-    base = _fds(d.proc.pid)
+    base = d.fds()
     socks = [_fill_without_reading(d.addr, 1.0) for _ in range(2)]
-    assert _fds(d.proc.pid) >= base + 2  # (a test that cannot fail is a defect)
+    assert d.fds() >= base + 2  # (a test that cannot fail is a defect)
     for _ in range(int((3 + END_GRACE + 5) / 0.2)):  # the hello deadline, the grace, slack
-        if _fds(d.proc.pid) <= base:
+        if d.fds() <= base:
             break
         await asyncio.sleep(0.2)
-    assert _fds(d.proc.pid) <= base
+    assert d.fds() <= base
     assert all(_closed(s) for s in socks)
     for s in socks:
         s.close()
